@@ -1,0 +1,94 @@
+"""`pdserve worker`: one worker process, a vLLM engine behind the worker gRPC service.
+
+The gRPC port opens first and answers Health with STARTING while the engine loads, so a
+launcher can tell "still starting" from "dead". SIGTERM or SIGINT stops the server, then the
+engine and its child processes.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+from cluster import engine as engine_factory
+from cluster.model_store import ModelError, resolve_model
+from cluster.protocol import GRPC_OPTIONS, worker_pb2_grpc
+
+ROLES = ("colocated",)
+log = logging.getLogger("pdserve.worker")
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "worker", help="run one worker process (a vLLM engine behind gRPC)",
+        description=__doc__.splitlines()[0])
+    parser.add_argument("--role", choices=ROLES, default="colocated",
+                        help="colocated: prefills and decodes its own requests")
+    parser.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
+    parser.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    parser.add_argument("--worker-id", default=None,
+                        help="name in logs and stats (default: ROLE@HOST:PORT)")
+    engine_factory.add_engine_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        model = resolve_model(args.model)
+    except ModelError as error:
+        print(f"pdserve worker: {error}", file=sys.stderr)
+        return 2
+    return asyncio.run(serve_worker(args, model))
+
+
+async def serve_worker(args: argparse.Namespace, model) -> int:
+    from cluster.worker_service import WorkerService
+
+    server = grpc_server()
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    worker_id = args.worker_id or f"{args.role}@{args.host}:{port}"
+    service = WorkerService(worker_id, args.role, str(model))
+    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
+    await server.start()
+    log.info("worker %s listening on %s:%d; starting the engine", worker_id, args.host, port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    options = engine_factory.engine_options(args, model)
+    starting = asyncio.create_task(
+        asyncio.to_thread(engine_factory.make_engine, options, service.engine_stats))
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set():
+        log.info("stop requested while the engine starts: stopping once it has started")
+        await server.stop(grace=0)
+        with contextlib.suppress(Exception):  # a failed start has nothing to shut down
+            (await starting).shutdown()
+        return 0
+    try:
+        engine = starting.result()
+    except Exception as error:  # the engine could not start: say why, then exit
+        service.engine_failed(f"engine failed to start: {error}")
+        log.exception("engine failed to start")
+        await server.stop(grace=1)
+        return 1
+    service.engine_ready(engine)
+    log.info("worker %s ready (max_model_len=%d, kv blocks=%d)", worker_id,
+             service.max_model_len, service.kv_blocks_total)
+    await stopping
+    log.info("worker %s stopping", worker_id)
+    await server.stop(grace=2)
+    engine.shutdown()
+    return 0
+
+
+def grpc_server():
+    import grpc
+
+    return grpc.aio.server(options=GRPC_OPTIONS)

@@ -1,0 +1,147 @@
+"""The worker's gRPC service: runs requests on the vLLM engine and reports load.
+
+The gRPC server starts before the engine (which takes ~30 s on CPU), so Health can answer
+STARTING meanwhile. A cancelled Generate call cancels vLLM's generator, which aborts the
+request inside the engine and frees its KV blocks.
+"""
+
+import time
+
+import grpc
+
+from cluster.engine import EngineStats
+from cluster.protocol import worker_pb2, worker_pb2_grpc
+
+State = worker_pb2.HealthReply.State
+
+
+def to_vllm_sampling(params: worker_pb2.SamplingParams):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed if params.HasField("seed") else None,
+        stop=list(params.stop) or None,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def request_timing(metrics) -> worker_pb2.RequestTiming | None:
+    """vLLM's per-request timestamps (engine-core monotonic clock) as durations."""
+    if metrics is None or not metrics.first_token_ts:
+        return None
+    return worker_pb2.RequestTiming(
+        queued_seconds=max(0.0, metrics.scheduled_ts - metrics.queued_ts),
+        prefill_seconds=max(0.0, metrics.first_token_ts - metrics.scheduled_ts),
+        decode_seconds=max(0.0, metrics.last_token_ts - metrics.first_token_ts),
+    )
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, worker_id: str, role: str, model: str) -> None:
+        self.worker_id = worker_id
+        self.role = role
+        self.model = model
+        self.engine = None
+        self.engine_stats = EngineStats()
+        self.state = State.STARTING
+        self.state_message = "engine starting"
+        self.max_model_len = 0
+        self.kv_blocks_total = 0
+        self.active: set[str] = set()
+        self.awaiting_first_token: dict[str, int] = {}  # request id -> prompt tokens
+
+    def engine_ready(self, engine) -> None:
+        self.engine = engine
+        self.max_model_len = engine.vllm_config.model_config.max_model_len
+        self.kv_blocks_total = engine.vllm_config.cache_config.num_gpu_blocks or 0
+        self.state, self.state_message = State.READY, ""
+
+    def engine_failed(self, message: str) -> None:
+        self.state, self.state_message = State.FAILED, message
+
+    async def Generate(self, request, context):
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if self.state != State.READY:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"worker {self.worker_id} is not ready: {self.state_message}")
+        await self._validate(request, context)
+        prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+        request_id = request.request_id
+        self.active.add(request_id)
+        self.awaiting_first_token[request_id] = len(prompt["prompt_token_ids"])
+        try:
+            sampling = to_vllm_sampling(request.sampling)
+            async for output in self.engine.generate(prompt, sampling, request_id):
+                self.awaiting_first_token.pop(request_id, None)
+                yield self._chunk(output)
+        except (VLLMClientError, ValueError) as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except EngineDeadError as error:
+            self.engine_failed(f"engine died: {error}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.state_message)
+        finally:
+            self.active.discard(request_id)
+            self.awaiting_first_token.pop(request_id, None)
+
+    async def _validate(self, request, context) -> None:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        if request.request_id in self.active:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"request {request.request_id} is already running")
+        if not request.prompt_token_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
+        total = len(request.prompt_token_ids) + request.sampling.max_tokens
+        if total > self.max_model_len:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt ({len(request.prompt_token_ids)} tokens) plus max_tokens "
+                f"({request.sampling.max_tokens}) exceeds the context length {self.max_model_len}")
+
+    @staticmethod
+    def _chunk(output) -> worker_pb2.GenerateChunk:
+        completion = output.outputs[0]
+        chunk = worker_pb2.GenerateChunk(
+            token_ids=completion.token_ids,
+            text=completion.text,
+            finish_reason=completion.finish_reason or "",
+            emitted_at=time.time(),
+            prompt_tokens=len(output.prompt_token_ids or ()),
+            cached_tokens=output.num_cached_tokens or 0,
+        )
+        if output.finished and (timing := request_timing(output.metrics)) is not None:
+            chunk.timing.CopyFrom(timing)
+        return chunk
+
+    async def Abort(self, request, context):
+        was_running = request.request_id in self.active
+        if was_running:
+            await self.engine.abort(request.request_id)
+        return worker_pb2.AbortReply(was_running=was_running)
+
+    async def Health(self, request, context):
+        return worker_pb2.HealthReply(
+            state=self.state, message=self.state_message, worker_id=self.worker_id,
+            role=self.role, model=self.model, max_model_len=self.max_model_len)
+
+    async def Stats(self, request, context):
+        running = self.engine.get_num_unfinished_requests() if self.engine is not None else 0
+        stats = self.engine_stats
+        return worker_pb2.StatsReply(
+            worker_id=self.worker_id,
+            running_requests=running,
+            waiting_requests=min(stats.waiting, running),
+            kv_blocks_used=round(stats.kv_cache_usage * self.kv_blocks_total),
+            kv_blocks_total=self.kv_blocks_total,
+            outstanding_prefill_tokens=sum(self.awaiting_first_token.values()),
+            engine_stats_age_seconds=stats.age_seconds(),
+        )

@@ -1,0 +1,288 @@
+"""The router's HTTP app: OpenAI endpoints, health, metrics, and a worker stats view.
+
+A request is validated and tokenized here, sent to a worker, and its chunks are relayed as
+they come. The first chunk is awaited before the HTTP status is sent, so a request the worker
+refuses gets a real 4xx/5xx even when streaming. A client that goes away cancels the relay,
+which aborts the request on the worker.
+"""
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster.protocol import worker_pb2
+from router.errors import OpenAIError, context_length_exceeded, invalid_request, model_not_found
+from router.metrics import RouterMetrics
+from router.openai_types import (ChatCompletionRequest, CompletionRequest, SamplingFields,
+                                 parse_request)
+from router.responses import SSE_DONE, ChatFormat, CompletionFormat, ResponseFormat, Usage, sse
+from router.tokenization import PromptTokenizer
+from router.worker_pool import WorkerPool
+
+log = logging.getLogger("pdserve.router")
+FINISH_REASONS = {"stop": "stop", "length": "length"}
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    served_model: str                 # the name clients put in "model"
+    model_dir: Path                   # where the tokenizer comes from
+    worker_addresses: list[str]
+    default_max_tokens: int = 512     # when a request gives no max_tokens
+    request_timeout_s: float = 600.0  # whole-request deadline on the worker
+    worker_ready_timeout_s: float = 600.0
+
+
+@dataclass
+class RequestRun:
+    """One request's state while it is relayed; times are router monotonic seconds."""
+    request_id: str
+    prompt_tokens: int
+    arrival: float
+    last_token_at: float | None = None
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def create_app(config: RouterConfig) -> FastAPI:
+    pool = WorkerPool(config.worker_addresses)
+    tokenizer = PromptTokenizer(config.model_dir)
+    metrics = RouterMetrics()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await pool.wait_ready(config.worker_ready_timeout_s)
+        watcher = asyncio.create_task(_watch_down_workers(pool))
+        yield
+        watcher.cancel()
+        await pool.close()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    app.state.pool = pool
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException):
+        body = OpenAIError(error.status_code, str(error.detail), "invalid_request").body()
+        return JSONResponse(body, status_code=error.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, error: Exception):
+        log.exception("unexpected error on %s", request.url.path)
+        metrics.errors.labels("internal").inc()
+        body = OpenAIError(500, f"internal error: {type(error).__name__}: {error}", "internal",
+                           type="server_error", code="internal_error").body()
+        return JSONResponse(body, status_code=500)
+
+    @app.get("/health")
+    async def health():
+        live = [w.worker_id for w in pool.workers if w.address not in pool.down]
+        status = 200 if live else 503
+        return JSONResponse({"status": "ok" if live else "unavailable", "workers": live},
+                            status_code=status)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": config.served_model, "object": "model", "created": 0, "owned_by": "pdserve",
+             "max_model_len": pool.max_model_len}]}
+
+    @app.get("/pdserve/workers")
+    async def worker_stats():
+        """Each worker's load, straight from its Stats RPC."""
+        rows = []
+        for worker in pool.workers:
+            try:
+                stats = await worker.stats()
+                rows.append({"address": worker.address, "worker_id": stats.worker_id,
+                             "running_requests": stats.running_requests,
+                             "waiting_requests": stats.waiting_requests,
+                             "kv_blocks_used": stats.kv_blocks_used,
+                             "kv_blocks_total": stats.kv_blocks_total,
+                             "outstanding_prefill_tokens": stats.outstanding_prefill_tokens})
+            except Exception as error:
+                rows.append({"address": worker.address, "error": str(error)})
+        return {"workers": rows}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _serve(request, "chat", ChatCompletionRequest, ChatFormat, "chatcmpl")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _serve(request, "completions", CompletionRequest, CompletionFormat, "cmpl")
+
+    async def _serve(request: Request, endpoint: str, schema: type[SamplingFields],
+                     format_class: type[ResponseFormat], id_prefix: str) -> Response:
+        arrival = time.monotonic()
+        try:
+            body = await _read_json(request)
+            parsed = parse_request(schema, body)
+            if parsed.model != config.served_model:
+                raise model_not_found(parsed.model, config.served_model)
+            if isinstance(parsed, ChatCompletionRequest):
+                prompt_ids = tokenizer.chat(parsed)
+            else:
+                prompt_ids = tokenizer.completion(parsed)
+            run = RequestRun(f"{id_prefix}-{uuid.uuid4().hex}", len(prompt_ids), arrival)
+            worker_request = worker_pb2.GenerateRequest(
+                request_id=run.request_id, prompt_token_ids=prompt_ids,
+                sampling=_sampling(parsed, len(prompt_ids), pool.max_model_len,
+                                   config.default_max_tokens, param=_prompt_param(endpoint)))
+            worker = pool.pick()
+            chunks = worker.generate(worker_request, timeout=config.request_timeout_s)
+            try:
+                first = await anext(chunks)
+            except OpenAIError as error:
+                if error.kind == "worker_unavailable":
+                    pool.mark_down(worker)
+                raise
+            headers = {"x-request-id": run.request_id, "x-pdserve-worker": worker.worker_id}
+            response_format = format_class(run.request_id, config.served_model)
+            if parsed.stream:
+                return StreamingResponse(
+                    _stream(run, first, chunks, response_format, parsed.include_usage_in_stream(),
+                            endpoint),
+                    media_type="text/event-stream", headers=headers)
+            whole = await _until_disconnected(
+                request, _collect(run, first, chunks, response_format, endpoint), chunks)
+            return JSONResponse(whole, headers=headers)
+        except OpenAIError as error:
+            return _error_response(error, endpoint)
+
+    def _error_response(error: OpenAIError, endpoint: str) -> JSONResponse:
+        metrics.errors.labels(error.kind).inc()
+        metrics.requests.labels(endpoint, str(error.status)).inc()
+        if error.status >= 500:
+            log.warning("%s: %s", error.kind, error.message)
+        return JSONResponse(error.body(), status_code=error.status)
+
+    def _on_chunk(run: RequestRun, chunk: worker_pb2.GenerateChunk) -> None:
+        if not chunk.token_ids:
+            return
+        now = time.monotonic()
+        if run.last_token_at is None:
+            metrics.ttft.observe(now - run.arrival)
+        else:
+            metrics.inter_token.observe(now - run.last_token_at)
+        run.last_token_at = now
+        run.completion_tokens += len(chunk.token_ids)
+        run.cached_tokens = chunk.cached_tokens
+
+    def _finish(run: RequestRun, endpoint: str) -> Usage:
+        metrics.e2e.observe(time.monotonic() - run.arrival)
+        metrics.prompt_tokens.inc(run.prompt_tokens)
+        metrics.generation_tokens.inc(run.completion_tokens)
+        metrics.requests.labels(endpoint, "200").inc()
+        return Usage(run.prompt_tokens, run.completion_tokens, run.cached_tokens)
+
+    async def _relay(run: RequestRun, first, chunks):
+        """Yield (text, finish_reason or None) per chunk, ending with the finish reason."""
+        async def all_chunks():
+            yield first
+            async for chunk in chunks:
+                yield chunk
+
+        async for chunk in all_chunks():
+            _on_chunk(run, chunk)
+            if not chunk.finish_reason:
+                yield chunk.text, None
+                continue
+            if chunk.finish_reason not in FINISH_REASONS:
+                raise OpenAIError(502, f"the worker ended the request: {chunk.finish_reason}",
+                                  "worker_error", type="server_error", code="worker_error")
+            yield chunk.text, FINISH_REASONS[chunk.finish_reason]
+            return
+
+    async def _collect(run, first, chunks, response_format, endpoint) -> dict:
+        parts, finish_reason = [], "stop"
+        async for text, reason in _relay(run, first, chunks):
+            parts.append(text)
+            finish_reason = reason or finish_reason
+        return response_format.whole("".join(parts), finish_reason, _finish(run, endpoint))
+
+    async def _stream(run, first, chunks, response_format, include_usage, endpoint):
+        is_first = True
+        try:
+            async for text, reason in _relay(run, first, chunks):
+                if text or is_first:
+                    yield response_format.chunk(text, None, is_first)
+                    is_first = False
+                if reason is not None:
+                    yield response_format.chunk("", reason, False)
+            usage = _finish(run, endpoint)
+            if include_usage:
+                yield response_format.usage_chunk(usage)
+        except OpenAIError as error:
+            _error_response(error, endpoint)
+            yield sse(error.body())
+        except asyncio.CancelledError:
+            metrics.errors.labels("client_disconnect").inc()
+            metrics.requests.labels(endpoint, "499").inc()
+            raise
+        finally:
+            await chunks.aclose()
+        yield SSE_DONE
+
+    async def _until_disconnected(request: Request, work, chunks):
+        """Run `work`, cancelling it (and so the worker's request) if the client leaves."""
+        task = asyncio.ensure_future(work)
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.5)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+                    metrics.errors.labels("client_disconnect").inc()
+            return task.result()
+        finally:
+            task.cancel()
+            await chunks.aclose()
+
+    return app
+
+
+async def _watch_down_workers(pool: WorkerPool) -> None:
+    while True:
+        await asyncio.sleep(2.0)
+        await pool.refresh()
+
+
+async def _read_json(request: Request):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise invalid_request(f"the request body is not valid JSON: {error}") from None
+
+
+def _prompt_param(endpoint: str) -> str:
+    return "messages" if endpoint == "chat" else "prompt"
+
+
+def _sampling(parsed: SamplingFields, prompt_tokens: int, max_model_len: int,
+              default_max_tokens: int, param: str) -> worker_pb2.SamplingParams:
+    asked = parsed.max_tokens_asked()
+    room = max_model_len - prompt_tokens
+    max_tokens = asked if asked is not None else min(default_max_tokens, room)
+    if max_tokens > room or room < 1:
+        raise context_length_exceeded(prompt_tokens, max(max_tokens, 1), max_model_len, param)
+    sampling = worker_pb2.SamplingParams(
+        max_tokens=max_tokens, temperature=parsed.temperature, top_p=parsed.top_p,
+        top_k=parsed.top_k, stop=parsed.stop_list(), presence_penalty=parsed.presence_penalty,
+        frequency_penalty=parsed.frequency_penalty)
+    if parsed.seed is not None:
+        sampling.seed = parsed.seed
+    return sampling

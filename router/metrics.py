@@ -1,0 +1,39 @@
+"""The router's Prometheus metrics, measured where the client sees them.
+
+TTFT is request arrival at the router -> first token sent to the client; inter-token latency is
+the gap between consecutive token chunks; end-to-end is arrival -> last byte. Each app has its
+own registry, so several routers (in tests) never share counters.
+"""
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5,
+                   2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
+TOKEN_GAP_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
+                     2.0, 5.0)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "pdserve_requests", "Finished HTTP requests by endpoint and status code",
+            ["endpoint", "status"], registry=self.registry)
+        self.errors = Counter(
+            "pdserve_errors", "Failed requests by kind (invalid_request, unsupported_parameter, "
+            "model_not_found, context_length, worker_unavailable, worker_error, timeout, "
+            "client_disconnect)", ["kind"], registry=self.registry)
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds", "Request arrival to first token sent",
+            registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.inter_token = Histogram(
+            "pdserve_inter_token_latency_seconds", "Gap between consecutive token chunks",
+            registry=self.registry, buckets=TOKEN_GAP_BUCKETS)
+        self.e2e = Histogram(
+            "pdserve_e2e_request_latency_seconds", "Request arrival to last token",
+            registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.prompt_tokens = Counter(
+            "pdserve_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry)
+        self.generation_tokens = Counter(
+            "pdserve_generation_tokens", "Generated tokens of finished requests",
+            registry=self.registry)

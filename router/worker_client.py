@@ -1,0 +1,79 @@
+"""The router's gRPC client for one worker, with deadlines on every call.
+
+gRPC failures become OpenAIErrors here, so the HTTP layer only ever sees one error type:
+INVALID_ARGUMENT from a worker is the client's fault (400), UNAVAILABLE means the worker is
+not there (503), a passed deadline is a timeout (504), the rest is a worker failure (502).
+"""
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from cluster.protocol import GRPC_OPTIONS, worker_pb2, worker_pb2_grpc
+from router.errors import (OpenAIError, invalid_request, request_timeout, worker_failed,
+                           worker_unavailable)
+
+log = logging.getLogger("pdserve.router")
+CONTROL_TIMEOUT_S = 5.0
+
+
+class WorkerClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self.worker_id = address
+        self.max_model_len = 0
+        self._pending_aborts: set[asyncio.Task] = set()
+
+    async def health(self, timeout: float = CONTROL_TIMEOUT_S) -> worker_pb2.HealthReply:
+        reply = await self.stub.Health(worker_pb2.HealthRequest(), timeout=timeout)
+        if reply.state == worker_pb2.HealthReply.READY:
+            self.worker_id, self.max_model_len = reply.worker_id, reply.max_model_len
+        return reply
+
+    async def stats(self, timeout: float = CONTROL_TIMEOUT_S) -> worker_pb2.StatsReply:
+        return await self.stub.Stats(worker_pb2.StatsRequest(), timeout=timeout)
+
+    async def abort(self, request_id: str) -> None:
+        """Best effort: the worker also aborts when the Generate call is cancelled."""
+        try:
+            await self.stub.Abort(worker_pb2.AbortRequest(request_id=request_id),
+                                  timeout=CONTROL_TIMEOUT_S)
+        except grpc.aio.AioRpcError as error:
+            log.warning("abort of %s on %s failed: %s", request_id, self.address, error.code())
+
+    async def generate(self, request: worker_pb2.GenerateRequest,
+                       timeout: float) -> AsyncIterator[worker_pb2.GenerateChunk]:
+        """Stream a request's chunks. Leaving early (break, cancel, error) aborts it on the
+        worker: the call is cancelled and an explicit Abort follows."""
+        call = self.stub.Generate(request, timeout=timeout)
+        finished = False
+        try:
+            async for chunk in call:
+                finished = bool(chunk.finish_reason)
+                yield chunk
+        except grpc.aio.AioRpcError as error:
+            raise self._to_openai_error(error, timeout) from None
+        finally:
+            if not finished:
+                call.cancel()
+                # A task, not an await: this generator may be inside a cancelled scope.
+                task = asyncio.create_task(self.abort(request.request_id))
+                self._pending_aborts.add(task)
+                task.add_done_callback(self._pending_aborts.discard)
+
+    def _to_openai_error(self, error: grpc.aio.AioRpcError, timeout: float) -> OpenAIError:
+        code, details = error.code(), error.details() or ""
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return invalid_request(details)
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return request_timeout(timeout)
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return worker_unavailable(f"worker {self.worker_id} is unavailable: {details}")
+        return worker_failed(f"worker {self.worker_id} failed: {code.name}: {details}")
+
+    async def close(self) -> None:
+        await self.channel.close()
