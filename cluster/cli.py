@@ -13,6 +13,8 @@ COMMAND_MODULES = (
     "cluster.model_command",
     "cluster.worker",
     "cluster.serve",
+    "bench.command",
+    "planner.command",
 )
 
 

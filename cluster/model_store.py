@@ -53,6 +53,7 @@ def ensure_model(name: str, log=print) -> Path:
     makers = {"smollm2": _make_smollm2, "tiny": _make_tiny}
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=_parent(target)))
+    work.chmod(0o755)
     try:
         makers[name](work, log)
         verify(work, require_marker=False)

@@ -85,6 +85,7 @@ async def serve_worker(args: argparse.Namespace, model) -> int:
     log.info("worker %s stopping", worker_id)
     await server.stop(grace=2)
     engine.shutdown()
+    service.engine = None  # no second shutdown from AsyncLLM.__del__ at interpreter exit
     return 0
 
 

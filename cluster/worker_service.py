@@ -28,6 +28,7 @@ def to_vllm_sampling(params: worker_pb2.SamplingParams):
         stop=list(params.stop) or None,
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
+        ignore_eos=params.ignore_eos,
         output_kind=RequestOutputKind.DELTA,
     )
 

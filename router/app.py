@@ -282,7 +282,7 @@ def _sampling(parsed: SamplingFields, prompt_tokens: int, max_model_len: int,
     sampling = worker_pb2.SamplingParams(
         max_tokens=max_tokens, temperature=parsed.temperature, top_p=parsed.top_p,
         top_k=parsed.top_k, stop=parsed.stop_list(), presence_penalty=parsed.presence_penalty,
-        frequency_penalty=parsed.frequency_penalty)
+        frequency_penalty=parsed.frequency_penalty, ignore_eos=parsed.ignore_eos)
     if parsed.seed is not None:
         sampling.seed = parsed.seed
     return sampling

@@ -39,6 +39,7 @@ class SamplingFields(StrictModel):
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    ignore_eos: bool = False  # vLLM's extension, used by benchmarks
     n: Literal[1] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -1,0 +1,126 @@
+"""Shared fixtures: one real `pdserve serve` (router + a vLLM worker on CPU) for the session.
+
+A vLLM engine takes ~30 s to start and ~3 GB, so every integration test shares this one.
+Teardown checks that SIGTERM stopped the router and every process it started.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cluster.model_store import ensure_model
+from cluster.worker_process import free_port
+
+SERVED_MODEL = "smollm2"
+START_TIMEOUT_S = 600
+STOP_TIMEOUT_S = 60
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen
+    log_dir: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def workers(self) -> list[dict]:
+        return httpx.get(f"{self.url}/pdserve/workers", timeout=10).json()["workers"]
+
+    def log(self) -> str:
+        return "\n".join(path.read_text(errors="replace")[-4000:]
+                         for path in sorted(self.log_dir.glob("*.log")))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    return ensure_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def server(smollm2_dir, tmp_path_factory) -> Server:
+    port = free_port()
+    log_dir = tmp_path_factory.mktemp("serve-logs")
+    serve_log = open(log_dir / "serve.log", "wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--kv-cache-gib", "1",
+         "--log-dir", str(log_dir)],
+        stdout=serve_log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = Server(f"http://127.0.0.1:{port}", process, log_dir)
+    try:
+        _wait_healthy(server)
+        yield server
+    finally:
+        _stop_and_check(server)
+        serve_log.close()
+
+
+def _wait_healthy(server: Server) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            pytest.fail(f"pdserve serve exited with {server.process.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    pytest.fail(f"pdserve serve not healthy after {START_TIMEOUT_S} s:\n{server.log()}")
+
+
+def _stop_and_check(server: Server) -> None:
+    """SIGTERM the router; it must exit and leave no child behind (checked by process group:
+    the workers run in their own groups, found through their parent link)."""
+    children = _descendants(server.process.pid)
+    server.process.send_signal(signal.SIGTERM)
+    try:
+        server.process.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.process.pid, signal.SIGKILL)
+        for pid in children:
+            _kill(pid)
+        pytest.fail(f"pdserve serve did not stop within {STOP_TIMEOUT_S} s of SIGTERM")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(pid) for pid in children):
+        time.sleep(0.2)
+    left = [pid for pid in children if _alive(pid)]
+    for pid in left:
+        _kill(pid)
+    assert not left, f"processes left after pdserve serve stopped: {left}"
+
+
+def _descendants(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
+    parent_of = {int(c): int(p) for c, p in (line.split() for line in out.splitlines())}
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        kids = [c for c, p in parent_of.items() if p == parent]
+        found += kids
+        frontier += kids
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,32 @@
+"""vLLM's offline `LLM` on the same model and settings: the reference for greedy output.
+
+Run as a script (vLLM's CPU platform spawns processes, so it needs a __main__ guard):
+    python tests/offline_reference.py MODEL_DIR REQUESTS_JSON OUTPUT_JSON
+REQUESTS_JSON: {"max_tokens": N, "prompts": [str...], "chats": [[{role, content}...]...]}
+OUTPUT_JSON: {"prompts": [{"text", "token_ids"}...], "chats": [...]}
+"""
+
+import json
+import sys
+
+GIB = 1 << 30
+
+
+def main(model_dir: str, requests_path: str, output_path: str) -> None:
+    from vllm import LLM, SamplingParams
+
+    requests = json.loads(open(requests_path).read())
+    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, seed=0,
+              kv_cache_memory_bytes=GIB)
+    greedy = SamplingParams(temperature=0.0, max_tokens=requests["max_tokens"])
+    results = {
+        "prompts": llm.generate(requests["prompts"], greedy),
+        "chats": llm.chat(requests["chats"], greedy),
+    }
+    with open(output_path, "w") as out:
+        json.dump({kind: [{"text": r.outputs[0].text, "token_ids": list(r.outputs[0].token_ids)}
+                          for r in outputs] for kind, outputs in results.items()}, out)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
