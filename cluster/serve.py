@@ -22,7 +22,7 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "serve", help="serve the OpenAI API with the router and local workers",
         description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default="127.0.0.1", help="router bind address")
+    parser.add_argument("--host", default="127.0.0.1", help="router bind address (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="router port (default: 8000)")
     parser.add_argument("--workers", type=int, default=1,
                         help="number of colocated workers (default: 1)")

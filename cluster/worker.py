@@ -26,8 +26,8 @@ def add_parser(subparsers) -> None:
         description=__doc__.splitlines()[0])
     parser.add_argument("--role", choices=ROLES, default="colocated",
                         help="colocated: prefills and decodes its own requests")
-    parser.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
-    parser.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    parser.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=50051, help="gRPC port (default: 50051; 0: any free port)")
     parser.add_argument("--worker-id", default=None,
                         help="name in logs and stats (default: ROLE@HOST:PORT)")
     engine_factory.add_engine_arguments(parser)

@@ -52,8 +52,10 @@ def add_parser(subparsers) -> None:
         "--gpu", metavar="PRESET", help=f"{', '.join(GPU_PRESETS)} (default {DEFAULT_GPU})"
     )
     custom = parser.add_argument_group("custom GPU", "give all three instead of --gpu")
-    custom.add_argument("--gpu-memory-gb", type=_positive_float, metavar="GB")
-    custom.add_argument("--gpu-bandwidth-gbs", type=_positive_float, metavar="GB_PER_S")
+    custom.add_argument("--gpu-memory-gb", type=_positive_float, metavar="GB",
+                        help="GPU memory in GB (decimal)")
+    custom.add_argument("--gpu-bandwidth-gbs", type=_positive_float, metavar="GB_PER_S",
+                        help="memory bandwidth in GB/s")
     custom.add_argument(
         "--gpu-tflops", type=_positive_float, metavar="TFLOPS", help="dense FP16/BF16 tensor TFLOPS"
     )
@@ -71,7 +73,8 @@ def add_parser(subparsers) -> None:
         type=_positive_int,
         help="decode batch for the step time at batch (default: as many requests as fit)",
     )
-    parser.add_argument("--tensor-parallel-size", type=_positive_int, default=1, metavar="TP")
+    parser.add_argument("--tensor-parallel-size", type=_positive_int, default=1, metavar="TP",
+                        help="GPUs one replica spans; divides weights and KV (default 1)")
     parser.add_argument(
         "--reserve-fraction",
         type=_fraction,
