@@ -31,6 +31,7 @@ from router.worker_pool import WorkerPool
 
 log = logging.getLogger("pdserve.router")
 FINISH_REASONS = {"stop": "stop", "length": "length"}
+CANCEL_GRACE_S = 5.0  # how long a cancelled relay may take to unwind
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,9 @@ def create_app(config: RouterConfig) -> FastAPI:
                             endpoint),
                     media_type="text/event-stream", headers=headers)
             whole = await _until_disconnected(
-                request, _collect(run, first, chunks, response_format, endpoint), chunks)
+                request, _collect(run, first, chunks, response_format, endpoint), endpoint)
+            if whole is None:
+                return Response(status_code=499)
             return JSONResponse(whole, headers=headers)
         except OpenAIError as error:
             return _error_response(error, endpoint)
@@ -209,9 +212,12 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     async def _collect(run, first, chunks, response_format, endpoint) -> dict:
         parts, finish_reason = [], "stop"
-        async for text, reason in _relay(run, first, chunks):
-            parts.append(text)
-            finish_reason = reason or finish_reason
+        try:
+            async for text, reason in _relay(run, first, chunks):
+                parts.append(text)
+                finish_reason = reason or finish_reason
+        finally:
+            await chunks.aclose()
         return response_format.whole("".join(parts), finish_reason, _finish(run, endpoint))
 
     async def _stream(run, first, chunks, response_format, include_usage, endpoint):
@@ -237,19 +243,22 @@ def create_app(config: RouterConfig) -> FastAPI:
             await chunks.aclose()
         yield SSE_DONE
 
-    async def _until_disconnected(request: Request, work, chunks):
-        """Run `work`, cancelling it (and so the worker's request) if the client leaves."""
+    async def _until_disconnected(request: Request, work, endpoint: str):
+        """Run `work`; if the client leaves first, cancel it (which aborts the request on the
+        worker) and answer 499, which nobody reads but the metrics count."""
         task = asyncio.ensure_future(work)
         try:
             while not task.done():
                 await asyncio.wait({task}, timeout=0.5)
                 if not task.done() and await request.is_disconnected():
-                    task.cancel()
                     metrics.errors.labels("client_disconnect").inc()
+                    metrics.requests.labels(endpoint, "499").inc()
+                    return None
             return task.result()
         finally:
-            task.cancel()
-            await chunks.aclose()
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
 
     return app
 

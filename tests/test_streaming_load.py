@@ -5,6 +5,7 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from tests.conftest import SERVED_MODEL
 
@@ -29,6 +30,18 @@ def test_client_disconnect_aborts_the_request_on_the_worker(server):
         time.sleep(0.05)
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
     assert 'pdserve_errors_total{kind="client_disconnect"}' in metrics
+
+
+def test_client_leaving_a_whole_response_aborts_it_too(server):
+    body = {"model": SERVED_MODEL, "prompt": "Count from one to a thousand:", "max_tokens": 2000,
+            "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        # The client gives up after 3 s, closing its connection.
+        httpx.post(f"{server.base_url}/completions", json=body, timeout=3)
+    deadline = time.monotonic() + 2.0
+    while server.workers()[0]["running_requests"] != 0:
+        assert time.monotonic() < deadline, "the worker still runs the abandoned request"
+        time.sleep(0.05)
 
 
 def test_twenty_concurrent_streams_all_complete(server):
