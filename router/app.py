@@ -224,11 +224,11 @@ def create_app(config: RouterConfig) -> FastAPI:
         is_first = True
         try:
             async for text, reason in _relay(run, first, chunks):
-                if text or is_first:
-                    yield response_format.chunk(text, None, is_first)
+                # As vLLM does, the finish reason rides on the last token's chunk: a separate
+                # empty chunk would look like one more token to clients that time tokens.
+                if text or is_first or reason is not None:
+                    yield response_format.chunk(text, reason, is_first)
                     is_first = False
-                if reason is not None:
-                    yield response_format.chunk("", reason, False)
             usage = _finish(run, endpoint)
             if include_usage:
                 yield response_format.usage_chunk(usage)
