@@ -21,6 +21,22 @@ class EngineOptions:
     enforce_eager: bool = True      # torch.compile took 139 s to start on CPU, for no gain
     seed: int = 0
     tensor_parallel_size: int = 1
+    role: str = "colocated"         # "prefill" sends KV, "decode" receives it
+    kv_host: str = "127.0.0.1"      # decode: the KV receiver's bind address
+    kv_port: int = 0                # decode: the KV receiver's port (rank r uses port + r)
+    kv_failure_policy: str = "recompute"  # decode: when KV does not arrive: recompute or fail
+
+    def kv_transfer_config(self) -> dict | None:
+        if self.role == "colocated":
+            return None
+        return {
+            "kv_connector": "PdserveConnector",
+            "kv_connector_module_path": "kv_transfer.connector",
+            "kv_role": "kv_producer" if self.role == "prefill" else "kv_consumer",
+            "kv_load_failure_policy": self.kv_failure_policy,
+            "kv_connector_extra_config": {"receiver_host": self.kv_host,
+                                          "receiver_port": self.kv_port},
+        }
 
 
 class EngineStats:
@@ -77,6 +93,7 @@ def make_engine(options: EngineOptions, stats: EngineStats):
         enforce_eager=options.enforce_eager,
         seed=options.seed,
         tensor_parallel_size=options.tensor_parallel_size,
+        kv_transfer_config=options.kv_transfer_config(),
         disable_log_stats=True,
     )
     return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(stats)])
@@ -99,10 +116,10 @@ def add_engine_arguments(parser) -> None:
                        help="GPUs per worker (default: 1)")
 
 
-def engine_options(args, model: Path) -> EngineOptions:
+def engine_options(args, model: Path, **role_options) -> EngineOptions:
     return EngineOptions(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
                          kv_cache_gib=args.kv_cache_gib, seed=args.seed,
-                         tensor_parallel_size=args.tensor_parallel_size)
+                         tensor_parallel_size=args.tensor_parallel_size, **role_options)
 
 
 def engine_argv(args) -> list[str]:

@@ -16,7 +16,7 @@ from cluster import engine as engine_factory
 from cluster.model_store import ModelError, resolve_model
 from cluster.protocol import GRPC_OPTIONS, worker_pb2_grpc
 
-ROLES = ("colocated",)
+ROLES = ("colocated", "prefill", "decode")
 log = logging.getLogger("pdserve.worker")
 
 
@@ -25,7 +25,17 @@ def add_parser(subparsers) -> None:
         "worker", help="run one worker process (a vLLM engine behind gRPC)",
         description=__doc__.splitlines()[0])
     parser.add_argument("--role", choices=ROLES, default="colocated",
-                        help="colocated: prefills and decodes its own requests")
+                        help="colocated: prefills and decodes its own requests; prefill: computes "
+                             "prompts and sends their KV; decode: receives KV and decodes (and "
+                             "prefills short prompts itself) (default: colocated)")
+    parser.add_argument("--kv-port", type=int, default=0,
+                        help="decode: port of the KV receiver, rank r of a tensor-parallel worker "
+                             "uses PORT + r (default: 0, any free port at TP 1)")
+    parser.add_argument("--kv-failure-policy", choices=("recompute", "fail"),
+                        default="recompute",
+                        help="decode: when a prompt's KV does not arrive in time, prefill it "
+                             "locally (recompute) or end the request with an error (fail) "
+                             "(default: recompute)")
     parser.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (default: 50051; 0: any free port)")
     parser.add_argument("--worker-id", default=None,
@@ -50,7 +60,14 @@ async def serve_worker(args: argparse.Namespace, model) -> int:
     server = grpc_server()
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     worker_id = args.worker_id or f"{args.role}@{args.host}:{port}"
-    service = WorkerService(worker_id, args.role, str(model))
+    kv_port = args.kv_port
+    if args.role == "decode" and not kv_port:
+        from cluster.worker_process import free_port
+
+        kv_port = free_port(args.host)
+    kv_address = f"{args.host}:{kv_port}" if args.role == "decode" else ""
+    service = WorkerService(worker_id, args.role, str(model), kv_address,
+                            args.kv_failure_policy if args.role == "decode" else "")
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     await server.start()
     log.info("worker %s listening on %s:%d; starting the engine", worker_id, args.host, port)
@@ -60,7 +77,9 @@ async def serve_worker(args: argparse.Namespace, model) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    options = engine_factory.engine_options(args, model)
+    options = engine_factory.engine_options(args, model, role=args.role, kv_host=args.host,
+                                            kv_port=kv_port,
+                                            kv_failure_policy=args.kv_failure_policy)
     starting = asyncio.create_task(
         asyncio.to_thread(engine_factory.make_engine, options, service.engine_stats))
     stopping = asyncio.create_task(stop.wait())

@@ -15,11 +15,24 @@ from cluster.protocol import worker_pb2, worker_pb2_grpc
 State = worker_pb2.HealthReply.State
 
 
-def to_vllm_sampling(params: worker_pb2.SamplingParams):
+def kv_extra_args(request: worker_pb2.GenerateRequest) -> dict | None:
+    """The request's KV transfer, as the connector reads it from vLLM's extra_args."""
+    from kv_transfer.params import ReceiveKv, SendKv, to_extra_args
+
+    if not request.HasField("kv"):
+        return None
+    kv = request.kv
+    if kv.send_to:
+        return to_extra_args(SendKv(kv.transfer_id, kv.send_to))
+    return to_extra_args(ReceiveKv(kv.transfer_id, kv.receive_timeout_s))
+
+
+def to_vllm_sampling(params: worker_pb2.SamplingParams, extra_args: dict | None = None):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     return SamplingParams(
+        extra_args=extra_args,
         max_tokens=params.max_tokens,
         temperature=params.temperature,
         top_p=params.top_p,
@@ -44,11 +57,24 @@ def request_timing(metrics) -> worker_pb2.RequestTiming | None:
     )
 
 
+def kv_bytes_per_block(vllm_config) -> int:
+    """Bytes of one KV block over all layers on one rank: K and V, per head, per token."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    element = model.dtype.itemsize
+    return (2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel)
+            * model.get_head_size() * vllm_config.cache_config.block_size * element)
+
+
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, worker_id: str, role: str, model: str) -> None:
+    def __init__(self, worker_id: str, role: str, model: str, kv_address: str = "",
+                 kv_failure_policy: str = "") -> None:
         self.worker_id = worker_id
         self.role = role
         self.model = model
+        self.kv_address = kv_address
+        self.kv_failure_policy = kv_failure_policy
+        self.block_size = 0
+        self.kv_bytes_per_block = 0
         self.engine = None
         self.engine_stats = EngineStats()
         self.state = State.STARTING
@@ -62,6 +88,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.engine = engine
         self.max_model_len = engine.vllm_config.model_config.max_model_len
         self.kv_blocks_total = engine.vllm_config.cache_config.num_gpu_blocks or 0
+        self.block_size = engine.vllm_config.cache_config.block_size
+        self.kv_bytes_per_block = kv_bytes_per_block(engine.vllm_config)
         self.state, self.state_message = State.READY, ""
 
     def engine_failed(self, message: str) -> None:
@@ -80,7 +108,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.active.add(request_id)
         self.awaiting_first_token[request_id] = len(prompt["prompt_token_ids"])
         try:
-            sampling = to_vllm_sampling(request.sampling)
+            sampling = to_vllm_sampling(request.sampling, kv_extra_args(request))
             async for output in self.engine.generate(prompt, sampling, request_id):
                 self.awaiting_first_token.pop(request_id, None)
                 yield self._chunk(output)
@@ -132,7 +160,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def Health(self, request, context):
         return worker_pb2.HealthReply(
             state=self.state, message=self.state_message, worker_id=self.worker_id,
-            role=self.role, model=self.model, max_model_len=self.max_model_len)
+            role=self.role, model=self.model, max_model_len=self.max_model_len,
+            kv_address=self.kv_address, block_size=self.block_size,
+            kv_bytes_per_block=self.kv_bytes_per_block, kv_failure_policy=self.kv_failure_policy)
 
     async def Stats(self, request, context):
         running = self.engine.get_num_unfinished_requests() if self.engine is not None else 0

@@ -1,10 +1,13 @@
-"""The committed gRPC modules are exactly what worker.proto generates."""
+"""The committed gRPC modules are exactly what their .proto files generate."""
 
-from cluster.protocol.generate import GENERATED, PROTOCOL_DIR, generate
+import pytest
+
+from cluster.protocol.generate import PROTOS, generate, generated_names
 
 
-def test_generated_modules_match_the_proto(tmp_path):
-    generate(tmp_path)
-    for name in GENERATED:
-        assert (tmp_path / name).read_text() == (PROTOCOL_DIR / name).read_text(), (
+@pytest.mark.parametrize("proto", PROTOS, ids=lambda p: p.name)
+def test_generated_modules_match_the_proto(proto, tmp_path):
+    generate(proto, tmp_path)
+    for name in generated_names(proto):
+        assert (tmp_path / name).read_text() == (proto.parent / name).read_text(), (
             f"{name} is stale: run `python -m cluster.protocol.generate`")

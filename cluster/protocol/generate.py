@@ -1,30 +1,35 @@
-"""Regenerate the committed gRPC modules from worker.proto.
+"""Regenerate the committed gRPC modules from the project's .proto files.
 
-Usage: python -m cluster.protocol.generate [OUTPUT_DIR]
-The modules are committed so that running pdserve needs no code generator; a test runs this
-into a temporary folder and checks the committed files are identical.
+Usage: python -m cluster.protocol.generate
+The modules are committed next to their .proto so that running pdserve needs no code
+generator; a test regenerates them into a temporary folder and checks they are identical.
 """
 
-import sys
 from pathlib import Path
 
-PROTOCOL_DIR = Path(__file__).resolve().parent
-PROTO = "worker.proto"
-GENERATED = ("worker_pb2.py", "worker_pb2.pyi", "worker_pb2_grpc.py")
+ROOT = Path(__file__).resolve().parents[2]
+PROTOS = (ROOT / "cluster" / "protocol" / "worker.proto", ROOT / "kv_transfer" / "kv_wire.proto")
 
 
-def generate(output_dir: Path) -> None:
+def generated_names(proto: Path) -> tuple[str, ...]:
+    stem = proto.stem
+    return (f"{stem}_pb2.py", f"{stem}_pb2.pyi", f"{stem}_pb2_grpc.py")
+
+
+def generate(proto: Path, output_dir: Path) -> None:
     from grpc_tools import protoc
 
-    args = ["protoc", f"-I{PROTOCOL_DIR}", f"--python_out={output_dir}",
-            f"--pyi_out={output_dir}", f"--grpc_python_out={output_dir}", PROTO]
+    args = ["protoc", f"-I{proto.parent}", f"--python_out={output_dir}",
+            f"--pyi_out={output_dir}", f"--grpc_python_out={output_dir}", proto.name]
     if protoc.main(args) != 0:
-        raise RuntimeError(f"protoc failed on {PROTOCOL_DIR / PROTO}")
-    # protoc writes `import worker_pb2`; make it a package-relative import.
-    grpc_module = output_dir / "worker_pb2_grpc.py"
+        raise RuntimeError(f"protoc failed on {proto}")
+    # protoc writes `import x_pb2`; make it a package-relative import.
+    grpc_module = output_dir / f"{proto.stem}_pb2_grpc.py"
+    alias = proto.stem.replace("_", "__") + "__pb2"
     grpc_module.write_text(grpc_module.read_text().replace(
-        "import worker_pb2 as worker__pb2", "from . import worker_pb2 as worker__pb2"))
+        f"import {proto.stem}_pb2 as {alias}", f"from . import {proto.stem}_pb2 as {alias}"))
 
 
 if __name__ == "__main__":
-    generate(Path(sys.argv[1]) if len(sys.argv) > 1 else PROTOCOL_DIR)
+    for proto in PROTOS:
+        generate(proto, proto.parent)

@@ -29,15 +29,27 @@ class SamplingParams(_message.Message):
     ignore_eos: bool
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
+class KvTransfer(_message.Message):
+    __slots__ = ("transfer_id", "send_to", "receive_timeout_s")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    SEND_TO_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    send_to: str
+    receive_timeout_s: float
+    def __init__(self, transfer_id: _Optional[str] = ..., send_to: _Optional[str] = ..., receive_timeout_s: _Optional[float] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    kv: KvTransfer
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KvTransfer, _Mapping]] = ...) -> None: ...
 
 class RequestTiming(_message.Message):
     __slots__ = ("queued_seconds", "prefill_seconds", "decode_seconds")
@@ -84,7 +96,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("state", "message", "worker_id", "role", "model", "max_model_len")
+    __slots__ = ("state", "message", "worker_id", "role", "model", "max_model_len", "kv_address", "block_size", "kv_bytes_per_block", "kv_failure_policy")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STARTING: _ClassVar[HealthReply.State]
@@ -101,13 +113,21 @@ class HealthReply(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    KV_FAILURE_POLICY_FIELD_NUMBER: _ClassVar[int]
     state: HealthReply.State
     message: str
     worker_id: str
     role: str
     model: str
     max_model_len: int
-    def __init__(self, state: _Optional[_Union[HealthReply.State, str]] = ..., message: _Optional[str] = ..., worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    kv_address: str
+    block_size: int
+    kv_bytes_per_block: int
+    kv_failure_policy: str
+    def __init__(self, state: _Optional[_Union[HealthReply.State, str]] = ..., message: _Optional[str] = ..., worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_address: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., kv_failure_policy: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

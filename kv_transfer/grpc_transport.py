@@ -1,0 +1,162 @@
+"""KV over gRPC: a sender (prefill worker) and a receiver (decode worker), in chunks ≤ 1 MiB.
+
+The sender keeps one long-lived client stream per destination, fed from a queue by a
+background thread, so `save_kv_layer` only copies a layer out and returns while the forward
+pass goes on. The receiver assembles each layer slice from its chunks and hands whole slices
+to the worker half of the connector, which copies them into the KV cache on vLLM's own thread.
+Every stream starts with the compatibility handshake; a mismatched pair is refused.
+"""
+
+import logging
+import queue
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+
+from kv_transfer import kv_wire_pb2 as wire
+from kv_transfer import kv_wire_pb2_grpc as wire_grpc
+from kv_transfer.compatibility import Compatibility, describe_refusal, mismatches
+
+log = logging.getLogger("pdserve.kv")
+
+CHUNK_BYTES = 1 << 20
+GRPC_OPTIONS = [("grpc.max_send_message_length", 2 * CHUNK_BYTES),
+                ("grpc.max_receive_message_length", 2 * CHUNK_BYTES)]
+_CLOSE = object()
+
+
+@dataclass(frozen=True)
+class LayerSlice:
+    """One layer's KV for consecutive blocks of one transfer, as raw bytes."""
+    transfer_id: str
+    layer: int
+    first_block: int
+    num_blocks: int
+    data: bytes
+    last: bool
+
+
+def chunks_of(piece: LayerSlice):
+    total = len(piece.data)
+    for offset in range(0, max(total, 1), CHUNK_BYTES):
+        yield wire.KvMessage(chunk=wire.KvChunk(
+            transfer_id=piece.transfer_id, layer=piece.layer, first_block=piece.first_block,
+            num_blocks=piece.num_blocks, offset=offset, slice_bytes=total,
+            data=piece.data[offset:offset + CHUNK_BYTES], last=piece.last))
+
+
+class KvSender:
+    """Streams layer slices to decode workers; one background stream per destination."""
+
+    def __init__(self, compatibility: Compatibility) -> None:
+        self.compatibility = compatibility
+        self.queues: dict[str, queue.Queue] = {}
+        self.threads: dict[str, threading.Thread] = {}
+        self.lock = threading.Lock()
+        self.bytes_sent = 0
+        self.errors: list[str] = []
+
+    def send(self, destination: str, piece: LayerSlice) -> None:
+        with self.lock:
+            if destination not in self.threads or not self.threads[destination].is_alive():
+                self.queues[destination] = queue.Queue()
+                thread = threading.Thread(target=self._stream, args=(destination,),
+                                          name=f"kv-send-{destination}", daemon=True)
+                self.threads[destination] = thread
+                thread.start()
+            self.queues[destination].put(piece)
+
+    def _stream(self, destination: str) -> None:
+        pending = self.queues[destination]
+
+        def messages():
+            yield wire.KvMessage(hello=wire.Compatibility(**self.compatibility.to_dict()))
+            while (piece := pending.get()) is not _CLOSE:
+                yield from chunks_of(piece)
+                self.bytes_sent += len(piece.data)
+
+        try:
+            with grpc.insecure_channel(destination, options=GRPC_OPTIONS) as channel:
+                reply = wire_grpc.KvReceiverStub(channel).PushKv(messages())
+            if not reply.accepted:
+                raise RuntimeError(reply.error)
+        except (grpc.RpcError, RuntimeError) as error:
+            message = error.details() if isinstance(error, grpc.RpcError) else str(error)
+            log.error("KV stream to %s failed: %s", destination, message)
+            self.errors.append(f"{destination}: {message}")
+
+    def close(self) -> None:
+        with self.lock:
+            for destination, pending in self.queues.items():
+                pending.put(_CLOSE)
+        for thread in list(self.threads.values()):
+            thread.join(timeout=5)
+
+
+class KvReceiver(wire_grpc.KvReceiverServicer):
+    """Receives layer slices for the decode worker; `take()` hands over the complete ones."""
+
+    def __init__(self, compatibility: Compatibility) -> None:
+        self.compatibility = compatibility
+        self.lock = threading.Lock()
+        self.complete: list[LayerSlice] = []
+        self.cancelled: dict[str, str] = {}  # transfer id -> reason
+        self.bytes_received = 0
+        self.server = None
+
+    def start(self, host: str, port: int) -> int:
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=GRPC_OPTIONS)
+        wire_grpc.add_KvReceiverServicer_to_server(self, self.server)
+        bound = self.server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise RuntimeError(f"cannot listen for KV on {host}:{port}")
+        self.server.start()
+        return bound
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop(grace=1)
+
+    def take(self) -> tuple[list[LayerSlice], dict[str, str]]:
+        with self.lock:
+            complete, self.complete = self.complete, []
+            cancelled, self.cancelled = self.cancelled, {}
+        return complete, cancelled
+
+    def PushKv(self, request_iterator, context):
+        hello = next(request_iterator, None)
+        if hello is None or not hello.HasField("hello"):
+            return wire.PushKvReply(accepted=False, error="a KV stream must start with hello")
+        producer = Compatibility.from_message(hello.hello)
+        if mismatches(producer, self.compatibility):
+            error = describe_refusal(producer, self.compatibility)
+            log.error("%s", error)
+            return wire.PushKvReply(accepted=False, error=error)
+        buffers: dict[tuple, bytearray] = {}
+        for message in request_iterator:
+            chunk = message.chunk
+            key = (chunk.transfer_id, chunk.layer, chunk.first_block)
+            buffer = buffers.setdefault(key, bytearray(chunk.slice_bytes))
+            buffer[chunk.offset:chunk.offset + len(chunk.data)] = chunk.data
+            if chunk.offset + len(chunk.data) >= chunk.slice_bytes:
+                del buffers[key]
+                with self.lock:
+                    self.bytes_received += chunk.slice_bytes
+                    self.complete.append(LayerSlice(chunk.transfer_id, chunk.layer,
+                                                    chunk.first_block, chunk.num_blocks,
+                                                    bytes(buffer), chunk.last))
+        return wire.PushKvReply(accepted=True)
+
+    def CancelTransfer(self, request, context):
+        with self.lock:
+            self.cancelled[request.transfer_id] = request.reason or "cancelled"
+        return wire.CancelTransferReply(known=True)
+
+
+def cancel_transfer(destination: str, transfer_id: str, reason: str, timeout: float = 2.0) -> None:
+    """Tell a decode worker that a transfer's KV will not come (its producer failed)."""
+    with grpc.insecure_channel(destination) as channel:
+        wire_grpc.KvReceiverStub(channel).CancelTransfer(
+            wire.CancelTransferRequest(transfer_id=transfer_id, reason=reason), timeout=timeout)

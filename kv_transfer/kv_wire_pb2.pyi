@@ -1,0 +1,78 @@
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Compatibility(_message.Message):
+    __slots__ = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_size", "kv_layout", "vllm_version", "tensor_parallel_size")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    VLLM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    kv_layout: str
+    vllm_version: str
+    tensor_parallel_size: int
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., kv_layout: _Optional[str] = ..., vllm_version: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+
+class KvChunk(_message.Message):
+    __slots__ = ("transfer_id", "layer", "first_block", "num_blocks", "offset", "slice_bytes", "data", "last")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SLICE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    layer: int
+    first_block: int
+    num_blocks: int
+    offset: int
+    slice_bytes: int
+    data: bytes
+    last: bool
+    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., offset: _Optional[int] = ..., slice_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class KvMessage(_message.Message):
+    __slots__ = ("hello", "chunk")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    hello: Compatibility
+    chunk: KvChunk
+    def __init__(self, hello: _Optional[_Union[Compatibility, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ...) -> None: ...
+
+class PushKvReply(_message.Message):
+    __slots__ = ("accepted", "error")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    error: str
+    def __init__(self, accepted: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class CancelTransferRequest(_message.Message):
+    __slots__ = ("transfer_id", "reason")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    reason: str
+    def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CancelTransferReply(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...

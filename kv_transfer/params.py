@@ -1,0 +1,39 @@
+"""What a request carries for the connector, in vLLM's `kv_transfer_params`.
+
+The router puts a `SendKv` in the prefill request and a `ReceiveKv` in the decode request, with
+the same transfer id (vLLM renames request ids internally, so they cannot be the key). They
+travel as plain dicts (vLLM serialises them with msgpack) under the key "pdserve".
+"""
+
+from dataclasses import asdict, dataclass
+
+KEY = "pdserve"
+
+
+@dataclass(frozen=True)
+class SendKv:
+    """Prefill side: push this request's KV, layer by layer, to `destination`."""
+    transfer_id: str
+    destination: str  # host:port of the decode worker's KV receiver
+
+
+@dataclass(frozen=True)
+class ReceiveKv:
+    """Decode side: the prompt's KV arrives from a prefill worker within `timeout_s`."""
+    transfer_id: str
+    timeout_s: float
+
+
+def to_extra_args(params: SendKv | ReceiveKv) -> dict:
+    role = "send" if isinstance(params, SendKv) else "receive"
+    return {"kv_transfer_params": {KEY: {"role": role, **asdict(params)}}}
+
+
+def from_request(kv_transfer_params: dict | None) -> SendKv | ReceiveKv | None:
+    fields = dict((kv_transfer_params or {}).get(KEY) or {})
+    role = fields.pop("role", None)
+    if role == "send":
+        return SendKv(**fields)
+    if role == "receive":
+        return ReceiveKv(**fields)
+    return None

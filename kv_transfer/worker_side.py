@@ -1,0 +1,122 @@
+"""The connector's worker half (vLLM's worker process, one per tensor-parallel rank).
+
+Prefill: `save_kv_layer` copies the layer's blocks of each request being sent right after
+that layer's forward and queues them for the sender thread: the transfer of layer i overlaps
+the compute of layers i+1... Decode: slices arrive on the receiver's gRPC threads; each engine
+step, on vLLM's thread, they are copied into the KV cache blocks the scheduler reserved. A
+transfer that is complete is reported as loaded; one past its deadline, or cancelled, is
+reported as failed (vLLM then recomputes or fails the request, per `kv_load_failure_policy`);
+one whose request was aborted is reported too, so vLLM frees its blocks.
+"""
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kv_transfer.grpc_transport import KvReceiver, KvSender, LayerSlice
+from kv_transfer.metadata import Expected, PdserveMetadata
+
+log = logging.getLogger("pdserve.kv")
+ORPHAN_TTL_S = 120.0  # slices for a transfer no request expects are dropped after this
+
+
+@dataclass
+class Incoming:
+    expected: Expected
+    deadline: float
+    layers_done: set[int] = field(default_factory=set)
+
+
+class WorkerSide:
+    def __init__(self, sender: KvSender | None, receiver: KvReceiver | None) -> None:
+        self.sender = sender
+        self.receiver = receiver
+        self.kv_caches: list[torch.Tensor] = []  # by layer index
+        self.layer_index: dict[str, int] = {}
+        self.incoming: dict[str, Incoming] = {}            # transfer id -> state
+        self.orphans: dict[str, list[tuple[float, LayerSlice]]] = {}
+        self.metadata: PdserveMetadata | None = None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        ordered = sorted(kv_caches.items(), key=lambda item: extract_layer_index(item[0]))
+        self.kv_caches = [tensor for _, tensor in ordered]
+        self.layer_index = {name: i for i, (name, _) in enumerate(ordered)}
+
+    # Prefill side --------------------------------------------------------------------------
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+        if self.metadata is None or not self.metadata.sends:
+            return
+        layer = self.layer_index[layer_name]
+        for piece in self.metadata.sends:
+            blocks = kv_layer[torch.tensor(piece.block_ids, dtype=torch.long)]
+            self.sender.send(piece.destination, LayerSlice(
+                piece.transfer_id, layer, piece.first_block, len(piece.block_ids),
+                blocks.numpy().tobytes(), piece.last))
+
+    # Decode side ---------------------------------------------------------------------------
+
+    def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(loaded request ids, failed request ids); failed ones are in both sets."""
+        if self.receiver is None:
+            return set(), set()
+        now = time.monotonic()
+        for expected in (self.metadata.expected if self.metadata else ()):
+            self.incoming[expected.transfer_id] = Incoming(expected, now + expected.timeout_s)
+            for _, piece in self.orphans.pop(expected.transfer_id, []):
+                self._load(piece)
+        complete, cancelled = self.receiver.take()
+        for piece in complete:
+            if piece.transfer_id in self.incoming:
+                self._load(piece)
+            else:
+                self.orphans.setdefault(piece.transfer_id, []).append((now, piece))
+        self._drop_old_orphans(now)
+
+        loaded, failed = set(), set()
+        for transfer_id, state in list(self.incoming.items()):
+            req_id = state.expected.req_id
+            if req_id in finished_req_ids:          # aborted while loading
+                loaded.add(req_id)
+            elif len(state.layers_done) == len(self.kv_caches):
+                loaded.add(req_id)
+            elif transfer_id in cancelled or now > state.deadline:
+                why = cancelled.get(transfer_id, f"no KV after {state.expected.timeout_s:g} s")
+                log.warning("KV transfer %s failed: %s", transfer_id, why)
+                failed.add(req_id)
+            else:
+                continue
+            del self.incoming[transfer_id]
+        # Each request is reported once: its state is gone now (vLLM asserts on repeats).
+        return loaded | failed, failed
+
+    def _load(self, piece: LayerSlice) -> None:
+        state = self.incoming[piece.transfer_id]
+        expected = state.expected
+        cache = self.kv_caches[piece.layer]
+        data = torch.frombuffer(bytearray(piece.data), dtype=cache.dtype)
+        data = data.view(piece.num_blocks, *cache.shape[1:])
+        first, skip = piece.first_block, expected.skip_blocks
+        targets = expected.block_ids[first:first + piece.num_blocks]
+        keep = [i for i in range(len(targets)) if first + i >= skip]
+        if keep:
+            index = torch.tensor([targets[i] for i in keep], dtype=torch.long)
+            cache.index_copy_(0, index, data[keep] if len(keep) < len(targets) else data)
+        if piece.last:
+            state.layers_done.add(piece.layer)
+
+    def _drop_old_orphans(self, now: float) -> None:
+        for transfer_id in [t for t, pieces in self.orphans.items()
+                            if now - pieces[0][0] > ORPHAN_TTL_S]:
+            log.warning("dropping KV for transfer %s: no request expected it", transfer_id)
+            del self.orphans[transfer_id]
+
+    def shutdown(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+        if self.receiver is not None:
+            self.receiver.stop()
