@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 GIB = 1 << 30
+MAX_UNCLAIMED_TRANSFERS = 4096
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,10 @@ class EngineStats:
         self.waiting = 0
         self.kv_cache_usage = 0.0
         self.updated_at = time.monotonic()
+        self.kv_transfers: dict[str, dict] = {}  # transfer id -> connector's figures
+
+    def take_kv_transfer(self, transfer_id: str) -> dict | None:
+        return self.kv_transfers.pop(transfer_id, None)
 
     def update(self, running: int, waiting: int, kv_cache_usage: float) -> None:
         self.running, self.waiting, self.kv_cache_usage = running, waiting, kv_cache_usage
@@ -68,9 +73,14 @@ def _stat_logger_factory(stats: EngineStats):
             pass
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
-            if scheduler_stats is not None:
-                stats.update(scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs,
-                             scheduler_stats.kv_cache_usage)
+            if scheduler_stats is None:
+                return
+            stats.update(scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs,
+                         scheduler_stats.kv_cache_usage)
+            for transfer in (scheduler_stats.kv_connector_stats or {}).get("transfers", ()):
+                stats.kv_transfers[transfer["transfer_id"]] = transfer
+            while len(stats.kv_transfers) > MAX_UNCLAIMED_TRANSFERS:  # their requests were aborted
+                stats.kv_transfers.pop(next(iter(stats.kv_transfers)))
 
         def log_engine_initialized(self):
             pass
@@ -82,6 +92,9 @@ def make_engine(options: EngineOptions, stats: EngineStats):
     """Start vLLM's AsyncLLM (its engine core runs in child processes)."""
     # A KV connector makes vLLM reserve cores for itself; a 2-core machine has none to spare.
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    # vLLM's automatic binding pinned every worker of a host (and so their KV transfer
+    # threads) to the same core, which starved the transfers; let the OS place threads.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 

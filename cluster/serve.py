@@ -6,6 +6,8 @@ router in this process. Ctrl-C or SIGTERM stops the router and every child it st
 
 import argparse
 import asyncio
+import logging
+import os
 import signal
 import socket
 import sys
@@ -16,6 +18,7 @@ from pathlib import Path
 from cluster import engine as engine_factory
 from cluster.model_store import ModelError, resolve_model
 from cluster.worker_process import start_worker, stop_worker, wait_ready
+from router.policies import POLICIES
 
 
 def add_parser(subparsers) -> None:
@@ -24,8 +27,24 @@ def add_parser(subparsers) -> None:
         description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1", help="router bind address (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="router port (default: 8000)")
+    parser.add_argument("--prefill", type=int, default=1, metavar="N",
+                        help="prefill workers (default: 1)")
+    parser.add_argument("--decode", type=int, default=1, metavar="M",
+                        help="decode workers (default: 1)")
+    parser.add_argument("--colocated", action="store_true",
+                        help="no disaggregation: --workers colocated workers instead")
     parser.add_argument("--workers", type=int, default=1,
-                        help="number of colocated workers (default: 1)")
+                        help="with --colocated: number of colocated workers (default: 1)")
+    parser.add_argument("--disaggregate-min-tokens", type=int, default=256, metavar="TOKENS",
+                        help="prompts shorter than this go straight to a decode worker, which "
+                             "prefills them itself (default: 256)")
+    parser.add_argument("--kv-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="how long a decode worker waits for a prompt's KV (default: 30)")
+    parser.add_argument("--kv-failure-policy", choices=("recompute", "fail"), default="recompute",
+                        help="when KV does not arrive in time: the decode worker prefills the "
+                             "prompt itself, or the request fails (default: recompute)")
+    parser.add_argument("--policy", choices=sorted(POLICIES), default="round-robin",
+                        help="how a worker is chosen within a pool (default: round-robin)")
     parser.add_argument("--served-model-name", default=None,
                         help="model name clients send (default: the --model value)")
     parser.add_argument("--default-max-tokens", type=int, default=512,
@@ -41,20 +60,28 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.colocated and (args.decode < 1 or args.prefill < 0):
+        print("pdserve serve: need --decode >= 1 and --prefill >= 0", file=sys.stderr)
+        return 2
     try:
         model = resolve_model(args.model)
         _check_port_free(args.host, args.port)
     except (ModelError, OSError) as error:
         print(f"pdserve serve: {error}", file=sys.stderr)
         return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     say(f"worker logs: {log_dir}")
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     workers = []
+    plan = _worker_plan(args)
+    threads = max(1, (os.cpu_count() or 1) // sum(count for _, count, _ in plan))
     try:
-        for _ in range(args.workers):
-            workers.append(start_worker("colocated", engine_factory.engine_argv(args), log_dir))
+        for role, count, extra in plan:
+            for _ in range(count):
+                workers.append(start_worker(role, engine_factory.engine_argv(args) + extra,
+                                            log_dir, threads))
         wait_ready(workers, args.worker_ready_timeout, progress=say)
         asyncio.run(_run_router(args, model, [w.address for w in workers]))
         return 0
@@ -70,6 +97,14 @@ def run(args: argparse.Namespace) -> int:
             stop_worker(worker)
 
 
+def _worker_plan(args) -> list[tuple[str, int, list[str]]]:
+    """(role, count, extra worker arguments) for each pool."""
+    if args.colocated:
+        return [("colocated", args.workers, [])]
+    return [("prefill", args.prefill, []),
+            ("decode", args.decode, ["--kv-failure-policy", args.kv_failure_policy])]
+
+
 async def _run_router(args, model: Path, addresses: list[str]) -> None:
     import uvicorn
 
@@ -78,7 +113,9 @@ async def _run_router(args, model: Path, addresses: list[str]) -> None:
     config = RouterConfig(
         served_model=args.served_model_name or args.model, model_dir=model,
         worker_addresses=addresses, default_max_tokens=args.default_max_tokens,
-        request_timeout_s=args.request_timeout, worker_ready_timeout_s=args.worker_ready_timeout)
+        request_timeout_s=args.request_timeout, worker_ready_timeout_s=args.worker_ready_timeout,
+        disaggregate_min_tokens=args.disaggregate_min_tokens, kv_timeout_s=args.kv_timeout,
+        policy=args.policy)
     server = uvicorn.Server(uvicorn.Config(create_app(config), host=args.host, port=args.port,
                                            log_level="warning"))
     announce = asyncio.create_task(_announce_when_started(server, args, config.served_model))

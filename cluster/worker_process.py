@@ -51,16 +51,20 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def start_worker(role: str, engine_argv: list[str], log_dir: Path,
+def start_worker(role: str, engine_argv: list[str], log_dir: Path, threads: int,
                  host: str = "127.0.0.1", port: int | None = None) -> WorkerProcess:
+    """Start a worker whose engine computes with `threads` threads: workers sharing a host's
+    cores split them, or their spinning OpenMP threads slow each other (and the KV transfer)
+    down. An OMP_NUM_THREADS set by the user wins."""
     port = port or free_port(host)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
     log_path = log_dir / f"{role}-{port}.log"
     command = [sys.executable, "-m", "cluster.cli", "worker", "--role", role,
                "--host", host, "--port", str(port), *engine_argv]
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, start_new_session=True,
-                                   preexec_fn=_die_with_parent)
+                                   preexec_fn=_die_with_parent, env=env)
     return WorkerProcess(role, host, port, log_path, process)
 
 

@@ -13,6 +13,7 @@ from cluster.engine import EngineStats
 from cluster.protocol import worker_pb2, worker_pb2_grpc
 
 State = worker_pb2.HealthReply.State
+PROBE_SAMPLING = worker_pb2.SamplingParams(max_tokens=1, temperature=0, top_p=1)
 
 
 def kv_extra_args(request: worker_pb2.GenerateRequest) -> dict | None:
@@ -111,7 +112,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             sampling = to_vllm_sampling(request.sampling, kv_extra_args(request))
             async for output in self.engine.generate(prompt, sampling, request_id):
                 self.awaiting_first_token.pop(request_id, None)
-                yield self._chunk(output)
+                if output.outputs[0].finish_reason == "error":
+                    await context.abort(grpc.StatusCode.ABORTED, self._error_reason(request))
+                yield self._chunk(output, request)
         except (VLLMClientError, ValueError) as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except EngineDeadError as error:
@@ -120,6 +123,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         finally:
             self.active.discard(request_id)
             self.awaiting_first_token.pop(request_id, None)
+
+    def _error_reason(self, request) -> str:
+        if request.HasField("kv") and not request.kv.send_to:
+            return (f"the prompt's KV did not arrive within {request.kv.receive_timeout_s:g} s "
+                    f"(transfer {request.kv.transfer_id}); this worker's kv failure policy is "
+                    f"'{self.kv_failure_policy}'")
+        return "the engine ended the request with an error"
 
     async def _validate(self, request, context) -> None:
         if not request.request_id:
@@ -136,8 +146,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 f"prompt ({len(request.prompt_token_ids)} tokens) plus max_tokens "
                 f"({request.sampling.max_tokens}) exceeds the context length {self.max_model_len}")
 
-    @staticmethod
-    def _chunk(output) -> worker_pb2.GenerateChunk:
+    def _chunk(self, output, request) -> worker_pb2.GenerateChunk:
         completion = output.outputs[0]
         chunk = worker_pb2.GenerateChunk(
             token_ids=completion.token_ids,
@@ -147,9 +156,24 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             prompt_tokens=len(output.prompt_token_ids or ()),
             cached_tokens=output.num_cached_tokens or 0,
         )
-        if output.finished and (timing := request_timing(output.metrics)) is not None:
+        if not output.finished:
+            return chunk
+        if (timing := request_timing(output.metrics)) is not None:
             chunk.timing.CopyFrom(timing)
+        if request.HasField("kv") and not request.kv.send_to:
+            transfer = self.engine_stats.take_kv_transfer(request.kv.transfer_id)
+            if transfer is not None:
+                chunk.kv.CopyFrom(worker_pb2.KvTransferStats(
+                    bytes=transfer["bytes"], seconds=transfer["seconds"],
+                    failed=transfer["failed"]))
         return chunk
+
+    async def _probe(self) -> None:
+        """One 1-token request: an engine step, after which vLLM reports its scheduler stats."""
+        probe = {"prompt_token_ids": [0]}
+        async for _ in self.engine.generate(probe, to_vllm_sampling(PROBE_SAMPLING),
+                                            f"stats-probe-{time.monotonic_ns()}"):
+            pass
 
     async def Abort(self, request, context):
         was_running = request.request_id in self.active
@@ -165,6 +189,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             kv_bytes_per_block=self.kv_bytes_per_block, kv_failure_policy=self.kv_failure_policy)
 
     async def Stats(self, request, context):
+        if request.fresh and self.engine is not None:
+            await self._probe()
         running = self.engine.get_num_unfinished_requests() if self.engine is not None else 0
         stats = self.engine_stats
         return worker_pb2.StatsReply(

@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from kv_transfer.compatibility import Compatibility
 from kv_transfer.grpc_transport import KvReceiver, KvSender
 from kv_transfer.scheduler_side import SchedulerSide
+from kv_transfer.stats import PdserveKvStats
 from kv_transfer.worker_side import WorkerSide
 
 log = logging.getLogger("pdserve.kv")
@@ -100,6 +101,12 @@ class PdserveConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids):
         results = self.get_transfer_results(finished_req_ids)
         return None, results.finished_recving
+
+    def get_kv_connector_stats(self):
+        if self.worker_side is None:
+            return None
+        transfers = self.worker_side.take_stats()
+        return PdserveKvStats(data={"transfers": transfers}) if transfers else None
 
     def shutdown(self):
         if self.worker_side is not None:

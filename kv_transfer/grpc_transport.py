@@ -48,19 +48,22 @@ def chunks_of(piece: LayerSlice):
 
 
 class KvSender:
-    """Streams layer slices to decode workers; one background stream per destination."""
+    """Sends layer slices to decode workers from one background thread per destination, so
+    the forward pass never waits on the network. Each destination has one long-lived client
+    stream (one handshake, no per-slice round trip); if it breaks, the next slice opens a new
+    one, and the transfers it carried fail on the decode side (deadline or cancel)."""
 
     def __init__(self, compatibility: Compatibility) -> None:
-        self.compatibility = compatibility
+        self.hello = wire.KvMessage(hello=wire.Compatibility(**compatibility.to_dict()))
         self.queues: dict[str, queue.Queue] = {}
         self.threads: dict[str, threading.Thread] = {}
         self.lock = threading.Lock()
         self.bytes_sent = 0
-        self.errors: list[str] = []
 
     def send(self, destination: str, piece: LayerSlice) -> None:
         with self.lock:
-            if destination not in self.threads or not self.threads[destination].is_alive():
+            thread = self.threads.get(destination)
+            if thread is None or not thread.is_alive():
                 self.queues[destination] = queue.Queue()
                 thread = threading.Thread(target=self._stream, args=(destination,),
                                           name=f"kv-send-{destination}", daemon=True)
@@ -72,7 +75,7 @@ class KvSender:
         pending = self.queues[destination]
 
         def messages():
-            yield wire.KvMessage(hello=wire.Compatibility(**self.compatibility.to_dict()))
+            yield self.hello
             while (piece := pending.get()) is not _CLOSE:
                 yield from chunks_of(piece)
                 self.bytes_sent += len(piece.data)
@@ -85,11 +88,10 @@ class KvSender:
         except (grpc.RpcError, RuntimeError) as error:
             message = error.details() if isinstance(error, grpc.RpcError) else str(error)
             log.error("KV stream to %s failed: %s", destination, message)
-            self.errors.append(f"{destination}: {message}")
 
     def close(self) -> None:
         with self.lock:
-            for destination, pending in self.queues.items():
+            for pending in self.queues.values():
                 pending.put(_CLOSE)
         for thread in list(self.threads.values()):
             thread.join(timeout=5)

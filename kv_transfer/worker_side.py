@@ -27,6 +27,8 @@ class Incoming:
     expected: Expected
     deadline: float
     layers_done: set[int] = field(default_factory=set)
+    bytes: int = 0
+    first_slice_at: float | None = None
 
 
 class WorkerSide:
@@ -38,6 +40,7 @@ class WorkerSide:
         self.incoming: dict[str, Incoming] = {}            # transfer id -> state
         self.orphans: dict[str, list[tuple[float, LayerSlice]]] = {}
         self.metadata: PdserveMetadata | None = None
+        self.finished: list[dict] = []  # per-transfer figures not yet reported
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
@@ -67,12 +70,12 @@ class WorkerSide:
         now = time.monotonic()
         for expected in (self.metadata.expected if self.metadata else ()):
             self.incoming[expected.transfer_id] = Incoming(expected, now + expected.timeout_s)
-            for _, piece in self.orphans.pop(expected.transfer_id, []):
-                self._load(piece)
+            for received_at, piece in self.orphans.pop(expected.transfer_id, []):
+                self._load(piece, received_at)
         complete, cancelled = self.receiver.take()
         for piece in complete:
             if piece.transfer_id in self.incoming:
-                self._load(piece)
+                self._load(piece, now)
             else:
                 self.orphans.setdefault(piece.transfer_id, []).append((now, piece))
         self._drop_old_orphans(now)
@@ -90,12 +93,25 @@ class WorkerSide:
                 failed.add(req_id)
             else:
                 continue
+            self._record(transfer_id, state, failed=req_id in failed, now=now)
             del self.incoming[transfer_id]
         # Each request is reported once: its state is gone now (vLLM asserts on repeats).
         return loaded | failed, failed
 
-    def _load(self, piece: LayerSlice) -> None:
+    def _record(self, transfer_id: str, state: Incoming, failed: bool, now: float) -> None:
+        started = state.first_slice_at if state.first_slice_at is not None else now
+        self.finished.append({"transfer_id": transfer_id, "bytes": state.bytes,
+                              "seconds": now - started, "failed": failed})
+
+    def take_stats(self) -> list[dict]:
+        finished, self.finished = self.finished, []
+        return finished
+
+    def _load(self, piece: LayerSlice, received_at: float) -> None:
         state = self.incoming[piece.transfer_id]
+        if state.first_slice_at is None:
+            state.first_slice_at = received_at
+        state.bytes += len(piece.data)
         expected = state.expected
         cache = self.kv_caches[piece.layer]
         data = torch.frombuffer(bytearray(piece.data), dtype=cache.dtype)

@@ -27,10 +27,15 @@ from router.openai_types import (ChatCompletionRequest, CompletionRequest, Sampl
                                  parse_request)
 from router.responses import SSE_DONE, ChatFormat, CompletionFormat, ResponseFormat, Usage, sse
 from router.tokenization import PromptTokenizer
+from router.disaggregation import (DISAGGREGATED, LOCAL, ROUTE_HEADER, PrefillOutcome,
+                                   choose_route, generate_disaggregated)
+from router.policies import POLICIES
+from router.worker_client import WorkerClient
 from router.worker_pool import WorkerPool
 
 log = logging.getLogger("pdserve.router")
 FINISH_REASONS = {"stop": "stop", "length": "length"}
+TAKES_REQUESTS = ("decode", "colocated")  # roles that run whole requests / decode legs
 CANCEL_GRACE_S = 5.0  # how long a cancelled relay may take to unwind
 
 
@@ -42,6 +47,9 @@ class RouterConfig:
     default_max_tokens: int = 512     # when a request gives no max_tokens
     request_timeout_s: float = 600.0  # whole-request deadline on the worker
     worker_ready_timeout_s: float = 600.0
+    disaggregate_min_tokens: int = 256  # shorter prompts are prefilled by the decode worker
+    kv_timeout_s: float = 30.0        # how long a decode worker waits for a prompt's KV
+    policy: str = "round-robin"       # how a worker is chosen within a pool
 
 
 @dataclass
@@ -50,13 +58,18 @@ class RequestRun:
     request_id: str
     prompt_tokens: int
     arrival: float
+    route: str = LOCAL
+    prefill: PrefillOutcome | None = None  # the prefill leg, when disaggregated
+    decode_worker: WorkerClient | None = None
+    first_token_at: float | None = None
     last_token_at: float | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
+    last_chunk: worker_pb2.GenerateChunk | None = None
 
 
 def create_app(config: RouterConfig) -> FastAPI:
-    pool = WorkerPool(config.worker_addresses)
+    pool = WorkerPool(config.worker_addresses, POLICIES[config.policy]())
     tokenizer = PromptTokenizer(config.model_dir)
     metrics = RouterMetrics()
 
@@ -102,13 +115,15 @@ def create_app(config: RouterConfig) -> FastAPI:
              "max_model_len": pool.max_model_len}]}
 
     @app.get("/pdserve/workers")
-    async def worker_stats():
-        """Each worker's load, straight from its Stats RPC."""
+    async def worker_stats(fresh: bool = False):
+        """Each worker's load, straight from its Stats RPC (`?fresh=true`: after an engine
+        step, so KV usage reflects every finished and aborted request)."""
         rows = []
         for worker in pool.workers:
             try:
-                stats = await worker.stats()
+                stats = await worker.stats(fresh=fresh)
                 rows.append({"address": worker.address, "worker_id": stats.worker_id,
+                             "role": worker.role,
                              "running_requests": stats.running_requests,
                              "waiting_requests": stats.waiting_requests,
                              "kv_blocks_used": stats.kv_blocks_used,
@@ -143,15 +158,27 @@ def create_app(config: RouterConfig) -> FastAPI:
                 request_id=run.request_id, prompt_token_ids=prompt_ids,
                 sampling=_sampling(parsed, len(prompt_ids), pool.max_model_len,
                                    config.default_max_tokens, param=_prompt_param(endpoint)))
-            worker = pool.pick()
-            chunks = worker.generate(worker_request, timeout=config.request_timeout_s)
+            run.route = choose_route(request.headers.get(ROUTE_HEADER), len(prompt_ids),
+                                     config.disaggregate_min_tokens, bool(pool.live(("prefill",))))
+            worker = run.decode_worker = pool.pick(TAKES_REQUESTS)
+            headers = {"x-request-id": run.request_id, "x-pdserve-worker": worker.worker_id,
+                       ROUTE_HEADER: run.route}
+            if run.route == DISAGGREGATED:
+                prefill = pool.pick(("prefill",))
+                run.prefill = PrefillOutcome()
+                chunks = generate_disaggregated(prefill, worker, worker_request,
+                                                config.kv_timeout_s, config.request_timeout_s,
+                                                run.prefill)
+                headers["x-pdserve-prefill-worker"] = prefill.worker_id
+            else:
+                chunks = worker.generate(worker_request, timeout=config.request_timeout_s)
+            metrics.routes.labels(run.route).inc()
             try:
                 first = await anext(chunks)
             except OpenAIError as error:
                 if error.kind == "worker_unavailable":
                     pool.mark_down(worker)
                 raise
-            headers = {"x-request-id": run.request_id, "x-pdserve-worker": worker.worker_id}
             response_format = format_class(run.request_id, config.served_model)
             if parsed.stream:
                 return StreamingResponse(
@@ -178,19 +205,43 @@ def create_app(config: RouterConfig) -> FastAPI:
             return
         now = time.monotonic()
         if run.last_token_at is None:
+            run.first_token_at = now
             metrics.ttft.observe(now - run.arrival)
         else:
             metrics.inter_token.observe(now - run.last_token_at)
         run.last_token_at = now
         run.completion_tokens += len(chunk.token_ids)
         run.cached_tokens = chunk.cached_tokens
+        run.last_chunk = chunk
 
     def _finish(run: RequestRun, endpoint: str) -> Usage:
         metrics.e2e.observe(time.monotonic() - run.arrival)
         metrics.prompt_tokens.inc(run.prompt_tokens)
         metrics.generation_tokens.inc(run.completion_tokens)
         metrics.requests.labels(endpoint, "200").inc()
-        return Usage(run.prompt_tokens, run.completion_tokens, run.cached_tokens)
+        cached = run.cached_tokens
+        if run.route == DISAGGREGATED:
+            cached = _account_transfer(run)
+        log.info("timing %s", json.dumps(_timing_breakdown(run)))
+        return Usage(run.prompt_tokens, run.completion_tokens, cached)
+
+    def _account_transfer(run: RequestRun) -> int:
+        """KV metrics of a disaggregated request; returns its prompt-cache hit, which happened
+        on the prefill worker (the decode worker's count includes the transferred KV)."""
+        decode = run.last_chunk
+        if decode is not None and decode.HasField("kv"):
+            metrics.kv_bytes.observe(decode.kv.bytes)
+            metrics.kv_seconds.observe(decode.kv.seconds)
+            if decode.kv.failed:
+                metrics.kv_failures.labels("timeout_or_cancelled").inc()
+        if run.prefill.error is not None:
+            metrics.kv_failures.labels("prefill_failed").inc()
+        if run.cached_tokens < run.prompt_tokens:  # the decode worker prefilled after all
+            metrics.kv_fallbacks.labels("recompute").inc()
+            log.warning("request %s fell back to local prefill on %s", run.request_id,
+                        run.decode_worker.worker_id)
+        prefill = run.prefill.chunk
+        return prefill.cached_tokens if prefill is not None else 0
 
     async def _relay(run: RequestRun, first, chunks):
         """Yield (text, finish_reason or None) per chunk, ending with the finish reason."""
@@ -261,6 +312,24 @@ def create_app(config: RouterConfig) -> FastAPI:
                 await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
 
     return app
+
+
+def _timing_breakdown(run: RequestRun) -> dict:
+    """Where the time to first token went, from both workers' engine timestamps (seconds)."""
+    breakdown = {"request_id": run.request_id, "route": run.route,
+                 "ttft": run.first_token_at - run.arrival if run.first_token_at else None}
+    decode = run.last_chunk.timing if run.last_chunk is not None else None
+    if run.route == LOCAL and decode is not None:
+        breakdown.update(queue=decode.queued_seconds, prefill=decode.prefill_seconds)
+    elif run.prefill is not None and run.prefill.chunk is not None and decode is not None:
+        prefill = run.prefill.chunk.timing
+        breakdown.update(queue=prefill.queued_seconds, prefill=prefill.prefill_seconds,
+                         # the decode leg waits for the KV from admission on
+                         transfer_wait=decode.queued_seconds,
+                         exposed_transfer=max(0.0, decode.queued_seconds
+                                              - prefill.queued_seconds - prefill.prefill_seconds),
+                         first_decode_step=decode.prefill_seconds)
+    return breakdown
 
 
 async def _watch_down_workers(pool: WorkerPool) -> None:

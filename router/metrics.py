@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5,
                    2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
+KV_BYTES_BUCKETS = tuple(float(1 << shift) for shift in range(16, 34, 2))  # 64 KiB .. 8 GiB
 TOKEN_GAP_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
                      2.0, 5.0)
 
@@ -37,3 +38,19 @@ class RouterMetrics:
         self.generation_tokens = Counter(
             "pdserve_generation_tokens", "Generated tokens of finished requests",
             registry=self.registry)
+        self.routes = Counter(
+            "pdserve_route", "Routing decisions: path=disaggregated (prefill worker + decode "
+            "worker) or local (one worker prefills and decodes)", ["path"],
+            registry=self.registry)
+        self.kv_bytes = Histogram(
+            "pdserve_kv_transfer_bytes", "KV bytes received per transfer (decode worker)",
+            registry=self.registry, buckets=KV_BYTES_BUCKETS)
+        self.kv_seconds = Histogram(
+            "pdserve_kv_transfer_seconds", "First KV slice received -> last layer loaded",
+            registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.kv_failures = Counter(
+            "pdserve_kv_transfer_failures", "KV transfers that did not complete, by reason "
+            "(prefill_failed, timeout_or_cancelled)", ["reason"], registry=self.registry)
+        self.kv_fallbacks = Counter(
+            "pdserve_kv_fallbacks", "Disaggregated requests whose decode worker prefilled the "
+            "prompt itself after all", ["policy"], registry=self.registry)

@@ -22,20 +22,36 @@ CONTROL_TIMEOUT_S = 5.0
 class WorkerClient:
     def __init__(self, address: str) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
-        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: worker_pb2_grpc.WorkerStub | None = None
         self.worker_id = address
+        self.role = ""
         self.max_model_len = 0
+        self.kv_address = ""
+        self.block_size = 0
+        self.kv_bytes_per_block = 0
+        self.outstanding_tokens = 0  # prompt + max tokens of requests in flight here
         self._pending_aborts: set[asyncio.Task] = set()
+
+    @property
+    def stub(self) -> worker_pb2_grpc.WorkerStub:
+        """Made on first use: a grpc.aio channel belongs to the event loop that creates it."""
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=GRPC_OPTIONS)
+            self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+        return self._stub
 
     async def health(self, timeout: float = CONTROL_TIMEOUT_S) -> worker_pb2.HealthReply:
         reply = await self.stub.Health(worker_pb2.HealthRequest(), timeout=timeout)
         if reply.state == worker_pb2.HealthReply.READY:
-            self.worker_id, self.max_model_len = reply.worker_id, reply.max_model_len
+            self.worker_id, self.role = reply.worker_id, reply.role
+            self.max_model_len, self.kv_address = reply.max_model_len, reply.kv_address
+            self.block_size, self.kv_bytes_per_block = reply.block_size, reply.kv_bytes_per_block
         return reply
 
-    async def stats(self, timeout: float = CONTROL_TIMEOUT_S) -> worker_pb2.StatsReply:
-        return await self.stub.Stats(worker_pb2.StatsRequest(), timeout=timeout)
+    async def stats(self, fresh: bool = False,
+                    timeout: float = CONTROL_TIMEOUT_S) -> worker_pb2.StatsReply:
+        return await self.stub.Stats(worker_pb2.StatsRequest(fresh=fresh), timeout=timeout)
 
     async def abort(self, request_id: str) -> None:
         """Best effort: the worker also aborts when the Generate call is cancelled."""
@@ -51,6 +67,8 @@ class WorkerClient:
         worker: the call is cancelled and an explicit Abort follows."""
         call = self.stub.Generate(request, timeout=timeout)
         finished = False
+        cost = len(request.prompt_token_ids) + request.sampling.max_tokens
+        self.outstanding_tokens += cost
         try:
             async for chunk in call:
                 finished = bool(chunk.finish_reason)
@@ -58,6 +76,7 @@ class WorkerClient:
         except grpc.aio.AioRpcError as error:
             raise self._to_openai_error(error, timeout) from None
         finally:
+            self.outstanding_tokens -= cost
             if not finished:
                 call.cancel()
                 # A task, not an await: this generator may be inside a cancelled scope.
@@ -69,6 +88,9 @@ class WorkerClient:
         code, details = error.code(), error.details() or ""
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return invalid_request(details)
+        if code == grpc.StatusCode.ABORTED:
+            return OpenAIError(502, f"worker {self.worker_id}: {details}", "kv_transfer_failed",
+                               type="server_error", code="kv_transfer_failed")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return request_timeout(timeout)
         if code == grpc.StatusCode.UNAVAILABLE:
@@ -76,4 +98,5 @@ class WorkerClient:
         return worker_failed(f"worker {self.worker_id} failed: {code.name}: {details}")
 
     async def close(self) -> None:
-        await self.channel.close()
+        if self._channel is not None:
+            await self._channel.close()

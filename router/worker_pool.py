@@ -1,11 +1,12 @@
-"""The workers the router may send a request to, and the choice among them (round-robin).
+"""The workers the router may send a request to, by role, and the choice among them.
 
-A worker that answered UNAVAILABLE is skipped until its Health says READY again; with no
-worker left the router answers 503 instead of waiting.
+Each worker says its role in Health. Decode and colocated workers take whole requests (and
+the decode leg of disaggregated ones); prefill workers take prefill legs. A worker that answered
+UNAVAILABLE is skipped until its Health says READY again; with no worker left for a leg the
+router answers 503 instead of waiting.
 """
 
 import asyncio
-import itertools
 import logging
 
 from cluster.protocol import worker_pb2
@@ -16,10 +17,10 @@ log = logging.getLogger("pdserve.router")
 
 
 class WorkerPool:
-    def __init__(self, addresses: list[str]) -> None:
+    def __init__(self, addresses: list[str], policy) -> None:
         self.workers = [WorkerClient(address) for address in addresses]
         self.down: set[str] = set()
-        self._turn = itertools.count()
+        self.policy = policy
 
     async def wait_ready(self, deadline_s: float) -> None:
         """Wait until every worker is READY, or raise TimeoutError naming the slow ones."""
@@ -40,11 +41,14 @@ class WorkerPool:
         except Exception:  # not listening yet
             return False
 
-    def pick(self) -> WorkerClient:
-        live = [w for w in self.workers if w.address not in self.down]
-        if not live:
-            raise worker_unavailable("no worker is available; retry later")
-        return live[next(self._turn) % len(live)]
+    def live(self, roles: tuple[str, ...]) -> list[WorkerClient]:
+        return [w for w in self.workers if w.role in roles and w.address not in self.down]
+
+    def pick(self, roles: tuple[str, ...]) -> WorkerClient:
+        candidates = self.live(roles)
+        if not candidates:
+            raise worker_unavailable(f"no {' or '.join(roles)} worker is available; retry later")
+        return self.policy.choose(candidates)
 
     def mark_down(self, worker: WorkerClient) -> None:
         log.warning("worker %s marked down", worker.address)

@@ -62,7 +62,7 @@ class RequestTiming(_message.Message):
     def __init__(self, queued_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "emitted_at", "prompt_tokens", "cached_tokens", "timing")
+    __slots__ = ("token_ids", "text", "finish_reason", "emitted_at", "prompt_tokens", "cached_tokens", "timing", "kv")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class GenerateChunk(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: str
@@ -77,7 +78,18 @@ class GenerateChunk(_message.Message):
     prompt_tokens: int
     cached_tokens: int
     timing: RequestTiming
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., emitted_at: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., timing: _Optional[_Union[RequestTiming, _Mapping]] = ...) -> None: ...
+    kv: KvTransferStats
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., emitted_at: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., timing: _Optional[_Union[RequestTiming, _Mapping]] = ..., kv: _Optional[_Union[KvTransferStats, _Mapping]] = ...) -> None: ...
+
+class KvTransferStats(_message.Message):
+    __slots__ = ("bytes", "seconds", "failed")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    seconds: float
+    failed: bool
+    def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., failed: _Optional[bool] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -130,8 +142,10 @@ class HealthReply(_message.Message):
     def __init__(self, state: _Optional[_Union[HealthReply.State, str]] = ..., message: _Optional[str] = ..., worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_address: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., kv_failure_policy: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("fresh",)
+    FRESH_FIELD_NUMBER: _ClassVar[int]
+    fresh: bool
+    def __init__(self, fresh: _Optional[bool] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("worker_id", "running_requests", "waiting_requests", "kv_blocks_used", "kv_blocks_total", "outstanding_prefill_tokens", "engine_stats_age_seconds")

@@ -1,0 +1,28 @@
+"""Per-transfer figures from the decode worker's connector, carried by vLLM's stats path.
+
+The worker half returns these each engine step; vLLM merges them into its scheduler stats,
+which reach the stat logger in the worker's AsyncLLM process (see cluster/engine.py).
+Each entry: {"transfer_id", "bytes", "seconds" (first slice received -> last layer loaded),
+"failed"}.
+"""
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+
+class PdserveKvStats(KVConnectorStats):
+    def __post_init__(self):
+        self.data.setdefault("transfers", [])
+
+    def reset(self):
+        self.data = {"transfers": []}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        self.data["transfers"] = self.data["transfers"] + other.data.get("transfers", [])
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        transfers = self.data["transfers"]
+        return {"transfers": len(transfers), "bytes": sum(t["bytes"] for t in transfers)}
+
+    def is_empty(self) -> bool:
+        return not self.data["transfers"]

@@ -1,0 +1,89 @@
+"""The disaggregated path: prefill on one worker, decode on another, KV pushed between them.
+
+Both legs start at once with the same transfer id. The decode worker admits the request as
+"waiting for KV" and reserves its blocks; the prefill worker computes the prompt (max_tokens=1)
+and its connector pushes each layer's KV to the decode worker while later layers compute. The
+client's tokens come from the decode leg. If the prefill leg fails, the router cancels the
+transfer so the decode worker applies its policy (recompute or fail) at once instead of at the
+deadline.
+
+Which path a request takes is decided here too, and returned with the response.
+"""
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from cluster.protocol import worker_pb2
+from kv_transfer.grpc_transport import cancel_transfer
+from router.errors import OpenAIError, invalid_request
+from router.worker_client import WorkerClient
+
+log = logging.getLogger("pdserve.router")
+ROUTE_HEADER = "x-pdserve-route"
+LOCAL, DISAGGREGATED = "local", "disaggregated"
+
+
+def choose_route(header: str | None, prompt_tokens: int, threshold: int,
+                 have_prefill_workers: bool) -> str:
+    """Disaggregate prompts of at least `threshold` tokens when prefill workers exist; a
+    request may force its path with the x-pdserve-route header."""
+    if header:
+        if header not in (LOCAL, DISAGGREGATED):
+            raise invalid_request(f"{ROUTE_HEADER} must be '{LOCAL}' or '{DISAGGREGATED}', "
+                                  f"not {header!r}", param=ROUTE_HEADER)
+        if header == DISAGGREGATED and not have_prefill_workers:
+            raise OpenAIError(503, "no prefill worker is available for a disaggregated request",
+                              "worker_unavailable", type="service_unavailable_error",
+                              code="worker_unavailable")
+        return header
+    return DISAGGREGATED if have_prefill_workers and prompt_tokens >= threshold else LOCAL
+
+
+@dataclass
+class PrefillOutcome:
+    """What the prefill leg reports: its timing and prefix-cache hit, or why it failed."""
+    chunk: worker_pb2.GenerateChunk | None = None
+    error: str | None = None
+
+
+async def generate_disaggregated(prefill: WorkerClient, decode: WorkerClient,
+                                 request: worker_pb2.GenerateRequest, kv_timeout_s: float,
+                                 timeout_s: float, outcome: PrefillOutcome):
+    """Yield the decode leg's chunks; the prefill leg runs alongside and fills `outcome`."""
+    transfer_id = request.request_id
+    decode_request = worker_pb2.GenerateRequest()
+    decode_request.CopyFrom(request)
+    decode_request.kv.CopyFrom(worker_pb2.KvTransfer(transfer_id=transfer_id,
+                                                     receive_timeout_s=kv_timeout_s))
+    prefill_request = worker_pb2.GenerateRequest()
+    prefill_request.CopyFrom(request)
+    prefill_request.request_id = f"{request.request_id}-prefill"
+    prefill_request.sampling.max_tokens = 1
+    prefill_request.kv.CopyFrom(worker_pb2.KvTransfer(transfer_id=transfer_id,
+                                                      send_to=decode.kv_address))
+    prefill_task = asyncio.create_task(
+        _run_prefill(prefill, prefill_request, decode.kv_address, timeout_s, outcome))
+    try:
+        async for chunk in decode.generate(decode_request, timeout=timeout_s):
+            yield chunk
+    finally:
+        if not prefill_task.done():
+            prefill_task.cancel()
+
+
+async def _run_prefill(prefill: WorkerClient, request: worker_pb2.GenerateRequest,
+                       kv_address: str, timeout_s: float, outcome: PrefillOutcome) -> None:
+    try:
+        async for chunk in prefill.generate(request, timeout=timeout_s):
+            outcome.chunk = chunk
+    except OpenAIError as error:
+        outcome.error = error.message
+        log.warning("prefill of %s failed (%s); cancelling its KV transfer",
+                    request.kv.transfer_id, error.message)
+        try:
+            await asyncio.to_thread(cancel_transfer, kv_address, request.kv.transfer_id,
+                                    f"prefill worker failed: {error.message}")
+        except Exception as cancel_error:  # the decode worker's deadline still applies
+            log.warning("could not cancel transfer %s: %s", request.kv.transfer_id,
+                        cancel_error)
