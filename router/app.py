@@ -35,7 +35,8 @@ from router.worker_pool import WorkerPool
 
 log = logging.getLogger("pdserve.router")
 FINISH_REASONS = {"stop": "stop", "length": "length"}
-TAKES_REQUESTS = ("decode", "colocated")  # roles that run whole requests / decode legs
+TAKES_REQUESTS = ("decode", "colocated")
+TIMING_HEADER = "x-pdserve-timing"  # ask for the timing breakdown in a whole response  # roles that run whole requests / decode legs
 CANCEL_GRACE_S = 5.0  # how long a cancelled relay may take to unwind
 
 
@@ -189,6 +190,11 @@ def create_app(config: RouterConfig) -> FastAPI:
                 request, _collect(run, first, chunks, response_format, endpoint), endpoint)
             if whole is None:
                 return Response(status_code=499)
+            # Prompt tokens the serving worker did not compute itself (prefix cache + KV
+            # received); on a disaggregated request it shows the decode worker's saving.
+            headers["x-pdserve-decode-cached-tokens"] = str(run.cached_tokens)
+            if request.headers.get(TIMING_HEADER):
+                whole["pdserve_timing"] = _timing_breakdown(run)
             return JSONResponse(whole, headers=headers)
         except OpenAIError as error:
             return _error_response(error, endpoint)
@@ -267,6 +273,8 @@ def create_app(config: RouterConfig) -> FastAPI:
             async for text, reason in _relay(run, first, chunks):
                 parts.append(text)
                 finish_reason = reason or finish_reason
+            if run.prefill is not None:  # before closing the legs, which cancels the prefill
+                await run.prefill.wait()
         finally:
             await chunks.aclose()
         return response_format.whole("".join(parts), finish_reason, _finish(run, endpoint))
@@ -280,6 +288,8 @@ def create_app(config: RouterConfig) -> FastAPI:
                 if text or is_first or reason is not None:
                     yield response_format.chunk(text, reason, is_first)
                     is_first = False
+            if run.prefill is not None:  # before closing the legs, which cancels the prefill
+                await run.prefill.wait()
             usage = _finish(run, endpoint)
             if include_usage:
                 yield response_format.usage_chunk(usage)
@@ -329,6 +339,8 @@ def _timing_breakdown(run: RequestRun) -> dict:
                          exposed_transfer=max(0.0, decode.queued_seconds
                                               - prefill.queued_seconds - prefill.prefill_seconds),
                          first_decode_step=decode.prefill_seconds)
+    if run.last_chunk is not None and run.last_chunk.HasField("kv"):
+        breakdown.update(kv_bytes=run.last_chunk.kv.bytes, kv_seconds=run.last_chunk.kv.seconds)
     return breakdown
 
 

@@ -12,7 +12,7 @@ Which path a request takes is decided here too, and returned with the response.
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cluster.protocol import worker_pb2
 from kv_transfer.grpc_transport import cancel_transfer
@@ -45,6 +45,15 @@ class PrefillOutcome:
     """What the prefill leg reports: its timing and prefix-cache hit, or why it failed."""
     chunk: worker_pb2.GenerateChunk | None = None
     error: str | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def wait(self, timeout_s: float = 2.0) -> None:
+        """The decode leg can end a moment before the prefill leg's last message arrives."""
+        try:
+            await asyncio.wait_for(self.done.wait(), timeout_s)
+        except TimeoutError:
+            log.warning("the prefill leg had not reported %.0f s after the decode leg ended",
+                        timeout_s)
 
 
 async def generate_disaggregated(prefill: WorkerClient, decode: WorkerClient,
@@ -79,6 +88,7 @@ async def _run_prefill(prefill: WorkerClient, request: worker_pb2.GenerateReques
             outcome.chunk = chunk
     except OpenAIError as error:
         outcome.error = error.message
+        outcome.done.set()
         log.warning("prefill of %s failed (%s); cancelling its KV transfer",
                     request.kv.transfer_id, error.message)
         try:
@@ -87,3 +97,5 @@ async def _run_prefill(prefill: WorkerClient, request: worker_pb2.GenerateReques
         except Exception as cancel_error:  # the decode worker's deadline still applies
             log.warning("could not cancel transfer %s: %s", request.kv.transfer_id,
                         cancel_error)
+    finally:
+        outcome.done.set()

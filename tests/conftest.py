@@ -1,9 +1,11 @@
-"""Shared fixtures: one real `pdserve serve` (router + a vLLM worker on CPU) for the session.
+"""Shared fixtures: one real `pdserve serve` (router + a prefill and a decode vLLM worker on
+CPU) for the session, and vLLM's offline engine's greedy output as the reference.
 
-A vLLM engine takes ~30 s to start and ~3 GB, so every integration test shares this one.
+A vLLM engine takes ~30 s to start and ~3 GB, so every integration test shares these.
 Teardown checks that SIGTERM stopped the router and every process it started.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -17,6 +19,8 @@ import pytest
 
 from cluster.model_store import ensure_model
 from cluster.worker_process import free_port
+from tests.prompts import (CHATS, DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS, MAX_TOKENS,
+                           PROMPTS)
 
 SERVED_MODEL = "smollm2"
 START_TIMEOUT_S = 600
@@ -33,8 +37,13 @@ class Server:
     def base_url(self) -> str:
         return f"{self.url}/v1"
 
-    def workers(self) -> list[dict]:
-        return httpx.get(f"{self.url}/pdserve/workers", timeout=10).json()["workers"]
+    def workers(self, fresh: bool = False) -> list[dict]:
+        return httpx.get(f"{self.url}/pdserve/workers", params={"fresh": fresh},
+                         timeout=30).json()["workers"]
+
+    def worker(self, role: str, fresh: bool = False) -> dict:
+        (row,) = [w for w in self.workers(fresh) if w["role"] == role]
+        return row
 
     def log(self) -> str:
         return "\n".join(path.read_text(errors="replace")[-4000:]
@@ -46,22 +55,48 @@ def smollm2_dir() -> Path:
     return ensure_model("smollm2")
 
 
-@pytest.fixture(scope="session")
-def server(smollm2_dir, tmp_path_factory) -> Server:
+def start_server(log_dir: Path, *args: str) -> Server:
     port = free_port()
-    log_dir = tmp_path_factory.mktemp("serve-logs")
-    serve_log = open(log_dir / "serve.log", "wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--kv-cache-gib", "1",
-         "--log-dir", str(log_dir)],
-        stdout=serve_log, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(log_dir / "serve.log", "wb") as serve_log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port),
+             "--kv-cache-gib", "1", "--log-dir", str(log_dir), *args],
+            stdout=serve_log, stderr=subprocess.STDOUT, start_new_session=True)
     server = Server(f"http://127.0.0.1:{port}", process, log_dir)
     try:
         _wait_healthy(server)
-        yield server
-    finally:
+    except BaseException:
         _stop_and_check(server)
-        serve_log.close()
+        raise
+    return server
+
+
+@pytest.fixture(scope="session")
+def server(smollm2_dir, tmp_path_factory) -> Server:
+    """The default cluster: 1 prefill + 1 decode worker."""
+    server = start_server(tmp_path_factory.mktemp("serve-logs"))
+    yield server
+    _stop_and_check(server)
+
+
+@pytest.fixture(scope="session")
+def offline_reference(smollm2_dir, tmp_path_factory) -> dict:
+    """Greedy outputs of vLLM's offline engine for tests/prompts.py."""
+    folder = tmp_path_factory.mktemp("offline")
+    prompts = ([{"prompt": p, "max_tokens": MAX_TOKENS} for p in PROMPTS]
+               + [{"prompt": p, "max_tokens": DISAGGREGATED_MAX_TOKENS}
+                  for p in DISAGGREGATED_PROMPTS])
+    (folder / "requests.json").write_text(json.dumps(
+        {"prompts": prompts, "chats": CHATS, "chat_max_tokens": MAX_TOKENS}))
+    script = Path(__file__).with_name("offline_reference.py")
+    done = subprocess.run(
+        [sys.executable, str(script), str(smollm2_dir), str(folder / "requests.json"),
+         str(folder / "out.json")], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    outputs = json.loads((folder / "out.json").read_text())
+    count = len(PROMPTS)
+    return {"prompts": outputs["prompts"][:count], "chats": outputs["chats"],
+            "disaggregated": outputs["prompts"][count:]}
 
 
 def _wait_healthy(server: Server) -> None:

@@ -2,7 +2,8 @@
 
 Run as a script (vLLM's CPU platform spawns processes, so it needs a __main__ guard):
     python tests/offline_reference.py MODEL_DIR REQUESTS_JSON OUTPUT_JSON
-REQUESTS_JSON: {"max_tokens": N, "prompts": [str...], "chats": [[{role, content}...]...]}
+REQUESTS_JSON: {"prompts": [{"prompt", "max_tokens"}...], "chats": [[{role, content}...]...],
+                "chat_max_tokens": N}
 OUTPUT_JSON: {"prompts": [{"text", "token_ids"}...], "chats": [...]}
 """
 
@@ -18,10 +19,13 @@ def main(model_dir: str, requests_path: str, output_path: str) -> None:
     requests = json.loads(open(requests_path).read())
     llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, seed=0,
               kv_cache_memory_bytes=GIB)
-    greedy = SamplingParams(temperature=0.0, max_tokens=requests["max_tokens"])
+    prompts = requests["prompts"]
     results = {
-        "prompts": llm.generate(requests["prompts"], greedy),
-        "chats": llm.chat(requests["chats"], greedy),
+        "prompts": llm.generate([p["prompt"] for p in prompts],
+                                [SamplingParams(temperature=0.0, max_tokens=p["max_tokens"])
+                                 for p in prompts]),
+        "chats": llm.chat(requests["chats"],
+                          SamplingParams(temperature=0.0, max_tokens=requests["chat_max_tokens"])),
     }
     with open(output_path, "w") as out:
         json.dump({kind: [{"text": r.outputs[0].text, "token_ids": list(r.outputs[0].token_ids)}

@@ -1,46 +1,15 @@
-"""The real `openai` client against the real router and a real vLLM worker on CPU.
+"""The real `openai` client against the real router and real vLLM workers on CPU.
 
 Greedy output through pdserve must equal vLLM's offline `LLM` on the same model: the offline
-reference runs in its own process (it needs its own engine), started once per session.
+reference runs in its own process (it needs its own engine), once per session.
 """
-
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import openai
 import pytest
 from transformers import AutoTokenizer
 
 from tests.conftest import SERVED_MODEL
-
-MAX_TOKENS = 24
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "List three colors:",
-]
-CHATS = [
-    [{"role": "user", "content": "What is 2 + 2?"}],
-    [{"role": "system", "content": "You are terse."},
-     {"role": "user", "content": "Name a planet."}],
-    [{"role": "user", "content": "Write a haiku about the sea."}],
-]
-
-
-@pytest.fixture(scope="session")
-def offline_reference(smollm2_dir, tmp_path_factory) -> dict:
-    folder = tmp_path_factory.mktemp("offline")
-    (folder / "requests.json").write_text(
-        json.dumps({"max_tokens": MAX_TOKENS, "prompts": PROMPTS, "chats": CHATS}))
-    script = Path(__file__).with_name("offline_reference.py")
-    done = subprocess.run(
-        [sys.executable, str(script), str(smollm2_dir), str(folder / "requests.json"),
-         str(folder / "out.json")], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads((folder / "out.json").read_text())
+from tests.prompts import CHATS, MAX_TOKENS, PROMPTS
 
 
 @pytest.fixture(scope="session")

@@ -22,10 +22,10 @@ def test_client_disconnect_aborts_the_request_on_the_worker(server):
             events = 0
             while events < 5:
                 events += next(lines).startswith("data:")
-            assert server.workers()[0]["running_requests"] == 1
+            assert server.worker("decode")["running_requests"] == 1
     # Leaving the `with` closed the connection mid-stream.
     deadline = time.monotonic() + 2.0
-    while server.workers()[0]["running_requests"] != 0:
+    while server.worker("decode")["running_requests"] != 0:
         assert time.monotonic() < deadline, "the worker still runs the abandoned request"
         time.sleep(0.05)
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
@@ -39,7 +39,7 @@ def test_client_leaving_a_whole_response_aborts_it_too(server):
         # The client gives up after 3 s, closing its connection.
         httpx.post(f"{server.base_url}/completions", json=body, timeout=3)
     deadline = time.monotonic() + 2.0
-    while server.workers()[0]["running_requests"] != 0:
+    while server.worker("decode")["running_requests"] != 0:
         assert time.monotonic() < deadline, "the worker still runs the abandoned request"
         time.sleep(0.05)
 
@@ -75,4 +75,4 @@ def test_twenty_concurrent_streams_all_complete(server):
         assert finish in ("stop", "length")
         assert completion_tokens == max_tokens if finish == "length" else completion_tokens < (
             max_tokens)
-    assert server.workers()[0]["running_requests"] == 0
+    assert server.worker("decode")["running_requests"] == 0

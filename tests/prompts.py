@@ -1,0 +1,28 @@
+"""Prompts shared by the tests that compare pdserve's output with vLLM's offline engine."""
+
+MAX_TOKENS = 24
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "List three colors:",
+]
+CHATS = [
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "system", "content": "You are terse."},
+     {"role": "user", "content": "Name a planet."}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+]
+
+_STORY = ("The old lighthouse keeper climbed the stairs every evening, counting each step, "
+          "listening to the sea, and writing the weather in a worn notebook. ")
+
+
+def long_prompt(approx_tokens: int) -> str:
+    """A prompt of about `approx_tokens` tokens (the story sentence is ~30 tokens)."""
+    return _STORY * max(1, approx_tokens // 30) + "What did the keeper write?"
+
+
+# Short to ~1.5K tokens: below, across and far above one 128-token KV block.
+DISAGGREGATED_PROMPTS = [long_prompt(n) for n in (10, 60, 130, 300, 520, 800, 1100, 1500)]
+DISAGGREGATED_MAX_TOKENS = 12
