@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -121,17 +122,17 @@ def create_app(config: RouterConfig) -> FastAPI:
         step, so KV usage reflects every finished and aborted request)."""
         rows = []
         for worker in pool.workers:
+            row = {"address": worker.address, "worker_id": worker.worker_id, "role": worker.role}
             try:
                 stats = await worker.stats(fresh=fresh)
-                rows.append({"address": worker.address, "worker_id": stats.worker_id,
-                             "role": worker.role,
-                             "running_requests": stats.running_requests,
-                             "waiting_requests": stats.waiting_requests,
-                             "kv_blocks_used": stats.kv_blocks_used,
-                             "kv_blocks_total": stats.kv_blocks_total,
-                             "outstanding_prefill_tokens": stats.outstanding_prefill_tokens})
-            except Exception as error:
-                rows.append({"address": worker.address, "error": str(error)})
+                row.update(running_requests=stats.running_requests,
+                           waiting_requests=stats.waiting_requests,
+                           kv_blocks_used=stats.kv_blocks_used,
+                           kv_blocks_total=stats.kv_blocks_total,
+                           outstanding_prefill_tokens=stats.outstanding_prefill_tokens)
+            except grpc.aio.AioRpcError as error:
+                row["error"] = f"{error.code().name}: {error.details()}"
+            rows.append(row)
         return {"workers": rows}
 
     @app.post("/v1/chat/completions")

@@ -1,0 +1,45 @@
+"""Routing decisions and pool policies, with fake workers (no engine needed)."""
+
+import pytest
+
+from router.disaggregation import DISAGGREGATED, LOCAL, choose_route
+from router.errors import OpenAIError
+from router.policies import LeastLoaded, RoundRobin
+
+
+class FakeWorker:
+    """Stands in for a WorkerClient: policies only read `outstanding_tokens`."""
+
+    def __init__(self, name: str, outstanding_tokens: int = 0) -> None:
+        self.name = name
+        self.outstanding_tokens = outstanding_tokens
+
+
+@pytest.mark.parametrize("prompt_tokens, have_prefill, expected", [
+    (10, True, LOCAL), (255, True, LOCAL), (256, True, DISAGGREGATED),
+    (5000, True, DISAGGREGATED), (5000, False, LOCAL),
+])
+def test_the_threshold_decides_the_path(prompt_tokens, have_prefill, expected):
+    assert choose_route(None, prompt_tokens, 256, have_prefill) == expected
+
+
+def test_the_header_forces_the_path():
+    assert choose_route("disaggregated", 3, 256, True) == DISAGGREGATED
+    assert choose_route("local", 9000, 256, True) == LOCAL
+
+
+def test_forcing_disaggregation_without_prefill_workers_is_a_503():
+    with pytest.raises(OpenAIError) as caught:
+        choose_route("disaggregated", 3, 256, False)
+    assert caught.value.status == 503
+
+
+def test_round_robin_cycles_through_the_candidates():
+    workers = [FakeWorker("a"), FakeWorker("b"), FakeWorker("c")]
+    policy = RoundRobin()
+    assert [policy.choose(workers).name for _ in range(4)] == ["a", "b", "c", "a"]
+
+
+def test_least_loaded_picks_the_fewest_outstanding_tokens():
+    workers = [FakeWorker("a", 900), FakeWorker("b", 20), FakeWorker("c", 300)]
+    assert LeastLoaded().choose(workers).name == "b"
