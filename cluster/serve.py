@@ -18,6 +18,7 @@ from pathlib import Path
 from cluster import engine as engine_factory
 from cluster.model_store import ModelError, resolve_model
 from cluster.worker_process import start_worker, stop_worker, wait_ready
+from router.disaggregation import ADMISSIONS, AFTER_PREFILL
 from router.policies import POLICIES
 
 
@@ -43,6 +44,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--kv-failure-policy", choices=("recompute", "fail"), default="recompute",
                         help="when KV does not arrive in time: the decode worker prefills the "
                              "prompt itself, or the request fails (default: recompute)")
+    parser.add_argument("--decode-admission", choices=ADMISSIONS, default=AFTER_PREFILL,
+                        help="when a decode worker hears of a disaggregated request: with-prefill "
+                             "(reserves KV blocks while the prompt computes; its engine polls "
+                             "for the KV meanwhile, which slowed a prefill worker sharing its "
+                             "CPU cores by ~25%%) or after-prefill (default)")
     parser.add_argument("--policy", choices=sorted(POLICIES), default="round-robin",
                         help="how a worker is chosen within a pool (default: round-robin)")
     parser.add_argument("--served-model-name", default=None,
@@ -115,7 +121,7 @@ async def _run_router(args, model: Path, addresses: list[str]) -> None:
         worker_addresses=addresses, default_max_tokens=args.default_max_tokens,
         request_timeout_s=args.request_timeout, worker_ready_timeout_s=args.worker_ready_timeout,
         disaggregate_min_tokens=args.disaggregate_min_tokens, kv_timeout_s=args.kv_timeout,
-        policy=args.policy)
+        policy=args.policy, decode_admission=args.decode_admission)
     server = uvicorn.Server(uvicorn.Config(create_app(config), host=args.host, port=args.port,
                                            log_level="warning"))
     announce = asyncio.create_task(_announce_when_started(server, args, config.served_model))

@@ -104,7 +104,9 @@ async def serve_worker(args: argparse.Namespace, model) -> int:
     log.info("worker %s stopping", worker_id)
     await server.stop(grace=2)
     engine.shutdown()
-    service.engine = None  # no second shutdown from AsyncLLM.__del__ at interpreter exit
+    # Drop every reference, so AsyncLLM.__del__ does not shut down again at interpreter exit.
+    service.engine = None
+    del engine, starting
     return 0
 
 

@@ -54,13 +54,14 @@ class PdserveConnector(KVConnectorBase_V1):
             self.scheduler_side = SchedulerSide(vllm_config.cache_config.block_size)
             return
         compatibility = compatibility_of(vllm_config)
-        # vLLM's worker loop spins in Python between steps; with the default 5 ms GIL switch
-        # interval each KV message waited up to 5 ms for the GIL (0.45 s for 30 layers).
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         sender = receiver = None
         if transfer.is_kv_producer:
             sender = KvSender(compatibility)
         if transfer.is_kv_consumer:
+            # vLLM's worker loop spins in Python while a request waits for KV; with the default
+            # 5 ms GIL switch interval each KV message waited up to 5 ms for the GIL there
+            # (0.45 s for 30 layers).
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             receiver = KvReceiver(compatibility)

@@ -10,6 +10,7 @@ Every stream starts with the compatibility handshake; a mismatched pair is refus
 import logging
 import queue
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -29,13 +30,15 @@ _CLOSE = object()
 
 @dataclass(frozen=True)
 class LayerSlice:
-    """One layer's KV for consecutive blocks of one transfer, as raw bytes."""
+    """One layer's KV for consecutive blocks of one transfer, as raw bytes (a bytearray on the
+    receiving side, so the KV cache copy reads it without another copy)."""
     transfer_id: str
     layer: int
     first_block: int
     num_blocks: int
-    data: bytes
+    data: bytes | bytearray
     last: bool
+    received_at: float = 0.0  # receiver's monotonic clock, when the slice was complete
 
 
 def chunks_of(piece: LayerSlice):
@@ -148,7 +151,7 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
                     self.bytes_received += chunk.slice_bytes
                     self.complete.append(LayerSlice(chunk.transfer_id, chunk.layer,
                                                     chunk.first_block, chunk.num_blocks,
-                                                    bytes(buffer), chunk.last))
+                                                    buffer, chunk.last, time.monotonic()))
         return wire.PushKvReply(accepted=True)
 
     def CancelTransfer(self, request, context):

@@ -2,7 +2,7 @@
 
 The worker half returns these each engine step; vLLM merges them into its scheduler stats,
 which reach the stat logger in the worker's AsyncLLM process (see cluster/engine.py).
-Each entry: {"transfer_id", "bytes", "seconds" (first slice received -> last layer loaded),
+Each entry: {"transfer_id", "bytes", "seconds" (first slice received -> last slice received),
 "failed"}.
 """
 

@@ -19,7 +19,7 @@ from kv_transfer.grpc_transport import KvReceiver, KvSender, LayerSlice
 from kv_transfer.metadata import Expected, PdserveMetadata
 
 log = logging.getLogger("pdserve.kv")
-ORPHAN_TTL_S = 120.0  # slices for a transfer no request expects are dropped after this
+ORPHAN_TTL_S = 120.0  # slices or cancels for a transfer no request expects: dropped after
 
 
 @dataclass
@@ -29,6 +29,7 @@ class Incoming:
     layers_done: set[int] = field(default_factory=set)
     bytes: int = 0
     first_slice_at: float | None = None
+    last_slice_at: float = 0.0
 
 
 class WorkerSide:
@@ -38,7 +39,8 @@ class WorkerSide:
         self.kv_caches: list[torch.Tensor] = []  # by layer index
         self.layer_index: dict[str, int] = {}
         self.incoming: dict[str, Incoming] = {}            # transfer id -> state
-        self.orphans: dict[str, list[tuple[float, LayerSlice]]] = {}
+        self.orphans: dict[str, list[LayerSlice]] = {}
+        self.cancelled: dict[str, tuple[float, str]] = {}  # transfer id -> (when, why)
         self.metadata: PdserveMetadata | None = None
         self.finished: list[dict] = []  # per-transfer figures not yet reported
 
@@ -70,14 +72,15 @@ class WorkerSide:
         now = time.monotonic()
         for expected in (self.metadata.expected if self.metadata else ()):
             self.incoming[expected.transfer_id] = Incoming(expected, now + expected.timeout_s)
-            for received_at, piece in self.orphans.pop(expected.transfer_id, []):
-                self._load(piece, received_at)
+            for piece in self.orphans.pop(expected.transfer_id, []):
+                self._load(piece)
         complete, cancelled = self.receiver.take()
+        self.cancelled.update((transfer_id, (now, why)) for transfer_id, why in cancelled.items())
         for piece in complete:
             if piece.transfer_id in self.incoming:
-                self._load(piece, now)
+                self._load(piece)
             else:
-                self.orphans.setdefault(piece.transfer_id, []).append((now, piece))
+                self.orphans.setdefault(piece.transfer_id, []).append(piece)
         self._drop_old_orphans(now)
 
         loaded, failed = set(), set()
@@ -87,8 +90,9 @@ class WorkerSide:
                 loaded.add(req_id)
             elif len(state.layers_done) == len(self.kv_caches):
                 loaded.add(req_id)
-            elif transfer_id in cancelled or now > state.deadline:
-                why = cancelled.get(transfer_id, f"no KV after {state.expected.timeout_s:g} s")
+            elif transfer_id in self.cancelled or now > state.deadline:
+                why = self.cancelled.pop(transfer_id, (now, None))[1] or (
+                    f"no KV after {state.expected.timeout_s:g} s")
                 log.warning("KV transfer %s failed: %s", transfer_id, why)
                 failed.add(req_id)
             else:
@@ -99,22 +103,28 @@ class WorkerSide:
         return loaded | failed, failed
 
     def _record(self, transfer_id: str, state: Incoming, failed: bool, now: float) -> None:
-        started = state.first_slice_at if state.first_slice_at is not None else now
+        """Transfer time: first slice received -> last slice received (when the transfer
+        completed; `now` when it failed)."""
+        if state.first_slice_at is None:
+            started = ended = now
+        else:
+            started, ended = state.first_slice_at, now if failed else state.last_slice_at
         self.finished.append({"transfer_id": transfer_id, "bytes": state.bytes,
-                              "seconds": now - started, "failed": failed})
+                              "seconds": ended - started, "failed": failed})
 
     def take_stats(self) -> list[dict]:
         finished, self.finished = self.finished, []
         return finished
 
-    def _load(self, piece: LayerSlice, received_at: float) -> None:
+    def _load(self, piece: LayerSlice) -> None:
         state = self.incoming[piece.transfer_id]
         if state.first_slice_at is None:
-            state.first_slice_at = received_at
+            state.first_slice_at = piece.received_at
+        state.last_slice_at = max(state.last_slice_at, piece.received_at)
         state.bytes += len(piece.data)
         expected = state.expected
         cache = self.kv_caches[piece.layer]
-        data = torch.frombuffer(bytearray(piece.data), dtype=cache.dtype)
+        data = torch.frombuffer(piece.data, dtype=cache.dtype)
         data = data.view(piece.num_blocks, *cache.shape[1:])
         first, skip = piece.first_block, expected.skip_blocks
         targets = expected.block_ids[first:first + piece.num_blocks]
@@ -126,10 +136,15 @@ class WorkerSide:
             state.layers_done.add(piece.layer)
 
     def _drop_old_orphans(self, now: float) -> None:
+        """Slices and cancels for transfers no request here expects (any more) are kept a
+        while, as they may come before the request, then dropped."""
         for transfer_id in [t for t, pieces in self.orphans.items()
-                            if now - pieces[0][0] > ORPHAN_TTL_S]:
+                            if now - pieces[0].received_at > ORPHAN_TTL_S]:
             log.warning("dropping KV for transfer %s: no request expected it", transfer_id)
             del self.orphans[transfer_id]
+        for transfer_id in [t for t, (when, _) in self.cancelled.items()
+                            if now - when > ORPHAN_TTL_S]:
+            del self.cancelled[transfer_id]
 
     def shutdown(self) -> None:
         if self.sender is not None:

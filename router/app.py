@@ -28,8 +28,9 @@ from router.openai_types import (ChatCompletionRequest, CompletionRequest, Sampl
                                  parse_request)
 from router.responses import SSE_DONE, ChatFormat, CompletionFormat, ResponseFormat, Usage, sse
 from router.tokenization import PromptTokenizer
-from router.disaggregation import (DISAGGREGATED, LOCAL, ROUTE_HEADER, PrefillOutcome,
-                                   choose_route, generate_disaggregated)
+from router.disaggregation import (AFTER_PREFILL, DISAGGREGATED, LOCAL, ROUTE_HEADER,
+                                   WITH_PREFILL, PrefillOutcome, choose_route,
+                                   generate_disaggregated)
 from router.policies import POLICIES
 from router.worker_client import WorkerClient
 from router.worker_pool import WorkerPool
@@ -52,6 +53,7 @@ class RouterConfig:
     disaggregate_min_tokens: int = 256  # shorter prompts are prefilled by the decode worker
     kv_timeout_s: float = 30.0        # how long a decode worker waits for a prompt's KV
     policy: str = "round-robin"       # how a worker is chosen within a pool
+    decode_admission: str = AFTER_PREFILL  # when the decode worker hears of a request
 
 
 @dataclass
@@ -167,7 +169,7 @@ def create_app(config: RouterConfig) -> FastAPI:
                        ROUTE_HEADER: run.route}
             if run.route == DISAGGREGATED:
                 prefill = pool.pick(("prefill",))
-                run.prefill = PrefillOutcome()
+                run.prefill = PrefillOutcome(admission=config.decode_admission)
                 chunks = generate_disaggregated(prefill, worker, worker_request,
                                                 config.kv_timeout_s, config.request_timeout_s,
                                                 run.prefill)
@@ -334,11 +336,13 @@ def _timing_breakdown(run: RequestRun) -> dict:
         breakdown.update(queue=decode.queued_seconds, prefill=decode.prefill_seconds)
     elif run.prefill is not None and run.prefill.chunk is not None and decode is not None:
         prefill = run.prefill.chunk.timing
+        # The decode leg waits for the KV from its admission on; what it waits after the
+        # prefill ended is the transfer time the prefill's compute did not hide.
+        waited_during_prefill = (prefill.queued_seconds + prefill.prefill_seconds
+                                 if run.prefill.admission == WITH_PREFILL else 0.0)
         breakdown.update(queue=prefill.queued_seconds, prefill=prefill.prefill_seconds,
-                         # the decode leg waits for the KV from admission on
                          transfer_wait=decode.queued_seconds,
-                         exposed_transfer=max(0.0, decode.queued_seconds
-                                              - prefill.queued_seconds - prefill.prefill_seconds),
+                         exposed_transfer=max(0.0, decode.queued_seconds - waited_during_prefill),
                          first_decode_step=decode.prefill_seconds)
     if run.last_chunk is not None and run.last_chunk.HasField("kv"):
         breakdown.update(kv_bytes=run.last_chunk.kv.bytes, kv_seconds=run.last_chunk.kv.seconds)

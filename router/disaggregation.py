@@ -1,9 +1,9 @@
 """The disaggregated path: prefill on one worker, decode on another, KV pushed between them.
 
-Both legs start at once with the same transfer id. The decode worker admits the request as
-"waiting for KV" and reserves its blocks; the prefill worker computes the prompt (max_tokens=1)
-and its connector pushes each layer's KV to the decode worker while later layers compute. The
-client's tokens come from the decode leg. If the prefill leg fails, the router cancels the
+The prefill worker computes the prompt (max_tokens=1) and its connector pushes each layer's KV
+to the decode worker while later layers compute; the decode worker admits the request as
+"waiting for KV" under the same transfer id, reserves its blocks and loads the KV, then decodes.
+The client's tokens come from the decode leg. If the prefill leg fails, the router cancels the
 transfer so the decode worker applies its policy (recompute or fail) at once instead of at the
 deadline.
 
@@ -22,6 +22,9 @@ from router.worker_client import WorkerClient
 log = logging.getLogger("pdserve.router")
 ROUTE_HEADER = "x-pdserve-route"
 LOCAL, DISAGGREGATED = "local", "disaggregated"
+# When the decode worker hears of a disaggregated request (see generate_disaggregated).
+WITH_PREFILL, AFTER_PREFILL = "with-prefill", "after-prefill"
+ADMISSIONS = (WITH_PREFILL, AFTER_PREFILL)
 
 
 def choose_route(header: str | None, prompt_tokens: int, threshold: int,
@@ -43,6 +46,7 @@ def choose_route(header: str | None, prompt_tokens: int, threshold: int,
 @dataclass
 class PrefillOutcome:
     """What the prefill leg reports: its timing and prefix-cache hit, or why it failed."""
+    admission: str = AFTER_PREFILL  # when the decode leg starts (see generate_disaggregated)
     chunk: worker_pb2.GenerateChunk | None = None
     error: str | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -59,7 +63,10 @@ class PrefillOutcome:
 async def generate_disaggregated(prefill: WorkerClient, decode: WorkerClient,
                                  request: worker_pb2.GenerateRequest, kv_timeout_s: float,
                                  timeout_s: float, outcome: PrefillOutcome):
-    """Yield the decode leg's chunks; the prefill leg runs alongside and fills `outcome`."""
+    """Yield the decode leg's chunks; the prefill leg fills `outcome`. With `with-prefill` the
+    decode worker is told at once and reserves the KV blocks while the prompt computes; with
+    `after-prefill` it is told when the prefill leg ends, by which time the KV already waits in
+    its receiver (a failed prefill has cancelled the transfer, so its policy applies at once)."""
     transfer_id = request.request_id
     decode_request = worker_pb2.GenerateRequest()
     decode_request.CopyFrom(request)
@@ -74,6 +81,8 @@ async def generate_disaggregated(prefill: WorkerClient, decode: WorkerClient,
     prefill_task = asyncio.create_task(
         _run_prefill(prefill, prefill_request, decode.kv_address, timeout_s, outcome))
     try:
+        if outcome.admission == AFTER_PREFILL:
+            await outcome.done.wait()  # bounded: the prefill leg has the request's deadline
         async for chunk in decode.generate(decode_request, timeout=timeout_s):
             yield chunk
     finally:

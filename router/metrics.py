@@ -46,7 +46,7 @@ class RouterMetrics:
             "pdserve_kv_transfer_bytes", "KV bytes received per transfer (decode worker)",
             registry=self.registry, buckets=KV_BYTES_BUCKETS)
         self.kv_seconds = Histogram(
-            "pdserve_kv_transfer_seconds", "First KV slice received -> last layer loaded",
+            "pdserve_kv_transfer_seconds", "First KV slice received -> last slice received (decode worker)",
             registry=self.registry, buckets=LATENCY_BUCKETS)
         self.kv_failures = Counter(
             "pdserve_kv_transfer_failures", "KV transfers that did not complete, by reason "

@@ -4,8 +4,8 @@ For each prompt length, requests alternate between the local path (the decode wo
 the prompt itself) and the disaggregated path (the prefill worker computes it and pushes the KV
 layer by layer), so both see the same machine noise. Every prompt is fresh random token ids:
 no prefix cache helps either side. Timings come from the router's breakdown (x-pdserve-timing):
-TTFT at the router, the prefill worker's prefill time, the KV transfer (first slice received to
-last layer loaded) and its exposed part (what the decode worker waited after the prefill ended).
+TTFT at the router, the prefill worker's prefill time, the KV transfer (first to last slice
+received) and its exposed part (what the decode worker waited for KV after the prefill ended).
 
     python scripts/bench_disaggregation.py                # starts `pdserve serve` (1P + 1D)
     python scripts/bench_disaggregation.py --url http://127.0.0.1:8000
