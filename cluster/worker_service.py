@@ -25,7 +25,8 @@ def kv_extra_args(request: worker_pb2.GenerateRequest) -> dict | None:
     kv = request.kv
     if kv.send_to:
         return to_extra_args(SendKv(kv.transfer_id, kv.send_to))
-    return to_extra_args(ReceiveKv(kv.transfer_id, kv.receive_timeout_s))
+    return to_extra_args(ReceiveKv(kv.transfer_id, kv.receive_timeout_s,
+                                   kv.kv_tokens or len(request.prompt_token_ids)))
 
 
 def to_vllm_sampling(params: worker_pb2.SamplingParams, extra_args: dict | None = None):

@@ -19,9 +19,11 @@ class SendKv:
 
 @dataclass(frozen=True)
 class ReceiveKv:
-    """Decode side: the prompt's KV arrives from a prefill worker within `timeout_s`."""
+    """Decode side: the KV of the first `num_tokens` prompt tokens arrives from a prefill
+    worker within `timeout_s` (the prompt may go on with the prefill's first token)."""
     transfer_id: str
     timeout_s: float
+    num_tokens: int
 
 
 def to_extra_args(params: SendKv | ReceiveKv) -> dict:

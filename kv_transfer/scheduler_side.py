@@ -3,8 +3,9 @@
 Prefill: a request with `SendKv` params has its blocks sent as its prompt is computed; blocks
 touched by each step are sent after that step's forward (so long prompts split by chunked
 prefill stream chunk by chunk), starting from block 0 so a local prefix-cache hit is sent too.
-Decode: a request with `ReceiveKv` params is admitted as "loading asynchronously" for its whole
-prompt; vLLM then recomputes only the last prompt position to sample the next token.
+Decode: a request with `ReceiveKv` params is admitted as "loading asynchronously" for the
+tokens whose KV is sent: the whole prompt (vLLM then recomputes its last position to sample),
+or the prompt before the prefill's first token (the decode worker then computes only that one).
 """
 
 import logging
@@ -28,7 +29,7 @@ class SchedulerSide:
         params = from_request(request.kv_transfer_params)
         if not isinstance(params, ReceiveKv) or request.request_id in self.receiving:
             return 0, False  # also after a failed load: the engine recomputes locally
-        count = len(request.prompt_token_ids) - num_computed_tokens
+        count = params.num_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:

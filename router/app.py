@@ -237,6 +237,10 @@ def create_app(config: RouterConfig) -> FastAPI:
     def _account_transfer(run: RequestRun) -> int:
         """KV metrics of a disaggregated request; returns its prompt-cache hit, which happened
         on the prefill worker (the decode worker's count includes the transferred KV)."""
+        prefill = run.prefill.chunk
+        cached_on_prefill = prefill.cached_tokens if prefill is not None else 0
+        if run.prefill.ended_request:
+            return cached_on_prefill
         decode = run.last_chunk
         if decode is not None and decode.HasField("kv"):
             metrics.kv_bytes.observe(decode.kv.bytes)
@@ -249,8 +253,7 @@ def create_app(config: RouterConfig) -> FastAPI:
             metrics.kv_fallbacks.labels("recompute").inc()
             log.warning("request %s fell back to local prefill on %s", run.request_id,
                         run.decode_worker.worker_id)
-        prefill = run.prefill.chunk
-        return prefill.cached_tokens if prefill is not None else 0
+        return cached_on_prefill
 
     async def _relay(run: RequestRun, first, chunks):
         """Yield (text, finish_reason or None) per chunk, ending with the finish reason."""

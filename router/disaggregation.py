@@ -49,6 +49,7 @@ class PrefillOutcome:
     admission: str = AFTER_PREFILL  # when the decode leg starts (see generate_disaggregated)
     chunk: worker_pb2.GenerateChunk | None = None
     error: str | None = None
+    ended_request: bool = False  # its first token ended the request: no decode leg ran
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def wait(self, timeout_s: float = 2.0) -> None:
@@ -63,10 +64,11 @@ class PrefillOutcome:
 async def generate_disaggregated(prefill: WorkerClient, decode: WorkerClient,
                                  request: worker_pb2.GenerateRequest, kv_timeout_s: float,
                                  timeout_s: float, outcome: PrefillOutcome):
-    """Yield the decode leg's chunks; the prefill leg fills `outcome`. With `with-prefill` the
-    decode worker is told at once and reserves the KV blocks while the prompt computes; with
-    `after-prefill` it is told when the prefill leg ends, by which time the KV already waits in
-    its receiver (a failed prefill has cancelled the transfer, so its policy applies at once)."""
+    """Yield the request's chunks; the prefill leg fills `outcome`. With `with-prefill` the
+    decode worker is told at once and reserves the KV blocks while the prompt computes, and
+    every token comes from it. With `after-prefill` the first token comes from the prefill leg
+    and the decode worker is told then, by which time the KV already waits in its receiver (a
+    failed prefill has cancelled the transfer, so the decode worker's policy applies at once)."""
     transfer_id = request.request_id
     decode_request = worker_pb2.GenerateRequest()
     decode_request.CopyFrom(request)
@@ -83,6 +85,22 @@ async def generate_disaggregated(prefill: WorkerClient, decode: WorkerClient,
     try:
         if outcome.admission == AFTER_PREFILL:
             await outcome.done.wait()  # bounded: the prefill leg has the request's deadline
+            first = outcome.chunk
+            if outcome.error is None and first is not None and first.token_ids:
+                # The client's first token is the prefill's; the decode worker goes on from
+                # the prompt and that token, computing only the token's own position.
+                done = (first.finish_reason == "stop"
+                        or len(first.token_ids) >= request.sampling.max_tokens)
+                relayed = worker_pb2.GenerateChunk()
+                relayed.CopyFrom(first)
+                relayed.finish_reason = first.finish_reason if done else ""
+                outcome.ended_request = done
+                yield relayed
+                if done:
+                    return
+                decode_request.prompt_token_ids.extend(first.token_ids)
+                decode_request.sampling.max_tokens -= len(first.token_ids)
+                decode_request.kv.kv_tokens = len(request.prompt_token_ids)
         async for chunk in decode.generate(decode_request, timeout=timeout_s):
             yield chunk
     finally:

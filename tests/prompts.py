@@ -20,7 +20,7 @@ _STORY = ("The old lighthouse keeper climbed the stairs every evening, counting 
 
 def long_prompt(approx_tokens: int) -> str:
     """A prompt of about `approx_tokens` tokens (the story sentence is ~30 tokens)."""
-    return _STORY * max(1, approx_tokens // 30) + "What did the keeper write?"
+    return _STORY * max(1, approx_tokens // 30) + "One evening he wrote:"
 
 
 # Short to ~1.5K tokens: below, across and far above one 128-token KV block.

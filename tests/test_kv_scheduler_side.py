@@ -93,7 +93,7 @@ class FakeBlocks:
 
 def test_a_decode_request_loads_its_whole_prompt_once():
     side = SchedulerSide(BLOCK)
-    params = to_extra_args(ReceiveKv("t1", 5.0))["kv_transfer_params"]
+    params = to_extra_args(ReceiveKv("t1", 5.0, 300))["kv_transfer_params"]
     request = FakeRequest("d1", list(range(300)), params)
     assert side.get_num_new_matched_tokens(request, 256) == (44, True)
     side.update_state_after_alloc(request, FakeBlocks([4, 5, 6], fresh=1), 44)
@@ -103,3 +103,10 @@ def test_a_decode_request_loads_its_whole_prompt_once():
     assert side.get_num_new_matched_tokens(request, 0) == (0, False)
     side.request_finished(request)
     assert side.receiving == set()
+
+
+def test_a_decode_request_that_goes_on_with_the_first_token_computes_only_that():
+    side = SchedulerSide(BLOCK)
+    params = to_extra_args(ReceiveKv("t2", 5.0, 300))["kv_transfer_params"]
+    request = FakeRequest("d2", list(range(301)), params)  # the prompt + the first token
+    assert side.get_num_new_matched_tokens(request, 0) == (300, True)

@@ -30,14 +30,16 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class KvTransfer(_message.Message):
-    __slots__ = ("transfer_id", "send_to", "receive_timeout_s")
+    __slots__ = ("transfer_id", "send_to", "receive_timeout_s", "kv_tokens")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SEND_TO_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     send_to: str
     receive_timeout_s: float
-    def __init__(self, transfer_id: _Optional[str] = ..., send_to: _Optional[str] = ..., receive_timeout_s: _Optional[float] = ...) -> None: ...
+    kv_tokens: int
+    def __init__(self, transfer_id: _Optional[str] = ..., send_to: _Optional[str] = ..., receive_timeout_s: _Optional[float] = ..., kv_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv")
