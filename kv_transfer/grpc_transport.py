@@ -61,7 +61,6 @@ class KvSender:
         self.queues: dict[str, queue.Queue] = {}
         self.threads: dict[str, threading.Thread] = {}
         self.lock = threading.Lock()
-        self.bytes_sent = 0
 
     def send(self, destination: str, piece: LayerSlice) -> None:
         with self.lock:
@@ -81,7 +80,6 @@ class KvSender:
             yield self.hello
             while (piece := pending.get()) is not _CLOSE:
                 yield from chunks_of(piece)
-                self.bytes_sent += len(piece.data)
 
         try:
             with grpc.insecure_channel(destination, options=GRPC_OPTIONS) as channel:
@@ -108,7 +106,6 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
         self.lock = threading.Lock()
         self.complete: list[LayerSlice] = []
         self.cancelled: dict[str, str] = {}  # transfer id -> reason
-        self.bytes_received = 0
         self.server = None
 
     def start(self, host: str, port: int) -> int:
@@ -148,7 +145,6 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
             if chunk.offset + len(chunk.data) >= chunk.slice_bytes:
                 del buffers[key]
                 with self.lock:
-                    self.bytes_received += chunk.slice_bytes
                     self.complete.append(LayerSlice(chunk.transfer_id, chunk.layer,
                                                     chunk.first_block, chunk.num_blocks,
                                                     buffer, chunk.last, time.monotonic()))
