@@ -86,7 +86,8 @@ async def generate_disaggregated(prefill: WorkerClient, decode: WorkerClient,
         if outcome.admission == AFTER_PREFILL:
             await outcome.done.wait()  # bounded: the prefill leg has the request's deadline
             first = outcome.chunk
-            if outcome.error is None and first is not None and first.token_ids:
+            if (outcome.error is None and first is not None and first.token_ids
+                    and continues_from_first_token(request)):
                 # The client's first token is the prefill's; the decode worker goes on from
                 # the prompt and that token, computing only the token's own position.
                 done = (first.finish_reason == "stop"
@@ -106,6 +107,14 @@ async def generate_disaggregated(prefill: WorkerClient, decode: WorkerClient,
     finally:
         if not prefill_task.done():
             prefill_task.cancel()
+
+
+def continues_from_first_token(request: worker_pb2.GenerateRequest) -> bool:
+    """Whether the decode worker may go on from the prefill's first token. Not with stop
+    strings (one spanning the first and second tokens would go unseen: the first token is then
+    prompt to the decode worker) nor with a seed (the decode worker would sample from a later
+    position of its random stream): then the decode worker samples the first token itself."""
+    return not request.sampling.stop and not request.sampling.HasField("seed")
 
 
 async def _run_prefill(prefill: WorkerClient, request: worker_pb2.GenerateRequest,

@@ -5,6 +5,8 @@ colocated truth). Each disaggregated prompt is sent here first, so the decode wo
 prefix of it: its count of tokens it did not compute is then exactly what it received.
 """
 
+import json
+
 import httpx
 import pytest
 
@@ -77,3 +79,28 @@ def test_cached_tokens_come_from_the_prefill_workers_cache(server):
     cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert 0 < cached <= again["usage"]["prompt_tokens"] and cached % 128 == 0
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+def first_two_token_texts(server, prompt: str) -> list[str]:
+    body = {"model": SERVED_MODEL, "prompt": prompt, "temperature": 0, "max_tokens": 4,
+            "stream": True}
+    texts = []
+    with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=120,
+                      headers={"x-pdserve-route": "local"}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                texts.append(json.loads(line[6:])["choices"][0]["text"])
+    return texts[:2]
+
+
+@pytest.mark.parametrize("extra", [{"seed": 11}, {}], ids=["seeded", "greedy"])
+def test_a_stop_string_across_the_first_two_tokens_is_honoured(server, extra):
+    prompt = "A stop string check: " + long_prompt(300)
+    first, second = first_two_token_texts(server, prompt)
+    stop = first[-2:] + second[:2]
+    results = [complete(server, prompt, route, stop=[stop], max_tokens=8, **extra).json()
+               for route in ("local", "disaggregated")]
+    local, disaggregated = (r["choices"][0] for r in results)
+    assert local["finish_reason"] == "stop" and stop not in local["text"]
+    assert (disaggregated["text"], disaggregated["finish_reason"]) == (
+        local["text"], local["finish_reason"])
