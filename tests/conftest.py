@@ -19,6 +19,7 @@ import pytest
 
 from cluster.model_store import ensure_model
 from cluster.worker_process import free_port
+from tests.processes import descendants
 from tests.prompts import (CHATS, DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS, MAX_TOKENS,
                            PROMPTS)
 
@@ -116,7 +117,7 @@ def _wait_healthy(server: Server) -> None:
 def _stop_and_check(server: Server) -> None:
     """SIGTERM the router; it must exit and leave no child behind (checked by process group:
     the workers run in their own groups, found through their parent link)."""
-    children = _descendants(server.process.pid)
+    children = descendants(server.process.pid)
     server.process.send_signal(signal.SIGTERM)
     try:
         server.process.wait(timeout=STOP_TIMEOUT_S)
@@ -132,18 +133,6 @@ def _stop_and_check(server: Server) -> None:
     for pid in left:
         _kill(pid)
     assert not left, f"processes left after pdserve serve stopped: {left}"
-
-
-def _descendants(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
-    parent_of = {int(c): int(p) for c, p in (line.split() for line in out.splitlines())}
-    found, frontier = [], [pid]
-    while frontier:
-        parent = frontier.pop()
-        kids = [c for c, p in parent_of.items() if p == parent]
-        found += kids
-        frontier += kids
-    return found
 
 
 def _alive(pid: int) -> bool:

@@ -5,7 +5,6 @@ import asyncio
 import os
 import random
 import signal
-import subprocess
 import threading
 import time
 from dataclasses import replace
@@ -17,6 +16,7 @@ import pytest
 from cluster.protocol import worker_pb2, worker_pb2_grpc
 from cluster.worker_process import start_worker, stop_worker, wait_ready
 from kv_transfer import kv_wire_pb2 as wire
+from tests.processes import children, command_line
 from kv_transfer import kv_wire_pb2_grpc as wire_grpc
 from kv_transfer.compatibility import Compatibility
 from kv_transfer.grpc_transport import KvReceiver, LayerSlice, chunks_of
@@ -107,9 +107,8 @@ def recompute_cluster(smollm2_dir, tmp_path_factory):
 
 
 def prefill_worker_pid(server) -> int:
-    out = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
-    (pid,) = [int(line.split()[0]) for line in out.splitlines()
-              if int(line.split()[1]) == server.process.pid and "--role prefill" in line]
+    (pid,) = [child for child in children(server.process.pid)
+              if "prefill" in command_line(child)]
     return pid
 
 
