@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from bench import workload
+from bench.workload import DEFAULT_INPUT_LEN
 from bench.arrivals import arrival_times
 from bench.client import Target, first_model, make_http_client
 from bench.metrics import Slo, summarize
@@ -15,7 +16,6 @@ from bench.report import plot_cdfs, table, write_json
 from bench.runner import run as run_benchmark
 
 DEFAULT_NUM_REQUESTS = 100
-DEFAULT_INPUT_LEN = {"synthetic": "1024", "shared-prefix": "128", "mixed": "normal:100,20"}
 
 
 def add_parser(subparsers) -> None:

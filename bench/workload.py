@@ -36,6 +36,11 @@ WORDS = (
 ).split()
 
 
+DEFAULT_INPUT_LEN = {"synthetic": "1024", "shared-prefix": "128", "mixed": "normal:100,20"}
+"""Prompt tokens when --input-len is not given: per workload, the prompt (synthetic), the
+suffix after the shared prefix, or the short prompts among the long ones (mixed)."""
+
+
 @dataclass
 class BenchRequest:
     """One request to send: a prompt (or chat messages), its token count and `max_tokens`."""

@@ -1,0 +1,62 @@
+"""Calibration: fitting step times from a bench JSON recovers the coefficients that made it.
+
+The bench JSON here is synthetic: the simulator, run with known step costs, writes it through
+bench's own JSON writer, so the fit reads exactly the format `pdserve bench --output-json` has.
+"""
+
+import json
+
+import pytest
+
+from bench.metrics import summarize
+from bench.report import write_json
+from planner.calibration import fit_linear_cost, load_requests
+from planner.cost_model import LinearCost
+from planner.simulator import SimCluster, SimRequest, simulate
+
+KNOWN = LinearCost(prefill_base_s=0.05, prefill_per_token_s=0.002, decode_base_s=0.03, decode_per_request_s=0.004)
+
+
+def _bench_json(path, requests):
+    cluster = SimCluster(prefill_replicas=1, decode_replicas=1, prefill_cost=KNOWN, decode_cost=KNOWN,
+                         kv_capacity_tokens=100_000, kv_bytes_per_token=1000, kv_bandwidth_bytes_per_s=1e8,
+                         kv_latency_s=0.01)
+    records, duration = simulate(cluster, requests)
+    write_json(path, {"workload": "synthetic (simulated)"}, summarize(records, duration), records)
+    return path
+
+
+def test_fit_recovers_known_step_costs_from_bench_json(tmp_path):
+    # Run 1, one at a time: prompts of several lengths, each sent after the previous finished.
+    lone = [SimRequest(3.0 * i, 100 + 150 * i, 4) for i in range(6)]
+    # Run 2, a burst: eight requests at once with 10..80 output tokens, so the batch shrinks 8 → 1.
+    burst = [SimRequest(0.0, 64, 10 * (i + 1)) for i in range(8)]
+    paths = [_bench_json(tmp_path / "lone.json", lone), _bench_json(tmp_path / "burst.json", burst)]
+    assert "requests" in json.loads(paths[0].read_text())
+
+    fitted = fit_linear_cost(load_requests(paths))
+
+    assert fitted.prefill_base_s == pytest.approx(KNOWN.prefill_base_s, rel=1e-6)
+    assert fitted.prefill_per_token_s == pytest.approx(KNOWN.prefill_per_token_s, rel=1e-6)
+    assert fitted.decode_base_s == pytest.approx(KNOWN.decode_base_s, rel=0.02)
+    assert fitted.decode_per_request_s == pytest.approx(KNOWN.decode_per_request_s, rel=0.02)
+
+
+def test_fit_leaves_out_queued_prefills_and_failed_requests():
+    entry = dict(itl=[0.5, 0.1, 0.1], e2e=1.0, error=None)
+    requests = [
+        entry | dict(send_time=0.0, ttft=0.3, input_tokens=100),
+        entry | dict(send_time=0.1, ttft=9.0, input_tokens=100),  # queued behind the first: not a lone prefill
+        entry | dict(send_time=20.0, ttft=0.5, input_tokens=200),
+        dict(send_time=40.0, ttft=None, itl=[], e2e=None, input_tokens=300, error="HTTP 500"),
+    ]
+    fitted = fit_linear_cost([requests])
+    assert fitted.prefill_per_token_s == pytest.approx(0.002)
+    assert fitted.prefill_base_s == pytest.approx(0.1)
+    assert fitted.decode_base_s == pytest.approx(0.1)
+    assert fitted.decode_per_request_s == pytest.approx(0.0, abs=1e-9)
+
+
+def test_fit_without_samples_says_what_is_missing():
+    with pytest.raises(ValueError, match="prefill"):
+        fit_linear_cost([[]])
