@@ -51,6 +51,27 @@ def add_parser(subparsers) -> None:
         help="send nothing new after this; requests still running then count as failed (default: no limit)",
     )
 
+    add_workload_arguments(parser)
+
+    out = parser.add_argument_group("measurement and output")
+    out.add_argument(
+        "--slo", metavar="OBJECTIVES",
+        help='goodput objectives, e.g. "ttft=500ms,tpot=50ms" (keys ttft, tpot, e2e; a bare number is seconds)',
+    )
+    out.add_argument(
+        "--timeout", type=float, default=600.0, metavar="SECONDS",
+        help="a request still unfinished after this counts as failed (default: %(default)s)",
+    )
+    out.add_argument("--output-json", type=Path, metavar="FILE", help="write config, summary and every request here")
+    out.add_argument(
+        "--plot-dir", type=Path, metavar="DIR", help="write latency_cdf.png (TTFT, TPOT, ITL, E2E CDFs) in DIR"
+    )
+    out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.set_defaults(run=run)
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The workload options, shared with `pdserve sweep`."""
     work = parser.add_argument_group("workload")
     work.add_argument(
         "--workload", choices=("synthetic", "shared-prefix", "mixed", "trace"), default="synthetic",
@@ -94,21 +115,6 @@ def add_parser(subparsers) -> None:
         "--seed", type=int, default=0, help="seed for prompts, lengths and arrival times (default: %(default)s)"
     )
 
-    out = parser.add_argument_group("measurement and output")
-    out.add_argument(
-        "--slo", metavar="OBJECTIVES",
-        help='goodput objectives, e.g. "ttft=500ms,tpot=50ms" (keys ttft, tpot, e2e; a bare number is seconds)',
-    )
-    out.add_argument(
-        "--timeout", type=float, default=600.0, metavar="SECONDS",
-        help="a request still unfinished after this counts as failed (default: %(default)s)",
-    )
-    out.add_argument("--output-json", type=Path, metavar="FILE", help="write config, summary and every request here")
-    out.add_argument(
-        "--plot-dir", type=Path, metavar="DIR", help="write latency_cdf.png (TTFT, TPOT, ITL, E2E CDFs) in DIR"
-    )
-    out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         _check(args)
         slo = Slo.parse(args.slo) if args.slo else None
-        requests = _requests(args)
+        requests = build_requests(args)
         offsets = _offsets(args, requests)
     except (ValueError, OSError) as error:
         print(f"pdserve bench: error: {error}", file=sys.stderr)
@@ -136,7 +142,7 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--trace FILE goes with --workload trace, and only with it")
 
 
-def _requests(args: argparse.Namespace) -> list[workload.BenchRequest]:
+def build_requests(args: argparse.Namespace) -> list[workload.BenchRequest]:
     tokenizer = workload.load_tokenizer(args.tokenizer) if args.tokenizer else None
     text = workload.PromptText(args.seed, tokenizer)
     if args.workload == "trace":

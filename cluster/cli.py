@@ -13,6 +13,11 @@ COMMAND_MODULES = (
     "cluster.model_command",
     "cluster.worker",
     "cluster.serve",
+    "router.command",
+    "cluster.up",
+    "cluster.down",
+    "cluster.status",
+    "cluster.scale",
     "bench.command",
     "planner.command",
 )

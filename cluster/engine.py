@@ -22,6 +22,7 @@ class EngineOptions:
     enforce_eager: bool = True      # torch.compile took 139 s to start on CPU, for no gain
     seed: int = 0
     tensor_parallel_size: int = 1
+    quantization: str | None = None  # vLLM's, e.g. "fp8" (GPU)
     role: str = "colocated"         # "prefill" sends KV, "decode" receives it
     kv_host: str = "127.0.0.1"      # decode: the KV receiver's bind address
     kv_port: int = 0                # decode: the KV receiver's port (rank r uses port + r)
@@ -88,6 +89,10 @@ def _stat_logger_factory(stats: EngineStats):
     return SchedulerStatsLogger
 
 
+PLACEMENT_GROUP_ENV = "PDSERVE_PLACEMENT_GROUP"  # set by cluster/ray_launcher for TP > 1 on GPUs
+RAY_NAMESPACE_ENV = "PDSERVE_RAY_NAMESPACE"
+
+
 def make_engine(options: EngineOptions, stats: EngineStats):
     """Start vLLM's AsyncLLM (its engine core runs in child processes)."""
     # A KV connector makes vLLM reserve cores for itself; a 2-core machine has none to spare.
@@ -106,10 +111,36 @@ def make_engine(options: EngineOptions, stats: EngineStats):
         enforce_eager=options.enforce_eager,
         seed=options.seed,
         tensor_parallel_size=options.tensor_parallel_size,
+        quantization=options.quantization,
         kv_transfer_config=options.kv_transfer_config(),
         disable_log_stats=True,
     )
-    return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(stats)])
+    loggers = [_stat_logger_factory(stats)]
+    group = _ray_placement_group(options)
+    if group is None:
+        return AsyncLLM.from_engine_args(args, stat_loggers=loggers)
+    args.distributed_executor_backend = "ray"
+    config = args.create_engine_config()
+    config.parallel_config.placement_group = group
+    return AsyncLLM.from_vllm_config(config, stat_loggers=loggers)
+
+
+def _ray_placement_group(options: EngineOptions):
+    """A tensor-parallel GPU worker started by `pdserve up` runs vLLM's Ray executor in its own
+    placement group (named by the launcher), one GPU bundle per rank. On CPU vLLM has no Ray
+    executor and tensor parallelism uses its multiprocessing one."""
+    from vllm.platforms import current_platform
+
+    name = os.environ.get(PLACEMENT_GROUP_ENV)
+    if options.tensor_parallel_size == 1 or not name or not current_platform.ray_device_key:
+        return None
+    import ray
+    from ray.util.placement_group import get_placement_group
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ["RAY_ADDRESS"], namespace=os.environ[RAY_NAMESPACE_ENV],
+                 log_to_driver=False)
+    return get_placement_group(name)
 
 
 def add_engine_arguments(parser) -> None:
@@ -127,12 +158,15 @@ def add_engine_arguments(parser) -> None:
     group.add_argument("--seed", type=int, default=0, help="engine random seed (default: 0)")
     group.add_argument("--tensor-parallel-size", type=int, default=1,
                        help="GPUs per worker (default: 1)")
+    group.add_argument("--quantization", default=None,
+                       help="vLLM quantization method, e.g. fp8 (default: none)")
 
 
 def engine_options(args, model: Path, **role_options) -> EngineOptions:
     return EngineOptions(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
                          kv_cache_gib=args.kv_cache_gib, seed=args.seed,
-                         tensor_parallel_size=args.tensor_parallel_size, **role_options)
+                         tensor_parallel_size=args.tensor_parallel_size,
+                         quantization=args.quantization, **role_options)
 
 
 def engine_argv(args) -> list[str]:
@@ -141,4 +175,6 @@ def engine_argv(args) -> list[str]:
             "--seed", str(args.seed), "--tensor-parallel-size", str(args.tensor_parallel_size)]
     if args.max_model_len is not None:
         argv += ["--max-model-len", str(args.max_model_len)]
+    if args.quantization:
+        argv += ["--quantization", args.quantization]
     return argv

@@ -148,8 +148,9 @@ def _make_tiny(work: Path, log) -> None:
     log("tiny: making a random-weight Llama (2 layers, 4 heads, 2 KV heads), seed 0")
     tokenizer = AutoTokenizer.from_pretrained(source)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        # head_dim 64: vLLM's CPU attention refuses 16 ("Unsupported CPU attention configuration")
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=SMOLLM2_EOS_TOKEN_ID, architectures=["LlamaForCausalLM"],
     )

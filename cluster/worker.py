@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import sys
 
 from cluster import engine as engine_factory
@@ -40,6 +41,17 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (default: 50051; 0: any free port)")
     parser.add_argument("--worker-id", default=None,
                         help="name in logs and stats (default: ROLE@HOST:PORT)")
+    parser.add_argument("--advertise-host", default="",
+                        help="the host others reach this worker at (default: --host, or this "
+                             "host's address when --host is 0.0.0.0)")
+    parser.add_argument("--registry", default="", metavar="REDIS_URL",
+                        help="join the pools in this Redis registry once the engine is ready, "
+                             "with a heartbeat (default: none, as under `pdserve serve`)")
+    parser.add_argument("--cluster", default="pdserve",
+                        help="the cluster's name in the registry (default: pdserve)")
+    parser.add_argument("--heartbeat", type=float, default=1.0, metavar="SECONDS",
+                        help="registry heartbeat; missing two takes the worker out of the pools "
+                             "(default: 1)")
     engine_factory.add_engine_arguments(parser)
     parser.set_defaults(run=run)
 
@@ -59,13 +71,14 @@ async def serve_worker(args: argparse.Namespace, model) -> int:
 
     server = grpc_server()
     port = server.add_insecure_port(f"{args.host}:{args.port}")
-    worker_id = args.worker_id or f"{args.role}@{args.host}:{port}"
+    host = advertised_host(args)
+    worker_id = args.worker_id or f"{args.role}@{host}:{port}"
     kv_port = args.kv_port
     if args.role == "decode" and not kv_port:
         from cluster.worker_process import free_port
 
         kv_port = free_port(args.host)
-    kv_address = f"{args.host}:{kv_port}" if args.role == "decode" else ""
+    kv_address = f"{host}:{kv_port}" if args.role == "decode" else ""
     service = WorkerService(worker_id, args.role, str(model), kv_address,
                             args.kv_failure_policy if args.role == "decode" else "")
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
@@ -100,14 +113,58 @@ async def serve_worker(args: argparse.Namespace, model) -> int:
     service.engine_ready(engine)
     log.info("worker %s ready (max_model_len=%d, kv blocks=%d)", worker_id,
              service.max_model_len, service.kv_blocks_total)
+    membership = None
+    if args.registry:
+        membership = await _join_registry(args, service, f"{host}:{port}", engine)
+        if membership is None:
+            stop.set()
     await stopping
     log.info("worker %s stopping", worker_id)
+    if membership is not None:
+        await membership.leave()
+        await membership.registry.close()
     await server.stop(grace=2)
     engine.shutdown()
     # Drop every reference, so AsyncLLM.__del__ does not shut down again at interpreter exit.
     service.engine = None
     del engine, starting
     return 0
+
+
+async def _join_registry(args, service, address: str, engine):
+    """Join the pools; None (and the worker stops) when the registry cannot be reached."""
+    from cluster.registry import Registry, WorkerRecord
+    from cluster.worker_membership import (WorkerMembership, compatibility_hash, load_of,
+                                           placement_from_environment)
+    from kv_transfer.connector import compatibility_of
+
+    node, gpu_ids = placement_from_environment()
+    record = WorkerRecord(
+        worker_id=service.worker_id, role=service.role, address=address,
+        kv_address=service.kv_address,
+        tensor_parallel_size=engine.vllm_config.parallel_config.tensor_parallel_size,
+        compatibility_hash=compatibility_hash(compatibility_of(engine.vllm_config).to_dict()),
+        node=node, gpu_ids=gpu_ids)
+    registry = Registry(args.registry, args.cluster)
+    membership = WorkerMembership(registry, record, args.heartbeat,
+                                  lambda: load_of(service.stats_reply()))
+    try:
+        await membership.join()
+    except Exception as error:
+        log.error("cannot join the registry at %s: %s", args.registry, error)
+        service.engine_failed(f"cannot join the registry at {args.registry}: {error}")
+        await registry.close()
+        return None
+    service.leave_pools = membership.leave
+    return membership
+
+
+def advertised_host(args) -> str:
+    if args.advertise_host:
+        return args.advertise_host
+    if args.host in ("0.0.0.0", "::"):
+        return socket.gethostbyname(socket.gethostname())
+    return args.host
 
 
 def grpc_server():

@@ -52,20 +52,26 @@ def _die_with_parent() -> None:
 
 
 def start_worker(role: str, engine_argv: list[str], log_dir: Path, threads: int,
-                 host: str = "127.0.0.1", port: int | None = None) -> WorkerProcess:
+                 host: str = "127.0.0.1", port: int | None = None,
+                 env: dict[str, str] | None = None) -> WorkerProcess:
     """Start a worker whose engine computes with `threads` threads: workers sharing a host's
     cores split them, or their spinning OpenMP threads slow each other (and the KV transfer)
     down. An OMP_NUM_THREADS set by the user wins."""
     port = port or free_port(host)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
+    env = {**os.environ, **(env or {})}
+    env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", str(threads))
     log_path = log_dir / f"{role}-{port}.log"
     command = [sys.executable, "-m", "cluster.cli", "worker", "--role", role,
                "--host", host, "--port", str(port), *engine_argv]
+    return WorkerProcess(role, host, port, log_path, spawn_child(command, log_path, env))
+
+
+def spawn_child(command: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
+    """A child in its own process group that gets SIGTERM when its parent dies."""
     with open(log_path, "ab") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, start_new_session=True,
-                                   preexec_fn=_die_with_parent, env=env)
-    return WorkerProcess(role, host, port, log_path, process)
+        return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=_die_with_parent, env=env)
 
 
 def wait_ready(workers: list[WorkerProcess], timeout_s: float, progress=print) -> None:
@@ -110,15 +116,19 @@ def _health(address: str):
 
 
 def stop_worker(worker: WorkerProcess, grace_s: float = 20.0) -> None:
-    """SIGTERM the worker's process group, then SIGKILL whatever is left after the grace."""
-    group = worker.process.pid  # start_new_session made the worker its group's leader
+    stop_child(worker.process, grace_s)
+
+
+def stop_child(process: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM the child's process group, then SIGKILL whatever is left after the grace."""
+    group = process.pid  # start_new_session made the child its group's leader
     _signal_group(group, signal.SIGTERM)
     try:
-        worker.process.wait(timeout=grace_s)
+        process.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         pass
     _signal_group(group, signal.SIGKILL)
-    worker.process.wait(timeout=5)
+    process.wait(timeout=5)
 
 
 def _signal_group(group: int, sig: int) -> None:

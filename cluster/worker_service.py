@@ -5,6 +5,8 @@ STARTING meanwhile. A cancelled Generate call cancels vLLM's generator, which ab
 request inside the engine and frees its KV blocks.
 """
 
+import asyncio
+import logging
 import time
 
 import grpc
@@ -14,6 +16,12 @@ from cluster.protocol import worker_pb2, worker_pb2_grpc
 
 State = worker_pb2.HealthReply.State
 PROBE_SAMPLING = worker_pb2.SamplingParams(max_tokens=1, temperature=0, top_p=1)
+DRAIN_POLL_S = 0.2
+log = logging.getLogger("pdserve.worker")
+
+
+async def _nothing_to_leave() -> None:
+    """A worker outside any registry (`pdserve serve`) is in no pool to leave."""
 
 
 def kv_extra_args(request: worker_pb2.GenerateRequest) -> dict | None:
@@ -85,6 +93,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.kv_blocks_total = 0
         self.active: set[str] = set()
         self.awaiting_first_token: dict[str, int] = {}  # request id -> prompt tokens
+        self.leave_pools = _nothing_to_leave  # set when the worker is in a registry
 
     def engine_ready(self, engine) -> None:
         self.engine = engine
@@ -101,7 +110,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        if self.state != State.READY:
+        if self.state not in (State.READY, State.DRAINING):
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"worker {self.worker_id} is not ready: {self.state_message}")
         await self._validate(request, context)
@@ -192,6 +201,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def Stats(self, request, context):
         if request.fresh and self.engine is not None:
             await self._probe()
+        return self.stats_reply()
+
+    def stats_reply(self) -> worker_pb2.StatsReply:
         running = self.engine.get_num_unfinished_requests() if self.engine is not None else 0
         stats = self.engine_stats
         return worker_pb2.StatsReply(
@@ -203,3 +215,27 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             outstanding_prefill_tokens=sum(self.awaiting_first_token.values()),
             engine_stats_age_seconds=stats.age_seconds(),
         )
+
+    async def Drain(self, request, context):
+        started = time.monotonic()
+        if self.state == State.READY:
+            self.state, self.state_message = State.DRAINING, "draining: left the pools"
+        await self.leave_pools()
+        await asyncio.sleep(request.grace_seconds)
+        deadline = started + request.timeout_seconds
+        while not await self._idle():
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(DRAIN_POLL_S)
+        left = len(self.active)
+        log.info("drained in %.1f s, %d request(s) left", time.monotonic() - started, left)
+        return worker_pb2.DrainReply(drained=await self._idle(), requests_left=left,
+                                     seconds=time.monotonic() - started)
+
+    async def _idle(self) -> bool:
+        """No request in flight, and no KV block held (a prefill worker holds a request's
+        blocks until its KV is sent)."""
+        if self.active or self.engine is None:
+            return not self.active
+        await self._probe()
+        return self.stats_reply().kv_blocks_used == 0

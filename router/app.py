@@ -22,7 +22,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.protocol import worker_pb2
-from router.errors import OpenAIError, context_length_exceeded, invalid_request, model_not_found
+from cluster.registry import Registry
+from router.errors import (OpenAIError, context_length_exceeded, invalid_request, model_not_found,
+                           worker_unavailable)
 from router.metrics import RouterMetrics
 from router.openai_types import (ChatCompletionRequest, CompletionRequest, SamplingFields,
                                  parse_request)
@@ -33,12 +35,13 @@ from router.disaggregation import (AFTER_PREFILL, DISAGGREGATED, LOCAL, ROUTE_HE
                                    generate_disaggregated)
 from router.policies import POLICIES
 from router.worker_client import WorkerClient
-from router.worker_pool import WorkerPool
+from router.worker_pool import WorkerPool, follow_registry
 
 log = logging.getLogger("pdserve.router")
 FINISH_REASONS = {"stop": "stop", "length": "length"}
 TAKES_REQUESTS = ("decode", "colocated")
-TIMING_HEADER = "x-pdserve-timing"  # ask for the timing breakdown in a whole response  # roles that run whole requests / decode legs
+TIMING_HEADER = "x-pdserve-timing"  # ask for the timing breakdown in a whole response
+MAX_ATTEMPTS = 3  # decode workers a request may try when they turn out unavailable
 CANCEL_GRACE_S = 5.0  # how long a cancelled relay may take to unwind
 
 
@@ -54,6 +57,9 @@ class RouterConfig:
     kv_timeout_s: float = 30.0        # how long a decode worker waits for a prompt's KV
     policy: str = "round-robin"       # how a worker is chosen within a pool
     decode_admission: str = AFTER_PREFILL  # when the decode worker hears of a request
+    registry_url: str = ""            # follow this Redis registry instead of worker_addresses
+    cluster: str = ""                 # the cluster's name in the registry
+    registry_refresh_s: float = 0.25  # how often membership is read from the registry
 
 
 @dataclass
@@ -79,10 +85,20 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        await pool.wait_ready(config.worker_ready_timeout_s)
-        watcher = asyncio.create_task(_watch_down_workers(pool))
+        tasks = [asyncio.create_task(_watch_down_workers(pool))]
+        registry = None
+        if config.registry_url:
+            registry = Registry(config.registry_url, config.cluster)
+            tasks.append(asyncio.create_task(
+                follow_registry(pool, registry, config.registry_refresh_s)))
+        else:
+            await pool.wait_ready(config.worker_ready_timeout_s)
         yield
-        watcher.cancel()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if registry is not None:
+            await registry.close()
         await pool.close()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
@@ -158,31 +174,16 @@ def create_app(config: RouterConfig) -> FastAPI:
             else:
                 prompt_ids = tokenizer.completion(parsed)
             run = RequestRun(f"{id_prefix}-{uuid.uuid4().hex}", len(prompt_ids), arrival)
+            if not pool.max_model_len:
+                raise worker_unavailable("no worker has joined the pools yet; retry later")
             worker_request = worker_pb2.GenerateRequest(
                 request_id=run.request_id, prompt_token_ids=prompt_ids,
                 sampling=_sampling(parsed, len(prompt_ids), pool.max_model_len,
                                    config.default_max_tokens, param=_prompt_param(endpoint)))
             run.route = choose_route(request.headers.get(ROUTE_HEADER), len(prompt_ids),
                                      config.disaggregate_min_tokens, bool(pool.live(("prefill",))))
-            worker = run.decode_worker = pool.pick(TAKES_REQUESTS)
-            headers = {"x-request-id": run.request_id, "x-pdserve-worker": worker.worker_id,
-                       ROUTE_HEADER: run.route}
-            if run.route == DISAGGREGATED:
-                prefill = pool.pick(("prefill",))
-                run.prefill = PrefillOutcome(admission=config.decode_admission)
-                chunks = generate_disaggregated(prefill, worker, worker_request,
-                                                config.kv_timeout_s, config.request_timeout_s,
-                                                run.prefill)
-                headers["x-pdserve-prefill-worker"] = prefill.worker_id
-            else:
-                chunks = worker.generate(worker_request, timeout=config.request_timeout_s)
+            first, chunks, headers = await _start(run, worker_request)
             metrics.routes.labels(run.route).inc()
-            try:
-                first = await anext(chunks)
-            except OpenAIError as error:
-                if error.kind == "worker_unavailable":
-                    pool.mark_down(worker)
-                raise
             response_format = format_class(run.request_id, config.served_model)
             if parsed.stream:
                 return StreamingResponse(
@@ -201,6 +202,40 @@ def create_app(config: RouterConfig) -> FastAPI:
             return JSONResponse(whole, headers=headers)
         except OpenAIError as error:
             return _error_response(error, endpoint)
+
+    async def _start(run: RequestRun, worker_request: worker_pb2.GenerateRequest):
+        """Send the request on its path and wait for its first chunk. A decode worker found
+        unavailable before any token (it died, or left the pools a moment ago) is marked down
+        and the request goes to another one, up to MAX_ATTEMPTS workers."""
+        tried: set[str] = set()
+        while True:
+            worker = run.decode_worker = pool.pick(TAKES_REQUESTS, frozenset(tried))
+            headers = {"x-request-id": run.request_id, "x-pdserve-worker": worker.worker_id,
+                       ROUTE_HEADER: run.route}
+            if run.route == DISAGGREGATED:
+                prefill = pool.pick(("prefill",))
+                run.prefill = PrefillOutcome(admission=config.decode_admission)
+                chunks = generate_disaggregated(prefill, worker, worker_request,
+                                                config.kv_timeout_s, config.request_timeout_s,
+                                                run.prefill)
+                headers["x-pdserve-prefill-worker"] = prefill.worker_id
+            else:
+                chunks = worker.generate(worker_request, timeout=config.request_timeout_s)
+            try:
+                first = await anext(chunks)
+            except OpenAIError as error:
+                if error.kind != "worker_unavailable":
+                    raise
+                pool.mark_down(worker)
+                tried.add(worker.address)
+                if len(tried) >= MAX_ATTEMPTS:
+                    raise
+                log.warning("request %s: %s; trying another worker", run.request_id,
+                            error.message)
+                continue
+            if run.prefill is not None and run.prefill.error_kind == "worker_unavailable":
+                pool.mark_down(prefill)
+            return first, chunks, headers
 
     def _error_response(error: OpenAIError, endpoint: str) -> JSONResponse:
         metrics.errors.labels(error.kind).inc()

@@ -49,6 +49,7 @@ class PrefillOutcome:
     admission: str = AFTER_PREFILL  # when the decode leg starts (see generate_disaggregated)
     chunk: worker_pb2.GenerateChunk | None = None
     error: str | None = None
+    error_kind: str | None = None   # OpenAIError.kind: "worker_unavailable" marks the worker down
     ended_request: bool = False  # its first token ended the request: no decode leg ran
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -123,7 +124,7 @@ async def _run_prefill(prefill: WorkerClient, request: worker_pb2.GenerateReques
         async for chunk in prefill.generate(request, timeout=timeout_s):
             outcome.chunk = chunk
     except OpenAIError as error:
-        outcome.error = error.message
+        outcome.error, outcome.error_kind = error.message, error.kind
         outcome.done.set()
         log.warning("prefill of %s failed (%s); cancelling its KV transfer",
                     request.kv.transfer_id, error.message)

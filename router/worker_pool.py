@@ -1,5 +1,11 @@
 """The workers the router may send a request to, by role, and the choice among them.
 
+Membership comes from one of two places: a fixed list of addresses (`pdserve serve`, one host,
+no Redis), or the cluster's Redis registry (`pdserve up`), which `follow_registry` reads every
+quarter heartbeat, so workers join and leave with no router restart. A worker joins once its
+Health says READY. A worker that leaves membership gets no new request; its requests in flight
+finish, and its channel closes once none is left.
+
 Each worker says its role in Health. Decode and colocated workers take whole requests (and
 the decode leg of disaggregated ones); prefill workers take prefill legs. A worker that answered
 UNAVAILABLE is skipped until its Health says READY again; with no worker left for a leg the
@@ -21,6 +27,8 @@ class WorkerPool:
         self.workers = [WorkerClient(address) for address in addresses]
         self.down: set[str] = set()
         self.policy = policy
+        self.leaving: list[WorkerClient] = []  # out of membership, requests still in flight
+        self._max_model_len = 0
 
     async def wait_ready(self, deadline_s: float) -> None:
         """Wait until every worker is READY, or raise TimeoutError naming the slow ones."""
@@ -44,8 +52,8 @@ class WorkerPool:
     def live(self, roles: tuple[str, ...]) -> list[WorkerClient]:
         return [w for w in self.workers if w.role in roles and w.address not in self.down]
 
-    def pick(self, roles: tuple[str, ...]) -> WorkerClient:
-        candidates = self.live(roles)
+    def pick(self, roles: tuple[str, ...], avoid: frozenset[str] = frozenset()) -> WorkerClient:
+        candidates = [w for w in self.live(roles) if w.address not in avoid]
         if not candidates:
             raise worker_unavailable(f"no {' or '.join(roles)} worker is available; retry later")
         return self.policy.choose(candidates)
@@ -61,10 +69,43 @@ class WorkerPool:
                 log.info("worker %s is back", worker.address)
                 self.down.discard(worker.address)
 
+    async def sync(self, addresses: list[str]) -> None:
+        """Make membership exactly `addresses`: new ones join when READY, missing ones leave."""
+        current = {w.address: w for w in self.workers}
+        for address in addresses:
+            if address not in current:
+                joining = WorkerClient(address)
+                if await self._is_ready(joining):
+                    log.info("worker %s (%s) joined", joining.worker_id, joining.role)
+                    self.workers.append(joining)
+                else:
+                    await joining.close()
+        for worker in [w for w in self.workers if w.address not in addresses]:
+            log.info("worker %s left", worker.worker_id)
+            self.workers.remove(worker)
+            self.down.discard(worker.address)
+            self.leaving.append(worker)
+        for worker in [w for w in self.leaving if w.outstanding_tokens == 0]:
+            self.leaving.remove(worker)
+            await worker.close()
+
     @property
     def max_model_len(self) -> int:
-        return min(w.max_model_len for w in self.workers)
+        """The smallest context of the members; the last one known while the pools are empty."""
+        if self.workers:
+            self._max_model_len = min(w.max_model_len for w in self.workers)
+        return self._max_model_len
 
     async def close(self) -> None:
-        for worker in self.workers:
+        for worker in self.workers + self.leaving:
             await worker.close()
+
+
+async def follow_registry(pool: WorkerPool, registry, interval_s: float) -> None:
+    """Keep `pool` equal to the registry's membership, forever (cancel to stop)."""
+    while True:
+        try:
+            await pool.sync([record.address for record in await registry.members()])
+        except Exception as error:  # Redis away for a moment: keep the last membership
+            log.warning("cannot read the registry at %s: %s", registry.url, error)
+        await asyncio.sleep(interval_s)

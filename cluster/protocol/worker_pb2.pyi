@@ -166,3 +166,21 @@ class StatsReply(_message.Message):
     outstanding_prefill_tokens: int
     engine_stats_age_seconds: float
     def __init__(self, worker_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., outstanding_prefill_tokens: _Optional[int] = ..., engine_stats_age_seconds: _Optional[float] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("grace_seconds", "timeout_seconds")
+    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    grace_seconds: float
+    timeout_seconds: float
+    def __init__(self, grace_seconds: _Optional[float] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class DrainReply(_message.Message):
+    __slots__ = ("drained", "requests_left", "seconds")
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    drained: bool
+    requests_left: int
+    seconds: float
+    def __init__(self, drained: _Optional[bool] = ..., requests_left: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...

@@ -54,6 +54,11 @@ class WorkerStub:
                 request_serializer=worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=worker__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/pdserve.worker.v1.Worker/Drain',
+                request_serializer=worker__pb2.DrainRequest.SerializeToString,
+                response_deserializer=worker__pb2.DrainReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -87,6 +92,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Scale-down: leave the pools, keep serving what arrives during the grace (the router's view
+        lags membership by a fraction of a heartbeat), finish what is in flight, then answer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +122,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=worker__pb2.StatsRequest.FromString,
                     response_serializer=worker__pb2.StatsReply.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=worker__pb2.DrainRequest.FromString,
+                    response_serializer=worker__pb2.DrainReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +237,33 @@ class Worker:
             '/pdserve.worker.v1.Worker/Stats',
             worker__pb2.StatsRequest.SerializeToString,
             worker__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.Worker/Drain',
+            worker__pb2.DrainRequest.SerializeToString,
+            worker__pb2.DrainReply.FromString,
             options,
             channel_credentials,
             insecure,

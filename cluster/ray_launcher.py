@@ -1,0 +1,198 @@
+"""Workers and the router as Ray actors: one detached placement group and one detached, named
+actor per worker, all in the namespace `pdserve-<cluster>`, so that later commands (`down`,
+`scale`, `status`) find exactly what `up` created.
+
+Each actor (`ProcessHost`) starts its process (`pdserve worker`, or `pdserve router`) and owns it:
+the process gets SIGTERM when the actor dies (parent-death signal), so killing the actor kills
+the worker, and the worker's registry entry then expires. Ray sets CUDA_VISIBLE_DEVICES in an
+actor that holds GPUs, and the worker inherits it: each worker sees only its own GPU ids.
+"""
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+from ray.util.placement_group import (get_placement_group, placement_group,
+                                      remove_placement_group)
+from ray.util.scheduling_strategies import (NodeAffinitySchedulingStrategy,
+                                            PlacementGroupSchedulingStrategy)
+
+from cluster.engine import PLACEMENT_GROUP_ENV, RAY_NAMESPACE_ENV
+from cluster.placement import WorkerSlot
+
+ROUTER = "router"
+PLACEMENT_TIMEOUT_S = 30.0
+ACTOR_CALL_TIMEOUT_S = 60.0
+
+
+def namespace(cluster: str) -> str:
+    return f"pdserve-{cluster}"
+
+
+def connect(address: str, cluster: str) -> None:
+    if not ray.is_initialized():
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(address=address, namespace=namespace(cluster), log_to_driver=False,
+                 logging_level="WARNING", configure_logging=True)
+
+
+def node_resources() -> list[dict[str, float]]:
+    """What each alive node has in all (for a plan) or free now (for scale-up)."""
+    return [node["Resources"] for node in ray.nodes() if node["Alive"]]
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class ProcessHost:
+    """Holds one process for its whole life; see the module docstring."""
+
+    def __init__(self) -> None:
+        self.process = None
+        self.info: dict = {}
+
+    def start_worker(self, role: str, argv: list[str], log_dir: str, threads: int,
+                     env: dict[str, str]) -> dict:
+        from cluster.worker_process import start_worker
+
+        node = ray.get_runtime_context().get_node_id()
+        host = _node_address(node)
+        worker = start_worker(role, argv, Path(log_dir), threads, host=host,
+                              env={"PDSERVE_NODE": node, **env})
+        self.process = worker.process
+        self.info = {"address": worker.address, "pid": worker.process.pid, "node": node,
+                     "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                     "log": str(worker.log_path)}
+        return self.info
+
+    def start_router(self, argv: list[str], port: int, log_dir: str) -> dict:
+        from cluster.worker_process import free_port, spawn_child
+
+        host = _node_address(ray.get_runtime_context().get_node_id())
+        port = port or free_port(host)
+        log_path = Path(log_dir) / f"router-{port}.log"
+        command = [sys.executable, "-m", "cluster.cli", "router", "--host", host,
+                   "--port", str(port), *argv]
+        self.process = spawn_child(command, log_path, dict(os.environ))
+        self.info = {"url": f"http://{host}:{port}", "pid": self.process.pid,
+                     "node": ray.get_runtime_context().get_node_id(), "log": str(log_path)}
+        return self.info
+
+    def describe(self) -> dict:
+        return {**self.info, "exit_code": self.process.poll() if self.process else None}
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = Path(self.info["log"]).read_text(errors="replace")
+        except (KeyError, OSError):
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        from cluster.worker_process import stop_child
+
+        if self.process is not None:
+            stop_child(self.process, grace_s)
+
+
+def _node_address(node_id: str) -> str:
+    """The address Ray knows this node by (127.0.0.1 for the local head `up` starts)."""
+    return next(node["NodeManagerAddress"] for node in ray.nodes() if node["NodeID"] == node_id)
+
+
+@dataclass
+class StartedWorker:
+    slot: WorkerSlot
+    host: "ray.actor.ActorHandle"
+    info: dict
+
+
+def start_worker(cluster: str, slot: WorkerSlot, argv: list[str], log_dir: str,
+                 threads: int) -> StartedWorker:
+    """Reserve the worker's placement group, start its actor inside it, start the process."""
+    group = placement_group(list(slot.bundles), strategy="STRICT_PACK",
+                            name=_group_name(cluster, slot.name), lifetime="detached")
+    try:
+        ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        raise RuntimeError(f"{slot.name}: Ray could not place {list(slot.bundles)} on one node "
+                           f"within {PLACEMENT_TIMEOUT_S:.0f} s") from None
+    resources = {"num_gpus": 1} if slot.device == "GPU" and slot.tensor_parallel_size == 1 else {}
+    host = ProcessHost.options(
+        name=slot.name, lifetime="detached", **resources,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=0,
+            placement_group_capture_child_tasks=True)).remote()
+    env = {}
+    if slot.device == "GPU" and slot.tensor_parallel_size > 1:
+        # The worker's vLLM runs its Ray executor in this group (cluster/engine.py).
+        env = {PLACEMENT_GROUP_ENV: _group_name(cluster, slot.name),
+               RAY_NAMESPACE_ENV: namespace(cluster),
+               "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    info = ray.get(host.start_worker.remote(slot.role, [*argv, "--worker-id", slot.name],
+                                            log_dir, threads, env),
+                   timeout=ACTOR_CALL_TIMEOUT_S)
+    return StartedWorker(slot, host, info)
+
+
+def start_router(argv: list[str], port: int, log_dir: str) -> dict:
+    """The router runs on this node (the one `pdserve up` runs on), so its URL is reachable."""
+    host = ProcessHost.options(
+        name=ROUTER, lifetime="detached",
+        scheduling_strategy=NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False)).remote()
+    return ray.get(host.start_router.remote(argv, port, log_dir), timeout=ACTOR_CALL_TIMEOUT_S)
+
+
+def actor_names(cluster: str) -> list[str]:
+    return sorted(entry["name"] for entry in ray.util.list_named_actors(all_namespaces=True)
+                  if entry["namespace"] == namespace(cluster))
+
+
+def actor(name: str):
+    return ray.get_actor(name)
+
+
+def describe(name: str) -> dict:
+    try:
+        return ray.get(actor(name).describe.remote(), timeout=10)
+    except (ValueError, ray.exceptions.RayError) as error:
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
+def stop_actors(cluster: str, names: list[str], grace_s: float = 20.0) -> None:
+    """Stop the actors' processes (all at once), kill the actors, free their placement groups."""
+    hosts = {}
+    for name in names:
+        try:
+            hosts[name] = actor(name)
+        except ValueError:
+            pass
+    stopping = {name: host.stop.remote(grace_s) for name, host in hosts.items()}
+    for name, reply in stopping.items():
+        try:
+            ray.get(reply, timeout=grace_s + 10)
+        except ray.exceptions.RayError:
+            pass  # already dead: its process got the parent-death signal
+        ray.kill(hosts[name], no_restart=True)
+    for name in names:
+        try:
+            remove_placement_group(get_placement_group(_group_name(cluster, name)))
+        except ValueError:
+            pass  # the router, or a worker whose group is already gone
+
+
+def wait_gone(cluster: str, names: list[str], timeout_s: float = 30.0) -> list[str]:
+    """Names still alive as actors after the timeout (ray.kill is asynchronous)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [n for n in names if n in actor_names(cluster)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+def _group_name(cluster: str, worker: str) -> str:
+    return f"{namespace(cluster)}-{worker}"

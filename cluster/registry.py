@@ -1,0 +1,79 @@
+"""Pool membership in Redis: who is in the prefill and decode pools right now.
+
+Each worker writes its own record under `pdserve:<cluster>:worker:<id>` with a time to live of
+`TTL_HEARTBEATS` heartbeats and rewrites it every heartbeat, load included. A worker that dies
+stops writing, and its record expires: it leaves the pools within two heartbeats without anyone
+having to notice the death. A draining worker deletes its record first. The router reads the
+records every quarter heartbeat (`cluster/registry_follower` in router/worker_pool.py).
+"""
+
+import json
+from dataclasses import asdict, dataclass, field
+
+TTL_HEARTBEATS = 2
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    running_requests: int = 0
+    waiting_requests: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    outstanding_prefill_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    worker_id: str
+    role: str                       # "prefill", "decode" or "colocated"
+    address: str                    # the worker's gRPC address, host:port
+    kv_address: str = ""            # decode: where prefill workers push KV
+    tensor_parallel_size: int = 1
+    compatibility_hash: str = ""    # equal hashes: KV blocks mean the same on both workers
+    node: str = ""                  # where it runs: the Ray node id, or the host name
+    gpu_ids: tuple[str, ...] = ()   # the accelerator ids this worker may see
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "WorkerRecord":
+        data = json.loads(text)
+        return cls(**{**data, "gpu_ids": tuple(data.get("gpu_ids", ())),
+                      "load": WorkerLoad(**data.get("load", {}))})
+
+
+class Registry:
+    """The membership records of one cluster in one Redis database (asyncio client)."""
+
+    def __init__(self, url: str, cluster: str) -> None:
+        import redis.asyncio as redis
+
+        self.url = url
+        self.prefix = f"pdserve:{cluster}:worker:"
+        self.redis = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+
+    async def put(self, record: WorkerRecord, ttl_s: float) -> None:
+        await self.redis.set(self.prefix + record.worker_id, record.to_json(),
+                             px=max(1, round(ttl_s * 1000)))
+
+    async def remove(self, worker_id: str) -> None:
+        await self.redis.delete(self.prefix + worker_id)
+
+    async def members(self) -> list[WorkerRecord]:
+        keys = [key async for key in self.redis.scan_iter(match=self.prefix + "*", count=1000)]
+        if not keys:
+            return []
+        values = await self.redis.mget(keys)
+        # A record can expire between SCAN and MGET: it is simply gone.
+        return sorted((WorkerRecord.from_json(v) for v in values if v is not None),
+                      key=lambda record: record.worker_id)
+
+    async def clear(self) -> int:
+        """Delete every record of this cluster (`pdserve down`); returns how many there were."""
+        keys = [key async for key in self.redis.scan_iter(match=self.prefix + "*", count=1000)]
+        return await self.redis.delete(*keys) if keys else 0
+
+    async def close(self) -> None:
+        await self.redis.aclose()

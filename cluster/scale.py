@@ -1,0 +1,118 @@
+"""`pdserve scale --prefill N --decode M`: change the ratio of a running cluster, live.
+
+New workers start first and join the pools (the router follows the registry); then surplus
+workers drain: each leaves the pools, keeps serving for a grace period while the router's view
+catches up, finishes its requests in flight, and only then stops. The newest workers go first.
+"""
+
+import argparse
+import sys
+import time
+
+import grpc
+
+from cluster import ray_launcher
+from cluster.cluster_target import add_target_arguments, target_state
+from cluster.config import ConfigError, load_cluster_file
+from cluster.console import say
+from cluster.placement import ROLES, check_resources, worker_slots
+from cluster.protocol import worker_pb2, worker_pb2_grpc
+from cluster.up import threads_per_worker, wait_joined, worker_argv
+
+DRAIN_GRACE_S = 2.0          # the router reads membership every quarter heartbeat
+DRAIN_TIMEOUT_S = 600.0      # the longest a request may take (router.request_timeout_s)
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("scale", help="change a running cluster's prefill:decode ratio",
+                                   description=__doc__.splitlines()[0])
+    add_target_arguments(parser)
+    parser.add_argument("--prefill", type=int, default=None, metavar="N",
+                        help="prefill workers wanted (default: unchanged)")
+    parser.add_argument("--decode", type=int, default=None, metavar="M",
+                        help="decode workers wanted, at least 1 (default: unchanged)")
+    parser.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S, metavar="SECONDS",
+                        help="how long a leaving worker may take to finish its requests before it "
+                             f"stops anyway (default: {DRAIN_TIMEOUT_S:.0f})")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    try:
+        state = target_state(args)
+        config = load_cluster_file(state.config_path)
+        if args.decode is not None and args.decode < 1:
+            raise ConfigError("--decode: at least 1 decode worker is needed")
+        if args.prefill is not None and args.prefill < 0:
+            raise ConfigError("--prefill: must be >= 0")
+        ray_launcher.connect(state.ray_address, state.name)
+        current = {role: _workers(state.name, role) for role in ROLES}
+        wanted = {"prefill": len(current["prefill"]) if args.prefill is None else args.prefill,
+                  "decode": len(current["decode"]) if args.decode is None else args.decode}
+        adding = {role: max(0, wanted[role] - len(current[role])) for role in ROLES}
+        next_index = {role: 1 + max(map(_index, current[role]), default=-1)
+                      for role in ROLES}
+        new_slots = worker_slots(config, adding, next_index)
+        check_resources(new_slots, _free_resources())
+    except ConfigError as error:
+        say(f"pdserve scale: refused: {error}")
+        return 2
+    say("scaling " + ", ".join(f"{role} {len(current[role])} -> {wanted[role]}" for role in ROLES))
+    if new_slots:
+        total = sum(wanted.values())
+        try:
+            for slot in new_slots:
+                say(f"starting {slot.name}")
+                ray_launcher.start_worker(state.name, slot, worker_argv(config, slot.role,
+                                                                        state.registry_url),
+                                          state.log_dir, threads_per_worker(total))
+            wait_joined(config, state, new_slots)
+        except (RuntimeError, TimeoutError) as error:
+            say(f"pdserve scale: {error}; removing the new workers")
+            ray_launcher.stop_actors(state.name, [slot.name for slot in new_slots])
+            return 1
+    leaving = [name for role in ROLES
+               for name in sorted(current[role], key=_index)[wanted[role]:]]
+    failed_drains = 0
+    for name in leaving:
+        failed_drains += not drain(name, args.drain_timeout)
+        ray_launcher.stop_actors(state.name, [name])
+    ray_launcher.wait_gone(state.name, leaving)
+    say(f"scaled to {wanted['prefill']} prefill + {wanted['decode']} decode in "
+        f"{time.monotonic() - started:.1f} s")
+    return 1 if failed_drains else 0
+
+
+def drain(name: str, timeout_s: float) -> bool:
+    """Ask the worker to drain; True when nothing was left in flight."""
+    address = ray_launcher.describe(name).get("address")
+    if not address:
+        say(f"{name}: no address (already gone); stopping it")
+        return True
+    say(f"draining {name} ({address})")
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = worker_pb2_grpc.WorkerStub(channel).Drain(
+                worker_pb2.DrainRequest(grace_seconds=DRAIN_GRACE_S, timeout_seconds=timeout_s),
+                timeout=timeout_s + DRAIN_GRACE_S + 30)
+        except grpc.RpcError as error:
+            say(f"{name}: drain failed ({error.code().name}: {error.details()}); stopping it")
+            return False
+    say(f"{name}: drained in {reply.seconds:.1f} s"
+        + ("" if reply.drained else f", {reply.requests_left} request(s) cut at the timeout"))
+    return reply.drained
+
+
+def _workers(cluster: str, role: str) -> list[str]:
+    return [name for name in ray_launcher.actor_names(cluster) if name.startswith(f"{role}-")]
+
+
+def _index(name: str) -> int:
+    return int(name.split("-")[1])  # "decode-3" -> 3: higher is newer
+
+
+def _free_resources() -> list[dict[str, float]]:
+    from ray._private.state import available_resources_per_node
+
+    return list(available_resources_per_node().values())
