@@ -10,6 +10,7 @@ import numpy as np
 
 from bench.metrics import Summary, latency_samples
 from bench.records import RequestRecord
+from bench.sweep import SweepPoint, best_ratio, series
 
 LATENCIES = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E"))
 
@@ -103,17 +104,37 @@ def plot_cdfs(path: str | Path, records: list[RequestRecord], title: str = "") -
 
 def plot_goodput_vs_rate(path: str | Path, points: list[tuple[float, float]], slo_label: str = "") -> None:
     """Goodput (req/s) against offered request rate (req/s), one point per benchmark run."""
-    rates, goodputs = zip(*sorted(points)) if points else ((), ())
+    rates = [rate for rate, _ in points]
+    _plot_against_rate(
+        path, {"goodput": points}, f"goodput vs request rate{f' ({slo_label})' if slo_label else ''}",
+        "goodput (req/s)", diagonal_to=max(rates, default=0.0),
+    )
+
+
+def plot_sweep(path: str | Path, points: list[SweepPoint], slo_label: str = "") -> None:
+    """Goodput per worker against request rate, one line per prefill:decode ratio; the best
+    ratio's line is marked in the legend."""
+    best = best_ratio(points)
+    lines = {
+        f"{ratio.label} (P:D){' best' if ratio == best else ''}": [(p.rate, p.goodput_per_worker) for p in group]
+        for ratio, group in series(points).items()
+    }
+    _plot_against_rate(
+        path, lines, f"goodput per worker vs request rate{f' ({slo_label})' if slo_label else ''}",
+        "goodput per worker (req/s)",
+    )
+
+
+def _plot_against_rate(path, lines: dict[str, list[tuple[float, float]]], title: str, ylabel: str,
+                       diagonal_to: float = 0.0) -> None:
     figure = _figure(6, 4.5)
     axes = figure.subplots()
-    axes.plot(rates, goodputs, marker="o", label="goodput")
-    if rates:
-        axes.plot([0, max(rates)], [0, max(rates)], linestyle="--", color="gray", label="offered rate")
-    axes.set(
-        title=f"goodput vs request rate{f' ({slo_label})' if slo_label else ''}",
-        xlabel="request rate (req/s)",
-        ylabel="goodput (req/s)",
-    )
+    for label, points in lines.items():
+        rates, values = zip(*sorted(points)) if points else ((), ())
+        axes.plot(rates, values, marker="o", label=label)
+    if diagonal_to:
+        axes.plot([0, diagonal_to], [0, diagonal_to], linestyle="--", color="gray", label="offered rate")
+    axes.set(title=title, xlabel="request rate (req/s)", ylabel=ylabel)
     axes.legend()
     axes.grid(alpha=0.3)
     _save(figure, path)

@@ -1,0 +1,112 @@
+"""`pdserve sweep`: for each prefill:decode ratio, start the cluster, benchmark it at each
+request rate, and report goodput per worker (table, JSON, PNG), marking the best ratio.
+
+Until `pdserve up`/`scale` take a cluster file here, each ratio is a fresh
+`pdserve serve --prefill N --decode M` on this host (bench.local_cluster).
+"""
+
+import argparse
+import asyncio
+import shlex
+import sys
+from pathlib import Path
+
+from bench.arrivals import arrival_times
+from bench.client import Target, first_model, make_http_client
+from bench.local_cluster import ClusterStartError, local_cluster
+from bench.metrics import Slo, summarize
+from bench.options import add_benchmark_arguments, build_requests, check_arguments
+from bench.report import plot_sweep
+from bench.runner import run as run_benchmark
+from bench.sweep import Ratio, SweepPoint, sweep_table, write_sweep_json
+from bench.workload import BenchRequest
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "sweep", help="benchmark several prefill:decode ratios at several request rates",
+        description=__doc__.splitlines()[0])
+    parser.add_argument("--ratios", default="1:1,2:1,1:2", metavar="P:D,...",
+                        help="prefill:decode worker counts to compare (default: %(default)s)")
+    parser.add_argument("--rates", required=True, metavar="RATE,...",
+                        help="request rates (req/s) to benchmark each ratio at, e.g. 0.5,1,2")
+    parser.add_argument("--serve-args", default="", metavar="ARGS",
+                        help='more options for every `pdserve serve`, e.g. "--model tiny --kv-cache-gib 1"')
+    parser.add_argument("--port", type=int, default=8000, help="router port of the clusters (default: %(default)s)")
+    parser.add_argument("--ready-timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="how long a cluster may take to start (default: %(default)s)")
+    out = add_benchmark_arguments(parser)
+    out.add_argument("--output-dir", type=Path, default=Path("sweep"), metavar="DIR",
+                     help="where sweep.json, goodput_per_worker.png and the cluster logs go (default: %(default)s)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exit status: 0 when every ratio ran; 1 when a cluster did not start; 2 on bad input."""
+    try:
+        check_arguments(args)
+        if args.slo is None:
+            raise ValueError("--slo is required: the sweep compares goodput, e.g. --slo ttft=2s,tpot=200ms")
+        slo = Slo.parse(args.slo)
+        ratios = Ratio.parse_list(args.ratios)
+        rates = [_rate(text) for text in args.rates.split(",")]
+        requests = build_requests(args)
+    except (ValueError, OSError) as error:
+        print(f"pdserve sweep: error: {error}", file=sys.stderr)
+        return 2
+    points: list[SweepPoint] = []
+    try:
+        for number, ratio in enumerate(ratios, start=1):
+            log_dir = args.output_dir / f"logs-{ratio.prefill}p{ratio.decode}d"
+            _say(f"ratio {ratio.label} ({number}/{len(ratios)}): starting {ratio.prefill} prefill + "
+                 f"{ratio.decode} decode worker(s), logs in {log_dir}")
+            with local_cluster(ratio.prefill, ratio.decode, args.port, log_dir, shlex.split(args.serve_args),
+                               args.ready_timeout) as url:
+                for rate in rates:
+                    _say(f"ratio {ratio.label}: {len(requests)} requests at {rate:g} req/s")
+                    summary = asyncio.run(_measure(url, args, requests, rate, slo))
+                    points.append(SweepPoint(ratio, rate, summary))
+    except ClusterStartError as error:
+        print(f"pdserve sweep: {error}", file=sys.stderr)
+        return 1
+    finally:
+        if points:
+            _report(args, points, len(requests))
+    return 0
+
+
+async def _measure(url: str, args: argparse.Namespace, requests: list[BenchRequest], rate: float, slo: Slo):
+    model = args.model
+    if model is None:
+        async with make_http_client() as http:
+            model = await first_model(http, url)
+    offsets = arrival_times(len(requests), rate, args.burstiness, args.seed)
+    records, duration = await run_benchmark(
+        requests, Target(url, model, args.endpoint, args.ignore_eos), offsets=offsets,
+        timeout=args.timeout, progress=not args.no_progress)
+    return summarize(records, duration, slo)
+
+
+def _report(args: argparse.Namespace, points: list[SweepPoint], num_requests: int) -> None:
+    """Table, JSON and plot of whatever was measured (also after an interruption)."""
+    print(sweep_table(points))
+    config = {"ratios": args.ratios, "rates": args.rates, "serve_args": args.serve_args, "slo": args.slo,
+              "workload": args.workload, "input_len": args.input_len, "output_len": args.output_len,
+              "num_requests": num_requests, "seed": args.seed, "burstiness": args.burstiness}
+    write_sweep_json(args.output_dir / "sweep.json", config, points)
+    plot_sweep(args.output_dir / "goodput_per_worker.png", points, args.slo)
+    _say(f"wrote {args.output_dir / 'sweep.json'} and {args.output_dir / 'goodput_per_worker.png'}")
+
+
+def _rate(text: str) -> float:
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = 0.0
+    if not 0 < rate < float("inf"):
+        raise ValueError(f"bad rate {text!r}: expected a positive number of requests/s")
+    return rate
+
+
+def _say(message: str) -> None:
+    print(f"[sweep] {message}", file=sys.stderr, flush=True)
