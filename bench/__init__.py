@@ -1,2 +1,2 @@
-"""The benchmark client `pdserve bench`: workloads, arrival processes, a streaming OpenAI client,
-and the metrics (TTFT, TPOT, ITL, E2E, goodput) and reports computed from what it recorded."""
+"""The benchmark client `pdserve bench` (workloads, arrivals, a streaming OpenAI client, metrics
+and reports) and `pdserve sweep`, which runs it over prefill:decode ratios and request rates."""

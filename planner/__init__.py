@@ -1,2 +1,2 @@
-"""Capacity planning for pdserve: weights, KV cache, concurrency and step-time math per GPU type.
-Later also the workload simulator and the prefill:decode ratio search behind `pdserve plan`."""
+"""Capacity planning for pdserve: capacity math per GPU type, step-time cost models, a discrete-event
+simulator of the P/D cluster, and the prefill:decode search behind `pdserve plan --gpus`."""

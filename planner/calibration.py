@@ -7,8 +7,10 @@ counts; that is enough to recover step times without instrumenting the engine:
   with pdserve's default admission the first token comes from the prefill worker, so such a
   TTFT is one prefill step plus fixed overheads (HTTP, tokenization), which land in `a`;
 - decode = c + d · batch, by least squares over the inter-token gaps, each paired with the
-  number of requests decoding (between their first and last token) at the gap's midpoint.
-  Each request's first gap is left out: it holds the KV transfer and admission, not a step.
+  number of requests on the decode worker (between their second and last token) at the gap's
+  midpoint. Each request's first gap is left out: it holds the KV transfer and admission.
+A slope that comes out negative (noise, or interference on a shared host) is no step time a
+worker has: the fit is then flat, at the mean.
 A useful calibration has prompts of several lengths sent one at a time, and bursts that put
 several requests in the decode batch at once (see scripts/validate_simulator.py).
 """
@@ -52,7 +54,7 @@ def _lone_prefills(done: list[dict]) -> list[tuple[float, float]]:
 
 def _decode_gaps(done: list[dict]) -> list[tuple[float, float]]:
     """(requests decoding, gap) for every inter-token gap after a request's first one."""
-    spans = [(r["send_time"] + r["ttft"], r["send_time"] + r["e2e"]) for r in done]
+    spans = [(r["send_time"] + r["ttft"] + r["itl"][0], r["send_time"] + r["e2e"]) for r in done if r["itl"]]
     points = []
     for request in done:
         token_time = request["send_time"] + request["ttft"]
@@ -66,11 +68,11 @@ def _decode_gaps(done: list[dict]) -> list[tuple[float, float]]:
 
 
 def _line(points: list[tuple[float, float]], what: str) -> tuple[float, float]:
-    """Least-squares intercept and slope; a single x value gives a flat line at the mean."""
+    """Least-squares intercept and slope; flat at the mean for a single x value or a negative slope."""
     if not points:
         raise ValueError(f"no samples to fit {what}")
     x, y = np.asarray(points, dtype=float).T
-    if np.ptp(x) == 0:
+    slope, intercept = np.polyfit(x, y, 1) if np.ptp(x) > 0 else (0.0, 0.0)
+    if slope <= 0:
         return float(y.mean()), 0.0
-    slope, intercept = np.polyfit(x, y, 1)
     return float(intercept), float(slope)

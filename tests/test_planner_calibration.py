@@ -60,3 +60,13 @@ def test_fit_leaves_out_queued_prefills_and_failed_requests():
 def test_fit_without_samples_says_what_is_missing():
     with pytest.raises(ValueError, match="prefill"):
         fit_linear_cost([[]])
+
+
+def test_a_negative_slope_is_fitted_flat():
+    entry = dict(itl=[], e2e=0.5, error=None)
+    requests = [entry | dict(send_time=10.0 * i, ttft=1.0 - 0.001 * i, input_tokens=100 * i) for i in range(1, 4)]
+    with pytest.raises(ValueError, match="decode"):
+        fit_linear_cost([requests])  # no inter-token gaps at all
+    requests[0]["itl"] = [0.3, 0.1, 0.1]
+    fitted = fit_linear_cost([requests])
+    assert fitted.prefill_per_token_s == 0.0 and fitted.prefill_base_s == pytest.approx(0.998)
