@@ -18,6 +18,7 @@ class ClusterState:
     log_dir: str
     ray_group: int = 0          # process group of the Ray head `up` started (0: not ours)
     redis_group: int = 0        # process group of the Redis server `up` started (0: not ours)
+    loopback: bool = False      # one-node cluster: workers listen on 127.0.0.1 only
 
 
 def state_dir() -> Path:

@@ -42,6 +42,8 @@ def tear_down(state: ClusterState) -> None:
         ray_launcher.stop_actors(state.name, [n for n in names if n != ray_launcher.ROUTER])
         if left := ray_launcher.wait_gone(state.name, names):
             say(f"still alive after ray.kill: {', '.join(left)}")
+        if orphans := ray_launcher.remove_orphan_groups(state.name):
+            say(f"freed the placement groups of dead workers: {', '.join(orphans)}")
         ray_launcher.ray.shutdown()
     except Exception as error:  # Ray gone already: its actors went with it
         say(f"ray at {state.ray_address}: {error}")

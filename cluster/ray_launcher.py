@@ -53,11 +53,11 @@ class ProcessHost:
         self.info: dict = {}
 
     def start_worker(self, role: str, argv: list[str], log_dir: str, threads: int,
-                     env: dict[str, str]) -> dict:
+                     env: dict[str, str], loopback: bool) -> dict:
         from cluster.worker_process import start_worker
 
         node = ray.get_runtime_context().get_node_id()
-        host = _node_address(node)
+        host = "127.0.0.1" if loopback else _node_address(node)
         worker = start_worker(role, argv, Path(log_dir), threads, host=host,
                               env={"PDSERVE_NODE": node, **env})
         self.process = worker.process
@@ -66,16 +66,17 @@ class ProcessHost:
                      "log": str(worker.log_path)}
         return self.info
 
-    def start_router(self, argv: list[str], port: int, log_dir: str) -> dict:
+    def start_router(self, argv: list[str], host: str, port: int, log_dir: str) -> dict:
         from cluster.worker_process import free_port, spawn_child
 
-        host = _node_address(ray.get_runtime_context().get_node_id())
         port = port or free_port(host)
         log_path = Path(log_dir) / f"router-{port}.log"
         command = [sys.executable, "-m", "cluster.cli", "router", "--host", host,
                    "--port", str(port), *argv]
         self.process = spawn_child(command, log_path, dict(os.environ))
-        self.info = {"url": f"http://{host}:{port}", "pid": self.process.pid,
+        reachable = (_node_address(ray.get_runtime_context().get_node_id())
+                     if host in ("0.0.0.0", "::") else host)
+        self.info = {"url": f"http://{reachable}:{port}", "pid": self.process.pid,
                      "node": ray.get_runtime_context().get_node_id(), "log": str(log_path)}
         return self.info
 
@@ -109,8 +110,10 @@ class StartedWorker:
 
 
 def start_worker(cluster: str, slot: WorkerSlot, argv: list[str], log_dir: str,
-                 threads: int) -> StartedWorker:
-    """Reserve the worker's placement group, start its actor inside it, start the process."""
+                 threads: int, loopback: bool) -> StartedWorker:
+    """Reserve the worker's placement group, start its actor inside it, start the process.
+    `loopback`: the cluster is this one host, and workers listen on 127.0.0.1 only (Ray itself
+    refuses a loopback node address); otherwise on their node's address."""
     group = placement_group(list(slot.bundles), strategy="STRICT_PACK",
                             name=_group_name(cluster, slot.name), lifetime="detached")
     try:
@@ -132,18 +135,19 @@ def start_worker(cluster: str, slot: WorkerSlot, argv: list[str], log_dir: str,
                RAY_NAMESPACE_ENV: namespace(cluster),
                "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     info = ray.get(host.start_worker.remote(slot.role, [*argv, "--worker-id", slot.name],
-                                            log_dir, threads, env),
+                                            log_dir, threads, env, loopback),
                    timeout=ACTOR_CALL_TIMEOUT_S)
     return StartedWorker(slot, host, info)
 
 
-def start_router(argv: list[str], port: int, log_dir: str) -> dict:
+def start_router(argv: list[str], bind: str, port: int, log_dir: str) -> dict:
     """The router runs on this node (the one `pdserve up` runs on), so its URL is reachable."""
     host = ProcessHost.options(
         name=ROUTER, lifetime="detached",
         scheduling_strategy=NodeAffinitySchedulingStrategy(
             ray.get_runtime_context().get_node_id(), soft=False)).remote()
-    return ray.get(host.start_router.remote(argv, port, log_dir), timeout=ACTOR_CALL_TIMEOUT_S)
+    return ray.get(host.start_router.remote(argv, bind, port, log_dir),
+                   timeout=ACTOR_CALL_TIMEOUT_S)
 
 
 def actor_names(cluster: str) -> list[str]:
@@ -182,6 +186,21 @@ def stop_actors(cluster: str, names: list[str], grace_s: float = 20.0) -> None:
             remove_placement_group(get_placement_group(_group_name(cluster, name)))
         except ValueError:
             pass  # the router, or a worker whose group is already gone
+
+
+def remove_orphan_groups(cluster: str) -> list[str]:
+    """Placement groups of this cluster whose actor is gone (killed, or crashed): freed, so the
+    GPUs return and the name can be used again. Returns their names."""
+    live = {_group_name(cluster, name) for name in actor_names(cluster)}
+    orphans = [group["name"] for group in ray.util.placement_group_table().values()
+               if group["name"].startswith(f"{namespace(cluster)}-")
+               and group["state"] != "REMOVED" and group["name"] not in live]
+    for name in orphans:
+        try:
+            remove_placement_group(get_placement_group(name))
+        except ValueError:
+            pass
+    return orphans
 
 
 def wait_gone(cluster: str, names: list[str], timeout_s: float = 30.0) -> list[str]:

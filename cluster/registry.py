@@ -4,7 +4,7 @@ Each worker writes its own record under `pdserve:<cluster>:worker:<id>` with a t
 `TTL_HEARTBEATS` heartbeats and rewrites it every heartbeat, load included. A worker that dies
 stops writing, and its record expires: it leaves the pools within two heartbeats without anyone
 having to notice the death. A draining worker deletes its record first. The router reads the
-records every quarter heartbeat (`cluster/registry_follower` in router/worker_pool.py).
+records every 0.1 s (`follow_registry` in router/worker_pool.py).
 """
 
 import json

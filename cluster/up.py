@@ -12,7 +12,6 @@ import asyncio
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -70,13 +69,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         state = start_services(config, args, nodes)
         ray_launcher.connect(state.ray_address, config.name)
-        workers = [ray_launcher.start_worker(config.name, slot,
-                                             worker_argv(config, slot.role, state.registry_url),
-                                             state.log_dir, threads_per_worker(len(slots)))
-                   for slot in slots]
-        wait_joined(config, state, [w.slot for w in workers])
+        for slot in slots:
+            ray_launcher.start_worker(config.name, slot,
+                                      worker_argv(config, slot.role, state.registry_url),
+                                      state.log_dir, threads_per_worker(len(slots)),
+                                      state.loopback)
+        wait_joined(config, state, slots)
         router = ray_launcher.start_router(router_argv(config, state.registry_url),
-                                           config.router.port, state.log_dir)
+                                           config.router.host, config.router.port,
+                                           state.log_dir)
         state = ClusterState(**{**state.__dict__, "router_url": router["url"]})
         save_state(state)
         wait_router(router["url"], len(slots))
@@ -114,6 +115,8 @@ def start_services(config: ClusterConfig, args, nodes) -> ClusterState:
             int(totals.get("CPU", 1)), int(totals.get("GPU", 0)), log_dir / "ray-head.log")
         state = ClusterState(**{**state.__dict__, "ray_address": address, "ray_group": group})
         say(f"ray: started a local head at {address}")
+    ray_launcher.connect(state.ray_address, config.name)
+    state = ClusterState(**{**state.__dict__, "loopback": len(ray_launcher.node_resources()) == 1})
     save_state(state)
     return state
 

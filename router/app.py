@@ -59,7 +59,7 @@ class RouterConfig:
     decode_admission: str = AFTER_PREFILL  # when the decode worker hears of a request
     registry_url: str = ""            # follow this Redis registry instead of worker_addresses
     cluster: str = ""                 # the cluster's name in the registry
-    registry_refresh_s: float = 0.25  # how often membership is read from the registry
+    registry_refresh_s: float = 0.1   # how often membership is read from the registry
 
 
 @dataclass

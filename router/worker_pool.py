@@ -2,7 +2,7 @@
 
 Membership comes from one of two places: a fixed list of addresses (`pdserve serve`, one host,
 no Redis), or the cluster's Redis registry (`pdserve up`), which `follow_registry` reads every
-quarter heartbeat, so workers join and leave with no router restart. A worker joins once its
+0.1 s, so workers join and leave with no router restart. A worker joins once its
 Health says READY. A worker that leaves membership gets no new request; its requests in flight
 finish, and its channel closes once none is left.
 

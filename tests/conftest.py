@@ -19,7 +19,7 @@ import pytest
 
 from cluster.model_store import ensure_model
 from cluster.worker_process import free_port
-from tests.processes import descendants
+from tests.processes import alive, descendants
 from tests.prompts import (CHATS, DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS, MAX_TOKENS,
                            PROMPTS)
 
@@ -127,20 +127,12 @@ def _stop_and_check(server: Server) -> None:
             _kill(pid)
         pytest.fail(f"pdserve serve did not stop within {STOP_TIMEOUT_S} s of SIGTERM")
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_alive(pid) for pid in children):
+    while time.monotonic() < deadline and any(alive(pid) for pid in children):
         time.sleep(0.2)
-    left = [pid for pid in children if _alive(pid)]
+    left = [pid for pid in children if alive(pid)]
     for pid in left:
         _kill(pid)
     assert not left, f"processes left after pdserve serve stopped: {left}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _kill(pid: int) -> None:
