@@ -7,7 +7,7 @@ import math
 import sys
 from pathlib import Path
 
-from bench import sweep_command, workload
+from bench import workload
 from bench.arrivals import arrival_times
 from bench.client import Target, first_model, make_http_client
 from bench.metrics import Slo, summarize
@@ -38,7 +38,6 @@ def add_parser(subparsers) -> None:
         "--plot-dir", type=Path, metavar="DIR", help="write latency_cdf.png (TTFT, TPOT, ITL, E2E CDFs) in DIR"
     )
     parser.set_defaults(run=run)
-    sweep_command.add_parser(subparsers)  # `pdserve sweep` is a bench at several ratios and rates
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "cluster.status",
     "cluster.scale",
     "bench.command",
+    "bench.sweep_command",
     "planner.command",
 )
 

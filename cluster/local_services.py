@@ -17,9 +17,12 @@ OBJECT_STORE_BYTES = 100 * 1024 * 1024  # pdserve moves no data through Ray's ob
 
 
 def ray_environment() -> dict[str, str]:
-    """A local head needs no token auth (Ray 2.60 turns it on by default)."""
+    """A local head needs no token auth (Ray 2.60 turns it on by default). Its memory monitor
+    is off: it kills actors when the host's memory passes 95%, and vLLM workers hold their memory
+    from the start, so it killed serving workers for what other processes used (seen here)."""
     return {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
-            "RAY_USAGE_STATS_ENABLED": "0"}
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_memory_monitor_refresh_ms": os.environ.get("RAY_memory_monitor_refresh_ms", "0")}
 
 
 def start_ray_head(num_cpus: int, num_gpus: int, log_path: Path) -> tuple[str, int]:

@@ -59,7 +59,7 @@ class ProcessHost:
         node = ray.get_runtime_context().get_node_id()
         host = "127.0.0.1" if loopback else _node_address(node)
         worker = start_worker(role, argv, Path(log_dir), threads, host=host,
-                              env={"PDSERVE_NODE": node, **env})
+                              env={"PDSERVE_NODE": node, **env}, keeper=True)
         self.process = worker.process
         self.info = {"address": worker.address, "pid": worker.process.pid, "node": node,
                      "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
@@ -73,7 +73,8 @@ class ProcessHost:
         log_path = Path(log_dir) / f"router-{port}.log"
         command = [sys.executable, "-m", "cluster.cli", "router", "--host", host,
                    "--port", str(port), *argv]
-        self.process = spawn_child(command, log_path, dict(os.environ))
+        self.process = spawn_child([sys.executable, "-m", "cluster.process_keeper", *command],
+                                   log_path, dict(os.environ))
         reachable = (_node_address(ray.get_runtime_context().get_node_id())
                      if host in ("0.0.0.0", "::") else host)
         self.info = {"url": f"http://{reachable}:{port}", "pid": self.process.pid,

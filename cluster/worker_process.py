@@ -47,22 +47,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def start_worker(role: str, engine_argv: list[str], log_dir: Path, threads: int,
                  host: str = "127.0.0.1", port: int | None = None,
-                 env: dict[str, str] | None = None) -> WorkerProcess:
+                 env: dict[str, str] | None = None, keeper: bool = False) -> WorkerProcess:
     """Start a worker whose engine computes with `threads` threads: workers sharing a host's
     cores split them, or their spinning OpenMP threads slow each other (and the KV transfer)
-    down. An OMP_NUM_THREADS set by the user wins."""
+    down. An OMP_NUM_THREADS set by the user wins. `keeper`: behind cluster/process_keeper (for
+    a parent that may be SIGKILLed with its children, as a Ray actor is)."""
     port = port or free_port(host)
     env = {**os.environ, **(env or {})}
     env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", str(threads))
     log_path = log_dir / f"{role}-{port}.log"
     command = [sys.executable, "-m", "cluster.cli", "worker", "--role", role,
                "--host", host, "--port", str(port), *engine_argv]
+    if keeper:
+        command = [sys.executable, "-m", "cluster.process_keeper", *command]
     return WorkerProcess(role, host, port, log_path, spawn_child(command, log_path, env))
 
 
@@ -71,7 +74,7 @@ def spawn_child(command: list[str], log_path: Path, env: dict[str, str]) -> subp
     with open(log_path, "ab") as log_file:
         return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=_die_with_parent, env=env)
+                                preexec_fn=die_with_parent, env=env)
 
 
 def wait_ready(workers: list[WorkerProcess], timeout_s: float, progress=print) -> None:

@@ -85,6 +85,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.kv_failure_policy = kv_failure_policy
         self.block_size = 0
         self.kv_bytes_per_block = 0
+        self.tensor_parallel_size = 0
         self.engine = None
         self.engine_stats = EngineStats()
         self.state = State.STARTING
@@ -101,6 +102,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.kv_blocks_total = engine.vllm_config.cache_config.num_gpu_blocks or 0
         self.block_size = engine.vllm_config.cache_config.block_size
         self.kv_bytes_per_block = kv_bytes_per_block(engine.vllm_config)
+        self.tensor_parallel_size = engine.vllm_config.parallel_config.tensor_parallel_size
         self.state, self.state_message = State.READY, ""
 
     def engine_failed(self, message: str) -> None:
@@ -196,7 +198,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             state=self.state, message=self.state_message, worker_id=self.worker_id,
             role=self.role, model=self.model, max_model_len=self.max_model_len,
             kv_address=self.kv_address, block_size=self.block_size,
-            kv_bytes_per_block=self.kv_bytes_per_block, kv_failure_policy=self.kv_failure_policy)
+            kv_bytes_per_block=self.kv_bytes_per_block, kv_failure_policy=self.kv_failure_policy,
+            tensor_parallel_size=self.tensor_parallel_size)
 
     async def Stats(self, request, context):
         if request.fresh and self.engine is not None:

@@ -53,7 +53,10 @@ class PdserveConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = SchedulerSide(vllm_config.cache_config.block_size)
             return
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
         compatibility = compatibility_of(vllm_config)
+        rank = get_tensor_model_parallel_rank()
         sender = receiver = None
         if transfer.is_kv_producer:
             sender = KvSender(compatibility)
@@ -62,15 +65,12 @@ class PdserveConnector(KVConnectorBase_V1):
             # 5 ms GIL switch interval each KV message waited up to 5 ms for the GIL there
             # (0.45 s for 30 layers).
             sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
             receiver = KvReceiver(compatibility)
             host = transfer.get_from_extra_config("receiver_host", "127.0.0.1")
             port = int(transfer.get_from_extra_config("receiver_port", 0))
-            rank = get_tensor_model_parallel_rank()
             bound = receiver.start(host, port + rank if port else 0)
             log.info("KV receiver (rank %d) listening on %s:%d", rank, host, bound)
-        self.worker_side = WorkerSide(sender, receiver)
+        self.worker_side = WorkerSide(sender, receiver, rank)
 
     # Worker side ---------------------------------------------------------------------------
 

@@ -156,8 +156,19 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
         return wire.CancelTransferReply(known=True)
 
 
-def cancel_transfer(destination: str, transfer_id: str, reason: str, timeout: float = 2.0) -> None:
-    """Tell a decode worker that a transfer's KV will not come (its producer failed)."""
-    with grpc.insecure_channel(destination) as channel:
-        wire_grpc.KvReceiverStub(channel).CancelTransfer(
-            wire.CancelTransferRequest(transfer_id=transfer_id, reason=reason), timeout=timeout)
+def rank_address(address: str, rank: int) -> str:
+    """Tensor-parallel rank r of a decode worker receives on its KV port + r; a producer rank
+    sends its own shard to the consumer rank of the same number."""
+    host, port = address.rsplit(":", 1)
+    return f"{host}:{int(port) + rank}"
+
+
+def cancel_transfer(destination: str, transfer_id: str, reason: str, ranks: int = 1,
+                    timeout: float = 2.0) -> None:
+    """Tell every rank of a decode worker that a transfer's KV will not come (its producer
+    failed)."""
+    for rank in range(ranks):
+        with grpc.insecure_channel(rank_address(destination, rank)) as channel:
+            wire_grpc.KvReceiverStub(channel).CancelTransfer(
+                wire.CancelTransferRequest(transfer_id=transfer_id, reason=reason),
+                timeout=timeout)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kv_transfer.grpc_transport import KvReceiver, KvSender, LayerSlice
+from kv_transfer.grpc_transport import KvReceiver, KvSender, LayerSlice, rank_address
 from kv_transfer.metadata import Expected, PdserveMetadata
 
 log = logging.getLogger("pdserve.kv")
@@ -33,9 +33,11 @@ class Incoming:
 
 
 class WorkerSide:
-    def __init__(self, sender: KvSender | None, receiver: KvReceiver | None) -> None:
+    def __init__(self, sender: KvSender | None, receiver: KvReceiver | None,
+                 rank: int = 0) -> None:
         self.sender = sender
         self.receiver = receiver
+        self.rank = rank  # tensor-parallel rank: sends go to the consumer rank of that number
         self.kv_caches: list[torch.Tensor] = []  # by layer index
         self.layer_index: dict[str, int] = {}
         self.incoming: dict[str, Incoming] = {}            # transfer id -> state
@@ -59,7 +61,7 @@ class WorkerSide:
         layer = self.layer_index[layer_name]
         for piece in self.metadata.sends:
             blocks = kv_layer[torch.tensor(piece.block_ids, dtype=torch.long)]
-            self.sender.send(piece.destination, LayerSlice(
+            self.sender.send(rank_address(piece.destination, self.rank), LayerSlice(
                 piece.transfer_id, layer, piece.first_block, len(piece.block_ids),
                 blocks.numpy().tobytes(), piece.last))
 

@@ -5,13 +5,19 @@ from pathlib import Path
 
 import yaml
 
+from planner.model_spec import MODEL_PRESETS
 from planner.search import Candidate
 
 
 def cluster_document(candidate: Candidate, model: str, dtype: str, gpu_type: str) -> dict:
-    """`dtype` "auto" means the model's own, as in vLLM."""
+    """`model` is a planner preset or a config.json path: a preset stays as `model.preset` (the
+    head layout `up` checks) and as a placeholder `model.path` to replace with the weights'
+    location; a config.json's folder is the path. `dtype` "auto" means the model's own."""
+    is_preset = model in MODEL_PRESETS
+    folder = model if is_preset or Path(model).is_dir() else str(Path(model).parent)
     return {
-        "model": {"name": model, "dtype": dtype},
+        "name": "planned",
+        "model": {"path": folder, "dtype": dtype, **({"preset": model} if is_preset else {})},
         "engine": {},
         "prefill": {"replicas": candidate.prefill_replicas,
                     "tensor_parallel_size": candidate.prefill_tp, "gpu_type": gpu_type},

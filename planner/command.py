@@ -126,6 +126,9 @@ def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill-to-decode KV transfer bandwidth (default 25, a 200 Gb/s NIC)")
     search.add_argument("--kv-latency-ms", type=_checked(float, lambda v: v >= 0, "a non-negative number"),
                         default=1.0, metavar="MS", help="fixed cost of one KV transfer (default 1)")
+    search.add_argument("--mixed-tp", action="store_true",
+                        help="also try prefill and decode pools of different TP (pdserve up "
+                             "refuses them until the KV transport re-shards between layouts)")
     search.add_argument("--write-cluster", metavar="FILE",
                         help="write the recommended configuration as a cluster YAML file")
 
@@ -161,7 +164,7 @@ def _run_search(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         print(f"pdserve plan: error: {error}", file=sys.stderr)
         return 2
-    evaluations = search(hardware, scenario, args.gpus, args.rate, _progress)
+    evaluations = search(hardware, scenario, args.gpus, args.rate, _progress, args.mixed_tp)
     if not evaluations or evaluations[0].goodput_per_gpu == 0:
         print(_search_table(evaluations))
         print(f"pdserve plan: no split of {args.gpus} GPU(s) meets the SLO", file=sys.stderr)

@@ -82,7 +82,7 @@ async def generate_disaggregated(prefill: WorkerClient, decode: WorkerClient,
     prefill_request.kv.CopyFrom(worker_pb2.KvTransfer(transfer_id=transfer_id,
                                                       send_to=decode.kv_address))
     prefill_task = asyncio.create_task(
-        _run_prefill(prefill, prefill_request, decode.kv_address, timeout_s, outcome))
+        _run_prefill(prefill, prefill_request, decode, timeout_s, outcome))
     try:
         if outcome.admission == AFTER_PREFILL:
             await outcome.done.wait()  # bounded: the prefill leg has the request's deadline
@@ -119,7 +119,7 @@ def continues_from_first_token(request: worker_pb2.GenerateRequest) -> bool:
 
 
 async def _run_prefill(prefill: WorkerClient, request: worker_pb2.GenerateRequest,
-                       kv_address: str, timeout_s: float, outcome: PrefillOutcome) -> None:
+                       decode: WorkerClient, timeout_s: float, outcome: PrefillOutcome) -> None:
     try:
         async for chunk in prefill.generate(request, timeout=timeout_s):
             outcome.chunk = chunk
@@ -129,8 +129,9 @@ async def _run_prefill(prefill: WorkerClient, request: worker_pb2.GenerateReques
         log.warning("prefill of %s failed (%s); cancelling its KV transfer",
                     request.kv.transfer_id, error.message)
         try:
-            await asyncio.to_thread(cancel_transfer, kv_address, request.kv.transfer_id,
-                                    f"prefill worker failed: {error.message}")
+            await asyncio.to_thread(cancel_transfer, decode.kv_address, request.kv.transfer_id,
+                                    f"prefill worker failed: {error.message}",
+                                    decode.tensor_parallel_size)
         except Exception as cancel_error:  # the decode worker's deadline still applies
             log.warning("could not cancel transfer %s: %s", request.kv.transfer_id,
                         cancel_error)

@@ -30,6 +30,7 @@ class WorkerClient:
         self.kv_address = ""
         self.block_size = 0
         self.kv_bytes_per_block = 0
+        self.tensor_parallel_size = 1
         self.outstanding_tokens = 0  # prompt + max tokens of requests in flight here
         self._pending_aborts: set[asyncio.Task] = set()
 
@@ -47,6 +48,7 @@ class WorkerClient:
             self.worker_id, self.role = reply.worker_id, reply.role
             self.max_model_len, self.kv_address = reply.max_model_len, reply.kv_address
             self.block_size, self.kv_bytes_per_block = reply.block_size, reply.kv_bytes_per_block
+            self.tensor_parallel_size = reply.tensor_parallel_size
         return reply
 
     async def stats(self, fresh: bool = False,

@@ -83,21 +83,26 @@ def server(smollm2_dir, tmp_path_factory) -> Server:
 @pytest.fixture(scope="session")
 def offline_reference(smollm2_dir, tmp_path_factory) -> dict:
     """Greedy outputs of vLLM's offline engine for tests/prompts.py."""
-    folder = tmp_path_factory.mktemp("offline")
     prompts = ([{"prompt": p, "max_tokens": MAX_TOKENS} for p in PROMPTS]
                + [{"prompt": p, "max_tokens": DISAGGREGATED_MAX_TOKENS}
                   for p in DISAGGREGATED_PROMPTS])
-    (folder / "requests.json").write_text(json.dumps(
-        {"prompts": prompts, "chats": CHATS, "chat_max_tokens": MAX_TOKENS}))
-    script = Path(__file__).with_name("offline_reference.py")
-    done = subprocess.run(
-        [sys.executable, str(script), str(smollm2_dir), str(folder / "requests.json"),
-         str(folder / "out.json")], capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    outputs = json.loads((folder / "out.json").read_text())
+    outputs = offline_outputs(smollm2_dir, tmp_path_factory.mktemp("offline"), prompts, CHATS)
     count = len(PROMPTS)
     return {"prompts": outputs["prompts"][:count], "chats": outputs["chats"],
             "disaggregated": outputs["prompts"][count:]}
+
+
+def offline_outputs(model_dir: Path, folder: Path, prompts: list[dict],
+                    chats: list[list[dict]]) -> dict:
+    """Run tests/offline_reference.py (vLLM's offline LLM, TP 1) in its own process."""
+    (folder / "requests.json").write_text(json.dumps(
+        {"prompts": prompts, "chats": chats, "chat_max_tokens": MAX_TOKENS}))
+    script = Path(__file__).with_name("offline_reference.py")
+    done = subprocess.run(
+        [sys.executable, str(script), str(model_dir), str(folder / "requests.json"),
+         str(folder / "out.json")], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads((folder / "out.json").read_text())
 
 
 def _wait_healthy(server: Server) -> None:

@@ -7,6 +7,8 @@ import yaml
 
 from bench.metrics import Slo
 from bench.workload import Length
+from cluster.config import load_cluster_file
+from cluster.placement import check_layout, check_resources, model_shape, worker_slots
 from planner.command import add_parser
 from planner.gpu_spec import GB, GPU_PRESETS
 from planner.model_spec import MODEL_PRESETS
@@ -55,15 +57,18 @@ def test_plan_prints_the_searched_table_and_writes_the_recommended_cluster(tmp_p
     assert _run_plan(argv) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if "P×TP" in line and "D×TP" in line and not line.startswith("recommended")]
-    assert len(rows) == len(candidates(LLAMA_8B, 3)) == 5
+    assert len(rows) == len(candidates(LLAMA_8B, 3)) == 3  # 1+1, 1+2, 2+1 at TP 1
     assert rows[0].startswith("* ") and sum(row.startswith("*") for row in rows) == 1
     assert "goodput" in out.splitlines()[0] and "p90 TTFT ms" in out
     # At 20 req/s, two GPUs meet the SLO: the best goodput per GPU uses no third one.
     assert "recommended: 1P×TP1 + 1D×TP1" in out
     cluster = yaml.safe_load(path.read_text())
     assert cluster["prefill"] == {"replicas": 1, "tensor_parallel_size": 1, "gpu_type": "H100-SXM"}
-    assert cluster["decode"]["replicas"] == 1 and cluster["model"] == {"name": "llama-3.1-8b", "dtype": "auto"}
-    assert cluster["transport"] == {"kind": "grpc"} and cluster["registry"] == {"embedded": True}
+    assert cluster["decode"]["replicas"] == 1 and cluster["model"]["preset"] == "llama-3.1-8b"
+    # `pdserve up` accepts the file: schema, head layout, and its 2 GPUs on one 8-GPU node.
+    config = load_cluster_file(path)
+    check_layout(config, model_shape(config))
+    check_resources(worker_slots(config), [{"GPU": 8}])
 
 
 @pytest.mark.parametrize("argv, message", [

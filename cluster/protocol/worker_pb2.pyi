@@ -110,7 +110,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("state", "message", "worker_id", "role", "model", "max_model_len", "kv_address", "block_size", "kv_bytes_per_block", "kv_failure_policy")
+    __slots__ = ("state", "message", "worker_id", "role", "model", "max_model_len", "kv_address", "block_size", "kv_bytes_per_block", "kv_failure_policy", "tensor_parallel_size")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STARTING: _ClassVar[HealthReply.State]
@@ -131,6 +131,7 @@ class HealthReply(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     KV_FAILURE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     state: HealthReply.State
     message: str
     worker_id: str
@@ -141,7 +142,8 @@ class HealthReply(_message.Message):
     block_size: int
     kv_bytes_per_block: int
     kv_failure_policy: str
-    def __init__(self, state: _Optional[_Union[HealthReply.State, str]] = ..., message: _Optional[str] = ..., worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_address: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., kv_failure_policy: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, state: _Optional[_Union[HealthReply.State, str]] = ..., message: _Optional[str] = ..., worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_address: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., kv_failure_policy: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("fresh",)
