@@ -3,7 +3,6 @@ their placement groups in the cluster's namespace, the registry entries, and the
 Redis server if `up` started them — and nothing else."""
 
 import argparse
-import asyncio
 import sys
 
 from cluster.console import say
@@ -11,7 +10,7 @@ from cluster import local_services, ray_launcher
 from cluster.cluster_state import ClusterState, forget_state
 from cluster.cluster_target import add_target_arguments, target_state
 from cluster.config import ConfigError
-from cluster.registry import Registry
+from cluster.registry import clear_members
 
 
 def add_parser(subparsers) -> None:
@@ -49,7 +48,7 @@ def tear_down(state: ClusterState) -> None:
         say(f"ray at {state.ray_address}: {error}")
     if not state.redis_group:  # a shared Redis keeps its data; remove this cluster's entries
         try:
-            removed = asyncio.run(_clear(state))
+            removed = clear_members(state.registry_url, state.name)
             say(f"removed {removed} registry entr{'y' if removed == 1 else 'ies'}")
         except Exception as error:
             say(f"registry at {state.registry_url}: {error}")
@@ -60,10 +59,3 @@ def tear_down(state: ClusterState) -> None:
     forget_state(state.name)
     say(f"cluster {state.name!r} is down")
 
-
-async def _clear(state: ClusterState) -> int:
-    registry = Registry(state.registry_url, state.name)
-    try:
-        return await registry.clear()
-    finally:
-        await registry.close()

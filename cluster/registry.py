@@ -7,6 +7,7 @@ having to notice the death. A draining worker deletes its record first. The rout
 records every 0.1 s (`follow_registry` in router/worker_pool.py).
 """
 
+import asyncio
 import json
 from dataclasses import asdict, dataclass, field
 
@@ -77,3 +78,20 @@ class Registry:
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+
+def read_members(url: str, cluster: str) -> list[WorkerRecord]:
+    """The membership now, for the command-line tools (which are not asyncio programs)."""
+    return asyncio.run(_once(url, cluster, Registry.members))
+
+
+def clear_members(url: str, cluster: str) -> int:
+    return asyncio.run(_once(url, cluster, Registry.clear))
+
+
+async def _once(url: str, cluster: str, action):
+    registry = Registry(url, cluster)
+    try:
+        return await action(registry)
+    finally:
+        await registry.close()

@@ -2,7 +2,6 @@
 the registry (what the router sees) and from Ray (what runs)."""
 
 import argparse
-import asyncio
 import json
 import sys
 from dataclasses import asdict
@@ -10,7 +9,7 @@ from dataclasses import asdict
 from cluster import ray_launcher
 from cluster.cluster_target import add_target_arguments, target_state
 from cluster.config import ConfigError
-from cluster.registry import Registry
+from cluster.registry import read_members
 
 
 def add_parser(subparsers) -> None:
@@ -28,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdserve status: {error}", file=sys.stderr)
         return 1
     ray_launcher.connect(state.ray_address, state.name)
-    members = {r.worker_id: r for r in asyncio.run(_members(state))}
+    members = {r.worker_id: r for r in read_members(state.registry_url, state.name)}
     rows = []
     for name in ray_launcher.actor_names(state.name):
         if name == ray_launcher.ROUTER:
@@ -52,14 +51,6 @@ def run(args: argparse.Namespace) -> int:
               "registry": state.registry_url, "workers": rows}
     print(json.dumps(report, indent=2) if args.json else _table(report))
     return 0
-
-
-async def _members(state):
-    registry = Registry(state.registry_url, state.name)
-    try:
-        return await registry.members()
-    finally:
-        await registry.close()
 
 
 def _table(report: dict) -> str:

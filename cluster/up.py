@@ -8,7 +8,6 @@ was started. `--dry-run` stops after the checks and prints the plan.
 """
 
 import argparse
-import asyncio
 import os
 import shutil
 import subprocess
@@ -21,7 +20,7 @@ from cluster.cluster_state import ClusterState, load_state, save_state, state_di
 from cluster.config import ClusterConfig, ConfigError, load_cluster_file
 from cluster.placement import (WorkerSlot, check_layout, check_resources, describe_plan,
                                model_shape, worker_slots)
-from cluster.registry import Registry
+from cluster.registry import read_members
 
 JOIN_TIMEOUT_S = 600.0
 ROUTER_TIMEOUT_S = 60.0
@@ -159,8 +158,7 @@ def wait_joined(config: ClusterConfig, state: ClusterState, slots: list[WorkerSl
     names = {slot.name for slot in slots}
     started = last_report = time.monotonic()
     while True:
-        joined = names & {r.worker_id for r in asyncio.run(_members(state.registry_url,
-                                                                    config.name))}
+        joined = names & {r.worker_id for r in read_members(state.registry_url, config.name)}
         if joined == names:
             say(f"{len(names)} worker(s) joined after {time.monotonic() - started:.0f} s")
             return
@@ -178,14 +176,6 @@ def wait_joined(config: ClusterConfig, state: ClusterState, slots: list[WorkerSl
             say(f"waiting for {len(names - joined)} worker(s) to load the model "
                 f"({time.monotonic() - started:.0f} s; ~30 s each on CPU)")
         time.sleep(0.5)
-
-
-async def _members(url: str, cluster: str):
-    registry = Registry(url, cluster)
-    try:
-        return await registry.members()
-    finally:
-        await registry.close()
 
 
 def wait_router(url: str, workers: int) -> None:
