@@ -13,7 +13,7 @@ from bench.client import Target, first_model, make_http_client
 from bench.metrics import Slo, summarize
 from bench.options import add_benchmark_arguments, build_requests, check_arguments
 from bench.report import plot_cdfs, table, write_json
-from bench.runner import run as run_benchmark
+from bench.runner import run as run_benchmark, warm_up
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -74,6 +74,7 @@ async def _bench(args, requests, offsets, slo) -> int:
             print(f"pdserve bench: error: cannot get the model from {args.url}/v1/models: {error}", file=sys.stderr)
             return 1
     target = Target(args.url, model, args.endpoint, args.ignore_eos)
+    await warm_up(requests, target, args.warmup, args.timeout)
     records, duration = await run_benchmark(
         requests, target, offsets=offsets, concurrency=args.concurrency,
         timeout=args.timeout, max_duration=args.max_duration, progress=not args.no_progress,

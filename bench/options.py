@@ -8,6 +8,7 @@ from bench import workload
 from bench.workload import DEFAULT_INPUT_LEN
 
 DEFAULT_NUM_REQUESTS = 100
+DEFAULT_WARMUP = 4
 
 
 def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -21,6 +22,11 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse._Argume
     parser.add_argument(
         "--num-requests", type=int, metavar="N",
         help=f"requests to send (default: {DEFAULT_NUM_REQUESTS}; for a trace, all its lines, or its first N)",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=DEFAULT_WARMUP, metavar="N",
+        help="requests sent first, two at a time, and not counted: a fresh vLLM engine on CPU "
+        "answered its first requests several times slower (default: %(default)s; 0: none)",
     )
     parser.add_argument(
         "--burstiness", type=float, default=1.0, metavar="B",
@@ -84,13 +90,15 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse._Argume
 
 
 def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse option values argparse lets through; options a command lacks are skipped."""
     for name in ("num_requests", "concurrency", "num_prefixes", "prefix_len"):
         if getattr(args, name, None) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     for name in ("request_rate", "burstiness", "max_duration", "timeout"):
         if getattr(args, name, None) is not None and not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
-    """Refuse option values argparse lets through; options a command lacks are skipped."""
+    if args.warmup < 0:
+        raise ValueError("--warmup must be 0 or more")
     if (args.workload == "trace") != (args.trace is not None):
         raise ValueError("--trace FILE goes with --workload trace, and only with it")
 

@@ -17,7 +17,7 @@ from bench.local_cluster import ClusterStartError, local_cluster
 from bench.metrics import Slo, summarize
 from bench.options import add_benchmark_arguments, build_requests, check_arguments
 from bench.report import plot_sweep
-from bench.runner import run as run_benchmark
+from bench.runner import run as run_benchmark, warm_up
 from bench.sweep import Ratio, SweepPoint, sweep_table, write_sweep_json
 from bench.workload import BenchRequest
 
@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
                  f"{ratio.decode} decode worker(s), logs in {log_dir}")
             with local_cluster(ratio.prefill, ratio.decode, args.port, log_dir, shlex.split(args.serve_args),
                                args.ready_timeout) as url:
+                asyncio.run(_warm_up(url, args, requests))
                 for rate in rates:
                     _say(f"ratio {ratio.label}: {len(requests)} requests at {rate:g} req/s")
                     summary = asyncio.run(_measure(url, args, requests, rate, slo))
@@ -75,14 +76,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _measure(url: str, args: argparse.Namespace, requests: list[BenchRequest], rate: float, slo: Slo):
+async def _target(url: str, args: argparse.Namespace) -> Target:
     model = args.model
     if model is None:
         async with make_http_client() as http:
             model = await first_model(http, url)
+    return Target(url, model, args.endpoint, args.ignore_eos)
+
+
+async def _warm_up(url: str, args: argparse.Namespace, requests: list[BenchRequest]) -> None:
+    await warm_up(requests, await _target(url, args), args.warmup, args.timeout)
+
+
+async def _measure(url: str, args: argparse.Namespace, requests: list[BenchRequest], rate: float, slo: Slo):
     offsets = arrival_times(len(requests), rate, args.burstiness, args.seed)
     records, duration = await run_benchmark(
-        requests, Target(url, model, args.endpoint, args.ignore_eos), offsets=offsets,
+        requests, await _target(url, args), offsets=offsets,
         timeout=args.timeout, progress=not args.no_progress)
     return summarize(records, duration, slo)
 

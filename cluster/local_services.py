@@ -26,10 +26,12 @@ def ray_environment() -> dict[str, str]:
 
 
 def start_ray_head(num_cpus: int, num_gpus: int, log_path: Path) -> tuple[str, int]:
-    """`ray start --head --block` in its own session; returns (GCS address, process group)."""
+    """`ray start --head --block` in its own session; returns (GCS address, process group).
+    Ray gives the node this host's address even when asked for 127.0.0.1 (it replaces loopback);
+    pdserve's own processes still listen on 127.0.0.1 on a one-node cluster."""
     port = free_port()
     command = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
-               f"--port={port}", "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}",
+               f"--port={port}", f"--num-cpus={num_cpus}",
                f"--num-gpus={num_gpus}", "--include-dashboard=false",
                f"--object-store-memory={OBJECT_STORE_BYTES}", "--disable-usage-stats"]
     process = _spawn(command, log_path, ray_environment())

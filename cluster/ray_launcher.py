@@ -33,10 +33,16 @@ def namespace(cluster: str) -> str:
 
 
 def connect(address: str, cluster: str) -> None:
-    if not ray.is_initialized():
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    """Join the Ray cluster at `address` as a driver in the cluster's namespace; RuntimeError
+    saying so when it cannot be reached."""
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    try:
         ray.init(address=address, namespace=namespace(cluster), log_to_driver=False,
                  logging_level="WARNING", configure_logging=True)
+    except (ConnectionError, RuntimeError, ValueError) as error:
+        raise RuntimeError(f"cannot connect to Ray at {address}: {error}") from None
 
 
 def node_resources() -> list[dict[str, float]]:

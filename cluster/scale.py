@@ -60,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as error:
         say(f"pdserve scale: refused: {error}")
         return 2
+    except RuntimeError as error:
+        say(f"pdserve scale: {error}")
+        return 1
     say("scaling " + ", ".join(f"{role} {len(current[role])} -> {wanted[role]}" for role in ROLES))
     if new_slots:
         total = sum(wanted.values())

@@ -23,10 +23,10 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         state = target_state(args)
-    except ConfigError as error:
+        ray_launcher.connect(state.ray_address, state.name)
+    except (ConfigError, RuntimeError) as error:
         print(f"pdserve status: {error}", file=sys.stderr)
         return 1
-    ray_launcher.connect(state.ray_address, state.name)
     members = {r.worker_id: r for r in read_members(state.registry_url, state.name)}
     rows = []
     for name in ray_launcher.actor_names(state.name):

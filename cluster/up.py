@@ -54,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as error:
         say(f"pdserve up: refused: {error}")
         return 2
+    except RuntimeError as error:
+        say(f"pdserve up: {error}")
+        return 1
     say(describe_plan(slots))
     say(f"checks passed: head layout, {len(nodes)} node(s) with "
         + ", ".join(f"{k} {v:g}" for k, v in sorted(_totals(nodes).items())))

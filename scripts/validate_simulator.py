@@ -22,7 +22,7 @@ from bench.client import Target, first_model, make_http_client  # noqa: E402
 from bench.local_cluster import local_cluster  # noqa: E402
 from bench.metrics import Slo, Summary, summarize  # noqa: E402
 from bench.report import record_json  # noqa: E402
-from bench.runner import run as run_benchmark  # noqa: E402
+from bench.runner import run as run_benchmark, warm_up  # noqa: E402
 from bench.workload import BenchRequest, Length, PromptText, load_tokenizer, synthetic  # noqa: E402
 from cluster.model_store import ensure_model  # noqa: E402
 from cluster.worker_process import free_port  # noqa: E402
@@ -63,11 +63,13 @@ def main() -> int:
 async def validate(url: str, args, slo: Slo, text: PromptText) -> int:
     async with make_http_client() as http:
         target = Target(url, await first_model(http, url), ignore_eos=True)
+    requests = synthetic(args.num_requests, Length.parse(args.input_len), Length.parse(args.output_len), text)
+    print("warming up ...", file=sys.stderr, flush=True)
+    await warm_up(calibration_requests(text)[0] + requests, target, args.num_requests + 8)
     cost = await calibrate(target, text)
     print(f"calibrated: prefill = {cost.prefill_base_s * 1e3:.1f} ms + {cost.prefill_per_token_s * 1e3:.3f} ms/token; "
           f"decode step = {cost.decode_base_s * 1e3:.1f} ms + {cost.decode_per_request_s * 1e3:.2f} ms/request")
     cluster = cpu_cluster(cost)
-    requests = synthetic(args.num_requests, Length.parse(args.input_len), Length.parse(args.output_len), text)
     if args.rates:
         rates = [float(rate) for rate in args.rates.split(",")]
     else:
@@ -84,11 +86,16 @@ async def validate(url: str, args, slo: Slo, text: PromptText) -> int:
     return 0
 
 
+def calibration_requests(text: PromptText) -> tuple[list[BenchRequest], list[BenchRequest]]:
+    """Prompts of 64..960 tokens (prefill); sixteen with 4..32 output tokens (decode)."""
+    return ([_request(text, 64 + 128 * i, 4) for i in range(8)],
+            [_request(text, 64, 4 * (i % 8 + 1)) for i in range(16)])
+
+
 async def calibrate(target: Target, text: PromptText) -> LinearCost:
-    """Two short benchmark runs: prompts of 64..960 tokens sent one at a time (prefill), then
-    two bursts of eight requests with 4..32 output tokens (the decode batch shrinks 8 → 1)."""
-    lone = [_request(text, 64 + 128 * i, 4) for i in range(8)]
-    bursts = [_request(text, 64, 4 * (i % 8 + 1)) for i in range(16)]
+    """Two short benchmark runs: the prefill prompts sent one at a time, then the decode
+    requests in two bursts of eight (the decode batch shrinks 8 → 1)."""
+    lone, bursts = calibration_requests(text)
     print("calibrating ...", file=sys.stderr, flush=True)
     runs = [await run_benchmark(lone, target, concurrency=1, progress=False),
             await run_benchmark(bursts, target, offsets=[0.0] * 8 + [8.0] * 8, progress=False)]
