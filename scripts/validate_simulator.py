@@ -11,6 +11,7 @@ disaggregated (--disaggregate-min-tokens 0), as the simulator is told. Takes a f
 
 import argparse
 import asyncio
+from dataclasses import replace
 import sys
 import tempfile
 from pathlib import Path
@@ -65,8 +66,8 @@ async def validate(url: str, args, slo: Slo, text: PromptText) -> int:
         target = Target(url, await first_model(http, url), ignore_eos=True)
     requests = synthetic(args.num_requests, Length.parse(args.input_len), Length.parse(args.output_len), text)
     print("warming up ...", file=sys.stderr, flush=True)
-    await warm_up(calibration_requests(text)[0] + requests, target, args.num_requests + 8)
-    cost = await calibrate(target, text)
+    await warm_up(requests, target, len(requests))
+    cost = await calibrate(target, requests)
     print(f"calibrated: prefill = {cost.prefill_base_s * 1e3:.1f} ms + {cost.prefill_per_token_s * 1e3:.3f} ms/token; "
           f"decode step = {cost.decode_base_s * 1e3:.1f} ms + {cost.decode_per_request_s * 1e3:.2f} ms/request")
     cluster = cpu_cluster(cost)
@@ -86,16 +87,14 @@ async def validate(url: str, args, slo: Slo, text: PromptText) -> int:
     return 0
 
 
-def calibration_requests(text: PromptText) -> tuple[list[BenchRequest], list[BenchRequest]]:
-    """Prompts of 64..960 tokens (prefill); sixteen with 4..32 output tokens (decode)."""
-    return ([_request(text, 64 + 128 * i, 4) for i in range(8)],
-            [_request(text, 64, 4 * (i % 8 + 1)) for i in range(16)])
-
-
-async def calibrate(target: Target, text: PromptText) -> LinearCost:
-    """Two short benchmark runs: the prefill prompts sent one at a time, then the decode
-    requests in two bursts of eight (the decode batch shrinks 8 → 1)."""
-    lone, bursts = calibration_requests(text)
+async def calibrate(target: Target, workload: list[BenchRequest]) -> LinearCost:
+    """Two short benchmark runs on the workload's own prompts, so the step times are fitted over
+    the lengths and contexts they will predict (a line fitted over 64..960-token prompts
+    overestimated the middle: prefill cost is convex in length): eight sent one at a time with 4
+    output tokens (prefill), then two bursts of eight with 4..32 output tokens (decode: the batch
+    shrinks 8 → 1)."""
+    lone = [replace(request, max_tokens=4) for request in workload[:8]]
+    bursts = [replace(workload[i % len(workload)], max_tokens=4 * (i % 8 + 1)) for i in range(16)]
     print("calibrating ...", file=sys.stderr, flush=True)
     runs = [await run_benchmark(lone, target, concurrency=1, progress=False),
             await run_benchmark(bursts, target, offsets=[0.0] * 8 + [8.0] * 8, progress=False)]
@@ -113,11 +112,6 @@ def cpu_cluster(cost: LinearCost) -> SimCluster:
                       kv_capacity_tokens=KV_CACHE_GIB * 2**30 // per_token, kv_bytes_per_token=per_token,
                       kv_bandwidth_bytes_per_s=KV_BANDWIDTH_BYTES_PER_S, kv_latency_s=KV_LATENCY_S,
                       block_size=CPU_BLOCK_SIZE)
-
-
-def _request(text: PromptText, prompt_tokens: int, max_tokens: int) -> BenchRequest:
-    prompt = text.make(prompt_tokens)
-    return BenchRequest(text.count(prompt), max_tokens, prompt=prompt)
 
 
 def comparison_table(rows: list[tuple[float, Summary, Summary]], slo: str) -> str:
