@@ -93,18 +93,24 @@ async def serve_worker(args: argparse.Namespace, model) -> int:
     options = engine_factory.engine_options(args, model, role=args.role, kv_host=args.host,
                                             kv_port=kv_port,
                                             kv_failure_policy=args.kv_failure_policy)
-    starting = asyncio.create_task(
-        asyncio.to_thread(engine_factory.make_engine, options, service.engine_stats))
+    # The engine comes back through `started`, not as the thread's result: asyncio's and the
+    # thread pool's futures keep a result alive until interpreter exit, where AsyncLLM.__del__
+    # then failed ("'NoneType' object is not callable").
+    started: list = []
+    starting = asyncio.create_task(asyncio.to_thread(
+        lambda: started.append(engine_factory.make_engine(options, service.engine_stats))))
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if stop.is_set():
         log.info("stop requested while the engine starts: stopping once it has started")
         await server.stop(grace=0)
         with contextlib.suppress(Exception):  # a failed start has nothing to shut down
-            (await starting).shutdown()
+            await starting
+            started.pop().shutdown()
         return 0
     try:
-        engine = starting.result()
+        starting.result()
+        engine = started.pop()
     except Exception as error:  # the engine could not start: say why, then exit
         service.engine_failed(f"engine failed to start: {error}")
         log.exception("engine failed to start")
@@ -127,7 +133,7 @@ async def serve_worker(args: argparse.Namespace, model) -> int:
     engine.shutdown()
     # Drop every reference, so AsyncLLM.__del__ does not shut down again at interpreter exit.
     service.engine = None
-    del engine, starting
+    del engine
     return 0
 
 
