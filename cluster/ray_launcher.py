@@ -11,7 +11,6 @@ actor that holds GPUs, and the worker inherits it: each worker sees only its own
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -109,16 +108,10 @@ def _node_address(node_id: str) -> str:
     return next(node["NodeManagerAddress"] for node in ray.nodes() if node["NodeID"] == node_id)
 
 
-@dataclass
-class StartedWorker:
-    slot: WorkerSlot
-    host: "ray.actor.ActorHandle"
-    info: dict
-
-
 def start_worker(cluster: str, slot: WorkerSlot, argv: list[str], log_dir: str,
-                 threads: int, loopback: bool) -> StartedWorker:
-    """Reserve the worker's placement group, start its actor inside it, start the process.
+                 threads: int, loopback: bool) -> dict:
+    """Reserve the worker's placement group, start its actor inside it, start the process;
+    returns what the actor says of it (address, pid, node, GPU ids, log).
     `loopback`: the cluster is this one host, and workers listen on 127.0.0.1 only (Ray itself
     refuses a loopback node address); otherwise on their node's address."""
     group = placement_group(list(slot.bundles), strategy="STRICT_PACK",
@@ -141,10 +134,9 @@ def start_worker(cluster: str, slot: WorkerSlot, argv: list[str], log_dir: str,
         env = {PLACEMENT_GROUP_ENV: _group_name(cluster, slot.name),
                RAY_NAMESPACE_ENV: namespace(cluster),
                "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    info = ray.get(host.start_worker.remote(slot.role, [*argv, "--worker-id", slot.name],
+    return ray.get(host.start_worker.remote(slot.role, [*argv, "--worker-id", slot.name],
                                             log_dir, threads, env, loopback),
                    timeout=ACTOR_CALL_TIMEOUT_S)
-    return StartedWorker(slot, host, info)
 
 
 def start_router(argv: list[str], bind: str, port: int, log_dir: str) -> dict:

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from cluster.console import say
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         router = ray_launcher.start_router(router_argv(config, state.registry_url),
                                            config.router.host, config.router.port,
                                            state.log_dir)
-        state = ClusterState(**{**state.__dict__, "router_url": router["url"]})
+        state = replace(state, router_url=router["url"])
         save_state(state)
         wait_router(router["url"], len(slots))
     except (RuntimeError, ConfigError, TimeoutError) as error:
@@ -108,17 +109,17 @@ def start_services(config: ClusterConfig, args, nodes) -> ClusterState:
                          registry_url=config.registry.url, router_url="", log_dir=str(log_dir))
     if not config.registry.url:
         url, group = local_services.start_redis(log_dir / "redis.log")
-        state = ClusterState(**{**state.__dict__, "registry_url": url, "redis_group": group})
+        state = replace(state, registry_url=url, redis_group=group)
         save_state(state)
         say(f"registry: started redis-server at {url}")
     if not args.address:
         totals = _totals(nodes)
         address, group = local_services.start_ray_head(
             int(totals.get("CPU", 1)), int(totals.get("GPU", 0)), log_dir / "ray-head.log")
-        state = ClusterState(**{**state.__dict__, "ray_address": address, "ray_group": group})
+        state = replace(state, ray_address=address, ray_group=group)
         say(f"ray: started a local head at {address}")
     ray_launcher.connect(state.ray_address, config.name)
-    state = ClusterState(**{**state.__dict__, "loopback": len(ray_launcher.node_resources()) == 1})
+    state = replace(state, loopback=len(ray_launcher.node_resources()) == 1)
     save_state(state)
     return state
 

@@ -226,13 +226,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         await self.leave_pools()
         await asyncio.sleep(request.grace_seconds)
         deadline = started + request.timeout_seconds
-        while not await self._idle():
-            if time.monotonic() > deadline:
-                break
+        idle = await self._idle()
+        while not idle and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
+            idle = await self._idle()
         left = len(self.active)
         log.info("drained in %.1f s, %d request(s) left", time.monotonic() - started, left)
-        return worker_pb2.DrainReply(drained=await self._idle(), requests_left=left,
+        return worker_pb2.DrainReply(drained=idle, requests_left=left,
                                      seconds=time.monotonic() - started)
 
     async def _idle(self) -> bool:
