@@ -1,17 +1,15 @@
 """A `pdserve serve` cluster as a child process, for the sweep: started in its own process
 group, ready once the router answers /health (serve starts the router only after every worker
-loaded its model), and always stopped, on every path out, by signalling that group."""
+loaded its model), and always stopped, on every path out (worker/processes.py)."""
 
-import os
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+
+from worker.processes import ChildError, spawn, stop_group, wait_until
 
 STOP_GRACE_S = 60
 
@@ -25,42 +23,22 @@ def local_cluster(prefill: int, decode: int, port: int, log_dir: Path, serve_arg
                   ready_timeout_s: float = 600) -> Iterator[str]:
     """Yields the router's base URL while `pdserve serve --prefill N --decode M` runs; its
     output goes to LOG_DIR/serve.log, its workers' logs next to it."""
-    log_dir.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "cluster.cli", "serve", "--prefill", str(prefill), "--decode",
                str(decode), "--port", str(port), "--log-dir", str(log_dir), *serve_args]
-    with open(log_dir / "serve.log", "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    process = spawn(command, log_dir / "serve.log")
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(process, url, ready_timeout_s, log_dir / "serve.log")
+        wait_until(lambda: router_healthy(url), process, ready_timeout_s, "pdserve serve",
+                   log_dir / "serve.log", poll_s=1.0)
         yield url
+    except ChildError as error:
+        raise ClusterStartError(str(error)) from None
     finally:
-        _stop(process)
+        stop_group(process.pid, STOP_GRACE_S, process)
 
 
-def _wait_ready(process: subprocess.Popen, url: str, timeout_s: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            tail = log.read_text(errors="replace")[-2000:]
-            raise ClusterStartError(f"pdserve serve exited with {process.returncode}:\n{tail}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise ClusterStartError(f"pdserve serve not ready after {timeout_s:.0f} s (log: {log})")
-
-
-def _stop(process: subprocess.Popen) -> None:
-    """SIGTERM the group (serve stops its workers, which also die with it); SIGKILL it if it
-    has not exited within the grace period."""
-    if process.poll() is not None:
-        return
-    os.killpg(process.pid, signal.SIGTERM)
+def router_healthy(url: str) -> bool:
     try:
-        process.wait(timeout=STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

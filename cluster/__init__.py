@@ -1,2 +1,2 @@
-"""Code shared by the router and the workers: the command line, the model cache, the engine
-factory, the worker gRPC protocol and its client, and the single-host `serve` launcher."""
+"""The control plane: the `pdserve` command line, the cluster file, placement and its checks,
+the Ray launcher, `serve`/`up`/`down`/`status`/`scale`."""

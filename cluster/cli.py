@@ -10,8 +10,8 @@ import importlib
 import sys
 
 COMMAND_MODULES = (
-    "cluster.model_command",
-    "cluster.worker",
+    "model_store.command",
+    "worker.command",
     "cluster.serve",
     "router.command",
     "cluster.up",

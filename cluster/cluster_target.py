@@ -5,7 +5,8 @@ import argparse
 from pathlib import Path
 
 from cluster.cluster_state import ClusterState, load_state, state_path
-from cluster.config import ConfigError, load_cluster_file
+from settings.base import ConfigError
+from settings.cluster_file import load_cluster_file
 
 
 def add_target_arguments(parser) -> None:

@@ -7,10 +7,11 @@ import sys
 
 from cluster.console import say
 from cluster import local_services, ray_launcher
+from worker.processes import stop_group
 from cluster.cluster_state import ClusterState, forget_state
 from cluster.cluster_target import add_target_arguments, target_state
-from cluster.config import ConfigError
-from cluster.registry import clear_members
+from settings.base import ConfigError
+from worker.registry import clear_members
 
 
 def add_parser(subparsers) -> None:
@@ -55,7 +56,7 @@ def tear_down(state: ClusterState) -> None:
     for group, what in ((state.ray_group, "ray head"), (state.redis_group, "redis-server")):
         if group:
             say(f"stopping the {what} (process group {group})")
-            local_services.stop_group(group)
+            stop_group(group)
     forget_state(state.name)
     say(f"cluster {state.name!r} is down")
 

@@ -1,15 +1,12 @@
 """The services `pdserve up` starts itself on a single host: a Ray head (when no --address is
 given) and a Redis server (when the registry is `embedded`). Each runs in its own session, so it
-outlives `up`, and `pdserve down` stops it by its process group id, never by name."""
+outlives `up`, and `pdserve down` stops it by its process group id (worker/processes.py)."""
 
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from cluster.worker_process import free_port
+from worker.processes import ChildError, free_port, is_listening, spawn, stop_group, wait_until
 
 RAY_START_TIMEOUT_S = 60.0
 REDIS_START_TIMEOUT_S = 10.0
@@ -52,57 +49,14 @@ def start_redis(log_path: Path) -> tuple[str, int]:
     return f"redis://127.0.0.1:{port}/0", process.pid
 
 
-def stop_group(group: int, grace_s: float = 15.0) -> None:
-    """SIGTERM a service's process group, SIGKILL what is left after the grace."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(group, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and _group_alive(group):
-            time.sleep(0.2)
-        if not _group_alive(group):
-            return
+def _spawn(command: list[str], log_path: Path, env: dict[str, str]):
+    return spawn(command, log_path, env, dies_with_parent=False)  # it outlives `pdserve up`
 
 
-def _group_alive(group: int) -> bool:
+def _wait_listening(process, port: int, timeout_s: float, what: str, log_path: Path) -> None:
     try:
-        os.killpg(group, 0)
-    except ProcessLookupError:
-        return False
-    _reap(group)
-    return True
-
-
-def _reap(pid: int) -> None:
-    """A service started by this process is its child: collect it once it has exited."""
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-
-
-def _spawn(command: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log_file:
-        return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, env=env)
-
-
-def _wait_listening(process: subprocess.Popen, port: int, timeout_s: float, what: str,
-                    log_path: Path) -> None:
-    import socket
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{what} exited with code {process.returncode}; see {log_path}")
-        with socket.socket() as sock:
-            sock.settimeout(0.5)
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    stop_group(process.pid)
-    raise RuntimeError(f"{what} did not listen on port {port} within {timeout_s:.0f} s; "
-                       f"see {log_path}")
+        wait_until(lambda: is_listening(port), process, timeout_s, f"{what} on port {port}",
+                   log_path, poll_s=0.2)
+    except ChildError:
+        stop_group(process.pid, process=process)
+        raise

@@ -8,8 +8,9 @@ resources from Ray's nodes (or this host's for a local cluster).
 
 from dataclasses import dataclass
 
-from cluster.config import ClusterConfig, ConfigError, PoolSection
-from cluster.model_store import ModelError, resolve_model
+from settings.base import ConfigError
+from settings.cluster_file import ClusterFile, PoolSection
+from model_store.store import ModelError, resolve_model
 from planner.model_spec import MODEL_PRESETS, ModelSpec, from_hf_config
 
 ROLES = ("prefill", "decode")
@@ -32,7 +33,7 @@ def bundles(pool: PoolSection) -> tuple[dict[str, float], ...]:
     return tuple({device: 1.0} for _ in range(pool.tensor_parallel_size))
 
 
-def worker_slots(config: ClusterConfig, counts: dict[str, int] | None = None,
+def worker_slots(config: ClusterFile, counts: dict[str, int] | None = None,
                  first_index: dict[str, int] | None = None) -> list[WorkerSlot]:
     """The workers of each pool, `counts[role]` of them (default: the file's replicas), named
     from `first_index[role]` on (scale-up names new workers after the existing ones)."""
@@ -46,7 +47,7 @@ def worker_slots(config: ClusterConfig, counts: dict[str, int] | None = None,
     return slots
 
 
-def model_shape(config: ClusterConfig) -> ModelSpec:
+def model_shape(config: ClusterFile) -> ModelSpec:
     """The head layout to check TP against: a planner preset, or the model folder's config."""
     if config.model.preset:
         if config.model.preset not in MODEL_PRESETS:
@@ -61,7 +62,7 @@ def model_shape(config: ClusterConfig) -> ModelSpec:
     return from_hf_config(folder)
 
 
-def check_layout(config: ClusterConfig, model: ModelSpec) -> None:
+def check_layout(config: ClusterFile, model: ModelSpec) -> None:
     """Tensor parallelism must split the heads evenly, and the KV transport must be able to
     carry KV between the prefill and the decode layouts."""
     for role in ROLES:

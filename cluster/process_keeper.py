@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 
-from cluster.worker_process import die_with_parent
+from worker.processes import die_with_parent
 
 
 def main(command: list[str]) -> int:

@@ -19,8 +19,10 @@ from ray.util.placement_group import (get_placement_group, placement_group,
 from ray.util.scheduling_strategies import (NodeAffinitySchedulingStrategy,
                                             PlacementGroupSchedulingStrategy)
 
-from cluster.engine import PLACEMENT_GROUP_ENV, RAY_NAMESPACE_ENV
+from worker.engine import PLACEMENT_GROUP_ENV, RAY_NAMESPACE_ENV
 from cluster.placement import WorkerSlot
+from settings.router import RouterSettings
+from settings.worker import WorkerSettings
 
 ROUTER = "router"
 PLACEMENT_TIMEOUT_S = 30.0
@@ -57,29 +59,32 @@ class ProcessHost:
         self.process = None
         self.info: dict = {}
 
-    def start_worker(self, role: str, argv: list[str], log_dir: str, threads: int,
+    def start_worker(self, settings_json: str, log_dir: str, threads: int,
                      env: dict[str, str], loopback: bool) -> dict:
-        from cluster.worker_process import start_worker
+        from cluster.local_workers import start_worker
 
         node = ray.get_runtime_context().get_node_id()
         host = "127.0.0.1" if loopback else _node_address(node)
-        worker = start_worker(role, argv, Path(log_dir), threads, host=host,
-                              env={"PDSERVE_NODE": node, **env}, keeper=True)
+        settings = WorkerSettings.model_validate_json(settings_json)
+        worker = start_worker(settings.model_copy(update={"host": host, "port": 0}),
+                              Path(log_dir), threads, env={"PDSERVE_NODE": node, **env},
+                              keeper=True)
         self.process = worker.process
         self.info = {"address": worker.address, "pid": worker.process.pid, "node": node,
                      "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
                      "log": str(worker.log_path)}
         return self.info
 
-    def start_router(self, argv: list[str], host: str, port: int, log_dir: str) -> dict:
-        from cluster.worker_process import free_port, spawn_child
+    def start_router(self, settings_json: str, log_dir: str) -> dict:
+        from worker.processes import free_port, spawn
 
-        port = port or free_port(host)
+        settings = RouterSettings.model_validate_json(settings_json)
+        host, port = settings.host, settings.port or free_port(settings.host)
         log_path = Path(log_dir) / f"router-{port}.log"
-        command = [sys.executable, "-m", "cluster.cli", "router", "--host", host,
-                   "--port", str(port), *argv]
-        self.process = spawn_child([sys.executable, "-m", "cluster.process_keeper", *command],
-                                   log_path, dict(os.environ))
+        command = [sys.executable, "-m", "cluster.cli", "router", "--settings-json",
+                   settings.model_copy(update={"port": port}).model_dump_json()]
+        self.process = spawn([sys.executable, "-m", "cluster.process_keeper", *command],
+                             log_path, dict(os.environ))
         reachable = (_node_address(ray.get_runtime_context().get_node_id())
                      if host in ("0.0.0.0", "::") else host)
         self.info = {"url": f"http://{reachable}:{port}", "pid": self.process.pid,
@@ -89,18 +94,16 @@ class ProcessHost:
     def describe(self) -> dict:
         return {**self.info, "exit_code": self.process.poll() if self.process else None}
 
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            text = Path(self.info["log"]).read_text(errors="replace")
-        except (KeyError, OSError):
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
+    def log_tail(self) -> str:
+        from worker.processes import log_tail
+
+        return log_tail(Path(self.info["log"])) if "log" in self.info else " (no log)"
 
     def stop(self, grace_s: float = 20.0) -> None:
-        from cluster.worker_process import stop_child
+        from worker.processes import stop_group
 
         if self.process is not None:
-            stop_child(self.process, grace_s)
+            stop_group(self.process.pid, grace_s, self.process)
 
 
 def _node_address(node_id: str) -> str:
@@ -108,7 +111,7 @@ def _node_address(node_id: str) -> str:
     return next(node["NodeManagerAddress"] for node in ray.nodes() if node["NodeID"] == node_id)
 
 
-def start_worker(cluster: str, slot: WorkerSlot, argv: list[str], log_dir: str,
+def start_worker(cluster: str, slot: WorkerSlot, settings: WorkerSettings, log_dir: str,
                  threads: int, loopback: bool) -> dict:
     """Reserve the worker's placement group, start its actor inside it, start the process;
     returns what the actor says of it (address, pid, node, GPU ids, log).
@@ -130,22 +133,23 @@ def start_worker(cluster: str, slot: WorkerSlot, argv: list[str], log_dir: str,
             placement_group_capture_child_tasks=True)).remote()
     env = {}
     if slot.device == "GPU" and slot.tensor_parallel_size > 1:
-        # The worker's vLLM runs its Ray executor in this group (cluster/engine.py).
+        # The worker's vLLM runs its Ray executor in this group (worker/engine.py).
         env = {PLACEMENT_GROUP_ENV: _group_name(cluster, slot.name),
                RAY_NAMESPACE_ENV: namespace(cluster),
                "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    return ray.get(host.start_worker.remote(slot.role, [*argv, "--worker-id", slot.name],
-                                            log_dir, threads, env, loopback),
+    settings = settings.model_copy(update={"worker_id": slot.name})
+    return ray.get(host.start_worker.remote(settings.model_dump_json(), log_dir, threads, env,
+                                            loopback),
                    timeout=ACTOR_CALL_TIMEOUT_S)
 
 
-def start_router(argv: list[str], bind: str, port: int, log_dir: str) -> dict:
+def start_router(settings: RouterSettings, log_dir: str) -> dict:
     """The router runs on this node (the one `pdserve up` runs on), so its URL is reachable."""
     host = ProcessHost.options(
         name=ROUTER, lifetime="detached",
         scheduling_strategy=NodeAffinitySchedulingStrategy(
             ray.get_runtime_context().get_node_id(), soft=False)).remote()
-    return ray.get(host.start_router.remote(argv, bind, port, log_dir),
+    return ray.get(host.start_router.remote(settings.model_dump_json(), log_dir),
                    timeout=ACTOR_CALL_TIMEOUT_S)
 
 

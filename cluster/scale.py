@@ -13,11 +13,12 @@ import grpc
 
 from cluster import ray_launcher
 from cluster.cluster_target import add_target_arguments, target_state
-from cluster.config import ConfigError, load_cluster_file
+from settings.base import ConfigError
+from settings.cluster_file import load_cluster_file
 from cluster.console import say
 from cluster.placement import ROLES, check_resources, worker_slots
-from cluster.protocol import worker_pb2, worker_pb2_grpc
-from cluster.up import threads_per_worker, wait_joined, worker_argv
+from worker.protocol import worker_pb2, worker_pb2_grpc
+from cluster.up import threads_per_worker, wait_joined
 
 DRAIN_GRACE_S = 2.0          # the router reads membership every 0.1 s; margin for a busy host
 DRAIN_TIMEOUT_S = 600.0      # the longest a request may take (router.request_timeout_s)
@@ -69,8 +70,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             for slot in new_slots:
                 say(f"starting {slot.name}")
-                ray_launcher.start_worker(state.name, slot, worker_argv(config, slot.role,
-                                                                        state.registry_url),
+                ray_launcher.start_worker(state.name, slot,
+                                          config.worker_settings(slot.role, state.registry_url),
                                           state.log_dir, threads_per_worker(total),
                                           state.loopback)
             wait_joined(config, state, new_slots)

@@ -15,10 +15,14 @@ import tempfile
 from pathlib import Path
 
 from cluster.console import say
-from cluster import engine as engine_factory
-from cluster.model_store import ModelError, resolve_model
-from cluster.worker_process import start_worker, stop_worker, wait_ready
-from router.command import add_router_arguments, router_config, run_router
+from model_store.store import ModelError, resolve_model
+from cluster.local_workers import start_worker, stop_worker, wait_ready
+from router.command import run_router
+from settings.base import ConfigError
+from settings.command_line import add_arguments, from_arguments
+from settings.engine import EngineSettings
+from settings.router import RouterSettings
+from settings.worker import WorkerSettings
 
 
 def add_parser(subparsers) -> None:
@@ -33,13 +37,11 @@ def add_parser(subparsers) -> None:
                         help="no disaggregation: --workers colocated workers instead")
     parser.add_argument("--workers", type=int, default=1,
                         help="with --colocated: number of colocated workers (default: 1)")
-    parser.add_argument("--kv-failure-policy", choices=("recompute", "fail"), default="recompute",
-                        help="when KV does not arrive in time: the decode worker prefills the "
-                             "prompt itself, or the request fails (default: recompute)")
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="where worker logs go (default: a new temporary folder)")
-    add_router_arguments(parser)
-    engine_factory.add_engine_arguments(parser)
+    add_arguments(parser, WorkerSettings, only=("kv_failure_policy",))
+    add_arguments(parser, RouterSettings, exclude=("model", "registry", "cluster"))
+    add_arguments(parser.add_argument_group("engine"), EngineSettings)
     parser.set_defaults(run=run)
 
 
@@ -48,9 +50,14 @@ def run(args: argparse.Namespace) -> int:
         print("pdserve serve: need --decode >= 1 and --prefill >= 0", file=sys.stderr)
         return 2
     try:
-        model = resolve_model(args.model)
-        _check_port_free(args.host, args.port)
-    except (ModelError, OSError) as error:
+        engine = from_arguments(EngineSettings, args)
+        # Workers listen on loopback, each on a free port (--host and --port are the router's).
+        decode = from_arguments(WorkerSettings, args, role="decode", engine=engine,
+                                host="127.0.0.1", port=0)
+        router = from_arguments(RouterSettings, args, model=engine.model)
+        model = resolve_model(engine.model)
+        _check_port_free(router.host, router.port)
+    except (ConfigError, ModelError, OSError) as error:
         print(f"pdserve serve: {error}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -59,16 +66,14 @@ def run(args: argparse.Namespace) -> int:
     say(f"worker logs: {log_dir}")
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     workers = []
-    plan = _worker_plan(args)
-    threads = max(1, (os.cpu_count() or 1) // sum(count for _, count, _ in plan))
+    plan = _worker_plan(args, decode)
+    threads = max(1, (os.cpu_count() or 1) // len(plan))
     try:
-        for role, count, extra in plan:
-            for _ in range(count):
-                workers.append(start_worker(role, engine_factory.engine_argv(args) + extra,
-                                            log_dir, threads))
-        wait_ready(workers, args.worker_ready_timeout, progress=say)
-        asyncio.run(run_router(args, router_config(args, model,
-                                                   worker_addresses=[w.address for w in workers])))
+        for settings in plan:
+            workers.append(start_worker(settings, log_dir, threads))
+        wait_ready(workers, router.worker_ready_timeout_s, progress=say)
+        addresses = tuple(worker.address for worker in workers)
+        asyncio.run(run_router(router.model_copy(update={"worker_addresses": addresses}), model))
         return 0
     except RuntimeError as error:
         say(f"pdserve serve: {error}")
@@ -82,12 +87,12 @@ def run(args: argparse.Namespace) -> int:
             stop_worker(worker)
 
 
-def _worker_plan(args) -> list[tuple[str, int, list[str]]]:
-    """(role, count, extra worker arguments) for each pool."""
+def _worker_plan(args, decode: WorkerSettings) -> list[WorkerSettings]:
+    """Each worker to start: `decode` has the engine and the decode pool's settings."""
     if args.colocated:
-        return [("colocated", args.workers, [])]
-    return [("prefill", args.prefill, []),
-            ("decode", args.decode, ["--kv-failure-policy", args.kv_failure_policy])]
+        return [decode.model_copy(update={"role": "colocated"})] * args.workers
+    return ([decode.model_copy(update={"role": "prefill"})] * args.prefill
+            + [decode] * args.decode)
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -8,8 +8,8 @@ from dataclasses import asdict
 
 from cluster import ray_launcher
 from cluster.cluster_target import add_target_arguments, target_state
-from cluster.config import ConfigError
-from cluster.registry import read_members
+from settings.base import ConfigError
+from worker.registry import read_members
 
 
 def add_parser(subparsers) -> None:

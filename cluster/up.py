@@ -18,10 +18,11 @@ from pathlib import Path
 from cluster.console import say
 from cluster import local_services, ray_launcher
 from cluster.cluster_state import ClusterState, load_state, save_state, state_dir
-from cluster.config import ClusterConfig, ConfigError, load_cluster_file
+from settings.base import ConfigError
+from settings.cluster_file import ClusterFile, load_cluster_file
 from cluster.placement import (WorkerSlot, check_layout, check_resources, describe_plan,
                                model_shape, worker_slots)
-from cluster.registry import read_members
+from worker.registry import read_members
 
 JOIN_TIMEOUT_S = 600.0
 ROUTER_TIMEOUT_S = 60.0
@@ -74,12 +75,11 @@ def run(args: argparse.Namespace) -> int:
         ray_launcher.connect(state.ray_address, config.name)
         for slot in slots:
             ray_launcher.start_worker(config.name, slot,
-                                      worker_argv(config, slot.role, state.registry_url),
+                                      config.worker_settings(slot.role, state.registry_url),
                                       state.log_dir, threads_per_worker(len(slots)),
                                       state.loopback)
         wait_joined(config, state, slots)
-        router = ray_launcher.start_router(router_argv(config, state.registry_url),
-                                           config.router.host, config.router.port,
+        router = ray_launcher.start_router(config.router_settings(state.registry_url),
                                            state.log_dir)
         state = replace(state, router_url=router["url"])
         save_state(state)
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def start_services(config: ClusterConfig, args, nodes) -> ClusterState:
+def start_services(config: ClusterFile, args, nodes) -> ClusterState:
     """Ray and Redis as the file asks; the state is saved at once, so `down` can undo a
     half-finished `up`."""
     log_dir = state_dir() / config.name / "logs"
@@ -124,39 +124,12 @@ def start_services(config: ClusterConfig, args, nodes) -> ClusterState:
     return state
 
 
-def worker_argv(config: ClusterConfig, role: str, registry_url: str) -> list[str]:
-    pool = config.pool(role)
-    argv = ["--model", config.model.path, "--dtype", config.model.dtype,
-            "--kv-cache-gib", str(config.engine.kv_cache_gib), "--seed", str(config.engine.seed),
-            "--tensor-parallel-size", str(pool.tensor_parallel_size),
-            "--registry", registry_url, "--cluster", config.name,
-            "--heartbeat", str(config.registry.heartbeat_s)]
-    if config.model.max_model_len is not None:
-        argv += ["--max-model-len", str(config.model.max_model_len)]
-    if config.model.quantization:
-        argv += ["--quantization", config.model.quantization]
-    if role == "decode":
-        argv += ["--kv-failure-policy", pool.kv_failure_policy]
-    return argv
-
-
-def router_argv(config: ClusterConfig, registry_url: str) -> list[str]:
-    router = config.router
-    return ["--registry", registry_url, "--cluster", config.name, "--model", config.model.path,
-            "--served-model-name", config.served_model, "--policy", router.policy,
-            "--disaggregate-min-tokens", str(router.disaggregate_min_tokens),
-            "--decode-admission", router.decode_admission,
-            "--kv-timeout", str(config.transport.kv_timeout_s),
-            "--default-max-tokens", str(router.default_max_tokens),
-            "--request-timeout", str(router.request_timeout_s)]
-
-
 def threads_per_worker(workers: int) -> int:
-    """Workers on one host split its cores (see cluster/worker_process.start_worker)."""
+    """Workers on one host split its cores (see cluster/local_workers.start_worker)."""
     return max(1, (os.cpu_count() or 1) // max(1, workers))
 
 
-def wait_joined(config: ClusterConfig, state: ClusterState, slots: list[WorkerSlot]) -> None:
+def wait_joined(config: ClusterFile, state: ClusterState, slots: list[WorkerSlot]) -> None:
     """Until every worker is in the registry (it joins once its engine is ready); fail fast with
     its log tail when one exits."""
     names = {slot.name for slot in slots}

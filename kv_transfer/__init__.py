@@ -1,2 +1,2 @@
-"""KV cache transfer between prefill and decode workers: the vLLM KV connector (producer and
-consumer halves), its wire format and gRPC transport, and the compatibility handshake."""
+"""What prefill and decode workers share to move KV: the connector base, the metadata and
+request params, the wire format and gRPC transport, the compatibility handshake."""

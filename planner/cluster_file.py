@@ -1,5 +1,5 @@
 """The cluster file `pdserve plan --write-cluster` writes: the recommended pools in the YAML
-layout cluster/config.py loads, so a plan can be brought up as it was simulated."""
+layout settings/cluster_file.py loads, so a plan can be brought up as it was simulated."""
 
 from pathlib import Path
 

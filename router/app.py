@@ -21,8 +21,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.protocol import worker_pb2
-from cluster.registry import Registry
+from worker.protocol import worker_pb2
+from worker.registry import Registry
 from router.errors import (OpenAIError, context_length_exceeded, invalid_request, model_not_found,
                            worker_unavailable)
 from router.metrics import RouterMetrics
@@ -30,10 +30,11 @@ from router.openai_types import (ChatCompletionRequest, CompletionRequest, Sampl
                                  parse_request)
 from router.responses import SSE_DONE, ChatFormat, CompletionFormat, ResponseFormat, Usage, sse
 from router.tokenization import PromptTokenizer
-from router.disaggregation import (AFTER_PREFILL, DISAGGREGATED, LOCAL, ROUTE_HEADER,
-                                   WITH_PREFILL, PrefillOutcome, choose_route,
+from router.disaggregation import (DISAGGREGATED, LOCAL, ROUTE_HEADER,
+                                   PrefillOutcome, choose_route,
                                    generate_disaggregated)
 from router.policies import POLICIES
+from settings.router import WITH_PREFILL, RouterSettings
 from router.worker_client import WorkerClient
 from router.worker_pool import WorkerPool, follow_registry
 
@@ -43,23 +44,6 @@ TAKES_REQUESTS = ("decode", "colocated")
 TIMING_HEADER = "x-pdserve-timing"  # ask for the timing breakdown in a whole response
 MAX_ATTEMPTS = 3  # decode workers a request may try when they turn out unavailable
 CANCEL_GRACE_S = 5.0  # how long a cancelled relay may take to unwind
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    served_model: str                 # the name clients put in "model"
-    model_dir: Path                   # where the tokenizer comes from
-    worker_addresses: list[str]
-    default_max_tokens: int = 512     # when a request gives no max_tokens
-    request_timeout_s: float = 600.0  # whole-request deadline on the worker
-    worker_ready_timeout_s: float = 600.0
-    disaggregate_min_tokens: int = 256  # shorter prompts are prefilled by the decode worker
-    kv_timeout_s: float = 30.0        # how long a decode worker waits for a prompt's KV
-    policy: str = "round-robin"       # how a worker is chosen within a pool
-    decode_admission: str = AFTER_PREFILL  # when the decode worker hears of a request
-    registry_url: str = ""            # follow this Redis registry instead of worker_addresses
-    cluster: str = ""                 # the cluster's name in the registry
-    registry_refresh_s: float = 0.1   # how often membership is read from the registry
 
 
 @dataclass
@@ -78,17 +62,17 @@ class RequestRun:
     last_chunk: worker_pb2.GenerateChunk | None = None
 
 
-def create_app(config: RouterConfig) -> FastAPI:
-    pool = WorkerPool(config.worker_addresses, POLICIES[config.policy]())
-    tokenizer = PromptTokenizer(config.model_dir)
+def create_app(config: RouterSettings, model_dir: Path) -> FastAPI:
+    pool = WorkerPool(list(config.worker_addresses), POLICIES[config.policy]())
+    tokenizer = PromptTokenizer(model_dir)
     metrics = RouterMetrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         tasks = [asyncio.create_task(_watch_down_workers(pool))]
         registry = None
-        if config.registry_url:
-            registry = Registry(config.registry_url, config.cluster)
+        if config.registry:
+            registry = Registry(config.registry, config.cluster)
             tasks.append(asyncio.create_task(
                 follow_registry(pool, registry, config.registry_refresh_s)))
         else:

@@ -14,17 +14,15 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from cluster.protocol import worker_pb2
+from worker.protocol import worker_pb2
 from kv_transfer.grpc_transport import cancel_transfer
 from router.errors import OpenAIError, invalid_request
 from router.worker_client import WorkerClient
+from settings.router import AFTER_PREFILL
 
 log = logging.getLogger("pdserve.router")
 ROUTE_HEADER = "x-pdserve-route"
 LOCAL, DISAGGREGATED = "local", "disaggregated"
-# When the decode worker hears of a disaggregated request (see generate_disaggregated).
-WITH_PREFILL, AFTER_PREFILL = "with-prefill", "after-prefill"
-ADMISSIONS = (WITH_PREFILL, AFTER_PREFILL)
 
 
 def choose_route(header: str | None, prompt_tokens: int, threshold: int,

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from cluster.protocol import GRPC_OPTIONS, worker_pb2, worker_pb2_grpc
+from worker.protocol import GRPC_OPTIONS, worker_pb2, worker_pb2_grpc
 from router.errors import (OpenAIError, invalid_request, request_timeout, worker_failed,
                            worker_unavailable)
 
@@ -28,8 +28,6 @@ class WorkerClient:
         self.role = ""
         self.max_model_len = 0
         self.kv_address = ""
-        self.block_size = 0
-        self.kv_bytes_per_block = 0
         self.tensor_parallel_size = 1
         self.outstanding_tokens = 0  # prompt + max tokens of requests in flight here
         self._pending_aborts: set[asyncio.Task] = set()
@@ -47,7 +45,6 @@ class WorkerClient:
         if reply.state == worker_pb2.HealthReply.READY:
             self.worker_id, self.role = reply.worker_id, reply.role
             self.max_model_len, self.kv_address = reply.max_model_len, reply.kv_address
-            self.block_size, self.kv_bytes_per_block = reply.block_size, reply.kv_bytes_per_block
             self.tensor_parallel_size = reply.tensor_parallel_size
         return reply
 

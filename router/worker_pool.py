@@ -15,7 +15,9 @@ router answers 503 instead of waiting.
 import asyncio
 import logging
 
-from cluster.protocol import worker_pb2
+import grpc
+
+from worker.protocol import worker_pb2
 from router.errors import worker_unavailable
 from router.worker_client import WorkerClient
 
@@ -46,7 +48,7 @@ class WorkerPool:
     async def _is_ready(self, worker: WorkerClient) -> bool:
         try:
             return (await worker.health(timeout=2.0)).state == worker_pb2.HealthReply.READY
-        except Exception:  # not listening yet
+        except grpc.aio.AioRpcError:  # not listening yet, or gone
             return False
 
     def live(self, roles: tuple[str, ...]) -> list[WorkerClient]:

@@ -12,17 +12,17 @@ received) and its exposed part (what the decode worker waited for KV after the p
 """
 
 import argparse
+import contextlib
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
+from pathlib import Path
 
 import httpx
 
-from cluster.worker_process import free_port
+from bench.local_cluster import local_cluster
+from worker.processes import free_port
 
 
 def main() -> int:
@@ -32,39 +32,17 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5, help="requests per path and length")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    server = None if args.url else start_server()
-    url = args.url or server[0]
-    try:
+    if args.url:
+        cluster = contextlib.nullcontext(args.url)
+    else:
+        log_dir = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
+        print(f"starting pdserve serve (1P + 1D; logs: {log_dir})", file=sys.stderr)
+        cluster = local_cluster(1, 1, free_port(), log_dir, [])
+    with cluster as url:
         rows = [measure(url, int(n), args.repeats, random.Random(args.seed + int(n)))
                 for n in args.lengths.split(",")]
-    finally:
-        if server is not None:
-            server[1].send_signal(signal.SIGTERM)
-            server[1].wait(timeout=120)
     print_table(rows, args.repeats)
     return 0
-
-
-def start_server() -> tuple[str, subprocess.Popen]:
-    port = free_port()
-    log_dir = tempfile.mkdtemp(prefix="pdserve-bench-")
-    process = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", str(port),
-                                "--log-dir", log_dir], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    print(f"starting pdserve serve on {url} (logs: {log_dir})", file=sys.stderr)
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"pdserve serve exited with {process.returncode}; see {log_dir}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return url, process
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    process.kill()
-    raise SystemExit("pdserve serve was not ready after 600 s")
 
 
 def measure(url: str, length: int, repeats: int, rng: random.Random) -> dict:

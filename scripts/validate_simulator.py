@@ -25,8 +25,8 @@ from bench.metrics import Slo, Summary, summarize  # noqa: E402
 from bench.report import record_json  # noqa: E402
 from bench.runner import run as run_benchmark, warm_up  # noqa: E402
 from bench.workload import BenchRequest, Length, PromptText, load_tokenizer, synthetic  # noqa: E402
-from cluster.model_store import ensure_model  # noqa: E402
-from cluster.worker_process import free_port  # noqa: E402
+from model_store.store import ensure_model  # noqa: E402
+from worker.processes import free_port  # noqa: E402
 from planner.calibration import fit_linear_cost  # noqa: E402
 from planner.capacity import kv_bytes_per_token  # noqa: E402
 from planner.cost_model import LinearCost  # noqa: E402

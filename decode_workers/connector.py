@@ -1,0 +1,81 @@
+"""DecodeConnector: the KV consumer a decode worker's vLLM loads by module path.
+
+    kv_transfer_config = {"kv_connector": "DecodeConnector",
+                          "kv_connector_module_path": "decode_workers.connector",
+                          "kv_role": "kv_consumer",
+                          "kv_load_failure_policy": "recompute" | "fail",
+                          "kv_connector_extra_config": {"receiver_host": ..., "receiver_port": ...}}
+
+Scheduler side: the load plan admits requests with `ReceiveKv` params as loading
+asynchronously and reserves their blocks. Worker side: the transport's receiver takes KV pushes
+(rank r listens on receiver_port + r), and the KV loader copies them into the reserved blocks,
+reporting each transfer loaded or failed; vLLM applies `kv_load_failure_policy` to failures.
+"""
+
+import logging
+import sys
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from decode_workers.kv_loader import KvLoader
+from decode_workers.load_plan import LoadPlan
+from kv_transfer.connector_base import PdserveConnectorBase, compatibility_of
+from kv_transfer.grpc_transport import KvReceiver
+from kv_transfer.metadata import PdserveMetadata
+
+log = logging.getLogger("pdserve.kv")
+# vLLM's worker loop spins in Python while a request waits for KV; with the default 5 ms GIL
+# switch interval each KV message waited up to 5 ms for the GIL there (0.45 s for 30 layers).
+GIL_SWITCH_INTERVAL_S = 0.0002
+
+
+class DecodeConnector(PdserveConnectorBase):
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        if self.is_scheduler:
+            self.load_plan = LoadPlan()
+            return
+        transfer = vllm_config.kv_transfer_config
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        rank = self.worker_rank()
+        self.receiver = KvReceiver(compatibility_of(vllm_config))
+        host = transfer.get_from_extra_config("receiver_host", "127.0.0.1")
+        port = int(transfer.get_from_extra_config("receiver_port", 0))
+        bound = self.receiver.start(host, port + rank if port else 0)
+        log.info("KV receiver (rank %d) listening on %s:%d", rank, host, bound)
+        self.loader = KvLoader(self.receiver)
+
+    # Worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches):
+        super().register_kv_caches(kv_caches)
+        self.loader.kv_caches = self.kv_caches
+
+    def get_transfer_results(self, finished_req_ids):
+        expected = self.metadata.expected if self.metadata is not None else []
+        loaded, failed = self.loader.transfer_results(expected, finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=set(), finished_recving=loaded, failed_recving=failed
+        )
+
+    def finished_transfers(self) -> list[dict]:
+        return self.loader.take_stats()
+
+    def shutdown(self):
+        if not self.is_scheduler:
+            self.receiver.stop()
+
+    # Scheduler side ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return self.load_plan.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        self.load_plan.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output):
+        return PdserveMetadata(expected=self.load_plan.take_expected())
+
+    def request_finished(self, request, block_ids):
+        self.load_plan.forget(request.request_id)
+        return super().request_finished(request, block_ids)

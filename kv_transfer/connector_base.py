@@ -1,0 +1,111 @@
+"""What pdserve's two vLLM KV connectors share: layer bookkeeping, metadata binding, stats.
+
+vLLM makes one connector in its engine-core process (role SCHEDULER) and one per worker
+process (role WORKER, one per tensor-parallel rank). A prefill worker runs
+`prefill_workers.connector.PrefillConnector`, a decode worker
+`decode_workers.connector.DecodeConnector`; each overrides only the calls its role answers,
+and this base answers the rest with "nothing to do".
+"""
+
+from pathlib import Path
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from kv_transfer.compatibility import Compatibility
+from kv_transfer.metadata import PdserveMetadata
+from kv_transfer.stats import PdserveKvStats
+
+
+def compatibility_of(vllm_config) -> Compatibility:
+    import vllm
+
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    return Compatibility(
+        model=Path(model.model).name,
+        dtype=str(model.dtype).removeprefix("torch."),
+        block_size=vllm_config.cache_config.block_size,
+        num_layers=model.get_num_layers(parallel),
+        num_kv_heads=model.get_num_kv_heads(parallel),
+        head_size=model.get_head_size(),
+        kv_layout="[blocks, kv_heads, block_size, 2*head_size]",
+        vllm_version=vllm.__version__,
+        tensor_parallel_size=parallel.tensor_parallel_size,
+    )
+
+
+class PdserveConnectorBase(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.is_scheduler = role == KVConnectorRole.SCHEDULER
+        self.block_size = vllm_config.cache_config.block_size
+        self.kv_caches: list = []  # worker side: each layer's KV cache tensor, by layer index
+        self.layer_index: dict[str, int] = {}
+        self.metadata: PdserveMetadata | None = None
+
+    def worker_rank(self) -> int:
+        """This worker process's tensor-parallel rank (worker side only)."""
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+
+    # Worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches):
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        ordered = sorted(kv_caches.items(), key=lambda item: extract_layer_index(item[0]))
+        self.kv_caches = [tensor for _, tensor in ordered]
+        self.layer_index = {name: i for i, (name, _) in enumerate(ordered)}
+
+    def bind_connector_metadata(self, connector_metadata):
+        super().bind_connector_metadata(connector_metadata)
+        self.metadata = connector_metadata
+
+    def clear_connector_metadata(self):
+        super().clear_connector_metadata()
+        self.metadata = None
+
+    def start_load_kv(self, forward_context, **kwargs):
+        pass  # a decode worker loads slices as they arrive, in get_transfer_results
+
+    def wait_for_layer_load(self, layer_name):
+        pass  # the whole prompt is loaded before the request is scheduled
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        pass  # only a prefill worker sends
+
+    def wait_for_save(self):
+        pass  # save_kv_layer already copied the blocks out
+
+    def get_transfer_results(self, finished_req_ids):
+        return KVConnectorTransferResults(
+            finished_sending=set(), finished_recving=set(), failed_recving=set()
+        )
+
+    def finished_transfers(self) -> list[dict]:
+        """Per-transfer figures since the last call (see kv_transfer/stats.py)."""
+        return []
+
+    def get_kv_connector_stats(self):
+        if self.is_scheduler:  # vLLM asks both sides; only the worker side measures
+            return None
+        transfers = self.finished_transfers()
+        return PdserveKvStats(data={"transfers": transfers}) if transfers else None
+
+    # Scheduler side ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return 0, False  # only a decode worker receives KV
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        pass
+
+    def build_connector_meta(self, scheduler_output):
+        return PdserveMetadata()
+
+    def request_finished(self, request, block_ids):
+        return False, None  # a prefill worker copies its blocks out during the forward pass

@@ -1,0 +1,41 @@
+"""PrefillConnector: the KV producer a prefill worker's vLLM loads by module path.
+
+    kv_transfer_config = {"kv_connector": "PrefillConnector",
+                          "kv_connector_module_path": "prefill_workers.connector",
+                          "kv_role": "kv_producer"}
+
+Scheduler side: the send plan says which blocks each step computed for requests with `SendKv`
+params. Worker side: after each layer's forward, the layer sender pushes those blocks.
+"""
+
+from kv_transfer.connector_base import PdserveConnectorBase, compatibility_of
+from kv_transfer.grpc_transport import KvSender
+from kv_transfer.metadata import PdserveMetadata
+from prefill_workers.kv_sender import LayerSender
+from prefill_workers.send_plan import SendPlan
+
+
+class PrefillConnector(PdserveConnectorBase):
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        if self.is_scheduler:
+            self.send_plan = SendPlan(self.block_size)
+        else:
+            self.layer_sender = LayerSender(KvSender(compatibility_of(vllm_config)),
+                                            self.worker_rank())
+
+    def build_connector_meta(self, scheduler_output):
+        return PdserveMetadata(sends=self.send_plan.sends(scheduler_output))
+
+    def request_finished(self, request, block_ids):
+        self.send_plan.forget(request.request_id)
+        return super().request_finished(request, block_ids)
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        if self.metadata is not None and self.metadata.sends:
+            self.layer_sender.save_layer(self.layer_index[layer_name], kv_layer,
+                                         self.metadata.sends)
+
+    def shutdown(self):
+        if not self.is_scheduler:
+            self.layer_sender.close()

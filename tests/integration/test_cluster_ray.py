@@ -1,0 +1,229 @@
+"""`pdserve up/status/scale/down` on a real Ray cluster with 4 fake GPUs and a real Redis
+server, both started here; real vLLM workers (SmolLM2 on CPU) and the real router.
+
+One cluster goes through the whole story, in order: 2P2D up; 2P2D -> 1P1D -> 2P1D -> 1P2D under
+a steady stream of requests; a killed worker actor; down.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import ray
+from openai import OpenAI
+
+from cluster import local_services
+from worker.processes import stop_group
+from worker.processes import free_port
+from tests.integration.processes import (alive, command_line, group_members, pids_running,
+                                         pids_with_environment)
+from tests.integration.prompts import MAX_TOKENS, PROMPTS
+
+CLUSTER = "pdtest"
+HEARTBEAT_S = 1.0
+COMMAND_TIMEOUT_S = 600
+
+
+def pdserve(*args: str, env: dict, timeout: float = COMMAND_TIMEOUT_S) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], env=env, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def ray_and_redis(tmp_path_factory):
+    """A Ray head with 4 fake GPUs and a Redis server, stopped by process group at the end."""
+    logs = tmp_path_factory.mktemp("ray-redis")
+    redis_url, redis_group = local_services.start_redis(logs / "redis.log")
+    try:
+        address, ray_group = local_services.start_ray_head(8, 4, logs / "ray.log")
+    except BaseException:
+        stop_group(redis_group)
+        raise
+    yield address, redis_url
+    for group in (ray_group, redis_group):
+        stop_group(group)
+    leftovers = [pid for group in (ray_group, redis_group) for pid in group_members(group)]
+    assert not leftovers, f"processes left after stopping Ray and Redis: {leftovers}"
+    deadline = time.monotonic() + 30  # workers and their engine processes carry PDSERVE_NODE
+    while (left := pids_with_environment("PDSERVE_NODE")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"worker or engine processes outlived the cluster: {left}"
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_and_redis, smollm2_dir, tmp_path_factory):
+    address, redis_url = ray_and_redis
+    folder = tmp_path_factory.mktemp("cluster")
+    config = folder / "cluster.yaml"
+    config.write_text(CLUSTER_FILE.format(name=CLUSTER, port=free_port(), redis=redis_url,
+                                          heartbeat=HEARTBEAT_S))
+    env = {**os.environ, "PDSERVE_STATE_DIR": str(folder / "state"), "RAY_AUTH_MODE": "disabled"}
+    started = time.monotonic()
+    up = pdserve("up", "-f", str(config), "--address", address, env=env)
+    up_seconds = time.monotonic() - started
+    state_file = folder / "state" / f"{CLUSTER}.json"
+    state = json.loads(state_file.read_text()) if state_file.is_file() else None
+    info = {"config": config, "env": env, "state": state}
+    ray.init(address=address, namespace=f"pdserve-{CLUSTER}", log_to_driver=False)
+    try:
+        assert up.returncode == 0, up.stderr[-6000:]
+        print(f"pdserve up (2P2D) took {up_seconds:.1f} s")
+        yield info
+    finally:
+        worker_pids = [pid for pid in pids_running("worker", "--settings-json")
+                       if f'"cluster":"{CLUSTER}"' in " ".join(command_line(pid))]
+        down = pdserve("down", "-f", str(config), env=env)
+        try:
+            assert down.returncode == 0, down.stderr[-4000:]
+            assert ray.util.list_named_actors() == [], "actors left after pdserve down"
+            assert not [g for g in ray.util.placement_group_table().values()
+                        if g["name"].startswith(f"pdserve-{CLUSTER}-")
+                        and g["state"] != "REMOVED"], "placement groups left after pdserve down"
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and any(alive(pid) for pid in worker_pids):
+                time.sleep(0.2)
+            assert not [pid for pid in worker_pids if alive(pid)], "workers outlived pdserve down"
+        finally:
+            ray.shutdown()
+
+
+CLUSTER_FILE = """
+name: {name}
+model: {{path: smollm2, dtype: float32}}
+engine: {{kv_cache_gib: 1}}
+prefill: {{replicas: 2, tensor_parallel_size: 1, gpu_type: H100-SXM}}
+decode: {{replicas: 2, tensor_parallel_size: 1, gpu_type: H100-SXM}}
+transport: {{kind: grpc, kv_timeout_s: 30}}
+router: {{port: {port}, disaggregate_min_tokens: 4}}
+registry: {{url: "{redis}", heartbeat_s: {heartbeat}}}
+"""
+
+
+def _status(cluster) -> dict:
+    done = pdserve("status", "-f", str(cluster["config"]), "--json", env=cluster["env"],
+                   timeout=60)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout)
+
+
+def _client(cluster) -> OpenAI:
+    return OpenAI(base_url=f"{cluster['state']['router_url']}/v1", api_key="unused",
+                  timeout=120, max_retries=0)
+
+
+def test_up_gives_each_worker_its_own_placement_group_and_gpu(cluster, offline_reference):
+    groups = [g for g in ray.util.placement_group_table().values()
+              if g["name"].startswith(f"pdserve-{CLUSTER}-") and g["state"] == "CREATED"]
+    assert sorted(g["name"] for g in groups) == [
+        f"pdserve-{CLUSTER}-{w}" for w in ("decode-0", "decode-1", "prefill-0", "prefill-1")]
+    for group in groups:
+        assert group["strategy"] == "STRICT_PACK"
+        assert list(group["bundles"].values()) == [{"GPU": 1.0}]
+
+    status = _status(cluster)
+    workers = status["workers"]
+    assert sorted(w["worker"] for w in workers) == ["decode-0", "decode-1", "prefill-0",
+                                                    "prefill-1"]
+    assert all(w["state"] == "in pool" for w in workers)
+    gpu_ids = [tuple(w["gpu_ids"]) for w in workers]
+    assert all(len(ids) == 1 for ids in gpu_ids), gpu_ids
+    assert len(set(gpu_ids)) == 4, f"two workers share a GPU: {gpu_ids}"
+    for worker in workers:  # the worker process itself was given exactly that GPU
+        environment = Path(f"/proc/{worker['pid']}/environ").read_bytes().split(b"\0")
+        assert f"CUDA_VISIBLE_DEVICES={worker['gpu_ids'][0]}".encode() in environment
+
+    health = httpx.get(f"{cluster['state']['router_url']}/health", timeout=10).json()
+    assert sorted(health["workers"]) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
+    reply = _client(cluster).completions.create(model="smollm2", prompt=PROMPTS[0],
+                                                max_tokens=MAX_TOKENS, temperature=0)
+    assert reply.choices[0].text == offline_reference["prompts"][0]["text"]
+
+
+class SteadyStream:
+    """Requests one after another (two at a time) until stopped; each answer is checked
+    against vLLM's offline output."""
+
+    def __init__(self, cluster, reference: dict) -> None:
+        self.client = _client(cluster)
+        self.reference = reference
+        self.sent = 0
+        self.failures: list[str] = []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(2)]
+
+    def __enter__(self):
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=180)
+        assert not any(t.is_alive() for t in self.threads), "a request hung"
+
+    def _run(self, offset: int) -> None:
+        i = offset
+        while not self.stop.is_set():
+            index = i % len(PROMPTS)
+            self.sent += 1
+            try:
+                reply = self.client.completions.create(
+                    model="smollm2", prompt=PROMPTS[index], max_tokens=MAX_TOKENS,
+                    temperature=0)
+                expected = self.reference["prompts"][index]["text"]
+                if reply.choices[0].text != expected:
+                    self.failures.append(f"prompt {index}: {reply.choices[0].text!r} != "
+                                         f"{expected!r}")
+            except Exception as error:
+                self.failures.append(f"prompt {index}: {type(error).__name__}: {error}")
+            i += 2
+
+
+def _scale(cluster, prefill: int, decode: int) -> float:
+    started = time.monotonic()
+    done = pdserve("scale", "-f", str(cluster["config"]), "--prefill", str(prefill),
+                   "--decode", str(decode), env=cluster["env"])
+    assert done.returncode == 0, done.stderr[-6000:]
+    seconds = time.monotonic() - started
+    roles = [w["role"] for w in _status(cluster)["workers"] if w["state"] == "in pool"]
+    assert (roles.count("prefill"), roles.count("decode")) == (prefill, decode)
+    return seconds
+
+
+def test_ratio_changes_under_a_steady_stream_fail_no_request(cluster, offline_reference):
+    timings = {}
+    with SteadyStream(cluster, offline_reference) as stream:
+        for prefill, decode in ((1, 1), (2, 1), (1, 2)):
+            timings[f"{prefill}P{decode}D"] = _scale(cluster, prefill, decode)
+        time.sleep(2)  # requests on the final layout too
+    print(f"scale timings (s): {timings}; requests sent {stream.sent}, "
+          f"failed {len(stream.failures)}")
+    assert stream.sent >= 30
+    assert stream.failures == []
+
+
+def test_a_killed_worker_leaves_the_pools_within_two_heartbeats(cluster, offline_reference):
+    victim = "decode-1" if any(w["worker"] == "decode-1" for w in _status(cluster)["workers"]) \
+        else "decode-0"
+    ray.kill(ray.get_actor(victim), no_restart=True)
+    killed = time.monotonic()
+    router = cluster["state"]["router_url"]
+    while victim in httpx.get(f"{router}/health", timeout=5).json()["workers"]:
+        assert time.monotonic() - killed < 2 * HEARTBEAT_S + 0.5, \
+            f"{victim} still in the router's pools {time.monotonic() - killed:.1f} s after kill"
+        time.sleep(0.05)
+    left_after = time.monotonic() - killed
+    print(f"{victim} left the pools {left_after:.2f} s after its actor was killed")
+    client = _client(cluster)
+    for index in range(4):
+        reply = client.completions.with_raw_response.create(
+            model="smollm2", prompt=PROMPTS[index], max_tokens=MAX_TOKENS, temperature=0)
+        assert reply.headers["x-pdserve-worker"] != victim
+        assert reply.parse().choices[0].text == offline_reference["prompts"][index]["text"]

@@ -1,0 +1,106 @@
+"""Prefill on the prefill worker, KV over gRPC, decode on the decode worker: the real thing.
+
+Outputs are compared with vLLM's offline engine, which computes every prompt itself (the
+colocated truth). Each disaggregated prompt is sent here first, so the decode worker holds no
+prefix of it: its count of tokens it did not compute is then exactly what it received.
+"""
+
+import json
+
+import httpx
+import pytest
+
+from tests.integration.conftest import SERVED_MODEL
+from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS, long_prompt
+
+
+def complete(server, prompt: str, route: str, **extra) -> httpx.Response:
+    body = {"model": SERVED_MODEL, "prompt": prompt, "temperature": 0,
+            "max_tokens": DISAGGREGATED_MAX_TOKENS, **extra}
+    return httpx.post(f"{server.base_url}/completions", json=body, timeout=300,
+                      headers={"x-pdserve-route": route, "x-pdserve-timing": "1"})
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    values = [float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith(name + " ") or line.startswith(name + "{")]
+    return sum(values)
+
+
+@pytest.mark.parametrize("index", range(len(DISAGGREGATED_PROMPTS)))
+def test_disaggregated_output_equals_colocated_and_skips_the_prompt(server, offline_reference,
+                                                                    index):
+    fallbacks_before = metric(server, "pdserve_kv_fallbacks_total")
+    response = complete(server, DISAGGREGATED_PROMPTS[index], "disaggregated")
+    assert response.status_code == 200, response.text
+    body = response.json()
+    expected = offline_reference["disaggregated"][index]
+    assert body["choices"][0]["text"] == expected["text"]
+    assert body["usage"]["completion_tokens"] == len(expected["token_ids"])
+    # Routed as asked, prefilled on the prefill worker...
+    assert response.headers["x-pdserve-route"] == "disaggregated"
+    assert response.headers["x-pdserve-prefill-worker"].startswith("prefill@")
+    assert response.headers["x-pdserve-worker"].startswith("decode@")
+    assert body["usage"]["completion_tokens"] > 1, "the decode worker must have had work"
+    # ...and the decode worker computed none of the prompt: vLLM counted every prompt token
+    # as already there (received KV), and nothing fell back to local prefill.
+    assert int(response.headers["x-pdserve-decode-cached-tokens"]) == body["usage"][
+        "prompt_tokens"]
+    assert metric(server, "pdserve_kv_fallbacks_total") == fallbacks_before
+    timing = body["pdserve_timing"]
+    blocks = -(-body["usage"]["prompt_tokens"] // 128)
+    assert timing["kv_bytes"] == blocks * 30 * 3 * 128 * 2 * 64 * 4
+    assert timing["prefill"] > 0 and timing["first_decode_step"] > 0
+
+
+def test_short_prompts_stay_local_and_long_ones_are_disaggregated(server):
+    short = complete(server, "Hi", route="")
+    long = complete(server, DISAGGREGATED_PROMPTS[4] + " Again?", route="")
+    assert short.headers["x-pdserve-route"] == "local"
+    assert long.headers["x-pdserve-route"] == "disaggregated"
+    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert 'pdserve_route_total{path="local"}' in metrics
+    assert 'pdserve_route_total{path="disaggregated"}' in metrics
+
+
+def test_a_bad_route_header_is_refused(server):
+    response = complete(server, "Hi", route="sideways")
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "x-pdserve-route"
+
+
+def test_cached_tokens_come_from_the_prefill_workers_cache(server):
+    prompt = "A prompt no worker has seen: " + long_prompt(700)
+    first = complete(server, prompt, "disaggregated").json()
+    again = complete(server, prompt, "disaggregated").json()
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # The prefill worker now holds the prompt's full blocks in its prefix cache.
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached <= again["usage"]["prompt_tokens"] and cached % 128 == 0
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+def first_two_token_texts(server, prompt: str) -> list[str]:
+    body = {"model": SERVED_MODEL, "prompt": prompt, "temperature": 0, "max_tokens": 4,
+            "stream": True}
+    texts = []
+    with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=120,
+                      headers={"x-pdserve-route": "local"}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                texts.append(json.loads(line[6:])["choices"][0]["text"])
+    return texts[:2]
+
+
+@pytest.mark.parametrize("extra", [{"seed": 11}, {}], ids=["seeded", "greedy"])
+def test_a_stop_string_across_the_first_two_tokens_is_honoured(server, extra):
+    prompt = "A stop string check: " + long_prompt(300)
+    first, second = first_two_token_texts(server, prompt)
+    stop = first[-2:] + second[:2]
+    results = [complete(server, prompt, route, stop=[stop], max_tokens=8, **extra).json()
+               for route in ("local", "disaggregated")]
+    local, disaggregated = (r["choices"][0] for r in results)
+    assert local["finish_reason"] == "stop" and stop not in local["text"]
+    assert (disaggregated["text"], disaggregated["finish_reason"]) == (
+        local["text"], local["finish_reason"])

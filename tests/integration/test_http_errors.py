@@ -1,0 +1,70 @@
+"""Bad input against the real router: an OpenAI-style error body, a 4xx status, never a 5xx,
+and the server keeps serving afterwards."""
+
+import httpx
+import pytest
+
+from tests.integration.conftest import SERVED_MODEL
+
+CHAT = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+COMPLETION = {"model": SERVED_MODEL, "prompt": "hi", "max_tokens": 2}
+
+BAD_REQUESTS = [
+    # (endpoint, raw body, status, error code)
+    ("chat/completions", b"{not json", 400, None),
+    ("chat/completions", b"", 400, None),
+    ("chat/completions", b'"a string"', 400, None),
+    ("chat/completions", {"model": SERVED_MODEL}, 400, "missing_required_parameter"),
+    ("chat/completions", {**CHAT, "messages": []}, 400, "invalid_value"),
+    ("chat/completions", {**CHAT, "messages": [{"role": "user"}]}, 400,
+     "missing_required_parameter"),
+    ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": 5}]}, 400,
+     "invalid_value"),
+    ("chat/completions", {**CHAT, "max_tokens": 0}, 400, "invalid_value"),
+    ("chat/completions", {**CHAT, "max_tokens": -1}, 400, "invalid_value"),
+    ("chat/completions", {**CHAT, "temperature": "warm"}, 400, "invalid_value"),
+    ("chat/completions", {**CHAT, "max_tokens": 100_000}, 400, "context_length_exceeded"),
+    ("chat/completions", {**CHAT, "model": "gpt-4"}, 404, "model_not_found"),
+    ("chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400,
+     "unsupported_parameter"),
+    ("chat/completions", {**CHAT, "n": 3}, 400, "unsupported_parameter"),
+    ("chat/completions", {**CHAT, "bogus": True}, 400, "unrecognized_argument"),
+    ("completions", {**COMPLETION, "prompt": ""}, 400, None),
+    ("completions", {**COMPLETION, "prompt": [10**9]}, 400, None),
+    ("completions", {**COMPLETION, "prompt": "word " * 9000}, 400, "context_length_exceeded"),
+    ("completions", {**COMPLETION, "logprobs": 2}, 400, "unsupported_parameter"),
+    ("completions", {**COMPLETION, "model": "nope"}, 404, "model_not_found"),
+]
+
+
+@pytest.mark.parametrize("endpoint, body, status, code", BAD_REQUESTS)
+def test_bad_input_gets_an_openai_error(server, endpoint, body, status, code):
+    content = body if isinstance(body, bytes) else None
+    response = httpx.post(f"{server.base_url}/{endpoint}", content=content,
+                          json=None if content is not None else body, timeout=30,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["code"] == code or code is None
+
+
+def test_the_server_still_serves_after_bad_input(server):
+    for endpoint, body, _, _ in BAD_REQUESTS:
+        if isinstance(body, dict):
+            httpx.post(f"{server.base_url}/{endpoint}", json=body, timeout=30)
+    response = httpx.post(f"{server.base_url}/chat/completions", json=CHAT, timeout=60)
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_unknown_routes_get_an_openai_error(server):
+    response = httpx.get(f"{server.base_url}/nothing-here", timeout=10)
+    assert response.status_code == 404 and "error" in response.json()
+
+
+def test_errors_are_counted_in_metrics(server):
+    httpx.post(f"{server.base_url}/chat/completions", json={**CHAT, "model": "x"}, timeout=10)
+    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert 'pdserve_errors_total{kind="model_not_found"}' in metrics
+    assert 'pdserve_requests_total{endpoint="chat",status="404"}' in metrics

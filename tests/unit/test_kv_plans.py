@@ -1,0 +1,112 @@
+"""The connectors' scheduler sides, driven by fake scheduler outputs (no engine): which blocks
+a prefill worker's send plan sends at each step, chunked prefill included, and what a decode
+worker's load plan expects."""
+
+from dataclasses import dataclass, field
+
+from kv_transfer.params import ReceiveKv, SendKv, to_extra_args
+from decode_workers.load_plan import LoadPlan
+from prefill_workers.send_plan import SendPlan
+
+BLOCK = 128
+
+
+@dataclass
+class FakeSamplingParams:
+    extra_args: dict
+
+
+@dataclass
+class FakeNewRequest:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: FakeSamplingParams
+    num_computed_tokens: int = 0
+
+
+@dataclass
+class FakeBlockState:
+    blocks: dict[str, list[int]]
+
+    def get_block_ids(self, req_id):
+        return (self.blocks[req_id],) if req_id in self.blocks else None
+
+
+@dataclass
+class FakeSchedulerOutput:
+    num_scheduled_tokens: dict[str, int]
+    kv_connector_block_state: FakeBlockState
+    scheduled_new_reqs: list[FakeNewRequest] = field(default_factory=list)
+
+
+def send_request(prompt_len: int, computed: int = 0) -> FakeNewRequest:
+    params = to_extra_args(SendKv("t1", "decode:9000"))
+    return FakeNewRequest("p1", list(range(prompt_len)), FakeSamplingParams(params), computed)
+
+
+def test_a_prompt_in_one_step_sends_all_its_blocks_once():
+    plan = SendPlan(BLOCK)
+    step = FakeSchedulerOutput({"p1": 300}, FakeBlockState({"p1": [7, 3, 9]}),
+                               [send_request(300)])
+    (piece,) = plan.sends(step)
+    assert (piece.first_block, piece.block_ids, piece.last) == (0, [7, 3, 9], True)
+    assert plan.sends(FakeSchedulerOutput({"p1": 1}, FakeBlockState({"p1": [7, 3, 9]}))) == []
+
+
+def test_chunked_prefill_sends_each_steps_blocks_and_resends_a_partial_one():
+    plan = SendPlan(BLOCK)
+    blocks = FakeBlockState({"p1": [1, 2, 3, 4, 5]})
+    first = plan.sends(FakeSchedulerOutput({"p1": 200}, blocks, [send_request(600)]))[0]
+    second = plan.sends(FakeSchedulerOutput({"p1": 200}, blocks))[0]
+    third = plan.sends(FakeSchedulerOutput({"p1": 200}, blocks))[0]
+    # Tokens 0-199 (blocks 0-1, block 1 partial), 200-399 (blocks 1-3), 400-599 (blocks 3-4).
+    assert (first.first_block, first.block_ids, first.last) == (0, [1, 2], False)
+    assert (second.first_block, second.block_ids, second.last) == (1, [2, 3, 4], False)
+    assert (third.first_block, third.block_ids, third.last) == (3, [4, 5], True)
+
+
+def test_a_local_prefix_hit_is_sent_too():
+    plan = SendPlan(BLOCK)
+    step = FakeSchedulerOutput({"p1": 44}, FakeBlockState({"p1": [4, 5, 6]}),
+                               [send_request(300, computed=256)])
+    (piece,) = plan.sends(step)
+    assert (piece.first_block, piece.block_ids, piece.last) == (0, [4, 5, 6], True)
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_transfer_params: dict
+
+
+class FakeBlocks:
+    def __init__(self, block_ids, fresh):
+        self.block_ids, self.fresh = block_ids, fresh
+
+    def get_block_ids(self):
+        return (self.block_ids,)
+
+    def get_unhashed_block_ids(self):
+        return self.block_ids[-self.fresh:] if self.fresh else []
+
+
+def test_a_decode_request_loads_its_whole_prompt_once():
+    plan = LoadPlan()
+    params = to_extra_args(ReceiveKv("t1", 5.0, 300))["kv_transfer_params"]
+    request = FakeRequest("d1", list(range(300)), params)
+    assert plan.get_num_new_matched_tokens(request, 256) == (44, True)
+    plan.update_state_after_alloc(request, FakeBlocks([4, 5, 6], fresh=1), 44)
+    (expected,) = plan.take_expected()
+    assert (expected.transfer_id, expected.block_ids, expected.skip_blocks) == ("t1", [4, 5, 6], 2)
+    # Asked again (after a failed load): nothing more to load, vLLM computes it.
+    assert plan.get_num_new_matched_tokens(request, 0) == (0, False)
+    plan.forget(request.request_id)
+    assert plan.receiving == set()
+
+
+def test_a_decode_request_that_goes_on_with_the_first_token_computes_only_that():
+    plan = LoadPlan()
+    params = to_extra_args(ReceiveKv("t2", 5.0, 300))["kv_transfer_params"]
+    request = FakeRequest("d2", list(range(301)), params)  # the prompt + the first token
+    assert plan.get_num_new_matched_tokens(request, 0) == (300, True)

@@ -1,0 +1,66 @@
+"""The Redis registry against a real redis-server started here: records, expiry, clearing."""
+
+import asyncio
+import time
+
+import pytest
+
+from cluster import local_services
+from worker.processes import stop_group
+from worker.registry import Registry, WorkerLoad, WorkerRecord
+from tests.integration.processes import group_members
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    url, group = local_services.start_redis(tmp_path_factory.mktemp("redis") / "redis.log")
+    yield url
+    stop_group(group)
+    assert group_members(group) == []
+
+
+def record(worker_id: str, role: str = "decode") -> WorkerRecord:
+    return WorkerRecord(worker_id=worker_id, role=role, address=f"127.0.0.1:{len(worker_id)}",
+                        kv_address="127.0.0.1:1", compatibility_hash="abc", node="n1",
+                        gpu_ids=("3",), load=WorkerLoad(running_requests=2, kv_blocks_total=9))
+
+
+def test_records_round_trip_and_expire_without_a_heartbeat(redis_url):
+    async def scenario():
+        registry = Registry(redis_url, "expiry")
+        try:
+            await registry.put(record("decode-0"), ttl_s=0.5)
+            await registry.put(record("prefill-0", "prefill"), ttl_s=30)
+            members = await registry.members()
+            assert [m.worker_id for m in members] == ["decode-0", "prefill-0"]
+            assert members[0] == record("decode-0")
+            started = time.monotonic()
+            while "decode-0" in [m.worker_id for m in await registry.members()]:
+                assert time.monotonic() - started < 2.0, "the record outlived its TTL"
+                await asyncio.sleep(0.05)
+            assert [m.worker_id for m in await registry.members()] == ["prefill-0"]
+            await registry.remove("prefill-0")
+            assert await registry.members() == []
+        finally:
+            await registry.close()
+
+    asyncio.run(scenario())
+
+
+def test_clusters_do_not_see_each_other_and_clear_removes_only_its_own(redis_url):
+    async def scenario():
+        one, two = Registry(redis_url, "one"), Registry(redis_url, "two")
+        try:
+            await one.put(record("decode-0"), ttl_s=30)
+            await two.put(record("decode-0"), ttl_s=30)
+            await two.put(record("decode-1"), ttl_s=30)
+            assert len(await one.members()) == 1
+            assert await two.clear() == 2
+            assert await two.members() == []
+            assert len(await one.members()) == 1
+        finally:
+            await one.clear()
+            await one.close()
+            await two.close()
+
+    asyncio.run(scenario())

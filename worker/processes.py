@@ -1,0 +1,139 @@
+"""The one way pdserve starts, waits for and stops a child process.
+
+Every child runs in its own session, so its process group holds it and whatever it starts (a
+worker's vLLM engine core, say); stopping it signals that group by its id, never a name:
+SIGTERM, a grace period, then SIGKILL for whatever is left. A child may also get SIGTERM when
+its parent dies (Linux parent-death signal), so no engine outlives its launcher. Every wait has
+a deadline.
+"""
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+POLL_S = 0.2
+
+
+class ChildError(RuntimeError):
+    """A child exited before it was ready, or was not ready by its deadline."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def is_listening(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, port)) == 0
+
+
+def die_with_parent() -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def spawn(
+    command: list[str],
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    dies_with_parent: bool = True,
+) -> subprocess.Popen:
+    """Start `command` in its own session, its output appended to `log_path`. A service meant
+    to outlive this process (a Ray head or Redis that `pdserve up` starts) passes
+    `dies_with_parent=False`."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log_file:
+        return subprocess.Popen(
+            command,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=die_with_parent if dies_with_parent else None,
+            env=env if env is not None else dict(os.environ),
+        )
+
+
+def wait_until(
+    ready: Callable[[], bool],
+    process: subprocess.Popen,
+    timeout_s: float,
+    what: str,
+    log_path: Path | None = None,
+    progress: Callable[[float], None] | None = None,
+    poll_s: float = 0.5,
+) -> None:
+    """Poll `ready()` until it is true; ChildError (with the log's tail) if the process exits
+    first or the deadline passes. `progress(elapsed)` is called every 10 s meanwhile."""
+    started = last_report = time.monotonic()
+    while not ready():
+        if process.poll() is not None:
+            raise ChildError(f"{what} exited with code {process.returncode}{log_tail(log_path)}")
+        now = time.monotonic()
+        if now - started > timeout_s:
+            raise ChildError(f"{what} not ready after {timeout_s:.0f} s{log_tail(log_path)}")
+        if progress is not None and now - last_report >= 10:
+            last_report = now
+            progress(now - started)
+        time.sleep(poll_s)
+
+
+def log_tail(log_path: Path | None, lines: int = 30) -> str:
+    if log_path is None:
+        return ""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return f" (no log at {log_path})"
+    return f"; the end of {log_path}:\n" + "\n".join(text.splitlines()[-lines:])
+
+
+def stop_group(group: int, grace_s: float = 20.0, process: subprocess.Popen | None = None) -> bool:
+    """SIGTERM process group `group` (a child started by `spawn` leads its own), wait up to
+    `grace_s` for all of it to exit, SIGKILL what is left. True when it stopped in the grace."""
+    _signal_group(group, signal.SIGTERM)
+    if _wait_gone(group, process, grace_s):
+        return True
+    _signal_group(group, signal.SIGKILL)
+    _wait_gone(group, process, 5.0)
+    return False
+
+
+def _wait_gone(group: int, process: subprocess.Popen | None, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while _group_alive(group, process):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(POLL_S)
+    return True
+
+
+def _signal_group(group: int, sig: int) -> None:
+    try:
+        os.killpg(group, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(group: int, process: subprocess.Popen | None) -> bool:
+    """Reap the leader if it is our child (a zombie still counts as a group member)."""
+    if process is not None:
+        process.poll()
+    else:
+        try:
+            os.waitpid(group, os.WNOHANG)
+        except ChildProcessError:
+            pass
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True

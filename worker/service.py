@@ -1,0 +1,229 @@
+"""The worker's gRPC service: runs requests on the vLLM engine and reports load.
+
+The gRPC server starts before the engine (which takes ~30 s on CPU), so Health can answer
+STARTING meanwhile. A cancelled Generate call cancels vLLM's generator, which aborts the
+request inside the engine and frees its KV blocks.
+"""
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from worker.engine import EngineStats
+from worker.protocol import worker_pb2, worker_pb2_grpc
+
+State = worker_pb2.HealthReply.State
+PROBE_SAMPLING = worker_pb2.SamplingParams(max_tokens=1, temperature=0, top_p=1)
+DRAIN_POLL_S = 0.2
+log = logging.getLogger("pdserve.worker")
+
+
+async def _nothing_to_leave() -> None:
+    """A worker outside any registry (`pdserve serve`) is in no pool to leave."""
+
+
+def kv_extra_args(request: worker_pb2.GenerateRequest) -> dict | None:
+    """The request's KV transfer, as the connector reads it from vLLM's extra_args."""
+    from kv_transfer.params import ReceiveKv, SendKv, to_extra_args
+
+    if not request.HasField("kv"):
+        return None
+    kv = request.kv
+    if kv.send_to:
+        return to_extra_args(SendKv(kv.transfer_id, kv.send_to))
+    return to_extra_args(ReceiveKv(kv.transfer_id, kv.receive_timeout_s,
+                                   kv.kv_tokens or len(request.prompt_token_ids)))
+
+
+def to_vllm_sampling(params: worker_pb2.SamplingParams, extra_args: dict | None = None):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        extra_args=extra_args,
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed if params.HasField("seed") else None,
+        stop=list(params.stop) or None,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        ignore_eos=params.ignore_eos,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def request_timing(metrics) -> worker_pb2.RequestTiming | None:
+    """vLLM's per-request timestamps (engine-core monotonic clock) as durations."""
+    if metrics is None or not metrics.first_token_ts:
+        return None
+    return worker_pb2.RequestTiming(
+        queued_seconds=max(0.0, metrics.scheduled_ts - metrics.queued_ts),
+        prefill_seconds=max(0.0, metrics.first_token_ts - metrics.scheduled_ts),
+        decode_seconds=max(0.0, metrics.last_token_ts - metrics.first_token_ts),
+    )
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, worker_id: str, role: str, model: str, kv_address: str = "",
+                 kv_failure_policy: str = "") -> None:
+        self.worker_id = worker_id
+        self.role = role
+        self.model = model
+        self.kv_address = kv_address
+        self.kv_failure_policy = kv_failure_policy
+        self.tensor_parallel_size = 0
+        self.engine = None
+        self.engine_stats = EngineStats()
+        self.state = State.STARTING
+        self.state_message = "engine starting"
+        self.max_model_len = 0
+        self.kv_blocks_total = 0
+        self.active: set[str] = set()
+        self.awaiting_first_token: dict[str, int] = {}  # request id -> prompt tokens
+        self.leave_pools = _nothing_to_leave  # set when the worker is in a registry
+
+    def engine_ready(self, engine) -> None:
+        self.engine = engine
+        self.max_model_len = engine.vllm_config.model_config.max_model_len
+        self.kv_blocks_total = engine.vllm_config.cache_config.num_gpu_blocks or 0
+        self.tensor_parallel_size = engine.vllm_config.parallel_config.tensor_parallel_size
+        self.state, self.state_message = State.READY, ""
+
+    def engine_failed(self, message: str) -> None:
+        self.state, self.state_message = State.FAILED, message
+
+    async def Generate(self, request, context):
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if self.state not in (State.READY, State.DRAINING):
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"worker {self.worker_id} is not ready: {self.state_message}")
+        await self._validate(request, context)
+        prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+        request_id = request.request_id
+        self.active.add(request_id)
+        self.awaiting_first_token[request_id] = len(prompt["prompt_token_ids"])
+        try:
+            sampling = to_vllm_sampling(request.sampling, kv_extra_args(request))
+            async for output in self.engine.generate(prompt, sampling, request_id):
+                self.awaiting_first_token.pop(request_id, None)
+                if output.outputs[0].finish_reason == "error":
+                    await context.abort(grpc.StatusCode.ABORTED, self._error_reason(request))
+                yield self._chunk(output, request)
+        except (VLLMClientError, ValueError) as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except EngineDeadError as error:
+            self.engine_failed(f"engine died: {error}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.state_message)
+        finally:
+            self.active.discard(request_id)
+            self.awaiting_first_token.pop(request_id, None)
+
+    def _error_reason(self, request) -> str:
+        if request.HasField("kv") and not request.kv.send_to:
+            return (f"the prompt's KV did not arrive within {request.kv.receive_timeout_s:g} s "
+                    f"(transfer {request.kv.transfer_id}); this worker's kv failure policy is "
+                    f"'{self.kv_failure_policy}'")
+        return "the engine ended the request with an error"
+
+    async def _validate(self, request, context) -> None:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        if request.request_id in self.active:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"request {request.request_id} is already running")
+        if not request.prompt_token_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
+        total = len(request.prompt_token_ids) + request.sampling.max_tokens
+        if total > self.max_model_len:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt ({len(request.prompt_token_ids)} tokens) plus max_tokens "
+                f"({request.sampling.max_tokens}) exceeds the context length {self.max_model_len}")
+
+    def _chunk(self, output, request) -> worker_pb2.GenerateChunk:
+        completion = output.outputs[0]
+        chunk = worker_pb2.GenerateChunk(
+            token_ids=completion.token_ids,
+            text=completion.text,
+            finish_reason=completion.finish_reason or "",
+            prompt_tokens=len(output.prompt_token_ids or ()),
+            cached_tokens=output.num_cached_tokens or 0,
+        )
+        if not output.finished:
+            return chunk
+        if (timing := request_timing(output.metrics)) is not None:
+            chunk.timing.CopyFrom(timing)
+        if request.HasField("kv") and not request.kv.send_to:
+            transfer = self.engine_stats.take_kv_transfer(request.kv.transfer_id)
+            if transfer is not None:
+                chunk.kv.CopyFrom(worker_pb2.KvTransferStats(
+                    bytes=transfer["bytes"], seconds=transfer["seconds"],
+                    failed=transfer["failed"]))
+        return chunk
+
+    async def _probe(self) -> None:
+        """One 1-token request: an engine step, after which vLLM reports its scheduler stats."""
+        probe = {"prompt_token_ids": [0]}
+        async for _ in self.engine.generate(probe, to_vllm_sampling(PROBE_SAMPLING),
+                                            f"stats-probe-{time.monotonic_ns()}"):
+            pass
+
+    async def Abort(self, request, context):
+        was_running = request.request_id in self.active
+        if was_running:
+            await self.engine.abort(request.request_id)
+        return worker_pb2.AbortReply(was_running=was_running)
+
+    async def Health(self, request, context):
+        return worker_pb2.HealthReply(
+            state=self.state, message=self.state_message, worker_id=self.worker_id,
+            role=self.role, model=self.model, max_model_len=self.max_model_len,
+            kv_address=self.kv_address, kv_failure_policy=self.kv_failure_policy,
+            tensor_parallel_size=self.tensor_parallel_size)
+
+    async def Stats(self, request, context):
+        if request.fresh and self.engine is not None:
+            await self._probe()
+        return self.stats_reply()
+
+    def stats_reply(self) -> worker_pb2.StatsReply:
+        running = self.engine.get_num_unfinished_requests() if self.engine is not None else 0
+        stats = self.engine_stats
+        return worker_pb2.StatsReply(
+            worker_id=self.worker_id,
+            running_requests=running,
+            waiting_requests=min(stats.waiting, running),
+            kv_blocks_used=round(stats.kv_cache_usage * self.kv_blocks_total),
+            kv_blocks_total=self.kv_blocks_total,
+            outstanding_prefill_tokens=sum(self.awaiting_first_token.values()),
+        )
+
+    async def Drain(self, request, context):
+        started = time.monotonic()
+        if self.state == State.READY:
+            self.state, self.state_message = State.DRAINING, "draining: left the pools"
+        await self.leave_pools()
+        await asyncio.sleep(request.grace_seconds)
+        deadline = started + request.timeout_seconds
+        idle = await self._idle()
+        while not idle and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+            idle = await self._idle()
+        left = len(self.active)
+        log.info("drained in %.1f s, %d request(s) left", time.monotonic() - started, left)
+        return worker_pb2.DrainReply(drained=idle, requests_left=left,
+                                     seconds=time.monotonic() - started)
+
+    async def _idle(self) -> bool:
+        """No request in flight, and no KV block held (a prefill worker holds a request's
+        blocks until its KV is sent)."""
+        if self.active or self.engine is None:
+            return not self.active
+        await self._probe()
+        return self.stats_reply().kv_blocks_used == 0
