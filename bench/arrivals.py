@@ -13,7 +13,9 @@ import math
 import numpy as np
 
 
-def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int | None = None) -> list[float]:
+def arrival_times(
+    n: int, rate: float, burstiness: float = 1.0, seed: int | None = None
+) -> list[float]:
     """Send offsets in seconds (non-decreasing) for `n` requests at `rate` requests/s."""
     if rate <= 0:
         raise ValueError(f"request rate must be positive, got {rate}")
@@ -26,6 +28,8 @@ def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int | None
     if math.isinf(burstiness):
         gaps = np.full(n, 1.0 / rate)
     else:
-        gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+        gaps = np.random.default_rng(seed).gamma(
+            shape=burstiness, scale=1.0 / (rate * burstiness), size=n
+        )
     times = np.cumsum(gaps)
     return (times * (n / rate) / times[-1]).tolist()

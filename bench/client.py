@@ -78,7 +78,9 @@ class Target:
         return body
 
 
-async def send(http: httpx.AsyncClient, target: Target, request: BenchRequest, timeout: float) -> RequestRecord:
+async def send(
+    http: httpx.AsyncClient, target: Target, request: BenchRequest, timeout: float
+) -> RequestRecord:
     """Stream one request, giving up after `timeout` seconds, and return its record; never raises."""
     record = RequestRecord(prompt_tokens=request.prompt_tokens, max_tokens=request.max_tokens)
     url = target.url.rstrip("/") + ENDPOINT_PATHS[target.endpoint]
@@ -105,7 +107,7 @@ async def _read_stream(response: httpx.Response, record: RequestRecord) -> None:
     async for line in response.aiter_lines():
         if not line.startswith("data:"):
             continue  # blank separators, ": ping" comments, event/id fields
-        data = line[len("data:"):].strip()
+        data = line[len("data:") :].strip()
         if data == "[DONE]":
             break  # skips the loop's else
         now = time.perf_counter()
@@ -144,5 +146,7 @@ def _generated_text(chunk: dict) -> str:
     choice = chunk["choices"][0]
     if "delta" in choice:  # chat completions
         delta = choice["delta"] or {}
-        return delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
+        return (
+            delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
+        )
     return choice.get("text") or ""

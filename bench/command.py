@@ -13,7 +13,9 @@ from bench.client import Target, first_model, make_http_client
 from bench.metrics import Slo, summarize
 from bench.options import add_benchmark_arguments, build_requests, check_arguments
 from bench.report import plot_cdfs, table, write_json
-from bench.runner import run as run_benchmark, warm_up
+from bench.runner import run as run_benchmark
+from bench.runner import warm_up
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -23,19 +25,33 @@ def add_parser(subparsers) -> None:
     load = parser.add_argument_group("load: open loop at a rate, or closed loop at a concurrency")
     mode = load.add_mutually_exclusive_group()
     mode.add_argument(
-        "--request-rate", type=float, metavar="RATE",
+        "--request-rate",
+        type=float,
+        metavar="RATE",
         help="open loop: mean requests/s, 'inf' sends all at once (default: inf, "
         "or a trace's own timestamps when it has them)",
     )
-    mode.add_argument("--concurrency", type=int, metavar="N", help="closed loop: keep N requests in flight")
+    mode.add_argument(
+        "--concurrency", type=int, metavar="N", help="closed loop: keep N requests in flight"
+    )
     load.add_argument(
-        "--max-duration", type=float, metavar="SECONDS",
+        "--max-duration",
+        type=float,
+        metavar="SECONDS",
         help="send nothing new after this; requests still running then count as failed (default: no limit)",
     )
     out = add_benchmark_arguments(parser)
-    out.add_argument("--output-json", type=Path, metavar="FILE", help="write config, summary and every request here")
     out.add_argument(
-        "--plot-dir", type=Path, metavar="DIR", help="write latency_cdf.png (TTFT, TPOT, ITL, E2E CDFs) in DIR"
+        "--output-json",
+        type=Path,
+        metavar="FILE",
+        help="write config, summary and every request here",
+    )
+    out.add_argument(
+        "--plot-dir",
+        type=Path,
+        metavar="DIR",
+        help="write latency_cdf.png (TTFT, TPOT, ITL, E2E CDFs) in DIR",
     )
     parser.set_defaults(run=run)
 
@@ -71,18 +87,28 @@ async def _bench(args, requests, offsets, slo) -> int:
             async with make_http_client() as http:
                 model = await first_model(http, args.url)
         except Exception as error:
-            print(f"pdserve bench: error: cannot get the model from {args.url}/v1/models: {error}", file=sys.stderr)
+            print(
+                f"pdserve bench: error: cannot get the model from {args.url}/v1/models: {error}",
+                file=sys.stderr,
+            )
             return 1
     target = Target(args.url, model, args.endpoint, args.ignore_eos)
     await warm_up(requests, target, args.warmup, args.timeout)
     records, duration = await run_benchmark(
-        requests, target, offsets=offsets, concurrency=args.concurrency,
-        timeout=args.timeout, max_duration=args.max_duration, progress=not args.no_progress,
+        requests,
+        target,
+        offsets=offsets,
+        concurrency=args.concurrency,
+        timeout=args.timeout,
+        max_duration=args.max_duration,
+        progress=not args.no_progress,
     )
     summary = summarize(records, duration, slo)
     print(table(summary, records))
     if args.output_json:
-        config = {k: v for k, v in vars(args).items() if k not in ("run", "command")} | {"model": model}
+        config = {k: v for k, v in vars(args).items() if k not in ("run", "command")} | {
+            "model": model
+        }
         write_json(args.output_json, _jsonable(config), summary, records)
     if args.plot_dir:
         plot_cdfs(args.plot_dir / "latency_cdf.png", records)
@@ -91,6 +117,7 @@ async def _bench(args, requests, offsets, slo) -> int:
 
 def _jsonable(config: dict) -> dict:
     """Paths as strings, infinite floats as "inf" (JSON has no infinity)."""
+
     def convert(value):
         if isinstance(value, Path) or (isinstance(value, float) and not math.isfinite(value)):
             return str(value)

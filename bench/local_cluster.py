@@ -19,17 +19,42 @@ class ClusterStartError(RuntimeError):
 
 
 @contextmanager
-def local_cluster(prefill: int, decode: int, port: int, log_dir: Path, serve_args: list[str],
-                  ready_timeout_s: float = 600) -> Iterator[str]:
+def local_cluster(
+    prefill: int,
+    decode: int,
+    port: int,
+    log_dir: Path,
+    serve_args: list[str],
+    ready_timeout_s: float = 600,
+) -> Iterator[str]:
     """Yields the router's base URL while `pdserve serve --prefill N --decode M` runs; its
     output goes to LOG_DIR/serve.log, its workers' logs next to it."""
-    command = [sys.executable, "-m", "cluster.cli", "serve", "--prefill", str(prefill), "--decode",
-               str(decode), "--port", str(port), "--log-dir", str(log_dir), *serve_args]
+    command = [
+        sys.executable,
+        "-m",
+        "cluster.cli",
+        "serve",
+        "--prefill",
+        str(prefill),
+        "--decode",
+        str(decode),
+        "--port",
+        str(port),
+        "--log-dir",
+        str(log_dir),
+        *serve_args,
+    ]
     process = spawn(command, log_dir / "serve.log")
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: router_healthy(url), process, ready_timeout_s, "pdserve serve",
-                   log_dir / "serve.log", poll_s=1.0)
+        wait_until(
+            lambda: router_healthy(url),
+            process,
+            ready_timeout_s,
+            "pdserve serve",
+            log_dir / "serve.log",
+            poll_s=1.0,
+        )
         yield url
     except ChildError as error:
         raise ClusterStartError(str(error)) from None

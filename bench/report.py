@@ -29,13 +29,17 @@ def table(summary: Summary, records: list[RequestRecord]) -> str:
         f"{'Total token throughput (tok/s):':<36} {summary.total_token_throughput:.2f}",
     ]
     if summary.slo is not None:
-        limits = ", ".join(f"{k}<={v * 1000:g}ms" for k, v in asdict(summary.slo).items() if v is not None)
+        limits = ", ".join(
+            f"{k}<={v * 1000:g}ms" for k, v in asdict(summary.slo).items() if v is not None
+        )
         attainment = "-" if summary.slo_attainment is None else f"{summary.slo_attainment:.1%}"
         lines.append(
             f"{'Goodput (req/s):':<36} {summary.goodput:.2f}  "
             f"({summary.good_requests} requests met {limits}: {attainment})"
         )
-    lines.append(f"{'latency (ms)':<12}{'count':>8}{'mean':>10}{'p50':>10}{'p90':>10}{'p95':>10}{'p99':>10}")
+    lines.append(
+        f"{'latency (ms)':<12}{'count':>8}{'mean':>10}{'p50':>10}{'p90':>10}{'p95':>10}{'p99':>10}"
+    )
     for key, label in LATENCIES:
         d = getattr(summary, key)
         lines.append(
@@ -59,7 +63,9 @@ def record_json(record: RequestRecord, start: float) -> dict:
     }
 
 
-def write_json(path: str | Path, config: dict, summary: Summary, records: list[RequestRecord]) -> None:
+def write_json(
+    path: str | Path, config: dict, summary: Summary, records: list[RequestRecord]
+) -> None:
     start = min((r.send_time for r in records), default=0.0)
     document = {
         "config": config,
@@ -102,12 +108,17 @@ def plot_cdfs(path: str | Path, records: list[RequestRecord], title: str = "") -
     _save(figure, path)
 
 
-def plot_goodput_vs_rate(path: str | Path, points: list[tuple[float, float]], slo_label: str = "") -> None:
+def plot_goodput_vs_rate(
+    path: str | Path, points: list[tuple[float, float]], slo_label: str = ""
+) -> None:
     """Goodput (req/s) against offered request rate (req/s), one point per benchmark run."""
     rates = [rate for rate, _ in points]
     _plot_against_rate(
-        path, {"goodput": points}, f"goodput vs request rate{f' ({slo_label})' if slo_label else ''}",
-        "goodput (req/s)", diagonal_to=max(rates, default=0.0),
+        path,
+        {"goodput": points},
+        f"goodput vs request rate{f' ({slo_label})' if slo_label else ''}",
+        "goodput (req/s)",
+        diagonal_to=max(rates, default=0.0),
     )
 
 
@@ -116,24 +127,35 @@ def plot_sweep(path: str | Path, points: list[SweepPoint], slo_label: str = "") 
     ratio's line is marked in the legend."""
     best = best_ratio(points)
     lines = {
-        f"{ratio.label} (P:D){' best' if ratio == best else ''}": [(p.rate, p.goodput_per_worker) for p in group]
+        f"{ratio.label} (P:D){' best' if ratio == best else ''}": [
+            (p.rate, p.goodput_per_worker) for p in group
+        ]
         for ratio, group in series(points).items()
     }
     _plot_against_rate(
-        path, lines, f"goodput per worker vs request rate{f' ({slo_label})' if slo_label else ''}",
+        path,
+        lines,
+        f"goodput per worker vs request rate{f' ({slo_label})' if slo_label else ''}",
         "goodput per worker (req/s)",
     )
 
 
-def _plot_against_rate(path, lines: dict[str, list[tuple[float, float]]], title: str, ylabel: str,
-                       diagonal_to: float = 0.0) -> None:
+def _plot_against_rate(
+    path,
+    lines: dict[str, list[tuple[float, float]]],
+    title: str,
+    ylabel: str,
+    diagonal_to: float = 0.0,
+) -> None:
     figure = _figure(6, 4.5)
     axes = figure.subplots()
     for label, points in lines.items():
         rates, values = zip(*sorted(points)) if points else ((), ())
         axes.plot(rates, values, marker="o", label=label)
     if diagonal_to:
-        axes.plot([0, diagonal_to], [0, diagonal_to], linestyle="--", color="gray", label="offered rate")
+        axes.plot(
+            [0, diagonal_to], [0, diagonal_to], linestyle="--", color="gray", label="offered rate"
+        )
     axes.set(title=title, xlabel="request rate (req/s)", ylabel=ylabel)
     axes.legend()
     axes.grid(alpha=0.3)

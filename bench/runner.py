@@ -79,8 +79,9 @@ async def run(
     return [r for r in records if r is not None], duration
 
 
-async def warm_up(requests: list[BenchRequest], target: Target, count: int,
-                  timeout: float = 600.0) -> None:
+async def warm_up(
+    requests: list[BenchRequest], target: Target, count: int, timeout: float = 600.0
+) -> None:
     """Send the first `count` requests two at a time and forget them. A fresh vLLM engine on
     CPU answered its first requests several times slower than later ones (seen here: p90 TTFT
     2.7 s at the lowest rate of a first run, 0.9 s at a higher rate later), which would read as

@@ -17,27 +17,54 @@ from bench.local_cluster import ClusterStartError, local_cluster
 from bench.metrics import Slo, summarize
 from bench.options import add_benchmark_arguments, build_requests, check_arguments
 from bench.report import plot_sweep
-from bench.runner import run as run_benchmark, warm_up
+from bench.runner import run as run_benchmark
+from bench.runner import warm_up
 from bench.sweep import Ratio, SweepPoint, sweep_table, write_sweep_json
 from bench.workload import BenchRequest
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "sweep", help="benchmark several prefill:decode ratios at several request rates",
-        description=__doc__.splitlines()[0])
-    parser.add_argument("--ratios", default="1:1,2:1,1:2", metavar="P:D,...",
-                        help="prefill:decode worker counts to compare (default: %(default)s)")
-    parser.add_argument("--rates", required=True, metavar="RATE,...",
-                        help="request rates (req/s) to benchmark each ratio at, e.g. 0.5,1,2")
-    parser.add_argument("--serve-args", default="", metavar="ARGS",
-                        help='more options for every `pdserve serve`, e.g. "--model tiny --kv-cache-gib 1"')
-    parser.add_argument("--port", type=int, default=8000, help="router port of the clusters (default: %(default)s)")
-    parser.add_argument("--ready-timeout", type=float, default=600.0, metavar="SECONDS",
-                        help="how long a cluster may take to start (default: %(default)s)")
+        "sweep",
+        help="benchmark several prefill:decode ratios at several request rates",
+        description=__doc__.splitlines()[0],
+    )
+    parser.add_argument(
+        "--ratios",
+        default="1:1,2:1,1:2",
+        metavar="P:D,...",
+        help="prefill:decode worker counts to compare (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--rates",
+        required=True,
+        metavar="RATE,...",
+        help="request rates (req/s) to benchmark each ratio at, e.g. 0.5,1,2",
+    )
+    parser.add_argument(
+        "--serve-args",
+        default="",
+        metavar="ARGS",
+        help='more options for every `pdserve serve`, e.g. "--model tiny --kv-cache-gib 1"',
+    )
+    parser.add_argument(
+        "--port", type=int, default=8000, help="router port of the clusters (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="how long a cluster may take to start (default: %(default)s)",
+    )
     out = add_benchmark_arguments(parser)
-    out.add_argument("--output-dir", type=Path, default=Path("sweep"), metavar="DIR",
-                     help="where sweep.json, goodput_per_worker.png and the cluster logs go (default: %(default)s)")
+    out.add_argument(
+        "--output-dir",
+        type=Path,
+        default=Path("sweep"),
+        metavar="DIR",
+        help="where sweep.json, goodput_per_worker.png and the cluster logs go (default: %(default)s)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -46,7 +73,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_arguments(args)
         if args.slo is None:
-            raise ValueError("--slo is required: the sweep compares goodput, e.g. --slo ttft=2s,tpot=200ms")
+            raise ValueError(
+                "--slo is required: the sweep compares goodput, e.g. --slo ttft=2s,tpot=200ms"
+            )
         slo = Slo.parse(args.slo)
         ratios = Ratio.parse_list(args.ratios)
         rates = [_rate(text) for text in args.rates.split(",")]
@@ -58,10 +87,18 @@ def run(args: argparse.Namespace) -> int:
     try:
         for number, ratio in enumerate(ratios, start=1):
             log_dir = args.output_dir / f"logs-{ratio.prefill}p{ratio.decode}d"
-            _say(f"ratio {ratio.label} ({number}/{len(ratios)}): starting {ratio.prefill} prefill + "
-                 f"{ratio.decode} decode worker(s), logs in {log_dir}")
-            with local_cluster(ratio.prefill, ratio.decode, args.port, log_dir, shlex.split(args.serve_args),
-                               args.ready_timeout) as url:
+            _say(
+                f"ratio {ratio.label} ({number}/{len(ratios)}): starting {ratio.prefill} prefill + "
+                f"{ratio.decode} decode worker(s), logs in {log_dir}"
+            )
+            with local_cluster(
+                ratio.prefill,
+                ratio.decode,
+                args.port,
+                log_dir,
+                shlex.split(args.serve_args),
+                args.ready_timeout,
+            ) as url:
                 asyncio.run(_warm_up(url, args, requests))
                 for rate in rates:
                     _say(f"ratio {ratio.label}: {len(requests)} requests at {rate:g} req/s")
@@ -88,20 +125,35 @@ async def _warm_up(url: str, args: argparse.Namespace, requests: list[BenchReque
     await warm_up(requests, await _target(url, args), args.warmup, args.timeout)
 
 
-async def _measure(url: str, args: argparse.Namespace, requests: list[BenchRequest], rate: float, slo: Slo):
+async def _measure(
+    url: str, args: argparse.Namespace, requests: list[BenchRequest], rate: float, slo: Slo
+):
     offsets = arrival_times(len(requests), rate, args.burstiness, args.seed)
     records, duration = await run_benchmark(
-        requests, await _target(url, args), offsets=offsets,
-        timeout=args.timeout, progress=not args.no_progress)
+        requests,
+        await _target(url, args),
+        offsets=offsets,
+        timeout=args.timeout,
+        progress=not args.no_progress,
+    )
     return summarize(records, duration, slo)
 
 
 def _report(args: argparse.Namespace, points: list[SweepPoint], num_requests: int) -> None:
     """Table, JSON and plot of whatever was measured (also after an interruption)."""
     print(sweep_table(points))
-    config = {"ratios": args.ratios, "rates": args.rates, "serve_args": args.serve_args, "slo": args.slo,
-              "workload": args.workload, "input_len": args.input_len, "output_len": args.output_len,
-              "num_requests": num_requests, "seed": args.seed, "burstiness": args.burstiness}
+    config = {
+        "ratios": args.ratios,
+        "rates": args.rates,
+        "serve_args": args.serve_args,
+        "slo": args.slo,
+        "workload": args.workload,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "num_requests": num_requests,
+        "seed": args.seed,
+        "burstiness": args.burstiness,
+    }
     write_sweep_json(args.output_dir / "sweep.json", config, points)
     plot_sweep(args.output_dir / "goodput_per_worker.png", points, args.slo)
     _say(f"wrote {args.output_dir / 'sweep.json'} and {args.output_dir / 'goodput_per_worker.png'}")

@@ -104,7 +104,9 @@ class PromptText:
         if self.tokenizer is None:
             return text
         # Each common word is at least one token, so the cut always has enough tokens.
-        return self.tokenizer.decode(self.tokenizer.encode(text, add_special_tokens=False)[:num_tokens])
+        return self.tokenizer.decode(
+            self.tokenizer.encode(text, add_special_tokens=False)[:num_tokens]
+        )
 
     def count(self, text: str) -> int:
         if self.tokenizer is None:
@@ -112,7 +114,9 @@ class PromptText:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
 
 
-def _from_lengths(input_lens: list[int], output_lens: list[int], text: PromptText) -> list[BenchRequest]:
+def _from_lengths(
+    input_lens: list[int], output_lens: list[int], text: PromptText
+) -> list[BenchRequest]:
     requests = []
     for input_len, output_len in zip(input_lens, output_lens):
         prompt = text.make(input_len)
@@ -120,12 +124,18 @@ def _from_lengths(input_lens: list[int], output_lens: list[int], text: PromptTex
     return requests
 
 
-def synthetic(n: int, input_len: Length, output_len: Length, text: PromptText) -> list[BenchRequest]:
+def synthetic(
+    n: int, input_len: Length, output_len: Length, text: PromptText
+) -> list[BenchRequest]:
     return _from_lengths(input_len.sample(text.rng, n), output_len.sample(text.rng, n), text)
 
 
 def mixed(
-    n: int, long_fraction: float, input_len: Length, long_input_len: Length, output_len: Length,
+    n: int,
+    long_fraction: float,
+    input_len: Length,
+    long_input_len: Length,
+    output_len: Length,
     text: PromptText,
 ) -> list[BenchRequest]:
     """`round(long_fraction * n)` prompts, at random positions, draw from `long_input_len`."""
@@ -139,7 +149,12 @@ def mixed(
 
 
 def shared_prefix(
-    n: int, num_prefixes: int, prefix_len: int, suffix_len: Length, output_len: Length, text: PromptText,
+    n: int,
+    num_prefixes: int,
+    prefix_len: int,
+    suffix_len: Length,
+    output_len: Length,
+    text: PromptText,
 ) -> list[BenchRequest]:
     """Each prompt is a random one of `num_prefixes` prefixes, then a suffix of its own."""
     if num_prefixes < 1 or prefix_len < 1:
@@ -184,7 +199,9 @@ def _trace_request(line: dict, text: PromptText) -> BenchRequest:
     if prompt is not None and not isinstance(prompt, str):
         raise ValueError("'prompt' must be a string")
     if messages is not None and not (
-        isinstance(messages, list) and messages and all(isinstance(m, dict) and "role" in m for m in messages)
+        isinstance(messages, list)
+        and messages
+        and all(isinstance(m, dict) and "role" in m for m in messages)
     ):
         raise ValueError("'messages' must be a non-empty list of {'role', 'content'} objects")
     max_tokens = line.get("max_tokens")
@@ -196,5 +213,9 @@ def _trace_request(line: dict, text: PromptText) -> BenchRequest:
     if prompt is not None:
         tokens = text.count(prompt)
     else:
-        tokens = sum(text.count(m["content"]) for m in messages if isinstance(m.get("content"), str))
-    return BenchRequest(tokens, max_tokens, prompt, messages, None if timestamp is None else float(timestamp))
+        tokens = sum(
+            text.count(m["content"]) for m in messages if isinstance(m.get("content"), str)
+        )
+    return BenchRequest(
+        tokens, max_tokens, prompt, messages, None if timestamp is None else float(timestamp)
+    )

@@ -10,20 +10,21 @@ from pathlib import Path
 @dataclass(frozen=True)
 class ClusterState:
     name: str
-    config_path: str            # the cluster file, absolute
+    config_path: str  # the cluster file, absolute
     ray_address: str
-    namespace: str              # the Ray namespace holding the actors and placement groups
+    namespace: str  # the Ray namespace holding the actors and placement groups
     registry_url: str
     router_url: str
     log_dir: str
-    ray_group: int = 0          # process group of the Ray head `up` started (0: not ours)
-    redis_group: int = 0        # process group of the Redis server `up` started (0: not ours)
-    loopback: bool = False      # one-node cluster: workers listen on 127.0.0.1 only
+    ray_group: int = 0  # process group of the Ray head `up` started (0: not ours)
+    redis_group: int = 0  # process group of the Redis server `up` started (0: not ours)
+    loopback: bool = False  # one-node cluster: workers listen on 127.0.0.1 only
 
 
 def state_dir() -> Path:
-    return Path(os.environ.get("PDSERVE_STATE_DIR")
-                or Path.home() / ".cache" / "pdserve" / "clusters")
+    return Path(
+        os.environ.get("PDSERVE_STATE_DIR") or Path.home() / ".cache" / "pdserve" / "clusters"
+    )
 
 
 def state_path(name: str) -> Path:

@@ -5,18 +5,19 @@ Redis server if `up` started them — and nothing else."""
 import argparse
 import sys
 
-from cluster.console import say
-from cluster import local_services, ray_launcher
-from worker.processes import stop_group
+from cluster import ray_launcher
 from cluster.cluster_state import ClusterState, forget_state
 from cluster.cluster_target import add_target_arguments, target_state
+from cluster.console import say
 from settings.base import ConfigError
+from worker.processes import stop_group
 from worker.registry import clear_members
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("down", help="remove what `pdserve up` created",
-                                   description=__doc__.splitlines()[0])
+    parser = subparsers.add_parser(
+        "down", help="remove what `pdserve up` created", description=__doc__.splitlines()[0]
+    )
     add_target_arguments(parser)
     parser.set_defaults(run=run)
 
@@ -59,4 +60,3 @@ def tear_down(state: ClusterState) -> None:
             stop_group(group)
     forget_state(state.name)
     say(f"cluster {state.name!r} is down")
-

@@ -28,8 +28,13 @@ class WorkerProcess:
         return f"{self.host}:{self.port}"
 
 
-def start_worker(settings: WorkerSettings, log_dir: Path, threads: int,
-                 env: dict[str, str] | None = None, keeper: bool = False) -> WorkerProcess:
+def start_worker(
+    settings: WorkerSettings,
+    log_dir: Path,
+    threads: int,
+    env: dict[str, str] | None = None,
+    keeper: bool = False,
+) -> WorkerProcess:
     """Start a worker with `settings` (a free port when its port is 0), whose engine computes
     with `threads` threads: workers sharing a host's cores split them, or their spinning OpenMP
     threads slow each other (and the KV transfer) down. An OMP_NUM_THREADS set by the user wins.
@@ -39,12 +44,21 @@ def start_worker(settings: WorkerSettings, log_dir: Path, threads: int,
     env = {**os.environ, **(env or {})}
     env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", str(threads))
     log_path = log_dir / f"{settings.role}-{settings.port}.log"
-    command = [sys.executable, "-m", "cluster.cli", "worker", "--role", settings.role,
-               "--settings-json", settings.model_dump_json()]
+    command = [
+        sys.executable,
+        "-m",
+        "cluster.cli",
+        "worker",
+        "--role",
+        settings.role,
+        "--settings-json",
+        settings.model_dump_json(),
+    ]
     if keeper:
         command = [sys.executable, "-m", "cluster.process_keeper", *command]
-    return WorkerProcess(settings.role, settings.host, settings.port, log_path,
-                         spawn(command, log_path, env))
+    return WorkerProcess(
+        settings.role, settings.host, settings.port, log_path, spawn(command, log_path, env)
+    )
 
 
 def wait_ready(workers: list[WorkerProcess], timeout_s: float, progress=print) -> None:
@@ -56,22 +70,31 @@ def wait_ready(workers: list[WorkerProcess], timeout_s: float, progress=print) -
         def ready(worker=worker) -> bool:
             state, message = _health(worker.address)
             if state == worker_pb2.HealthReply.FAILED:
-                raise ChildError(f"worker {worker.address} failed: {message}"
-                                 + log_tail(worker.log_path))
+                raise ChildError(
+                    f"worker {worker.address} failed: {message}" + log_tail(worker.log_path)
+                )
             return state == worker_pb2.HealthReply.READY
 
         remaining = max(0.0, deadline - time.monotonic())
-        wait_until(ready, worker.process, remaining, f"worker {worker.role}@{worker.address}",
-                   worker.log_path, progress=lambda elapsed: progress(
-                       f"waiting for workers to load the model ({elapsed:.0f} s; ~30 s on CPU)"))
+        wait_until(
+            ready,
+            worker.process,
+            remaining,
+            f"worker {worker.role}@{worker.address}",
+            worker.log_path,
+            progress=lambda elapsed: progress(
+                f"waiting for workers to load the model ({elapsed:.0f} s; ~30 s on CPU)"
+            ),
+        )
         progress(f"worker {worker.role}@{worker.address} ready")
 
 
 def _health(address: str):
     with grpc.insecure_channel(address) as channel:
         try:
-            reply = worker_pb2_grpc.WorkerStub(channel).Health(worker_pb2.HealthRequest(),
-                                                               timeout=2.0)
+            reply = worker_pb2_grpc.WorkerStub(channel).Health(
+                worker_pb2.HealthRequest(), timeout=2.0
+            )
             return reply.state, reply.message
         except grpc.RpcError:
             return None, "not answering yet"

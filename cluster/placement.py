@@ -8,20 +8,20 @@ resources from Ray's nodes (or this host's for a local cluster).
 
 from dataclasses import dataclass
 
-from settings.base import ConfigError
-from settings.cluster_file import ClusterFile, PoolSection
 from model_store.store import ModelError, resolve_model
 from planner.model_spec import MODEL_PRESETS, ModelSpec, from_hf_config
+from settings.base import ConfigError
+from settings.cluster_file import ClusterFile, PoolSection
 
 ROLES = ("prefill", "decode")
 
 
 @dataclass(frozen=True)
 class WorkerSlot:
-    name: str                               # "prefill-0": the Ray actor's name in the namespace
+    name: str  # "prefill-0": the Ray actor's name in the namespace
     role: str
     tensor_parallel_size: int
-    bundles: tuple[dict[str, float], ...]   # the placement group's bundles
+    bundles: tuple[dict[str, float], ...]  # the placement group's bundles
 
     @property
     def device(self) -> str:
@@ -33,8 +33,11 @@ def bundles(pool: PoolSection) -> tuple[dict[str, float], ...]:
     return tuple({device: 1.0} for _ in range(pool.tensor_parallel_size))
 
 
-def worker_slots(config: ClusterFile, counts: dict[str, int] | None = None,
-                 first_index: dict[str, int] | None = None) -> list[WorkerSlot]:
+def worker_slots(
+    config: ClusterFile,
+    counts: dict[str, int] | None = None,
+    first_index: dict[str, int] | None = None,
+) -> list[WorkerSlot]:
     """The workers of each pool, `counts[role]` of them (default: the file's replicas), named
     from `first_index[role]` on (scale-up names new workers after the existing ones)."""
     slots = []
@@ -42,8 +45,10 @@ def worker_slots(config: ClusterFile, counts: dict[str, int] | None = None,
         pool = config.pool(role)
         count = pool.replicas if counts is None else counts[role]
         start = (first_index or {}).get(role, 0)
-        slots += [WorkerSlot(f"{role}-{start + i}", role, pool.tensor_parallel_size, bundles(pool))
-                  for i in range(count)]
+        slots += [
+            WorkerSlot(f"{role}-{start + i}", role, pool.tensor_parallel_size, bundles(pool))
+            for i in range(count)
+        ]
     return slots
 
 
@@ -51,14 +56,18 @@ def model_shape(config: ClusterFile) -> ModelSpec:
     """The head layout to check TP against: a planner preset, or the model folder's config."""
     if config.model.preset:
         if config.model.preset not in MODEL_PRESETS:
-            raise ConfigError(f"model.preset: must be one of {', '.join(MODEL_PRESETS)}, got "
-                              f"{config.model.preset!r}")
+            raise ConfigError(
+                f"model.preset: must be one of {', '.join(MODEL_PRESETS)}, got "
+                f"{config.model.preset!r}"
+            )
         return MODEL_PRESETS[config.model.preset]
     try:
         folder = resolve_model(config.model.path)
     except ModelError as error:
-        raise ConfigError(f"model.path: {error}; for a model not on this host, set model.preset "
-                          f"({', '.join(MODEL_PRESETS)}) so its layout can be checked") from None
+        raise ConfigError(
+            f"model.path: {error}; for a model not on this host, set model.preset "
+            f"({', '.join(MODEL_PRESETS)}) so its layout can be checked"
+        ) from None
     return from_hf_config(folder)
 
 
@@ -70,18 +79,24 @@ def check_layout(config: ClusterFile, model: ModelSpec) -> None:
         tp = pool.tensor_parallel_size
         if not pool.replicas and role == "prefill":
             continue
-        for heads, what in ((model.num_attention_heads, "attention heads"),
-                            (model.num_kv_heads, "KV heads")):
+        for heads, what in (
+            (model.num_attention_heads, "attention heads"),
+            (model.num_kv_heads, "KV heads"),
+        ):
             if heads % tp:
-                raise ConfigError(f"{role}.tensor_parallel_size: {tp} does not divide the "
-                                  f"model's {heads} {what} ({model.name})")
-    if config.prefill.replicas and (config.prefill.tensor_parallel_size
-                                    != config.decode.tensor_parallel_size):
+                raise ConfigError(
+                    f"{role}.tensor_parallel_size: {tp} does not divide the "
+                    f"model's {heads} {what} ({model.name})"
+                )
+    if config.prefill.replicas and (
+        config.prefill.tensor_parallel_size != config.decode.tensor_parallel_size
+    ):
         raise ConfigError(
             f"prefill.tensor_parallel_size {config.prefill.tensor_parallel_size} != "
             f"decode.tensor_parallel_size {config.decode.tensor_parallel_size}: the "
             f"{config.transport.kind} KV transport cannot re-shard KV between different "
-            f"tensor-parallel layouts yet; use the same size for both pools")
+            f"tensor-parallel layouts yet; use the same size for both pools"
+        )
 
 
 def check_resources(slots: list[WorkerSlot], nodes: list[dict[str, float]]) -> None:
@@ -93,8 +108,10 @@ def check_resources(slots: list[WorkerSlot], nodes: list[dict[str, float]]) -> N
     for device, amount in needed.items():
         have = sum(node.get(device, 0) for node in nodes)
         if amount > have:
-            raise ConfigError(f"the cluster needs {amount:g} {device} in all but has {have:g} "
-                              f"({len(nodes)} node(s))")
+            raise ConfigError(
+                f"the cluster needs {amount:g} {device} in all but has {have:g} "
+                f"({len(nodes)} node(s))"
+            )
     free = [dict(node) for node in nodes]
     for slot in slots:
         node = next((n for n in free if n.get(slot.device, 0) >= slot.tensor_parallel_size), None)
@@ -103,13 +120,16 @@ def check_resources(slots: list[WorkerSlot], nodes: list[dict[str, float]]) -> N
             raise ConfigError(
                 f"{slot.role}.tensor_parallel_size: {slot.name} needs "
                 f"{slot.tensor_parallel_size} {slot.device} on one node, and no node has that "
-                f"many free (the largest has {largest:g})")
+                f"many free (the largest has {largest:g})"
+            )
         node[slot.device] -= slot.tensor_parallel_size
 
 
 def describe_plan(slots: list[WorkerSlot]) -> str:
     lines = [f"{'worker':<12} {'role':<8} {'TP':>3}  bundles (STRICT_PACK)"]
     for slot in slots:
-        lines.append(f"{slot.name:<12} {slot.role:<8} {slot.tensor_parallel_size:>3}  "
-                     + " ".join(f"{{{k}: {v:g}}}" for b in slot.bundles for k, v in b.items()))
+        lines.append(
+            f"{slot.name:<12} {slot.role:<8} {slot.tensor_parallel_size:>3}  "
+            + " ".join(f"{{{k}: {v:g}}}" for b in slot.bundles for k, v in b.items())
+        )
     return "\n".join(lines)

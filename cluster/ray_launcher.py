@@ -14,15 +14,16 @@ import time
 from pathlib import Path
 
 import ray
-from ray.util.placement_group import (get_placement_group, placement_group,
-                                      remove_placement_group)
-from ray.util.scheduling_strategies import (NodeAffinitySchedulingStrategy,
-                                            PlacementGroupSchedulingStrategy)
+from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
 
-from worker.engine import PLACEMENT_GROUP_ENV, RAY_NAMESPACE_ENV
 from cluster.placement import WorkerSlot
 from settings.router import RouterSettings
 from settings.worker import WorkerSettings
+from worker.engine import PLACEMENT_GROUP_ENV, RAY_NAMESPACE_ENV
 
 ROUTER = "router"
 PLACEMENT_TIMEOUT_S = 30.0
@@ -40,8 +41,13 @@ def connect(address: str, cluster: str) -> None:
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     try:
-        ray.init(address=address, namespace=namespace(cluster), log_to_driver=False,
-                 logging_level="WARNING", configure_logging=True)
+        ray.init(
+            address=address,
+            namespace=namespace(cluster),
+            log_to_driver=False,
+            logging_level="WARNING",
+            configure_logging=True,
+        )
     except (ConnectionError, RuntimeError, ValueError) as error:
         raise RuntimeError(f"cannot connect to Ray at {address}: {error}") from None
 
@@ -59,20 +65,29 @@ class ProcessHost:
         self.process = None
         self.info: dict = {}
 
-    def start_worker(self, settings_json: str, log_dir: str, threads: int,
-                     env: dict[str, str], loopback: bool) -> dict:
+    def start_worker(
+        self, settings_json: str, log_dir: str, threads: int, env: dict[str, str], loopback: bool
+    ) -> dict:
         from cluster.local_workers import start_worker
 
         node = ray.get_runtime_context().get_node_id()
         host = "127.0.0.1" if loopback else _node_address(node)
         settings = WorkerSettings.model_validate_json(settings_json)
-        worker = start_worker(settings.model_copy(update={"host": host, "port": 0}),
-                              Path(log_dir), threads, env={"PDSERVE_NODE": node, **env},
-                              keeper=True)
+        worker = start_worker(
+            settings.model_copy(update={"host": host, "port": 0}),
+            Path(log_dir),
+            threads,
+            env={"PDSERVE_NODE": node, **env},
+            keeper=True,
+        )
         self.process = worker.process
-        self.info = {"address": worker.address, "pid": worker.process.pid, "node": node,
-                     "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-                     "log": str(worker.log_path)}
+        self.info = {
+            "address": worker.address,
+            "pid": worker.process.pid,
+            "node": node,
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "log": str(worker.log_path),
+        }
         return self.info
 
     def start_router(self, settings_json: str, log_dir: str) -> dict:
@@ -81,14 +96,28 @@ class ProcessHost:
         settings = RouterSettings.model_validate_json(settings_json)
         host, port = settings.host, settings.port or free_port(settings.host)
         log_path = Path(log_dir) / f"router-{port}.log"
-        command = [sys.executable, "-m", "cluster.cli", "router", "--settings-json",
-                   settings.model_copy(update={"port": port}).model_dump_json()]
-        self.process = spawn([sys.executable, "-m", "cluster.process_keeper", *command],
-                             log_path, dict(os.environ))
-        reachable = (_node_address(ray.get_runtime_context().get_node_id())
-                     if host in ("0.0.0.0", "::") else host)
-        self.info = {"url": f"http://{reachable}:{port}", "pid": self.process.pid,
-                     "node": ray.get_runtime_context().get_node_id(), "log": str(log_path)}
+        command = [
+            sys.executable,
+            "-m",
+            "cluster.cli",
+            "router",
+            "--settings-json",
+            settings.model_copy(update={"port": port}).model_dump_json(),
+        ]
+        self.process = spawn(
+            [sys.executable, "-m", "cluster.process_keeper", *command], log_path, dict(os.environ)
+        )
+        reachable = (
+            _node_address(ray.get_runtime_context().get_node_id())
+            if host in ("0.0.0.0", "::")
+            else host
+        )
+        self.info = {
+            "url": f"http://{reachable}:{port}",
+            "pid": self.process.pid,
+            "node": ray.get_runtime_context().get_node_id(),
+            "log": str(log_path),
+        }
         return self.info
 
     def describe(self) -> dict:
@@ -111,51 +140,76 @@ def _node_address(node_id: str) -> str:
     return next(node["NodeManagerAddress"] for node in ray.nodes() if node["NodeID"] == node_id)
 
 
-def start_worker(cluster: str, slot: WorkerSlot, settings: WorkerSettings, log_dir: str,
-                 threads: int, loopback: bool) -> dict:
+def start_worker(
+    cluster: str,
+    slot: WorkerSlot,
+    settings: WorkerSettings,
+    log_dir: str,
+    threads: int,
+    loopback: bool,
+) -> dict:
     """Reserve the worker's placement group, start its actor inside it, start the process;
     returns what the actor says of it (address, pid, node, GPU ids, log).
     `loopback`: the cluster is this one host, and workers listen on 127.0.0.1 only (Ray itself
     refuses a loopback node address); otherwise on their node's address."""
-    group = placement_group(list(slot.bundles), strategy="STRICT_PACK",
-                            name=_group_name(cluster, slot.name), lifetime="detached")
+    group = placement_group(
+        list(slot.bundles),
+        strategy="STRICT_PACK",
+        name=_group_name(cluster, slot.name),
+        lifetime="detached",
+    )
     try:
         ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(group)
-        raise RuntimeError(f"{slot.name}: Ray could not place {list(slot.bundles)} on one node "
-                           f"within {PLACEMENT_TIMEOUT_S:.0f} s") from None
+        raise RuntimeError(
+            f"{slot.name}: Ray could not place {list(slot.bundles)} on one node "
+            f"within {PLACEMENT_TIMEOUT_S:.0f} s"
+        ) from None
     resources = {"num_gpus": 1} if slot.device == "GPU" and slot.tensor_parallel_size == 1 else {}
     host = ProcessHost.options(
-        name=slot.name, lifetime="detached", **resources,
+        name=slot.name,
+        lifetime="detached",
+        **resources,
         scheduling_strategy=PlacementGroupSchedulingStrategy(
-            group, placement_group_bundle_index=0,
-            placement_group_capture_child_tasks=True)).remote()
+            group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
+        ),
+    ).remote()
     env = {}
     if slot.device == "GPU" and slot.tensor_parallel_size > 1:
         # The worker's vLLM runs its Ray executor in this group (worker/engine.py).
-        env = {PLACEMENT_GROUP_ENV: _group_name(cluster, slot.name),
-               RAY_NAMESPACE_ENV: namespace(cluster),
-               "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+        env = {
+            PLACEMENT_GROUP_ENV: _group_name(cluster, slot.name),
+            RAY_NAMESPACE_ENV: namespace(cluster),
+            "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+        }
     settings = settings.model_copy(update={"worker_id": slot.name})
-    return ray.get(host.start_worker.remote(settings.model_dump_json(), log_dir, threads, env,
-                                            loopback),
-                   timeout=ACTOR_CALL_TIMEOUT_S)
+    return ray.get(
+        host.start_worker.remote(settings.model_dump_json(), log_dir, threads, env, loopback),
+        timeout=ACTOR_CALL_TIMEOUT_S,
+    )
 
 
 def start_router(settings: RouterSettings, log_dir: str) -> dict:
     """The router runs on this node (the one `pdserve up` runs on), so its URL is reachable."""
     host = ProcessHost.options(
-        name=ROUTER, lifetime="detached",
+        name=ROUTER,
+        lifetime="detached",
         scheduling_strategy=NodeAffinitySchedulingStrategy(
-            ray.get_runtime_context().get_node_id(), soft=False)).remote()
-    return ray.get(host.start_router.remote(settings.model_dump_json(), log_dir),
-                   timeout=ACTOR_CALL_TIMEOUT_S)
+            ray.get_runtime_context().get_node_id(), soft=False
+        ),
+    ).remote()
+    return ray.get(
+        host.start_router.remote(settings.model_dump_json(), log_dir), timeout=ACTOR_CALL_TIMEOUT_S
+    )
 
 
 def actor_names(cluster: str) -> list[str]:
-    return sorted(entry["name"] for entry in ray.util.list_named_actors(all_namespaces=True)
-                  if entry["namespace"] == namespace(cluster))
+    return sorted(
+        entry["name"]
+        for entry in ray.util.list_named_actors(all_namespaces=True)
+        if entry["namespace"] == namespace(cluster)
+    )
 
 
 def actor(name: str):
@@ -195,9 +249,13 @@ def remove_orphan_groups(cluster: str) -> list[str]:
     """Placement groups of this cluster whose actor is gone (killed, or crashed): freed, so the
     GPUs return and the name can be used again. Returns their names."""
     live = {_group_name(cluster, name) for name in actor_names(cluster)}
-    orphans = [group["name"] for group in ray.util.placement_group_table().values()
-               if group["name"].startswith(f"{namespace(cluster)}-")
-               and group["state"] != "REMOVED" and group["name"] not in live]
+    orphans = [
+        group["name"]
+        for group in ray.util.placement_group_table().values()
+        if group["name"].startswith(f"{namespace(cluster)}-")
+        and group["state"] != "REMOVED"
+        and group["name"] not in live
+    ]
     for name in orphans:
         try:
             remove_placement_group(get_placement_group(name))

@@ -13,28 +13,46 @@ import grpc
 
 from cluster import ray_launcher
 from cluster.cluster_target import add_target_arguments, target_state
-from settings.base import ConfigError
-from settings.cluster_file import load_cluster_file
 from cluster.console import say
 from cluster.placement import ROLES, check_resources, worker_slots
-from worker.protocol import worker_pb2, worker_pb2_grpc
 from cluster.up import threads_per_worker, wait_joined
+from settings.base import ConfigError
+from settings.cluster_file import load_cluster_file
+from worker.protocol import worker_pb2, worker_pb2_grpc
 
-DRAIN_GRACE_S = 2.0          # the router reads membership every 0.1 s; margin for a busy host
-DRAIN_TIMEOUT_S = 600.0      # the longest a request may take (router.request_timeout_s)
+DRAIN_GRACE_S = 2.0  # the router reads membership every 0.1 s; margin for a busy host
+DRAIN_TIMEOUT_S = 600.0  # the longest a request may take (router.request_timeout_s)
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("scale", help="change a running cluster's prefill:decode ratio",
-                                   description=__doc__.splitlines()[0])
+    parser = subparsers.add_parser(
+        "scale",
+        help="change a running cluster's prefill:decode ratio",
+        description=__doc__.splitlines()[0],
+    )
     add_target_arguments(parser)
-    parser.add_argument("--prefill", type=int, default=None, metavar="N",
-                        help="prefill workers wanted (default: unchanged)")
-    parser.add_argument("--decode", type=int, default=None, metavar="M",
-                        help="decode workers wanted, at least 1 (default: unchanged)")
-    parser.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S, metavar="SECONDS",
-                        help="how long a leaving worker may take to finish its requests before it "
-                             f"stops anyway (default: {DRAIN_TIMEOUT_S:.0f})")
+    parser.add_argument(
+        "--prefill",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prefill workers wanted (default: unchanged)",
+    )
+    parser.add_argument(
+        "--decode",
+        type=int,
+        default=None,
+        metavar="M",
+        help="decode workers wanted, at least 1 (default: unchanged)",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DRAIN_TIMEOUT_S,
+        metavar="SECONDS",
+        help="how long a leaving worker may take to finish its requests before it "
+        f"stops anyway (default: {DRAIN_TIMEOUT_S:.0f})",
+    )
     parser.set_defaults(run=run)
 
 
@@ -51,11 +69,12 @@ def run(args: argparse.Namespace) -> int:
         if orphans := ray_launcher.remove_orphan_groups(state.name):
             say(f"freed the placement groups of dead workers: {', '.join(orphans)}")
         current = {role: _workers(state.name, role) for role in ROLES}
-        wanted = {"prefill": len(current["prefill"]) if args.prefill is None else args.prefill,
-                  "decode": len(current["decode"]) if args.decode is None else args.decode}
+        wanted = {
+            "prefill": len(current["prefill"]) if args.prefill is None else args.prefill,
+            "decode": len(current["decode"]) if args.decode is None else args.decode,
+        }
         adding = {role: max(0, wanted[role] - len(current[role])) for role in ROLES}
-        next_index = {role: 1 + max(map(_index, current[role]), default=-1)
-                      for role in ROLES}
+        next_index = {role: 1 + max(map(_index, current[role]), default=-1) for role in ROLES}
         new_slots = worker_slots(config, adding, next_index)
         check_resources(new_slots, _free_resources())
     except ConfigError as error:
@@ -70,23 +89,28 @@ def run(args: argparse.Namespace) -> int:
         try:
             for slot in new_slots:
                 say(f"starting {slot.name}")
-                ray_launcher.start_worker(state.name, slot,
-                                          config.worker_settings(slot.role, state.registry_url),
-                                          state.log_dir, threads_per_worker(total),
-                                          state.loopback)
+                ray_launcher.start_worker(
+                    state.name,
+                    slot,
+                    config.worker_settings(slot.role, state.registry_url),
+                    state.log_dir,
+                    threads_per_worker(total),
+                    state.loopback,
+                )
             wait_joined(config, state, new_slots)
         except (RuntimeError, TimeoutError) as error:
             say(f"pdserve scale: {error}; removing the new workers")
             ray_launcher.stop_actors(state.name, [slot.name for slot in new_slots])
             return 1
-    leaving = [name for role in ROLES
-               for name in sorted(current[role], key=_index)[wanted[role]:]]
+    leaving = [name for role in ROLES for name in sorted(current[role], key=_index)[wanted[role] :]]
     with ThreadPoolExecutor(max_workers=max(1, len(leaving))) as pool:  # drain side by side
         drained = list(pool.map(lambda name: drain(name, args.drain_timeout), leaving))
     ray_launcher.stop_actors(state.name, leaving)
     ray_launcher.wait_gone(state.name, leaving)
-    say(f"scaled to {wanted['prefill']} prefill + {wanted['decode']} decode in "
-        f"{time.monotonic() - started:.1f} s")
+    say(
+        f"scaled to {wanted['prefill']} prefill + {wanted['decode']} decode in "
+        f"{time.monotonic() - started:.1f} s"
+    )
     return 0 if all(drained) else 1
 
 
@@ -101,12 +125,15 @@ def drain(name: str, timeout_s: float) -> bool:
         try:
             reply = worker_pb2_grpc.WorkerStub(channel).Drain(
                 worker_pb2.DrainRequest(grace_seconds=DRAIN_GRACE_S, timeout_seconds=timeout_s),
-                timeout=timeout_s + DRAIN_GRACE_S + 30)
+                timeout=timeout_s + DRAIN_GRACE_S + 30,
+            )
         except grpc.RpcError as error:
             say(f"{name}: drain failed ({error.code().name}: {error.details()}); stopping it")
             return False
-    say(f"{name}: drained in {reply.seconds:.1f} s"
-        + ("" if reply.drained else f", {reply.requests_left} request(s) cut at the timeout"))
+    say(
+        f"{name}: drained in {reply.seconds:.1f} s"
+        + ("" if reply.drained else f", {reply.requests_left} request(s) cut at the timeout")
+    )
     return reply.drained
 
 

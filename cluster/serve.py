@@ -15,8 +15,8 @@ import tempfile
 from pathlib import Path
 
 from cluster.console import say
-from model_store.store import ModelError, resolve_model
 from cluster.local_workers import start_worker, stop_worker, wait_ready
+from model_store.store import ModelError, resolve_model
 from router.command import run_router
 from settings.base import ConfigError
 from settings.command_line import add_arguments, from_arguments
@@ -27,18 +27,33 @@ from settings.worker import WorkerSettings
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "serve", help="serve the OpenAI API with the router and local workers",
-        description=__doc__.splitlines()[0])
-    parser.add_argument("--prefill", type=int, default=1, metavar="N",
-                        help="prefill workers (default: 1)")
-    parser.add_argument("--decode", type=int, default=1, metavar="M",
-                        help="decode workers (default: 1)")
-    parser.add_argument("--colocated", action="store_true",
-                        help="no disaggregation: --workers colocated workers instead")
-    parser.add_argument("--workers", type=int, default=1,
-                        help="with --colocated: number of colocated workers (default: 1)")
-    parser.add_argument("--log-dir", type=Path, default=None,
-                        help="where worker logs go (default: a new temporary folder)")
+        "serve",
+        help="serve the OpenAI API with the router and local workers",
+        description=__doc__.splitlines()[0],
+    )
+    parser.add_argument(
+        "--prefill", type=int, default=1, metavar="N", help="prefill workers (default: 1)"
+    )
+    parser.add_argument(
+        "--decode", type=int, default=1, metavar="M", help="decode workers (default: 1)"
+    )
+    parser.add_argument(
+        "--colocated",
+        action="store_true",
+        help="no disaggregation: --workers colocated workers instead",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="with --colocated: number of colocated workers (default: 1)",
+    )
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="where worker logs go (default: a new temporary folder)",
+    )
     add_arguments(parser, WorkerSettings, only=("kv_failure_policy",))
     add_arguments(parser, RouterSettings, exclude=("model", "registry", "cluster"))
     add_arguments(parser.add_argument_group("engine"), EngineSettings)
@@ -52,8 +67,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = from_arguments(EngineSettings, args)
         # Workers listen on loopback, each on a free port (--host and --port are the router's).
-        decode = from_arguments(WorkerSettings, args, role="decode", engine=engine,
-                                host="127.0.0.1", port=0)
+        decode = from_arguments(
+            WorkerSettings, args, role="decode", engine=engine, host="127.0.0.1", port=0
+        )
         router = from_arguments(RouterSettings, args, model=engine.model)
         model = resolve_model(engine.model)
         _check_port_free(router.host, router.port)
@@ -91,8 +107,7 @@ def _worker_plan(args, decode: WorkerSettings) -> list[WorkerSettings]:
     """Each worker to start: `decode` has the engine and the decode pool's settings."""
     if args.colocated:
         return [decode.model_copy(update={"role": "colocated"})] * args.workers
-    return ([decode.model_copy(update={"role": "prefill"})] * args.prefill
-            + [decode] * args.decode)
+    return [decode.model_copy(update={"role": "prefill"})] * args.prefill + [decode] * args.decode
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -15,13 +15,19 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from cluster.console import say
 from cluster import local_services, ray_launcher
 from cluster.cluster_state import ClusterState, load_state, save_state, state_dir
+from cluster.console import say
+from cluster.placement import (
+    WorkerSlot,
+    check_layout,
+    check_resources,
+    describe_plan,
+    model_shape,
+    worker_slots,
+)
 from settings.base import ConfigError
 from settings.cluster_file import ClusterFile, load_cluster_file
-from cluster.placement import (WorkerSlot, check_layout, check_resources, describe_plan,
-                               model_shape, worker_slots)
 from worker.registry import read_members
 
 JOIN_TIMEOUT_S = 600.0
@@ -30,14 +36,21 @@ LOCAL_CPU_SLOTS = 16
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("up", help="start a cluster from a cluster file on Ray",
-                                   description=__doc__.splitlines()[0])
+    parser = subparsers.add_parser(
+        "up", help="start a cluster from a cluster file on Ray", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("-f", "--file", required=True, type=Path, help="the cluster file (YAML)")
-    parser.add_argument("--address", default="",
-                        help="an existing Ray cluster's address (default: start a local Ray "
-                             "head, which `pdserve down` stops)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="print the placement plan and the checks, start nothing")
+    parser.add_argument(
+        "--address",
+        default="",
+        help="an existing Ray cluster's address (default: start a local Ray "
+        "head, which `pdserve down` stops)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the placement plan and the checks, start nothing",
+    )
     parser.set_defaults(run=run)
 
 
@@ -60,27 +73,36 @@ def run(args: argparse.Namespace) -> int:
         say(f"pdserve up: {error}")
         return 1
     say(describe_plan(slots))
-    say(f"checks passed: head layout, {len(nodes)} node(s) with "
-        + ", ".join(f"{k} {v:g}" for k, v in sorted(_totals(nodes).items())))
+    say(
+        f"checks passed: head layout, {len(nodes)} node(s) with "
+        + ", ".join(f"{k} {v:g}" for k, v in sorted(_totals(nodes).items()))
+    )
     if args.dry_run:
         say("dry run: nothing started")
         return 0
     if (previous := load_state(config.name)) is not None:
-        say(f"pdserve up: cluster {config.name!r} is already up (router {previous.router_url}); "
-            f"run `pdserve down -f {args.file}` first")
+        say(
+            f"pdserve up: cluster {config.name!r} is already up (router {previous.router_url}); "
+            f"run `pdserve down -f {args.file}` first"
+        )
         return 1
     state = None
     try:
         state = start_services(config, args, nodes)
         ray_launcher.connect(state.ray_address, config.name)
         for slot in slots:
-            ray_launcher.start_worker(config.name, slot,
-                                      config.worker_settings(slot.role, state.registry_url),
-                                      state.log_dir, threads_per_worker(len(slots)),
-                                      state.loopback)
+            ray_launcher.start_worker(
+                config.name,
+                slot,
+                config.worker_settings(slot.role, state.registry_url),
+                state.log_dir,
+                threads_per_worker(len(slots)),
+                state.loopback,
+            )
         wait_joined(config, state, slots)
-        router = ray_launcher.start_router(config.router_settings(state.registry_url),
-                                           state.log_dir)
+        router = ray_launcher.start_router(
+            config.router_settings(state.registry_url), state.log_dir
+        )
         state = replace(state, router_url=router["url"])
         save_state(state)
         wait_router(router["url"], len(slots))
@@ -92,10 +114,12 @@ def run(args: argparse.Namespace) -> int:
             say("removing what was started")
             tear_down(state)
         return 1
-    say(f"pdserve up: {len(slots)} worker(s) and the router ready after "
+    say(
+        f"pdserve up: {len(slots)} worker(s) and the router ready after "
         f"{time.monotonic() - started:.0f} s\n"
         f"endpoint: {state.router_url}/v1 (model: {config.served_model})\n"
-        f"logs: {state.log_dir}\nstop with: pdserve down -f {args.file}")
+        f"logs: {state.log_dir}\nstop with: pdserve down -f {args.file}"
+    )
     return 0
 
 
@@ -104,9 +128,15 @@ def start_services(config: ClusterFile, args, nodes) -> ClusterState:
     half-finished `up`."""
     log_dir = state_dir() / config.name / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    state = ClusterState(name=config.name, config_path=str(args.file.resolve()),
-                         ray_address=args.address, namespace=ray_launcher.namespace(config.name),
-                         registry_url=config.registry.url, router_url="", log_dir=str(log_dir))
+    state = ClusterState(
+        name=config.name,
+        config_path=str(args.file.resolve()),
+        ray_address=args.address,
+        namespace=ray_launcher.namespace(config.name),
+        registry_url=config.registry.url,
+        router_url="",
+        log_dir=str(log_dir),
+    )
     if not config.registry.url:
         url, group = local_services.start_redis(log_dir / "redis.log")
         state = replace(state, registry_url=url, redis_group=group)
@@ -115,7 +145,8 @@ def start_services(config: ClusterFile, args, nodes) -> ClusterState:
     if not args.address:
         totals = _totals(nodes)
         address, group = local_services.start_ray_head(
-            int(totals.get("CPU", 1)), int(totals.get("GPU", 0)), log_dir / "ray-head.log")
+            int(totals.get("CPU", 1)), int(totals.get("GPU", 0)), log_dir / "ray-head.log"
+        )
         state = replace(state, ray_address=address, ray_group=group)
         say(f"ray: started a local head at {address}")
     ray_launcher.connect(state.ray_address, config.name)
@@ -143,15 +174,21 @@ def wait_joined(config: ClusterFile, state: ClusterState, slots: list[WorkerSlot
             info = ray_launcher.describe(name)
             if info.get("exit_code") is not None or "error" in info:
                 tail = ray_launcher.actor(name).log_tail.remote() if "error" not in info else None
-                raise RuntimeError(f"worker {name} stopped ({info}):\n"
-                                   + (ray_launcher.ray.get(tail, timeout=10) if tail else ""))
+                raise RuntimeError(
+                    f"worker {name} stopped ({info}):\n"
+                    + (ray_launcher.ray.get(tail, timeout=10) if tail else "")
+                )
         if time.monotonic() - started > JOIN_TIMEOUT_S:
-            raise TimeoutError(f"workers not in the registry after {JOIN_TIMEOUT_S:.0f} s: "
-                               + ", ".join(sorted(names - joined)))
+            raise TimeoutError(
+                f"workers not in the registry after {JOIN_TIMEOUT_S:.0f} s: "
+                + ", ".join(sorted(names - joined))
+            )
         if time.monotonic() - last_report >= 10:
             last_report = time.monotonic()
-            say(f"waiting for {len(names - joined)} worker(s) to load the model "
-                f"({time.monotonic() - started:.0f} s; ~30 s each on CPU)")
+            say(
+                f"waiting for {len(names - joined)} worker(s) to load the model "
+                f"({time.monotonic() - started:.0f} s; ~30 s each on CPU)"
+            )
         time.sleep(0.5)
 
 
@@ -169,8 +206,9 @@ def wait_router(url: str, workers: int) -> None:
         except (httpx.HTTPError, ValueError):
             pass
         time.sleep(0.3)
-    raise TimeoutError(f"the router at {url} saw {seen} of {workers} workers after "
-                       f"{ROUTER_TIMEOUT_S:.0f} s")
+    raise TimeoutError(
+        f"the router at {url} saw {seen} of {workers} workers after {ROUTER_TIMEOUT_S:.0f} s"
+    )
 
 
 def local_node(slots: list[WorkerSlot]) -> dict[str, float]:
@@ -178,8 +216,10 @@ def local_node(slots: list[WorkerSlot]) -> dict[str, float]:
     stand for worker slots (the workers split the real cores): at least LOCAL_CPU_SLOTS, so
     `pdserve scale` has room to add workers."""
     cpus_needed = sum(s.tensor_parallel_size for s in slots if s.device == "CPU")
-    return {"CPU": float(max(os.cpu_count() or 1, cpus_needed, LOCAL_CPU_SLOTS)),
-            "GPU": float(_local_gpus())}
+    return {
+        "CPU": float(max(os.cpu_count() or 1, cpus_needed, LOCAL_CPU_SLOTS)),
+        "GPU": float(_local_gpus()),
+    }
 
 
 def _local_gpus() -> int:

@@ -126,5 +126,7 @@ class KvLoader:
         ]:
             log.warning("dropping KV for transfer %s: no request expected it", transfer_id)
             del self.orphans[transfer_id]
-        for transfer_id in [t for t, (when, _) in self.cancelled.items() if now - when > ORPHAN_TTL_S]:
+        for transfer_id in [
+            t for t, (when, _) in self.cancelled.items() if now - when > ORPHAN_TTL_S
+        ]:
             del self.cancelled[transfer_id]

@@ -26,9 +26,12 @@ class Compatibility:
 
 def mismatches(producer: Compatibility, consumer: Compatibility) -> list[str]:
     """Each field that differs, as 'field: producer X != consumer Y'."""
-    return [f"{f.name}: producer {getattr(producer, f.name)!r} != consumer "
-            f"{getattr(consumer, f.name)!r}"
-            for f in fields(Compatibility) if getattr(producer, f.name) != getattr(consumer, f.name)]
+    return [
+        f"{f.name}: producer {getattr(producer, f.name)!r} != consumer "
+        f"{getattr(consumer, f.name)!r}"
+        for f in fields(Compatibility)
+        if getattr(producer, f.name) != getattr(consumer, f.name)
+    ]
 
 
 def describe_refusal(producer: Compatibility, consumer: Compatibility) -> str:

@@ -23,8 +23,10 @@ from kv_transfer.compatibility import Compatibility, describe_refusal, mismatche
 log = logging.getLogger("pdserve.kv")
 
 CHUNK_BYTES = 1 << 20
-GRPC_OPTIONS = [("grpc.max_send_message_length", 2 * CHUNK_BYTES),
-                ("grpc.max_receive_message_length", 2 * CHUNK_BYTES)]
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 2 * CHUNK_BYTES),
+    ("grpc.max_receive_message_length", 2 * CHUNK_BYTES),
+]
 _CLOSE = object()
 
 
@@ -32,6 +34,7 @@ _CLOSE = object()
 class LayerSlice:
     """One layer's KV for consecutive blocks of one transfer, as raw bytes (a bytearray on the
     receiving side, so the KV cache copy reads it without another copy)."""
+
     transfer_id: str
     layer: int
     first_block: int
@@ -44,10 +47,18 @@ class LayerSlice:
 def chunks_of(piece: LayerSlice):
     total = len(piece.data)
     for offset in range(0, max(total, 1), CHUNK_BYTES):
-        yield wire.KvMessage(chunk=wire.KvChunk(
-            transfer_id=piece.transfer_id, layer=piece.layer, first_block=piece.first_block,
-            num_blocks=piece.num_blocks, offset=offset, slice_bytes=total,
-            data=piece.data[offset:offset + CHUNK_BYTES], last=piece.last))
+        yield wire.KvMessage(
+            chunk=wire.KvChunk(
+                transfer_id=piece.transfer_id,
+                layer=piece.layer,
+                first_block=piece.first_block,
+                num_blocks=piece.num_blocks,
+                offset=offset,
+                slice_bytes=total,
+                data=piece.data[offset : offset + CHUNK_BYTES],
+                last=piece.last,
+            )
+        )
 
 
 class KvSender:
@@ -67,8 +78,12 @@ class KvSender:
             thread = self.threads.get(destination)
             if thread is None or not thread.is_alive():
                 self.queues[destination] = queue.Queue()
-                thread = threading.Thread(target=self._stream, args=(destination,),
-                                          name=f"kv-send-{destination}", daemon=True)
+                thread = threading.Thread(
+                    target=self._stream,
+                    args=(destination,),
+                    name=f"kv-send-{destination}",
+                    daemon=True,
+                )
                 self.threads[destination] = thread
                 thread.start()
             self.queues[destination].put(piece)
@@ -141,13 +156,21 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
             chunk = message.chunk
             key = (chunk.transfer_id, chunk.layer, chunk.first_block)
             buffer = buffers.setdefault(key, bytearray(chunk.slice_bytes))
-            buffer[chunk.offset:chunk.offset + len(chunk.data)] = chunk.data
+            buffer[chunk.offset : chunk.offset + len(chunk.data)] = chunk.data
             if chunk.offset + len(chunk.data) >= chunk.slice_bytes:
                 del buffers[key]
                 with self.lock:
-                    self.complete.append(LayerSlice(chunk.transfer_id, chunk.layer,
-                                                    chunk.first_block, chunk.num_blocks,
-                                                    buffer, chunk.last, time.monotonic()))
+                    self.complete.append(
+                        LayerSlice(
+                            chunk.transfer_id,
+                            chunk.layer,
+                            chunk.first_block,
+                            chunk.num_blocks,
+                            buffer,
+                            chunk.last,
+                            time.monotonic(),
+                        )
+                    )
         return wire.PushKvReply(accepted=True)
 
     def CancelTransfer(self, request, context):
@@ -163,12 +186,13 @@ def rank_address(address: str, rank: int) -> str:
     return f"{host}:{int(port) + rank}"
 
 
-def cancel_transfer(destination: str, transfer_id: str, reason: str, ranks: int = 1,
-                    timeout: float = 2.0) -> None:
+def cancel_transfer(
+    destination: str, transfer_id: str, reason: str, ranks: int = 1, timeout: float = 2.0
+) -> None:
     """Tell every rank of a decode worker that a transfer's KV will not come (its producer
     failed)."""
     for rank in range(ranks):
         with grpc.insecure_channel(rank_address(destination, rank)) as channel:
             wire_grpc.KvReceiverStub(channel).CancelTransfer(
-                wire.CancelTransferRequest(transfer_id=transfer_id, reason=reason),
-                timeout=timeout)
+                wire.CancelTransferRequest(transfer_id=transfer_id, reason=reason), timeout=timeout
+            )

@@ -13,17 +13,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 class SendSlice:
     """Prefill side: after this step's forward, send blocks [first_block, first_block +
     len(block_ids)) of the request, layer by layer, to `destination`."""
+
     transfer_id: str
     destination: str
-    first_block: int          # request-relative index of block_ids[0]
-    block_ids: list[int]      # engine block ids, in request order
-    last: bool                # this step completes the prompt
+    first_block: int  # request-relative index of block_ids[0]
+    block_ids: list[int]  # engine block ids, in request order
+    last: bool  # this step completes the prompt
 
 
 @dataclass(frozen=True)
 class Expected:
     """Decode side: KV for `transfer_id` goes into `block_ids` (request order); the first
     `skip_blocks` already hold this worker's own prefix-cache hit and are left alone."""
+
     req_id: str
     transfer_id: str
     block_ids: list[int]

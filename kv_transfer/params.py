@@ -13,6 +13,7 @@ KEY = "pdserve"
 @dataclass(frozen=True)
 class SendKv:
     """Prefill side: push this request's KV, layer by layer, to `destination`."""
+
     transfer_id: str
     destination: str  # host:port of the decode worker's KV receiver
 
@@ -21,6 +22,7 @@ class SendKv:
 class ReceiveKv:
     """Decode side: the KV of the first `num_tokens` prompt tokens arrives from a prefill
     worker within `timeout_s` (the prompt may go on with the prefill's first token)."""
+
     transfer_id: str
     timeout_s: float
     num_tokens: int

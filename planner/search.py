@@ -45,7 +45,7 @@ def candidates(model: ModelSpec, gpus: int, mixed_tp: bool = False) -> list[Cand
     tps = [tp for tp in range(1, gpus + 1) if heads % tp == 0]
     found = []
     for prefill_tp in tps:
-        for decode_tp in (tps if mixed_tp else [prefill_tp]):
+        for decode_tp in tps if mixed_tp else [prefill_tp]:
             for prefill in range(1, gpus // prefill_tp + 1):
                 room = gpus - prefill * prefill_tp
                 for decode in range(1, room // decode_tp + 1):
@@ -65,8 +65,12 @@ class RooflineHardware:
 
     def cluster(self, candidate: Candidate) -> SimCluster | None:
         """None when the weights leave no room for KV cache in either pool."""
-        prefill_room = kv_budget_bytes(self.model, self.gpu, candidate.prefill_tp, self.reserve_fraction)
-        decode_room = kv_budget_bytes(self.model, self.gpu, candidate.decode_tp, self.reserve_fraction)
+        prefill_room = kv_budget_bytes(
+            self.model, self.gpu, candidate.prefill_tp, self.reserve_fraction
+        )
+        decode_room = kv_budget_bytes(
+            self.model, self.gpu, candidate.decode_tp, self.reserve_fraction
+        )
         if prefill_room <= 0 or decode_room <= 0:
             return None
         return SimCluster(
@@ -74,7 +78,9 @@ class RooflineHardware:
             decode_replicas=candidate.decode_replicas,
             prefill_cost=RooflineCost(self.model, self.gpu, candidate.prefill_tp),
             decode_cost=RooflineCost(self.model, self.gpu, candidate.decode_tp),
-            kv_capacity_tokens=int(decode_room * candidate.decode_tp // kv_bytes_per_token(self.model)),
+            kv_capacity_tokens=int(
+                decode_room * candidate.decode_tp // kv_bytes_per_token(self.model)
+            ),
             kv_bytes_per_token=kv_bytes_per_token(self.model),
             kv_bandwidth_bytes_per_s=self.kv_bandwidth_bytes_per_s,
             kv_latency_s=self.kv_latency_s,
@@ -102,7 +108,9 @@ class Scenario:
         lone = self.workload.requests(1, rate, seed=self.seed)
         _, lone_e2e = simulate(cluster, [replace(lone[0], arrival=0.0)])
         n = max(self.num_requests, math.ceil(rate * SETTLE_E2ES * lone_e2e))
-        records, duration = simulate(cluster, self.workload.requests(n, rate, self.burstiness, self.seed))
+        records, duration = simulate(
+            cluster, self.workload.requests(n, rate, self.burstiness, self.seed)
+        )
         return summarize(records, duration, self.slo)
 
     def meets(self, summary: Summary) -> bool:
@@ -114,7 +122,9 @@ class Scenario:
         `steps` times. Rate 0 (and the last failing run) when not even a near-idle cluster
         passes. The bound caps the search because a finite run past it can still look good:
         its queues only grow for as long as requests keep coming."""
-        rate = throughput_bound(cluster, self.workload.requests(self.num_requests, 1.0, seed=self.seed))
+        rate = throughput_bound(
+            cluster, self.workload.requests(self.num_requests, 1.0, seed=self.seed)
+        )
         failing = None
         for _ in range(20):
             summary = self.run(cluster, rate)
@@ -141,10 +151,16 @@ def throughput_bound(cluster: SimCluster, requests: list[SimRequest]) -> float:
     prompt = round(sum(r.prompt_tokens for r in requests) / len(requests))
     output = sum(r.output_tokens for r in requests) / len(requests)
     per_step = max(1, cluster.prefill_token_budget // prompt)
-    prefill = cluster.prefill_replicas * per_step / cluster.prefill_cost.prefill_time([prompt] * per_step)
-    batch = max(1, min(cluster.max_decode_batch, cluster.kv_capacity_tokens // round(prompt + output)))
+    prefill = (
+        cluster.prefill_replicas * per_step / cluster.prefill_cost.prefill_time([prompt] * per_step)
+    )
+    batch = max(
+        1, min(cluster.max_decode_batch, cluster.kv_capacity_tokens // round(prompt + output))
+    )
     step = cluster.decode_cost.decode_time([round(prompt + output / 2)] * batch)
-    decode = cluster.decode_replicas * batch / (step * max(1.0, output - 1))  # token 1 is the prefill's
+    decode = (
+        cluster.decode_replicas * batch / (step * max(1.0, output - 1))
+    )  # token 1 is the prefill's
     return min(prefill, decode)
 
 
@@ -185,5 +201,6 @@ def search(
             else:
                 evaluations.append(Evaluation(candidate, *scenario.highest_rate(cluster)))
         progress(done, len(found))
-    return sorted(evaluations, key=lambda e: (-e.goodput_per_gpu, e.candidate.gpus, e.candidate.label))
-
+    return sorted(
+        evaluations, key=lambda e: (-e.goodput_per_gpu, e.candidate.gpus, e.candidate.label)
+    )

@@ -24,7 +24,9 @@ class WorkloadSpec:
     long_fraction: float = 0.0
     long_input_len: Length | None = None
 
-    def requests(self, n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[SimRequest]:
+    def requests(
+        self, n: int, rate: float, burstiness: float = 1.0, seed: int = 0
+    ) -> list[SimRequest]:
         """`n` requests arriving at `rate` req/s; the same seed gives the same lengths at any
         rate, so rates compare like for like."""
         rng = np.random.default_rng(seed)
@@ -40,4 +42,6 @@ class WorkloadSpec:
 
 def from_bench(requests: list[BenchRequest], offsets: list[float]) -> list[SimRequest]:
     """The simulated twin of a benchmark's requests and send offsets."""
-    return [SimRequest(offset, r.prompt_tokens, r.max_tokens) for r, offset in zip(requests, offsets)]
+    return [
+        SimRequest(offset, r.prompt_tokens, r.max_tokens) for r, offset in zip(requests, offsets)
+    ]

@@ -109,7 +109,9 @@ class _Simulation:
         """Jobs in request order; None for a request that can never fit a decode worker."""
         jobs: list[_Job | None] = []
         for index, request in enumerate(requests):
-            blocks = math.ceil((request.prompt_tokens + request.output_tokens) / self.cluster.block_size)
+            blocks = math.ceil(
+                (request.prompt_tokens + request.output_tokens) / self.cluster.block_size
+            )
             job = _Job(index, request, blocks) if blocks <= self.capacity_blocks else None
             jobs.append(job)
             if job is not None:
@@ -136,7 +138,10 @@ class _Simulation:
             return
         batch = [worker.queue.popleft()]
         tokens = batch[0].request.prompt_tokens
-        while worker.queue and tokens + worker.queue[0].request.prompt_tokens <= self.cluster.prefill_token_budget:
+        while (
+            worker.queue
+            and tokens + worker.queue[0].request.prompt_tokens <= self.cluster.prefill_token_budget
+        ):
             tokens += worker.queue[0].request.prompt_tokens
             batch.append(worker.queue.popleft())
         worker.busy = True
@@ -148,10 +153,17 @@ class _Simulation:
         for job in batch:
             job.token_times.append(self.now)
             if not job.done:
-                transfer = (self.cluster.kv_latency_s + job.request.prompt_tokens
-                            * self.cluster.kv_bytes_per_token / self.cluster.kv_bandwidth_bytes_per_s)
+                transfer = (
+                    self.cluster.kv_latency_s
+                    + job.request.prompt_tokens
+                    * self.cluster.kv_bytes_per_token
+                    / self.cluster.kv_bandwidth_bytes_per_s
+                )
                 decode = next(self.next_decode)
-                self._at(self.now + transfer, lambda job=job, decode=decode: self._enqueue_decode(decode, job))
+                self._at(
+                    self.now + transfer,
+                    lambda job=job, decode=decode: self._enqueue_decode(decode, job),
+                )
         self._step_prefill(worker)
 
     def _enqueue_decode(self, worker: _DecodeWorker, job: _Job) -> None:
@@ -162,8 +174,11 @@ class _Simulation:
         if worker.busy:
             return
         admitted = []
-        while (worker.waiting and len(worker.running) + len(admitted) < self.cluster.max_decode_batch
-               and worker.waiting[0].blocks <= worker.free_blocks):
+        while (
+            worker.waiting
+            and len(worker.running) + len(admitted) < self.cluster.max_decode_batch
+            and worker.waiting[0].blocks <= worker.free_blocks
+        ):
             job = worker.waiting.popleft()
             worker.free_blocks -= job.blocks
             admitted.append(job)
@@ -174,7 +189,10 @@ class _Simulation:
             return
         cost = self.cluster.decode_cost
         step = (cost.decode_time([job.context for job in decoding]) if decoding else 0.0) + (
-            cost.prefill_time([job.request.prompt_tokens for job in prefilling]) if prefilling else 0.0)
+            cost.prefill_time([job.request.prompt_tokens for job in prefilling])
+            if prefilling
+            else 0.0
+        )
         worker.busy = True
         self._at(self.now + step, lambda: self._end_decode(worker))
 
@@ -198,8 +216,11 @@ def simulate(cluster: SimCluster, requests: list[SimRequest]) -> tuple[list[Requ
 
 
 def _record(request: SimRequest, job: _Job | None) -> RequestRecord:
-    record = RequestRecord(prompt_tokens=request.prompt_tokens, max_tokens=request.output_tokens,
-                           send_time=request.arrival)
+    record = RequestRecord(
+        prompt_tokens=request.prompt_tokens,
+        max_tokens=request.output_tokens,
+        send_time=request.arrival,
+    )
     if job is None:
         record.error = "needs more KV cache than a decode worker has"
         return record

@@ -21,8 +21,9 @@ class PrefillConnector(PdserveConnectorBase):
         if self.is_scheduler:
             self.send_plan = SendPlan(self.block_size)
         else:
-            self.layer_sender = LayerSender(KvSender(compatibility_of(vllm_config)),
-                                            self.worker_rank())
+            self.layer_sender = LayerSender(
+                KvSender(compatibility_of(vllm_config)), self.worker_rank()
+            )
 
     def build_connector_meta(self, scheduler_output):
         return PdserveMetadata(sends=self.send_plan.sends(scheduler_output))
@@ -33,8 +34,9 @@ class PrefillConnector(PdserveConnectorBase):
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
         if self.metadata is not None and self.metadata.sends:
-            self.layer_sender.save_layer(self.layer_index[layer_name], kv_layer,
-                                         self.metadata.sends)
+            self.layer_sender.save_layer(
+                self.layer_index[layer_name], kv_layer, self.metadata.sends
+            )
 
     def shutdown(self):
         if not self.is_scheduler:

@@ -16,8 +16,10 @@ from settings.router import RouterSettings
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "router", help="run the router alone, following a Redis registry of workers",
-        description=__doc__.splitlines()[0])
+        "router",
+        help="run the router alone, following a Redis registry of workers",
+        description=__doc__.splitlines()[0],
+    )
     add_arguments(parser, RouterSettings)
     add_settings_json(parser)
     parser.set_defaults(run=run)
@@ -45,8 +47,14 @@ async def run_router(settings: RouterSettings, model_dir: Path) -> None:
 
     from router.app import create_app
 
-    server = uvicorn.Server(uvicorn.Config(create_app(settings, model_dir), host=settings.host,
-                                           port=settings.port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(settings, model_dir),
+            host=settings.host,
+            port=settings.port,
+            log_level="warning",
+        )
+    )
     announce = asyncio.create_task(_announce_when_started(server, settings))
     try:
         await server.serve()
@@ -62,8 +70,11 @@ async def _announce_when_started(server, settings: RouterSettings) -> None:
         await asyncio.sleep(0.1)
     url = f"http://{settings.host}:{settings.port}"
     served_model = settings.served_model
-    print(f"pdserve ready at {url}/v1 (model: {served_model})\n"
-          f"try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-          f"    -d '{{\"model\": \"{served_model}\", \"messages\": "
-          f"[{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'",
-          file=sys.stderr, flush=True)
+    print(
+        f"pdserve ready at {url}/v1 (model: {served_model})\n"
+        f"try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        f'    -d \'{{"model": "{served_model}", "messages": '
+        f'[{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}\'',
+        file=sys.stderr,
+        flush=True,
+    )

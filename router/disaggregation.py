@@ -14,29 +14,36 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from worker.protocol import worker_pb2
 from kv_transfer.grpc_transport import cancel_transfer
 from router.errors import OpenAIError, invalid_request
 from router.worker_client import WorkerClient
 from settings.router import AFTER_PREFILL
+from worker.protocol import worker_pb2
 
 log = logging.getLogger("pdserve.router")
 ROUTE_HEADER = "x-pdserve-route"
 LOCAL, DISAGGREGATED = "local", "disaggregated"
 
 
-def choose_route(header: str | None, prompt_tokens: int, threshold: int,
-                 have_prefill_workers: bool) -> str:
+def choose_route(
+    header: str | None, prompt_tokens: int, threshold: int, have_prefill_workers: bool
+) -> str:
     """Disaggregate prompts of at least `threshold` tokens when prefill workers exist; a
     request may force its path with the x-pdserve-route header."""
     if header:
         if header not in (LOCAL, DISAGGREGATED):
-            raise invalid_request(f"{ROUTE_HEADER} must be '{LOCAL}' or '{DISAGGREGATED}', "
-                                  f"not {header!r}", param=ROUTE_HEADER)
+            raise invalid_request(
+                f"{ROUTE_HEADER} must be '{LOCAL}' or '{DISAGGREGATED}', not {header!r}",
+                param=ROUTE_HEADER,
+            )
         if header == DISAGGREGATED and not have_prefill_workers:
-            raise OpenAIError(503, "no prefill worker is available for a disaggregated request",
-                              "worker_unavailable", type="service_unavailable_error",
-                              code="worker_unavailable")
+            raise OpenAIError(
+                503,
+                "no prefill worker is available for a disaggregated request",
+                "worker_unavailable",
+                type="service_unavailable_error",
+                code="worker_unavailable",
+            )
         return header
     return DISAGGREGATED if have_prefill_workers and prompt_tokens >= threshold else LOCAL
 
@@ -44,10 +51,11 @@ def choose_route(header: str | None, prompt_tokens: int, threshold: int,
 @dataclass
 class PrefillOutcome:
     """What the prefill leg reports: its timing and prefix-cache hit, or why it failed."""
+
     admission: str = AFTER_PREFILL  # when the decode leg starts (see generate_disaggregated)
     chunk: worker_pb2.GenerateChunk | None = None
     error: str | None = None
-    error_kind: str | None = None   # OpenAIError.kind: "worker_unavailable" marks the worker down
+    error_kind: str | None = None  # OpenAIError.kind: "worker_unavailable" marks the worker down
     ended_request: bool = False  # its first token ended the request: no decode leg ran
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -56,13 +64,19 @@ class PrefillOutcome:
         try:
             await asyncio.wait_for(self.done.wait(), timeout_s)
         except TimeoutError:
-            log.warning("the prefill leg had not reported %.0f s after the decode leg ended",
-                        timeout_s)
+            log.warning(
+                "the prefill leg had not reported %.0f s after the decode leg ended", timeout_s
+            )
 
 
-async def generate_disaggregated(prefill: WorkerClient, decode: WorkerClient,
-                                 request: worker_pb2.GenerateRequest, kv_timeout_s: float,
-                                 timeout_s: float, outcome: PrefillOutcome):
+async def generate_disaggregated(
+    prefill: WorkerClient,
+    decode: WorkerClient,
+    request: worker_pb2.GenerateRequest,
+    kv_timeout_s: float,
+    timeout_s: float,
+    outcome: PrefillOutcome,
+):
     """Yield the request's chunks; the prefill leg fills `outcome`. With `with-prefill` the
     decode worker is told at once and reserves the KV blocks while the prompt computes, and
     every token comes from it. With `after-prefill` the first token comes from the prefill leg
@@ -71,26 +85,35 @@ async def generate_disaggregated(prefill: WorkerClient, decode: WorkerClient,
     transfer_id = request.request_id
     decode_request = worker_pb2.GenerateRequest()
     decode_request.CopyFrom(request)
-    decode_request.kv.CopyFrom(worker_pb2.KvTransfer(transfer_id=transfer_id,
-                                                     receive_timeout_s=kv_timeout_s))
+    decode_request.kv.CopyFrom(
+        worker_pb2.KvTransfer(transfer_id=transfer_id, receive_timeout_s=kv_timeout_s)
+    )
     prefill_request = worker_pb2.GenerateRequest()
     prefill_request.CopyFrom(request)
     prefill_request.request_id = f"{request.request_id}-prefill"
     prefill_request.sampling.max_tokens = 1
-    prefill_request.kv.CopyFrom(worker_pb2.KvTransfer(transfer_id=transfer_id,
-                                                      send_to=decode.kv_address))
+    prefill_request.kv.CopyFrom(
+        worker_pb2.KvTransfer(transfer_id=transfer_id, send_to=decode.kv_address)
+    )
     prefill_task = asyncio.create_task(
-        _run_prefill(prefill, prefill_request, decode, timeout_s, outcome))
+        _run_prefill(prefill, prefill_request, decode, timeout_s, outcome)
+    )
     try:
         if outcome.admission == AFTER_PREFILL:
             await outcome.done.wait()  # bounded: the prefill leg has the request's deadline
             first = outcome.chunk
-            if (outcome.error is None and first is not None and first.token_ids
-                    and continues_from_first_token(request)):
+            if (
+                outcome.error is None
+                and first is not None
+                and first.token_ids
+                and continues_from_first_token(request)
+            ):
                 # The client's first token is the prefill's; the decode worker goes on from
                 # the prompt and that token, computing only the token's own position.
-                done = (first.finish_reason == "stop"
-                        or len(first.token_ids) >= request.sampling.max_tokens)
+                done = (
+                    first.finish_reason == "stop"
+                    or len(first.token_ids) >= request.sampling.max_tokens
+                )
                 relayed = worker_pb2.GenerateChunk()
                 relayed.CopyFrom(first)
                 relayed.finish_reason = first.finish_reason if done else ""
@@ -116,22 +139,33 @@ def continues_from_first_token(request: worker_pb2.GenerateRequest) -> bool:
     return not request.sampling.stop and not request.sampling.HasField("seed")
 
 
-async def _run_prefill(prefill: WorkerClient, request: worker_pb2.GenerateRequest,
-                       decode: WorkerClient, timeout_s: float, outcome: PrefillOutcome) -> None:
+async def _run_prefill(
+    prefill: WorkerClient,
+    request: worker_pb2.GenerateRequest,
+    decode: WorkerClient,
+    timeout_s: float,
+    outcome: PrefillOutcome,
+) -> None:
     try:
         async for chunk in prefill.generate(request, timeout=timeout_s):
             outcome.chunk = chunk
     except OpenAIError as error:
         outcome.error, outcome.error_kind = error.message, error.kind
         outcome.done.set()
-        log.warning("prefill of %s failed (%s); cancelling its KV transfer",
-                    request.kv.transfer_id, error.message)
+        log.warning(
+            "prefill of %s failed (%s); cancelling its KV transfer",
+            request.kv.transfer_id,
+            error.message,
+        )
         try:
-            await asyncio.to_thread(cancel_transfer, decode.kv_address, request.kv.transfer_id,
-                                    f"prefill worker failed: {error.message}",
-                                    decode.tensor_parallel_size)
+            await asyncio.to_thread(
+                cancel_transfer,
+                decode.kv_address,
+                request.kv.transfer_id,
+                f"prefill worker failed: {error.message}",
+                decode.tensor_parallel_size,
+            )
         except Exception as cancel_error:  # the decode worker's deadline still applies
-            log.warning("could not cancel transfer %s: %s", request.kv.transfer_id,
-                        cancel_error)
+            log.warning("could not cancel transfer %s: %s", request.kv.transfer_id, cancel_error)
     finally:
         outcome.done.set()

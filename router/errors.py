@@ -17,37 +17,60 @@ class OpenAIError(Exception):
     code: str | None = None
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
-def invalid_request(message: str, param: str | None = None, code: str | None = None,
-                    kind: str = "invalid_request") -> OpenAIError:
+def invalid_request(
+    message: str, param: str | None = None, code: str | None = None, kind: str = "invalid_request"
+) -> OpenAIError:
     return OpenAIError(400, message, kind, param=param, code=code)
 
 
 def unsupported_parameter(param: str, why: str = "is not supported by pdserve") -> OpenAIError:
-    return OpenAIError(400, f"'{param}' {why}", "unsupported_parameter", param=param,
-                       code="unsupported_parameter")
+    return OpenAIError(
+        400, f"'{param}' {why}", "unsupported_parameter", param=param, code="unsupported_parameter"
+    )
 
 
 def model_not_found(model: str, served: str) -> OpenAIError:
-    return OpenAIError(404, f"The model '{model}' does not exist; this server serves '{served}'",
-                       "model_not_found", param="model", code="model_not_found")
-
-
-def context_length_exceeded(prompt_tokens: int, max_tokens: int, max_model_len: int,
-                            param: str) -> OpenAIError:
     return OpenAIError(
-        400, f"This model's maximum context length is {max_model_len} tokens. However, you "
-             f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
-             f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
-        "context_length", param=param, code="context_length_exceeded")
+        404,
+        f"The model '{model}' does not exist; this server serves '{served}'",
+        "model_not_found",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def context_length_exceeded(
+    prompt_tokens: int, max_tokens: int, max_model_len: int, param: str
+) -> OpenAIError:
+    return OpenAIError(
+        400,
+        f"This model's maximum context length is {max_model_len} tokens. However, you "
+        f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
+        f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+        "context_length",
+        param=param,
+        code="context_length_exceeded",
+    )
 
 
 def worker_unavailable(message: str) -> OpenAIError:
-    return OpenAIError(503, message, "worker_unavailable", type="service_unavailable_error",
-                       code="worker_unavailable")
+    return OpenAIError(
+        503,
+        message,
+        "worker_unavailable",
+        type="service_unavailable_error",
+        code="worker_unavailable",
+    )
 
 
 def worker_failed(message: str) -> OpenAIError:
@@ -55,5 +78,10 @@ def worker_failed(message: str) -> OpenAIError:
 
 
 def request_timeout(seconds: float) -> OpenAIError:
-    return OpenAIError(504, f"the request did not finish within {seconds:g} s", "timeout",
-                       type="server_error", code="timeout")
+    return OpenAIError(
+        504,
+        f"the request did not finish within {seconds:g} s",
+        "timeout",
+        type="server_error",
+        code="timeout",
+    )

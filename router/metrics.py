@@ -7,50 +7,122 @@ own registry, so several routers (in tests) never share counters.
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5,
-                   2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+)
 KV_BYTES_BUCKETS = tuple(float(1 << shift) for shift in range(16, 34, 2))  # 64 KiB .. 8 GiB
-TOKEN_GAP_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
-                     2.0, 5.0)
+TOKEN_GAP_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
+)
 
 
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "pdserve_requests", "Finished HTTP requests by endpoint and status code",
-            ["endpoint", "status"], registry=self.registry)
+            "pdserve_requests",
+            "Finished HTTP requests by endpoint and status code",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
         self.errors = Counter(
-            "pdserve_errors", "Failed requests by kind (invalid_request, unsupported_parameter, "
+            "pdserve_errors",
+            "Failed requests by kind (invalid_request, unsupported_parameter, "
             "model_not_found, context_length, worker_unavailable, worker_error, timeout, "
-            "client_disconnect)", ["kind"], registry=self.registry)
+            "client_disconnect)",
+            ["kind"],
+            registry=self.registry,
+        )
         self.ttft = Histogram(
-            "pdserve_time_to_first_token_seconds", "Request arrival to first token sent",
-            registry=self.registry, buckets=LATENCY_BUCKETS)
+            "pdserve_time_to_first_token_seconds",
+            "Request arrival to first token sent",
+            registry=self.registry,
+            buckets=LATENCY_BUCKETS,
+        )
         self.inter_token = Histogram(
-            "pdserve_inter_token_latency_seconds", "Gap between consecutive token chunks",
-            registry=self.registry, buckets=TOKEN_GAP_BUCKETS)
+            "pdserve_inter_token_latency_seconds",
+            "Gap between consecutive token chunks",
+            registry=self.registry,
+            buckets=TOKEN_GAP_BUCKETS,
+        )
         self.e2e = Histogram(
-            "pdserve_e2e_request_latency_seconds", "Request arrival to last token",
-            registry=self.registry, buckets=LATENCY_BUCKETS)
+            "pdserve_e2e_request_latency_seconds",
+            "Request arrival to last token",
+            registry=self.registry,
+            buckets=LATENCY_BUCKETS,
+        )
         self.prompt_tokens = Counter(
-            "pdserve_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry)
+            "pdserve_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry
+        )
         self.generation_tokens = Counter(
-            "pdserve_generation_tokens", "Generated tokens of finished requests",
-            registry=self.registry)
+            "pdserve_generation_tokens",
+            "Generated tokens of finished requests",
+            registry=self.registry,
+        )
         self.routes = Counter(
-            "pdserve_route", "Routing decisions: path=disaggregated (prefill worker + decode "
-            "worker) or local (one worker prefills and decodes)", ["path"],
-            registry=self.registry)
+            "pdserve_route",
+            "Routing decisions: path=disaggregated (prefill worker + decode "
+            "worker) or local (one worker prefills and decodes)",
+            ["path"],
+            registry=self.registry,
+        )
         self.kv_bytes = Histogram(
-            "pdserve_kv_transfer_bytes", "KV bytes received per transfer (decode worker)",
-            registry=self.registry, buckets=KV_BYTES_BUCKETS)
+            "pdserve_kv_transfer_bytes",
+            "KV bytes received per transfer (decode worker)",
+            registry=self.registry,
+            buckets=KV_BYTES_BUCKETS,
+        )
         self.kv_seconds = Histogram(
-            "pdserve_kv_transfer_seconds", "First KV slice received -> last slice received (decode worker)",
-            registry=self.registry, buckets=LATENCY_BUCKETS)
+            "pdserve_kv_transfer_seconds",
+            "First KV slice received -> last slice received (decode worker)",
+            registry=self.registry,
+            buckets=LATENCY_BUCKETS,
+        )
         self.kv_failures = Counter(
-            "pdserve_kv_transfer_failures", "KV transfers that did not complete, by reason "
-            "(prefill_failed, timeout_or_cancelled)", ["reason"], registry=self.registry)
+            "pdserve_kv_transfer_failures",
+            "KV transfers that did not complete, by reason (prefill_failed, timeout_or_cancelled)",
+            ["reason"],
+            registry=self.registry,
+        )
         self.kv_fallbacks = Counter(
-            "pdserve_kv_fallbacks", "Disaggregated requests whose decode worker prefilled the "
-            "prompt itself after all", ["policy"], registry=self.registry)
+            "pdserve_kv_fallbacks",
+            "Disaggregated requests whose decode worker prefilled the prompt itself after all",
+            ["policy"],
+            registry=self.registry,
+        )

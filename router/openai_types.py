@@ -11,12 +11,30 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from router.errors import OpenAIError, invalid_request, unsupported_parameter
 
 # OpenAI parameters that exist but pdserve does not implement (yet): refused by name.
-UNSUPPORTED = frozenset({
-    "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice", "functions",
-    "function_call", "parallel_tool_calls", "response_format", "best_of", "echo", "suffix",
-    "modalities", "audio", "prediction", "reasoning_effort", "service_tier", "store",
-    "metadata", "web_search_options",
-})
+UNSUPPORTED = frozenset(
+    {
+        "logprobs",
+        "top_logprobs",
+        "logit_bias",
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "parallel_tool_calls",
+        "response_format",
+        "best_of",
+        "echo",
+        "suffix",
+        "modalities",
+        "audio",
+        "prediction",
+        "reasoning_effort",
+        "service_tier",
+        "store",
+        "metadata",
+        "web_search_options",
+    }
+)
 
 
 class StrictModel(BaseModel):
@@ -80,9 +98,12 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     # One prompt: text, or token ids; a list of one of either is accepted too.
-    prompt: (str | Annotated[list[int], Field(min_length=1)]
-             | Annotated[list[str], Field(min_length=1, max_length=1)]
-             | Annotated[list[list[int]], Field(min_length=1, max_length=1)])
+    prompt: (
+        str
+        | Annotated[list[int], Field(min_length=1)]
+        | Annotated[list[str], Field(min_length=1, max_length=1)]
+        | Annotated[list[list[int]], Field(min_length=1, max_length=1)]
+    )
 
     def max_tokens_asked(self) -> int | None:
         return self.max_tokens
@@ -107,16 +128,22 @@ def _first_error(error: ValidationError) -> OpenAIError:
     first = error.errors()[0]
     param = ".".join(str(part) for part in first["loc"] if not _is_union_tag(part))
     if first["type"] == "extra_forbidden":
-        return invalid_request(f"Unrecognized request argument supplied: {param}", param=param,
-                               code="unrecognized_argument")
+        return invalid_request(
+            f"Unrecognized request argument supplied: {param}",
+            param=param,
+            code="unrecognized_argument",
+        )
     if first["type"] == "missing":
-        return invalid_request(f"Missing required parameter: '{param}'", param=param,
-                               code="missing_required_parameter")
-    return invalid_request(f"Invalid value for '{param}': {first['msg']}", param=param,
-                           code="invalid_value")
+        return invalid_request(
+            f"Missing required parameter: '{param}'", param=param, code="missing_required_parameter"
+        )
+    return invalid_request(
+        f"Invalid value for '{param}': {first['msg']}", param=param, code="invalid_value"
+    )
 
 
 def _is_union_tag(part) -> bool:
     """Pydantic names union members in error locations (e.g. 'str', 'list[int]'); drop them."""
-    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool"}
-                                      or part.startswith("function-"))
+    return isinstance(part, str) and (
+        "[" in part or part in {"str", "int", "float", "bool"} or part.startswith("function-")
+    )

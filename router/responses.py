@@ -16,10 +16,12 @@ class Usage:
     cached_tokens: int
 
     def body(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
 
 
 class ResponseFormat:
@@ -32,8 +34,9 @@ class ResponseFormat:
         self.created = int(time.time())
 
     def whole(self, text: str, finish_reason: str, usage: Usage) -> dict:
-        return self._envelope(self.object_whole, [self.whole_choice(text, finish_reason)],
-                              usage=usage.body())
+        return self._envelope(
+            self.object_whole, [self.whole_choice(text, finish_reason)], usage=usage.body()
+        )
 
     def chunk(self, text: str, finish_reason: str | None, first: bool) -> str:
         choice = self.chunk_choice(text, finish_reason, first)
@@ -43,8 +46,14 @@ class ResponseFormat:
         return sse(self._envelope(self.object_chunk, [], usage=usage.body()))
 
     def _envelope(self, obj: str, choices: list[dict], **extra) -> dict:
-        return {"id": self.response_id, "object": obj, "created": self.created,
-                "model": self.model, "choices": choices, **extra}
+        return {
+            "id": self.response_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
 
     def whole_choice(self, text: str, finish_reason: str) -> dict:
         raise NotImplementedError
@@ -58,8 +67,12 @@ class ChatFormat(ResponseFormat):
     object_chunk = "chat.completion.chunk"
 
     def whole_choice(self, text: str, finish_reason: str) -> dict:
-        return {"index": 0, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": finish_reason}
+        return {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
 
     def chunk_choice(self, text: str, finish_reason: str | None, first: bool) -> dict:
         delta = {"role": "assistant", "content": text} if first else {"content": text}

@@ -19,10 +19,13 @@ class PromptTokenizer:
 
     def chat(self, request: ChatCompletionRequest) -> list[int]:
         """Apply the model's chat template, as vLLM's chat endpoint does."""
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in request.messages]
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  tokenize=False)
+        messages = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in request.messages
+        ]
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
         # The template already holds the special tokens.
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -36,8 +39,11 @@ class PromptTokenizer:
             token_ids = prompt
             bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise invalid_request(f"prompt token id {bad[0]} is outside the vocabulary "
-                                      f"(0..{self.vocab_size - 1})", param="prompt")
+                raise invalid_request(
+                    f"prompt token id {bad[0]} is outside the vocabulary "
+                    f"(0..{self.vocab_size - 1})",
+                    param="prompt",
+                )
         if not token_ids:
             raise invalid_request("the prompt is empty", param="prompt")
         return token_ids

@@ -11,9 +11,14 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from router.errors import (
+    OpenAIError,
+    invalid_request,
+    request_timeout,
+    worker_failed,
+    worker_unavailable,
+)
 from worker.protocol import GRPC_OPTIONS, worker_pb2, worker_pb2_grpc
-from router.errors import (OpenAIError, invalid_request, request_timeout, worker_failed,
-                           worker_unavailable)
 
 log = logging.getLogger("pdserve.router")
 CONTROL_TIMEOUT_S = 5.0
@@ -48,20 +53,23 @@ class WorkerClient:
             self.tensor_parallel_size = reply.tensor_parallel_size
         return reply
 
-    async def stats(self, fresh: bool = False,
-                    timeout: float = CONTROL_TIMEOUT_S) -> worker_pb2.StatsReply:
+    async def stats(
+        self, fresh: bool = False, timeout: float = CONTROL_TIMEOUT_S
+    ) -> worker_pb2.StatsReply:
         return await self.stub.Stats(worker_pb2.StatsRequest(fresh=fresh), timeout=timeout)
 
     async def abort(self, request_id: str) -> None:
         """Best effort: the worker also aborts when the Generate call is cancelled."""
         try:
-            await self.stub.Abort(worker_pb2.AbortRequest(request_id=request_id),
-                                  timeout=CONTROL_TIMEOUT_S)
+            await self.stub.Abort(
+                worker_pb2.AbortRequest(request_id=request_id), timeout=CONTROL_TIMEOUT_S
+            )
         except grpc.aio.AioRpcError as error:
             log.warning("abort of %s on %s failed: %s", request_id, self.address, error.code())
 
-    async def generate(self, request: worker_pb2.GenerateRequest,
-                       timeout: float) -> AsyncIterator[worker_pb2.GenerateChunk]:
+    async def generate(
+        self, request: worker_pb2.GenerateRequest, timeout: float
+    ) -> AsyncIterator[worker_pb2.GenerateChunk]:
         """Stream a request's chunks. Leaving early (break, cancel, error) aborts it on the
         worker: the call is cancelled and an explicit Abort follows."""
         call = self.stub.Generate(request, timeout=timeout)
@@ -88,8 +96,13 @@ class WorkerClient:
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return invalid_request(details)
         if code == grpc.StatusCode.ABORTED:
-            return OpenAIError(502, f"worker {self.worker_id}: {details}", "kv_transfer_failed",
-                               type="server_error", code="kv_transfer_failed")
+            return OpenAIError(
+                502,
+                f"worker {self.worker_id}: {details}",
+                "kv_transfer_failed",
+                type="server_error",
+                code="kv_transfer_failed",
+            )
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return request_timeout(timeout)
         if code == grpc.StatusCode.UNAVAILABLE:

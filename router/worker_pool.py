@@ -17,9 +17,9 @@ import logging
 
 import grpc
 
-from worker.protocol import worker_pb2
 from router.errors import worker_unavailable
 from router.worker_client import WorkerClient
+from worker.protocol import worker_pb2
 
 log = logging.getLogger("pdserve.router")
 
@@ -40,8 +40,10 @@ class WorkerPool:
         while pending:
             pending = [w for w in pending if not await self._is_ready(w)]
             if pending and loop.time() > give_up:
-                raise TimeoutError("workers not ready after %.0f s: %s"
-                                   % (deadline_s, ", ".join(w.address for w in pending)))
+                raise TimeoutError(
+                    "workers not ready after %.0f s: %s"
+                    % (deadline_s, ", ".join(w.address for w in pending))
+                )
             if pending:
                 await asyncio.sleep(0.5)
 

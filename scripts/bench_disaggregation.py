@@ -39,8 +39,10 @@ def main() -> int:
         print(f"starting pdserve serve (1P + 1D; logs: {log_dir})", file=sys.stderr)
         cluster = local_cluster(1, 1, free_port(), log_dir, [])
     with cluster as url:
-        rows = [measure(url, int(n), args.repeats, random.Random(args.seed + int(n)))
-                for n in args.lengths.split(",")]
+        rows = [
+            measure(url, int(n), args.repeats, random.Random(args.seed + int(n)))
+            for n in args.lengths.split(",")
+        ]
     print_table(rows, args.repeats)
     return 0
 
@@ -52,34 +54,48 @@ def measure(url: str, length: int, repeats: int, rng: random.Random) -> dict:
         for route in ("local", "disaggregated"):
             prompt = [rng.randrange(100, 40000) for _ in range(length)]
             response = httpx.post(
-                f"{url}/v1/completions", timeout=300,
+                f"{url}/v1/completions",
+                timeout=300,
                 headers={"x-pdserve-route": route, "x-pdserve-timing": "1"},
-                json={"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0})
+                json={"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0},
+            )
             response.raise_for_status()
             samples[route].append(response.json()["pdserve_timing"])
-            print(f"{length} tokens, {route} {i + 1}/{repeats}: "
-                  f"TTFT {samples[route][-1]['ttft']:.3f} s", file=sys.stderr)
+            print(
+                f"{length} tokens, {route} {i + 1}/{repeats}: "
+                f"TTFT {samples[route][-1]['ttft']:.3f} s",
+                file=sys.stderr,
+            )
     local, disagg = samples["local"], samples["disaggregated"]
 
     def median(rows, key):
         return statistics.median(row[key] for row in rows)
 
-    return {"length": length, "ttft_local": median(local, "ttft"),
-            "ttft_disagg": median(disagg, "ttft"), "prefill": median(disagg, "prefill"),
-            "kv_bytes": median(disagg, "kv_bytes"), "kv_seconds": median(disagg, "kv_seconds"),
-            "exposed": median(disagg, "exposed_transfer")}
+    return {
+        "length": length,
+        "ttft_local": median(local, "ttft"),
+        "ttft_disagg": median(disagg, "ttft"),
+        "prefill": median(disagg, "prefill"),
+        "kv_bytes": median(disagg, "kv_bytes"),
+        "kv_seconds": median(disagg, "kv_seconds"),
+        "exposed": median(disagg, "exposed_transfer"),
+    }
 
 
 def print_table(rows: list[dict], repeats: int) -> None:
     print(f"medians of {repeats} requests per path; TTFT measured at the router")
-    header = (f"{'tokens':>6} {'TTFT local':>11} {'TTFT disagg':>12} {'ratio':>6} {'KV MiB':>7} "
-              f"{'transfer s':>11} {'prefill s':>10} {'exposed s':>10} {'exposed/prefill':>16}")
+    header = (
+        f"{'tokens':>6} {'TTFT local':>11} {'TTFT disagg':>12} {'ratio':>6} {'KV MiB':>7} "
+        f"{'transfer s':>11} {'prefill s':>10} {'exposed s':>10} {'exposed/prefill':>16}"
+    )
     print(header)
     for row in rows:
-        print(f"{row['length']:>6} {row['ttft_local']:>11.3f} {row['ttft_disagg']:>12.3f} "
-              f"{row['ttft_disagg'] / row['ttft_local']:>6.2f} {row['kv_bytes'] / 2**20:>7.1f} "
-              f"{row['kv_seconds']:>11.3f} {row['prefill']:>10.3f} {row['exposed']:>10.3f} "
-              f"{row['exposed'] / row['prefill']:>15.1%}")
+        print(
+            f"{row['length']:>6} {row['ttft_local']:>11.3f} {row['ttft_disagg']:>12.3f} "
+            f"{row['ttft_disagg'] / row['ttft_local']:>6.2f} {row['kv_bytes'] / 2**20:>7.1f} "
+            f"{row['kv_seconds']:>11.3f} {row['prefill']:>10.3f} {row['exposed']:>10.3f} "
+            f"{row['exposed'] / row['prefill']:>15.1%}"
+        )
 
 
 if __name__ == "__main__":

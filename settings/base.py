@@ -44,8 +44,12 @@ def _reason(error: dict, model: type[BaseModel], loc: tuple) -> str:
         what = "an integer" if isinstance(bound, int) and not isinstance(bound, bool) else ""
         shown = f"{bound:g}" if isinstance(bound, float) else bound
         return f"must be {what + ' ' if what else ''}{sign} {shown}, got {value}"
-    names = {"int_type": "an integer", "float_type": "a number", "string_type": "a string",
-             "bool_type": "true or false"}
+    names = {
+        "int_type": "an integer",
+        "float_type": "a number",
+        "string_type": "a string",
+        "bool_type": "true or false",
+    }
     if kind in names:
         return f"must be {names[kind]}, got {_show(value)}"
     return error["msg"].removeprefix("Value error, ")
@@ -54,8 +58,9 @@ def _reason(error: dict, model: type[BaseModel], loc: tuple) -> str:
 def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
     for part in loc:
         field = model.model_fields.get(str(part))
-        if field is None or not (isinstance(field.annotation, type)
-                                 and issubclass(field.annotation, BaseModel)):
+        if field is None or not (
+            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        ):
             return None
         model = field.annotation
     return model

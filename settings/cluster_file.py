@@ -14,15 +14,34 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from planner.gpu_spec import GPU_PRESETS
 from settings.base import ConfigError, Settings, refusal
-from settings.engine import (Dtype, EngineSettings, KvCacheGib, MaxModelLen, Model, Quantization,
-                             Seed, TensorParallelSize)
-from settings.router import (DecodeAdmission, DefaultMaxTokens, DisaggregateMinTokens, Host,
-                             KvTimeoutS, Policy, Port, RequestTimeoutS, RouterSettings)
+from settings.engine import (
+    Dtype,
+    EngineSettings,
+    KvCacheGib,
+    MaxModelLen,
+    Model,
+    Quantization,
+    Seed,
+    TensorParallelSize,
+)
+from settings.router import (
+    DecodeAdmission,
+    DefaultMaxTokens,
+    DisaggregateMinTokens,
+    Host,
+    KvTimeoutS,
+    Policy,
+    Port,
+    RequestTimeoutS,
+    RouterSettings,
+)
 from settings.worker import HeartbeatS, KvFailurePolicy, WorkerSettings
 
 CPU = "cpu"
-GpuType = Annotated[Literal[(CPU, *GPU_PRESETS)], Field(
-    default=CPU, description='"cpu", or a GPU preset (A100-80GB, H100-SXM, H200, L40S)')]
+GpuType = Annotated[
+    Literal[(CPU, *GPU_PRESETS)],
+    Field(default=CPU, description='"cpu", or a GPU preset (A100-80GB, H100-SXM, H200, L40S)'),
+]
 
 
 class ModelSection(Settings):
@@ -116,22 +135,40 @@ class ClusterFile(Settings):
         """What a worker of pool `role` starts with (its launcher sets id, host and port)."""
         pool = self.pool(role)
         engine = EngineSettings(
-            model=self.model.path, dtype=self.model.dtype, max_model_len=self.model.max_model_len,
-            kv_cache_gib=self.engine.kv_cache_gib, seed=self.engine.seed,
-            tensor_parallel_size=pool.tensor_parallel_size, quantization=self.model.quantization)
+            model=self.model.path,
+            dtype=self.model.dtype,
+            max_model_len=self.model.max_model_len,
+            kv_cache_gib=self.engine.kv_cache_gib,
+            seed=self.engine.seed,
+            tensor_parallel_size=pool.tensor_parallel_size,
+            quantization=self.model.quantization,
+        )
         policy = {"kv_failure_policy": pool.kv_failure_policy} if role == "decode" else {}
-        return WorkerSettings(role=role, registry=registry_url, cluster=self.name,
-                              heartbeat_s=self.registry.heartbeat_s, engine=engine, **policy)
+        return WorkerSettings(
+            role=role,
+            registry=registry_url,
+            cluster=self.name,
+            heartbeat_s=self.registry.heartbeat_s,
+            engine=engine,
+            **policy,
+        )
 
     def router_settings(self, registry_url: str) -> RouterSettings:
         router = self.router
         return RouterSettings(
-            host=router.host, port=router.port, model=self.model.path,
-            served_model_name=self.served_model, registry=registry_url, cluster=self.name,
-            policy=router.policy, disaggregate_min_tokens=router.disaggregate_min_tokens,
-            decode_admission=router.decode_admission, kv_timeout_s=self.transport.kv_timeout_s,
+            host=router.host,
+            port=router.port,
+            model=self.model.path,
+            served_model_name=self.served_model,
+            registry=registry_url,
+            cluster=self.name,
+            policy=router.policy,
+            disaggregate_min_tokens=router.disaggregate_min_tokens,
+            decode_admission=router.decode_admission,
+            kv_timeout_s=self.transport.kv_timeout_s,
             default_max_tokens=router.default_max_tokens,
-            request_timeout_s=router.request_timeout_s)
+            request_timeout_s=router.request_timeout_s,
+        )
 
 
 def load_cluster_file(path: str | Path) -> ClusterFile:
@@ -151,8 +188,12 @@ def load_cluster_file(path: str | Path) -> ClusterFile:
 
 def parse_cluster(document) -> ClusterFile:
     if isinstance(document, dict):  # an empty section (`prefill:`) takes its defaults
-        document = {key: {} if value is None and key in ClusterFile.model_fields
-                    and key != "name" else value for key, value in document.items()}
+        document = {
+            key: {}
+            if value is None and key in ClusterFile.model_fields and key != "name"
+            else value
+            for key, value in document.items()
+        }
     try:
         return ClusterFile.model_validate(document if document is not None else {})
     except ValidationError as error:

@@ -13,8 +13,12 @@ from pydantic import BaseModel, ValidationError
 from settings.base import ConfigError, refusal
 
 
-def add_arguments(parser, model: type[BaseModel], exclude: tuple[str, ...] = (),
-                  only: tuple[str, ...] | None = None) -> None:
+def add_arguments(
+    parser,
+    model: type[BaseModel],
+    exclude: tuple[str, ...] = (),
+    only: tuple[str, ...] | None = None,
+) -> None:
     """A flag for each field of `model` (nested settings get theirs too), but those in
     `exclude`, or only those in `only`."""
     for name, field in model.model_fields.items():
@@ -40,26 +44,36 @@ def add_arguments(parser, model: type[BaseModel], exclude: tuple[str, ...] = (),
             options["type"] = kind
         if "type" in options:
             options["metavar"] = extra.get("metavar") or (
-                "SECONDS" if name.endswith("_s") else flag(name, field)[2:].replace("-", "_").upper())
+                "SECONDS"
+                if name.endswith("_s")
+                else flag(name, field)[2:].replace("-", "_").upper()
+            )
         parser.add_argument(flag(name, field), **options)
 
 
 def add_settings_json(parser) -> None:
-    parser.add_argument("--settings-json", default=None, metavar="JSON",
-                        help="all settings as one JSON document (what `pdserve serve` and "
-                             "`pdserve up` pass a child); flags given beside it override it")
+    parser.add_argument(
+        "--settings-json",
+        default=None,
+        metavar="JSON",
+        help="all settings as one JSON document (what `pdserve serve` and "
+        "`pdserve up` pass a child); flags given beside it override it",
+    )
 
 
-def from_arguments(model: type[BaseModel], args: argparse.Namespace, **fixed):
-    """Build `model` from the flags given (and `--settings-json`, and `fixed` values), or
-    raise ConfigError naming the flag."""
-    document = json.loads(args.settings_json) if getattr(args, "settings_json", None) else {}
-    values = _merge(document, _given(model, args))
+def from_arguments(kind: type[BaseModel], args: argparse.Namespace, **fixed):
+    """Build settings of `kind` from the flags given (and `--settings-json`, and `fixed`
+    values), or raise ConfigError naming the flag."""
+    try:
+        document = json.loads(getattr(args, "settings_json", None) or "{}")
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"--settings-json: not valid JSON: {error}") from None
+    values = _merge(document, _given(kind, args))
     values.update(fixed)
     try:
-        return model.model_validate(values)
+        return kind.model_validate(values)
     except ValidationError as error:
-        raise refusal(error, model, name=lambda loc: _flag_at(model, loc)) from None
+        raise refusal(error, kind, name=lambda loc: _flag_at(kind, loc)) from None
 
 
 def flag(name: str, field) -> str:
@@ -81,8 +95,11 @@ def _given(model: type[BaseModel], args: argparse.Namespace) -> dict:
 def _merge(base: dict, override: dict) -> dict:
     merged = dict(base)
     for key, value in override.items():
-        merged[key] = (_merge(merged[key], value)
-                       if isinstance(value, dict) and isinstance(merged.get(key), dict) else value)
+        merged[key] = (
+            _merge(merged[key], value)
+            if isinstance(value, dict) and isinstance(merged.get(key), dict)
+            else value
+        )
     return merged
 
 

@@ -7,21 +7,35 @@ from pydantic import Field
 
 from settings.base import Settings
 
-Model = Annotated[str, Field(
-    default="smollm2",
-    description="a model name made by `pdserve model` (smollm2, tiny), a Hugging Face folder, "
-                "or a Hugging Face id (where a hub is reachable)")]
-Dtype = Annotated[str, Field(
-    default="float32", description="weights and activations dtype (float32 is fastest on CPU)")]
-MaxModelLen = Annotated[int | None, Field(
-    default=None, ge=1, description="context length in tokens (default: the model's own)")]
-KvCacheGib = Annotated[float, Field(
-    default=2.0, gt=0, description="KV cache size per worker in GiB")]
+Model = Annotated[
+    str,
+    Field(
+        default="smollm2",
+        description="a model name made by `pdserve model` (smollm2, tiny), a Hugging Face folder, "
+        "or a Hugging Face id (where a hub is reachable)",
+    ),
+]
+Dtype = Annotated[
+    str,
+    Field(
+        default="float32", description="weights and activations dtype (float32 is fastest on CPU)"
+    ),
+]
+MaxModelLen = Annotated[
+    int | None,
+    Field(default=None, ge=1, description="context length in tokens (default: the model's own)"),
+]
+KvCacheGib = Annotated[
+    float, Field(default=2.0, gt=0, description="KV cache size per worker in GiB")
+]
 Seed = Annotated[int, Field(default=0, description="engine random seed")]
-TensorParallelSize = Annotated[int, Field(
-    default=1, ge=1, description="GPUs (or CPU ranks) per worker")]
-Quantization = Annotated[str | None, Field(
-    default=None, description="vLLM quantization method, e.g. fp8 (default: none)")]
+TensorParallelSize = Annotated[
+    int, Field(default=1, ge=1, description="GPUs (or CPU ranks) per worker")
+]
+Quantization = Annotated[
+    str | None,
+    Field(default=None, description="vLLM quantization method, e.g. fp8 (default: none)"),
+]
 
 
 class EngineSettings(Settings):

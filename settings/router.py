@@ -15,41 +15,73 @@ ADMISSIONS = (WITH_PREFILL, AFTER_PREFILL)
 
 Host = Annotated[str, Field(default="127.0.0.1", description="router bind address")]
 Port = Annotated[int, Field(default=8000, ge=0, description="router port")]
-Policy = Annotated[Literal[POLICIES], Field(
-    default="round-robin", description="how a worker is chosen within a pool")]
-DisaggregateMinTokens = Annotated[int, Field(
-    default=256, ge=0, description="prompts shorter than this go straight to a decode worker, "
-                                   "which prefills them itself",
-    json_schema_extra={"metavar": "TOKENS"})]
-DecodeAdmission = Annotated[Literal[ADMISSIONS], Field(
-    default=AFTER_PREFILL,
-    description="when a decode worker hears of a disaggregated request: with-prefill (at once; "
-                "it reserves the KV blocks while the prompt computes) or after-prefill (with the "
-                "prefill's first token; see README)")]
-KvTimeoutS = Annotated[float, Field(
-    default=30.0, gt=0, description="how long a decode worker waits for a prompt's KV",
-    json_schema_extra={"flag": "--kv-timeout", "metavar": "SECONDS"})]
-DefaultMaxTokens = Annotated[int, Field(
-    default=512, ge=1, description="max_tokens when a request gives none")]
-RequestTimeoutS = Annotated[float, Field(
-    default=600.0, gt=0, description="seconds a request may take on a worker",
-    json_schema_extra={"flag": "--request-timeout"})]
+Policy = Annotated[
+    Literal[POLICIES],
+    Field(default="round-robin", description="how a worker is chosen within a pool"),
+]
+DisaggregateMinTokens = Annotated[
+    int,
+    Field(
+        default=256,
+        ge=0,
+        description="prompts shorter than this go straight to a decode worker, "
+        "which prefills them itself",
+        json_schema_extra={"metavar": "TOKENS"},
+    ),
+]
+DecodeAdmission = Annotated[
+    Literal[ADMISSIONS],
+    Field(
+        default=AFTER_PREFILL,
+        description="when a decode worker hears of a disaggregated request: with-prefill (at once; "
+        "it reserves the KV blocks while the prompt computes) or after-prefill (with the "
+        "prefill's first token; see README)",
+    ),
+]
+KvTimeoutS = Annotated[
+    float,
+    Field(
+        default=30.0,
+        gt=0,
+        description="how long a decode worker waits for a prompt's KV",
+        json_schema_extra={"flag": "--kv-timeout", "metavar": "SECONDS"},
+    ),
+]
+DefaultMaxTokens = Annotated[
+    int, Field(default=512, ge=1, description="max_tokens when a request gives none")
+]
+RequestTimeoutS = Annotated[
+    float,
+    Field(
+        default=600.0,
+        gt=0,
+        description="seconds a request may take on a worker",
+        json_schema_extra={"flag": "--request-timeout"},
+    ),
+]
 
 
 class RouterSettings(Settings):
     host: Host
     port: Port
-    model: Model = Field(description="where the tokenizer comes from: a `pdserve model` name or "
-                                     "a Hugging Face folder")
-    served_model_name: str = Field("", description="model name clients send (default: the "
-                                                   "--model value)")
-    registry: str = Field("", description="follow the workers in this Redis registry "
-                                          "(redis://host:port/db)",
-                          json_schema_extra={"metavar": "REDIS_URL"})
+    model: Model = Field(
+        description="where the tokenizer comes from: a `pdserve model` name or "
+        "a Hugging Face folder"
+    )
+    served_model_name: str = Field(
+        "", description="model name clients send (default: the --model value)"
+    )
+    registry: str = Field(
+        "",
+        description="follow the workers in this Redis registry (redis://host:port/db)",
+        json_schema_extra={"metavar": "REDIS_URL"},
+    )
     cluster: ClusterName
     worker_addresses: tuple[str, ...] = Field(
-        (), description="a fixed list of workers instead of a registry",
-        json_schema_extra={"cli": False})
+        (),
+        description="a fixed list of workers instead of a registry",
+        json_schema_extra={"cli": False},
+    )
     policy: Policy
     disaggregate_min_tokens: DisaggregateMinTokens
     decode_admission: DecodeAdmission
@@ -57,11 +89,17 @@ class RouterSettings(Settings):
     default_max_tokens: DefaultMaxTokens
     request_timeout_s: RequestTimeoutS
     worker_ready_timeout_s: float = Field(
-        600.0, gt=0, description="seconds to wait for workers to load the model",
-        json_schema_extra={"flag": "--worker-ready-timeout"})
+        600.0,
+        gt=0,
+        description="seconds to wait for workers to load the model",
+        json_schema_extra={"flag": "--worker-ready-timeout"},
+    )
     registry_refresh_s: float = Field(
-        0.1, gt=0, description="how often membership is read from the registry",
-        json_schema_extra={"cli": False})
+        0.1,
+        gt=0,
+        description="how often membership is read from the registry",
+        json_schema_extra={"cli": False},
+    )
 
     @property
     def served_model(self) -> str:

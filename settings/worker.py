@@ -9,37 +9,61 @@ from settings.engine import EngineSettings
 
 ROLES = ("colocated", "prefill", "decode")
 Role = Literal[ROLES]
-KvFailurePolicy = Annotated[Literal["recompute", "fail"], Field(
-    default="recompute",
-    description="decode: when a prompt's KV does not arrive in time, prefill it locally "
-                "(recompute) or end the request with an error (fail)")]
-HeartbeatS = Annotated[float, Field(
-    default=1.0, gt=0, description="registry heartbeat in seconds; a worker that misses two "
-                                   "leaves the pools", json_schema_extra={"flag": "--heartbeat"})]
-ClusterName = Annotated[str, Field(
-    default="pdserve", description="the cluster's name in the registry")]
+KvFailurePolicy = Annotated[
+    Literal["recompute", "fail"],
+    Field(
+        default="recompute",
+        description="decode: when a prompt's KV does not arrive in time, prefill it locally "
+        "(recompute) or end the request with an error (fail)",
+    ),
+]
+HeartbeatS = Annotated[
+    float,
+    Field(
+        default=1.0,
+        gt=0,
+        description="registry heartbeat in seconds; a worker that misses two leaves the pools",
+        json_schema_extra={"flag": "--heartbeat"},
+    ),
+]
+ClusterName = Annotated[
+    str, Field(default="pdserve", description="the cluster's name in the registry")
+]
 
 
 class WorkerSettings(Settings):
     role: Role = Field(
-        "colocated", description="colocated: prefills and decodes its own requests; prefill: "
-                                 "computes prompts and sends their KV; decode: receives KV and "
-                                 "decodes (and prefills short prompts itself)")
+        "colocated",
+        description="colocated: prefills and decodes its own requests; prefill: "
+        "computes prompts and sends their KV; decode: receives KV and "
+        "decodes (and prefills short prompts itself)",
+    )
     host: str = Field("127.0.0.1", description="gRPC bind address")
     port: int = Field(50051, ge=0, description="gRPC port (0: any free port)")
-    worker_id: str = Field("", description="name in logs, stats and the registry "
-                                           "(default: ROLE@HOST:PORT)")
-    advertise_host: str = Field("", description="the host others reach this worker at "
-                                                "(default: --host, or this host's address when "
-                                                "--host is 0.0.0.0)")
-    kv_port: int = Field(0, ge=0, description="decode: port of the KV receiver; rank r of a "
-                                              "tensor-parallel worker uses PORT + r (0: any free "
-                                              "port at TP 1)")
+    worker_id: str = Field(
+        "", description="name in logs, stats and the registry (default: ROLE@HOST:PORT)"
+    )
+    advertise_host: str = Field(
+        "",
+        description="the host others reach this worker at "
+        "(default: --host, or this host's address when "
+        "--host is 0.0.0.0)",
+    )
+    kv_port: int = Field(
+        0,
+        ge=0,
+        description="decode: port of the KV receiver; rank r of a "
+        "tensor-parallel worker uses PORT + r (0: any free "
+        "port at TP 1)",
+    )
     kv_failure_policy: KvFailurePolicy
-    registry: str = Field("", description="join the pools in this Redis registry "
-                                          "(redis://host:port/db) once the engine is ready "
-                                          "(default: none, as under `pdserve serve`)",
-                          json_schema_extra={"metavar": "REDIS_URL"})
+    registry: str = Field(
+        "",
+        description="join the pools in this Redis registry "
+        "(redis://host:port/db) once the engine is ready "
+        "(default: none, as under `pdserve serve`)",
+        json_schema_extra={"metavar": "REDIS_URL"},
+    )
     cluster: ClusterName
     heartbeat_s: HeartbeatS
     engine: EngineSettings = Field(default_factory=EngineSettings)

@@ -15,11 +15,11 @@ import sys
 
 import grpc
 
+from model_store.store import ModelError, resolve_model
 from settings.base import ConfigError
 from settings.command_line import add_arguments, add_settings_json, from_arguments
 from settings.worker import WorkerSettings
 from worker import engine as engine_factory
-from model_store.store import ModelError, resolve_model
 from worker.processes import free_port
 from worker.protocol import GRPC_OPTIONS, worker_pb2_grpc
 
@@ -28,8 +28,10 @@ log = logging.getLogger("pdserve.worker")
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "worker", help="run one worker process (a vLLM engine behind gRPC)",
-        description=__doc__.splitlines()[0])
+        "worker",
+        help="run one worker process (a vLLM engine behind gRPC)",
+        description=__doc__.splitlines()[0],
+    )
     add_arguments(parser, WorkerSettings)
     add_settings_json(parser)
     parser.set_defaults(run=run)
@@ -57,8 +59,13 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
     if settings.role == "decode" and not kv_port:
         kv_port = free_port(settings.host)
     kv_address = f"{host}:{kv_port}" if settings.role == "decode" else ""
-    service = WorkerService(worker_id, settings.role, str(model), kv_address,
-                            settings.kv_failure_policy if settings.role == "decode" else "")
+    service = WorkerService(
+        worker_id,
+        settings.role,
+        str(model),
+        kv_address,
+        settings.kv_failure_policy if settings.role == "decode" else "",
+    )
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     await server.start()
     log.info("worker %s listening on %s:%d; starting the engine", worker_id, settings.host, port)
@@ -72,8 +79,13 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
     # thread pool's futures keep a result alive until interpreter exit, where AsyncLLM.__del__
     # then failed ("'NoneType' object is not callable").
     started: list = []
-    starting = asyncio.create_task(asyncio.to_thread(
-        lambda: started.append(engine_factory.make_engine(settings, model, kv_port, service.engine_stats))))
+    starting = asyncio.create_task(
+        asyncio.to_thread(
+            lambda: started.append(
+                engine_factory.make_engine(settings, model, kv_port, service.engine_stats)
+            )
+        )
+    )
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if stop.is_set():
@@ -92,8 +104,12 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
         await server.stop(grace=1)
         return 1
     service.engine_ready(engine)
-    log.info("worker %s ready (max_model_len=%d, kv blocks=%d)", worker_id,
-             service.max_model_len, service.kv_blocks_total)
+    log.info(
+        "worker %s ready (max_model_len=%d, kv blocks=%d)",
+        worker_id,
+        service.max_model_len,
+        service.kv_blocks_total,
+    )
     membership = None
     if settings.registry:
         membership = await _join_registry(settings, service, f"{host}:{port}", engine)
@@ -114,21 +130,30 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
 
 async def _join_registry(settings: WorkerSettings, service, address: str, engine):
     """Join the pools; None (and the worker stops) when the registry cannot be reached."""
-    from worker.registry import Registry, WorkerRecord
-    from worker.membership import (WorkerMembership, compatibility_hash, load_of,
-                                           placement_from_environment)
     from kv_transfer.connector_base import compatibility_of
+    from worker.membership import (
+        WorkerMembership,
+        compatibility_hash,
+        load_of,
+        placement_from_environment,
+    )
+    from worker.registry import Registry, WorkerRecord
 
     node, gpu_ids = placement_from_environment()
     record = WorkerRecord(
-        worker_id=service.worker_id, role=service.role, address=address,
+        worker_id=service.worker_id,
+        role=service.role,
+        address=address,
         kv_address=service.kv_address,
         tensor_parallel_size=engine.vllm_config.parallel_config.tensor_parallel_size,
         compatibility_hash=compatibility_hash(compatibility_of(engine.vllm_config).to_dict()),
-        node=node, gpu_ids=gpu_ids)
+        node=node,
+        gpu_ids=gpu_ids,
+    )
     registry = Registry(settings.registry, settings.cluster)
-    membership = WorkerMembership(registry, record, settings.heartbeat_s,
-                                  lambda: load_of(service.stats_reply()))
+    membership = WorkerMembership(
+        registry, record, settings.heartbeat_s, lambda: load_of(service.stats_reply())
+    )
     try:
         await membership.join()
     except Exception as error:

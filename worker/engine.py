@@ -21,16 +21,19 @@ def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
     (a colocated worker has none). A decode worker's KV receiver binds to its gRPC host, rank r
     on `kv_port` + r."""
     if worker.role == "prefill":
-        return {"kv_connector": "PrefillConnector",
-                "kv_connector_module_path": "prefill_workers.connector",
-                "kv_role": "kv_producer"}
+        return {
+            "kv_connector": "PrefillConnector",
+            "kv_connector_module_path": "prefill_workers.connector",
+            "kv_role": "kv_producer",
+        }
     if worker.role == "decode":
-        return {"kv_connector": "DecodeConnector",
-                "kv_connector_module_path": "decode_workers.connector",
-                "kv_role": "kv_consumer",
-                "kv_load_failure_policy": worker.kv_failure_policy,
-                "kv_connector_extra_config": {"receiver_host": worker.host,
-                                              "receiver_port": kv_port}}
+        return {
+            "kv_connector": "DecodeConnector",
+            "kv_connector_module_path": "decode_workers.connector",
+            "kv_role": "kv_consumer",
+            "kv_load_failure_policy": worker.kv_failure_policy,
+            "kv_connector_extra_config": {"receiver_host": worker.host, "receiver_port": kv_port},
+        }
     return None
 
 
@@ -64,8 +67,11 @@ def _stat_logger_factory(stats: EngineStats):
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
             if scheduler_stats is None:
                 return
-            stats.update(scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs,
-                         scheduler_stats.kv_cache_usage)
+            stats.update(
+                scheduler_stats.num_running_reqs,
+                scheduler_stats.num_waiting_reqs,
+                scheduler_stats.kv_cache_usage,
+            )
             for transfer in (scheduler_stats.kv_connector_stats or {}).get("transfers", ()):
                 stats.kv_transfers[transfer["transfer_id"]] = transfer
             while len(stats.kv_transfers) > MAX_UNCLAIMED_TRANSFERS:  # their requests were aborted
@@ -127,6 +133,9 @@ def _ray_placement_group(tensor_parallel_size: int):
     from ray.util.placement_group import get_placement_group
 
     if not ray.is_initialized():
-        ray.init(address=os.environ["RAY_ADDRESS"], namespace=os.environ[RAY_NAMESPACE_ENV],
-                 log_to_driver=False)
+        ray.init(
+            address=os.environ["RAY_ADDRESS"],
+            namespace=os.environ[RAY_NAMESPACE_ENV],
+            log_to_driver=False,
+        )
     return get_placement_group(name)

@@ -25,13 +25,16 @@ def placement_from_environment() -> tuple[str, tuple[str, ...]]:
     """(node, accelerator ids) as the launcher left them: Ray's node id in PDSERVE_NODE, the
     devices this process may use in CUDA_VISIBLE_DEVICES (Ray sets it for each actor)."""
     devices = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    return (os.environ.get("PDSERVE_NODE") or socket.gethostname(),
-            tuple(device for device in devices.split(",") if device))
+    return (
+        os.environ.get("PDSERVE_NODE") or socket.gethostname(),
+        tuple(device for device in devices.split(",") if device),
+    )
 
 
 class WorkerMembership:
-    def __init__(self, registry: Registry, record: WorkerRecord, heartbeat_s: float,
-                 read_load) -> None:
+    def __init__(
+        self, registry: Registry, record: WorkerRecord, heartbeat_s: float, read_load
+    ) -> None:
         self.registry = registry
         self.record = record
         self.heartbeat_s = heartbeat_s
@@ -42,8 +45,12 @@ class WorkerMembership:
         """Write the entry now (so a failure to reach Redis shows at start), then keep it."""
         await self._write()
         self._beating = asyncio.create_task(self._beat())
-        log.info("joined the %s pool in %s as %s", self.record.role, self.registry.url,
-                 self.record.worker_id)
+        log.info(
+            "joined the %s pool in %s as %s",
+            self.record.role,
+            self.registry.url,
+            self.record.worker_id,
+        )
 
     async def _write(self) -> None:
         record = replace(self.record, load=self.read_load())
@@ -67,13 +74,14 @@ class WorkerMembership:
             await self.registry.remove(self.record.worker_id)
             log.info("left the %s pool", self.record.role)
         except Exception as error:  # the entry expires on its own
-            log.warning("could not remove %s from the registry: %s", self.record.worker_id,
-                        error)
+            log.warning("could not remove %s from the registry: %s", self.record.worker_id, error)
 
 
 def load_of(stats_reply) -> WorkerLoad:
-    return WorkerLoad(running_requests=stats_reply.running_requests,
-                      waiting_requests=stats_reply.waiting_requests,
-                      kv_blocks_used=stats_reply.kv_blocks_used,
-                      kv_blocks_total=stats_reply.kv_blocks_total,
-                      outstanding_prefill_tokens=stats_reply.outstanding_prefill_tokens)
+    return WorkerLoad(
+        running_requests=stats_reply.running_requests,
+        waiting_requests=stats_reply.waiting_requests,
+        kv_blocks_used=stats_reply.kv_blocks_used,
+        kv_blocks_total=stats_reply.kv_blocks_total,
+        outstanding_prefill_tokens=stats_reply.outstanding_prefill_tokens,
+    )

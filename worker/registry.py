@@ -26,13 +26,13 @@ class WorkerLoad:
 @dataclass(frozen=True)
 class WorkerRecord:
     worker_id: str
-    role: str                       # "prefill", "decode" or "colocated"
-    address: str                    # the worker's gRPC address, host:port
-    kv_address: str = ""            # decode: where prefill workers push KV
+    role: str  # "prefill", "decode" or "colocated"
+    address: str  # the worker's gRPC address, host:port
+    kv_address: str = ""  # decode: where prefill workers push KV
     tensor_parallel_size: int = 1
-    compatibility_hash: str = ""    # equal hashes: KV blocks mean the same on both workers
-    node: str = ""                  # where it runs: the Ray node id, or the host name
-    gpu_ids: tuple[str, ...] = ()   # the accelerator ids this worker may see
+    compatibility_hash: str = ""  # equal hashes: KV blocks mean the same on both workers
+    node: str = ""  # where it runs: the Ray node id, or the host name
+    gpu_ids: tuple[str, ...] = ()  # the accelerator ids this worker may see
     load: WorkerLoad = field(default_factory=WorkerLoad)
 
     def to_json(self) -> str:
@@ -41,8 +41,13 @@ class WorkerRecord:
     @classmethod
     def from_json(cls, text: str | bytes) -> "WorkerRecord":
         data = json.loads(text)
-        return cls(**{**data, "gpu_ids": tuple(data.get("gpu_ids", ())),
-                      "load": WorkerLoad(**data.get("load", {}))})
+        return cls(
+            **{
+                **data,
+                "gpu_ids": tuple(data.get("gpu_ids", ())),
+                "load": WorkerLoad(**data.get("load", {})),
+            }
+        )
 
 
 class Registry:
@@ -56,8 +61,9 @@ class Registry:
         self.redis = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
 
     async def put(self, record: WorkerRecord, ttl_s: float) -> None:
-        await self.redis.set(self.prefix + record.worker_id, record.to_json(),
-                             px=max(1, round(ttl_s * 1000)))
+        await self.redis.set(
+            self.prefix + record.worker_id, record.to_json(), px=max(1, round(ttl_s * 1000))
+        )
 
     async def remove(self, worker_id: str) -> None:
         await self.redis.delete(self.prefix + worker_id)
@@ -68,8 +74,10 @@ class Registry:
             return []
         values = await self.redis.mget(keys)
         # A record can expire between SCAN and MGET: it is simply gone.
-        return sorted((WorkerRecord.from_json(v) for v in values if v is not None),
-                      key=lambda record: record.worker_id)
+        return sorted(
+            (WorkerRecord.from_json(v) for v in values if v is not None),
+            key=lambda record: record.worker_id,
+        )
 
     async def clear(self) -> int:
         """Delete every record of this cluster (`pdserve down`); returns how many there were."""

@@ -33,8 +33,11 @@ def kv_extra_args(request: worker_pb2.GenerateRequest) -> dict | None:
     kv = request.kv
     if kv.send_to:
         return to_extra_args(SendKv(kv.transfer_id, kv.send_to))
-    return to_extra_args(ReceiveKv(kv.transfer_id, kv.receive_timeout_s,
-                                   kv.kv_tokens or len(request.prompt_token_ids)))
+    return to_extra_args(
+        ReceiveKv(
+            kv.transfer_id, kv.receive_timeout_s, kv.kv_tokens or len(request.prompt_token_ids)
+        )
+    )
 
 
 def to_vllm_sampling(params: worker_pb2.SamplingParams, extra_args: dict | None = None):
@@ -68,8 +71,14 @@ def request_timing(metrics) -> worker_pb2.RequestTiming | None:
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, worker_id: str, role: str, model: str, kv_address: str = "",
-                 kv_failure_policy: str = "") -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        role: str,
+        model: str,
+        kv_address: str = "",
+        kv_failure_policy: str = "",
+    ) -> None:
         self.worker_id = worker_id
         self.role = role
         self.model = model
@@ -101,8 +110,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         from vllm.v1.engine.exceptions import EngineDeadError
 
         if self.state not in (State.READY, State.DRAINING):
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"worker {self.worker_id} is not ready: {self.state_message}")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"worker {self.worker_id} is not ready: {self.state_message}",
+            )
         await self._validate(request, context)
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
         request_id = request.request_id
@@ -126,17 +137,20 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     def _error_reason(self, request) -> str:
         if request.HasField("kv") and not request.kv.send_to:
-            return (f"the prompt's KV did not arrive within {request.kv.receive_timeout_s:g} s "
-                    f"(transfer {request.kv.transfer_id}); this worker's kv failure policy is "
-                    f"'{self.kv_failure_policy}'")
+            return (
+                f"the prompt's KV did not arrive within {request.kv.receive_timeout_s:g} s "
+                f"(transfer {request.kv.transfer_id}); this worker's kv failure policy is "
+                f"'{self.kv_failure_policy}'"
+            )
         return "the engine ended the request with an error"
 
     async def _validate(self, request, context) -> None:
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
         if request.request_id in self.active:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                                f"request {request.request_id} is already running")
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"request {request.request_id} is already running"
+            )
         if not request.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
         total = len(request.prompt_token_ids) + request.sampling.max_tokens
@@ -144,7 +158,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"prompt ({len(request.prompt_token_ids)} tokens) plus max_tokens "
-                f"({request.sampling.max_tokens}) exceeds the context length {self.max_model_len}")
+                f"({request.sampling.max_tokens}) exceeds the context length {self.max_model_len}",
+            )
 
     def _chunk(self, output, request) -> worker_pb2.GenerateChunk:
         completion = output.outputs[0]
@@ -162,16 +177,21 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if request.HasField("kv") and not request.kv.send_to:
             transfer = self.engine_stats.take_kv_transfer(request.kv.transfer_id)
             if transfer is not None:
-                chunk.kv.CopyFrom(worker_pb2.KvTransferStats(
-                    bytes=transfer["bytes"], seconds=transfer["seconds"],
-                    failed=transfer["failed"]))
+                chunk.kv.CopyFrom(
+                    worker_pb2.KvTransferStats(
+                        bytes=transfer["bytes"],
+                        seconds=transfer["seconds"],
+                        failed=transfer["failed"],
+                    )
+                )
         return chunk
 
     async def _probe(self) -> None:
         """One 1-token request: an engine step, after which vLLM reports its scheduler stats."""
         probe = {"prompt_token_ids": [0]}
-        async for _ in self.engine.generate(probe, to_vllm_sampling(PROBE_SAMPLING),
-                                            f"stats-probe-{time.monotonic_ns()}"):
+        async for _ in self.engine.generate(
+            probe, to_vllm_sampling(PROBE_SAMPLING), f"stats-probe-{time.monotonic_ns()}"
+        ):
             pass
 
     async def Abort(self, request, context):
@@ -182,10 +202,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     async def Health(self, request, context):
         return worker_pb2.HealthReply(
-            state=self.state, message=self.state_message, worker_id=self.worker_id,
-            role=self.role, model=self.model, max_model_len=self.max_model_len,
-            kv_address=self.kv_address, kv_failure_policy=self.kv_failure_policy,
-            tensor_parallel_size=self.tensor_parallel_size)
+            state=self.state,
+            message=self.state_message,
+            worker_id=self.worker_id,
+            role=self.role,
+            model=self.model,
+            max_model_len=self.max_model_len,
+            kv_address=self.kv_address,
+            kv_failure_policy=self.kv_failure_policy,
+            tensor_parallel_size=self.tensor_parallel_size,
+        )
 
     async def Stats(self, request, context):
         if request.fresh and self.engine is not None:
@@ -217,8 +243,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             idle = await self._idle()
         left = len(self.active)
         log.info("drained in %.1f s, %d request(s) left", time.monotonic() - started, left)
-        return worker_pb2.DrainReply(drained=idle, requests_left=left,
-                                     seconds=time.monotonic() - started)
+        return worker_pb2.DrainReply(
+            drained=idle, requests_left=left, seconds=time.monotonic() - started
+        )
 
     async def _idle(self) -> bool:
         """No request in flight, and no KV block held (a prefill worker holds a request's

@@ -18,10 +18,15 @@ import httpx
 import pytest
 
 from bench.local_cluster import router_healthy
-from worker.processes import ChildError, free_port, spawn, wait_until
 from tests.integration.processes import alive, descendants
-from tests.integration.prompts import (CHATS, DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS, MAX_TOKENS,
-                           PROMPTS)
+from tests.integration.prompts import (
+    CHATS,
+    DISAGGREGATED_MAX_TOKENS,
+    DISAGGREGATED_PROMPTS,
+    MAX_TOKENS,
+    PROMPTS,
+)
+from worker.processes import ChildError, free_port, spawn, wait_until
 
 SERVED_MODEL = "smollm2"
 START_TIMEOUT_S = 600
@@ -39,27 +44,47 @@ class Server:
         return f"{self.url}/v1"
 
     def workers(self, fresh: bool = False) -> list[dict]:
-        return httpx.get(f"{self.url}/pdserve/workers", params={"fresh": fresh},
-                         timeout=30).json()["workers"]
+        return httpx.get(f"{self.url}/pdserve/workers", params={"fresh": fresh}, timeout=30).json()[
+            "workers"
+        ]
 
     def worker(self, role: str, fresh: bool = False) -> dict:
         (row,) = [w for w in self.workers(fresh) if w["role"] == role]
         return row
 
     def log(self) -> str:
-        return "\n".join(path.read_text(errors="replace")[-4000:]
-                         for path in sorted(self.log_dir.glob("*.log")))
+        return "\n".join(
+            path.read_text(errors="replace")[-4000:] for path in sorted(self.log_dir.glob("*.log"))
+        )
 
 
 def start_server(log_dir: Path, *args: str) -> Server:
     port = free_port()
-    process = spawn([sys.executable, "-m", "cluster.cli", "serve", "--port", str(port),
-                     "--kv-cache-gib", "1", "--log-dir", str(log_dir), *args],
-                    log_dir / "serve.log")
+    process = spawn(
+        [
+            sys.executable,
+            "-m",
+            "cluster.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--kv-cache-gib",
+            "1",
+            "--log-dir",
+            str(log_dir),
+            *args,
+        ],
+        log_dir / "serve.log",
+    )
     server = Server(f"http://127.0.0.1:{port}", process, log_dir)
     try:
-        wait_until(lambda: router_healthy(server.url), process, START_TIMEOUT_S, "pdserve serve",
-                   poll_s=1.0)
+        wait_until(
+            lambda: router_healthy(server.url),
+            process,
+            START_TIMEOUT_S,
+            "pdserve serve",
+            poll_s=1.0,
+        )
     except ChildError as error:
         _stop_and_check(server)
         pytest.fail(f"{error}\n{server.log()}")
@@ -80,24 +105,38 @@ def server(smollm2_dir, tmp_path_factory) -> Server:
 @pytest.fixture(scope="session")
 def offline_reference(smollm2_dir, tmp_path_factory) -> dict:
     """Greedy outputs of vLLM's offline engine for tests/prompts.py."""
-    prompts = ([{"prompt": p, "max_tokens": MAX_TOKENS} for p in PROMPTS]
-               + [{"prompt": p, "max_tokens": DISAGGREGATED_MAX_TOKENS}
-                  for p in DISAGGREGATED_PROMPTS])
+    prompts = [{"prompt": p, "max_tokens": MAX_TOKENS} for p in PROMPTS] + [
+        {"prompt": p, "max_tokens": DISAGGREGATED_MAX_TOKENS} for p in DISAGGREGATED_PROMPTS
+    ]
     outputs = offline_outputs(smollm2_dir, tmp_path_factory.mktemp("offline"), prompts, CHATS)
     count = len(PROMPTS)
-    return {"prompts": outputs["prompts"][:count], "chats": outputs["chats"],
-            "disaggregated": outputs["prompts"][count:]}
+    return {
+        "prompts": outputs["prompts"][:count],
+        "chats": outputs["chats"],
+        "disaggregated": outputs["prompts"][count:],
+    }
 
 
-def offline_outputs(model_dir: Path, folder: Path, prompts: list[dict],
-                    chats: list[list[dict]]) -> dict:
+def offline_outputs(
+    model_dir: Path, folder: Path, prompts: list[dict], chats: list[list[dict]]
+) -> dict:
     """Run tests/offline_reference.py (vLLM's offline LLM, TP 1) in its own process."""
-    (folder / "requests.json").write_text(json.dumps(
-        {"prompts": prompts, "chats": chats, "chat_max_tokens": MAX_TOKENS}))
+    (folder / "requests.json").write_text(
+        json.dumps({"prompts": prompts, "chats": chats, "chat_max_tokens": MAX_TOKENS})
+    )
     script = Path(__file__).with_name("offline_reference.py")
     done = subprocess.run(
-        [sys.executable, str(script), str(model_dir), str(folder / "requests.json"),
-         str(folder / "out.json")], capture_output=True, text=True, timeout=900)
+        [
+            sys.executable,
+            str(script),
+            str(model_dir),
+            str(folder / "requests.json"),
+            str(folder / "out.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads((folder / "out.json").read_text())
 

@@ -17,19 +17,31 @@ def main(model_dir: str, requests_path: str, output_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     requests = json.loads(open(requests_path).read())
-    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, seed=0,
-              kv_cache_memory_bytes=GIB)
+    llm = LLM(
+        model=model_dir, dtype="float32", enforce_eager=True, seed=0, kv_cache_memory_bytes=GIB
+    )
     prompts = requests["prompts"]
     results = {
-        "prompts": llm.generate([p["prompt"] for p in prompts],
-                                [SamplingParams(temperature=0.0, max_tokens=p["max_tokens"])
-                                 for p in prompts]),
-        "chats": llm.chat(requests["chats"],
-                          SamplingParams(temperature=0.0, max_tokens=requests["chat_max_tokens"])),
+        "prompts": llm.generate(
+            [p["prompt"] for p in prompts],
+            [SamplingParams(temperature=0.0, max_tokens=p["max_tokens"]) for p in prompts],
+        ),
+        "chats": llm.chat(
+            requests["chats"],
+            SamplingParams(temperature=0.0, max_tokens=requests["chat_max_tokens"]),
+        ),
     }
     with open(output_path, "w") as out:
-        json.dump({kind: [{"text": r.outputs[0].text, "token_ids": list(r.outputs[0].token_ids)}
-                          for r in outputs] for kind, outputs in results.items()}, out)
+        json.dump(
+            {
+                kind: [
+                    {"text": r.outputs[0].text, "token_ids": list(r.outputs[0].token_ids)}
+                    for r in outputs
+                ]
+                for kind, outputs in results.items()
+            },
+            out,
+        )
 
 
 if __name__ == "__main__":

@@ -9,13 +9,17 @@ PROMPTS = [
 ]
 CHATS = [
     [{"role": "user", "content": "What is 2 + 2?"}],
-    [{"role": "system", "content": "You are terse."},
-     {"role": "user", "content": "Name a planet."}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a planet."},
+    ],
     [{"role": "user", "content": "Write a haiku about the sea."}],
 ]
 
-_STORY = ("The old lighthouse keeper climbed the stairs every evening, counting each step, "
-          "listening to the sea, and writing the weather in a worn notebook. ")
+_STORY = (
+    "The old lighthouse keeper climbed the stairs every evening, counting each step, "
+    "listening to the sea, and writing the weather in a worn notebook. "
+)
 
 
 def long_prompt(approx_tokens: int) -> str:

@@ -8,10 +8,32 @@ import sys
 def test_bench_measures_the_real_router(server, tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "bench", "--url", server.url, "--num-requests", "4",
-         "--concurrency", "2", "--input-len", "16", "--output-len", "8", "--ignore-eos",
-         "--slo", "ttft=60s,tpot=10s", "--output-json", str(out), "--no-progress"],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "cluster.cli",
+            "bench",
+            "--url",
+            server.url,
+            "--num-requests",
+            "4",
+            "--concurrency",
+            "2",
+            "--input-len",
+            "16",
+            "--output-len",
+            "8",
+            "--ignore-eos",
+            "--slo",
+            "ttft=60s,tpot=10s",
+            "--output-json",
+            str(out),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     summary = report["summary"]

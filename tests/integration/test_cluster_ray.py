@@ -19,20 +19,31 @@ import ray
 from openai import OpenAI
 
 from cluster import local_services
-from worker.processes import stop_group
-from worker.processes import free_port
-from tests.integration.processes import (alive, command_line, group_members, pids_running,
-                                         pids_with_environment)
+from tests.integration.processes import (
+    alive,
+    command_line,
+    group_members,
+    pids_running,
+    pids_with_environment,
+)
 from tests.integration.prompts import MAX_TOKENS, PROMPTS
+from worker.processes import free_port, stop_group
 
 CLUSTER = "pdtest"
 HEARTBEAT_S = 1.0
 COMMAND_TIMEOUT_S = 600
 
 
-def pdserve(*args: str, env: dict, timeout: float = COMMAND_TIMEOUT_S) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], env=env, text=True,
-                          capture_output=True, timeout=timeout)
+def pdserve(
+    *args: str, env: dict, timeout: float = COMMAND_TIMEOUT_S
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "cluster.cli", *args],
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +72,9 @@ def cluster(ray_and_redis, smollm2_dir, tmp_path_factory):
     address, redis_url = ray_and_redis
     folder = tmp_path_factory.mktemp("cluster")
     config = folder / "cluster.yaml"
-    config.write_text(CLUSTER_FILE.format(name=CLUSTER, port=free_port(), redis=redis_url,
-                                          heartbeat=HEARTBEAT_S))
+    config.write_text(
+        CLUSTER_FILE.format(name=CLUSTER, port=free_port(), redis=redis_url, heartbeat=HEARTBEAT_S)
+    )
     env = {**os.environ, "PDSERVE_STATE_DIR": str(folder / "state"), "RAY_AUTH_MODE": "disabled"}
     started = time.monotonic()
     up = pdserve("up", "-f", str(config), "--address", address, env=env)
@@ -76,15 +88,20 @@ def cluster(ray_and_redis, smollm2_dir, tmp_path_factory):
         print(f"pdserve up (2P2D) took {up_seconds:.1f} s")
         yield info
     finally:
-        worker_pids = [pid for pid in pids_running("worker", "--settings-json")
-                       if f'"cluster":"{CLUSTER}"' in " ".join(command_line(pid))]
+        worker_pids = [
+            pid
+            for pid in pids_running("worker", "--settings-json")
+            if f'"cluster":"{CLUSTER}"' in " ".join(command_line(pid))
+        ]
         down = pdserve("down", "-f", str(config), env=env)
         try:
             assert down.returncode == 0, down.stderr[-4000:]
             assert ray.util.list_named_actors() == [], "actors left after pdserve down"
-            assert not [g for g in ray.util.placement_group_table().values()
-                        if g["name"].startswith(f"pdserve-{CLUSTER}-")
-                        and g["state"] != "REMOVED"], "placement groups left after pdserve down"
+            assert not [
+                g
+                for g in ray.util.placement_group_table().values()
+                if g["name"].startswith(f"pdserve-{CLUSTER}-") and g["state"] != "REMOVED"
+            ], "placement groups left after pdserve down"
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and any(alive(pid) for pid in worker_pids):
                 time.sleep(0.2)
@@ -106,30 +123,41 @@ registry: {{url: "{redis}", heartbeat_s: {heartbeat}}}
 
 
 def _status(cluster) -> dict:
-    done = pdserve("status", "-f", str(cluster["config"]), "--json", env=cluster["env"],
-                   timeout=60)
+    done = pdserve("status", "-f", str(cluster["config"]), "--json", env=cluster["env"], timeout=60)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout)
 
 
 def _client(cluster) -> OpenAI:
-    return OpenAI(base_url=f"{cluster['state']['router_url']}/v1", api_key="unused",
-                  timeout=120, max_retries=0)
+    return OpenAI(
+        base_url=f"{cluster['state']['router_url']}/v1",
+        api_key="unused",
+        timeout=120,
+        max_retries=0,
+    )
 
 
 def test_up_gives_each_worker_its_own_placement_group_and_gpu(cluster, offline_reference):
-    groups = [g for g in ray.util.placement_group_table().values()
-              if g["name"].startswith(f"pdserve-{CLUSTER}-") and g["state"] == "CREATED"]
+    groups = [
+        g
+        for g in ray.util.placement_group_table().values()
+        if g["name"].startswith(f"pdserve-{CLUSTER}-") and g["state"] == "CREATED"
+    ]
     assert sorted(g["name"] for g in groups) == [
-        f"pdserve-{CLUSTER}-{w}" for w in ("decode-0", "decode-1", "prefill-0", "prefill-1")]
+        f"pdserve-{CLUSTER}-{w}" for w in ("decode-0", "decode-1", "prefill-0", "prefill-1")
+    ]
     for group in groups:
         assert group["strategy"] == "STRICT_PACK"
         assert list(group["bundles"].values()) == [{"GPU": 1.0}]
 
     status = _status(cluster)
     workers = status["workers"]
-    assert sorted(w["worker"] for w in workers) == ["decode-0", "decode-1", "prefill-0",
-                                                    "prefill-1"]
+    assert sorted(w["worker"] for w in workers) == [
+        "decode-0",
+        "decode-1",
+        "prefill-0",
+        "prefill-1",
+    ]
     assert all(w["state"] == "in pool" for w in workers)
     gpu_ids = [tuple(w["gpu_ids"]) for w in workers]
     assert all(len(ids) == 1 for ids in gpu_ids), gpu_ids
@@ -140,8 +168,9 @@ def test_up_gives_each_worker_its_own_placement_group_and_gpu(cluster, offline_r
 
     health = httpx.get(f"{cluster['state']['router_url']}/health", timeout=10).json()
     assert sorted(health["workers"]) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
-    reply = _client(cluster).completions.create(model="smollm2", prompt=PROMPTS[0],
-                                                max_tokens=MAX_TOKENS, temperature=0)
+    reply = _client(cluster).completions.create(
+        model="smollm2", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0
+    )
     assert reply.choices[0].text == offline_reference["prompts"][0]["text"]
 
 
@@ -175,12 +204,13 @@ class SteadyStream:
             self.sent += 1
             try:
                 reply = self.client.completions.create(
-                    model="smollm2", prompt=PROMPTS[index], max_tokens=MAX_TOKENS,
-                    temperature=0)
+                    model="smollm2", prompt=PROMPTS[index], max_tokens=MAX_TOKENS, temperature=0
+                )
                 expected = self.reference["prompts"][index]["text"]
                 if reply.choices[0].text != expected:
-                    self.failures.append(f"prompt {index}: {reply.choices[0].text!r} != "
-                                         f"{expected!r}")
+                    self.failures.append(
+                        f"prompt {index}: {reply.choices[0].text!r} != {expected!r}"
+                    )
             except Exception as error:
                 self.failures.append(f"prompt {index}: {type(error).__name__}: {error}")
             i += 2
@@ -188,8 +218,16 @@ class SteadyStream:
 
 def _scale(cluster, prefill: int, decode: int) -> float:
     started = time.monotonic()
-    done = pdserve("scale", "-f", str(cluster["config"]), "--prefill", str(prefill),
-                   "--decode", str(decode), env=cluster["env"])
+    done = pdserve(
+        "scale",
+        "-f",
+        str(cluster["config"]),
+        "--prefill",
+        str(prefill),
+        "--decode",
+        str(decode),
+        env=cluster["env"],
+    )
     assert done.returncode == 0, done.stderr[-6000:]
     seconds = time.monotonic() - started
     roles = [w["role"] for w in _status(cluster)["workers"] if w["state"] == "in pool"]
@@ -203,27 +241,33 @@ def test_ratio_changes_under_a_steady_stream_fail_no_request(cluster, offline_re
         for prefill, decode in ((1, 1), (2, 1), (1, 2)):
             timings[f"{prefill}P{decode}D"] = _scale(cluster, prefill, decode)
         time.sleep(2)  # requests on the final layout too
-    print(f"scale timings (s): {timings}; requests sent {stream.sent}, "
-          f"failed {len(stream.failures)}")
+    print(
+        f"scale timings (s): {timings}; requests sent {stream.sent}, failed {len(stream.failures)}"
+    )
     assert stream.sent >= 30
     assert stream.failures == []
 
 
 def test_a_killed_worker_leaves_the_pools_within_two_heartbeats(cluster, offline_reference):
-    victim = "decode-1" if any(w["worker"] == "decode-1" for w in _status(cluster)["workers"]) \
+    victim = (
+        "decode-1"
+        if any(w["worker"] == "decode-1" for w in _status(cluster)["workers"])
         else "decode-0"
+    )
     ray.kill(ray.get_actor(victim), no_restart=True)
     killed = time.monotonic()
     router = cluster["state"]["router_url"]
     while victim in httpx.get(f"{router}/health", timeout=5).json()["workers"]:
-        assert time.monotonic() - killed < 2 * HEARTBEAT_S + 0.5, \
+        assert time.monotonic() - killed < 2 * HEARTBEAT_S + 0.5, (
             f"{victim} still in the router's pools {time.monotonic() - killed:.1f} s after kill"
+        )
         time.sleep(0.05)
     left_after = time.monotonic() - killed
     print(f"{victim} left the pools {left_after:.2f} s after its actor was killed")
     client = _client(cluster)
     for index in range(4):
         reply = client.completions.with_raw_response.create(
-            model="smollm2", prompt=PROMPTS[index], max_tokens=MAX_TOKENS, temperature=0)
+            model="smollm2", prompt=PROMPTS[index], max_tokens=MAX_TOKENS, temperature=0
+        )
         assert reply.headers["x-pdserve-worker"] != victim
         assert reply.parse().choices[0].text == offline_reference["prompts"][index]["text"]

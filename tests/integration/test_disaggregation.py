@@ -15,22 +15,35 @@ from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PR
 
 
 def complete(server, prompt: str, route: str, **extra) -> httpx.Response:
-    body = {"model": SERVED_MODEL, "prompt": prompt, "temperature": 0,
-            "max_tokens": DISAGGREGATED_MAX_TOKENS, **extra}
-    return httpx.post(f"{server.base_url}/completions", json=body, timeout=300,
-                      headers={"x-pdserve-route": route, "x-pdserve-timing": "1"})
+    body = {
+        "model": SERVED_MODEL,
+        "prompt": prompt,
+        "temperature": 0,
+        "max_tokens": DISAGGREGATED_MAX_TOKENS,
+        **extra,
+    }
+    return httpx.post(
+        f"{server.base_url}/completions",
+        json=body,
+        timeout=300,
+        headers={"x-pdserve-route": route, "x-pdserve-timing": "1"},
+    )
 
 
 def metric(server, name: str) -> float:
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    values = [float(line.split()[-1]) for line in text.splitlines()
-              if line.startswith(name + " ") or line.startswith(name + "{")]
+    values = [
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith(name + " ") or line.startswith(name + "{")
+    ]
     return sum(values)
 
 
 @pytest.mark.parametrize("index", range(len(DISAGGREGATED_PROMPTS)))
-def test_disaggregated_output_equals_colocated_and_skips_the_prompt(server, offline_reference,
-                                                                    index):
+def test_disaggregated_output_equals_colocated_and_skips_the_prompt(
+    server, offline_reference, index
+):
     fallbacks_before = metric(server, "pdserve_kv_fallbacks_total")
     response = complete(server, DISAGGREGATED_PROMPTS[index], "disaggregated")
     assert response.status_code == 200, response.text
@@ -45,8 +58,7 @@ def test_disaggregated_output_equals_colocated_and_skips_the_prompt(server, offl
     assert body["usage"]["completion_tokens"] > 1, "the decode worker must have had work"
     # ...and the decode worker computed none of the prompt: vLLM counted every prompt token
     # as already there (received KV), and nothing fell back to local prefill.
-    assert int(response.headers["x-pdserve-decode-cached-tokens"]) == body["usage"][
-        "prompt_tokens"]
+    assert int(response.headers["x-pdserve-decode-cached-tokens"]) == body["usage"]["prompt_tokens"]
     assert metric(server, "pdserve_kv_fallbacks_total") == fallbacks_before
     timing = body["pdserve_timing"]
     blocks = -(-body["usage"]["prompt_tokens"] // 128)
@@ -82,11 +94,21 @@ def test_cached_tokens_come_from_the_prefill_workers_cache(server):
 
 
 def first_two_token_texts(server, prompt: str) -> list[str]:
-    body = {"model": SERVED_MODEL, "prompt": prompt, "temperature": 0, "max_tokens": 4,
-            "stream": True}
+    body = {
+        "model": SERVED_MODEL,
+        "prompt": prompt,
+        "temperature": 0,
+        "max_tokens": 4,
+        "stream": True,
+    }
     texts = []
-    with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=120,
-                      headers={"x-pdserve-route": "local"}) as response:
+    with httpx.stream(
+        "POST",
+        f"{server.base_url}/completions",
+        json=body,
+        timeout=120,
+        headers={"x-pdserve-route": "local"},
+    ) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
                 texts.append(json.loads(line[6:])["choices"][0]["text"])
@@ -98,9 +120,13 @@ def test_a_stop_string_across_the_first_two_tokens_is_honoured(server, extra):
     prompt = "A stop string check: " + long_prompt(300)
     first, second = first_two_token_texts(server, prompt)
     stop = first[-2:] + second[:2]
-    results = [complete(server, prompt, route, stop=[stop], max_tokens=8, **extra).json()
-               for route in ("local", "disaggregated")]
+    results = [
+        complete(server, prompt, route, stop=[stop], max_tokens=8, **extra).json()
+        for route in ("local", "disaggregated")
+    ]
     local, disaggregated = (r["choices"][0] for r in results)
     assert local["finish_reason"] == "stop" and stop not in local["text"]
     assert (disaggregated["text"], disaggregated["finish_reason"]) == (
-        local["text"], local["finish_reason"])
+        local["text"],
+        local["finish_reason"],
+    )

@@ -16,17 +16,24 @@ BAD_REQUESTS = [
     ("chat/completions", b'"a string"', 400, None),
     ("chat/completions", {"model": SERVED_MODEL}, 400, "missing_required_parameter"),
     ("chat/completions", {**CHAT, "messages": []}, 400, "invalid_value"),
-    ("chat/completions", {**CHAT, "messages": [{"role": "user"}]}, 400,
-     "missing_required_parameter"),
-    ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": 5}]}, 400,
-     "invalid_value"),
+    (
+        "chat/completions",
+        {**CHAT, "messages": [{"role": "user"}]},
+        400,
+        "missing_required_parameter",
+    ),
+    (
+        "chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": 5}]},
+        400,
+        "invalid_value",
+    ),
     ("chat/completions", {**CHAT, "max_tokens": 0}, 400, "invalid_value"),
     ("chat/completions", {**CHAT, "max_tokens": -1}, 400, "invalid_value"),
     ("chat/completions", {**CHAT, "temperature": "warm"}, 400, "invalid_value"),
     ("chat/completions", {**CHAT, "max_tokens": 100_000}, 400, "context_length_exceeded"),
     ("chat/completions", {**CHAT, "model": "gpt-4"}, 404, "model_not_found"),
-    ("chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400,
-     "unsupported_parameter"),
+    ("chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "unsupported_parameter"),
     ("chat/completions", {**CHAT, "n": 3}, 400, "unsupported_parameter"),
     ("chat/completions", {**CHAT, "bogus": True}, 400, "unrecognized_argument"),
     ("completions", {**COMPLETION, "prompt": ""}, 400, None),
@@ -40,9 +47,13 @@ BAD_REQUESTS = [
 @pytest.mark.parametrize("endpoint, body, status, code", BAD_REQUESTS)
 def test_bad_input_gets_an_openai_error(server, endpoint, body, status, code):
     content = body if isinstance(body, bytes) else None
-    response = httpx.post(f"{server.base_url}/{endpoint}", content=content,
-                          json=None if content is not None else body, timeout=30,
-                          headers={"content-type": "application/json"})
+    response = httpx.post(
+        f"{server.base_url}/{endpoint}",
+        content=content,
+        json=None if content is not None else body,
+        timeout=30,
+        headers={"content-type": "application/json"},
+    )
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]

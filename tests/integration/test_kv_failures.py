@@ -13,28 +13,37 @@ import grpc
 import httpx
 import pytest
 
-from worker.protocol import worker_pb2, worker_pb2_grpc
 from cluster.local_workers import start_worker, stop_worker, wait_ready
-from settings.engine import EngineSettings
-from settings.worker import WorkerSettings
 from kv_transfer import kv_wire_pb2 as wire
-from tests.integration.processes import children, command_line
 from kv_transfer import kv_wire_pb2_grpc as wire_grpc
 from kv_transfer.compatibility import Compatibility
 from kv_transfer.grpc_transport import KvReceiver, LayerSlice, chunks_of
-from tests.integration.conftest import SERVED_MODEL, start_server, _stop_and_check
+from settings.engine import EngineSettings
+from settings.worker import WorkerSettings
+from tests.integration.conftest import SERVED_MODEL, _stop_and_check, start_server
+from tests.integration.processes import children, command_line
 from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS, long_prompt
+from worker.protocol import worker_pb2, worker_pb2_grpc
 
-CONSUMER = Compatibility(model="smollm2", dtype="float32", block_size=128, num_layers=30,
-                         num_kv_heads=3, head_size=64, kv_layout="[blocks, ...]",
-                         vllm_version="0.32.0", tensor_parallel_size=1)
+CONSUMER = Compatibility(
+    model="smollm2",
+    dtype="float32",
+    block_size=128,
+    num_layers=30,
+    num_kv_heads=3,
+    head_size=64,
+    kv_layout="[blocks, ...]",
+    vllm_version="0.32.0",
+    tensor_parallel_size=1,
+)
 
 
 def push(port: int, producer: Compatibility, piece: LayerSlice):
     hello = wire.KvMessage(hello=wire.Compatibility(**producer.to_dict()))
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        return wire_grpc.KvReceiverStub(channel).PushKv(iter([hello, *chunks_of(piece)]),
-                                                        timeout=10)
+        return wire_grpc.KvReceiverStub(channel).PushKv(
+            iter([hello, *chunks_of(piece)]), timeout=10
+        )
 
 
 @pytest.fixture
@@ -51,7 +60,12 @@ def test_a_slice_of_several_chunks_arrives_whole(receiver):
     assert push(port, CONSUMER, LayerSlice("t1", 7, 2, 3, data, True)).accepted
     (piece,), cancelled = kv_receiver.take()
     assert (piece.transfer_id, piece.layer, piece.first_block, piece.num_blocks, piece.last) == (
-        "t1", 7, 2, 3, True)
+        "t1",
+        7,
+        2,
+        3,
+        True,
+    )
     assert piece.data == data and cancelled == {}
 
 
@@ -69,8 +83,9 @@ def test_a_mismatched_pair_is_refused_with_the_mismatch_named(receiver):
 @pytest.fixture(scope="module")
 def fail_policy_decoder(smollm2_dir, tmp_path_factory):
     """A decode worker whose policy is `fail`, with no prefill worker anywhere."""
-    settings = WorkerSettings(role="decode", port=0, kv_failure_policy="fail",
-                              engine=EngineSettings(kv_cache_gib=1))
+    settings = WorkerSettings(
+        role="decode", port=0, kv_failure_policy="fail", engine=EngineSettings(kv_cache_gib=1)
+    )
     worker = start_worker(settings, tmp_path_factory.mktemp("fail-decoder"), threads=1)
     try:
         wait_ready([worker], timeout_s=600, progress=lambda _: None)
@@ -80,14 +95,17 @@ def fail_policy_decoder(smollm2_dir, tmp_path_factory):
 
 
 def test_kv_that_never_comes_fails_within_the_deadline_and_frees_its_blocks(
-        fail_policy_decoder, smollm2_dir):
+    fail_policy_decoder, smollm2_dir
+):
     from transformers import AutoTokenizer
 
     prompt = AutoTokenizer.from_pretrained(smollm2_dir).encode(DISAGGREGATED_PROMPTS[4])
     request = worker_pb2.GenerateRequest(
-        request_id="orphan", prompt_token_ids=prompt,
+        request_id="orphan",
+        prompt_token_ids=prompt,
         sampling=worker_pb2.SamplingParams(max_tokens=4, temperature=0, top_p=1),
-        kv=worker_pb2.KvTransfer(transfer_id="never-sent", receive_timeout_s=2.0))
+        kv=worker_pb2.KvTransfer(transfer_id="never-sent", receive_timeout_s=2.0),
+    )
     with grpc.insecure_channel(fail_policy_decoder.address) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         started = time.monotonic()
@@ -110,13 +128,13 @@ def recompute_cluster(smollm2_dir, tmp_path_factory):
 
 
 def prefill_worker_pid(server) -> int:
-    (pid,) = [child for child in children(server.process.pid)
-              if "prefill" in command_line(child)]
+    (pid,) = [child for child in children(server.process.pid) if "prefill" in command_line(child)]
     return pid
 
 
-def test_killing_the_prefill_worker_mid_transfer_recomputes_correctly(recompute_cluster,
-                                                                      offline_reference):
+def test_killing_the_prefill_worker_mid_transfer_recomputes_correctly(
+    recompute_cluster, offline_reference
+):
     server = recompute_cluster
     index = len(DISAGGREGATED_PROMPTS) - 1  # the longest prompt: its prefill takes seconds
     pid = prefill_worker_pid(server)
@@ -125,15 +143,22 @@ def test_killing_the_prefill_worker_mid_transfer_recomputes_correctly(recompute_
     killer.start()
     try:
         response = httpx.post(
-            f"{server.base_url}/completions", timeout=120,
+            f"{server.base_url}/completions",
+            timeout=120,
             headers={"x-pdserve-route": "disaggregated"},
-            json={"model": SERVED_MODEL, "prompt": DISAGGREGATED_PROMPTS[index],
-                  "temperature": 0, "max_tokens": DISAGGREGATED_MAX_TOKENS})
+            json={
+                "model": SERVED_MODEL,
+                "prompt": DISAGGREGATED_PROMPTS[index],
+                "temperature": 0,
+                "max_tokens": DISAGGREGATED_MAX_TOKENS,
+            },
+        )
     finally:
         killer.join()
     assert response.status_code == 200, response.text
-    assert response.json()["choices"][0]["text"] == (
-        offline_reference["disaggregated"][index]["text"])
+    assert (
+        response.json()["choices"][0]["text"] == (offline_reference["disaggregated"][index]["text"])
+    )
     assert time.monotonic() - started < 30, "the cancelled transfer waited for its deadline"
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
     assert 'pdserve_kv_transfer_failures_total{reason="prefill_failed"} 1.0' in metrics
@@ -147,17 +172,24 @@ def test_fifty_requests_aborted_at_random_stages_leave_no_kv_behind(server):
     rng = random.Random(7)
 
     async def stream(http: httpx.AsyncClient, i: int) -> None:
-        body = {"model": SERVED_MODEL, "prompt": long_prompt(rng.choice((150, 400, 700)))
-                + f" Request {i}.", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        body = {
+            "model": SERVED_MODEL,
+            "prompt": long_prompt(rng.choice((150, 400, 700))) + f" Request {i}.",
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "stream": True,
+        }
         route = rng.choice(("disaggregated", "disaggregated", "local"))
-        async with http.stream("POST", f"{server.base_url}/completions", json=body,
-                               headers={"x-pdserve-route": route}) as response:
+        async with http.stream(
+            "POST", f"{server.base_url}/completions", json=body, headers={"x-pdserve-route": route}
+        ) as response:
             async for _ in response.aiter_lines():
                 pass
 
     async def abort_all():
         limit = asyncio.Semaphore(8)
         async with httpx.AsyncClient(timeout=120) as http:
+
             async def one(i: int):
                 async with limit:
                     task = asyncio.create_task(stream(http, i))
@@ -166,14 +198,17 @@ def test_fifty_requests_aborted_at_random_stages_leave_no_kv_behind(server):
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
                     return not done
+
             return await asyncio.gather(*(one(i) for i in range(50)))
 
     aborted = asyncio.run(asyncio.wait_for(abort_all(), timeout=600))
     assert sum(aborted) >= 45  # each request could run ~10 s: nearly all were cut short
     deadline = time.monotonic() + 60
     while True:
-        after = {w["role"]: (w["kv_blocks_used"], w["running_requests"])
-                 for w in server.workers(fresh=True)}
+        after = {
+            w["role"]: (w["kv_blocks_used"], w["running_requests"])
+            for w in server.workers(fresh=True)
+        }
         if after == {role: (used, 0) for role, used in before.items()}:
             break
         assert time.monotonic() < deadline, f"KV still held: {after} (baseline {before})"

@@ -29,8 +29,9 @@ def test_models_lists_the_served_model(client):
 @pytest.mark.parametrize("index", range(len(PROMPTS)))
 def test_greedy_completion_matches_offline_vllm(client, offline_reference, index):
     expected = offline_reference["prompts"][index]
-    response = client.completions.create(model=SERVED_MODEL, prompt=PROMPTS[index],
-                                         max_tokens=MAX_TOKENS, temperature=0)
+    response = client.completions.create(
+        model=SERVED_MODEL, prompt=PROMPTS[index], max_tokens=MAX_TOKENS, temperature=0
+    )
     assert response.choices[0].text == expected["text"]
     assert response.usage.completion_tokens == len(expected["token_ids"])
 
@@ -38,8 +39,9 @@ def test_greedy_completion_matches_offline_vllm(client, offline_reference, index
 @pytest.mark.parametrize("index", range(len(CHATS)))
 def test_greedy_chat_matches_offline_vllm(client, offline_reference, index):
     expected = offline_reference["chats"][index]
-    response = client.chat.completions.create(model=SERVED_MODEL, messages=CHATS[index],
-                                              max_tokens=MAX_TOKENS, temperature=0)
+    response = client.chat.completions.create(
+        model=SERVED_MODEL, messages=CHATS[index], max_tokens=MAX_TOKENS, temperature=0
+    )
     assert response.choices[0].message.content == expected["text"]
     assert response.choices[0].message.role == "assistant"
     assert response.usage.completion_tokens == len(expected["token_ids"])
@@ -47,8 +49,9 @@ def test_greedy_chat_matches_offline_vllm(client, offline_reference, index):
 
 def test_usage_counts_the_prompt_and_completion(client, tokenizer):
     prompt = PROMPTS[0]
-    response = client.completions.create(model=SERVED_MODEL, prompt=prompt, max_tokens=5,
-                                         temperature=0)
+    response = client.completions.create(
+        model=SERVED_MODEL, prompt=prompt, max_tokens=5, temperature=0
+    )
     usage = response.usage
     assert usage.prompt_tokens == len(tokenizer.encode(prompt))
     assert usage.completion_tokens == 5 and response.choices[0].finish_reason == "length"
@@ -58,26 +61,30 @@ def test_usage_counts_the_prompt_and_completion(client, tokenizer):
 
 def test_chat_usage_counts_the_templated_prompt(client, tokenizer):
     messages = CHATS[0]
-    response = client.chat.completions.create(model=SERVED_MODEL, messages=messages,
-                                              max_tokens=3, temperature=0)
-    templated = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                              tokenize=False)
-    assert response.usage.prompt_tokens == len(tokenizer.encode(templated,
-                                                                add_special_tokens=False))
+    response = client.chat.completions.create(
+        model=SERVED_MODEL, messages=messages, max_tokens=3, temperature=0
+    )
+    templated = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert response.usage.prompt_tokens == len(
+        tokenizer.encode(templated, add_special_tokens=False)
+    )
 
 
 def test_streamed_completion_equals_the_whole_one(client):
     kwargs = dict(model=SERVED_MODEL, prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0)
     whole = client.completions.create(**kwargs)
-    chunks = list(client.completions.create(**kwargs, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole.choices[0].text
-    finish = [c.choices[0].finish_reason for c in chunks if c.choices and
-              c.choices[0].finish_reason]
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finish == [whole.choices[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == (
-        whole.usage.completion_tokens)
+        whole.usage.completion_tokens
+    )
 
 
 def test_streamed_chat_equals_the_whole_one(client):
@@ -91,26 +98,43 @@ def test_streamed_chat_equals_the_whole_one(client):
 
 
 def test_stop_strings_end_the_output(client):
-    full = client.completions.create(model=SERVED_MODEL, prompt=PROMPTS[3], max_tokens=24,
-                                     temperature=0).choices[0].text
+    full = (
+        client.completions.create(
+            model=SERVED_MODEL, prompt=PROMPTS[3], max_tokens=24, temperature=0
+        )
+        .choices[0]
+        .text
+    )
     stop = full.strip().split()[1]
-    cut = client.completions.create(model=SERVED_MODEL, prompt=PROMPTS[3], max_tokens=24,
-                                    temperature=0, stop=[stop]).choices[0]
+    cut = client.completions.create(
+        model=SERVED_MODEL, prompt=PROMPTS[3], max_tokens=24, temperature=0, stop=[stop]
+    ).choices[0]
     assert cut.finish_reason == "stop" and stop not in cut.text
     assert full.startswith(cut.text)
 
 
 def test_seeded_sampling_repeats(client):
-    kwargs = dict(model=SERVED_MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=1.0,
-                  top_p=0.9, seed=1234)
+    kwargs = dict(
+        model=SERVED_MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=1.0, top_p=0.9, seed=1234
+    )
     first = client.completions.create(**kwargs).choices[0].text
     assert client.completions.create(**kwargs).choices[0].text == first
 
 
 def test_top_k_passes_through(client):
     # top_k=1 is greedy whatever the temperature.
-    greedy = client.completions.create(model=SERVED_MODEL, prompt=PROMPTS[0], max_tokens=8,
-                                       temperature=0).choices[0].text
-    top1 = client.completions.create(model=SERVED_MODEL, prompt=PROMPTS[0], max_tokens=8,
-                                     temperature=1.5, extra_body={"top_k": 1})
+    greedy = (
+        client.completions.create(
+            model=SERVED_MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0
+        )
+        .choices[0]
+        .text
+    )
+    top1 = client.completions.create(
+        model=SERVED_MODEL,
+        prompt=PROMPTS[0],
+        max_tokens=8,
+        temperature=1.5,
+        extra_body={"top_k": 1},
+    )
     assert top1.choices[0].text == greedy

@@ -12,8 +12,14 @@ from tests.integration.conftest import SERVED_MODEL
 
 def test_client_disconnect_aborts_the_request_on_the_worker(server):
     # ignore_eos: the request would run for ~100 s if nothing aborted it.
-    body = {"model": SERVED_MODEL, "prompt": "Count from one to a thousand:", "max_tokens": 2000,
-            "temperature": 0, "stream": True, "ignore_eos": True}
+    body = {
+        "model": SERVED_MODEL,
+        "prompt": "Count from one to a thousand:",
+        "max_tokens": 2000,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", f"{server.base_url}/completions", json=body) as response:
             assert response.status_code == 200
@@ -33,8 +39,13 @@ def test_client_disconnect_aborts_the_request_on_the_worker(server):
 
 
 def test_client_leaving_a_whole_response_aborts_it_too(server):
-    body = {"model": SERVED_MODEL, "prompt": "Count from one to a thousand:", "max_tokens": 2000,
-            "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": SERVED_MODEL,
+        "prompt": "Count from one to a thousand:",
+        "max_tokens": 2000,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     with pytest.raises(httpx.ReadTimeout):
         # The client gives up after 3 s, closing its connection.
         httpx.post(f"{server.base_url}/completions", json=body, timeout=3)
@@ -49,8 +60,13 @@ def test_twenty_concurrent_streams_all_complete(server):
 
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int, str]:
         stream = await client.completions.create(
-            model=SERVED_MODEL, prompt=f"Story number {i}: once upon a time", temperature=0,
-            max_tokens=max_tokens, stream=True, stream_options={"include_usage": True})
+            model=SERVED_MODEL,
+            prompt=f"Story number {i}: once upon a time",
+            temperature=0,
+            max_tokens=max_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         text, usage, finish = "", None, None
         async for chunk in stream:
             if chunk.choices:
@@ -61,8 +77,9 @@ def test_twenty_concurrent_streams_all_complete(server):
         return text, usage.completion_tokens, finish
 
     async def all_of_them():
-        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", timeout=300,
-                                    max_retries=0)
+        client = openai.AsyncOpenAI(
+            base_url=server.base_url, api_key="unused", timeout=300, max_retries=0
+        )
         try:
             return await asyncio.gather(*(one(client, i) for i in range(20)))
         finally:
@@ -73,6 +90,9 @@ def test_twenty_concurrent_streams_all_complete(server):
     for text, completion_tokens, finish in results:
         assert text
         assert finish in ("stop", "length")
-        assert completion_tokens == max_tokens if finish == "length" else completion_tokens < (
-            max_tokens)
+        assert (
+            completion_tokens == max_tokens
+            if finish == "length"
+            else completion_tokens < (max_tokens)
+        )
     assert server.worker("decode")["running_requests"] == 0

@@ -7,35 +7,50 @@ import httpx
 import pytest
 
 from model_store.store import ensure_model
-from tests.integration.conftest import offline_outputs, start_server, _stop_and_check
+from tests.integration.conftest import _stop_and_check, offline_outputs, start_server
 
-PROMPTS = ["The capital of France is", "Once upon a time, in a small village, there lived",
-           "def fibonacci(n):\n    if n < 2:\n        return n\n"]
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village, there lived",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+]
 MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
 def tiny_tp2(tmp_path_factory):
     ensure_model("tiny")
-    server = start_server(tmp_path_factory.mktemp("tp2"), "--model", "tiny",
-                          "--tensor-parallel-size", "2")
+    server = start_server(
+        tmp_path_factory.mktemp("tp2"), "--model", "tiny", "--tensor-parallel-size", "2"
+    )
     yield server
     _stop_and_check(server)
 
 
 @pytest.fixture(scope="module")
 def tiny_reference(tmp_path_factory):
-    return offline_outputs(ensure_model("tiny"), tmp_path_factory.mktemp("tiny-offline"),
-                           [{"prompt": p, "max_tokens": MAX_TOKENS} for p in PROMPTS], [])
+    return offline_outputs(
+        ensure_model("tiny"),
+        tmp_path_factory.mktemp("tiny-offline"),
+        [{"prompt": p, "max_tokens": MAX_TOKENS} for p in PROMPTS],
+        [],
+    )
 
 
 @pytest.mark.parametrize("route", ["local", "disaggregated"])
 @pytest.mark.parametrize("index", range(len(PROMPTS)))
 def test_tp2_output_equals_tp1_offline(tiny_tp2, tiny_reference, route, index):
     response = httpx.post(
-        f"{tiny_tp2.base_url}/completions", timeout=120, headers={"x-pdserve-route": route},
-        json={"model": "tiny", "prompt": PROMPTS[index], "max_tokens": MAX_TOKENS,
-              "temperature": 0})
+        f"{tiny_tp2.base_url}/completions",
+        timeout=120,
+        headers={"x-pdserve-route": route},
+        json={
+            "model": "tiny",
+            "prompt": PROMPTS[index],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+        },
+    )
     assert response.status_code == 200, response.text
     assert response.headers["x-pdserve-route"] == route
     body = response.json()
@@ -43,5 +58,7 @@ def test_tp2_output_equals_tp1_offline(tiny_tp2, tiny_reference, route, index):
     assert len(set(expected["token_ids"])) > 1, "the reference repeats one token: a weak check"
     assert body["choices"][0]["text"] == expected["text"]
     if route == "disaggregated":  # both ranks' KV arrived: the decode worker computed no prompt
-        assert int(response.headers["x-pdserve-decode-cached-tokens"]) == \
-            body["usage"]["prompt_tokens"]
+        assert (
+            int(response.headers["x-pdserve-decode-cached-tokens"])
+            == body["usage"]["prompt_tokens"]
+        )

@@ -59,7 +59,9 @@ class FakeOpenAIServer:
         return f"http://127.0.0.1:{self._runner.addresses[0][1]}"
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+        )
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -80,16 +82,25 @@ class FakeOpenAIServer:
         await response.prepare(request)
 
         async def event(data) -> None:
-            await response.write(f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode())
+            await response.write(
+                f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
+            )
 
         def token_chunk(text: str, finish_reason: str | None) -> dict:
-            choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+            choice = (
+                {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+            )
             return {"object": "chunk", "choices": [choice | {"finish_reason": finish_reason}]}
 
         if "hang" in prompt:
             await asyncio.sleep(30)
         if chat:  # like vLLM: a role-only chunk with empty content opens the stream
-            await event({"object": "chunk", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+            await event(
+                {
+                    "object": "chunk",
+                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+                }
+            )
         await response.write(b": ping\n\n")  # an SSE comment the client must skip
         await asyncio.sleep(TTFT_S)
         for i in range(max_tokens):
@@ -108,7 +119,13 @@ class FakeOpenAIServer:
                 return response
             if i == 1 and "truncate" in prompt:
                 return response
-        await event({"object": "chunk", "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": max_tokens}})
+        await event(
+            {
+                "object": "chunk",
+                "choices": [],
+                "usage": {"prompt_tokens": 7, "completion_tokens": max_tokens},
+            }
+        )
         await event("[DONE]")
         return response
 
@@ -168,7 +185,9 @@ def test_open_loop_run_reports_and_files(fake_server, tmp_path):
     prompts = ["a", "b", "http-error", "c"]
     requests = [BenchRequest(1, 3, prompt=p) for p in prompts]
     target = Target(fake_server.url, "fake-model")
-    records, duration = asyncio.run(run(requests, target, offsets=[0.0, 0.1, 0.2, 0.3], progress=False))
+    records, duration = asyncio.run(
+        run(requests, target, offsets=[0.0, 0.1, 0.2, 0.3], progress=False)
+    )
     assert [r.ok for r in records] == [True, True, False, True]
     assert duration >= 0.3 + TTFT_S + 2 * ITL_S
     sends = [r.send_time - records[0].send_time for r in records]
@@ -176,7 +195,9 @@ def test_open_loop_run_reports_and_files(fake_server, tmp_path):
 
     summary = summarize(records, duration, Slo(ttft=5.0))
     assert (summary.completed, summary.failed, summary.good_requests) == (3, 1, 3)
-    assert summary.slo_attainment == pytest.approx(0.75)  # the failed request stays in the denominator
+    assert summary.slo_attainment == pytest.approx(
+        0.75
+    )  # the failed request stays in the denominator
     text = table(summary, records)
     assert "Goodput" in text and "HTTP 503" in text
 
@@ -193,16 +214,28 @@ def test_open_loop_run_reports_and_files(fake_server, tmp_path):
 def test_closed_loop_keeps_concurrency(fake_server):
     fake_server.max_in_flight = 0
     requests = [BenchRequest(1, 2, prompt=f"p{i}") for i in range(6)]
-    records, duration = asyncio.run(run(requests, Target(fake_server.url, "fake-model"), concurrency=2, progress=False))
+    records, duration = asyncio.run(
+        run(requests, Target(fake_server.url, "fake-model"), concurrency=2, progress=False)
+    )
     assert len(records) == 6 and all(r.ok for r in records)
     assert fake_server.max_in_flight == 2
     assert duration >= 3 * (TTFT_S + ITL_S)  # three rounds of two
 
 
 def test_deadline_stops_sending_and_cuts_in_flight(fake_server):
-    requests = [BenchRequest(1, 2, prompt="hang"), BenchRequest(1, 2, prompt="x"), BenchRequest(1, 2, prompt="y")]
+    requests = [
+        BenchRequest(1, 2, prompt="hang"),
+        BenchRequest(1, 2, prompt="x"),
+        BenchRequest(1, 2, prompt="y"),
+    ]
     records, duration = asyncio.run(
-        run(requests, Target(fake_server.url, "fake-model"), offsets=[0.0, 0.0, 5.0], max_duration=0.6, progress=False)
+        run(
+            requests,
+            Target(fake_server.url, "fake-model"),
+            offsets=[0.0, 0.0, 5.0],
+            max_duration=0.6,
+            progress=False,
+        )
     )
     assert len(records) == 2  # the third was due after the deadline: never sent
     assert "timed out" in records[0].error and records[1].ok
@@ -217,9 +250,25 @@ def bench_args(*argv: str) -> argparse.Namespace:
 
 def test_bench_command_end_to_end(fake_server, tmp_path, capsys):
     args = bench_args(
-        "--url", fake_server.url, "--endpoint", "chat", "--num-requests", "4", "--request-rate", "20",
-        "--input-len", "8", "--output-len", "3", "--slo", "ttft=2s,tpot=500ms", "--no-progress",
-        "--output-json", str(tmp_path / "bench.json"), "--plot-dir", str(tmp_path / "plots"),
+        "--url",
+        fake_server.url,
+        "--endpoint",
+        "chat",
+        "--num-requests",
+        "4",
+        "--request-rate",
+        "20",
+        "--input-len",
+        "8",
+        "--output-len",
+        "3",
+        "--slo",
+        "ttft=2s,tpot=500ms",
+        "--no-progress",
+        "--output-json",
+        str(tmp_path / "bench.json"),
+        "--plot-dir",
+        str(tmp_path / "plots"),
     )
     assert args.run(args) == 0
     assert "Goodput (req/s)" in capsys.readouterr().out

@@ -18,11 +18,27 @@ DURATION = 2.0
 def hand_built_records() -> list[RequestRecord]:
     return [
         # 4 tokens (server usage): TPOT = (0.2 - 0.1) / 3
-        RequestRecord(10, 8, 0.0, ttft=0.1, itl=[0.02, 0.03, 0.05], e2e=0.2, output_chunks=4,
-                      usage={"prompt_tokens": 12, "completion_tokens": 4}),
+        RequestRecord(
+            10,
+            8,
+            0.0,
+            ttft=0.1,
+            itl=[0.02, 0.03, 0.05],
+            e2e=0.2,
+            output_chunks=4,
+            usage={"prompt_tokens": 12, "completion_tokens": 4},
+        ),
         # 1 token: no TPOT (left out of the TPOT statistics)
-        RequestRecord(5, 8, 0.1, ttft=0.3, itl=[], e2e=0.3, output_chunks=1,
-                      usage={"prompt_tokens": 5, "completion_tokens": 1}),
+        RequestRecord(
+            5,
+            8,
+            0.1,
+            ttft=0.3,
+            itl=[],
+            e2e=0.3,
+            output_chunks=1,
+            usage={"prompt_tokens": 5, "completion_tokens": 1},
+        ),
         # no usage: 3 text chunks count as 3 tokens, TPOT = (0.4 - 0.2) / 2
         RequestRecord(6, 8, 0.2, ttft=0.2, itl=[0.1, 0.1], e2e=0.4, output_chunks=3),
         RequestRecord(7, 8, 0.3, error="HTTP 500: boom"),
@@ -42,7 +58,9 @@ def test_summary_matches_hand_computed_numbers():
     assert s.ttft.p90 == pytest.approx(0.28)  # linear interpolation over [0.1, 0.2, 0.3]
     assert s.ttft.p99 == pytest.approx(0.298)
     assert s.tpot.count == 2 and s.tpot.mean == pytest.approx((0.1 / 3 + 0.1) / 2)
-    assert s.itl.count == 5 and s.itl.mean == pytest.approx(0.06) and s.itl.p50 == pytest.approx(0.05)
+    assert (
+        s.itl.count == 5 and s.itl.mean == pytest.approx(0.06) and s.itl.p50 == pytest.approx(0.05)
+    )
     assert s.e2e.mean == pytest.approx(0.3) and s.e2e.std == pytest.approx(math.sqrt(2 / 300))
     assert s.goodput is None and s.slo_attainment is None
 
@@ -76,22 +94,40 @@ def test_agrees_with_vllm_calculate_metrics():
     serve = pytest.importorskip("vllm.benchmarks.serve")
     from vllm.benchmarks.lib.endpoint_request_func import RequestFuncOutput
 
-    records = [r for r in hand_built_records() if r.usage or r.error]  # vLLM counts 1 token without usage
+    records = [
+        r for r in hand_built_records() if r.usage or r.error
+    ]  # vLLM counts 1 token without usage
     outputs = [
         RequestFuncOutput(
-            success=r.ok, latency=r.e2e or 0.0, output_tokens=r.output_tokens, ttft=r.ttft or 0.0,
-            itl=r.itl, prompt_len=r.input_tokens, start_time=r.send_time, error=r.error or "",
+            success=r.ok,
+            latency=r.e2e or 0.0,
+            output_tokens=r.output_tokens,
+            ttft=r.ttft or 0.0,
+            itl=r.itl,
+            prompt_len=r.input_tokens,
+            start_time=r.send_time,
+            error=r.error or "",
         )
         for r in records
     ]
-    theirs, _ = serve.calculate_metrics([], outputs, DURATION, None, [50, 90, 95, 99], {"ttft": 250, "tpot": 50})
+    theirs, _ = serve.calculate_metrics(
+        [], outputs, DURATION, None, [50, 90, 95, 99], {"ttft": 250, "tpot": 50}
+    )
     ours = summarize(records, DURATION, Slo(ttft=0.25, tpot=0.05))
     assert (ours.completed, ours.failed) == (theirs.completed, theirs.failed)
-    assert (ours.total_input_tokens, ours.total_output_tokens) == (theirs.total_input, theirs.total_output)
+    assert (ours.total_input_tokens, ours.total_output_tokens) == (
+        theirs.total_input,
+        theirs.total_output,
+    )
     for name in ("request_throughput", "output_throughput", "total_token_throughput"):
         assert getattr(ours, name) == pytest.approx(getattr(theirs, name))
     assert ours.goodput == pytest.approx(theirs.request_goodput)
-    for ours_key, theirs_key in (("ttft", "ttft"), ("tpot", "tpot"), ("itl", "itl"), ("e2e", "e2el")):
+    for ours_key, theirs_key in (
+        ("ttft", "ttft"),
+        ("tpot", "tpot"),
+        ("itl", "itl"),
+        ("e2e", "e2el"),
+    ):
         d = getattr(ours, ours_key)
         assert d.mean * 1000 == pytest.approx(getattr(theirs, f"mean_{theirs_key}_ms"))
         assert d.std * 1000 == pytest.approx(getattr(theirs, f"std_{theirs_key}_ms"))
@@ -113,7 +149,9 @@ def test_slo_parsing(text, expected):
     assert Slo.parse(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "ttft", "ttft=fast", "ttft=5min", "latency=1", "ttft=1,ttft=2", "ttft=-1"])
+@pytest.mark.parametrize(
+    "text", ["", "ttft", "ttft=fast", "ttft=5min", "latency=1", "ttft=1,ttft=2", "ttft=-1"]
+)
 def test_slo_parsing_rejects_bad_input(text):
     with pytest.raises(ValueError):
         Slo.parse(text)

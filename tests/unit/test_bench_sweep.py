@@ -14,8 +14,8 @@ from bench.metrics import Slo, summarize
 from bench.records import RequestRecord
 from bench.report import plot_sweep
 from bench.sweep import Ratio, SweepPoint, best_ratio, sweep_table, write_sweep_json
-from worker.processes import free_port
 from tests.unit.test_bench_client import FakeOpenAIServer
+from worker.processes import free_port
 
 SLO = Slo(ttft=1.0)
 
@@ -29,9 +29,14 @@ def fake_point(ratio: str, rate: float, good: int, bad: int, duration: float = 1
 
 
 # Goodput per worker (req/s): 1:1 peaks at 10/10/2 = 0.5; 2:1 at 12/10/3 = 0.4; 1:2 at 18/10/3 = 0.6.
-FAKE_POINTS = [fake_point("1:1", 1.0, 10, 0), fake_point("1:1", 2.0, 8, 12),
-               fake_point("2:1", 1.0, 10, 0), fake_point("2:1", 2.0, 12, 8),
-               fake_point("1:2", 2.0, 18, 2), fake_point("1:2", 1.0, 10, 0)]
+FAKE_POINTS = [
+    fake_point("1:1", 1.0, 10, 0),
+    fake_point("1:1", 2.0, 8, 12),
+    fake_point("2:1", 1.0, 10, 0),
+    fake_point("2:1", 2.0, 12, 8),
+    fake_point("1:2", 2.0, 18, 2),
+    fake_point("1:2", 1.0, 10, 0),
+]
 
 
 def test_ratio_parsing():
@@ -78,16 +83,40 @@ def test_sweep_command_runs_every_ratio_and_rate(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(sweep_command, "local_cluster", fake_cluster)
     parser = argparse.ArgumentParser(prog="pdserve")
     sweep_command.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["sweep", "--ratios", "1:1,2:1", "--rates", "20,40", "--num-requests", "3",
-                              "--input-len", "8", "--output-len", "3", "--slo", "ttft=1s",
-                              "--serve-args", "--model tiny", "--output-dir", str(tmp_path), "--no-progress"])
+    args = parser.parse_args(
+        [
+            "sweep",
+            "--ratios",
+            "1:1,2:1",
+            "--rates",
+            "20,40",
+            "--num-requests",
+            "3",
+            "--input-len",
+            "8",
+            "--output-len",
+            "3",
+            "--slo",
+            "ttft=1s",
+            "--serve-args",
+            "--model tiny",
+            "--output-dir",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
     try:
         assert args.run(args) == 0
     finally:
         fake.stop()
     assert started == [(1, 1, ["--model", "tiny"]), (2, 1, ["--model", "tiny"])]
     document = json.loads((tmp_path / "sweep.json").read_text())
-    assert [(p["ratio"], p["rate"]) for p in document["points"]] == [("1:1", 20), ("1:1", 40), ("2:1", 20), ("2:1", 40)]
+    assert [(p["ratio"], p["rate"]) for p in document["points"]] == [
+        ("1:1", 20),
+        ("1:1", 40),
+        ("2:1", 20),
+        ("2:1", 40),
+    ]
     assert all(p["summary"]["completed"] == 3 for p in document["points"])
     assert document["best_ratio"] == "1:1"  # same fake latencies, fewer workers
     assert (tmp_path / "goodput_per_worker.png").exists()
@@ -97,9 +126,11 @@ def test_sweep_command_runs_every_ratio_and_rate(monkeypatch, tmp_path, capsys):
 def test_sweep_needs_an_slo_and_good_rates(capsys):
     parser = argparse.ArgumentParser(prog="pdserve")
     sweep_command.add_parser(parser.add_subparsers())
-    for argv, message in ((["--rates", "1"], "--slo is required"),
-                          (["--rates", "1,x", "--slo", "ttft=1s"], "bad rate"),
-                          (["--rates", "1", "--slo", "ttft=1s", "--ratios", "1:0"], "bad ratio")):
+    for argv, message in (
+        (["--rates", "1"], "--slo is required"),
+        (["--rates", "1,x", "--slo", "ttft=1s"], "bad rate"),
+        (["--rates", "1", "--slo", "ttft=1s", "--ratios", "1:0"], "bad ratio"),
+    ):
         args = parser.parse_args(["sweep", *argv])
         assert args.run(args) == 2
         assert message in capsys.readouterr().err
@@ -107,5 +138,7 @@ def test_sweep_needs_an_slo_and_good_rates(capsys):
 
 def test_a_cluster_that_cannot_start_is_reported_and_stopped(tmp_path):
     with pytest.raises(ClusterStartError, match="exited with"):
-        with local_cluster(1, 1, free_port(), tmp_path, ["--model", str(tmp_path / "no-such-model")], 120):
+        with local_cluster(
+            1, 1, free_port(), tmp_path, ["--model", str(tmp_path / "no-such-model")], 120
+        ):
             pytest.fail("a cluster without a model must not start")

@@ -40,11 +40,15 @@ def test_length_rejects_bad_input(text):
 
 
 def test_synthetic_is_seeded_and_sized():
-    make = lambda seed: workload.synthetic(20, Length.parse("10-50"), Length.parse("16"), PromptText(seed))
+    make = lambda seed: workload.synthetic(
+        20, Length.parse("10-50"), Length.parse("16"), PromptText(seed)
+    )
     requests = make(3)
     assert [r.prompt for r in requests] == [r.prompt for r in make(3)]
     assert [r.prompt for r in requests] != [r.prompt for r in make(4)]
-    assert all(len(r.prompt.split()) == r.prompt_tokens and 10 <= r.prompt_tokens <= 50 for r in requests)
+    assert all(
+        len(r.prompt.split()) == r.prompt_tokens and 10 <= r.prompt_tokens <= 50 for r in requests
+    )
     assert {r.max_tokens for r in requests} == {16}
 
 
@@ -55,7 +59,9 @@ def test_tokenizer_cuts_prompts_to_exact_length():
 
 
 def test_shared_prefix_prompts():
-    requests = workload.shared_prefix(40, 3, 20, Length.parse("5"), Length.parse("8"), PromptText(0))
+    requests = workload.shared_prefix(
+        40, 3, 20, Length.parse("5"), Length.parse("8"), PromptText(0)
+    )
     prefixes = {" ".join(r.prompt.split()[:20]) for r in requests}
     assert len(prefixes) == 3
     assert all(r.prompt_tokens == 25 for r in requests)
@@ -63,15 +69,21 @@ def test_shared_prefix_prompts():
 
 
 def test_mixed_has_the_requested_fraction_of_long_prompts():
-    requests = workload.mixed(50, 0.1, Length.parse("100"), Length.parse("1500"), Length.parse("8"), PromptText(0))
+    requests = workload.mixed(
+        50, 0.1, Length.parse("100"), Length.parse("1500"), Length.parse("8"), PromptText(0)
+    )
     assert sorted(r.prompt_tokens for r in requests) == [100] * 45 + [1500] * 5
     with pytest.raises(ValueError):
-        workload.mixed(5, 1.5, Length.parse("1"), Length.parse("2"), Length.parse("1"), PromptText(0))
+        workload.mixed(
+            5, 1.5, Length.parse("1"), Length.parse("2"), Length.parse("1"), PromptText(0)
+        )
 
 
 def write_trace(tmp_path, *lines) -> str:
     path = tmp_path / "trace.jsonl"
-    path.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
+    path.write_text(
+        "\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n"
+    )
     return str(path)
 
 
@@ -83,8 +95,17 @@ def test_trace_replay(tmp_path):
         {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 2, "timestamp": 0.5},
     )
     first, second = workload.trace(path, PromptText(0))
-    assert (first.prompt, first.prompt_tokens, first.max_tokens, first.timestamp) == ("one two three", 3, 4, 0.0)
-    assert second.messages[0]["content"] == "hi there" and second.prompt_tokens == 2 and second.timestamp == 0.5
+    assert (first.prompt, first.prompt_tokens, first.max_tokens, first.timestamp) == (
+        "one two three",
+        3,
+        4,
+        0.0,
+    )
+    assert (
+        second.messages[0]["content"] == "hi there"
+        and second.prompt_tokens == 2
+        and second.timestamp == 0.5
+    )
 
 
 @pytest.mark.parametrize(
@@ -93,8 +114,17 @@ def test_trace_replay(tmp_path):
         (["{not json"], "trace.jsonl:1:"),
         ([{"max_tokens": 3}], "exactly one of 'prompt' or 'messages'"),
         ([{"prompt": "a", "max_tokens": 0}], "'max_tokens' must be a positive integer"),
-        ([{"prompt": "a", "max_tokens": 1}, {"prompt": "b", "max_tokens": 1, "timestamp": 1}], "every line or on none"),
-        ([{"prompt": "a", "max_tokens": 1, "timestamp": 2}, {"prompt": "b", "max_tokens": 1, "timestamp": 1}], "non-decreasing"),
+        (
+            [{"prompt": "a", "max_tokens": 1}, {"prompt": "b", "max_tokens": 1, "timestamp": 1}],
+            "every line or on none",
+        ),
+        (
+            [
+                {"prompt": "a", "max_tokens": 1, "timestamp": 2},
+                {"prompt": "b", "max_tokens": 1, "timestamp": 1},
+            ],
+            "non-decreasing",
+        ),
         ([""], "no requests"),
     ],
 )

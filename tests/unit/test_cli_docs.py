@@ -20,6 +20,9 @@ def options(parser: argparse.ArgumentParser, path: str):
 
 
 def test_every_option_is_in_the_readme():
-    missing = [f"{path} {flag}" for path, flag in options(build_parser(), "pdserve")
-               if f"`{flag}`" not in README]
+    missing = [
+        f"{path} {flag}"
+        for path, flag in options(build_parser(), "pdserve")
+        if f"`{flag}`" not in README
+    ]
     assert not missing, f"options missing from README.md: {missing}"

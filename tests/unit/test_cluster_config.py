@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from settings.base import ConfigError
-from settings.cluster_file import load_cluster_file, parse_cluster
 from cluster.placement import check_layout, check_resources, model_shape, worker_slots
 from planner.model_spec import MODEL_PRESETS
+from settings.base import ConfigError
+from settings.cluster_file import load_cluster_file, parse_cluster
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "clusters"
 
@@ -29,23 +29,29 @@ def test_an_empty_file_takes_the_defaults():
     assert config.registry.embedded and config.transport.kind == "grpc"
 
 
-@pytest.mark.parametrize("document, message", [
-    ({"prefil": {}}, "prefil: unknown field"),
-    ({"prefill": {"replica": 2}}, "prefill.replica: unknown field"),
-    ({"prefill": {"replicas": "two"}}, "prefill.replicas: must be an integer, got str 'two'"),
-    ({"prefill": {"replicas": True}}, "prefill.replicas: must be an integer, got bool True"),
-    ({"decode": {"replicas": 0}}, "decode.replicas: must be an integer >= 1, got 0"),
-    ({"prefill": {"tensor_parallel_size": 0}}, "prefill.tensor_parallel_size: must be an integer >= 1"),
-    ({"decode": {"gpu_type": "V100"}}, "decode.gpu_type: must be one of cpu, "),
-    ({"transport": {"kind": "nccl"}}, "transport.kind: must be one of grpc, got 'nccl'"),
-    ({"router": {"policy": "random"}}, "router.policy: must be one of"),
-    ({"registry": {"url": "http://x"}}, "registry.url: must start with redis://"),
-    ({"registry": {"embedded": False}}, "registry: give a url, or embedded: true"),
-    ({"model": "smollm2"}, "model: must be a mapping, got str 'smollm2'"),
-    ({"transport": {"kv_timeout_s": -1}}, "transport.kv_timeout_s: must be > 0"),
-    ({"name": "a b"}, "name: letters, digits and '-' only"),
-    ([1, 2], "the file: must be a mapping"),
-])
+@pytest.mark.parametrize(
+    "document, message",
+    [
+        ({"prefil": {}}, "prefil: unknown field"),
+        ({"prefill": {"replica": 2}}, "prefill.replica: unknown field"),
+        ({"prefill": {"replicas": "two"}}, "prefill.replicas: must be an integer, got str 'two'"),
+        ({"prefill": {"replicas": True}}, "prefill.replicas: must be an integer, got bool True"),
+        ({"decode": {"replicas": 0}}, "decode.replicas: must be an integer >= 1, got 0"),
+        (
+            {"prefill": {"tensor_parallel_size": 0}},
+            "prefill.tensor_parallel_size: must be an integer >= 1",
+        ),
+        ({"decode": {"gpu_type": "V100"}}, "decode.gpu_type: must be one of cpu, "),
+        ({"transport": {"kind": "nccl"}}, "transport.kind: must be one of grpc, got 'nccl'"),
+        ({"router": {"policy": "random"}}, "router.policy: must be one of"),
+        ({"registry": {"url": "http://x"}}, "registry.url: must start with redis://"),
+        ({"registry": {"embedded": False}}, "registry: give a url, or embedded: true"),
+        ({"model": "smollm2"}, "model: must be a mapping, got str 'smollm2'"),
+        ({"transport": {"kv_timeout_s": -1}}, "transport.kv_timeout_s: must be > 0"),
+        ({"name": "a b"}, "name: letters, digits and '-' only"),
+        ([1, 2], "the file: must be a mapping"),
+    ],
+)
 def test_a_bad_field_is_refused_by_name(document, message):
     assert message in refused(document)
 
@@ -57,29 +63,35 @@ def test_numbers_are_accepted_where_floats_are_expected():
 def test_tensor_parallelism_must_divide_the_heads():
     smollm2 = MODEL_PRESETS["smollm2-135m"]  # 9 attention heads, 3 KV heads
     decode_only = parse_cluster({"prefill": {"replicas": 0}, "decode": {"tensor_parallel_size": 2}})
-    with pytest.raises(ConfigError, match="decode.tensor_parallel_size: 2 does not divide the "
-                                          "model's 9 attention heads"):
+    with pytest.raises(
+        ConfigError,
+        match="decode.tensor_parallel_size: 2 does not divide the model's 9 attention heads",
+    ):
         check_layout(decode_only, smollm2)
     check_layout(parse_cluster({"prefill": {"replicas": 0}}), smollm2)
-    both_three = parse_cluster({"prefill": {"tensor_parallel_size": 3},
-                                "decode": {"tensor_parallel_size": 3}})
+    both_three = parse_cluster(
+        {"prefill": {"tensor_parallel_size": 3}, "decode": {"tensor_parallel_size": 3}}
+    )
     check_layout(both_three, smollm2)  # 3 divides 9 and 3
     with pytest.raises(ConfigError, match="3 does not divide the model's 64 attention heads"):
         check_layout(both_three, MODEL_PRESETS["llama-3.1-70b"])
 
 
 def test_a_prefill_decode_pair_the_transport_cannot_reshard_is_refused():
-    config = parse_cluster({"prefill": {"tensor_parallel_size": 1},
-                            "decode": {"tensor_parallel_size": 4}})
+    config = parse_cluster(
+        {"prefill": {"tensor_parallel_size": 1}, "decode": {"tensor_parallel_size": 4}}
+    )
     with pytest.raises(ConfigError, match="cannot re-shard KV between different tensor-parallel"):
         check_layout(config, MODEL_PRESETS["llama-3.1-70b"])
 
 
 def test_resources_are_checked_in_all_and_per_node():
-    config = parse_cluster({"prefill": {"replicas": 1, "tensor_parallel_size": 4,
-                                        "gpu_type": "H100-SXM"},
-                            "decode": {"replicas": 1, "tensor_parallel_size": 4,
-                                       "gpu_type": "H100-SXM"}})
+    config = parse_cluster(
+        {
+            "prefill": {"replicas": 1, "tensor_parallel_size": 4, "gpu_type": "H100-SXM"},
+            "decode": {"replicas": 1, "tensor_parallel_size": 4, "gpu_type": "H100-SXM"},
+        }
+    )
     slots = worker_slots(config)
     assert [s.bundles for s in slots] == [({"GPU": 1.0},) * 4] * 2
     check_resources(slots, [{"GPU": 8}])
@@ -117,18 +129,30 @@ def run_up(tmp_path, document, *extra) -> subprocess.CompletedProcess:
     path = tmp_path / "cluster.yaml"
     path.write_text(document if isinstance(document, str) else yaml.safe_dump(document))
     env = {**os.environ, "PDSERVE_STATE_DIR": str(tmp_path / "state")}
-    return subprocess.run([sys.executable, "-m", "cluster.cli", "up", "-f", str(path), *extra],
-                          capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "up", "-f", str(path), *extra],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
 
 
-@pytest.mark.parametrize("document, message", [
-    ("prefill: [unclosed", "not valid YAML"),
-    ({"decode": {"replicas": "2"}}, "decode.replicas: must be an integer"),
-    ({"decode": {"tensor_parallel_size": 2}, "prefill": {"tensor_parallel_size": 2}},
-     "2 does not divide the model's 9 attention heads"),
-    ({"prefill": {"gpu_type": "H100-SXM"}, "decode": {"gpu_type": "H100-SXM"}},
-     "the cluster needs 2 GPU in all but has 0"),
-])
+@pytest.mark.parametrize(
+    "document, message",
+    [
+        ("prefill: [unclosed", "not valid YAML"),
+        ({"decode": {"replicas": "2"}}, "decode.replicas: must be an integer"),
+        (
+            {"decode": {"tensor_parallel_size": 2}, "prefill": {"tensor_parallel_size": 2}},
+            "2 does not divide the model's 9 attention heads",
+        ),
+        (
+            {"prefill": {"gpu_type": "H100-SXM"}, "decode": {"gpu_type": "H100-SXM"}},
+            "the cluster needs 2 GPU in all but has 0",
+        ),
+    ],
+)
 def test_up_refuses_a_bad_cluster_before_starting_anything(tmp_path, document, message):
     done = run_up(tmp_path, document)
     assert done.returncode == 2

@@ -4,8 +4,8 @@ worker's load plan expects."""
 
 from dataclasses import dataclass, field
 
-from kv_transfer.params import ReceiveKv, SendKv, to_extra_args
 from decode_workers.load_plan import LoadPlan
+from kv_transfer.params import ReceiveKv, SendKv, to_extra_args
 from prefill_workers.send_plan import SendPlan
 
 BLOCK = 128
@@ -46,8 +46,7 @@ def send_request(prompt_len: int, computed: int = 0) -> FakeNewRequest:
 
 def test_a_prompt_in_one_step_sends_all_its_blocks_once():
     plan = SendPlan(BLOCK)
-    step = FakeSchedulerOutput({"p1": 300}, FakeBlockState({"p1": [7, 3, 9]}),
-                               [send_request(300)])
+    step = FakeSchedulerOutput({"p1": 300}, FakeBlockState({"p1": [7, 3, 9]}), [send_request(300)])
     (piece,) = plan.sends(step)
     assert (piece.first_block, piece.block_ids, piece.last) == (0, [7, 3, 9], True)
     assert plan.sends(FakeSchedulerOutput({"p1": 1}, FakeBlockState({"p1": [7, 3, 9]}))) == []
@@ -67,8 +66,9 @@ def test_chunked_prefill_sends_each_steps_blocks_and_resends_a_partial_one():
 
 def test_a_local_prefix_hit_is_sent_too():
     plan = SendPlan(BLOCK)
-    step = FakeSchedulerOutput({"p1": 44}, FakeBlockState({"p1": [4, 5, 6]}),
-                               [send_request(300, computed=256)])
+    step = FakeSchedulerOutput(
+        {"p1": 44}, FakeBlockState({"p1": [4, 5, 6]}), [send_request(300, computed=256)]
+    )
     (piece,) = plan.sends(step)
     assert (piece.first_block, piece.block_ids, piece.last) == (0, [4, 5, 6], True)
 
@@ -88,7 +88,7 @@ class FakeBlocks:
         return (self.block_ids,)
 
     def get_unhashed_block_ids(self):
-        return self.block_ids[-self.fresh:] if self.fresh else []
+        return self.block_ids[-self.fresh :] if self.fresh else []
 
 
 def test_a_decode_request_loads_its_whole_prompt_once():

@@ -12,8 +12,12 @@ from model_store import store as model_store
 def test_smollm2_is_a_complete_llama_folder(smollm2_dir):
     model_store.verify(smollm2_dir)
     config = json.loads((smollm2_dir / "config.json").read_text())
-    assert (config["num_hidden_layers"], config["num_attention_heads"],
-            config["num_key_value_heads"], config["eos_token_id"]) == (30, 9, 3, 2)
+    assert (
+        config["num_hidden_layers"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["eos_token_id"],
+    ) == (30, 9, 3, 2)
 
 
 def test_a_second_fetch_does_no_work(smollm2_dir):
@@ -26,8 +30,9 @@ def test_a_second_fetch_does_no_work(smollm2_dir):
 
 
 def test_tiny_has_head_counts_divisible_by_two():
-    config = json.loads((model_store.ensure_model("tiny", log=lambda _: None)
-                         / "config.json").read_text())
+    config = json.loads(
+        (model_store.ensure_model("tiny", log=lambda _: None) / "config.json").read_text()
+    )
     assert config["num_attention_heads"] % 2 == 0 and config["num_key_value_heads"] % 2 == 0
 
 

@@ -16,36 +16,51 @@ def refused(schema, body) -> OpenAIError:
 
 
 def test_a_valid_chat_request_keeps_its_fields():
-    parsed = parse_request(ChatCompletionRequest, {**CHAT, "max_tokens": 5, "stop": "x",
-                                                   "temperature": 0, "seed": 3})
+    parsed = parse_request(
+        ChatCompletionRequest, {**CHAT, "max_tokens": 5, "stop": "x", "temperature": 0, "seed": 3}
+    )
     assert (parsed.max_tokens_asked(), parsed.stop_list(), parsed.temperature, parsed.seed) == (
-        5, ["x"], 0.0, 3)
+        5,
+        ["x"],
+        0.0,
+        3,
+    )
 
 
 def test_max_completion_tokens_is_an_alias():
-    assert parse_request(ChatCompletionRequest,
-                         {**CHAT, "max_completion_tokens": 7}).max_tokens_asked() == 7
+    assert (
+        parse_request(
+            ChatCompletionRequest, {**CHAT, "max_completion_tokens": 7}
+        ).max_tokens_asked()
+        == 7
+    )
 
 
-@pytest.mark.parametrize("body, param, code", [
-    ({"messages": CHAT["messages"]}, "model", "missing_required_parameter"),
-    ({**CHAT, "messages": []}, "messages", "invalid_value"),
-    ({**CHAT, "messages": "hi"}, "messages", "invalid_value"),
-    ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role",
-     "invalid_value"),
-    ({**CHAT, "max_tokens": 0}, "max_tokens", "invalid_value"),
-    ({**CHAT, "max_tokens": -3}, "max_tokens", "invalid_value"),
-    ({**CHAT, "max_tokens": "5"}, "max_tokens", "invalid_value"),
-    ({**CHAT, "temperature": "hot"}, "temperature", "invalid_value"),
-    ({**CHAT, "temperature": 3}, "temperature", "invalid_value"),
-    ({**CHAT, "top_p": 0}, "top_p", "invalid_value"),
-    ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
-    ({**CHAT, "stream": "yes"}, "stream", "invalid_value"),
-    ({**CHAT, "frobnicate": 1}, "frobnicate", "unrecognized_argument"),
-    ({**CHAT, "tools": []}, "tools", "unsupported_parameter"),
-    ({**CHAT, "logprobs": True}, "logprobs", "unsupported_parameter"),
-    ({**CHAT, "n": 2}, "n", "unsupported_parameter"),
-])
+@pytest.mark.parametrize(
+    "body, param, code",
+    [
+        ({"messages": CHAT["messages"]}, "model", "missing_required_parameter"),
+        ({**CHAT, "messages": []}, "messages", "invalid_value"),
+        ({**CHAT, "messages": "hi"}, "messages", "invalid_value"),
+        (
+            {**CHAT, "messages": [{"role": "wizard", "content": "x"}]},
+            "messages.0.role",
+            "invalid_value",
+        ),
+        ({**CHAT, "max_tokens": 0}, "max_tokens", "invalid_value"),
+        ({**CHAT, "max_tokens": -3}, "max_tokens", "invalid_value"),
+        ({**CHAT, "max_tokens": "5"}, "max_tokens", "invalid_value"),
+        ({**CHAT, "temperature": "hot"}, "temperature", "invalid_value"),
+        ({**CHAT, "temperature": 3}, "temperature", "invalid_value"),
+        ({**CHAT, "top_p": 0}, "top_p", "invalid_value"),
+        ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
+        ({**CHAT, "stream": "yes"}, "stream", "invalid_value"),
+        ({**CHAT, "frobnicate": 1}, "frobnicate", "unrecognized_argument"),
+        ({**CHAT, "tools": []}, "tools", "unsupported_parameter"),
+        ({**CHAT, "logprobs": True}, "logprobs", "unsupported_parameter"),
+        ({**CHAT, "n": 2}, "n", "unsupported_parameter"),
+    ],
+)
 def test_bad_chat_bodies_name_the_field(body, param, code):
     error = refused(ChatCompletionRequest, body)
     assert (error.param, error.code) == (param, code)
@@ -68,4 +83,5 @@ def test_completion_prompts_pdserve_refuses(prompt):
 
 def test_echo_and_suffix_are_named_as_unsupported():
     assert refused(CompletionRequest, {"model": "m", "prompt": "x", "echo": True}).code == (
-        "unsupported_parameter")
+        "unsupported_parameter"
+    )

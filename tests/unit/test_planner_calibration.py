@@ -14,13 +14,22 @@ from planner.calibration import fit_linear_cost, load_requests
 from planner.cost_model import LinearCost
 from planner.simulator import SimCluster, SimRequest, simulate
 
-KNOWN = LinearCost(prefill_base_s=0.05, prefill_per_token_s=0.002, decode_base_s=0.03, decode_per_request_s=0.004)
+KNOWN = LinearCost(
+    prefill_base_s=0.05, prefill_per_token_s=0.002, decode_base_s=0.03, decode_per_request_s=0.004
+)
 
 
 def _bench_json(path, requests):
-    cluster = SimCluster(prefill_replicas=1, decode_replicas=1, prefill_cost=KNOWN, decode_cost=KNOWN,
-                         kv_capacity_tokens=100_000, kv_bytes_per_token=1000, kv_bandwidth_bytes_per_s=1e8,
-                         kv_latency_s=0.01)
+    cluster = SimCluster(
+        prefill_replicas=1,
+        decode_replicas=1,
+        prefill_cost=KNOWN,
+        decode_cost=KNOWN,
+        kv_capacity_tokens=100_000,
+        kv_bytes_per_token=1000,
+        kv_bandwidth_bytes_per_s=1e8,
+        kv_latency_s=0.01,
+    )
     records, duration = simulate(cluster, requests)
     write_json(path, {"workload": "synthetic (simulated)"}, summarize(records, duration), records)
     return path
@@ -46,7 +55,10 @@ def test_fit_leaves_out_queued_prefills_and_failed_requests():
     entry = dict(itl=[0.5, 0.1, 0.1], e2e=1.0, error=None)
     requests = [
         entry | dict(send_time=0.0, ttft=0.3, input_tokens=100),
-        entry | dict(send_time=0.1, ttft=9.0, input_tokens=100),  # queued behind the first: not a lone prefill
+        entry
+        | dict(
+            send_time=0.1, ttft=9.0, input_tokens=100
+        ),  # queued behind the first: not a lone prefill
         entry | dict(send_time=20.0, ttft=0.5, input_tokens=200),
         dict(send_time=40.0, ttft=None, itl=[], e2e=None, input_tokens=300, error="HTTP 500"),
     ]
@@ -64,7 +76,10 @@ def test_fit_without_samples_says_what_is_missing():
 
 def test_a_negative_slope_is_fitted_flat():
     entry = dict(itl=[], e2e=0.5, error=None)
-    requests = [entry | dict(send_time=10.0 * i, ttft=1.0 - 0.001 * i, input_tokens=100 * i) for i in range(1, 4)]
+    requests = [
+        entry | dict(send_time=10.0 * i, ttft=1.0 - 0.001 * i, input_tokens=100 * i)
+        for i in range(1, 4)
+    ]
     with pytest.raises(ValueError, match="decode"):
         fit_linear_cost([requests])  # no inter-token gaps at all
     requests[0]["itl"] = [0.3, 0.1, 0.1]

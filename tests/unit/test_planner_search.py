@@ -7,13 +7,13 @@ import yaml
 
 from bench.metrics import Slo
 from bench.workload import Length
-from settings.cluster_file import load_cluster_file
 from cluster.placement import check_layout, check_resources, model_shape, worker_slots
 from planner.command import add_parser
 from planner.gpu_spec import GB, GPU_PRESETS
 from planner.model_spec import MODEL_PRESETS
 from planner.search import Candidate, RooflineHardware, Scenario, candidates, search
 from planner.sim_workload import WorkloadSpec
+from settings.cluster_file import load_cluster_file
 
 LLAMA_8B = MODEL_PRESETS["llama-3.1-8b"]
 H100 = GPU_PRESETS["H100-SXM"]
@@ -36,10 +36,20 @@ def _best(workload: WorkloadSpec, slo: Slo) -> Candidate:
 
 
 def test_search_gives_long_prompts_more_prefill_and_long_outputs_more_decode():
-    prefill_bound = _best(WorkloadSpec(Length.parse("4096"), Length.parse("16")), Slo(ttft=1.0, tpot=0.05))
-    assert prefill_bound.prefill_replicas * prefill_bound.prefill_tp > prefill_bound.decode_replicas * prefill_bound.decode_tp
-    decode_bound = _best(WorkloadSpec(Length.parse("32"), Length.parse("256")), Slo(ttft=1.0, tpot=0.007))
-    assert decode_bound.decode_replicas * decode_bound.decode_tp > decode_bound.prefill_replicas * decode_bound.prefill_tp
+    prefill_bound = _best(
+        WorkloadSpec(Length.parse("4096"), Length.parse("16")), Slo(ttft=1.0, tpot=0.05)
+    )
+    assert (
+        prefill_bound.prefill_replicas * prefill_bound.prefill_tp
+        > prefill_bound.decode_replicas * prefill_bound.decode_tp
+    )
+    decode_bound = _best(
+        WorkloadSpec(Length.parse("32"), Length.parse("256")), Slo(ttft=1.0, tpot=0.007)
+    )
+    assert (
+        decode_bound.decode_replicas * decode_bound.decode_tp
+        > decode_bound.prefill_replicas * decode_bound.prefill_tp
+    )
 
 
 def _run_plan(argv):
@@ -51,12 +61,33 @@ def _run_plan(argv):
 
 def test_plan_prints_the_searched_table_and_writes_the_recommended_cluster(tmp_path, capsys):
     path = tmp_path / "cluster.yaml"
-    argv = ["--model", "llama-3.1-8b", "--gpu", "H100-SXM", "--gpus", "3", "--slo", "ttft=300ms,tpot=30ms",
-            "--input-len", "1024", "--output-len", "64", "--num-requests", "40", "--rate", "20",
-            "--write-cluster", str(path)]
+    argv = [
+        "--model",
+        "llama-3.1-8b",
+        "--gpu",
+        "H100-SXM",
+        "--gpus",
+        "3",
+        "--slo",
+        "ttft=300ms,tpot=30ms",
+        "--input-len",
+        "1024",
+        "--output-len",
+        "64",
+        "--num-requests",
+        "40",
+        "--rate",
+        "20",
+        "--write-cluster",
+        str(path),
+    ]
     assert _run_plan(argv) == 0
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if "P×TP" in line and "D×TP" in line and not line.startswith("recommended")]
+    rows = [
+        line
+        for line in out.splitlines()
+        if "P×TP" in line and "D×TP" in line and not line.startswith("recommended")
+    ]
     assert len(rows) == len(candidates(LLAMA_8B, 3)) == 3  # 1+1, 1+2, 2+1 at TP 1
     assert rows[0].startswith("* ") and sum(row.startswith("*") for row in rows) == 1
     assert "goodput" in out.splitlines()[0] and "p90 TTFT ms" in out
@@ -71,11 +102,14 @@ def test_plan_prints_the_searched_table_and_writes_the_recommended_cluster(tmp_p
     check_resources(worker_slots(config), [{"GPU": 8}])
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--gpus", "4"], "needs --slo"),
-    (["--gpus", "4", "--slo", "ttft=fast"], "bad SLO item"),
-    (["--gpus", "4", "--slo", "ttft=1s", "--input-len", "0"], "bad length"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--gpus", "4"], "needs --slo"),
+        (["--gpus", "4", "--slo", "ttft=fast"], "bad SLO item"),
+        (["--gpus", "4", "--slo", "ttft=1s", "--input-len", "0"], "bad length"),
+    ],
+)
 def test_plan_search_bad_input_exits_2(argv, message, capsys):
     assert _run_plan(["--model", "llama-3.1-8b", *argv]) == 2
     assert message in capsys.readouterr().err

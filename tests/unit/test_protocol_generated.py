@@ -10,4 +10,5 @@ def test_generated_modules_match_the_proto(proto, tmp_path):
     generate(proto, tmp_path)
     for name in generated_names(proto):
         assert (tmp_path / name).read_text() == (proto.parent / name).read_text(), (
-            f"{name} is stale: run `python -m worker.protocol.generate`")
+            f"{name} is stale: run `python -m worker.protocol.generate`"
+        )

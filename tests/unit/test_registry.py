@@ -6,9 +6,9 @@ import time
 import pytest
 
 from cluster import local_services
+from tests.integration.processes import group_members
 from worker.processes import stop_group
 from worker.registry import Registry, WorkerLoad, WorkerRecord
-from tests.integration.processes import group_members
 
 
 @pytest.fixture(scope="module")
@@ -20,9 +20,16 @@ def redis_url(tmp_path_factory):
 
 
 def record(worker_id: str, role: str = "decode") -> WorkerRecord:
-    return WorkerRecord(worker_id=worker_id, role=role, address=f"127.0.0.1:{len(worker_id)}",
-                        kv_address="127.0.0.1:1", compatibility_hash="abc", node="n1",
-                        gpu_ids=("3",), load=WorkerLoad(running_requests=2, kv_blocks_total=9))
+    return WorkerRecord(
+        worker_id=worker_id,
+        role=role,
+        address=f"127.0.0.1:{len(worker_id)}",
+        kv_address="127.0.0.1:1",
+        compatibility_hash="abc",
+        node="n1",
+        gpu_ids=("3",),
+        load=WorkerLoad(running_requests=2, kv_blocks_total=9),
+    )
 
 
 def test_records_round_trip_and_expire_without_a_heartbeat(redis_url):

@@ -15,10 +15,16 @@ class FakeWorker:
         self.outstanding_tokens = outstanding_tokens
 
 
-@pytest.mark.parametrize("prompt_tokens, have_prefill, expected", [
-    (10, True, LOCAL), (255, True, LOCAL), (256, True, DISAGGREGATED),
-    (5000, True, DISAGGREGATED), (5000, False, LOCAL),
-])
+@pytest.mark.parametrize(
+    "prompt_tokens, have_prefill, expected",
+    [
+        (10, True, LOCAL),
+        (255, True, LOCAL),
+        (256, True, DISAGGREGATED),
+        (5000, True, DISAGGREGATED),
+        (5000, False, LOCAL),
+    ],
+)
 def test_the_threshold_decides_the_path(prompt_tokens, have_prefill, expected):
     assert choose_route(None, prompt_tokens, 256, have_prefill) == expected
 

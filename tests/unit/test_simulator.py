@@ -12,18 +12,30 @@ from planner.sim_workload import WorkloadSpec
 from planner.simulator import SimCluster, SimRequest, simulate
 
 # prefill = 0.1 + 0.001/token; decode = 0.02 + 0.01/request in the batch
-COST = LinearCost(prefill_base_s=0.1, prefill_per_token_s=0.001, decode_base_s=0.02, decode_per_request_s=0.01)
+COST = LinearCost(
+    prefill_base_s=0.1, prefill_per_token_s=0.001, decode_base_s=0.02, decode_per_request_s=0.01
+)
 
 
 def cluster(prefill=1, decode=1, cost=COST, **overrides) -> SimCluster:
-    settings = dict(prefill_replicas=prefill, decode_replicas=decode, prefill_cost=cost, decode_cost=cost,
-                    kv_capacity_tokens=100_000, kv_bytes_per_token=1000, kv_bandwidth_bytes_per_s=1e8,
-                    kv_latency_s=0.005, block_size=16)
+    settings = dict(
+        prefill_replicas=prefill,
+        decode_replicas=decode,
+        prefill_cost=cost,
+        decode_cost=cost,
+        kv_capacity_tokens=100_000,
+        kv_bytes_per_token=1000,
+        kv_bandwidth_bytes_per_s=1e8,
+        kv_latency_s=0.005,
+        block_size=16,
+    )
     return SimCluster(**settings | overrides)
 
 
 def test_one_request_hand_computed():
-    records, duration = simulate(cluster(), [SimRequest(arrival=1.0, prompt_tokens=100, output_tokens=3)])
+    records, duration = simulate(
+        cluster(), [SimRequest(arrival=1.0, prompt_tokens=100, output_tokens=3)]
+    )
     (record,) = records
     prefill = 0.1 + 0.001 * 100
     transfer = 0.005 + 100 * 1000 / 1e8
@@ -76,7 +88,9 @@ def test_same_requests_same_result():
     requests = WorkloadSpec(Length.parse("50-500"), Length.parse("1-50")).requests(100, 5.0, seed=3)
     first, second = simulate(cluster(), requests), simulate(cluster(), requests)
     assert first == second
-    assert requests != WorkloadSpec(Length.parse("50-500"), Length.parse("1-50")).requests(100, 5.0, seed=4)
+    assert requests != WorkloadSpec(Length.parse("50-500"), Length.parse("1-50")).requests(
+        100, 5.0, seed=4
+    )
 
 
 def _attainment(sim_cluster: SimCluster, workload: WorkloadSpec, rate: float, slo: Slo) -> float:
@@ -88,14 +102,22 @@ def test_goodput_collapses_past_capacity():
     # One prefill worker does ~1/(0.1 + 0.001·200 / batch) ≥ 3 prompts/s; far beyond, queues grow.
     workload = WorkloadSpec(Length.parse("200"), Length.parse("8"))
     slo = Slo(ttft=1.0, tpot=0.2)
-    below, past = _attainment(cluster(), workload, 1.0, slo), _attainment(cluster(), workload, 40.0, slo)
+    below, past = (
+        _attainment(cluster(), workload, 1.0, slo),
+        _attainment(cluster(), workload, 40.0, slo),
+    )
     assert below > 0.95
     assert past < 0.3
 
 
 def test_more_decode_workers_help_a_decode_bound_workload():
     # A decode worker makes at most 1/0.001 = 1000 tokens/s, 5 requests/s of 200 tokens.
-    cost = LinearCost(prefill_base_s=0.01, prefill_per_token_s=0.0001, decode_base_s=0.02, decode_per_request_s=0.001)
+    cost = LinearCost(
+        prefill_base_s=0.01,
+        prefill_per_token_s=0.0001,
+        decode_base_s=0.02,
+        decode_per_request_s=0.001,
+    )
     workload = WorkloadSpec(Length.parse("16"), Length.parse("200"))
     slo = Slo(ttft=1.0, tpot=0.1)
     one, three = (_attainment(cluster(decode=d, cost=cost), workload, 6.0, slo) for d in (1, 3))
@@ -115,4 +137,6 @@ def test_roofline_cost_is_bandwidth_bound_in_decode_and_compute_bound_in_prefill
     assert cost.decode_time([0]) == pytest.approx(14e9 / 2039e9)  # weights only: the seed's 6.9 ms
     assert cost.decode_time([1000] * 8) == pytest.approx((14e9 + 8000 * 524288) / 2039e9)
     assert cost.prefill_time([4096]) > cost.prefill_time([1024]) * 4  # attention is quadratic
-    assert RooflineCost(model, gpu, 2).decode_time([1000]) == pytest.approx(cost.decode_time([1000]) / 2)
+    assert RooflineCost(model, gpu, 2).decode_time([1000]) == pytest.approx(
+        cost.decode_time([1000]) / 2
+    )

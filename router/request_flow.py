@@ -1,0 +1,359 @@
+"""One request through the router, step by step:
+
+    admit   validate the body, tokenize, build the worker request, choose the path
+    start   send it on its path (prefill leg + decode leg, or local) and wait for the first
+            chunk; a decode worker found unavailable first is marked down and another one tried
+    relay   pass the chunks on as they come (`collect` for a whole response, `stream` for SSE)
+    finish  count the request in the metrics and return its usage
+
+The HTTP layer (router/app.py) only calls these steps; they know nothing of FastAPI, so they can
+be driven with fake workers. Every failure is an OpenAIError with its status code.
+"""
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from router.disaggregation import (
+    DISAGGREGATED,
+    LOCAL,
+    ROUTE_HEADER,
+    PrefillOutcome,
+    choose_route,
+    generate_disaggregated,
+)
+from router.errors import OpenAIError, context_length_exceeded, model_not_found, worker_unavailable
+from router.metrics import RouterMetrics
+from router.openai_types import ChatCompletionRequest, SamplingFields, parse_request
+from router.responses import SSE_DONE, ResponseFormat, Usage, sse
+from router.worker_client import WorkerClient
+from router.worker_pool import WorkerPool
+from settings.router import WITH_PREFILL, RouterSettings
+from worker.protocol import worker_pb2
+
+log = logging.getLogger("pdserve.router")
+FINISH_REASONS = {"stop": "stop", "length": "length"}
+TAKES_REQUESTS = ("decode", "colocated")
+MAX_ATTEMPTS = 3  # decode workers a request may try when they turn out unavailable
+
+
+@dataclass
+class RequestRun:
+    """One request's state while it is relayed; times are router monotonic seconds."""
+
+    request_id: str
+    prompt_tokens: int
+    arrival: float
+    route: str = LOCAL
+    prefill: PrefillOutcome | None = None  # the prefill leg, when disaggregated
+    decode_worker: WorkerClient | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    last_chunk: worker_pb2.GenerateChunk | None = None
+
+
+@dataclass
+class Admitted:
+    """A request that passed validation, ready to start."""
+
+    run: RequestRun
+    worker_request: worker_pb2.GenerateRequest
+    stream: bool
+    include_usage: bool
+
+
+class RequestFlow:
+    def __init__(
+        self, settings: RouterSettings, pool: WorkerPool, tokenizer, metrics: RouterMetrics
+    ) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.tokenizer = tokenizer  # .chat(parsed) / .completion(parsed) -> prompt token ids
+        self.metrics = metrics
+
+    # admit -------------------------------------------------------------------------------
+
+    def admit(
+        self,
+        endpoint: str,
+        schema: type[SamplingFields],
+        body,
+        id_prefix: str,
+        route_header: str | None,
+        arrival: float,
+    ) -> Admitted:
+        parsed = parse_request(schema, body)
+        served = self.settings.served_model
+        if parsed.model != served:
+            raise model_not_found(parsed.model, served)
+        if isinstance(parsed, ChatCompletionRequest):
+            prompt_ids = self.tokenizer.chat(parsed)
+        else:
+            prompt_ids = self.tokenizer.completion(parsed)
+        run = RequestRun(f"{id_prefix}-{uuid.uuid4().hex}", len(prompt_ids), arrival)
+        if not self.pool.max_model_len:
+            raise worker_unavailable("no worker has joined the pools yet; retry later")
+        worker_request = worker_pb2.GenerateRequest(
+            request_id=run.request_id,
+            prompt_token_ids=prompt_ids,
+            sampling=sampling_params(
+                parsed,
+                len(prompt_ids),
+                self.pool.max_model_len,
+                self.settings.default_max_tokens,
+                param="messages" if endpoint == "chat" else "prompt",
+            ),
+        )
+        run.route = choose_route(
+            route_header,
+            len(prompt_ids),
+            self.settings.disaggregate_min_tokens,
+            bool(self.pool.live(("prefill",))),
+        )
+        return Admitted(run, worker_request, parsed.stream, parsed.include_usage_in_stream())
+
+    # start -------------------------------------------------------------------------------
+
+    async def start(self, run: RequestRun, worker_request: worker_pb2.GenerateRequest):
+        """Send the request on its path and wait for its first chunk; returns (first chunk,
+        the rest, response headers). A decode worker found unavailable before any token (it
+        died, or left the pools a moment ago) is marked down and the request goes to another
+        one, up to MAX_ATTEMPTS workers."""
+        tried: set[str] = set()
+        while True:
+            worker = run.decode_worker = self.pool.pick(TAKES_REQUESTS, frozenset(tried))
+            headers = {
+                "x-request-id": run.request_id,
+                "x-pdserve-worker": worker.worker_id,
+                ROUTE_HEADER: run.route,
+            }
+            prefill = None
+            if run.route == DISAGGREGATED:
+                prefill = self.pool.pick(("prefill",))
+                run.prefill = PrefillOutcome(admission=self.settings.decode_admission)
+                chunks = generate_disaggregated(
+                    prefill,
+                    worker,
+                    worker_request,
+                    self.settings.kv_timeout_s,
+                    self.settings.request_timeout_s,
+                    run.prefill,
+                )
+                headers["x-pdserve-prefill-worker"] = prefill.worker_id
+            else:
+                chunks = worker.generate(worker_request, timeout=self.settings.request_timeout_s)
+            try:
+                first = await anext(chunks)
+            except OpenAIError as error:
+                if error.kind != "worker_unavailable":
+                    raise
+                self.pool.mark_down(worker)
+                tried.add(worker.address)
+                if len(tried) >= MAX_ATTEMPTS:
+                    raise
+                log.warning("request %s: %s; trying another worker", run.request_id, error.message)
+                continue
+            if run.prefill is not None and run.prefill.error_kind == "worker_unavailable":
+                self.pool.mark_down(prefill)
+            self.metrics.routes.labels(run.route).inc()
+            return first, chunks, headers
+
+    # relay -------------------------------------------------------------------------------
+
+    async def relay(self, run: RequestRun, first, chunks):
+        """Yield (text, finish_reason or None) per chunk, ending with the finish reason."""
+        async for chunk in _prepend(first, chunks):
+            self._on_chunk(run, chunk)
+            if not chunk.finish_reason:
+                yield chunk.text, None
+                continue
+            if chunk.finish_reason not in FINISH_REASONS:
+                raise OpenAIError(
+                    502,
+                    f"the worker ended the request: {chunk.finish_reason}",
+                    "worker_error",
+                    type="server_error",
+                    code="worker_error",
+                )
+            yield chunk.text, FINISH_REASONS[chunk.finish_reason]
+            return
+
+    async def collect(
+        self, run: RequestRun, first, chunks, response_format: ResponseFormat, endpoint: str
+    ) -> dict:
+        """The whole response body."""
+        parts, finish_reason = [], "stop"
+        try:
+            async for text, reason in self.relay(run, first, chunks):
+                parts.append(text)
+                finish_reason = reason or finish_reason
+            if run.prefill is not None:  # before closing the legs, which cancels the prefill
+                await run.prefill.wait()
+        finally:
+            await chunks.aclose()
+        return response_format.whole("".join(parts), finish_reason, self.finish(run, endpoint))
+
+    async def stream(
+        self,
+        run: RequestRun,
+        first,
+        chunks,
+        response_format: ResponseFormat,
+        include_usage: bool,
+        endpoint: str,
+    ):
+        """The SSE events; a failure after streaming started is an error event."""
+        is_first = True
+        try:
+            async for text, reason in self.relay(run, first, chunks):
+                # As vLLM does, the finish reason rides on the last token's chunk: a separate
+                # empty chunk would look like one more token to clients that time tokens.
+                if text or is_first or reason is not None:
+                    yield response_format.chunk(text, reason, is_first)
+                    is_first = False
+            if run.prefill is not None:  # before closing the legs, which cancels the prefill
+                await run.prefill.wait()
+            usage = self.finish(run, endpoint)
+            if include_usage:
+                yield response_format.usage_chunk(usage)
+        except OpenAIError as error:
+            self.count_error(error, endpoint)
+            yield sse(error.body())
+        except asyncio.CancelledError:
+            self.count_disconnect(endpoint)
+            raise
+        finally:
+            await chunks.aclose()
+        yield SSE_DONE
+
+    def _on_chunk(self, run: RequestRun, chunk: worker_pb2.GenerateChunk) -> None:
+        if not chunk.token_ids:
+            return
+        now = time.monotonic()
+        if run.last_token_at is None:
+            run.first_token_at = now
+            self.metrics.ttft.observe(now - run.arrival)
+        else:
+            self.metrics.inter_token.observe(now - run.last_token_at)
+        run.last_token_at = now
+        run.completion_tokens += len(chunk.token_ids)
+        run.cached_tokens = chunk.cached_tokens
+        run.last_chunk = chunk
+
+    # finish ------------------------------------------------------------------------------
+
+    def finish(self, run: RequestRun, endpoint: str) -> Usage:
+        metrics = self.metrics
+        metrics.e2e.observe(time.monotonic() - run.arrival)
+        metrics.prompt_tokens.inc(run.prompt_tokens)
+        metrics.generation_tokens.inc(run.completion_tokens)
+        metrics.requests.labels(endpoint, "200").inc()
+        cached = run.cached_tokens
+        if run.route == DISAGGREGATED:
+            cached = self._account_transfer(run)
+        log.info("timing %s", json.dumps(timing_breakdown(run)))
+        return Usage(run.prompt_tokens, run.completion_tokens, cached)
+
+    def _account_transfer(self, run: RequestRun) -> int:
+        """KV metrics of a disaggregated request; returns its prompt-cache hit, which happened
+        on the prefill worker (the decode worker's count includes the transferred KV)."""
+        metrics = self.metrics
+        prefill = run.prefill.chunk
+        cached_on_prefill = prefill.cached_tokens if prefill is not None else 0
+        if run.prefill.ended_request:
+            return cached_on_prefill
+        decode = run.last_chunk
+        if decode is not None and decode.HasField("kv"):
+            metrics.kv_bytes.observe(decode.kv.bytes)
+            metrics.kv_seconds.observe(decode.kv.seconds)
+            if decode.kv.failed:
+                metrics.kv_failures.labels("timeout_or_cancelled").inc()
+        if run.prefill.error is not None:
+            metrics.kv_failures.labels("prefill_failed").inc()
+        if run.cached_tokens < run.prompt_tokens:  # the decode worker prefilled after all
+            metrics.kv_fallbacks.labels("recompute").inc()
+            log.warning(
+                "request %s fell back to local prefill on %s",
+                run.request_id,
+                run.decode_worker.worker_id,
+            )
+        return cached_on_prefill
+
+    def count_error(self, error: OpenAIError, endpoint: str) -> None:
+        self.metrics.errors.labels(error.kind).inc()
+        self.metrics.requests.labels(endpoint, str(error.status)).inc()
+        if error.status >= 500:
+            log.warning("%s: %s", error.kind, error.message)
+
+    def count_disconnect(self, endpoint: str) -> None:
+        self.metrics.errors.labels("client_disconnect").inc()
+        self.metrics.requests.labels(endpoint, "499").inc()
+
+
+async def _prepend(first, chunks):
+    yield first
+    async for chunk in chunks:
+        yield chunk
+
+
+def timing_breakdown(run: RequestRun) -> dict:
+    """Where the time to first token went, from both workers' engine timestamps (seconds)."""
+    breakdown = {
+        "request_id": run.request_id,
+        "route": run.route,
+        "ttft": run.first_token_at - run.arrival if run.first_token_at else None,
+    }
+    decode = run.last_chunk.timing if run.last_chunk is not None else None
+    if run.route == LOCAL and decode is not None:
+        breakdown.update(queue=decode.queued_seconds, prefill=decode.prefill_seconds)
+    elif run.prefill is not None and run.prefill.chunk is not None and decode is not None:
+        prefill = run.prefill.chunk.timing
+        # The decode leg waits for the KV from its admission on; what it waits after the
+        # prefill ended is the transfer time the prefill's compute did not hide.
+        waited_during_prefill = (
+            prefill.queued_seconds + prefill.prefill_seconds
+            if run.prefill.admission == WITH_PREFILL
+            else 0.0
+        )
+        breakdown.update(
+            queue=prefill.queued_seconds,
+            prefill=prefill.prefill_seconds,
+            transfer_wait=decode.queued_seconds,
+            exposed_transfer=max(0.0, decode.queued_seconds - waited_during_prefill),
+            first_decode_step=decode.prefill_seconds,
+        )
+    if run.last_chunk is not None and run.last_chunk.HasField("kv"):
+        breakdown.update(kv_bytes=run.last_chunk.kv.bytes, kv_seconds=run.last_chunk.kv.seconds)
+    return breakdown
+
+
+def sampling_params(
+    parsed: SamplingFields,
+    prompt_tokens: int,
+    max_model_len: int,
+    default_max_tokens: int,
+    param: str,
+) -> worker_pb2.SamplingParams:
+    asked = parsed.max_tokens_asked()
+    room = max_model_len - prompt_tokens
+    max_tokens = asked if asked is not None else min(default_max_tokens, room)
+    if max_tokens > room or room < 1:
+        raise context_length_exceeded(prompt_tokens, max(max_tokens, 1), max_model_len, param)
+    sampling = worker_pb2.SamplingParams(
+        max_tokens=max_tokens,
+        temperature=parsed.temperature,
+        top_p=parsed.top_p,
+        top_k=parsed.top_k,
+        stop=parsed.stop_list(),
+        presence_penalty=parsed.presence_penalty,
+        frequency_penalty=parsed.frequency_penalty,
+        ignore_eos=parsed.ignore_eos,
+    )
+    if parsed.seed is not None:
+        sampling.seed = parsed.seed
+    return sampling

@@ -1,0 +1,201 @@
+"""The router's request steps after admission (router/request_flow.py): `start`'s retry loop over
+decode workers, and `collect`/`finish` of a local request. A real WorkerPool with a round-robin
+policy holds fake workers whose `generate` either fails before its first chunk or streams
+canned chunks; each test drives the coroutines with asyncio.run. No engine, no network."""
+
+import asyncio
+import time
+
+import pytest
+
+from router.disaggregation import LOCAL, ROUTE_HEADER
+from router.errors import OpenAIError, invalid_request, worker_unavailable
+from router.metrics import RouterMetrics
+from router.policies import RoundRobin
+from router.request_flow import MAX_ATTEMPTS, RequestFlow, RequestRun
+from router.responses import CompletionFormat
+from router.worker_pool import WorkerPool
+from settings.router import RouterSettings
+from worker.protocol import worker_pb2
+
+PROMPT = [11, 12, 13, 14, 15]
+
+
+class FakeWorker:
+    """Stands in for router.worker_client.WorkerClient: `generate` fails with `error` before
+    its first chunk, or streams `chunks`; it records every request it got."""
+
+    def __init__(self, name: str, role: str = "decode", chunks=(), error=None) -> None:
+        self.address = f"{name}:50051"
+        self.worker_id = name
+        self.role = role
+        self.max_model_len = 4096
+        self.kv_address = f"{name}:6000"
+        self.tensor_parallel_size = 1
+        self.outstanding_tokens = 0
+        self.chunks = list(chunks)
+        self.error = error
+        self.requests: list[worker_pb2.GenerateRequest] = []
+
+    async def generate(self, request: worker_pb2.GenerateRequest, timeout: float):
+        self.requests.append(request)
+        if self.error is not None:
+            raise self.error
+        for chunk in self.chunks:
+            yield chunk
+
+
+def unavailable(name: str, role: str = "decode") -> FakeWorker:
+    return FakeWorker(name, role, error=worker_unavailable(f"worker {name} is unavailable"))
+
+
+def answering(name: str, role: str = "decode") -> FakeWorker:
+    return FakeWorker(
+        name,
+        role,
+        chunks=[
+            worker_pb2.GenerateChunk(token_ids=[1, 2], text="Hello"),
+            worker_pb2.GenerateChunk(token_ids=[3], text=" world", finish_reason="length"),
+        ],
+    )
+
+
+def flow_over(*workers: FakeWorker) -> RequestFlow:
+    pool = WorkerPool([], RoundRobin())
+    pool.workers = list(workers)
+    return RequestFlow(RouterSettings(model="m"), pool, None, RouterMetrics())
+
+
+def new_request(request_id: str = "cmpl-1") -> tuple[RequestRun, worker_pb2.GenerateRequest]:
+    run = RequestRun(request_id, len(PROMPT), time.monotonic(), route=LOCAL)
+    request = worker_pb2.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=PROMPT,
+        sampling=worker_pb2.SamplingParams(max_tokens=3),
+    )
+    return run, request
+
+
+def start(flow: RequestFlow, run: RequestRun, request: worker_pb2.GenerateRequest):
+    """Run `start` and close the stream it opened; returns (first chunk, headers)."""
+
+    async def go():
+        first, chunks, headers = await flow.start(run, request)
+        await chunks.aclose()
+        return first, headers
+
+    return asyncio.run(go())
+
+
+def start_error(flow: RequestFlow, run: RequestRun, request) -> OpenAIError:
+    with pytest.raises(OpenAIError) as caught:
+        asyncio.run(flow.start(run, request))
+    return caught.value
+
+
+def test_an_unavailable_decode_worker_is_marked_down_and_another_one_answers():
+    gone, alive = unavailable("decode-a"), answering("decode-b")
+    flow = flow_over(gone, alive)
+    run, request = new_request()
+    first, headers = start(flow, run, request)
+    assert flow.pool.down == {gone.address}
+    assert first.text == "Hello" and list(first.token_ids) == [1, 2]
+    assert headers == {
+        "x-request-id": "cmpl-1",
+        "x-pdserve-worker": "decode-b",
+        ROUTE_HEADER: LOCAL,
+    }
+    assert run.decode_worker is alive
+    assert [r.request_id for r in gone.requests] == ["cmpl-1"]
+    assert [r.request_id for r in alive.requests] == ["cmpl-1"]
+
+
+def test_the_request_fails_with_a_503_after_max_attempts_unavailable_workers():
+    workers = [unavailable(f"decode-{i}") for i in range(MAX_ATTEMPTS + 1)]
+    flow = flow_over(*workers)
+    run, request = new_request()
+    error = start_error(flow, run, request)
+    assert (error.status, error.kind) == (503, "worker_unavailable")
+    assert sum(len(worker.requests) for worker in workers) == MAX_ATTEMPTS
+    assert len(flow.pool.down) == MAX_ATTEMPTS
+    assert [len(worker.requests) for worker in workers].count(0) == 1
+
+
+def test_a_worker_error_other_than_unavailable_is_raised_at_once():
+    refusing = FakeWorker("decode-a", error=invalid_request("bad stop string", param="stop"))
+    alive = answering("decode-b")
+    flow = flow_over(refusing, alive)
+    run, request = new_request()
+    error = start_error(flow, run, request)
+    assert (error.status, error.kind) == (400, "invalid_request")
+    assert alive.requests == []
+    assert flow.pool.down == set()
+
+
+def test_with_no_decode_worker_at_all_the_request_is_a_503():
+    prefill = answering("prefill-a", role="prefill")
+    flow = flow_over(prefill)
+    run, request = new_request()
+    error = start_error(flow, run, request)
+    assert (error.status, error.kind) == (503, "worker_unavailable")
+    assert prefill.requests == []
+
+
+def test_prefill_workers_never_take_the_decode_leg_of_a_local_request():
+    prefills = [answering("prefill-a", role="prefill"), answering("prefill-b", role="prefill")]
+    decode, colocated = answering("decode-a"), answering("colocated-a", role="colocated")
+    flow = flow_over(prefills[0], decode, prefills[1], colocated)
+    chosen = []
+    for i in range(4):
+        run, request = new_request(f"cmpl-{i}")
+        chosen.append(start(flow, run, request)[1]["x-pdserve-worker"])
+    assert set(chosen) == {"decode-a", "colocated-a"}
+    assert all(worker.requests == [] for worker in prefills)
+
+
+def test_collect_returns_the_whole_text_finish_reason_and_usage_and_counts_the_request():
+    flow = flow_over(answering("decode-a"))
+    run, request = new_request()
+
+    async def go():
+        first, chunks, _ = await flow.start(run, request)
+        response_format = CompletionFormat(run.request_id, flow.settings.served_model)
+        return await flow.collect(run, first, chunks, response_format, "completions")
+
+    body = asyncio.run(go())
+    [choice] = body["choices"]
+    assert choice["text"] == "Hello world"
+    assert choice["finish_reason"] == "length"
+    assert body["model"] == "m"
+    usage = body["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(PROMPT), 3)
+    assert usage["total_tokens"] == len(PROMPT) + 3
+    registry = flow.metrics.registry
+    labels = {"endpoint": "completions", "status": "200"}
+    assert registry.get_sample_value("pdserve_requests_total", labels) == 1.0
+    assert registry.get_sample_value("pdserve_route_total", {"path": LOCAL}) == 1.0
+    assert registry.get_sample_value("pdserve_generation_tokens_total") == 3.0
+    assert registry.get_sample_value("pdserve_prompt_tokens_total") == len(PROMPT)
+
+
+def test_a_worker_ending_a_request_with_abort_is_a_502_from_collect():
+    aborting = FakeWorker(
+        "decode-a",
+        chunks=[
+            worker_pb2.GenerateChunk(token_ids=[1], text="Hi"),
+            worker_pb2.GenerateChunk(token_ids=[], text="", finish_reason="abort"),
+        ],
+    )
+    flow = flow_over(aborting)
+    run, request = new_request()
+
+    async def go():
+        first, chunks, _ = await flow.start(run, request)
+        response_format = CompletionFormat(run.request_id, "m")
+        return await flow.collect(run, first, chunks, response_format, "completions")
+
+    with pytest.raises(OpenAIError) as caught:
+        asyncio.run(go())
+    assert (caught.value.status, caught.value.kind) == (502, "worker_error")
+    labels = {"endpoint": "completions", "status": "200"}
+    assert flow.metrics.registry.get_sample_value("pdserve_requests_total", labels) is None

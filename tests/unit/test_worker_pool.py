@@ -1,0 +1,250 @@
+"""The router's pool membership (router/worker_pool.py): `sync` to a list of addresses,
+`follow_registry`, `refresh` of workers marked down, and `max_model_len`. The pool's
+WorkerClient is replaced by a fake whose Health answers from a table the test edits (READY,
+STARTING, or an UNAVAILABLE gRPC error), and the registry by a fake; asyncio.run drives the
+coroutines. No worker process, no Redis, no network."""
+
+import asyncio
+import logging
+
+import grpc
+import pytest
+
+import router.worker_pool
+from router.policies import RoundRobin
+from router.worker_pool import WorkerPool, follow_registry
+from worker.protocol import worker_pb2
+from worker.registry import WorkerRecord
+
+READY, STARTING = worker_pb2.HealthReply.READY, worker_pb2.HealthReply.STARTING
+
+
+class FakeWorkers:
+    """Stands in for the worker processes behind the addresses: what each one's Health
+    answers (an address with no reply is not listening), and every client the pool made."""
+
+    def __init__(self) -> None:
+        self.replies: dict[str, worker_pb2.HealthReply] = {}
+        self.clients: list[FakeWorkerClient] = []
+
+    def up(
+        self, address: str, role: str = "decode", max_model_len: int = 4096, state=READY
+    ) -> None:
+        self.replies[address] = worker_pb2.HealthReply(
+            state=state,
+            worker_id=f"id-{address}",
+            role=role,
+            max_model_len=max_model_len,
+            kv_address=f"kv-{address}",
+            tensor_parallel_size=1,
+        )
+
+    def gone(self, address: str) -> None:
+        self.replies.pop(address, None)
+
+    def client(self, address: str) -> "FakeWorkerClient":
+        client = FakeWorkerClient(address, self)
+        self.clients.append(client)
+        return client
+
+    def clients_of(self, address: str) -> list["FakeWorkerClient"]:
+        return [client for client in self.clients if client.address == address]
+
+
+class FakeWorkerClient:
+    """Stands in for router.worker_client.WorkerClient: `health` answers from its FakeWorkers
+    table and, when READY, takes the worker's id, role and context like the real client does;
+    `close` is recorded."""
+
+    def __init__(self, address: str, workers: FakeWorkers) -> None:
+        self.address = address
+        self.workers = workers
+        self.worker_id = address
+        self.role = ""
+        self.max_model_len = 0
+        self.kv_address = ""
+        self.tensor_parallel_size = 1
+        self.outstanding_tokens = 0
+        self.closed = False
+
+    async def health(self, timeout: float = 5.0) -> worker_pb2.HealthReply:
+        reply = self.workers.replies.get(self.address)
+        if reply is None:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "down"
+            )
+        if reply.state == READY:
+            self.worker_id, self.role = reply.worker_id, reply.role
+            self.max_model_len, self.kv_address = reply.max_model_len, reply.kv_address
+            self.tensor_parallel_size = reply.tensor_parallel_size
+        return reply
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class FakeRegistry:
+    """Stands in for worker.registry.Registry: `members()` returns records for `addresses`, or
+    raises while `failing` is set (Redis away); it counts its calls."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.url = "redis://fake-registry:6379/0"
+        self.addresses = addresses
+        self.failing = False
+        self.calls = 0
+
+    async def members(self) -> list[WorkerRecord]:
+        self.calls += 1
+        if self.failing:
+            raise ConnectionError("Redis is away")
+        return [WorkerRecord(f"id-{a}", "decode", a) for a in self.addresses]
+
+
+@pytest.fixture
+def workers(monkeypatch) -> FakeWorkers:
+    workers = FakeWorkers()
+    monkeypatch.setattr(router.worker_pool, "WorkerClient", workers.client)
+    return workers
+
+
+def members(pool: WorkerPool) -> list[str]:
+    return [worker.address for worker in pool.workers]
+
+
+def test_a_new_address_joins_only_once_its_health_says_ready(workers):
+    pool = WorkerPool([], RoundRobin())
+    asyncio.run(pool.sync(["a:1"]))  # not listening yet
+    assert members(pool) == []
+    workers.up("a:1", state=STARTING)
+    asyncio.run(pool.sync(["a:1"]))  # loading the model
+    assert members(pool) == []
+    assert [client.closed for client in workers.clients_of("a:1")] == [True, True]
+    workers.up("a:1", role="decode")
+    asyncio.run(pool.sync(["a:1"]))
+    assert members(pool) == ["a:1"]
+    [joined] = pool.workers
+    assert (joined.worker_id, joined.role, joined.closed) == ("id-a:1", "decode", False)
+    asyncio.run(pool.sync(["a:1"]))  # a member is not asked again
+    assert len(workers.clients_of("a:1")) == 3
+    assert pool.workers == [joined]
+
+
+def test_a_worker_missing_from_membership_leaves_and_closes_once_its_requests_finish(workers):
+    workers.up("a:1")
+    workers.up("b:1")
+
+    async def scenario():
+        pool = WorkerPool([], RoundRobin())
+        await pool.sync(["a:1", "b:1"])
+        busy = pool.workers[0]
+        busy.outstanding_tokens = 300
+        pool.mark_down(busy)
+        await pool.sync(["b:1"])
+        assert members(pool) == ["b:1"]
+        assert pool.leaving == [busy] and not busy.closed
+        assert pool.down == set()  # a leaver is no longer anyone's concern for routing
+        assert [w.address for w in pool.live(("decode",))] == ["b:1"]
+        await pool.sync(["b:1"])
+        assert pool.leaving == [busy] and not busy.closed
+        busy.outstanding_tokens = 0
+        await pool.sync(["b:1"])
+        assert pool.leaving == [] and busy.closed
+        assert not pool.workers[0].closed
+
+    asyncio.run(scenario())
+
+
+def test_an_idle_worker_leaving_membership_is_closed_at_once(workers):
+    workers.up("a:1")
+
+    async def scenario():
+        pool = WorkerPool([], RoundRobin())
+        await pool.sync(["a:1"])
+        [idle] = pool.workers
+        await pool.sync([])
+        assert pool.workers == [] and pool.leaving == []
+        assert idle.closed
+
+    asyncio.run(scenario())
+
+
+def test_following_the_registry_keeps_the_last_membership_while_it_cannot_be_read(workers, caplog):
+    workers.up("a:1")
+    workers.up("b:1")
+    registry = FakeRegistry(["a:1", "b:1"])
+    pool = WorkerPool([], RoundRobin())
+
+    async def until(condition, timeout_s=2.0):
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + timeout_s
+        while not condition():
+            assert loop.time() < give_up, "timed out"
+            await asyncio.sleep(0.005)
+
+    async def scenario():
+        task = asyncio.create_task(follow_registry(pool, registry, 0.01))
+        try:
+            await until(lambda: members(pool) == ["a:1", "b:1"])
+            registry.failing = True
+            failing_from = registry.calls
+            await until(lambda: registry.calls >= failing_from + 3)
+            assert members(pool) == ["a:1", "b:1"]
+            assert pool.leaving == []
+            registry.failing = False
+            registry.addresses = ["b:1"]
+            await until(lambda: members(pool) == ["b:1"])
+            assert not task.done()
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    with caplog.at_level(logging.WARNING, logger="pdserve.router"):
+        asyncio.run(scenario())
+    assert "cannot read the registry at redis://fake-registry:6379/0" in caplog.text
+    assert "Redis is away" in caplog.text
+
+
+def test_refresh_brings_back_a_worker_marked_down_once_it_answers_ready(workers):
+    workers.up("a:1")
+    workers.up("b:1")
+
+    async def scenario():
+        pool = WorkerPool([], RoundRobin())
+        await pool.sync(["a:1", "b:1"])
+        flaky = pool.workers[0]
+        pool.mark_down(flaky)
+        assert pool.down == {"a:1"}
+        assert [w.address for w in pool.live(("decode",))] == ["b:1"]
+        workers.gone("a:1")
+        await pool.refresh()
+        assert pool.down == {"a:1"}
+        workers.up("a:1", state=STARTING)
+        await pool.refresh()
+        assert pool.down == {"a:1"}
+        workers.up("a:1")
+        await pool.refresh()
+        assert pool.down == set()
+        assert [w.address for w in pool.live(("decode",))] == ["a:1", "b:1"]
+
+    asyncio.run(scenario())
+
+
+def test_max_model_len_is_the_smallest_member_and_the_last_known_when_the_pool_empties(
+    workers,
+):
+    workers.up("a:1", max_model_len=8192)
+    workers.up("b:1", role="prefill", max_model_len=2048)
+
+    async def scenario():
+        pool = WorkerPool([], RoundRobin())
+        assert pool.max_model_len == 0  # nobody joined yet
+        await pool.sync(["a:1", "b:1"])
+        assert pool.max_model_len == 2048
+        await pool.sync(["a:1"])
+        assert pool.max_model_len == 8192
+        await pool.sync([])
+        assert pool.workers == []
+        assert pool.max_model_len == 8192
+
+    asyncio.run(scenario())
