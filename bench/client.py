@@ -81,7 +81,8 @@ class Target:
 async def send(
     http: httpx.AsyncClient, target: Target, request: BenchRequest, timeout: float
 ) -> RequestRecord:
-    """Stream one request, giving up after `timeout` seconds, and return its record; never raises."""
+    """Stream one request, giving up after `timeout` seconds, and return its record; never
+    raises."""
     record = RequestRecord(prompt_tokens=request.prompt_tokens, max_tokens=request.max_tokens)
     url = target.url.rstrip("/") + ENDPOINT_PATHS[target.endpoint]
     try:

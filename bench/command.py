@@ -38,7 +38,8 @@ def add_parser(subparsers) -> None:
         "--max-duration",
         type=float,
         metavar="SECONDS",
-        help="send nothing new after this; requests still running then count as failed (default: no limit)",
+        help="send nothing new after this; requests still running then count as failed "
+        "(default: no limit)",
     )
     out = add_benchmark_arguments(parser)
     out.add_argument(

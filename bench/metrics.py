@@ -47,7 +47,8 @@ _SLO_ITEM = re.compile(r"^(ttft|tpot|e2e)=([0-9]*\.?[0-9]+)(ms|s)?$")
 
 @dataclass
 class Slo:
-    """Latency objectives in seconds; a request meets the SLO if it succeeded and met each one set."""
+    """Latency objectives in seconds; a request meets the SLO if it succeeded and met each one
+    set."""
 
     ttft: float | None = None
     tpot: float | None = None

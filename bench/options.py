@@ -21,13 +21,15 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse._Argume
         "--endpoint",
         choices=("completions", "chat"),
         default="completions",
-        help="/v1/completions with a prompt, or /v1/chat/completions with messages (default: %(default)s)",
+        help="/v1/completions with a prompt, or /v1/chat/completions with messages "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--num-requests",
         type=int,
         metavar="N",
-        help=f"requests to send (default: {DEFAULT_NUM_REQUESTS}; for a trace, all its lines, or its first N)",
+        help=f"requests to send (default: {DEFAULT_NUM_REQUESTS}; for a trace, all its lines, "
+        "or its first N)",
     )
     parser.add_argument(
         "--warmup",
@@ -56,8 +58,8 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse._Argume
     work.add_argument(
         "--input-len",
         metavar="DIST",
-        help="prompt tokens: N, LOW-HIGH (uniform) or normal:MEAN,STD; for shared-prefix the suffix, "
-        "for mixed the short prompts (default: "
+        help="prompt tokens: N, LOW-HIGH (uniform) or normal:MEAN,STD; for shared-prefix the "
+        "suffix, for mixed the short prompts (default: "
         + ", ".join(f"{k} {v}" for k, v in DEFAULT_INPUT_LEN.items())
         + ")",
     )
@@ -104,7 +106,8 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse._Argume
     work.add_argument(
         "--tokenizer",
         metavar="MODEL_DIR",
-        help="size prompts exactly with this model folder's tokenizer (default: about 1 token per word)",
+        help="size prompts exactly with this model folder's tokenizer "
+        "(default: about 1 token per word)",
     )
     work.add_argument(
         "--ignore-eos",
@@ -122,7 +125,8 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse._Argume
     out.add_argument(
         "--slo",
         metavar="OBJECTIVES",
-        help='goodput objectives, e.g. "ttft=500ms,tpot=50ms" (keys ttft, tpot, e2e; a bare number is seconds)',
+        help='goodput objectives, e.g. "ttft=500ms,tpot=50ms" '
+        "(keys ttft, tpot, e2e; a bare number is seconds)",
     )
     out.add_argument(
         "--timeout",

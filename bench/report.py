@@ -21,9 +21,11 @@ def _ms(value: float | None) -> str:
 
 def table(summary: Summary, records: list[RequestRecord]) -> str:
     lines = [
-        f"{'Requests (completed / failed):':<36} {summary.num_requests} ({summary.completed} / {summary.failed})",
+        f"{'Requests (completed / failed):':<36} {summary.num_requests} "
+        f"({summary.completed} / {summary.failed})",
         f"{'Benchmark duration (s):':<36} {summary.duration_s:.2f}",
-        f"{'Input / output tokens:':<36} {summary.total_input_tokens} / {summary.total_output_tokens}",
+        f"{'Input / output tokens:':<36} "
+        f"{summary.total_input_tokens} / {summary.total_output_tokens}",
         f"{'Request throughput (req/s):':<36} {summary.request_throughput:.2f}",
         f"{'Output token throughput (tok/s):':<36} {summary.output_throughput:.2f}",
         f"{'Total token throughput (tok/s):':<36} {summary.total_token_throughput:.2f}",
@@ -97,7 +99,7 @@ def plot_cdfs(path: str | Path, records: list[RequestRecord], title: str = "") -
     succeeded = sum(r.ok for r in records)
     figure = _figure(10, 7)
     figure.suptitle(title or f"latency CDFs ({succeeded} of {len(records)} requests succeeded)")
-    for axes, (key, label) in zip(figure.subplots(2, 2).flat, LATENCIES):
+    for axes, (key, label) in zip(figure.subplots(2, 2).flat, LATENCIES, strict=True):
         values = np.sort(np.asarray(samples[key], dtype=float)) * 1000
         axes.set(title=label, xlabel="ms", ylabel="fraction of samples")
         if values.size:
@@ -150,7 +152,7 @@ def _plot_against_rate(
     figure = _figure(6, 4.5)
     axes = figure.subplots()
     for label, points in lines.items():
-        rates, values = zip(*sorted(points)) if points else ((), ())
+        rates, values = zip(*sorted(points), strict=True) if points else ((), ())
         axes.plot(rates, values, marker="o", label=label)
     if diagonal_to:
         axes.plot(

@@ -72,7 +72,8 @@ def sweep_table(points: list[SweepPoint]) -> str:
         for point in group:
             s = point.summary
             lines.append(
-                f"{'*' if ratio == best else ' '} {ratio.label:<6}{ratio.workers:>8}{point.rate:>8.2f}"
+                f"{'*' if ratio == best else ' '} "
+                f"{ratio.label:<6}{ratio.workers:>8}{point.rate:>8.2f}"
                 f"{s.goodput:>9.2f}{point.goodput_per_worker:>11.3f}{s.slo_attainment:>9.0%}"
                 f"{_ms(s.ttft.p90):>13}{_ms(s.tpot.p90):>13}{s.failed:>8}"
             )

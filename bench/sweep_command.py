@@ -63,7 +63,8 @@ def add_parser(subparsers) -> None:
         type=Path,
         default=Path("sweep"),
         metavar="DIR",
-        help="where sweep.json, goodput_per_worker.png and the cluster logs go (default: %(default)s)",
+        help="where sweep.json, goodput_per_worker.png and the cluster logs go "
+        "(default: %(default)s)",
     )
     parser.set_defaults(run=run)
 

@@ -118,7 +118,7 @@ def _from_lengths(
     input_lens: list[int], output_lens: list[int], text: PromptText
 ) -> list[BenchRequest]:
     requests = []
-    for input_len, output_len in zip(input_lens, output_lens):
+    for input_len, output_len in zip(input_lens, output_lens, strict=True):
         prompt = text.make(input_len)
         requests.append(BenchRequest(text.count(prompt), output_len, prompt=prompt))
     return requests
@@ -164,7 +164,7 @@ def shared_prefix(
     suffix_lens = suffix_len.sample(text.rng, n)
     output_lens = output_len.sample(text.rng, n)
     requests = []
-    for choice, suffix, output in zip(choices, suffix_lens, output_lens):
+    for choice, suffix, output in zip(choices, suffix_lens, output_lens, strict=True):
         prompt = prefixes[choice] + " " + text.make(suffix)
         requests.append(BenchRequest(text.count(prompt), output, prompt=prompt))
     return requests
@@ -185,7 +185,9 @@ def trace(path: str | Path, text: PromptText) -> list[BenchRequest]:
     timestamps = [r.timestamp for r in requests]
     if any(t is None for t in timestamps) and any(t is not None for t in timestamps):
         raise ValueError(f"{path}: 'timestamp' must be on every line or on none")
-    if timestamps[0] is not None and any(b < a for a, b in zip(timestamps, timestamps[1:])):
+    if timestamps[0] is not None and any(
+        b < a for a, b in zip(timestamps, timestamps[1:], strict=False)
+    ):
         raise ValueError(f"{path}: timestamps must be non-decreasing")
     return requests
 

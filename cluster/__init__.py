@@ -1,2 +1,2 @@
-"""The control plane: the `pdserve` command line, the cluster file, placement and its checks,
-the Ray launcher, `serve`/`up`/`down`/`status`/`scale`."""
+"""The control plane: the `pdserve` command line, `serve` on one host, placement and its
+checks, the Ray launcher and Ray-side processes, `up`/`down`/`status`/`scale`."""

@@ -72,7 +72,8 @@ def _decode_gaps(done: list[dict]) -> list[tuple[float, float]]:
 
 
 def _line(points: list[tuple[float, float]], what: str) -> tuple[float, float]:
-    """Least-squares intercept and slope; flat at the mean for a single x value or a negative slope."""
+    """Least-squares intercept and slope; flat at the mean for a single x value or a negative
+    slope."""
     if not points:
         raise ValueError(f"no samples to fit {what}")
     x, y = np.asarray(points, dtype=float).T

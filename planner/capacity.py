@@ -136,9 +136,9 @@ def plan_capacity(
         request_gib = kv_bytes_per_request(model, context_tokens) / tp / GIB
         usable_gib = gpu.memory_bytes * (1 - reserve_fraction) / GIB
         raise ValueError(
-            f"{model.name} does not fit on {gpu.name} at TP {tp}: per GPU, {weights_gib:.2f} GiB of "
-            f"weights plus {request_gib:.2f} GiB of KV for one {context_tokens}-token request "
-            f"exceed the {usable_gib:.2f} GiB left after the reserve"
+            f"{model.name} does not fit on {gpu.name} at TP {tp}: per GPU, "
+            f"{weights_gib:.2f} GiB of weights plus {request_gib:.2f} GiB of KV for one "
+            f"{context_tokens}-token request exceed the {usable_gib:.2f} GiB left after the reserve"
         )
     batch = fits if batch_size is None else batch_size
     if batch > fits:

@@ -1,5 +1,6 @@
 """`pdserve plan`: capacity figures for one model replica on one GPU type, or with `--gpus N` the
-prefill:decode split of N GPUs (replicas and TP per pool) with the highest simulated goodput per GPU.
+prefill:decode split of N GPUs (replicas and TP per pool) with the highest simulated goodput
+per GPU.
 
 The search simulates every split with the roofline cost model (planner.search); its workload
 options take bench's forms, so a plan and a later `pdserve bench` describe the same load.
@@ -52,7 +53,8 @@ def add_parser(subparsers) -> None:
         "--model",
         required=True,
         metavar="PRESET_OR_CONFIG",
-        help=f"a preset ({', '.join(MODEL_PRESETS)}) or the path of an HF config.json or its folder",
+        help=f"a preset ({', '.join(MODEL_PRESETS)}) "
+        "or the path of an HF config.json or its folder",
     )
     parser.add_argument(
         "--gpu", metavar="PRESET", help=f"{', '.join(GPU_PRESETS)} (default {DEFAULT_GPU})"
@@ -137,7 +139,8 @@ def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
         "--workload",
         choices=("synthetic", "mixed"),
         default="synthetic",
-        help="synthetic lengths, or a fraction of long prompts among short ones (default synthetic)",
+        help="synthetic lengths, or a fraction of long prompts among short ones "
+        "(default synthetic)",
     )
     search.add_argument(
         "--input-len",

@@ -33,7 +33,10 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        return f"{self.prefill_replicas}P×TP{self.prefill_tp} + {self.decode_replicas}D×TP{self.decode_tp}"
+        return (
+            f"{self.prefill_replicas}P×TP{self.prefill_tp} + "
+            f"{self.decode_replicas}D×TP{self.decode_tp}"
+        )
 
 
 def candidates(model: ModelSpec, gpus: int, mixed_tp: bool = False) -> list[Candidate]:

@@ -37,11 +37,12 @@ class WorkloadSpec:
                 prompts[i] = longs[i]
         outputs = self.output_len.sample(rng, n)
         arrivals = arrival_times(n, rate, burstiness, seed)
-        return [SimRequest(t, p, o) for t, p, o in zip(arrivals, prompts, outputs)]
+        return [SimRequest(t, p, o) for t, p, o in zip(arrivals, prompts, outputs, strict=True)]
 
 
 def from_bench(requests: list[BenchRequest], offsets: list[float]) -> list[SimRequest]:
     """The simulated twin of a benchmark's requests and send offsets."""
     return [
-        SimRequest(offset, r.prompt_tokens, r.max_tokens) for r, offset in zip(requests, offsets)
+        SimRequest(offset, r.prompt_tokens, r.max_tokens)
+        for r, offset in zip(requests, offsets, strict=True)
     ]

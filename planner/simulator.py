@@ -210,7 +210,7 @@ def simulate(cluster: SimCluster, requests: list[SimRequest]) -> tuple[list[Requ
     """Run the requests through the cluster; returns (a record per request, in order; the
     duration from the schedule's start to the last token), as bench.runner.run does."""
     jobs = _Simulation(cluster).run(requests)
-    records = [_record(request, job) for request, job in zip(requests, jobs)]
+    records = [_record(request, job) for request, job in zip(requests, jobs, strict=True)]
     ends = [job.token_times[-1] for job in jobs if job is not None]
     return records, max(ends, default=max((r.arrival for r in requests), default=0.0))
 
@@ -226,7 +226,7 @@ def _record(request: SimRequest, job: _Job | None) -> RequestRecord:
         return record
     times = job.token_times
     record.ttft = times[0] - request.arrival
-    record.itl = [later - earlier for earlier, later in zip(times, times[1:])]
+    record.itl = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
     record.e2e = times[-1] - request.arrival
     record.output_chunks = len(times)
     return record

@@ -41,8 +41,9 @@ class WorkerPool:
             pending = [w for w in pending if not await self._is_ready(w)]
             if pending and loop.time() > give_up:
                 raise TimeoutError(
-                    "workers not ready after %.0f s: %s"
-                    % (deadline_s, ", ".join(w.address for w in pending))
+                    "workers not ready after {:.0f} s: {}".format(
+                        deadline_s, ", ".join(w.address for w in pending)
+                    )
                 )
             if pending:
                 await asyncio.sleep(0.5)

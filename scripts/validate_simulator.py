@@ -86,8 +86,10 @@ async def validate(url: str, args, slo: Slo, text: PromptText) -> int:
     await warm_up(requests, target, len(requests))
     cost = await calibrate(target, requests)
     print(
-        f"calibrated: prefill = {cost.prefill_base_s * 1e3:.1f} ms + {cost.prefill_per_token_s * 1e3:.3f} ms/token; "
-        f"decode step = {cost.decode_base_s * 1e3:.1f} ms + {cost.decode_per_request_s * 1e3:.2f} ms/request"
+        f"calibrated: prefill = {cost.prefill_base_s * 1e3:.1f} ms + "
+        f"{cost.prefill_per_token_s * 1e3:.3f} ms/token; "
+        f"decode step = {cost.decode_base_s * 1e3:.1f} ms + "
+        f"{cost.decode_per_request_s * 1e3:.2f} ms/request"
     )
     cluster = cpu_cluster(cost)
     if args.rates:
@@ -150,8 +152,10 @@ def comparison_table(rows: list[tuple[float, Summary, Summary]], slo: str) -> st
 
     lines = [
         f"1P1D, SLO {slo}: predicted (simulator, calibrated) vs measured (pdserve bench)",
-        f"{'rate':>6} | {'goodput req/s':^15} | {'SLO met':^13} | {'p90 TTFT ms':^15} | {'p90 TPOT ms':^13}",
-        f"{'req/s':>6} | {'pred':>7}{'meas':>8} | {'pred':>6}{'meas':>7} | {'pred':>7}{'meas':>8} | {'pred':>6}{'meas':>7}",
+        f"{'rate':>6} | {'goodput req/s':^15} | {'SLO met':^13} | "
+        f"{'p90 TTFT ms':^15} | {'p90 TPOT ms':^13}",
+        f"{'req/s':>6} | {'pred':>7}{'meas':>8} | {'pred':>6}{'meas':>7} | "
+        f"{'pred':>7}{'meas':>8} | {'pred':>6}{'meas':>7}",
     ]
     for rate, predicted, measured in rows:
         lines.append(

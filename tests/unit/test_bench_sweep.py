@@ -28,7 +28,8 @@ def fake_point(ratio: str, rate: float, good: int, bad: int, duration: float = 1
     return SweepPoint(Ratio(prefill, decode), rate, summarize(records, duration, SLO))
 
 
-# Goodput per worker (req/s): 1:1 peaks at 10/10/2 = 0.5; 2:1 at 12/10/3 = 0.4; 1:2 at 18/10/3 = 0.6.
+# Goodput per worker (req/s): 1:1 peaks at 10/10/2 = 0.5; 2:1 at 12/10/3 = 0.4;
+# 1:2 at 18/10/3 = 0.6.
 FAKE_POINTS = [
     fake_point("1:1", 1.0, 10, 0),
     fake_point("1:1", 2.0, 8, 12),

@@ -40,9 +40,9 @@ def test_length_rejects_bad_input(text):
 
 
 def test_synthetic_is_seeded_and_sized():
-    make = lambda seed: workload.synthetic(
-        20, Length.parse("10-50"), Length.parse("16"), PromptText(seed)
-    )
+    def make(seed):
+        return workload.synthetic(20, Length.parse("10-50"), Length.parse("16"), PromptText(seed))
+
     requests = make(3)
     assert [r.prompt for r in requests] == [r.prompt for r in make(3)]
     assert [r.prompt for r in requests] != [r.prompt for r in make(4)]

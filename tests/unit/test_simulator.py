@@ -62,7 +62,8 @@ def test_requests_wait_for_kv_blocks_when_the_decode_cache_is_full():
     full, _ = simulate(cluster(kv_capacity_tokens=7 * 16), requests)
     roomy, _ = simulate(cluster(), requests)
     first_done = full[0].e2e
-    # The second request's KV arrives early but its second token comes only after the first finished.
+    # The second request's KV arrives early but its second token comes only after the first
+    # finished.
     assert full[1].ttft + full[1].itl[0] > first_done
     assert roomy[1].ttft + roomy[1].itl[0] < roomy[0].e2e
 
