@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         for settings in plan:
             workers.append(start_worker(settings, log_dir, threads))
         wait_ready(workers, router.worker_ready_timeout_s, progress=say)
-        addresses = tuple(worker.address for worker in workers)
+        addresses = [worker.address for worker in workers]
         asyncio.run(run_router(router.model_copy(update={"worker_addresses": addresses}), model))
         return 0
     except RuntimeError as error:

@@ -77,8 +77,8 @@ class RouterSettings(Settings):
         json_schema_extra={"metavar": "REDIS_URL"},
     )
     cluster: ClusterName
-    worker_addresses: tuple[str, ...] = Field(
-        (),
+    worker_addresses: list[str] = Field(
+        [],
         description="a fixed list of workers instead of a registry",
         json_schema_extra={"cli": False},
     )

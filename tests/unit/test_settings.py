@@ -78,3 +78,19 @@ def test_serve_refuses_a_bad_engine_value_before_starting_anything(capsys):
     args = build_parser().parse_args(["serve", "--kv-cache-gib", "-2"])
     assert args.run(args) == 2
     assert "--kv-cache-gib: must be > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "kind, sent",
+    [
+        (WorkerSettings, parse_cluster({}).worker_settings("decode", "redis://r")),
+        (RouterSettings, parse_cluster({}).router_settings("redis://r")),
+        (RouterSettings, RouterSettings(worker_addresses=["127.0.0.1:1", "127.0.0.1:2"])),
+    ],
+)
+def test_every_settings_document_a_launcher_sends_reads_back_equal(kind, sent):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, kind)
+    add_settings_json(parser)
+    args = parser.parse_args(["--settings-json", sent.model_dump_json()])
+    assert from_arguments(kind, args) == sent
