@@ -7,7 +7,9 @@ resources from Ray's nodes (or this host's for a local cluster).
 """
 
 from dataclasses import dataclass
+from pathlib import Path
 
+from kv_transfer.head_shards import check_shardable
 from model_store.store import ModelError, resolve_model
 from planner.model_spec import MODEL_PRESETS, ModelSpec, from_hf_config
 from settings.base import ConfigError
@@ -61,42 +63,40 @@ def model_shape(config: ClusterFile) -> ModelSpec:
                 f"{config.model.preset!r}"
             )
         return MODEL_PRESETS[config.model.preset]
+    hint = (
+        f"for a model not on this host, set model.preset ({', '.join(MODEL_PRESETS)}) so its "
+        "layout can be checked"
+    )
     try:
-        folder = resolve_model(config.model.path)
+        folder = Path(resolve_model(config.model.path))
     except ModelError as error:
-        raise ConfigError(
-            f"model.path: {error}; for a model not on this host, set model.preset "
-            f"({', '.join(MODEL_PRESETS)}) so its layout can be checked"
-        ) from None
+        raise ConfigError(f"model.path: {error}; {hint}") from None
+    if not (folder / "config.json").is_file():  # a hub id: vLLM fetches it on the workers
+        raise ConfigError(f"model.path: {config.model.path!r} is not a folder here; {hint}")
     return from_hf_config(folder)
 
 
 def check_layout(config: ClusterFile, model: ModelSpec) -> None:
-    """Tensor parallelism must split the heads evenly, and the KV transport must be able to
-    carry KV between the prefill and the decode layouts."""
+    """Tensor parallelism must split the attention heads evenly, and shard the KV heads as vLLM
+    does (TP divides them, or they divide TP and each is replicated). The two pools' TPs may
+    differ: the KV transfer re-shards the heads between them."""
     for role in ROLES:
         pool = config.pool(role)
         tp = pool.tensor_parallel_size
         if not pool.replicas and role == "prefill":
             continue
-        for heads, what in (
-            (model.num_attention_heads, "attention heads"),
-            (model.num_kv_heads, "KV heads"),
-        ):
-            if heads % tp:
-                raise ConfigError(
-                    f"{role}.tensor_parallel_size: {tp} does not divide the "
-                    f"model's {heads} {what} ({model.name})"
-                )
-    if config.prefill.replicas and (
-        config.prefill.tensor_parallel_size != config.decode.tensor_parallel_size
-    ):
-        raise ConfigError(
-            f"prefill.tensor_parallel_size {config.prefill.tensor_parallel_size} != "
-            f"decode.tensor_parallel_size {config.decode.tensor_parallel_size}: the "
-            f"{config.transport.kind} KV transport cannot re-shard KV between different "
-            f"tensor-parallel layouts yet; use the same size for both pools"
-        )
+        if model.num_attention_heads % tp:
+            raise ConfigError(
+                f"{role}.tensor_parallel_size: {tp} does not divide the "
+                f"model's {model.num_attention_heads} attention heads ({model.name})"
+            )
+        try:
+            check_shardable(model.num_kv_heads, tp)
+        except ValueError:
+            raise ConfigError(
+                f"{role}.tensor_parallel_size: {tp} neither divides nor is a multiple of the "
+                f"model's {model.num_kv_heads} KV heads ({model.name})"
+            ) from None
 
 
 def check_resources(slots: list[WorkerSlot], nodes: list[dict[str, float]]) -> None:

@@ -38,6 +38,14 @@ def add_parser(subparsers) -> None:
         "--decode", type=int, default=1, metavar="M", help="decode workers (default: 1)"
     )
     parser.add_argument(
+        "--prefill-tensor-parallel-size",
+        type=int,
+        default=None,
+        metavar="P",
+        help="tensor-parallel size of the prefill workers, when it differs from the decode "
+        "workers' --tensor-parallel-size (the KV transfer re-shards the heads) (default: the same)",
+    )
+    parser.add_argument(
         "--colocated",
         action="store_true",
         help="no disaggregation: --workers colocated workers instead",
@@ -63,6 +71,9 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     if not args.colocated and (args.decode < 1 or args.prefill < 0):
         print("pdserve serve: need --decode >= 1 and --prefill >= 0", file=sys.stderr)
+        return 2
+    if (args.prefill_tensor_parallel_size or 1) < 1:
+        print("pdserve serve: --prefill-tensor-parallel-size: must be >= 1", file=sys.stderr)
         return 2
     try:
         engine = from_arguments(EngineSettings, args)
@@ -107,7 +118,13 @@ def _worker_plan(args, decode: WorkerSettings) -> list[WorkerSettings]:
     """Each worker to start: `decode` has the engine and the decode pool's settings."""
     if args.colocated:
         return [decode.model_copy(update={"role": "colocated"})] * args.workers
-    return [decode.model_copy(update={"role": "prefill"})] * args.prefill + [decode] * args.decode
+    engine = decode.engine
+    if args.prefill_tensor_parallel_size is not None:
+        engine = engine.model_copy(
+            update={"tensor_parallel_size": args.prefill_tensor_parallel_size}
+        )
+    prefill = decode.model_copy(update={"role": "prefill", "engine": engine})
+    return [prefill] * args.prefill + [decode] * args.decode
 
 
 def _check_port_free(host: str, port: int) -> None:

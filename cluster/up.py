@@ -49,7 +49,23 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--dry-run",
         action="store_true",
-        help="print the placement plan and the checks, start nothing",
+        help="print the placement plan and the checks, start nothing; without --address the "
+        "plan is made against the GPUs the file asks for (or --assume-gpus/--assume-nodes), "
+        "not this host's",
+    )
+    parser.add_argument(
+        "--assume-gpus",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --dry-run: plan against N GPUs in all (default: what the file asks for)",
+    )
+    parser.add_argument(
+        "--assume-nodes",
+        type=int,
+        default=1,
+        metavar="M",
+        help="with --dry-run: ... spread evenly over M nodes (default: 1)",
     )
     parser.set_defaults(run=run)
 
@@ -63,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
         if args.address:
             ray_launcher.connect(args.address, config.name)
             nodes = ray_launcher.node_resources()
+        elif args.dry_run:
+            nodes = assumed_nodes(slots, args.assume_gpus, args.assume_nodes)
+            say(f"planning against {len(nodes)} assumed node(s), not this host")
         else:
             nodes = [local_node(slots)]
         check_resources(slots, nodes)
@@ -220,6 +239,22 @@ def local_node(slots: list[WorkerSlot]) -> dict[str, float]:
         "CPU": float(max(os.cpu_count() or 1, cpus_needed, LOCAL_CPU_SLOTS)),
         "GPU": float(_local_gpus()),
     }
+
+
+def assumed_nodes(slots: list[WorkerSlot], gpus: int | None, count: int) -> list[dict[str, float]]:
+    """`count` nodes sharing `gpus` GPUs evenly (default: the GPUs the workers ask for), each
+    with this host's CPU slots: what a dry run plans against when no Ray cluster is given."""
+    if count < 1:
+        raise ConfigError(f"--assume-nodes: must be >= 1, got {count}")
+    wanted = sum(s.tensor_parallel_size for s in slots if s.device == "GPU")
+    total = wanted if gpus is None else gpus
+    if total < 0:
+        raise ConfigError(f"--assume-gpus: must be >= 0, got {total}")
+    cpus = local_node(slots)["CPU"]
+    return [
+        {"CPU": cpus, "GPU": float(total // count + (index < total % count))}
+        for index in range(count)
+    ]
 
 
 def _local_gpus() -> int:

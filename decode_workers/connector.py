@@ -43,13 +43,22 @@ class DecodeConnector(PdserveConnectorBase):
         port = int(transfer.get_from_extra_config("receiver_port", 0))
         bound = self.receiver.start(host, port + rank if port else 0)
         log.info("KV receiver (rank %d) listening on %s:%d", rank, host, bound)
-        self.loader = KvLoader(self.receiver)
+        self.rank = rank
+        self.loader: KvLoader | None = None  # once the caches are known
 
     # Worker side ---------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches):
         super().register_kv_caches(kv_caches)
-        self.loader.kv_caches = self.kv_caches
+        self.loader = KvLoader(
+            self.receiver,
+            self.kv_caches,
+            self.layout,
+            self.head_size,
+            self.total_kv_heads,
+            self.tp,
+            self.rank,
+        )
 
     def get_transfer_results(self, finished_req_ids):
         expected = self.metadata.expected if self.metadata is not None else []

@@ -1,11 +1,14 @@
 """The decode worker's KV loader (worker side, one per tensor-parallel rank).
 
 Slices arrive on the transport receiver's threads; each engine step, on vLLM's thread, they are
-copied into the KV cache blocks the scheduler reserved. A transfer is reported once: loaded when
-every layer is in; failed when it passed its deadline or was cancelled (vLLM then recomputes or
-fails the request, per `kv_load_failure_policy`); loaded too when its request was aborted, so
-vLLM frees the blocks. Slices or cancels that come before their request are kept as orphans for
-ORPHAN_TTL_S, then dropped.
+copied into the KV cache blocks the scheduler reserved, into this rank's heads (on CUDA on a
+side stream, synchronised before a transfer is reported loaded). With the prefill pool at
+another tensor-parallel size a layer arrives in several slices, one per prefill rank routed to
+this rank (kv_transfer/head_shards.py). A transfer is reported once: loaded when every slice of
+every layer is in; failed when it passed its deadline or was cancelled, or its sender's
+handshake was refused (vLLM then recomputes or fails the request, per `kv_load_failure_policy`);
+loaded too when its request was aborted, so vLLM frees the blocks. Slices or cancels that come
+before their request are kept as orphans for ORPHAN_TTL_S, then dropped.
 """
 
 import logging
@@ -14,7 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kv_transfer.compatibility import REFUSAL_PREFIX
 from kv_transfer.grpc_transport import LayerSlice
+from kv_transfer.head_shards import head_routes, rank_heads
+from kv_transfer.host_staging import HostToDevice
+from kv_transfer.kv_copy import from_bytes, scatter, wire_shape
+from kv_transfer.kv_layout import LayerLayout
 from kv_transfer.metadata import Expected
 
 log = logging.getLogger("pdserve.kv")
@@ -25,17 +33,34 @@ ORPHAN_TTL_S = 120.0  # slices or cancels for a transfer no request expects: dro
 class Incoming:
     expected: Expected
     deadline: float
-    layers_done: set[int] = field(default_factory=set)
+    slices_per_layer: int  # senders routed to this rank, each ending a layer with a last slice
+    last_slices: dict[int, int] = field(default_factory=dict)  # layer -> last slices received
     bytes: int = 0
     first_slice_at: float | None = None
     last_slice_at: float = 0.0
 
 
 class KvLoader:
-    def __init__(self, receiver, clock=time.monotonic) -> None:
+    def __init__(
+        self,
+        receiver,
+        kv_caches: list[torch.Tensor],
+        layout: LayerLayout,
+        head_size: int,
+        total_heads: int,
+        tp: int = 1,
+        rank: int = 0,
+        clock=time.monotonic,
+    ) -> None:
         self.receiver = receiver  # take() -> (complete slices, {transfer id: cancel reason})
         self.clock = clock
-        self.kv_caches: list[torch.Tensor] = []  # by layer index
+        self.caches = [layout.canonical(cache, head_size) for cache in kv_caches]  # by layer
+        self.head_size = head_size
+        self.total_heads = total_heads
+        self.tp = tp
+        self.rank = rank
+        self.own_heads = rank_heads(total_heads, tp, rank)
+        self.staging = HostToDevice(kv_caches[0].device)
         self.incoming: dict[str, Incoming] = {}  # transfer id -> state
         self.orphans: dict[str, list[LayerSlice]] = {}
         self.cancelled: dict[str, tuple[float, str]] = {}  # transfer id -> (when, why)
@@ -47,7 +72,11 @@ class KvLoader:
         """(loaded request ids, failed request ids); failed ones are in both sets."""
         now = self.clock()
         for entry in expected:
-            self.incoming[entry.transfer_id] = Incoming(entry, now + entry.timeout_s)
+            senders = sum(
+                route.decode_rank == self.rank
+                for route in head_routes(self.total_heads, entry.prefill_tp, self.tp)
+            )
+            self.incoming[entry.transfer_id] = Incoming(entry, now + entry.timeout_s, senders)
             for piece in self.orphans.pop(entry.transfer_id, []):
                 self._load(piece)
         complete, cancelled = self.receiver.take()
@@ -62,36 +91,45 @@ class KvLoader:
         loaded, failed = set(), set()
         for transfer_id, state in list(self.incoming.items()):
             req_id = state.expected.req_id
+            failure = ""
             if req_id in finished_req_ids:  # aborted while loading
                 loaded.add(req_id)
-            elif len(state.layers_done) == len(self.kv_caches):
+            elif self._complete(state):
                 loaded.add(req_id)
             elif transfer_id in self.cancelled or now > state.deadline:
-                why = self.cancelled.pop(transfer_id, (now, None))[1] or (
-                    f"no KV after {state.expected.timeout_s:g} s"
-                )
-                log.warning("KV transfer %s failed: %s", transfer_id, why)
+                why = self.cancelled.pop(transfer_id, (now, None))[1]
+                failure = failure_kind(why)
+                why = why or f"no KV after {state.expected.timeout_s:g} s"
+                log.warning("KV transfer %s failed (%s): %s", transfer_id, failure, why)
                 failed.add(req_id)
             else:
                 continue
-            self._record(transfer_id, state, failed=req_id in failed, now=now)
+            self._record(transfer_id, state, failure, now=now)
             del self.incoming[transfer_id]
+        if loaded - failed:
+            self.staging.wait()  # the copies have landed before vLLM schedules the requests
         # Each request is reported once: its state is gone now (vLLM asserts on repeats).
         return loaded | failed, failed
 
-    def _record(self, transfer_id: str, state: Incoming, failed: bool, now: float) -> None:
+    def _complete(self, state: Incoming) -> bool:
+        return len(state.last_slices) == len(self.caches) and all(
+            count >= state.slices_per_layer for count in state.last_slices.values()
+        )
+
+    def _record(self, transfer_id: str, state: Incoming, failure: str, now: float) -> None:
         """Transfer time: first slice received -> last slice received (when the transfer
         completed; `now` when it failed)."""
         if state.first_slice_at is None:
             started = ended = now
         else:
-            started, ended = state.first_slice_at, now if failed else state.last_slice_at
+            started, ended = state.first_slice_at, now if failure else state.last_slice_at
         self.finished.append(
             {
                 "transfer_id": transfer_id,
                 "bytes": state.bytes,
                 "seconds": ended - started,
-                "failed": failed,
+                "failed": bool(failure),
+                "failure": failure,
             }
         )
 
@@ -105,18 +143,34 @@ class KvLoader:
             state.first_slice_at = piece.received_at
         state.last_slice_at = max(state.last_slice_at, piece.received_at)
         state.bytes += len(piece.data)
+        local = piece.first_head - self.own_heads.start
+        if local < 0 or local + piece.num_heads > len(self.own_heads):
+            log.error(
+                "KV transfer %s: heads %d+%d are not this rank's (%s); slice dropped",
+                piece.transfer_id,
+                piece.first_head,
+                piece.num_heads,
+                self.own_heads,
+            )
+            return
+        cache = self.caches[piece.layer]
+        block_size = cache.shape[2]
+        wire = from_bytes(
+            piece.data,
+            cache.dtype,
+            wire_shape(piece.num_blocks, piece.num_heads, block_size, self.head_size),
+        )
         expected = state.expected
-        cache = self.kv_caches[piece.layer]
-        data = torch.frombuffer(piece.data, dtype=cache.dtype)
-        data = data.view(piece.num_blocks, *cache.shape[1:])
         first, skip = piece.first_block, expected.skip_blocks
         targets = expected.block_ids[first : first + piece.num_blocks]
         keep = [i for i in range(len(targets)) if first + i >= skip]
         if keep:
+            rows = wire if len(keep) == len(targets) else wire[keep]
             index = torch.tensor([targets[i] for i in keep], dtype=torch.long)
-            cache.index_copy_(0, index, data[keep] if len(keep) < len(targets) else data)
+            heads = slice(local, local + piece.num_heads)
+            self.staging.load(rows, index, lambda rows, index: scatter(rows, cache, index, heads))
         if piece.last:
-            state.layers_done.add(piece.layer)
+            state.last_slices[piece.layer] = state.last_slices.get(piece.layer, 0) + 1
 
     def _drop_old_orphans(self, now: float) -> None:
         """Slices and cancels for transfers no request here expects (any more) are kept a
@@ -130,3 +184,11 @@ class KvLoader:
             t for t, (when, _) in self.cancelled.items() if now - when > ORPHAN_TTL_S
         ]:
             del self.cancelled[transfer_id]
+
+
+def failure_kind(reason: str | None) -> str:
+    """The metric label of a failed transfer: its handshake was refused, it was cancelled (its
+    prefill failed), or nothing came in time."""
+    if reason is None:
+        return "timeout"
+    return "refused" if reason.startswith(REFUSAL_PREFIX) else "cancelled"

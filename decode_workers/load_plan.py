@@ -38,6 +38,7 @@ class LoadPlan:
                 list(block_ids),
                 len(block_ids) - fresh,
                 params.timeout_s,
+                params.prefill_tp,
             )
         )
 

@@ -1,5 +1,7 @@
 """The compatibility handshake: raw KV blocks only mean the same thing to two engines whose
-model, dtype, block size, layer and head layout, and vLLM version all match."""
+model, dtype, block size, layers, KV heads, head size, wire layout and vLLM version all match.
+Tensor parallelism need not: each side re-shards the heads (kv_transfer/head_shards.py), and
+the cache layouts need not either: KV travels in one wire order (kv_transfer/kv_layout.py)."""
 
 from dataclasses import asdict, dataclass, fields
 
@@ -10,11 +12,10 @@ class Compatibility:
     dtype: str
     block_size: int
     num_layers: int
-    num_kv_heads: int  # per tensor-parallel rank
+    total_kv_heads: int  # over all tensor-parallel ranks
     head_size: int
-    kv_layout: str
+    kv_layout: str  # the wire order, kv_layout.WIRE_LAYOUT
     vllm_version: str
-    tensor_parallel_size: int
 
     @classmethod
     def from_message(cls, message) -> "Compatibility":
@@ -34,5 +35,8 @@ def mismatches(producer: Compatibility, consumer: Compatibility) -> list[str]:
     ]
 
 
+REFUSAL_PREFIX = "incompatible KV"
+
+
 def describe_refusal(producer: Compatibility, consumer: Compatibility) -> str:
-    return "incompatible KV layout, refused: " + "; ".join(mismatches(producer, consumer))
+    return f"{REFUSAL_PREFIX} layout, refused: " + "; ".join(mismatches(producer, consumer))

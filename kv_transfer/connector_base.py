@@ -7,6 +7,7 @@ process (role WORKER, one per tensor-parallel rank). A prefill worker runs
 and this base answers the rest with "nothing to do".
 """
 
+import logging
 from pathlib import Path
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -16,8 +17,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kv_transfer.compatibility import Compatibility
+from kv_transfer.kv_layout import WIRE_LAYOUT, LayerLayout, find_layout, memory_order
 from kv_transfer.metadata import PdserveMetadata
 from kv_transfer.stats import PdserveKvStats
+
+log = logging.getLogger("pdserve.kv")
 
 
 def compatibility_of(vllm_config) -> Compatibility:
@@ -29,11 +33,10 @@ def compatibility_of(vllm_config) -> Compatibility:
         dtype=str(model.dtype).removeprefix("torch."),
         block_size=vllm_config.cache_config.block_size,
         num_layers=model.get_num_layers(parallel),
-        num_kv_heads=model.get_num_kv_heads(parallel),
+        total_kv_heads=model.get_total_num_kv_heads(),
         head_size=model.get_head_size(),
-        kv_layout="[blocks, kv_heads, block_size, 2*head_size]",
+        kv_layout=WIRE_LAYOUT,
         vllm_version=vllm.__version__,
-        tensor_parallel_size=parallel.tensor_parallel_size,
     )
 
 
@@ -42,8 +45,14 @@ class PdserveConnectorBase(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self.is_scheduler = role == KVConnectorRole.SCHEDULER
         self.block_size = vllm_config.cache_config.block_size
+        model, parallel = vllm_config.model_config, vllm_config.parallel_config
+        self.head_size = model.get_head_size()
+        self.total_kv_heads = model.get_total_num_kv_heads()
+        self.rank_kv_heads = model.get_num_kv_heads(parallel)
+        self.tp = parallel.tensor_parallel_size
         self.kv_caches: list = []  # worker side: each layer's KV cache tensor, by layer index
         self.layer_index: dict[str, int] = {}
+        self.layout: LayerLayout | None = None  # worker side: how the caches are laid out
         self.metadata: PdserveMetadata | None = None
 
     def worker_rank(self) -> int:
@@ -60,6 +69,20 @@ class PdserveConnectorBase(KVConnectorBase_V1):
         ordered = sorted(kv_caches.items(), key=lambda item: extract_layer_index(item[0]))
         self.kv_caches = [tensor for _, tensor in ordered]
         self.layer_index = {name: i for i, (name, _) in enumerate(ordered)}
+        first = self.kv_caches[0]
+        self.layout = find_layout(
+            tuple(first.shape), None, self.rank_kv_heads, self.block_size, self.head_size
+        )
+        log.info(
+            "KV caches: %d layers of %s %s on %s, layer view %s, memory order %s; wire %s",
+            len(self.kv_caches),
+            tuple(first.shape),
+            first.dtype,
+            first.device,
+            self.layout.name,
+            memory_order(first, self.layout),
+            WIRE_LAYOUT,
+        )
 
     def bind_connector_metadata(self, connector_metadata):
         super().bind_connector_metadata(connector_metadata)

@@ -1,9 +1,10 @@
 """KV over gRPC: a sender (prefill worker) and a receiver (decode worker), in chunks ≤ 1 MiB.
 
-The sender keeps one long-lived client stream per destination, fed from a queue by a
-background thread, so `save_kv_layer` only copies a layer out and returns while the forward
-pass goes on. The receiver assembles each layer slice from its chunks and hands whole slices
-to the worker half of the connector, which copies them into the KV cache on vLLM's own thread.
+The sender keeps one long-lived client stream per destination (a decode rank), fed from a
+queue by a background thread, so `save_kv_layer` only stages a layer's slices and returns while
+the forward pass goes on. The receiver assembles each layer slice from its chunks and hands
+whole slices to the decode worker's KV loader, which copies them into the KV cache on vLLM's
+own thread.
 Every stream starts with the compatibility handshake; a mismatched pair is refused.
 """
 
@@ -19,6 +20,8 @@ import grpc
 from kv_transfer import kv_wire_pb2 as wire
 from kv_transfer import kv_wire_pb2_grpc as wire_grpc
 from kv_transfer.compatibility import Compatibility, describe_refusal, mismatches
+from kv_transfer.host_staging import Staged
+from kv_transfer.kv_copy import as_bytes
 
 log = logging.getLogger("pdserve.kv")
 
@@ -32,20 +35,27 @@ _CLOSE = object()
 
 @dataclass(frozen=True)
 class LayerSlice:
-    """One layer's KV for consecutive blocks of one transfer, as raw bytes (a bytearray on the
-    receiving side, so the KV cache copy reads it without another copy)."""
+    """One layer's KV for consecutive blocks and heads of one transfer: a wire tensor
+    [num_blocks, num_heads, block_size, 2, head_size] as raw bytes. On the sending side `data`
+    is staged (kv_transfer/host_staging.Staged: its bytes may still be on their way from the
+    device); on the receiving side a bytearray, which the cache copy reads without a copy."""
 
     transfer_id: str
     layer: int
     first_block: int
     num_blocks: int
-    data: bytes | bytearray
-    last: bool
+    first_head: int  # global KV head index
+    num_heads: int
+    data: object  # Staged when sent, bytearray when received
+    last: bool  # the sender's last slice of this layer for the transfer
     received_at: float = 0.0  # receiver's monotonic clock, when the slice was complete
 
 
 def chunks_of(piece: LayerSlice):
-    total = len(piece.data)
+    """The slice's chunk messages; a staged slice's host buffer is released after the last."""
+    data = piece.data
+    memory = as_bytes(data.host()) if isinstance(data, Staged) else memoryview(data)
+    total = len(memory)
     for offset in range(0, max(total, 1), CHUNK_BYTES):
         yield wire.KvMessage(
             chunk=wire.KvChunk(
@@ -55,17 +65,23 @@ def chunks_of(piece: LayerSlice):
                 num_blocks=piece.num_blocks,
                 offset=offset,
                 slice_bytes=total,
-                data=piece.data[offset : offset + CHUNK_BYTES],
+                data=bytes(memory[offset : offset + CHUNK_BYTES]),
                 last=piece.last,
+                first_head=piece.first_head,
+                num_heads=piece.num_heads,
             )
         )
+    if isinstance(data, Staged):
+        data.release()
 
 
 class KvSender:
     """Sends layer slices to decode workers from one background thread per destination, so
     the forward pass never waits on the network. Each destination has one long-lived client
-    stream (one handshake, no per-slice round trip); if it breaks, the next slice opens a new
-    one, and the transfers it carried fail on the decode side (deadline or cancel)."""
+    stream (one handshake, no per-slice round trip). When a stream ends early, every slice
+    still queued for it is released, and if the receiver refused the handshake, each transfer
+    the stream carried is cancelled with the refusal's reason, so the decode worker applies its
+    policy at once rather than at its deadline. The next slice opens a new stream."""
 
     def __init__(self, compatibility: Compatibility) -> None:
         self.hello = wire.KvMessage(hello=wire.Compatibility(**compatibility.to_dict()))
@@ -80,7 +96,7 @@ class KvSender:
                 self.queues[destination] = queue.Queue()
                 thread = threading.Thread(
                     target=self._stream,
-                    args=(destination,),
+                    args=(destination, self.queues[destination]),
                     name=f"kv-send-{destination}",
                     daemon=True,
                 )
@@ -88,22 +104,35 @@ class KvSender:
                 thread.start()
             self.queues[destination].put(piece)
 
-    def _stream(self, destination: str) -> None:
-        pending = self.queues[destination]
+    def _stream(self, destination: str, pending: queue.Queue) -> None:
+        carried: set[str] = set()
 
         def messages():
             yield self.hello
             while (piece := pending.get()) is not _CLOSE:
+                carried.add(piece.transfer_id)
                 yield from chunks_of(piece)
 
+        refusal = None
         try:
             with grpc.insecure_channel(destination, options=GRPC_OPTIONS) as channel:
                 reply = wire_grpc.KvReceiverStub(channel).PushKv(messages())
             if not reply.accepted:
-                raise RuntimeError(reply.error)
-        except (grpc.RpcError, RuntimeError) as error:
-            message = error.details() if isinstance(error, grpc.RpcError) else str(error)
-            log.error("KV stream to %s failed: %s", destination, message)
+                refusal = reply.error
+                log.error("KV stream to %s refused: %s", destination, refusal)
+        except grpc.RpcError as error:
+            log.error("KV stream to %s failed: %s", destination, error.details())
+        finally:
+            with self.lock:  # later slices for this destination go to a new stream
+                if self.queues.get(destination) is pending:
+                    del self.queues[destination]
+            carried |= _release_queued(pending)
+        if refusal is not None:
+            for transfer_id in sorted(carried):
+                try:
+                    cancel_transfer(destination, transfer_id, refusal)
+                except grpc.RpcError as error:
+                    log.warning("could not cancel transfer %s: %s", transfer_id, error.details())
 
     def close(self) -> None:
         with self.lock:
@@ -111,6 +140,20 @@ class KvSender:
                 pending.put(_CLOSE)
         for thread in list(self.threads.values()):
             thread.join(timeout=5)
+
+
+def _release_queued(pending: queue.Queue) -> set[str]:
+    """Empty a dead stream's queue, releasing staged slices; their transfer ids."""
+    transfer_ids = set()
+    while True:
+        try:
+            piece = pending.get_nowait()
+        except queue.Empty:
+            return transfer_ids
+        if piece is not _CLOSE:
+            transfer_ids.add(piece.transfer_id)
+            if isinstance(piece.data, Staged):
+                piece.data.release()
 
 
 class KvReceiver(wire_grpc.KvReceiverServicer):
@@ -154,7 +197,7 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
         buffers: dict[tuple, bytearray] = {}
         for message in request_iterator:
             chunk = message.chunk
-            key = (chunk.transfer_id, chunk.layer, chunk.first_block)
+            key = (chunk.transfer_id, chunk.layer, chunk.first_block, chunk.first_head)
             buffer = buffers.setdefault(key, bytearray(chunk.slice_bytes))
             buffer[chunk.offset : chunk.offset + len(chunk.data)] = chunk.data
             if chunk.offset + len(chunk.data) >= chunk.slice_bytes:
@@ -166,6 +209,8 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
                             chunk.layer,
                             chunk.first_block,
                             chunk.num_blocks,
+                            chunk.first_head,
+                            chunk.num_heads,
                             buffer,
                             chunk.last,
                             time.monotonic(),
@@ -180,8 +225,7 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
 
 
 def rank_address(address: str, rank: int) -> str:
-    """Tensor-parallel rank r of a decode worker receives on its KV port + r; a producer rank
-    sends its own shard to the consumer rank of the same number."""
+    """Tensor-parallel rank r of a decode worker receives on its KV port + r."""
     host, port = address.rsplit(":", 1)
     return f"{host}:{int(port) + rank}"
 
@@ -189,8 +233,8 @@ def rank_address(address: str, rank: int) -> str:
 def cancel_transfer(
     destination: str, transfer_id: str, reason: str, ranks: int = 1, timeout: float = 2.0
 ) -> None:
-    """Tell every rank of a decode worker that a transfer's KV will not come (its producer
-    failed)."""
+    """Tell the first `ranks` ranks of a decode worker at `destination` that a transfer's KV
+    will not come (its producer failed, or its handshake was refused)."""
     for rank in range(ranks):
         with grpc.insecure_channel(rank_address(destination, rank)) as channel:
             wire_grpc.KvReceiverStub(channel).CancelTransfer(

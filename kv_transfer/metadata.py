@@ -19,6 +19,7 @@ class SendSlice:
     first_block: int  # request-relative index of block_ids[0]
     block_ids: list[int]  # engine block ids, in request order
     last: bool  # this step completes the prompt
+    decode_tp: int = 1  # the decode worker's TP: which of its ranks get which heads
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class Expected:
     block_ids: list[int]
     skip_blocks: int
     timeout_s: float
+    prefill_tp: int = 1  # the prefill worker's TP: which of its ranks send which heads
 
 
 @dataclass

@@ -15,7 +15,8 @@ class SendKv:
     """Prefill side: push this request's KV, layer by layer, to `destination`."""
 
     transfer_id: str
-    destination: str  # host:port of the decode worker's KV receiver
+    destination: str  # host:port of the decode worker's KV receiver (rank r: port + r)
+    decode_tp: int = 1  # the decode worker's tensor-parallel size
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class ReceiveKv:
     transfer_id: str
     timeout_s: float
     num_tokens: int
+    prefill_tp: int = 1  # the prefill worker's tensor-parallel size
 
 
 def to_extra_args(params: SendKv | ReceiveKv) -> dict:

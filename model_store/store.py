@@ -9,6 +9,7 @@ leaves no half folder that looks finished, and a second run does no work.
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -67,17 +68,26 @@ def ensure_model(name: str, log=print) -> Path:
     return target
 
 
-def resolve_model(name_or_path: str) -> Path:
-    """A model argument is either a known name (made on demand) or a folder path."""
+def resolve_model(name_or_path: str) -> str:
+    """What vLLM and the tokenizer load: a known name's folder (made on demand), a folder with
+    a config.json, or a Hugging Face id ("org/name"), which they download where a hub is
+    reachable (GPU hosts)."""
     if name_or_path in MODEL_NAMES:
-        return ensure_model(name_or_path, log=lambda msg: print(msg, file=sys.stderr))
+        return str(ensure_model(name_or_path, log=lambda msg: print(msg, file=sys.stderr)))
     path = Path(name_or_path)
-    if not (path / "config.json").is_file():
-        raise ModelError(
-            f"{name_or_path!r} is neither a known model ({', '.join(MODEL_NAMES)}) "
-            "nor a folder with a config.json"
-        )
-    return path
+    if (path / "config.json").is_file():
+        return str(path)
+    if is_hub_id(name_or_path) and not path.exists():
+        return name_or_path
+    raise ModelError(
+        f"{name_or_path!r} is neither a known model ({', '.join(MODEL_NAMES)}), a folder with a "
+        "config.json, nor a Hugging Face id (org/name)"
+    )
+
+
+def is_hub_id(name: str) -> bool:
+    """ "org/name" as the Hugging Face hub spells model ids."""
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", name) is not None
 
 
 def verify(folder: Path, require_marker: bool = True) -> None:

@@ -196,12 +196,6 @@ def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
         help="fixed cost of one KV transfer (default 1)",
     )
     search.add_argument(
-        "--mixed-tp",
-        action="store_true",
-        help="also try prefill and decode pools of different TP (pdserve up "
-        "refuses them until the KV transport re-shards between layouts)",
-    )
-    search.add_argument(
         "--write-cluster",
         metavar="FILE",
         help="write the recommended configuration as a cluster YAML file",
@@ -250,7 +244,7 @@ def _run_search(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         print(f"pdserve plan: error: {error}", file=sys.stderr)
         return 2
-    evaluations = search(hardware, scenario, args.gpus, args.rate, _progress, args.mixed_tp)
+    evaluations = search(hardware, scenario, args.gpus, args.rate, _progress)
     if not evaluations or evaluations[0].goodput_per_gpu == 0:
         print(_search_table(evaluations))
         print(f"pdserve plan: no split of {args.gpus} GPU(s) meets the SLO", file=sys.stderr)

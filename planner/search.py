@@ -39,16 +39,15 @@ class Candidate:
         )
 
 
-def candidates(model: ModelSpec, gpus: int, mixed_tp: bool = False) -> list[Candidate]:
+def candidates(model: ModelSpec, gpus: int) -> list[Candidate]:
     """Every configuration with at least one replica per pool that fits in `gpus`; TP divides
-    both the attention and the KV heads (attention is split by heads). Prefill and decode TP
-    are equal unless `mixed_tp`: `pdserve up` refuses other pairs until the KV transport
-    re-shards between layouts (see cluster/placement.check_layout)."""
+    both the attention and the KV heads (attention is split by heads). The pools' TPs may
+    differ: the KV transfer re-shards the heads (kv_transfer/head_shards.py)."""
     heads = math.gcd(model.num_attention_heads, model.num_kv_heads)
     tps = [tp for tp in range(1, gpus + 1) if heads % tp == 0]
     found = []
     for prefill_tp in tps:
-        for decode_tp in tps if mixed_tp else [prefill_tp]:
+        for decode_tp in tps:
             for prefill in range(1, gpus // prefill_tp + 1):
                 room = gpus - prefill * prefill_tp
                 for decode in range(1, room // decode_tp + 1):
@@ -191,10 +190,9 @@ def search(
     gpus: int,
     rate: float | None = None,
     progress: Callable[[int, int], None] = lambda done, total: None,
-    mixed_tp: bool = False,
 ) -> list[Evaluation]:
     """Every candidate that fits, best first: highest goodput per GPU, then fewer GPUs."""
-    found = candidates(hardware.model, gpus, mixed_tp)
+    found = candidates(hardware.model, gpus)
     evaluations = []
     for done, candidate in enumerate(found, start=1):
         cluster = hardware.cluster(candidate)

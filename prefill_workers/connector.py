@@ -18,12 +18,27 @@ from prefill_workers.send_plan import SendPlan
 class PrefillConnector(PdserveConnectorBase):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
+        self.layer_sender: LayerSender | None = None  # worker side, once the caches are known
         if self.is_scheduler:
             self.send_plan = SendPlan(self.block_size)
         else:
-            self.layer_sender = LayerSender(
-                KvSender(compatibility_of(vllm_config)), self.worker_rank()
-            )
+            self.compatibility = compatibility_of(vllm_config)
+
+    def register_kv_caches(self, kv_caches):
+        super().register_kv_caches(kv_caches)
+        self.layer_sender = LayerSender(
+            KvSender(self.compatibility),
+            self.layout,
+            self.head_size,
+            self.total_kv_heads,
+            self.tp,
+            self.worker_rank(),
+            self.kv_caches[0].device,
+        )
+
+    def bind_connector_metadata(self, connector_metadata):
+        super().bind_connector_metadata(connector_metadata)
+        self.layer_sender.new_step()
 
     def build_connector_meta(self, scheduler_output):
         return PdserveMetadata(sends=self.send_plan.sends(scheduler_output))
@@ -38,6 +53,10 @@ class PrefillConnector(PdserveConnectorBase):
                 self.layer_index[layer_name], kv_layer, self.metadata.sends
             )
 
+    def wait_for_save(self):
+        if self.metadata is not None and self.metadata.sends:
+            self.layer_sender.fence()
+
     def shutdown(self):
-        if not self.is_scheduler:
+        if self.layer_sender is not None:
             self.layer_sender.close()

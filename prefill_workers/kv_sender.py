@@ -1,35 +1,89 @@
 """The prefill worker's per-layer KV sender (worker side, one per tensor-parallel rank).
 
-Right after a layer's forward, `save_layer` copies that layer's blocks of each request being
-sent and queues them for the transport's sender thread: the transfer of layer i overlaps the
-compute of layers i+1...
+Right after a layer's forward, `save_layer` stages that layer's blocks of each request being
+sent (on CUDA: gathered and copied to pinned host memory on a side stream; the forward stream
+is never synchronised) and queues them for the transport's sender thread, so the transfer of
+layer i overlaps the compute of layers i+1... With the decode pool at another tensor-parallel
+size, each decode rank gets from this rank the heads the head routes give it (split or merged
+on the head dimension).
 """
 
 import torch
 
 from kv_transfer.grpc_transport import KvSender, LayerSlice, rank_address
+from kv_transfer.head_shards import head_routes, rank_heads
+from kv_transfer.host_staging import DeviceToHost
+from kv_transfer.kv_copy import gather
+from kv_transfer.kv_layout import LayerLayout
 from kv_transfer.metadata import SendSlice
 
 
 class LayerSender:
-    def __init__(self, sender: KvSender, rank: int = 0) -> None:
+    def __init__(
+        self,
+        sender: KvSender,
+        layout: LayerLayout,
+        head_size: int,
+        total_heads: int,
+        tp: int,
+        rank: int,
+        device: torch.device,
+    ) -> None:
         self.sender = sender
-        self.rank = rank  # tensor-parallel rank: sends go to the consumer rank of that number
+        self.layout = layout
+        self.head_size = head_size
+        self.total_heads = total_heads
+        self.tp = tp
+        self.rank = rank
+        self.own_heads = rank_heads(total_heads, tp, rank)
+        self.device = device
+        self.staging = DeviceToHost(device)
+        self.indexes: dict[int, torch.Tensor] = {}  # id(SendSlice) -> block ids on the device
+
+    def new_step(self) -> None:
+        """The block-id tensors of the last step are not needed any more."""
+        self.indexes.clear()
 
     def save_layer(self, layer: int, kv_layer: torch.Tensor, sends: list[SendSlice]) -> None:
+        canonical = self.layout.canonical(kv_layer, self.head_size)
         for piece in sends:
-            blocks = kv_layer[torch.tensor(piece.block_ids, dtype=torch.long)]
-            self.sender.send(
-                rank_address(piece.destination, self.rank),
-                LayerSlice(
-                    piece.transfer_id,
-                    layer,
-                    piece.first_block,
-                    len(piece.block_ids),
-                    blocks.numpy().tobytes(),
-                    piece.last,
-                ),
-            )
+            block_ids = self._index(piece)
+            for route in head_routes(self.total_heads, self.tp, piece.decode_tp):
+                if route.prefill_rank != self.rank:
+                    continue
+                start = route.first_head - self.own_heads.start
+                heads = slice(start, start + route.num_heads)
+                staged = self.staging.stage(
+                    lambda ids=block_ids, heads=heads: gather(canonical, ids, heads)
+                )
+                self.sender.send(
+                    rank_address(piece.destination, route.decode_rank),
+                    LayerSlice(
+                        piece.transfer_id,
+                        layer,
+                        piece.first_block,
+                        len(piece.block_ids),
+                        route.first_head,
+                        route.num_heads,
+                        staged,
+                        piece.last,
+                    ),
+                )
+
+    def _index(self, piece: SendSlice) -> torch.Tensor:
+        """The slice's block ids on the cache's device, made once per step (every layer uses
+        them); on CUDA through pinned memory, so the copy does not synchronise."""
+        index = self.indexes.get(id(piece))
+        if index is None:
+            index = torch.tensor(piece.block_ids, dtype=torch.long)
+            if self.device.type == "cuda":
+                index = index.pin_memory().to(self.device, non_blocking=True)
+            self.indexes[id(piece)] = index
+        return index
+
+    def fence(self) -> None:
+        """End of the forward pass: later GPU work waits for this step's copies."""
+        self.staging.fence()
 
     def close(self) -> None:
         self.sender.close()

@@ -46,6 +46,7 @@ class SendPlan:
                     first,
                     block_ids[first : last_block + 1],
                     finished,
+                    state.params.decode_tp,
                 )
             )
             if finished:

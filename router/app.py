@@ -12,7 +12,6 @@ import json
 import logging
 import time
 import uuid
-from pathlib import Path
 
 import grpc
 from fastapi import FastAPI, Request
@@ -38,10 +37,11 @@ CANCEL_GRACE_S = 5.0  # how long a cancelled relay may take to unwind
 DOWN_WORKER_CHECK_S = 2.0  # how often workers marked down are asked whether they are back
 
 
-def create_app(settings: RouterSettings, model_dir: Path) -> FastAPI:
+def create_app(settings: RouterSettings, model: str) -> FastAPI:
+    """`model`: where the tokenizer comes from (a folder, or a hub id)."""
     pool = WorkerPool(list(settings.worker_addresses), POLICIES[settings.policy]())
     metrics = RouterMetrics()
-    flow = RequestFlow(settings, pool, PromptTokenizer(model_dir), metrics)
+    flow = RequestFlow(settings, pool, PromptTokenizer(model), metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -6,7 +6,6 @@ import asyncio
 import logging
 import sys
 import time
-from pathlib import Path
 
 from model_store.store import ModelError, resolve_model
 from settings.base import ConfigError
@@ -42,14 +41,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def run_router(settings: RouterSettings, model_dir: Path) -> None:
+async def run_router(settings: RouterSettings, model: str) -> None:
     import uvicorn
 
     from router.app import create_app
 
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(settings, model_dir),
+            create_app(settings, model),
             host=settings.host,
             port=settings.port,
             log_level="warning",

@@ -86,14 +86,22 @@ async def generate_disaggregated(
     decode_request = worker_pb2.GenerateRequest()
     decode_request.CopyFrom(request)
     decode_request.kv.CopyFrom(
-        worker_pb2.KvTransfer(transfer_id=transfer_id, receive_timeout_s=kv_timeout_s)
+        worker_pb2.KvTransfer(
+            transfer_id=transfer_id,
+            receive_timeout_s=kv_timeout_s,
+            peer_tensor_parallel_size=prefill.tensor_parallel_size,
+        )
     )
     prefill_request = worker_pb2.GenerateRequest()
     prefill_request.CopyFrom(request)
     prefill_request.request_id = f"{request.request_id}-prefill"
     prefill_request.sampling.max_tokens = 1
     prefill_request.kv.CopyFrom(
-        worker_pb2.KvTransfer(transfer_id=transfer_id, send_to=decode.kv_address)
+        worker_pb2.KvTransfer(
+            transfer_id=transfer_id,
+            send_to=decode.kv_address,
+            peer_tensor_parallel_size=decode.tensor_parallel_size,
+        )
     )
     prefill_task = asyncio.create_task(
         _run_prefill(prefill, prefill_request, decode, timeout_s, outcome)

@@ -272,7 +272,7 @@ class RequestFlow:
             metrics.kv_bytes.observe(decode.kv.bytes)
             metrics.kv_seconds.observe(decode.kv.seconds)
             if decode.kv.failed:
-                metrics.kv_failures.labels("timeout_or_cancelled").inc()
+                metrics.kv_failures.labels(decode.kv.failure or "timeout").inc()
         if run.prefill.error is not None:
             metrics.kv_failures.labels("prefill_failed").inc()
         if run.cached_tokens < run.prompt_tokens:  # the decode worker prefilled after all

@@ -4,17 +4,15 @@ The router tokenizes so it can check the context length before any worker is inv
 prompt tokens for routing, and send the same token ids wherever the request goes.
 """
 
-from pathlib import Path
-
 from router.errors import invalid_request
 from router.openai_types import ChatCompletionRequest, CompletionRequest
 
 
 class PromptTokenizer:
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model: str) -> None:
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.vocab_size = len(self.tokenizer)
 
     def chat(self, request: ChatCompletionRequest) -> list[int]:

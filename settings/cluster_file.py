@@ -16,6 +16,7 @@ from planner.gpu_spec import GPU_PRESETS
 from settings.base import ConfigError, Settings, refusal
 from settings.engine import (
     Dtype,
+    EnforceEager,
     EngineSettings,
     KvCacheGib,
     MaxModelLen,
@@ -56,6 +57,7 @@ class ModelSection(Settings):
 class EngineSection(Settings):
     kv_cache_gib: KvCacheGib
     seed: Seed
+    enforce_eager: EnforceEager
 
 
 class PoolSection(Settings):
@@ -142,6 +144,7 @@ class ClusterFile(Settings):
             seed=self.engine.seed,
             tensor_parallel_size=pool.tensor_parallel_size,
             quantization=self.model.quantization,
+            enforce_eager=self.engine.enforce_eager,
         )
         policy = {"kv_failure_policy": pool.kv_failure_policy} if role == "decode" else {}
         return WorkerSettings(

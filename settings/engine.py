@@ -32,6 +32,15 @@ Seed = Annotated[int, Field(default=0, description="engine random seed")]
 TensorParallelSize = Annotated[
     int, Field(default=1, ge=1, description="GPUs (or CPU ranks) per worker")
 ]
+EnforceEager = Annotated[
+    bool | None,
+    Field(
+        default=None,
+        description="run the model eagerly, without CUDA graphs or torch.compile (default: yes "
+        "on CPU, where compiling took 139 s for no gain; no on GPU, so decode runs with CUDA "
+        "graphs)",
+    ),
+]
 Quantization = Annotated[
     str | None,
     Field(default=None, description="vLLM quantization method, e.g. fp8 (default: none)"),
@@ -46,3 +55,4 @@ class EngineSettings(Settings):
     seed: Seed
     tensor_parallel_size: TensorParallelSize
     quantization: Quantization
+    enforce_eager: EnforceEager

@@ -5,15 +5,11 @@ between a prefill and a decode worker (dtype, block size, max length) come from 
 """
 
 import os
-from pathlib import Path
 
 from settings.worker import WorkerSettings
 
 GIB = 1 << 30
 MAX_UNCLAIMED_TRANSFERS = 4096
-
-
-ENFORCE_EAGER = True  # torch.compile took 139 s to start on CPU, for no gain
 
 
 def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
@@ -87,7 +83,7 @@ PLACEMENT_GROUP_ENV = "PDSERVE_PLACEMENT_GROUP"  # set by cluster/ray_launcher f
 RAY_NAMESPACE_ENV = "PDSERVE_RAY_NAMESPACE"
 
 
-def make_engine(worker: WorkerSettings, model_dir: Path, kv_port: int, stats: EngineStats):
+def make_engine(worker: WorkerSettings, model: str, kv_port: int, stats: EngineStats):
     """Start vLLM's AsyncLLM (its engine core runs in child processes)."""
     engine = worker.engine
     # A KV connector makes vLLM reserve cores for itself; a 2-core machine has none to spare.
@@ -96,14 +92,17 @@ def make_engine(worker: WorkerSettings, model_dir: Path, kv_port: int, stats: En
     # threads) to the same core, which starved the transfers; let the OS place threads.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    eager = engine.enforce_eager if engine.enforce_eager is not None else current_platform.is_cpu()
+
     args = AsyncEngineArgs(
-        model=str(model_dir),
+        model=model,
         dtype=engine.dtype,
         max_model_len=engine.max_model_len,
         kv_cache_memory_bytes=int(engine.kv_cache_gib * GIB),
-        enforce_eager=ENFORCE_EAGER,
+        enforce_eager=eager,
         seed=engine.seed,
         tensor_parallel_size=engine.tensor_parallel_size,
         quantization=engine.quantization,

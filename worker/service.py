@@ -31,11 +31,15 @@ def kv_extra_args(request: worker_pb2.GenerateRequest) -> dict | None:
     if not request.HasField("kv"):
         return None
     kv = request.kv
+    peer_tp = kv.peer_tensor_parallel_size or 1
     if kv.send_to:
-        return to_extra_args(SendKv(kv.transfer_id, kv.send_to))
+        return to_extra_args(SendKv(kv.transfer_id, kv.send_to, peer_tp))
     return to_extra_args(
         ReceiveKv(
-            kv.transfer_id, kv.receive_timeout_s, kv.kv_tokens or len(request.prompt_token_ids)
+            kv.transfer_id,
+            kv.receive_timeout_s,
+            kv.kv_tokens or len(request.prompt_token_ids),
+            peer_tp,
         )
     )
 
@@ -182,6 +186,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                         bytes=transfer["bytes"],
                         seconds=transfer["seconds"],
                         failed=transfer["failed"],
+                        failure=transfer["failure"],
                     )
                 )
         return chunk

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from bench.local_cluster import router_healthy
+from model_store.store import ensure_model
 from tests.integration.processes import alive, descendants
 from tests.integration.prompts import (
     CHATS,
@@ -25,6 +26,8 @@ from tests.integration.prompts import (
     DISAGGREGATED_PROMPTS,
     MAX_TOKENS,
     PROMPTS,
+    TINY_MAX_TOKENS,
+    TINY_PROMPTS,
 )
 from worker.processes import ChildError, free_port, spawn, wait_until
 
@@ -115,6 +118,17 @@ def offline_reference(smollm2_dir, tmp_path_factory) -> dict:
         "chats": outputs["chats"],
         "disaggregated": outputs["prompts"][count:],
     }
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tmp_path_factory) -> dict:
+    """Greedy outputs of vLLM's offline engine at TP=1 for the tiny model's prompts."""
+    return offline_outputs(
+        ensure_model("tiny"),
+        tmp_path_factory.mktemp("tiny-offline"),
+        [{"prompt": p, "max_tokens": TINY_MAX_TOKENS} for p in TINY_PROMPTS],
+        [],
+    )
 
 
 def offline_outputs(

@@ -30,3 +30,11 @@ def long_prompt(approx_tokens: int) -> str:
 # Short to ~1.5K tokens: below, across and far above one 128-token KV block.
 DISAGGREGATED_PROMPTS = [long_prompt(n) for n in (10, 60, 130, 300, 520, 800, 1100, 1500)]
 DISAGGREGATED_MAX_TOKENS = 12
+
+# For the tiny random-weight model (tensor parallelism, bfloat16): short, varied prompts.
+TINY_PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village, there lived",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+]
+TINY_MAX_TOKENS = 12

@@ -12,12 +12,15 @@ from dataclasses import replace
 import grpc
 import httpx
 import pytest
+import torch
 
 from cluster.local_workers import start_worker, stop_worker, wait_ready
 from kv_transfer import kv_wire_pb2 as wire
 from kv_transfer import kv_wire_pb2_grpc as wire_grpc
 from kv_transfer.compatibility import Compatibility
-from kv_transfer.grpc_transport import KvReceiver, LayerSlice, chunks_of
+from kv_transfer.grpc_transport import KvReceiver, KvSender, LayerSlice, chunks_of
+from kv_transfer.host_staging import Staged
+from kv_transfer.kv_layout import WIRE_LAYOUT
 from settings.engine import EngineSettings
 from settings.worker import WorkerSettings
 from tests.integration.conftest import SERVED_MODEL, _stop_and_check, start_server
@@ -30,11 +33,10 @@ CONSUMER = Compatibility(
     dtype="float32",
     block_size=128,
     num_layers=30,
-    num_kv_heads=3,
+    total_kv_heads=3,
     head_size=64,
-    kv_layout="[blocks, ...]",
+    kv_layout=WIRE_LAYOUT,
     vllm_version="0.32.0",
-    tensor_parallel_size=1,
 )
 
 
@@ -57,7 +59,7 @@ def receiver():
 def test_a_slice_of_several_chunks_arrives_whole(receiver):
     kv_receiver, port = receiver
     data = os.urandom(3 * (1 << 20) + 123)  # four chunks of at most 1 MiB
-    assert push(port, CONSUMER, LayerSlice("t1", 7, 2, 3, data, True)).accepted
+    assert push(port, CONSUMER, LayerSlice("t1", 7, 2, 3, 0, 3, bytearray(data), True)).accepted
     (piece,), cancelled = kv_receiver.take()
     assert (piece.transfer_id, piece.layer, piece.first_block, piece.num_blocks, piece.last) == (
         "t1",
@@ -66,13 +68,14 @@ def test_a_slice_of_several_chunks_arrives_whole(receiver):
         3,
         True,
     )
+    assert (piece.first_head, piece.num_heads) == (0, 3)
     assert piece.data == data and cancelled == {}
 
 
 def test_a_mismatched_pair_is_refused_with_the_mismatch_named(receiver):
     kv_receiver, port = receiver
     producer = replace(CONSUMER, dtype="bfloat16", block_size=16)
-    reply = push(port, producer, LayerSlice("t2", 0, 0, 1, b"x" * 64, True))
+    reply = push(port, producer, LayerSlice("t2", 0, 0, 1, 0, 3, bytearray(b"x" * 64), True))
     assert not reply.accepted
     assert "dtype: producer 'bfloat16' != consumer 'float32'" in reply.error
     assert "block_size: producer 16 != consumer 128" in reply.error
@@ -117,6 +120,40 @@ def test_kv_that_never_comes_fails_within_the_deadline_and_frees_its_blocks(
         assert "'fail'" in caught.value.details()
         stats = stub.Stats(worker_pb2.StatsRequest(fresh=True), timeout=30)
     assert (stats.running_requests, stats.kv_blocks_used) == (0, 0)
+
+
+def test_a_refused_handshake_fails_the_waiting_request_at_once_not_at_the_deadline(
+    fail_policy_decoder, smollm2_dir
+):
+    """A prefill worker whose KV means something else (bfloat16 against this float32 worker)
+    is refused, and cancels what it was sending: the decode worker's policy applies within a
+    second or two, not after the 30 s KV timeout."""
+    from transformers import AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(smollm2_dir).encode(DISAGGREGATED_PROMPTS[3])
+    request = worker_pb2.GenerateRequest(
+        request_id="refused",
+        prompt_token_ids=prompt,
+        sampling=worker_pb2.SamplingParams(max_tokens=4, temperature=0, top_p=1),
+        kv=worker_pb2.KvTransfer(transfer_id="from-a-bf16-prefill", receive_timeout_s=30.0),
+    )
+    with grpc.insecure_channel(fail_policy_decoder.address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        kv_address = stub.Health(worker_pb2.HealthRequest(), timeout=10).kv_address
+        call = stub.Generate(request, timeout=60)
+        time.sleep(1.0)  # the request waits for its KV
+        sender = KvSender(replace(CONSUMER, dtype="bfloat16"))
+        payload = torch.zeros(8, dtype=torch.uint8)
+        piece = LayerSlice("from-a-bf16-prefill", 0, 0, 1, 0, 3, Staged(payload, 8), True)
+        started = time.monotonic()
+        sender.send(kv_address, piece)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(call)
+        waited = time.monotonic() - started
+        sender.close()
+    assert caught.value.code() == grpc.StatusCode.ABORTED
+    assert waited < 5, f"the refusal took {waited:.1f} s to fail the request"
+    assert fail_policy_decoder.log_path.read_text().count("dtype: producer 'bfloat16'") >= 1
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,9 @@ import httpx
 import pytest
 
 from model_store.store import ensure_model
-from tests.integration.conftest import _stop_and_check, offline_outputs, start_server
-
-PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, in a small village, there lived",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n",
-]
-MAX_TOKENS = 12
+from tests.integration.conftest import _stop_and_check, start_server
+from tests.integration.prompts import TINY_MAX_TOKENS as MAX_TOKENS
+from tests.integration.prompts import TINY_PROMPTS as PROMPTS
 
 
 @pytest.fixture(scope="module")
@@ -25,16 +20,6 @@ def tiny_tp2(tmp_path_factory):
     )
     yield server
     _stop_and_check(server)
-
-
-@pytest.fixture(scope="module")
-def tiny_reference(tmp_path_factory):
-    return offline_outputs(
-        ensure_model("tiny"),
-        tmp_path_factory.mktemp("tiny-offline"),
-        [{"prompt": p, "max_tokens": MAX_TOKENS} for p in PROMPTS],
-        [],
-    )
 
 
 @pytest.mark.parametrize("route", ["local", "disaggregated"])

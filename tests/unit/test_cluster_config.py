@@ -4,6 +4,7 @@ refusing a bad file before anything starts. No engine, no Ray."""
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -77,17 +78,24 @@ def test_tensor_parallelism_must_divide_the_heads():
         check_layout(both_three, MODEL_PRESETS["llama-3.1-70b"])
 
 
-def test_a_prefill_decode_pair_the_transport_cannot_reshard_is_refused():
+def test_prefill_and_decode_pools_may_run_at_different_tensor_parallel_sizes():
     config = parse_cluster(
         {"prefill": {"tensor_parallel_size": 1}, "decode": {"tensor_parallel_size": 4}}
     )
-    with pytest.raises(ConfigError, match="cannot re-shard KV between different tensor-parallel"):
-        check_layout(config, MODEL_PRESETS["llama-3.1-70b"])
+    check_layout(config, MODEL_PRESETS["llama-3.1-70b"])
+
+
+def test_kv_heads_fewer_than_tp_are_replicated_as_vllm_does_but_must_divide_it():
+    tiny = replace(MODEL_PRESETS["smollm2-135m"], num_attention_heads=12, num_kv_heads=2)
+    check_layout(parse_cluster({"decode": {"tensor_parallel_size": 4}}), tiny)
+    with pytest.raises(ConfigError, match="3 neither divides nor is a multiple of"):
+        check_layout(parse_cluster({"decode": {"tensor_parallel_size": 3}}), tiny)
 
 
 def test_resources_are_checked_in_all_and_per_node():
     config = parse_cluster(
         {
+            "model": {"path": "meta-llama/Llama-3.1-70B-Instruct", "preset": "llama-3.1-70b"},
             "prefill": {"replicas": 1, "tensor_parallel_size": 4, "gpu_type": "H100-SXM"},
             "decode": {"replicas": 1, "tensor_parallel_size": 4, "gpu_type": "H100-SXM"},
         }
@@ -111,11 +119,7 @@ def test_scale_up_names_new_workers_after_the_existing_ones():
 @pytest.mark.parametrize("path", sorted(DEPLOY.glob("*.yaml")), ids=lambda p: p.name)
 def test_the_shipped_cluster_files_are_valid(path):
     config = load_cluster_file(path)
-    if "fp8-4p1d" in path.name:  # the target layout, refused until KV re-sharding exists
-        with pytest.raises(ConfigError, match="cannot re-shard"):
-            check_layout(config, model_shape(config))
-    else:
-        check_layout(config, model_shape(config))
+    check_layout(config, model_shape(config))
 
 
 def test_the_70b_files_use_eight_gpus():
@@ -168,3 +172,37 @@ def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path):
         assert worker in done.stderr
     assert "dry run: nothing started" in done.stderr
     assert not (tmp_path / "state").exists()
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-70b-tp4-1p1d.yaml", "llama-3.1-70b-fp8-4p1d.yaml"])
+def test_a_dry_run_plans_a_70b_file_against_the_gpus_it_asks_for(tmp_path, name):
+    env = {**os.environ, "PDSERVE_STATE_DIR": str(tmp_path / "state")}
+    done = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "up", "-f", str(DEPLOY / name), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "decode-0     decode     4  {GPU: 1} {GPU: 1} {GPU: 1} {GPU: 1}" in done.stderr
+    assert "GPU 8" in done.stderr and "dry run: nothing started" in done.stderr
+    assert not (tmp_path / "state").exists()
+
+
+def test_a_dry_run_on_assumed_nodes_checks_that_each_tp_group_fits_one(tmp_path):
+    done = run_up(
+        tmp_path,
+        {
+            "model": {"path": "meta-llama/Llama-3.1-70B-Instruct", "preset": "llama-3.1-70b"},
+            "prefill": {"replicas": 1, "tensor_parallel_size": 4, "gpu_type": "H100-SXM"},
+            "decode": {"replicas": 1, "tensor_parallel_size": 4, "gpu_type": "H100-SXM"},
+        },
+        "--dry-run",
+        "--assume-gpus",
+        "8",
+        "--assume-nodes",
+        "4",
+    )
+    assert done.returncode == 2
+    assert "needs 4 GPU on one node" in done.stderr

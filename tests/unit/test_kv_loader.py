@@ -10,11 +10,15 @@ import torch
 
 from decode_workers.kv_loader import ORPHAN_TTL_S, KvLoader
 from kv_transfer.grpc_transport import LayerSlice
+from kv_transfer.kv_layout import BLOCK, CONTENT, HEAD, TOKEN, LayerLayout
 from kv_transfer.metadata import Expected
 
 NUM_LAYERS = 2
 NUM_BLOCKS = 10
-BLOCK_SHAPE = (2, 4, 8)  # (K/V, heads, head size * block tokens): small but not trivial
+# One block of vLLM 0.32's layer view: (KV heads, block size, K|V content = 2 * head size).
+BLOCK_SHAPE = (2, 4, 8)
+HEAD_SIZE = 4
+LAYOUT = LayerLayout((BLOCK, HEAD, TOKEN, CONTENT))
 TIMEOUT_S = 5.0
 
 
@@ -61,8 +65,9 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 def loader(receiver, clock) -> KvLoader:
-    loader = KvLoader(receiver, clock=clock)
-    loader.kv_caches = [torch.zeros(NUM_BLOCKS, *BLOCK_SHAPE) for _ in range(NUM_LAYERS)]
+    caches = [torch.zeros(NUM_BLOCKS, *BLOCK_SHAPE) for _ in range(NUM_LAYERS)]
+    loader = KvLoader(receiver, caches, LAYOUT, HEAD_SIZE, total_heads=2, clock=clock)
+    loader.kv_caches = caches  # the tests read the caches back
     return loader
 
 
@@ -81,7 +86,7 @@ def block_values(layer: int, first_block: int, num_blocks: int) -> torch.Tensor:
 
 def layer_slice(layer, first_block=0, num_blocks=4, last=True, transfer_id="t-1", at=0.0):
     data = bytearray(block_values(layer, first_block, num_blocks).numpy().tobytes())
-    return LayerSlice(transfer_id, layer, first_block, num_blocks, data, last, at)
+    return LayerSlice(transfer_id, layer, first_block, num_blocks, 0, 2, data, last, at)
 
 
 def whole_prompt(transfer_id="t-1", num_blocks=4, at=0.0) -> list[LayerSlice]:
@@ -232,6 +237,7 @@ def test_stats_give_bytes_and_first_to_last_slice_time_per_finished_transfer(
             "bytes": sum(len(piece.data) for piece in slices),
             "seconds": pytest.approx(0.25),
             "failed": False,
+            "failure": "",
         }
     ]
     assert stats[0]["bytes"] == NUM_LAYERS * 4 * torch.zeros(BLOCK_SHAPE).numel() * 4
@@ -245,7 +251,7 @@ def test_stats_of_a_failed_transfer_run_to_the_failure_and_say_failed(loader, re
     clock.advance(TIMEOUT_S + 1)
     loader.transfer_results([], set())
     [entry] = loader.take_stats()
-    assert entry["failed"] is True
+    assert (entry["failed"], entry["failure"]) == (True, "timeout")
     assert entry["bytes"] == len(layer_slice(0).data)
     assert entry["seconds"] == pytest.approx(TIMEOUT_S + 1)
     assert loader.take_stats() == []

@@ -88,7 +88,8 @@ def test_plan_prints_the_searched_table_and_writes_the_recommended_cluster(tmp_p
         for line in out.splitlines()
         if "P×TP" in line and "D×TP" in line and not line.startswith("recommended")
     ]
-    assert len(rows) == len(candidates(LLAMA_8B, 3)) == 3  # 1+1, 1+2, 2+1 at TP 1
+    # At TP 1: 1+1, 1+2, 2+1; and one pool at TP 2 beside the other at TP 1: 1×TP2 + 1, 1 + 1×TP2.
+    assert len(rows) == len(candidates(LLAMA_8B, 3)) == 5
     assert rows[0].startswith("* ") and sum(row.startswith("*") for row in rows) == 1
     assert "goodput" in out.splitlines()[0] and "p90 TTFT ms" in out
     # At 20 req/s, two GPUs meet the SLO: the best goodput per GPU uses no third one.

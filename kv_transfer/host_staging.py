@@ -1,0 +1,146 @@
+"""Moving wire tensors between a device and host memory without stalling the forward pass.
+
+Send (`DeviceToHost`): on CUDA the gather and the device->host copy run on a side stream that
+first waits for the forward stream (so the layer's KV is written), into a pinned host buffer
+from a bounded pool; an event marks the copy done, and the sender thread waits on that event,
+never the forward thread. `fence()` makes the forward stream wait for the side stream (a GPU-side
+wait, no host sync), so blocks freed after the request are not rewritten before they are copied.
+On CPU the gathered tensor is the host tensor: no staging, no copy beyond the gather.
+
+Receive (`HostToDevice`): on CUDA the host->device copies and scatters run on a side stream;
+`wait()` synchronises it before the transfer is reported loaded, i.e. before vLLM schedules the
+request. On CPU the scatter happens at once.
+
+Plain torch: no vLLM import.
+"""
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+PINNED_POOL_BYTES = 256 << 20  # pinned host memory a sending worker may hold at once
+POOL_WAIT_S = 10.0  # longest a sender waits for pinned memory before giving up on a slice
+
+
+class StagingError(RuntimeError):
+    """No pinned memory came free in time."""
+
+
+class PinnedPool:
+    """Pinned host buffers, reused by size, at most `max_bytes` of them at once."""
+
+    def __init__(self, max_bytes: int = PINNED_POOL_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.in_use = 0
+        self.free: dict[int, list[torch.Tensor]] = {}
+        self.lock = threading.Condition()
+
+    def acquire(self, nbytes: int, timeout_s: float = POOL_WAIT_S) -> torch.Tensor:
+        size = _size_class(nbytes)
+        if size > self.max_bytes:
+            raise StagingError(f"a {nbytes}-byte slice is larger than the pinned pool")
+        deadline = time.monotonic() + timeout_s
+        with self.lock:
+            while self.in_use + size > self.max_bytes:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StagingError(f"no pinned host memory free after {timeout_s:g} s")
+                self.lock.wait(left)
+            self.in_use += size
+            pooled = self.free.get(size)
+            if pooled:
+                return pooled.pop()
+        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+    def release(self, buffer: torch.Tensor) -> None:
+        with self.lock:
+            self.in_use -= buffer.numel()
+            self.free.setdefault(buffer.numel(), []).append(buffer)
+            self.lock.notify_all()
+
+
+def _size_class(nbytes: int) -> int:
+    """Round up to a power of two (at least 1 MiB), so buffers are reused across slices."""
+    return max(1 << 20, 1 << (max(nbytes, 1) - 1).bit_length())
+
+
+@dataclass
+class Staged:
+    """A wire tensor on its way to the host: `host()` waits for the copy and gives the bytes'
+    tensor; `release()` returns its buffer to the pool once the bytes are sent."""
+
+    tensor: torch.Tensor  # on CPU: the wire tensor; on CUDA: the pinned buffer
+    nbytes: int
+    event: object = None
+    on_release: Callable[[torch.Tensor], None] | None = None
+
+    def host(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.tensor.reshape(-1).view(torch.uint8)[: self.nbytes]
+
+    def release(self) -> None:
+        if self.on_release is not None:
+            self.on_release(self.tensor)
+            self.on_release = None
+
+
+class DeviceToHost:
+    def __init__(self, device: torch.device, pool: PinnedPool | None = None) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.pool = (pool or PinnedPool()) if self.cuda else None
+
+    def stage(self, gather: Callable[[], torch.Tensor]) -> Staged:
+        """Run `gather()` (which reads the cache) and copy its result to the host, off the
+        forward stream on CUDA."""
+        if not self.cuda:
+            wire = gather()
+            return Staged(wire, wire.numel() * wire.element_size())
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            wire = gather()
+            nbytes = wire.numel() * wire.element_size()
+            buffer = self.pool.acquire(nbytes)
+            buffer[:nbytes].copy_(wire.reshape(-1).view(torch.uint8), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return Staged(buffer, nbytes, event, self.pool.release)
+
+    def fence(self) -> None:
+        """The forward stream waits (on the GPU) for every copy staged so far."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
+class HostToDevice:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def load(
+        self,
+        host_wire: torch.Tensor,
+        host_index: torch.Tensor,
+        write: Callable[[torch.Tensor, torch.Tensor], None],
+    ) -> None:
+        """Bring the wire tensor and its block index to the device and `write(wire, index)`
+        them into the cache."""
+        if not self.cuda:
+            write(host_wire, host_index)
+            return
+        with torch.cuda.stream(self.stream):
+            write(
+                host_wire.to(self.device, non_blocking=True),
+                host_index.to(self.device, non_blocking=True),
+            )
+
+    def wait(self) -> None:
+        """Every load so far has landed (call before reporting a transfer loaded)."""
+        if self.cuda:
+            self.stream.synchronize()

@@ -1,0 +1,45 @@
+"""Gather a request's blocks of one layer into a contiguous wire tensor, and scatter one into a
+layer's cache: plain torch, any dtype (fp8 included: bytes are read through a uint8 view, never
+numpy), any device, any layout (through `LayerLayout.canonical`).
+
+A wire tensor is [blocks, heads, block_size, 2, head_size], contiguous; `heads` selects the
+range of this rank's heads being sent (all of them when both pools run at the same TP).
+"""
+
+import torch
+
+# Copies move bits: an integer view of the same width works for every dtype (index_copy_ has no
+# fp8 kernel, and no float kernel can change a NaN's payload).
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def gather(canonical_cache: torch.Tensor, block_ids: torch.Tensor, heads: slice) -> torch.Tensor:
+    """The blocks `block_ids` (a long tensor on the cache's device) of heads `heads`, as one new
+    contiguous tensor on the cache's device, in the cache's dtype."""
+    bits = _BITS[canonical_cache.element_size()]
+    return (
+        canonical_cache[:, heads].view(bits).index_select(0, block_ids).view(canonical_cache.dtype)
+    )
+
+
+def scatter(
+    wire: torch.Tensor, canonical_cache: torch.Tensor, block_ids: torch.Tensor, heads: slice
+) -> None:
+    """Write `wire` (same device and dtype as the cache) into blocks `block_ids`, heads
+    `heads` of the cache (through the view, into the cache's own memory)."""
+    bits = _BITS[canonical_cache.element_size()]
+    canonical_cache[:, heads].view(bits).index_copy_(0, block_ids, wire.view(bits))
+
+
+def as_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor of any dtype, without a copy."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def from_bytes(data, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A CPU tensor over `data` (a writable buffer: bytearray), without a copy."""
+    return torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def wire_shape(num_blocks: int, num_heads: int, block_size: int, head_size: int) -> tuple[int, ...]:
+    return (num_blocks, num_heads, block_size, 2, head_size)
