@@ -9,11 +9,13 @@ received) and its exposed part (what the decode worker waited for KV after the p
 
     python scripts/bench_disaggregation.py                # starts `pdserve serve` (1P + 1D)
     python scripts/bench_disaggregation.py --url http://127.0.0.1:8000
+    python scripts/bench_disaggregation.py --lengths 1536 --serve-args '--dtype bfloat16'
 """
 
 import argparse
 import contextlib
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -31,13 +33,18 @@ def main() -> int:
     parser.add_argument("--lengths", default="128,512,1536", help="prompt lengths in tokens")
     parser.add_argument("--repeats", type=int, default=5, help="requests per path and length")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--serve-args",
+        default="",
+        help="more `pdserve serve` arguments for the cluster it starts, e.g. '--dtype bfloat16'",
+    )
     args = parser.parse_args()
     if args.url:
         cluster = contextlib.nullcontext(args.url)
     else:
         log_dir = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
         print(f"starting pdserve serve (1P + 1D; logs: {log_dir})", file=sys.stderr)
-        cluster = local_cluster(1, 1, free_port(), log_dir, [])
+        cluster = local_cluster(1, 1, free_port(), log_dir, shlex.split(args.serve_args))
     with cluster as url:
         rows = [
             measure(url, int(n), args.repeats, random.Random(args.seed + int(n)))

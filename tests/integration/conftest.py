@@ -120,6 +120,16 @@ def offline_reference(smollm2_dir, tmp_path_factory) -> dict:
     }
 
 
+def tiny_completion(server: Server, prompt: str, route: str) -> httpx.Response:
+    """A greedy completion from the tiny model on `route`, with the timing breakdown."""
+    return httpx.post(
+        f"{server.base_url}/completions",
+        timeout=120,
+        headers={"x-pdserve-route": route, "x-pdserve-timing": "1"},
+        json={"model": "tiny", "prompt": prompt, "max_tokens": TINY_MAX_TOKENS, "temperature": 0},
+    )
+
+
 @pytest.fixture(scope="session")
 def tiny_reference(tmp_path_factory) -> dict:
     """Greedy outputs of vLLM's offline engine at TP=1 for the tiny model's prompts."""

@@ -3,12 +3,10 @@ the tiny random-weight Llama in bfloat16. A disaggregated request must give the 
 tokens as the local path (the decode worker prefilling itself), computing no prompt token, and
 its KV must be bfloat16 on the wire: 2 bytes an element."""
 
-import httpx
 import pytest
 
 from model_store.store import ensure_model
-from tests.integration.conftest import _stop_and_check, start_server
-from tests.integration.prompts import TINY_MAX_TOKENS as MAX_TOKENS
+from tests.integration.conftest import _stop_and_check, start_server, tiny_completion
 from tests.integration.prompts import TINY_PROMPTS as PROMPTS
 
 # The tiny model (model_store/store.py): 2 layers, 2 KV heads of 64; CPU blocks of 128 tokens.
@@ -24,19 +22,10 @@ def tiny_bf16(tmp_path_factory):
     _stop_and_check(server)
 
 
-def complete(server, prompt: str, route: str) -> httpx.Response:
-    return httpx.post(
-        f"{server.base_url}/completions",
-        timeout=120,
-        headers={"x-pdserve-route": route, "x-pdserve-timing": "1"},
-        json={"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0},
-    )
-
-
 @pytest.mark.parametrize("index", range(len(PROMPTS)))
 def test_bfloat16_disaggregated_output_equals_local(tiny_bf16, index):
-    disaggregated = complete(tiny_bf16, PROMPTS[index], "disaggregated")
-    local = complete(tiny_bf16, PROMPTS[index], "local")
+    disaggregated = tiny_completion(tiny_bf16, PROMPTS[index], "disaggregated")
+    local = tiny_completion(tiny_bf16, PROMPTS[index], "local")
     assert disaggregated.status_code == local.status_code == 200, disaggregated.text
     body = disaggregated.json()
     tokens = body["usage"]["prompt_tokens"]

@@ -97,18 +97,23 @@ def fail_policy_decoder(smollm2_dir, tmp_path_factory):
         stop_worker(worker)
 
 
+def waiting_request(model_dir, request_id: str, transfer_id: str, timeout_s: float):
+    """A decode request whose prompt's KV is to come from a prefill worker (none is told)."""
+    from transformers import AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(model_dir).encode(DISAGGREGATED_PROMPTS[4])
+    return worker_pb2.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling=worker_pb2.SamplingParams(max_tokens=4, temperature=0, top_p=1),
+        kv=worker_pb2.KvTransfer(transfer_id=transfer_id, receive_timeout_s=timeout_s),
+    )
+
+
 def test_kv_that_never_comes_fails_within_the_deadline_and_frees_its_blocks(
     fail_policy_decoder, smollm2_dir
 ):
-    from transformers import AutoTokenizer
-
-    prompt = AutoTokenizer.from_pretrained(smollm2_dir).encode(DISAGGREGATED_PROMPTS[4])
-    request = worker_pb2.GenerateRequest(
-        request_id="orphan",
-        prompt_token_ids=prompt,
-        sampling=worker_pb2.SamplingParams(max_tokens=4, temperature=0, top_p=1),
-        kv=worker_pb2.KvTransfer(transfer_id="never-sent", receive_timeout_s=2.0),
-    )
+    request = waiting_request(smollm2_dir, "orphan", "never-sent", timeout_s=2.0)
     with grpc.insecure_channel(fail_policy_decoder.address) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         started = time.monotonic()
@@ -128,15 +133,7 @@ def test_a_refused_handshake_fails_the_waiting_request_at_once_not_at_the_deadli
     """A prefill worker whose KV means something else (bfloat16 against this float32 worker)
     is refused, and cancels what it was sending: the decode worker's policy applies within a
     second or two, not after the 30 s KV timeout."""
-    from transformers import AutoTokenizer
-
-    prompt = AutoTokenizer.from_pretrained(smollm2_dir).encode(DISAGGREGATED_PROMPTS[3])
-    request = worker_pb2.GenerateRequest(
-        request_id="refused",
-        prompt_token_ids=prompt,
-        sampling=worker_pb2.SamplingParams(max_tokens=4, temperature=0, top_p=1),
-        kv=worker_pb2.KvTransfer(transfer_id="from-a-bf16-prefill", receive_timeout_s=30.0),
-    )
+    request = waiting_request(smollm2_dir, "refused", "from-a-bf16-prefill", timeout_s=30.0)
     with grpc.insecure_channel(fail_policy_decoder.address) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         kv_address = stub.Health(worker_pb2.HealthRequest(), timeout=10).kv_address

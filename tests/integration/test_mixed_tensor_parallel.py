@@ -4,12 +4,10 @@ the heads of two prefill ranks) and prefill TP=1 -> decode TP=2 (the prefill ran
 heads over two decode ranks). Greedy output must equal vLLM's offline engine at TP=1, and the
 decode worker must have computed no prompt token: every head of every layer arrived."""
 
-import httpx
 import pytest
 
 from model_store.store import ensure_model
-from tests.integration.conftest import _stop_and_check, start_server
-from tests.integration.prompts import TINY_MAX_TOKENS as MAX_TOKENS
+from tests.integration.conftest import _stop_and_check, start_server, tiny_completion
 from tests.integration.prompts import TINY_PROMPTS as PROMPTS
 
 
@@ -34,17 +32,7 @@ def tiny_mixed_tp(request, tmp_path_factory):
 
 @pytest.mark.parametrize("index", range(len(PROMPTS)))
 def test_mixed_tp_disaggregated_output_equals_tp1_offline(tiny_mixed_tp, tiny_reference, index):
-    response = httpx.post(
-        f"{tiny_mixed_tp.base_url}/completions",
-        timeout=120,
-        headers={"x-pdserve-route": "disaggregated", "x-pdserve-timing": "1"},
-        json={
-            "model": "tiny",
-            "prompt": PROMPTS[index],
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-        },
-    )
+    response = tiny_completion(tiny_mixed_tp, PROMPTS[index], "disaggregated")
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["choices"][0]["text"] == tiny_reference["prompts"][index]["text"]

@@ -3,12 +3,10 @@ multiprocessing executor; its CPU backend has no Ray executor) with the tiny ran
 Llama (4 heads, 2 KV heads). Rank r of the prefill worker sends its KV heads to rank r of the
 decode worker. Greedy output must equal vLLM's offline engine at TP=1 on the same weights."""
 
-import httpx
 import pytest
 
 from model_store.store import ensure_model
-from tests.integration.conftest import _stop_and_check, start_server
-from tests.integration.prompts import TINY_MAX_TOKENS as MAX_TOKENS
+from tests.integration.conftest import _stop_and_check, start_server, tiny_completion
 from tests.integration.prompts import TINY_PROMPTS as PROMPTS
 
 
@@ -25,17 +23,7 @@ def tiny_tp2(tmp_path_factory):
 @pytest.mark.parametrize("route", ["local", "disaggregated"])
 @pytest.mark.parametrize("index", range(len(PROMPTS)))
 def test_tp2_output_equals_tp1_offline(tiny_tp2, tiny_reference, route, index):
-    response = httpx.post(
-        f"{tiny_tp2.base_url}/completions",
-        timeout=120,
-        headers={"x-pdserve-route": route},
-        json={
-            "model": "tiny",
-            "prompt": PROMPTS[index],
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-        },
-    )
+    response = tiny_completion(tiny_tp2, PROMPTS[index], route)
     assert response.status_code == 200, response.text
     assert response.headers["x-pdserve-route"] == route
     body = response.json()

@@ -256,15 +256,50 @@ def test_blocks_sent_as_bytes_arrive_byte_exact_in_a_differently_laid_out_cache(
     assert raw(dst_alloc).count_nonzero().item() == written  # nothing else in the allocation
 
 
-@pytest.mark.parametrize("spec", CACHES, ids=CACHE_IDS)
-def test_fp8_blocks_gathered_and_sent_as_bytes_come_back_byte_exact(spec):
-    _, cache = spec.build(FP8, distinct)
-    canonical = spec.canonical(cache)
-    received = round_trip(gather(canonical, torch.tensor(SRC_IDS), slice(None)))
-    assert received.dtype == FP8
-    assert received.shape == wire_shape(len(SRC_IDS), NUM_HEADS, BLOCK_SIZE, HEAD_SIZE)
-    for i, s in enumerate(SRC_IDS):
-        assert torch.equal(raw(received[i]), raw(canonical[s]))
+# Each layout sends to the next one in CACHES (a different layout, the last to the first).
+NEXT_PAIRS = [(a, CACHES[(i + 1) % len(CACHES)]) for i, a in enumerate(CACHES)]
+NEXT_PAIR_IDS = [f"{a.name} -> {b.name}" for a, b in NEXT_PAIRS]
+
+
+def random_bytes(shape, dtype) -> torch.Tensor:
+    """Any bit patterns at all: NaNs with payloads, infinities, negative zero, subnormals."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    generator = torch.Generator().manual_seed(1)
+    data = torch.randint(0, 256, (*shape[:-1], shape[-1] * itemsize), generator=generator)
+    return data.to(torch.uint8).view(dtype)
+
+
+@pytest.mark.parametrize("src_spec, dst_spec", NEXT_PAIRS, ids=NEXT_PAIR_IDS)
+def test_fp8_blocks_sent_as_bytes_arrive_byte_exact_in_a_differently_laid_out_cache(
+    src_spec, dst_spec
+):
+    _, src_cache = src_spec.build(FP8, distinct)
+    _, dst_cache = dst_spec.build(FP8, zeros)
+    src, dst = src_spec.canonical(src_cache), dst_spec.canonical(dst_cache)
+
+    wire = gather(src, torch.tensor(SRC_IDS), slice(None))
+    assert wire.dtype == FP8
+    assert wire.shape == wire_shape(len(SRC_IDS), NUM_HEADS, BLOCK_SIZE, HEAD_SIZE)
+    scatter(round_trip(wire), dst, torch.tensor(DST_IDS), slice(None))
+
+    for s, d in zip(SRC_IDS, DST_IDS, strict=True):
+        assert torch.equal(raw(dst[d]), raw(src[s])), f"source block {s} -> block {d}"
+    assert all_zero(dst[untouched_blocks(DST_IDS)])
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, FP8], ids=str)
+def test_every_bit_pattern_nan_payloads_included_survives_gather_and_scatter(dtype):
+    _, src_cache = FLASH_NHD.build(dtype, random_bytes)
+    _, dst_cache = OLD_FLASH.build(dtype, zeros)
+    src, dst = FLASH_NHD.canonical(src_cache), OLD_FLASH.canonical(dst_cache)
+    if dtype != FP8:  # the fill does hold NaNs, so a float copy could alter them
+        assert torch.isnan(src.float()).any()
+
+    wire = gather(src, torch.tensor(SRC_IDS), slice(None))
+    scatter(round_trip(wire), dst, torch.tensor(DST_IDS), slice(None))
+
+    for s, d in zip(SRC_IDS, DST_IDS, strict=True):
+        assert torch.equal(raw(dst[d]), raw(src[s]))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -420,17 +455,17 @@ def test_check_shardable_accepts_tp_sizes_that_divide_or_are_divided_by_the_head
 def test_device_to_host_on_cpu_hands_over_the_gathered_tensors_own_bytes(dtype):
     _, cache = FLASH_NHD.build(dtype, distinct)
     canonical = FLASH_NHD.canonical(cache)
-    calls = []
+    gathered = []  # what gather() returned, each time it ran
 
     def gather_once() -> torch.Tensor:
-        calls.append(1)
-        return gather(canonical, torch.tensor(SRC_IDS), slice(None))
+        gathered.append(gather(canonical, torch.tensor(SRC_IDS), slice(None)))
+        return gathered[-1]
 
     staging = DeviceToHost(CPU)
     staged = staging.stage(gather_once)
     host = staged.host()
-    wire = staged.tensor
-    assert calls == [1]
+    assert len(gathered) == 1
+    wire = gathered[0]
     assert host.dtype == torch.uint8
     assert host.data_ptr() == wire.data_ptr()  # no copy
     assert host.numel() == wire.numel() * wire.element_size()
