@@ -134,6 +134,18 @@ class KvSender:
                 except grpc.RpcError as error:
                     log.warning("could not cancel transfer %s: %s", transfer_id, error.details())
 
+    def cancel(self, destination: str, transfer_id: str, reason: str) -> None:
+        """Tell the receiver a transfer will not complete, from a thread of its own (the
+        caller is the forward pass)."""
+
+        def call() -> None:
+            try:
+                cancel_transfer(destination, transfer_id, reason)
+            except grpc.RpcError as error:
+                log.warning("could not cancel transfer %s: %s", transfer_id, error.details())
+
+        threading.Thread(target=call, name=f"kv-cancel-{transfer_id}", daemon=True).start()
+
     def close(self) -> None:
         with self.lock:
             for pending in self.queues.values():

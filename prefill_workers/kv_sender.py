@@ -8,14 +8,18 @@ size, each decode rank gets from this rank the heads the head routes give it (sp
 on the head dimension).
 """
 
+import logging
+
 import torch
 
 from kv_transfer.grpc_transport import KvSender, LayerSlice, rank_address
 from kv_transfer.head_shards import head_routes, rank_heads
-from kv_transfer.host_staging import DeviceToHost
+from kv_transfer.host_staging import DeviceToHost, StagingError
 from kv_transfer.kv_copy import gather
 from kv_transfer.kv_layout import LayerLayout
 from kv_transfer.metadata import SendSlice
+
+log = logging.getLogger("pdserve.kv")
 
 
 class LayerSender:
@@ -53,11 +57,17 @@ class LayerSender:
                     continue
                 start = route.first_head - self.own_heads.start
                 heads = slice(start, start + route.num_heads)
-                staged = self.staging.stage(
-                    lambda ids=block_ids, heads=heads: gather(canonical, ids, heads)
-                )
+                destination = rank_address(piece.destination, route.decode_rank)
+                try:
+                    staged = self.staging.stage(
+                        lambda ids=block_ids, heads=heads: gather(canonical, ids, heads)
+                    )
+                except StagingError as error:  # the sender is far behind: give this one up
+                    log.error("KV transfer %s: %s; cancelling it", piece.transfer_id, error)
+                    self.sender.cancel(destination, piece.transfer_id, f"prefill worker: {error}")
+                    continue
                 self.sender.send(
-                    rank_address(piece.destination, route.decode_rank),
+                    destination,
                     LayerSlice(
                         piece.transfer_id,
                         layer,
