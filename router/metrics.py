@@ -116,7 +116,8 @@ class RouterMetrics:
         )
         self.kv_failures = Counter(
             "pdserve_kv_transfer_failures",
-            "KV transfers that did not complete, by reason (prefill_failed, timeout_or_cancelled)",
+            "KV transfers that did not complete, by reason "
+            "(prefill_failed, timeout, cancelled, refused)",
             ["reason"],
             registry=self.registry,
         )

@@ -149,7 +149,8 @@ def test_a_refused_handshake_fails_the_waiting_request_at_once_not_at_the_deadli
         waited = time.monotonic() - started
         sender.close()
     assert caught.value.code() == grpc.StatusCode.ABORTED
-    assert waited < 5, f"the refusal took {waited:.1f} s to fail the request"
+    print(f"a refused handshake failed the waiting request in {waited:.2f} s")
+    assert waited < 2, f"the refusal took {waited:.1f} s to fail the request"
     assert fail_policy_decoder.log_path.read_text().count("dtype: producer 'bfloat16'") >= 1
 
 

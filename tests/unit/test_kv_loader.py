@@ -158,6 +158,24 @@ def test_a_cancelled_transfer_fails_at_once_with_its_reason_logged(loader, recei
     assert loader.transfer_results([], set()) == (set(), set())
 
 
+@pytest.mark.parametrize(
+    "reason, failure",
+    [
+        (
+            "incompatible KV layout, refused: dtype: producer 'bfloat16' != consumer 'float32'",
+            "refused",
+        ),
+        ("prefill worker failed: out of memory", "cancelled"),
+    ],
+)
+def test_a_failed_transfer_says_why_in_its_stats(loader, receiver, reason, failure):
+    loader.transfer_results([expected()], set())
+    receiver.feed(cancels={"t-1": reason})
+    loader.transfer_results([], set())
+    [entry] = loader.take_stats()
+    assert (entry["failed"], entry["failure"]) == (True, failure)
+
+
 def test_a_cancel_that_comes_before_its_request_fails_the_request_when_it_comes(
     loader, receiver, clock
 ):
