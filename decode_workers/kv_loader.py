@@ -106,8 +106,8 @@ class KvLoader:
                 continue
             self._record(transfer_id, state, failure, now=now)
             del self.incoming[transfer_id]
-        if loaded - failed:
-            self.staging.wait()  # the copies have landed before vLLM schedules the requests
+        if loaded or failed:  # their copies have landed before vLLM reuses or schedules them
+            self.staging.wait()
         # Each request is reported once: its state is gone now (vLLM asserts on repeats).
         return loaded | failed, failed
 

@@ -52,27 +52,30 @@ class LayerSlice:
 
 
 def chunks_of(piece: LayerSlice):
-    """The slice's chunk messages; a staged slice's host buffer is released after the last."""
+    """The slice's chunk messages; a staged slice's host buffer is released after the last, or
+    when the stream stops reading midway (gRPC drops the generator)."""
     data = piece.data
-    memory = as_bytes(data.host()) if isinstance(data, Staged) else memoryview(data)
-    total = len(memory)
-    for offset in range(0, max(total, 1), CHUNK_BYTES):
-        yield wire.KvMessage(
-            chunk=wire.KvChunk(
-                transfer_id=piece.transfer_id,
-                layer=piece.layer,
-                first_block=piece.first_block,
-                num_blocks=piece.num_blocks,
-                offset=offset,
-                slice_bytes=total,
-                data=bytes(memory[offset : offset + CHUNK_BYTES]),
-                last=piece.last,
-                first_head=piece.first_head,
-                num_heads=piece.num_heads,
+    try:
+        memory = as_bytes(data.host()) if isinstance(data, Staged) else memoryview(data)
+        total = len(memory)
+        for offset in range(0, max(total, 1), CHUNK_BYTES):
+            yield wire.KvMessage(
+                chunk=wire.KvChunk(
+                    transfer_id=piece.transfer_id,
+                    layer=piece.layer,
+                    first_block=piece.first_block,
+                    num_blocks=piece.num_blocks,
+                    offset=offset,
+                    slice_bytes=total,
+                    data=bytes(memory[offset : offset + CHUNK_BYTES]),
+                    last=piece.last,
+                    first_head=piece.first_head,
+                    num_heads=piece.num_heads,
+                )
             )
-        )
-    if isinstance(data, Staged):
-        data.release()
+    finally:
+        if isinstance(data, Staged):
+            data.release()
 
 
 class KvSender:
@@ -91,18 +94,18 @@ class KvSender:
 
     def send(self, destination: str, piece: LayerSlice) -> None:
         with self.lock:
-            thread = self.threads.get(destination)
-            if thread is None or not thread.is_alive():
-                self.queues[destination] = queue.Queue()
+            pending = self.queues.get(destination)
+            if pending is None:  # no stream yet, or the last one ended
+                pending = self.queues[destination] = queue.Queue()
                 thread = threading.Thread(
                     target=self._stream,
-                    args=(destination, self.queues[destination]),
+                    args=(destination, pending),
                     name=f"kv-send-{destination}",
                     daemon=True,
                 )
                 self.threads[destination] = thread
                 thread.start()
-            self.queues[destination].put(piece)
+            pending.put(piece)
 
     def _stream(self, destination: str, pending: queue.Queue) -> None:
         carried: set[str] = set()
@@ -126,7 +129,8 @@ class KvSender:
             with self.lock:  # later slices for this destination go to a new stream
                 if self.queues.get(destination) is pending:
                     del self.queues[destination]
-            carried |= _release_queued(pending)
+            carried = carried | _release_queued(pending)
+            pending.put(_CLOSE)  # gRPC's thread may still wait on the queue: let it end
         if refusal is not None:
             for transfer_id in sorted(carried):
                 try:

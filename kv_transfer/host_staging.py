@@ -53,13 +53,23 @@ class PinnedPool:
             pooled = self.free.get(size)
             if pooled:
                 return pooled.pop()
+            self._trim()  # room for the new buffer among the free ones
         return torch.empty(size, dtype=torch.uint8, pin_memory=True)
 
     def release(self, buffer: torch.Tensor) -> None:
+        """Back to the pool; buffers kept free count against `max_bytes` too, so pinned memory
+        never exceeds it (a free buffer of another size is dropped to make room)."""
         with self.lock:
             self.in_use -= buffer.numel()
             self.free.setdefault(buffer.numel(), []).append(buffer)
+            self._trim()
             self.lock.notify_all()
+
+    def _trim(self) -> None:
+        """Drop free buffers, largest first, until in use + free fits `max_bytes`."""
+        while self.in_use + sum(k * len(v) for k, v in self.free.items()) > self.max_bytes:
+            size = max(size for size, buffers in self.free.items() if buffers)
+            self.free[size].pop()
 
 
 def _size_class(nbytes: int) -> int:
@@ -107,7 +117,7 @@ class DeviceToHost:
             nbytes = wire.numel() * wire.element_size()
             buffer = self.pool.acquire(nbytes)
             buffer[:nbytes].copy_(wire.reshape(-1).view(torch.uint8), non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # the sender thread sleeps, not spins
             event.record(self.stream)
         return Staged(buffer, nbytes, event, self.pool.release)
 
@@ -134,6 +144,9 @@ class HostToDevice:
         if not self.cuda:
             write(host_wire, host_index)
             return
+        # After what the forward stream has queued: vLLM may zero newly allocated blocks, or a
+        # finished request's last step may still write into a block just handed to this one.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             write(
                 host_wire.to(self.device, non_blocking=True),

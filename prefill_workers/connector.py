@@ -16,6 +16,13 @@ from prefill_workers.send_plan import SendPlan
 
 
 class PrefillConnector(PdserveConnectorBase):
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config) -> bool:
+        """`save_kv_layer` is a Python hook around each attention op: a full CUDA graph (vLLM
+        replays one for batches of 1-token requests, as a fully prefix-cached or last-chunk
+        prompt is) would skip it. Piecewise graphs run attention outside the graph."""
+        return True
+
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         self.layer_sender: LayerSender | None = None  # worker side, once the caches are known
@@ -38,7 +45,7 @@ class PrefillConnector(PdserveConnectorBase):
 
     def bind_connector_metadata(self, connector_metadata):
         super().bind_connector_metadata(connector_metadata)
-        self.layer_sender.new_step()
+        self.layer_sender.new_step(connector_metadata.sends)
 
     def build_connector_meta(self, scheduler_output):
         return PdserveMetadata(sends=self.send_plan.sends(scheduler_output))

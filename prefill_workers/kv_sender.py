@@ -43,14 +43,19 @@ class LayerSender:
         self.device = device
         self.staging = DeviceToHost(device)
         self.indexes: dict[int, torch.Tensor] = {}  # id(SendSlice) -> block ids on the device
+        self.given_up: set[str] = set()  # transfers cancelled: not staged again
 
-    def new_step(self) -> None:
-        """The block-id tensors of the last step are not needed any more."""
+    def new_step(self, sends: list[SendSlice]) -> None:
+        """The block-id tensors of the last step are not needed any more; a given-up transfer
+        is forgotten once no step sends it (its request finished)."""
         self.indexes.clear()
+        self.given_up &= {piece.transfer_id for piece in sends}
 
     def save_layer(self, layer: int, kv_layer: torch.Tensor, sends: list[SendSlice]) -> None:
         canonical = self.layout.canonical(kv_layer, self.head_size)
         for piece in sends:
+            if piece.transfer_id in self.given_up:
+                continue
             block_ids = self._index(piece)
             for route in head_routes(self.total_heads, self.tp, piece.decode_tp):
                 if route.prefill_rank != self.rank:
@@ -64,8 +69,14 @@ class LayerSender:
                     )
                 except StagingError as error:  # the sender is far behind: give this one up
                     log.error("KV transfer %s: %s; cancelling it", piece.transfer_id, error)
-                    self.sender.cancel(destination, piece.transfer_id, f"prefill worker: {error}")
-                    continue
+                    self.given_up.add(piece.transfer_id)
+                    for other in head_routes(self.total_heads, self.tp, piece.decode_tp):
+                        self.sender.cancel(
+                            rank_address(piece.destination, other.decode_rank),
+                            piece.transfer_id,
+                            f"prefill worker: {error}",
+                        )
+                    break
                 self.sender.send(
                     destination,
                     LayerSlice(
