@@ -9,7 +9,9 @@
    FlashInfer caches) and dtype (bfloat16, float16, float32, fp8 as bytes).
 2. Tensor-parallel re-sharding across simulated ranks (2->1, 1->2, 4->2, 1->4 and replicated KV
    heads): every decode rank's cache equals the full cache sliced at its heads.
-3. Bandwidth: device->pinned and pinned->device copies through the staging code, beside the
+3. Stream ordering (CUDA): staging sees what the forward stream wrote before it, and a load
+   lands after what the forward stream queued before it.
+4. Bandwidth: device->pinned and pinned->device copies through the staging code, beside the
    device's own device->device copy, in GB/s (median of repeats).
 Exits 1 if any check fails.
 """
@@ -133,6 +135,31 @@ def reshard(device, total_heads, prefill_tp, decode_tp, dtype=torch.bfloat16) ->
     )
 
 
+def stream_ordering(device) -> bool:
+    """On CUDA, with the forward stream busy (a sleep kernel) before it writes the cache: the
+    staged copy must see the write (the side stream waits for the forward stream), and a load
+    must land after a forward-stream write to the same blocks (the load stream waits too)."""
+    layout = LayerLayout((BLOCK, HEAD, TOKEN, CONTENT))
+    cache = make_cache(layout.dims, (0, 2, 1, 3), torch.bfloat16, device, fill=False)
+    canonical = layout.canonical(cache, HEAD_SIZE)
+    ids = torch.tensor([3, 4], device=device)
+    torch.cuda.synchronize(device)
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the forward stream
+    canonical[ids] = 1.0  # the "layer's forward" writes its KV after that
+    staged = DeviceToHost(device).stage(lambda: gather(canonical, ids, slice(None)))
+    seen_write = bool((staged.host().view(torch.bfloat16) == 1.0).all())
+    staged.release()
+    incoming = torch.full_like(canonical[ids], 2.0).cpu()
+    torch.cuda._sleep(200_000_000)
+    canonical[ids] = 0.0  # vLLM zeroing newly allocated blocks, queued before the load
+    loader = HostToDevice(device)
+    loader.load(incoming, ids.cpu(), lambda w, i: scatter(w, canonical, i, slice(None)))
+    loader.wait()
+    torch.cuda.synchronize(device)
+    landed_last = bool((canonical[ids] == 2.0).all())
+    return seen_write and landed_last
+
+
 def bandwidth(device, megabytes: int, repeats: int) -> dict[str, float]:
     """GB/s of device->pinned (staging) and pinned->device (loading), and device->device."""
     nbytes = megabytes << 20
@@ -191,6 +218,11 @@ def main() -> int:
             f"re-shard    {total} KV heads, prefill TP {p} -> decode TP {d:<10} "
             f"{'ok' if ok else 'FAILED'}"
         )
+    if device.type == "cuda":
+        ok = stream_ordering(device)
+        failures += not ok
+        verdict = "ok" if ok else "FAILED"
+        print(f"streams     staging after the forward write, load after it  {verdict}")
     rates = bandwidth(device, args.megabytes, args.repeats)
     if device.type == "cpu":  # the wire tensor is the host tensor: nothing is staged
         rates["device->host"] = float("nan")
