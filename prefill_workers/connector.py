@@ -10,6 +10,7 @@ params. Worker side: after each layer's forward, the layer sender pushes those b
 
 from kv_transfer.connector_base import PdserveConnectorBase, compatibility_of
 from kv_transfer.grpc_transport import KvSender
+from kv_transfer.host_staging import PINNED_POOL_BYTES
 from kv_transfer.metadata import PdserveMetadata
 from prefill_workers.kv_sender import LayerSender
 from prefill_workers.send_plan import SendPlan
@@ -30,6 +31,10 @@ class PrefillConnector(PdserveConnectorBase):
             self.send_plan = SendPlan(self.block_size)
         else:
             self.compatibility = compatibility_of(vllm_config)
+            extra = vllm_config.kv_transfer_config
+            self.pinned_pool_bytes = int(
+                extra.get_from_extra_config("pinned_pool_bytes", PINNED_POOL_BYTES)
+            )
 
     def register_kv_caches(self, kv_caches):
         super().register_kv_caches(kv_caches)
@@ -41,6 +46,7 @@ class PrefillConnector(PdserveConnectorBase):
             self.tp,
             self.worker_rank(),
             self.kv_caches[0].device,
+            self.pinned_pool_bytes,
         )
 
     def bind_connector_metadata(self, connector_metadata):

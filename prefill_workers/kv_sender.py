@@ -14,7 +14,7 @@ import torch
 
 from kv_transfer.grpc_transport import KvSender, LayerSlice, rank_address
 from kv_transfer.head_shards import head_routes, rank_heads
-from kv_transfer.host_staging import DeviceToHost, StagingError
+from kv_transfer.host_staging import PINNED_POOL_BYTES, DeviceToHost, PinnedPool, StagingError
 from kv_transfer.kv_copy import gather
 from kv_transfer.kv_layout import LayerLayout
 from kv_transfer.metadata import SendSlice
@@ -32,6 +32,7 @@ class LayerSender:
         tp: int,
         rank: int,
         device: torch.device,
+        pinned_pool_bytes: int = PINNED_POOL_BYTES,
     ) -> None:
         self.sender = sender
         self.layout = layout
@@ -41,7 +42,7 @@ class LayerSender:
         self.rank = rank
         self.own_heads = rank_heads(total_heads, tp, rank)
         self.device = device
-        self.staging = DeviceToHost(device)
+        self.staging = DeviceToHost(device, PinnedPool(pinned_pool_bytes))
         self.indexes: dict[int, torch.Tensor] = {}  # id(SendSlice) -> block ids on the device
         self.given_up: set[str] = set()  # transfers cancelled: not staged again
 

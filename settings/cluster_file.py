@@ -36,7 +36,7 @@ from settings.router import (
     RequestTimeoutS,
     RouterSettings,
 )
-from settings.worker import HeartbeatS, KvFailurePolicy, WorkerSettings
+from settings.worker import HeartbeatS, KvFailurePolicy, KvPinnedPoolMib, WorkerSettings
 
 CPU = "cpu"
 GpuType = Annotated[
@@ -68,6 +68,10 @@ class PoolSection(Settings):
     @property
     def uses_gpus(self) -> bool:
         return self.gpu_type != CPU
+
+
+class PrefillPoolSection(PoolSection):
+    kv_pinned_pool_mib: KvPinnedPoolMib
 
 
 class DecodePoolSection(PoolSection):
@@ -113,7 +117,7 @@ class ClusterFile(Settings):
     name: str = "pdserve"
     model: ModelSection = Field(default_factory=ModelSection)
     engine: EngineSection = Field(default_factory=EngineSection)
-    prefill: PoolSection = Field(default_factory=PoolSection)
+    prefill: PrefillPoolSection = Field(default_factory=PrefillPoolSection)
     decode: DecodePoolSection = Field(default_factory=DecodePoolSection)
     transport: TransportSection = Field(default_factory=TransportSection)
     router: RouterSection = Field(default_factory=RouterSection)
@@ -146,7 +150,10 @@ class ClusterFile(Settings):
             quantization=self.model.quantization,
             enforce_eager=self.engine.enforce_eager,
         )
-        policy = {"kv_failure_policy": pool.kv_failure_policy} if role == "decode" else {}
+        if role == "decode":
+            policy = {"kv_failure_policy": pool.kv_failure_policy}
+        else:
+            policy = {"kv_pinned_pool_mib": pool.kv_pinned_pool_mib}
         return WorkerSettings(
             role=role,
             registry=registry_url,

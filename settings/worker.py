@@ -26,6 +26,16 @@ HeartbeatS = Annotated[
         json_schema_extra={"flag": "--heartbeat"},
     ),
 ]
+KvPinnedPoolMib = Annotated[
+    int,
+    Field(
+        default=256,
+        ge=1,
+        description="prefill on GPU: pinned host memory per rank for KV on its way out, in MiB; "
+        "when it is full the forward pass waits (up to 10 s, then the transfer is cancelled)",
+        json_schema_extra={"metavar": "MIB"},
+    ),
+]
 ClusterName = Annotated[
     str, Field(default="pdserve", description="the cluster's name in the registry")
 ]
@@ -57,6 +67,7 @@ class WorkerSettings(Settings):
         "port at TP 1)",
     )
     kv_failure_policy: KvFailurePolicy
+    kv_pinned_pool_mib: KvPinnedPoolMib
     registry: str = Field(
         "",
         description="join the pools in this Redis registry "

@@ -21,6 +21,7 @@ def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
             "kv_connector": "PrefillConnector",
             "kv_connector_module_path": "prefill_workers.connector",
             "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"pinned_pool_bytes": worker.kv_pinned_pool_mib << 20},
         }
     if worker.role == "decode":
         return {
