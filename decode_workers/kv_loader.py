@@ -100,7 +100,18 @@ class KvLoader:
                 why = self.cancelled.pop(transfer_id, (now, None))[1]
                 failure = failure_kind(why)
                 why = why or f"no KV after {state.expected.timeout_s:g} s"
-                log.warning("KV transfer %s failed (%s): %s", transfer_id, failure, why)
+                log.warning(
+                    "KV transfer %s failed (%s): %s; rank %d had %d bytes, last slices %s of %d "
+                    "per layer, orphans %s",
+                    transfer_id,
+                    failure,
+                    why,
+                    self.rank,
+                    state.bytes,
+                    state.last_slices,
+                    state.slices_per_layer,
+                    sorted(self.orphans),
+                )
                 failed.add(req_id)
             else:
                 continue

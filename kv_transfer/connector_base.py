@@ -24,6 +24,17 @@ from kv_transfer.stats import PdserveKvStats
 log = logging.getLogger("pdserve.kv")
 
 
+def _log_to_stderr() -> None:
+    """vLLM's engine-core and worker processes configure only vLLM's loggers: give pdserve's
+    its own handler there, so transfer logs reach the worker's log at INFO."""
+    root = logging.getLogger("pdserve")
+    if not root.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+
+
 def compatibility_of(vllm_config) -> Compatibility:
     import vllm
 
@@ -43,6 +54,7 @@ def compatibility_of(vllm_config) -> Compatibility:
 class PdserveConnectorBase(KVConnectorBase_V1):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_to_stderr()
         self.is_scheduler = role == KVConnectorRole.SCHEDULER
         self.block_size = vllm_config.cache_config.block_size
         model, parallel = vllm_config.model_config, vllm_config.parallel_config

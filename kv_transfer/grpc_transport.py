@@ -29,6 +29,9 @@ CHUNK_BYTES = 1 << 20
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 2 * CHUNK_BYTES),
     ("grpc.max_receive_message_length", 2 * CHUNK_BYTES),
+    # gRPC servers set SO_REUSEPORT by default: a receiver bound to a port another server holds
+    # would share its connections, and the KV sent to the other one would be lost silently.
+    ("grpc.so_reuseport", 0),
 ]
 _CLOSE = object()
 
@@ -117,6 +120,7 @@ class KvSender:
                 yield from chunks_of(piece)
 
         refusal = None
+        log.info("KV stream to %s opening", destination)
         try:
             with grpc.insecure_channel(destination, options=GRPC_OPTIONS) as channel:
                 reply = wire_grpc.KvReceiverStub(channel).PushKv(messages())
@@ -210,6 +214,7 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
             error = describe_refusal(producer, self.compatibility)
             log.error("%s", error)
             return wire.PushKvReply(accepted=False, error=error)
+        log.info("KV stream from %s accepted", context.peer())
         buffers: dict[tuple, bytearray] = {}
         for message in request_iterator:
             chunk = message.chunk

@@ -57,7 +57,7 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
     worker_id = settings.worker_id or f"{settings.role}@{host}:{port}"
     kv_port = settings.kv_port
     if settings.role == "decode" and not kv_port:
-        kv_port = free_port(settings.host)
+        kv_port = free_port(settings.host, count=settings.engine.tensor_parallel_size)
     kv_address = f"{host}:{kv_port}" if settings.role == "decode" else ""
     service = WorkerService(
         worker_id,

@@ -24,10 +24,25 @@ class ChildError(RuntimeError):
     """A child exited before it was ready, or was not ready by its deadline."""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
+    """A port free now, with the `count - 1` ports after it free too (a tensor-parallel decode
+    worker's rank r receives KV on port + r)."""
+    for _ in range(100):
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if all(_is_free(host, port + offset) for offset in range(1, count)):
+            return port
+    raise OSError(f"no {count} consecutive free ports on {host}")
+
+
+def _is_free(host: str, port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def is_listening(port: int, host: str = "127.0.0.1") -> bool:

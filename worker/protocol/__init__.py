@@ -8,4 +8,5 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.so_reuseport", 0),  # a port in use is an error, never a shared listener
 ]
