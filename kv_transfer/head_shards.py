@@ -7,6 +7,7 @@ needs the heads it holds; each of them comes from exactly one prefill rank that 
 replicas on the prefill side, spread over them), so nothing is sent twice.
 """
 
+import functools
 from dataclasses import dataclass
 
 
@@ -30,9 +31,11 @@ def rank_heads(total_heads: int, tp: int, rank: int) -> range:
     return range(head, head + 1)
 
 
-def head_routes(total_heads: int, prefill_tp: int, decode_tp: int) -> list[HeadRoute]:
+@functools.cache
+def head_routes(total_heads: int, prefill_tp: int, decode_tp: int) -> tuple[HeadRoute, ...]:
     """Every (prefill rank -> decode rank, heads) transfer of one layer, consecutive heads
-    merged; together they give each decode rank each of its heads once."""
+    merged; together they give each decode rank each of its heads once. Cached: the sender
+    asks for every layer of every step."""
     check_shardable(total_heads, prefill_tp)
     check_shardable(total_heads, decode_tp)
     routes: list[HeadRoute] = []
@@ -51,7 +54,7 @@ def head_routes(total_heads: int, prefill_tp: int, decode_tp: int) -> list[HeadR
                 routes[-1] = HeadRoute(source, decode_rank, last.first_head, last.num_heads + 1)
             else:
                 routes.append(HeadRoute(source, decode_rank, head, 1))
-    return routes
+    return tuple(routes)
 
 
 def check_shardable(total_heads: int, tp: int) -> None:

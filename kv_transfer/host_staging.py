@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-PINNED_POOL_BYTES = 256 << 20  # pinned host memory a sending worker may hold at once
 POOL_WAIT_S = 10.0  # longest a sender waits for pinned memory before giving up on a slice
 
 
@@ -32,7 +31,7 @@ class StagingError(RuntimeError):
 class PinnedPool:
     """Pinned host buffers, reused by size, at most `max_bytes` of them at once."""
 
-    def __init__(self, max_bytes: int = PINNED_POOL_BYTES) -> None:
+    def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.in_use = 0
         self.free: dict[int, list[torch.Tensor]] = {}
@@ -99,11 +98,13 @@ class Staged:
 
 
 class DeviceToHost:
-    def __init__(self, device: torch.device, pool: PinnedPool | None = None) -> None:
+    def __init__(self, device: torch.device, pool_bytes: int) -> None:
+        """`pool_bytes`: the pinned host memory it may hold (CUDA only; the worker setting
+        `kv_pinned_pool_mib`)."""
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.pool = (pool or PinnedPool()) if self.cuda else None
+        self.pool = PinnedPool(pool_bytes) if self.cuda else None
 
     def stage(self, gather: Callable[[], torch.Tensor]) -> Staged:
         """Run `gather()` (which reads the cache) and copy its result to the host, off the

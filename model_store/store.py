@@ -86,7 +86,7 @@ def resolve_model(name_or_path: str) -> str:
 
 
 def is_hub_id(name: str) -> bool:
-    """ "org/name" as the Hugging Face hub spells model ids."""
+    """Whether `name` is spelled like a Hugging Face model id: org/name."""
     return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", name) is not None
 
 

@@ -10,7 +10,6 @@ params. Worker side: after each layer's forward, the layer sender pushes those b
 
 from kv_transfer.connector_base import PdserveConnectorBase, compatibility_of
 from kv_transfer.grpc_transport import KvSender
-from kv_transfer.host_staging import PINNED_POOL_BYTES
 from kv_transfer.metadata import PdserveMetadata
 from prefill_workers.kv_sender import LayerSender
 from prefill_workers.send_plan import SendPlan
@@ -32,9 +31,7 @@ class PrefillConnector(PdserveConnectorBase):
         else:
             self.compatibility = compatibility_of(vllm_config)
             extra = vllm_config.kv_transfer_config
-            self.pinned_pool_bytes = int(
-                extra.get_from_extra_config("pinned_pool_bytes", PINNED_POOL_BYTES)
-            )
+            self.pinned_pool_bytes = int(extra.kv_connector_extra_config["pinned_pool_bytes"])
 
     def register_kv_caches(self, kv_caches):
         super().register_kv_caches(kv_caches)

@@ -14,7 +14,7 @@ import torch
 
 from kv_transfer.grpc_transport import KvSender, LayerSlice, rank_address
 from kv_transfer.head_shards import head_routes, rank_heads
-from kv_transfer.host_staging import PINNED_POOL_BYTES, DeviceToHost, PinnedPool, StagingError
+from kv_transfer.host_staging import DeviceToHost, StagingError
 from kv_transfer.kv_copy import gather
 from kv_transfer.kv_layout import LayerLayout
 from kv_transfer.metadata import SendSlice
@@ -32,7 +32,7 @@ class LayerSender:
         tp: int,
         rank: int,
         device: torch.device,
-        pinned_pool_bytes: int = PINNED_POOL_BYTES,
+        pinned_pool_bytes: int,
     ) -> None:
         self.sender = sender
         self.layout = layout
@@ -42,7 +42,7 @@ class LayerSender:
         self.rank = rank
         self.own_heads = rank_heads(total_heads, tp, rank)
         self.device = device
-        self.staging = DeviceToHost(device, PinnedPool(pinned_pool_bytes))
+        self.staging = DeviceToHost(device, pinned_pool_bytes)
         self.indexes: dict[int, torch.Tensor] = {}  # id(SendSlice) -> block ids on the device
         self.given_up: set[str] = set()  # transfers cancelled: not staged again
 
@@ -71,9 +71,9 @@ class LayerSender:
                 except StagingError as error:  # the sender is far behind: give this one up
                     log.error("KV transfer %s: %s; cancelling it", piece.transfer_id, error)
                     self.given_up.add(piece.transfer_id)
-                    for other in head_routes(self.total_heads, self.tp, piece.decode_tp):
+                    for decode_rank in range(piece.decode_tp):
                         self.sender.cancel(
-                            rank_address(piece.destination, other.decode_rank),
+                            rank_address(piece.destination, decode_rank),
                             piece.transfer_id,
                             f"prefill worker: {error}",
                         )

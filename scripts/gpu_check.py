@@ -43,6 +43,7 @@ from kv_transfer.kv_layout import (
 
 # A Llama-70B-like layer shard: 8 KV heads of 128, blocks of 16 tokens (GPU) on 256 blocks.
 NUM_BLOCKS, HEADS, BLOCK_TOKENS, HEAD_SIZE = 256, 8, 16, 128
+POOL_BYTES = 1 << 30  # pinned host memory for staging: room for the bandwidth buffer
 DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
@@ -88,7 +89,7 @@ def round_trip(device, dims, memory, dtype) -> bool:
     src_ids = torch.tensor([17, 3, 250, 99, 42], device=device)
     dst_ids = torch.tensor([5, 6, 7, 200, 1], device=device)
     canonical = layout.canonical(source, HEAD_SIZE)
-    staged = DeviceToHost(device).stage(lambda: gather(canonical, src_ids, slice(None)))
+    staged = DeviceToHost(device, POOL_BYTES).stage(lambda: gather(canonical, src_ids, slice(None)))
     data = bytearray(as_bytes(staged.host()))
     staged.release()
     host = from_bytes(data, dtype, wire_shape(len(src_ids), HEADS, BLOCK_TOKENS, HEAD_SIZE))
@@ -146,7 +147,7 @@ def stream_ordering(device) -> bool:
     torch.cuda.synchronize(device)
     torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the forward stream
     canonical[ids] = 1.0  # the "layer's forward" writes its KV after that
-    staged = DeviceToHost(device).stage(lambda: gather(canonical, ids, slice(None)))
+    staged = DeviceToHost(device, POOL_BYTES).stage(lambda: gather(canonical, ids, slice(None)))
     seen_write = bool((staged.host().view(torch.bfloat16) == 1.0).all())
     staged.release()
     incoming = torch.full_like(canonical[ids], 2.0).cpu()
@@ -164,7 +165,7 @@ def bandwidth(device, megabytes: int, repeats: int) -> dict[str, float]:
     """GB/s of device->pinned (staging) and pinned->device (loading), and device->device."""
     nbytes = megabytes << 20
     source = torch.randn(nbytes // 2, device=device).to(torch.bfloat16)
-    staging, loader = DeviceToHost(device), HostToDevice(device)
+    staging, loader = DeviceToHost(device, max(POOL_BYTES, 2 * nbytes)), HostToDevice(device)
     results: dict[str, list[float]] = {"device->host": [], "host->device": [], "device->device": []}
     target = torch.empty_like(source)
     for _ in range(repeats):

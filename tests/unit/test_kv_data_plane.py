@@ -461,7 +461,7 @@ def test_device_to_host_on_cpu_hands_over_the_gathered_tensors_own_bytes(dtype):
         gathered.append(gather(canonical, torch.tensor(SRC_IDS), slice(None)))
         return gathered[-1]
 
-    staging = DeviceToHost(CPU)
+    staging = DeviceToHost(CPU, 1 << 20)
     staged = staging.stage(gather_once)
     host = staged.host()
     assert len(gathered) == 1
