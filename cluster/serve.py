@@ -62,7 +62,9 @@ def add_parser(subparsers) -> None:
         default=None,
         help="where worker logs go (default: a new temporary folder)",
     )
-    add_arguments(parser, WorkerSettings, only=("kv_failure_policy", "kv_pinned_pool_mib"))
+    add_arguments(
+        parser, WorkerSettings, only=("kv_failure_policy", "kv_send_buffer_mib", "kv_transport")
+    )
     add_arguments(parser, RouterSettings, exclude=("model", "registry", "cluster"))
     add_arguments(parser.add_argument_group("engine"), EngineSettings)
     parser.set_defaults(run=run)

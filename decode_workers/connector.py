@@ -4,12 +4,14 @@
                           "kv_connector_module_path": "decode_workers.connector",
                           "kv_role": "kv_consumer",
                           "kv_load_failure_policy": "recompute" | "fail",
-                          "kv_connector_extra_config": {"receiver_host": ..., "receiver_port": ...}}
+                          "kv_connector_extra_config": {"receiver_host": ..., "receiver_port": ...,
+                                                        "advertised_host": ...}}
 
 Scheduler side: the load plan admits requests with `ReceiveKv` params as loading
-asynchronously and reserves their blocks. Worker side: the transport's receiver takes KV pushes
-(rank r listens on receiver_port + r), and the KV loader copies them into the reserved blocks,
-reporting each transfer loaded or failed; vLLM applies `kv_load_failure_policy` to failures.
+asynchronously and reserves their blocks. Worker side: the KV receiver takes KV from every
+transport (rank r listens on receiver_port + r, kv_transfer/kv_receiver.py), and the KV loader
+copies it into the reserved blocks, reporting each transfer loaded or failed; vLLM applies
+`kv_load_failure_policy` to failures.
 """
 
 import logging
@@ -20,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from decode_workers.kv_loader import KvLoader
 from decode_workers.load_plan import LoadPlan
 from kv_transfer.connector_base import PdserveConnectorBase, compatibility_of
-from kv_transfer.grpc_transport import KvReceiver
+from kv_transfer.kv_receiver import KvReceiver
 from kv_transfer.metadata import PdserveMetadata
 
 log = logging.getLogger("pdserve.kv")
@@ -41,7 +43,8 @@ class DecodeConnector(PdserveConnectorBase):
         self.receiver = KvReceiver(compatibility_of(vllm_config))
         host = transfer.get_from_extra_config("receiver_host", "127.0.0.1")
         port = int(transfer.get_from_extra_config("receiver_port", 0))
-        bound = self.receiver.start(host, port + rank if port else 0)
+        advertised = transfer.get_from_extra_config("advertised_host", host)
+        bound = self.receiver.start(host, port + rank if port else 0, advertised)
         log.info("KV receiver (rank %d) listening on %s:%d", rank, host, bound)
         self.rank = rank
         self.loader: KvLoader | None = None  # once the caches are known
@@ -50,6 +53,7 @@ class DecodeConnector(PdserveConnectorBase):
 
     def register_kv_caches(self, kv_caches):
         super().register_kv_caches(kv_caches)
+        self.receiver.device = self.kv_caches[0].device  # where nccl receives
         self.loader = KvLoader(
             self.receiver,
             self.kv_caches,

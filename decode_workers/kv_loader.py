@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 import torch
 
 from kv_transfer.compatibility import REFUSAL_PREFIX
-from kv_transfer.grpc_transport import LayerSlice
 from kv_transfer.head_shards import head_routes, rank_heads
 from kv_transfer.host_staging import HostToDevice
 from kv_transfer.kv_copy import from_bytes, scatter, wire_shape
 from kv_transfer.kv_layout import LayerLayout
 from kv_transfer.metadata import Expected
+from kv_transfer.transport import LayerSlice, nbytes
 
 log = logging.getLogger("pdserve.kv")
 ORPHAN_TTL_S = 120.0  # slices or cancels for a transfer no request expects: dropped after
@@ -36,6 +36,7 @@ class Incoming:
     slices_per_layer: int  # senders routed to this rank, each ending a layer with a last slice
     last_slices: dict[int, int] = field(default_factory=dict)  # layer -> last slices received
     bytes: int = 0
+    transports: set[str] = field(default_factory=set)  # what carried its slices
     first_slice_at: float | None = None
     last_slice_at: float = 0.0
 
@@ -64,6 +65,7 @@ class KvLoader:
         self.incoming: dict[str, Incoming] = {}  # transfer id -> state
         self.orphans: dict[str, list[LayerSlice]] = {}
         self.cancelled: dict[str, tuple[float, str]] = {}  # transfer id -> (when, why)
+        self.ended: dict[str, float] = {}  # transfers reported (when): later slices are dropped
         self.finished: list[dict] = []  # per-transfer figures not yet reported
 
     def transfer_results(
@@ -84,6 +86,8 @@ class KvLoader:
         for piece in complete:
             if piece.transfer_id in self.incoming:
                 self._load(piece)
+            elif piece.transfer_id in self.ended:  # aborted or failed: nothing waits for it
+                piece.release()
             else:
                 self.orphans.setdefault(piece.transfer_id, []).append(piece)
         self._drop_old_orphans(now)
@@ -117,6 +121,7 @@ class KvLoader:
                 continue
             self._record(transfer_id, state, failure, now=now)
             del self.incoming[transfer_id]
+            self.ended[transfer_id] = now
         if loaded or failed:  # their copies have landed before vLLM reuses or schedules them
             self.staging.wait()
         # Each request is reported once: its state is gone now (vLLM asserts on repeats).
@@ -141,6 +146,7 @@ class KvLoader:
                 "seconds": ended - started,
                 "failed": bool(failure),
                 "failure": failure,
+                "transport": ",".join(sorted(state.transports)),
             }
         )
 
@@ -149,11 +155,20 @@ class KvLoader:
         return finished
 
     def _load(self, piece: LayerSlice) -> None:
+        """Copy the slice into the cache, then free its room in the receiver's inbox (on CUDA
+        the copy from pageable host memory has read it when `load` returns)."""
+        try:
+            self._copy(piece)
+        finally:
+            piece.release()
+
+    def _copy(self, piece: LayerSlice) -> None:
         state = self.incoming[piece.transfer_id]
         if state.first_slice_at is None:
             state.first_slice_at = piece.received_at
         state.last_slice_at = max(state.last_slice_at, piece.received_at)
-        state.bytes += len(piece.data)
+        state.bytes += nbytes(piece.data)
+        state.transports.add(piece.transport)
         local = piece.first_head - self.own_heads.start
         if local < 0 or local + piece.num_heads > len(self.own_heads):
             log.error(
@@ -190,11 +205,14 @@ class KvLoader:
             t for t, pieces in self.orphans.items() if now - pieces[0].received_at > ORPHAN_TTL_S
         ]:
             log.warning("dropping KV for transfer %s: no request expected it", transfer_id)
-            del self.orphans[transfer_id]
+            for piece in self.orphans.pop(transfer_id):
+                piece.release()
         for transfer_id in [
             t for t, (when, _) in self.cancelled.items() if now - when > ORPHAN_TTL_S
         ]:
             del self.cancelled[transfer_id]
+        for transfer_id in [t for t, when in self.ended.items() if now - when > ORPHAN_TTL_S]:
+            del self.ended[transfer_id]
 
 
 def failure_kind(reason: str | None) -> str:

@@ -5,7 +5,10 @@ first waits for the forward stream (so the layer's KV is written), into a pinned
 from a bounded pool; an event marks the copy done, and the sender thread waits on that event,
 never the forward thread. `fence()` makes the forward stream wait for the side stream (a GPU-side
 wait, no host sync), so blocks freed after the request are not rewritten before they are copied.
+For a transport that sends device memory (nccl on CUDA) the gathered tensor stays on the device.
 On CPU the gathered tensor is the host tensor: no staging, no copy beyond the gather.
+Whatever is staged and not yet sent counts against one budget (`pool_bytes`): when it is spent
+the forward pass waits for the sender, up to POOL_WAIT_S, then the slice is given up.
 
 Receive (`HostToDevice`): on CUDA the host->device copies and scatters run on a side stream;
 `wait()` synchronises it before the transfer is reported loaded, i.e. before vLLM schedules the
@@ -26,6 +29,33 @@ POOL_WAIT_S = 10.0  # longest a sender waits for pinned memory before giving up 
 
 class StagingError(RuntimeError):
     """No pinned memory came free in time."""
+
+
+class ByteBudget:
+    """At most `max_bytes` held at once; `acquire` waits for room (a slice larger than the
+    whole budget is refused at once)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.in_use = 0
+        self.lock = threading.Condition()
+
+    def acquire(self, nbytes: int, timeout_s: float = POOL_WAIT_S) -> None:
+        if nbytes > self.max_bytes:
+            raise StagingError(f"a {nbytes}-byte slice is larger than the KV send buffer")
+        deadline = time.monotonic() + timeout_s
+        with self.lock:
+            while self.in_use + nbytes > self.max_bytes:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StagingError(f"the KV send buffer stayed full for {timeout_s:g} s")
+                self.lock.wait(left)
+            self.in_use += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self.lock:
+            self.in_use -= nbytes
+            self.lock.notify_all()
 
 
 class PinnedPool:
@@ -78,15 +108,16 @@ def _size_class(nbytes: int) -> int:
 
 @dataclass
 class Staged:
-    """A wire tensor on its way to the host: `host()` waits for the copy and gives the bytes'
-    tensor; `release()` returns its buffer to the pool once the bytes are sent."""
+    """A wire tensor on its way out: `ready()` waits for the staging copy and gives the bytes
+    as a flat uint8 tensor (on the host, or on the device for a device transport); `release()`
+    returns its memory to the budget once the bytes are sent."""
 
-    tensor: torch.Tensor  # on CPU: the wire tensor; on CUDA: the pinned buffer
+    tensor: torch.Tensor  # the wire tensor, or the pinned buffer holding it
     nbytes: int
     event: object = None
     on_release: Callable[[torch.Tensor], None] | None = None
 
-    def host(self) -> torch.Tensor:
+    def ready(self) -> torch.Tensor:
         if self.event is not None:
             self.event.synchronize()
         return self.tensor.reshape(-1).view(torch.uint8)[: self.nbytes]
@@ -99,28 +130,38 @@ class Staged:
 
 class DeviceToHost:
     def __init__(self, device: torch.device, pool_bytes: int) -> None:
-        """`pool_bytes`: the pinned host memory it may hold (CUDA only; the worker setting
-        `kv_pinned_pool_mib`)."""
+        """`pool_bytes`: the KV staged and not yet sent it may hold (the worker setting
+        `kv_send_buffer_mib`): pinned host memory on CUDA."""
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.pool = PinnedPool(pool_bytes) if self.cuda else None
+        self.budget = ByteBudget(pool_bytes)  # what is not in the pinned pool
 
-    def stage(self, gather: Callable[[], torch.Tensor]) -> Staged:
-        """Run `gather()` (which reads the cache) and copy its result to the host, off the
-        forward stream on CUDA."""
+    def stage(self, gather: Callable[[], torch.Tensor], to_host: bool = True) -> Staged:
+        """Run `gather()` (which reads the cache) and, unless `to_host` is false, copy its
+        result to the host, off the forward stream on CUDA."""
         if not self.cuda:
-            wire = gather()
-            return Staged(wire, wire.numel() * wire.element_size())
+            return self._budgeted(gather())
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             wire = gather()
+            if not to_host:  # sent from the device: done once the side stream gets here
+                staged = self._budgeted(wire)
+                staged.event = torch.cuda.Event(blocking=True)
+                staged.event.record(self.stream)
+                return staged
             nbytes = wire.numel() * wire.element_size()
             buffer = self.pool.acquire(nbytes)
             buffer[:nbytes].copy_(wire.reshape(-1).view(torch.uint8), non_blocking=True)
             event = torch.cuda.Event(blocking=True)  # the sender thread sleeps, not spins
             event.record(self.stream)
         return Staged(buffer, nbytes, event, self.pool.release)
+
+    def _budgeted(self, wire: torch.Tensor) -> Staged:
+        nbytes = wire.numel() * wire.element_size()
+        self.budget.acquire(nbytes)
+        return Staged(wire, nbytes, on_release=lambda _: self.budget.release(nbytes))
 
     def fence(self) -> None:
         """The forward stream waits (on the GPU) for every copy staged so far."""

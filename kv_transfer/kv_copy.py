@@ -37,8 +37,11 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def from_bytes(data, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A CPU tensor over `data` (a writable buffer: bytearray), without a copy."""
-    return torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(shape)
+    """A tensor over `data` without a copy: a writable buffer (bytearray) gives a CPU tensor,
+    a flat uint8 tensor (received on the device) stays where it is."""
+    if not isinstance(data, torch.Tensor):
+        data = torch.frombuffer(data, dtype=torch.uint8)
+    return data.view(dtype).view(shape)
 
 
 def wire_shape(num_blocks: int, num_heads: int, block_size: int, head_size: int) -> tuple[int, ...]:

@@ -26,7 +26,7 @@ class Compatibility(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., total_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., kv_layout: _Optional[str] = ..., vllm_version: _Optional[str] = ...) -> None: ...
 
 class KvChunk(_message.Message):
-    __slots__ = ("transfer_id", "layer", "first_block", "num_blocks", "offset", "slice_bytes", "data", "last", "first_head", "num_heads")
+    __slots__ = ("transfer_id", "layer", "first_block", "num_blocks", "offset", "slice_bytes", "data", "last", "first_head", "num_heads", "segment", "length")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,8 @@ class KvChunk(_message.Message):
     LAST_FIELD_NUMBER: _ClassVar[int]
     FIRST_HEAD_FIELD_NUMBER: _ClassVar[int]
     NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     layer: int
     first_block: int
@@ -47,15 +49,41 @@ class KvChunk(_message.Message):
     last: bool
     first_head: int
     num_heads: int
-    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., offset: _Optional[int] = ..., slice_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., first_head: _Optional[int] = ..., num_heads: _Optional[int] = ...) -> None: ...
+    segment: int
+    length: int
+    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., offset: _Optional[int] = ..., slice_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., first_head: _Optional[int] = ..., num_heads: _Optional[int] = ..., segment: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class NcclOpen(_message.Message):
+    __slots__ = ("host", "port", "backend", "timeout_s")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    port: int
+    backend: str
+    timeout_s: float
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class ShmReply(_message.Message):
+    __slots__ = ("handshake", "free_segment")
+    HANDSHAKE_FIELD_NUMBER: _ClassVar[int]
+    FREE_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    handshake: PushKvReply
+    free_segment: int
+    def __init__(self, handshake: _Optional[_Union[PushKvReply, _Mapping]] = ..., free_segment: _Optional[int] = ...) -> None: ...
 
 class KvMessage(_message.Message):
-    __slots__ = ("hello", "chunk")
+    __slots__ = ("hello", "chunk", "nccl_open", "bye")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    NCCL_OPEN_FIELD_NUMBER: _ClassVar[int]
+    BYE_FIELD_NUMBER: _ClassVar[int]
     hello: Compatibility
     chunk: KvChunk
-    def __init__(self, hello: _Optional[_Union[Compatibility, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ...) -> None: ...
+    nccl_open: NcclOpen
+    bye: bool
+    def __init__(self, hello: _Optional[_Union[Compatibility, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ..., nccl_open: _Optional[_Union[NcclOpen, _Mapping]] = ..., bye: _Optional[bool] = ...) -> None: ...
 
 class PushKvReply(_message.Message):
     __slots__ = ("accepted", "error")

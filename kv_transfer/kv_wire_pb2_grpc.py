@@ -44,6 +44,11 @@ class KvReceiverStub:
                 request_serializer=kv__wire__pb2.CancelTransferRequest.SerializeToString,
                 response_deserializer=kv__wire__pb2.CancelTransferReply.FromString,
                 _registered_method=True)
+        self.Handshake = channel.unary_unary(
+                '/pdserve.kv.v1.KvReceiver/Handshake',
+                request_serializer=kv__wire__pb2.Compatibility.SerializeToString,
+                response_deserializer=kv__wire__pb2.PushKvReply.FromString,
+                _registered_method=True)
 
 
 class KvReceiverServicer:
@@ -62,6 +67,13 @@ class KvReceiverServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Handshake(self, request, context):
+        """The handshake alone (nccl checks it before it opens a process group).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvReceiverServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -74,6 +86,11 @@ def add_KvReceiverServicer_to_server(servicer, server):
                     servicer.CancelTransfer,
                     request_deserializer=kv__wire__pb2.CancelTransferRequest.FromString,
                     response_serializer=kv__wire__pb2.CancelTransferReply.SerializeToString,
+            ),
+            'Handshake': grpc.unary_unary_rpc_method_handler(
+                    servicer.Handshake,
+                    request_deserializer=kv__wire__pb2.Compatibility.FromString,
+                    response_serializer=kv__wire__pb2.PushKvReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -130,6 +147,33 @@ class KvReceiver:
             '/pdserve.kv.v1.KvReceiver/CancelTransfer',
             kv__wire__pb2.CancelTransferRequest.SerializeToString,
             kv__wire__pb2.CancelTransferReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Handshake(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.kv.v1.KvReceiver/Handshake',
+            kv__wire__pb2.Compatibility.SerializeToString,
+            kv__wire__pb2.PushKvReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,6 +20,7 @@ class SendSlice:
     block_ids: list[int]  # engine block ids, in request order
     last: bool  # this step completes the prompt
     decode_tp: int = 1  # the decode worker's TP: which of its ranks get which heads
+    transport: str = "grpc"  # what carries it (kv_transfer/transport.py)
 
 
 @dataclass(frozen=True)

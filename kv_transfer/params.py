@@ -17,6 +17,7 @@ class SendKv:
     transfer_id: str
     destination: str  # host:port of the decode worker's KV receiver (rank r: port + r)
     decode_tp: int = 1  # the decode worker's tensor-parallel size
+    transport: str = "grpc"  # "grpc", "nccl" or "shm": kv_transfer/transport.py
 
 
 @dataclass(frozen=True)

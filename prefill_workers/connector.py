@@ -8,8 +8,8 @@ Scheduler side: the send plan says which blocks each step computed for requests 
 params. Worker side: after each layer's forward, the layer sender pushes those blocks.
 """
 
+from kv_transfer.channels import kv_sender
 from kv_transfer.connector_base import PdserveConnectorBase, compatibility_of
-from kv_transfer.grpc_transport import KvSender
 from kv_transfer.metadata import PdserveMetadata
 from prefill_workers.kv_sender import LayerSender
 from prefill_workers.send_plan import SendPlan
@@ -31,19 +31,20 @@ class PrefillConnector(PdserveConnectorBase):
         else:
             self.compatibility = compatibility_of(vllm_config)
             extra = vllm_config.kv_transfer_config
-            self.pinned_pool_bytes = int(extra.kv_connector_extra_config["pinned_pool_bytes"])
+            self.send_buffer_bytes = int(extra.kv_connector_extra_config["send_buffer_bytes"])
+            self.advertised_host = extra.get_from_extra_config("advertised_host", "127.0.0.1")
 
     def register_kv_caches(self, kv_caches):
         super().register_kv_caches(kv_caches)
         self.layer_sender = LayerSender(
-            KvSender(self.compatibility),
+            kv_sender(self.compatibility, self.advertised_host, self.kv_caches[0].device),
             self.layout,
             self.head_size,
             self.total_kv_heads,
             self.tp,
             self.worker_rank(),
             self.kv_caches[0].device,
-            self.pinned_pool_bytes,
+            self.send_buffer_bytes,
         )
 
     def bind_connector_metadata(self, connector_metadata):

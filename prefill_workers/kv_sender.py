@@ -12,12 +12,13 @@ import logging
 
 import torch
 
-from kv_transfer.grpc_transport import KvSender, LayerSlice, rank_address
+from kv_transfer.grpc_transport import rank_address
 from kv_transfer.head_shards import head_routes, rank_heads
 from kv_transfer.host_staging import DeviceToHost, StagingError
 from kv_transfer.kv_copy import gather
 from kv_transfer.kv_layout import LayerLayout
 from kv_transfer.metadata import SendSlice
+from kv_transfer.transport import KvSender, LayerSlice
 
 log = logging.getLogger("pdserve.kv")
 
@@ -32,7 +33,7 @@ class LayerSender:
         tp: int,
         rank: int,
         device: torch.device,
-        pinned_pool_bytes: int,
+        send_buffer_bytes: int,
     ) -> None:
         self.sender = sender
         self.layout = layout
@@ -42,7 +43,7 @@ class LayerSender:
         self.rank = rank
         self.own_heads = rank_heads(total_heads, tp, rank)
         self.device = device
-        self.staging = DeviceToHost(device, pinned_pool_bytes)
+        self.staging = DeviceToHost(device, send_buffer_bytes)
         self.indexes: dict[int, torch.Tensor] = {}  # id(SendSlice) -> block ids on the device
         self.given_up: set[str] = set()  # transfers cancelled: not staged again
 
@@ -66,7 +67,8 @@ class LayerSender:
                 destination = rank_address(piece.destination, route.decode_rank)
                 try:
                     staged = self.staging.stage(
-                        lambda ids=block_ids, heads=heads: gather(canonical, ids, heads)
+                        lambda ids=block_ids, heads=heads: gather(canonical, ids, heads),
+                        to_host=piece.transport != "nccl",  # NCCL sends from the device
                     )
                 except StagingError as error:  # the sender is far behind: give this one up
                     log.error("KV transfer %s: %s; cancelling it", piece.transfer_id, error)
@@ -80,6 +82,7 @@ class LayerSender:
                     break
                 self.sender.send(
                     destination,
+                    piece.transport,
                     LayerSlice(
                         piece.transfer_id,
                         layer,

@@ -47,6 +47,7 @@ class SendPlan:
                     block_ids[first : last_block + 1],
                     finished,
                     state.params.decode_tp,
+                    state.params.transport,
                 )
             )
             if finished:

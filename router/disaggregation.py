@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass, field
 
 from kv_transfer.grpc_transport import cancel_transfer
+from kv_transfer.transport import choose_transport
 from router.errors import OpenAIError, invalid_request
 from router.worker_client import WorkerClient
 from settings.router import AFTER_PREFILL
@@ -57,6 +58,7 @@ class PrefillOutcome:
     error: str | None = None
     error_kind: str | None = None  # OpenAIError.kind: "worker_unavailable" marks the worker down
     ended_request: bool = False  # its first token ended the request: no decode leg ran
+    transport: str = ""  # what the router chose to carry the KV
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def wait(self, timeout_s: float = 2.0) -> None:
@@ -96,11 +98,13 @@ async def generate_disaggregated(
     prefill_request.CopyFrom(request)
     prefill_request.request_id = f"{request.request_id}-prefill"
     prefill_request.sampling.max_tokens = 1
+    outcome.transport = pair_transport(prefill, decode)
     prefill_request.kv.CopyFrom(
         worker_pb2.KvTransfer(
             transfer_id=transfer_id,
             send_to=decode.kv_address,
             peer_tensor_parallel_size=decode.tensor_parallel_size,
+            transport=outcome.transport,
         )
     )
     prefill_task = asyncio.create_task(
@@ -137,6 +141,16 @@ async def generate_disaggregated(
     finally:
         if not prefill_task.done():
             prefill_task.cancel()
+
+
+def pair_transport(prefill: WorkerClient, decode: WorkerClient) -> str:
+    """The KV transport for this pair, from what both workers said in Health."""
+    return choose_transport(
+        prefill.kv_transport,
+        decode.kv_transport,
+        same_host=bool(prefill.host_id) and prefill.host_id == decode.host_id,
+        both_cuda=prefill.device == decode.device == "cuda",
+    )
 
 
 def continues_from_first_token(request: worker_pb2.GenerateRequest) -> bool:

@@ -104,15 +104,24 @@ class RouterMetrics:
         )
         self.kv_bytes = Histogram(
             "pdserve_kv_transfer_bytes",
-            "KV bytes received per transfer (decode worker)",
+            "KV bytes received per transfer (decode worker), by transport",
+            ["transport"],
             registry=self.registry,
             buckets=KV_BYTES_BUCKETS,
         )
         self.kv_seconds = Histogram(
             "pdserve_kv_transfer_seconds",
-            "First KV slice received -> last slice received (decode worker)",
+            "First KV slice received -> last slice received (decode worker), by transport",
+            ["transport"],
             registry=self.registry,
             buckets=LATENCY_BUCKETS,
+        )
+        self.kv_transfers = Counter(
+            "pdserve_kv_transfers",
+            "KV transfers of disaggregated requests, by the transport the router chose "
+            "(grpc, nccl, shm) and outcome (loaded, failed)",
+            ["transport", "outcome"],
+            registry=self.registry,
         )
         self.kv_failures = Counter(
             "pdserve_kv_transfer_failures",

@@ -268,11 +268,15 @@ class RequestFlow:
         if run.prefill.ended_request:
             return cached_on_prefill
         decode = run.last_chunk
+        transport = run.prefill.transport
         if decode is not None and decode.HasField("kv"):
-            metrics.kv_bytes.observe(decode.kv.bytes)
-            metrics.kv_seconds.observe(decode.kv.seconds)
+            transport = decode.kv.transport or transport  # what actually carried it
+            metrics.kv_bytes.labels(transport).observe(decode.kv.bytes)
+            metrics.kv_seconds.labels(transport).observe(decode.kv.seconds)
             if decode.kv.failed:
                 metrics.kv_failures.labels(decode.kv.failure or "timeout").inc()
+        failed = run.prefill.error is not None or (decode is not None and decode.kv.failed)
+        metrics.kv_transfers.labels(transport, "failed" if failed else "loaded").inc()
         if run.prefill.error is not None:
             metrics.kv_failures.labels("prefill_failed").inc()
         if run.cached_tokens < run.prompt_tokens:  # the decode worker prefilled after all
@@ -328,7 +332,8 @@ def timing_breakdown(run: RequestRun) -> dict:
             first_decode_step=decode.prefill_seconds,
         )
     if run.last_chunk is not None and run.last_chunk.HasField("kv"):
-        breakdown.update(kv_bytes=run.last_chunk.kv.bytes, kv_seconds=run.last_chunk.kv.seconds)
+        kv = run.last_chunk.kv
+        breakdown.update(kv_transport=kv.transport, kv_bytes=kv.bytes, kv_seconds=kv.seconds)
     return breakdown
 
 

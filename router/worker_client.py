@@ -34,6 +34,9 @@ class WorkerClient:
         self.max_model_len = 0
         self.kv_address = ""
         self.tensor_parallel_size = 1
+        self.kv_transport = ""  # the worker's setting (auto, grpc, nccl, shm)
+        self.host_id = ""  # equal on workers that can share memory
+        self.device = ""  # cuda or cpu
         self.outstanding_tokens = 0  # prompt + max tokens of requests in flight here
         self._pending_aborts: set[asyncio.Task] = set()
 
@@ -51,6 +54,8 @@ class WorkerClient:
             self.worker_id, self.role = reply.worker_id, reply.role
             self.max_model_len, self.kv_address = reply.max_model_len, reply.kv_address
             self.tensor_parallel_size = reply.tensor_parallel_size
+            self.kv_transport, self.host_id = reply.kv_transport, reply.host_id
+            self.device = reply.device
         return reply
 
     async def stats(

@@ -90,7 +90,7 @@ def round_trip(device, dims, memory, dtype) -> bool:
     dst_ids = torch.tensor([5, 6, 7, 200, 1], device=device)
     canonical = layout.canonical(source, HEAD_SIZE)
     staged = DeviceToHost(device, POOL_BYTES).stage(lambda: gather(canonical, src_ids, slice(None)))
-    data = bytearray(as_bytes(staged.host()))
+    data = bytearray(as_bytes(staged.ready()))
     staged.release()
     host = from_bytes(data, dtype, wire_shape(len(src_ids), HEADS, BLOCK_TOKENS, HEAD_SIZE))
     loader = HostToDevice(device)
@@ -148,7 +148,7 @@ def stream_ordering(device) -> bool:
     torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the forward stream
     canonical[ids] = 1.0  # the "layer's forward" writes its KV after that
     staged = DeviceToHost(device, POOL_BYTES).stage(lambda: gather(canonical, ids, slice(None)))
-    seen_write = bool((staged.host().view(torch.bfloat16) == 1.0).all())
+    seen_write = bool((staged.ready().view(torch.bfloat16) == 1.0).all())
     staged.release()
     incoming = torch.full_like(canonical[ids], 2.0).cpu()
     torch.cuda._sleep(200_000_000)
@@ -171,7 +171,7 @@ def bandwidth(device, megabytes: int, repeats: int) -> dict[str, float]:
     for _ in range(repeats):
         started = time.perf_counter()
         staged = staging.stage(lambda: source)
-        host = staged.host()
+        host = staged.ready()
         results["device->host"].append(nbytes / (time.perf_counter() - started) / 1e9)
         wire = host.view(torch.bfloat16)
         started = time.perf_counter()

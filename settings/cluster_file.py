@@ -36,7 +36,13 @@ from settings.router import (
     RequestTimeoutS,
     RouterSettings,
 )
-from settings.worker import HeartbeatS, KvFailurePolicy, KvPinnedPoolMib, WorkerSettings
+from settings.worker import (
+    HeartbeatS,
+    KvFailurePolicy,
+    KvSendBufferMib,
+    KvTransport,
+    WorkerSettings,
+)
 
 CPU = "cpu"
 GpuType = Annotated[
@@ -71,7 +77,7 @@ class PoolSection(Settings):
 
 
 class PrefillPoolSection(PoolSection):
-    kv_pinned_pool_mib: KvPinnedPoolMib
+    kv_send_buffer_mib: KvSendBufferMib
 
 
 class DecodePoolSection(PoolSection):
@@ -80,7 +86,7 @@ class DecodePoolSection(PoolSection):
 
 
 class TransportSection(Settings):
-    kind: Literal["grpc"] = "grpc"
+    kind: KvTransport
     kv_timeout_s: KvTimeoutS
 
 
@@ -153,13 +159,14 @@ class ClusterFile(Settings):
         if role == "decode":
             policy = {"kv_failure_policy": pool.kv_failure_policy}
         else:
-            policy = {"kv_pinned_pool_mib": pool.kv_pinned_pool_mib}
+            policy = {"kv_send_buffer_mib": pool.kv_send_buffer_mib}
         return WorkerSettings(
             role=role,
             registry=registry_url,
             cluster=self.name,
             heartbeat_s=self.registry.heartbeat_s,
             engine=engine,
+            kv_transport=self.transport.kind,
             **policy,
         )
 

@@ -26,14 +26,25 @@ HeartbeatS = Annotated[
         json_schema_extra={"flag": "--heartbeat"},
     ),
 ]
-KvPinnedPoolMib = Annotated[
+KvSendBufferMib = Annotated[
     int,
     Field(
         default=256,
         ge=1,
-        description="prefill on GPU: pinned host memory per rank for KV on its way out, in MiB; "
-        "when it is full the forward pass waits (up to 10 s, then the transfer is cancelled)",
+        description="prefill: KV staged and not yet sent, per rank, in MiB (pinned host memory "
+        "on GPU); when it is full the forward pass waits (up to 10 s, then the transfer is "
+        "cancelled)",
         json_schema_extra={"metavar": "MIB"},
+    ),
+]
+KvTransport = Annotated[
+    Literal["auto", "grpc", "nccl", "shm"],
+    Field(
+        default="auto",
+        description="how KV moves to or from this worker: auto (NCCL between GPU workers, "
+        "shared memory between CPU workers on one host, else gRPC), or force grpc, nccl (gloo "
+        "on CPU) or shm (one host only); a prefill worker's forced choice wins over its decode "
+        "worker's",
     ),
 ]
 ClusterName = Annotated[
@@ -67,7 +78,8 @@ class WorkerSettings(Settings):
         "port at TP 1)",
     )
     kv_failure_policy: KvFailurePolicy
-    kv_pinned_pool_mib: KvPinnedPoolMib
+    kv_send_buffer_mib: KvSendBufferMib
+    kv_transport: KvTransport
     registry: str = Field(
         "",
         description="join the pools in this Redis registry "

@@ -65,7 +65,9 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
         str(model),
         kv_address,
         settings.kv_failure_policy if settings.role == "decode" else "",
+        settings.kv_transport,
     )
+    settings = settings.model_copy(update={"advertise_host": host})
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     await server.start()
     log.info("worker %s listening on %s:%d; starting the engine", worker_id, settings.host, port)

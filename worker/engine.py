@@ -15,13 +15,18 @@ MAX_UNCLAIMED_TRANSFERS = 4096
 def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
     """The role's connector: the producer in prefill_workers/, the consumer in decode_workers/
     (a colocated worker has none). A decode worker's KV receiver binds to its gRPC host, rank r
-    on `kv_port` + r."""
+    on `kv_port` + r; the advertised host is where peers reach either side (a decode rank's
+    shared-memory socket is named after it, a prefill rank hosts its NCCL rendezvous there)."""
+    advertised = worker.advertise_host or worker.host
     if worker.role == "prefill":
         return {
             "kv_connector": "PrefillConnector",
             "kv_connector_module_path": "prefill_workers.connector",
             "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"pinned_pool_bytes": worker.kv_pinned_pool_mib << 20},
+            "kv_connector_extra_config": {
+                "send_buffer_bytes": worker.kv_send_buffer_mib << 20,
+                "advertised_host": advertised,
+            },
         }
     if worker.role == "decode":
         return {
@@ -29,7 +34,11 @@ def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
             "kv_connector_module_path": "decode_workers.connector",
             "kv_role": "kv_consumer",
             "kv_load_failure_policy": worker.kv_failure_policy,
-            "kv_connector_extra_config": {"receiver_host": worker.host, "receiver_port": kv_port},
+            "kv_connector_extra_config": {
+                "receiver_host": worker.host,
+                "receiver_port": kv_port,
+                "advertised_host": advertised,
+            },
         }
     return None
 

@@ -33,7 +33,7 @@ def kv_extra_args(request: worker_pb2.GenerateRequest) -> dict | None:
     kv = request.kv
     peer_tp = kv.peer_tensor_parallel_size or 1
     if kv.send_to:
-        return to_extra_args(SendKv(kv.transfer_id, kv.send_to, peer_tp))
+        return to_extra_args(SendKv(kv.transfer_id, kv.send_to, peer_tp, kv.transport or "grpc"))
     return to_extra_args(
         ReceiveKv(
             kv.transfer_id,
@@ -82,12 +82,18 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         model: str,
         kv_address: str = "",
         kv_failure_policy: str = "",
+        kv_transport: str = "auto",
     ) -> None:
+        from kv_transfer.transport import host_id
+
         self.worker_id = worker_id
         self.role = role
         self.model = model
         self.kv_address = kv_address
         self.kv_failure_policy = kv_failure_policy
+        self.kv_transport = kv_transport
+        self.host_id = host_id()
+        self.device = ""
         self.tensor_parallel_size = 0
         self.engine = None
         self.engine_stats = EngineStats()
@@ -104,6 +110,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.max_model_len = engine.vllm_config.model_config.max_model_len
         self.kv_blocks_total = engine.vllm_config.cache_config.num_gpu_blocks or 0
         self.tensor_parallel_size = engine.vllm_config.parallel_config.tensor_parallel_size
+        self.device = engine.vllm_config.device_config.device_type
         self.state, self.state_message = State.READY, ""
 
     def engine_failed(self, message: str) -> None:
@@ -187,6 +194,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                         seconds=transfer["seconds"],
                         failed=transfer["failed"],
                         failure=transfer["failure"],
+                        transport=transfer.get("transport", ""),
                     )
                 )
         return chunk
@@ -216,6 +224,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             kv_address=self.kv_address,
             kv_failure_policy=self.kv_failure_policy,
             tensor_parallel_size=self.tensor_parallel_size,
+            kv_transport=self.kv_transport,
+            host_id=self.host_id,
+            device=self.device,
         )
 
     async def Stats(self, request, context):

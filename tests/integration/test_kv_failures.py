@@ -15,12 +15,11 @@ import pytest
 import torch
 
 from cluster.local_workers import start_worker, stop_worker, wait_ready
-from kv_transfer import kv_wire_pb2 as wire
-from kv_transfer import kv_wire_pb2_grpc as wire_grpc
+from kv_transfer.channels import kv_sender
 from kv_transfer.compatibility import Compatibility
-from kv_transfer.grpc_transport import KvReceiver, KvSender, LayerSlice, chunks_of
 from kv_transfer.host_staging import Staged
 from kv_transfer.kv_layout import WIRE_LAYOUT
+from kv_transfer.transport import TRANSPORTS, LayerSlice
 from settings.engine import EngineSettings
 from settings.worker import WorkerSettings
 from tests.integration.conftest import SERVED_MODEL, _stop_and_check, start_server
@@ -38,49 +37,6 @@ CONSUMER = Compatibility(
     kv_layout=WIRE_LAYOUT,
     vllm_version="0.32.0",
 )
-
-
-def push(port: int, producer: Compatibility, piece: LayerSlice):
-    hello = wire.KvMessage(hello=wire.Compatibility(**producer.to_dict()))
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        return wire_grpc.KvReceiverStub(channel).PushKv(
-            iter([hello, *chunks_of(piece)]), timeout=10
-        )
-
-
-@pytest.fixture
-def receiver():
-    receiver = KvReceiver(CONSUMER)
-    port = receiver.start("127.0.0.1", 0)
-    yield receiver, port
-    receiver.stop()
-
-
-def test_a_slice_of_several_chunks_arrives_whole(receiver):
-    kv_receiver, port = receiver
-    data = os.urandom(3 * (1 << 20) + 123)  # four chunks of at most 1 MiB
-    assert push(port, CONSUMER, LayerSlice("t1", 7, 2, 3, 0, 3, bytearray(data), True)).accepted
-    (piece,), cancelled = kv_receiver.take()
-    assert (piece.transfer_id, piece.layer, piece.first_block, piece.num_blocks, piece.last) == (
-        "t1",
-        7,
-        2,
-        3,
-        True,
-    )
-    assert (piece.first_head, piece.num_heads) == (0, 3)
-    assert piece.data == data and cancelled == {}
-
-
-def test_a_mismatched_pair_is_refused_with_the_mismatch_named(receiver):
-    kv_receiver, port = receiver
-    producer = replace(CONSUMER, dtype="bfloat16", block_size=16)
-    reply = push(port, producer, LayerSlice("t2", 0, 0, 1, 0, 3, bytearray(b"x" * 64), True))
-    assert not reply.accepted
-    assert "dtype: producer 'bfloat16' != consumer 'float32'" in reply.error
-    assert "block_size: producer 16 != consumer 128" in reply.error
-    assert "model" not in reply.error.split("refused:")[1]  # only what differs is named
-    assert kv_receiver.take() == ([], {})
 
 
 @pytest.fixture(scope="module")
@@ -127,23 +83,25 @@ def test_kv_that_never_comes_fails_within_the_deadline_and_frees_its_blocks(
     assert (stats.running_requests, stats.kv_blocks_used) == (0, 0)
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_refused_handshake_fails_the_waiting_request_at_once_not_at_the_deadline(
-    fail_policy_decoder, smollm2_dir
+    fail_policy_decoder, smollm2_dir, transport
 ):
     """A prefill worker whose KV means something else (bfloat16 against this float32 worker)
-    is refused, and cancels what it was sending: the decode worker's policy applies within a
-    second or two, not after the 30 s KV timeout."""
-    request = waiting_request(smollm2_dir, "refused", "from-a-bf16-prefill", timeout_s=30.0)
+    is refused, on every transport, and cancels what it was sending: the decode worker's policy
+    applies within a second or two, not after the 30 s KV timeout."""
+    transfer_id = f"from-a-bf16-prefill-{transport}"
+    request = waiting_request(smollm2_dir, f"refused-{transport}", transfer_id, timeout_s=30.0)
     with grpc.insecure_channel(fail_policy_decoder.address) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         kv_address = stub.Health(worker_pb2.HealthRequest(), timeout=10).kv_address
         call = stub.Generate(request, timeout=60)
         time.sleep(1.0)  # the request waits for its KV
-        sender = KvSender(replace(CONSUMER, dtype="bfloat16"))
+        sender = kv_sender(replace(CONSUMER, dtype="bfloat16"), "127.0.0.1", torch.device("cpu"))
         payload = torch.zeros(8, dtype=torch.uint8)
-        piece = LayerSlice("from-a-bf16-prefill", 0, 0, 1, 0, 3, Staged(payload, 8), True)
+        piece = LayerSlice(transfer_id, 0, 0, 1, 0, 3, Staged(payload, 8), True)
         started = time.monotonic()
-        sender.send(kv_address, piece)
+        sender.send(kv_address, transport, piece)
         with pytest.raises(grpc.RpcError) as caught:
             list(call)
         waited = time.monotonic() - started

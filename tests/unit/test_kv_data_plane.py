@@ -463,7 +463,7 @@ def test_device_to_host_on_cpu_hands_over_the_gathered_tensors_own_bytes(dtype):
 
     staging = DeviceToHost(CPU, 1 << 20)
     staged = staging.stage(gather_once)
-    host = staged.host()
+    host = staged.ready()
     assert len(gathered) == 1
     wire = gathered[0]
     assert host.dtype == torch.uint8
@@ -477,7 +477,7 @@ def test_device_to_host_on_cpu_hands_over_the_gathered_tensors_own_bytes(dtype):
     staged.release()
     staged.release()
     staging.fence()
-    assert torch.equal(staged.host(), before)
+    assert torch.equal(staged.ready(), before)
 
 
 def test_host_to_device_on_cpu_calls_write_at_once_with_the_same_tensors():

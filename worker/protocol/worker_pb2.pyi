@@ -30,18 +30,20 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class KvTransfer(_message.Message):
-    __slots__ = ("transfer_id", "send_to", "receive_timeout_s", "kv_tokens", "peer_tensor_parallel_size")
+    __slots__ = ("transfer_id", "send_to", "receive_timeout_s", "kv_tokens", "peer_tensor_parallel_size", "transport")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SEND_TO_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PEER_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     send_to: str
     receive_timeout_s: float
     kv_tokens: int
     peer_tensor_parallel_size: int
-    def __init__(self, transfer_id: _Optional[str] = ..., send_to: _Optional[str] = ..., receive_timeout_s: _Optional[float] = ..., kv_tokens: _Optional[int] = ..., peer_tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    transport: str
+    def __init__(self, transfer_id: _Optional[str] = ..., send_to: _Optional[str] = ..., receive_timeout_s: _Optional[float] = ..., kv_tokens: _Optional[int] = ..., peer_tensor_parallel_size: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv")
@@ -84,16 +86,18 @@ class GenerateChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., timing: _Optional[_Union[RequestTiming, _Mapping]] = ..., kv: _Optional[_Union[KvTransferStats, _Mapping]] = ...) -> None: ...
 
 class KvTransferStats(_message.Message):
-    __slots__ = ("bytes", "seconds", "failed", "failure")
+    __slots__ = ("bytes", "seconds", "failed", "failure", "transport")
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     bytes: int
     seconds: float
     failed: bool
     failure: str
-    def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., failed: _Optional[bool] = ..., failure: _Optional[str] = ...) -> None: ...
+    transport: str
+    def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., failed: _Optional[bool] = ..., failure: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -112,7 +116,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("state", "message", "worker_id", "role", "model", "max_model_len", "kv_address", "kv_failure_policy", "tensor_parallel_size")
+    __slots__ = ("state", "message", "worker_id", "role", "model", "max_model_len", "kv_address", "kv_failure_policy", "tensor_parallel_size", "kv_transport", "host_id", "device")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STARTING: _ClassVar[HealthReply.State]
@@ -132,6 +136,9 @@ class HealthReply(_message.Message):
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KV_FAILURE_POLICY_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     state: HealthReply.State
     message: str
     worker_id: str
@@ -141,7 +148,10 @@ class HealthReply(_message.Message):
     kv_address: str
     kv_failure_policy: str
     tensor_parallel_size: int
-    def __init__(self, state: _Optional[_Union[HealthReply.State, str]] = ..., message: _Optional[str] = ..., worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_failure_policy: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    kv_transport: str
+    host_id: str
+    device: str
+    def __init__(self, state: _Optional[_Union[HealthReply.State, str]] = ..., message: _Optional[str] = ..., worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_failure_policy: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., kv_transport: _Optional[str] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("fresh",)

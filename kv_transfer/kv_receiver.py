@@ -1,0 +1,116 @@
+"""A decode rank's KV receiver: every transport's receiving end, feeding one inbox.
+
+It serves the KvReceiver gRPC service on the rank's KV port (grpc chunks, the nccl rendezvous
+and slice descriptors, cancels, the bare handshake) and listens for shm senders on the abstract
+Unix socket named after the same address. The decode worker's KV loader `take()`s what has
+arrived each engine step.
+"""
+
+import logging
+from concurrent import futures
+
+import grpc
+import torch
+
+from kv_transfer import kv_wire_pb2 as wire
+from kv_transfer import kv_wire_pb2_grpc as wire_grpc
+from kv_transfer.compatibility import Compatibility, describe_refusal, mismatches
+from kv_transfer.grpc_transport import GRPC_OPTIONS
+from kv_transfer.nccl_transport import NcclReceiving
+from kv_transfer.shm_transport import ShmListener
+from kv_transfer.transport import INBOX_BYTES, INBOX_WAIT_S, ChannelError, Inbox, SliceAssembler
+
+log = logging.getLogger("pdserve.kv")
+MAX_STREAMS = 32  # concurrent sending channels (prefill ranks) this rank serves
+
+
+class KvReceiver(wire_grpc.KvReceiverServicer):
+    def __init__(
+        self,
+        compatibility: Compatibility,
+        inbox_bytes: int = INBOX_BYTES,
+        inbox_wait_s: float = INBOX_WAIT_S,
+    ) -> None:
+        self.compatibility = compatibility
+        self.inbox = Inbox(inbox_bytes, inbox_wait_s)
+        self.device = torch.device("cpu")  # where nccl receives: the rank's cache device
+        self.host = "127.0.0.1"
+        self.server = None
+        self.shm: ShmListener | None = None
+
+    def start(self, host: str, port: int, advertised_host: str = "") -> int:
+        """Listen on host:port (0: any free port); shm senders reach it at
+        `advertised_host`:port. Returns the port."""
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=MAX_STREAMS), options=GRPC_OPTIONS
+        )
+        wire_grpc.add_KvReceiverServicer_to_server(self, self.server)
+        bound = self.server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise RuntimeError(f"cannot listen for KV on {host}:{port}")
+        self.host = advertised_host or host
+        self.shm = ShmListener(f"{self.host}:{bound}", self.compatibility, self.inbox)
+        self.shm.start()
+        self.server.start()
+        return bound
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop(grace=1)
+        if self.shm is not None:
+            self.shm.stop()
+
+    def take(self):
+        return self.inbox.take()
+
+    def _refusal(self, message) -> str:
+        producer = Compatibility.from_message(message)
+        if not mismatches(producer, self.compatibility):
+            return ""
+        error = describe_refusal(producer, self.compatibility)
+        log.error("%s", error)
+        return error
+
+    def Handshake(self, request, context):
+        error = self._refusal(request)
+        return wire.PushKvReply(accepted=not error, error=error)
+
+    def PushKv(self, request_iterator, context):
+        first = next(request_iterator, None)
+        if first is None or not first.HasField("hello"):
+            return wire.PushKvReply(accepted=False, error="a KV stream must start with hello")
+        error = self._refusal(first.hello)
+        if error:
+            return wire.PushKvReply(accepted=False, error=error)
+        log.info("KV stream from %s accepted", context.peer())
+        assembler = SliceAssembler(self.inbox, "grpc")
+        nccl: NcclReceiving | None = None
+        try:
+            for message in request_iterator:
+                body = message.WhichOneof("body")
+                if body == "chunk" and nccl is None:
+                    assembler.add(message.chunk, message.chunk.data)
+                elif body == "chunk":
+                    assembler.deliver(message.chunk, nccl.receive(message.chunk.length))
+                elif body == "nccl_open":
+                    nccl = NcclReceiving(message.nccl_open, self.host, self.device)
+                    assembler.transport = "nccl"
+                    log.info(
+                        "KV %s group with %s joined", message.nccl_open.backend, context.peer()
+                    )
+                elif body == "bye":
+                    return wire.PushKvReply(accepted=True)
+        except (ChannelError, RuntimeError, grpc.RpcError) as failure:
+            log.error("KV stream from %s failed: %s", context.peer(), failure)
+            assembler.abandon(f"the prefill worker's KV stream failed: {failure}")
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(failure))
+        finally:
+            if nccl is not None:
+                nccl.close()
+        # The stream ended without a bye: its sender went away mid-stream.
+        assembler.abandon("the prefill worker's KV stream ended mid-transfer")
+        return wire.PushKvReply(accepted=True)
+
+    def CancelTransfer(self, request, context):
+        self.inbox.cancel(request.transfer_id, request.reason)
+        return wire.CancelTransferReply(known=True)

@@ -1,0 +1,271 @@
+"""KV through shared memory, between a prefill and a decode worker on one host.
+
+The sender writes each chunk of a slice into one of a small pool of shared-memory segments and
+sends the chunk's KvChunk (which segment, how many bytes) on a Unix socket; the receiver copies
+the bytes out into the slice's buffer and says the segment is free again, so both processes copy
+at once on different segments. At most SEGMENTS segments of SEGMENT_BYTES per channel: a
+receiver that stops reading stops the sender.
+
+Nothing can be left behind in /dev/shm: a segment is a memfd (anonymous, never named in a
+file system), passed to the receiver over the socket with SCM_RIGHTS the first time it is used,
+and the socket is an abstract one (Linux: no file either). Both vanish with the last process
+holding them, on completion, cancel, timeout or death alike.
+
+The receiver listens at "\\0pdserve-kv:<host>:<port>", the address the sender was given, so a
+sender reaches it only from the same host and network namespace (the router's `auto` choice
+checks that with transport.host_id).
+"""
+
+import logging
+import mmap
+import os
+import socket
+import struct
+import threading
+import time
+from collections import deque
+
+from google.protobuf.message import DecodeError
+
+from kv_transfer import kv_wire_pb2 as wire
+from kv_transfer.compatibility import Compatibility, describe_refusal, mismatches
+from kv_transfer.grpc_transport import hello, slice_chunk
+from kv_transfer.kv_copy import as_bytes
+from kv_transfer.transport import ChannelError, Inbox, LayerSlice, Refused, SliceAssembler
+
+log = logging.getLogger("pdserve.kv")
+
+SEGMENT_BYTES = 8 << 20
+SEGMENTS = 8  # per channel: 64 MiB of shared memory at most
+WAIT_S = 30.0  # longest a sender waits for a free segment or a reply (the receiver's inbox may
+# hold it up to transport.INBOX_WAIT_S)
+_LENGTH = struct.Struct("<I")
+
+
+def socket_name(address: str) -> str:
+    return f"\0pdserve-kv:{address}"
+
+
+def send_frame(sock: socket.socket, message, fds: tuple[int, ...] = ()) -> None:
+    data = message.SerializeToString()
+    frame = _LENGTH.pack(len(data)) + data
+    sent = socket.send_fds(sock, [frame], list(fds)) if fds else 0
+    sock.sendall(frame[sent:])
+
+
+class FrameReader:
+    """Length-prefixed messages from a Unix socket, and the file descriptors sent with them
+    (in the order they were sent)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buffer = bytearray()
+        self.fds: deque[int] = deque()
+
+    def read(self, timeout_s: float | None) -> bytes | None:
+        """The next frame; None at end of stream; socket.timeout if none came in time."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            if len(self.buffer) >= _LENGTH.size:
+                (size,) = _LENGTH.unpack_from(self.buffer)
+                end = _LENGTH.size + size
+                if len(self.buffer) >= end:
+                    frame = bytes(self.buffer[_LENGTH.size : end])
+                    del self.buffer[:end]
+                    return frame
+            self.sock.settimeout(
+                None if deadline is None else max(0.0, deadline - time.monotonic())
+            )
+            data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 8)
+            self.fds.extend(fds)
+            if not data:
+                return None
+            self.buffer += data
+
+    def close(self) -> None:
+        while self.fds:
+            os.close(self.fds.popleft())
+
+
+class Segment:
+    def __init__(self) -> None:
+        self.fd = os.memfd_create("pdserve-kv", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, SEGMENT_BYTES)
+        self.map = mmap.mmap(self.fd, SEGMENT_BYTES)
+        self.shared = False  # its descriptor has reached the receiver
+
+    def close(self) -> None:
+        self.map.close()
+        os.close(self.fd)
+
+
+class ShmChannel:
+    def __init__(self, destination: str, compatibility: Compatibility) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.segments: list[Segment] = []
+        self.free: list[int] = []
+        try:
+            self.sock.settimeout(WAIT_S)
+            self.sock.connect(socket_name(destination))
+        except OSError as error:
+            self.sock.close()
+            raise ChannelError(
+                f"no shared-memory KV receiver for {destination} on this host ({error})"
+            ) from None
+        self.reader = FrameReader(self.sock)
+        try:
+            send_frame(self.sock, hello(compatibility))
+            reply = self._reply(WAIT_S)
+        except OSError as error:
+            self.close()
+            raise ChannelError(f"shm handshake with {destination}: {error}") from None
+        if reply is None or not reply.handshake.accepted:
+            self.close()
+            raise Refused(reply.handshake.error if reply else "the receiver closed the socket")
+
+    def _reply(self, timeout_s: float | None) -> wire.ShmReply | None:
+        frame = self.reader.read(timeout_s)
+        return None if frame is None else wire.ShmReply.FromString(frame)
+
+    def send(self, piece: LayerSlice) -> None:
+        memory = as_bytes(piece.data.ready())
+        total = len(memory)
+        try:
+            for offset in range(0, max(total, 1), SEGMENT_BYTES):
+                length = min(SEGMENT_BYTES, total - offset)
+                index = self._free_segment()
+                segment = self.segments[index]
+                segment.map[:length] = memory[offset : offset + length]
+                chunk = slice_chunk(piece, offset, length)
+                chunk.segment = index
+                self.sock.settimeout(WAIT_S)
+                send_frame(
+                    self.sock, wire.KvMessage(chunk=chunk), () if segment.shared else (segment.fd,)
+                )
+                segment.shared = True
+        except OSError as error:
+            raise ChannelError(f"shm channel: {error}") from None
+
+    def _free_segment(self) -> int:
+        """A segment the receiver is done with; a new one while the pool has room; else wait."""
+        self._collect(0.0)
+        if not self.free and len(self.segments) < SEGMENTS:
+            self.segments.append(Segment())
+            return len(self.segments) - 1
+        deadline = time.monotonic() + WAIT_S
+        while not self.free:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ChannelError(f"the receiver freed no shared memory for {WAIT_S:g} s")
+            self._collect(left)
+        return self.free.pop()
+
+    def _collect(self, timeout_s: float) -> None:
+        """Read the receiver's replies for up to `timeout_s` (0: those already here)."""
+        while True:
+            try:
+                reply = self._reply(timeout_s)
+            except (TimeoutError, BlockingIOError):
+                return
+            if reply is None:
+                raise ChannelError("the receiver closed the shared-memory channel")
+            self.free.append(reply.free_segment)
+            timeout_s = 0.0
+
+    def close(self) -> None:
+        try:
+            self.sock.settimeout(1.0)
+            send_frame(self.sock, wire.KvMessage(bye=True))
+        except OSError:
+            pass  # the receiver is gone: nothing to tell
+        self.sock.close()
+        self.reader.close()
+        for segment in self.segments:
+            segment.close()
+        self.segments.clear()
+
+
+class ShmListener:
+    """The receiving end: one thread per connected sender."""
+
+    def __init__(self, address: str, compatibility: Compatibility, inbox: Inbox) -> None:
+        self.address = address
+        self.compatibility = compatibility
+        self.inbox = inbox
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.connections: set[socket.socket] = set()
+        self.lock = threading.Lock()
+
+    def start(self) -> None:
+        self.sock.bind(socket_name(self.address))
+        self.sock.listen(64)
+        threading.Thread(target=self._accept, name="kv-shm-accept", daemon=True).start()
+
+    def stop(self) -> None:
+        self.sock.close()
+        with self.lock:
+            for connection in self.connections:
+                connection.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self.sock.accept()
+            except OSError:  # stopped
+                return
+            with self.lock:
+                self.connections.add(connection)
+            threading.Thread(
+                target=self._serve, args=(connection,), name="kv-shm-receive", daemon=True
+            ).start()
+
+    def _serve(self, connection: socket.socket) -> None:
+        reader = FrameReader(connection)
+        maps: dict[int, mmap.mmap] = {}
+        assembler = SliceAssembler(self.inbox, "shm")
+        clean = False
+        try:
+            first = reader.read(WAIT_S)
+            if first is None or not self._accept_hello(connection, first):
+                return
+            while (frame := reader.read(None)) is not None:
+                message = wire.KvMessage.FromString(frame)
+                if message.HasField("bye"):
+                    clean = True
+                    break
+                chunk = message.chunk
+                if chunk.segment not in maps:
+                    fd = reader.fds.popleft()
+                    maps[chunk.segment] = mmap.mmap(fd, 0)
+                    os.close(fd)
+                with memoryview(maps[chunk.segment]) as view, view[: chunk.length] as data:
+                    assembler.add(chunk, data)
+                send_frame(connection, wire.ShmReply(free_segment=chunk.segment))
+        except (OSError, ChannelError, IndexError, DecodeError) as error:
+            log.error("shm KV channel failed: %s", error)
+        finally:
+            if not clean:
+                assembler.abandon("the prefill worker's shm KV channel ended mid-stream")
+            for mapped in maps.values():
+                mapped.close()
+            reader.close()
+            connection.close()
+            with self.lock:
+                self.connections.discard(connection)
+
+    def _accept_hello(self, connection: socket.socket, frame: bytes) -> bool:
+        message = wire.KvMessage.FromString(frame)
+        if not message.HasField("hello"):
+            error = "a KV stream must start with hello"
+        else:
+            producer = Compatibility.from_message(message.hello)
+            error = (
+                describe_refusal(producer, self.compatibility)
+                if mismatches(producer, self.compatibility)
+                else ""
+            )
+        if error:
+            log.error("%s", error)
+        reply = wire.PushKvReply(accepted=not error, error=error)
+        send_frame(connection, wire.ShmReply(handshake=reply))
+        return not error

@@ -1,0 +1,348 @@
+"""What every KV transport shares: the layer slice, the sender's per-destination threads, the
+receiver's bounded inbox, slice assembly, and which transport a worker pair uses.
+
+A transport moves layer slices from a prefill rank to a decode rank. Three implement
+`Channel` (the sending end of one destination): `grpc` (kv_transfer/grpc_transport.py,
+portable across hosts), `nccl` (kv_transfer/nccl_transport.py: a pairwise torch.distributed
+group, NCCL on CUDA, gloo on CPU) and `shm` (kv_transfer/shm_transport.py: shared memory on one
+host). The receiving ends all feed one `Inbox` (kv_transfer/kv_receiver.py), which the decode
+worker's KV loader empties each engine step. All start with the compatibility handshake; all
+share the cancel and deadline semantics: a transfer whose channel fails or is refused is
+cancelled at once on the receiver, so the decode worker applies its policy then.
+
+Backpressure: the sender's bytes in flight are bounded where they are staged
+(kv_transfer/host_staging.py), the receiver's by the inbox; a full inbox stops reading, which
+stalls the sender's channel, which fills the sender's budget, which makes the forward pass wait
+and, past its deadline, cancel the transfer. Memory never grows without limit.
+
+Plain Python and torch: no vLLM, HTTP or routing here.
+"""
+
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Literal, Protocol
+
+log = logging.getLogger("pdserve.kv")
+
+TransportKind = Literal["grpc", "nccl", "shm"]
+TRANSPORTS: tuple[str, ...] = ("grpc", "nccl", "shm")
+AUTO = "auto"
+IDLE_CLOSE_S = 60.0  # a channel with nothing to send this long is closed (its peer may be gone)
+INBOX_BYTES = 1 << 30  # KV received and not yet loaded into the cache, per decode rank
+INBOX_WAIT_S = 10.0  # longest a receiver waits for room in the inbox before failing the stream
+_CLOSE = object()
+
+
+@dataclass(frozen=True)
+class LayerSlice:
+    """One layer's KV for consecutive blocks and heads of one transfer: a wire tensor
+    [num_blocks, num_heads, block_size, 2, head_size] as raw bytes. On the sending side `data`
+    is staged (kv_transfer/host_staging.Staged: its bytes may still be on their way from the
+    device); on the receiving side a bytearray, or a uint8 tensor on the device (nccl on CUDA),
+    and `release()` must be called once it is loaded or dropped (it frees inbox room)."""
+
+    transfer_id: str
+    layer: int
+    first_block: int
+    num_blocks: int
+    first_head: int  # global KV head index
+    num_heads: int
+    data: object  # Staged when sent; bytearray or device tensor when received
+    last: bool  # the sender's last slice of this layer for the transfer
+    received_at: float = 0.0  # receiver's monotonic clock, when the slice was complete
+    transport: str = ""  # receiver side: what carried it
+    on_release: Callable[[], None] | None = field(default=None, compare=False, repr=False)
+
+    def release(self) -> None:
+        if self.on_release is not None:
+            self.on_release()
+
+
+def nbytes(data) -> int:
+    """Bytes of a received slice's data (a bytearray, or a tensor)."""
+    if isinstance(data, bytes | bytearray | memoryview):
+        return len(data)
+    return data.numel() * data.element_size()
+
+
+class Refused(Exception):
+    """The receiver refused the handshake; the message names the mismatch."""
+
+
+class ChannelError(Exception):
+    """The channel failed (peer gone, deadline passed); its transfers are cancelled."""
+
+
+class Channel(Protocol):
+    """The sending end of one transport to one decode rank, used from one thread."""
+
+    def send(self, piece: LayerSlice) -> None:
+        """Move the slice's bytes; returns once its staged buffer may be released. Raises
+        Refused or ChannelError."""
+
+    def close(self) -> None:
+        """Tell the receiver the stream ends on purpose, and free the channel's resources."""
+
+
+OpenChannel = Callable[[TransportKind, str], Channel]
+
+
+class KvSender:
+    """Sends layer slices from one background thread per (destination, transport), so the
+    forward pass never waits on the network. The thread opens its channel (handshake included)
+    on the first slice and closes it after IDLE_CLOSE_S without slices. When a channel fails or
+    is refused, every slice still queued for it is released and each transfer it carried is
+    cancelled on the receiver with the reason, so the decode worker applies its policy at once
+    rather than at its deadline. The next slice opens a new channel.
+
+    `open_channel(kind, destination)` makes the channel; `cancel(destination, transfer_id,
+    reason)` reaches the receiver's control service (gRPC for every transport)."""
+
+    def __init__(
+        self,
+        open_channel: OpenChannel,
+        cancel: Callable[[str, str, str], None],
+        idle_close_s: float = IDLE_CLOSE_S,
+    ) -> None:
+        self.open_channel = open_channel
+        self.cancel_on_receiver = cancel
+        self.idle_close_s = idle_close_s
+        self.queues: dict[tuple[str, str], queue.Queue] = {}
+        self.threads: dict[tuple[str, str], threading.Thread] = {}
+        self.lock = threading.Lock()
+
+    def send(self, destination: str, kind: TransportKind, piece: LayerSlice) -> None:
+        key = (destination, kind)
+        with self.lock:
+            pending = self.queues.get(key)
+            if pending is None:  # no channel yet, or the last one ended
+                pending = self.queues[key] = queue.Queue()
+                thread = threading.Thread(
+                    target=self._run,
+                    args=(key, pending),
+                    name=f"kv-send-{kind}-{destination}",
+                    daemon=True,
+                )
+                self.threads[key] = thread
+                thread.start()
+            pending.put(piece)
+
+    def _run(self, key: tuple[str, str], pending: queue.Queue) -> None:
+        destination, kind = key
+        carried: set[str] = set()
+        failure = None
+        channel = None
+        log.info("KV channel (%s) to %s opening", kind, destination)
+        try:
+            channel = self.open_channel(kind, destination)
+            while (piece := self._next(key, pending)) is not _CLOSE:
+                carried.add(piece.transfer_id)
+                try:
+                    channel.send(piece)
+                finally:
+                    piece.data.release()
+            closing, channel = channel, None
+            closing.close()  # says what the stream ended with, if it failed
+        except Refused as error:
+            failure = str(error)
+            log.error("KV channel (%s) to %s refused: %s", kind, destination, failure)
+        except Exception as error:
+            failure = f"KV channel ({kind}) to {destination} failed: {error}"
+            log.error("%s", failure)
+        finally:
+            with self.lock:  # later slices for this destination go to a new channel
+                if self.queues.get(key) is pending:
+                    del self.queues[key]
+            carried |= _release_queued(pending)
+            if channel is not None:
+                try:
+                    channel.close()
+                except Exception as error:
+                    log.warning("closing KV channel to %s: %s", destination, error)
+        if failure is not None:
+            for transfer_id in sorted(carried):
+                self.cancel(destination, transfer_id, failure)
+        else:
+            log.info("KV channel (%s) to %s closed", kind, destination)
+
+    def _next(self, key: tuple[str, str], pending: queue.Queue):
+        """The next slice, or _CLOSE once the channel has been idle too long."""
+        while True:
+            try:
+                return pending.get(timeout=self.idle_close_s)
+            except queue.Empty:
+                with self.lock:
+                    if pending.empty():
+                        del self.queues[key]
+                        return _CLOSE
+
+    def cancel(self, destination: str, transfer_id: str, reason: str) -> None:
+        """Tell the receiver a transfer will not complete, from a thread of its own (the
+        caller may be the forward pass)."""
+
+        def call() -> None:
+            try:
+                self.cancel_on_receiver(destination, transfer_id, reason)
+            except Exception as error:
+                log.warning("could not cancel transfer %s: %s", transfer_id, error)
+
+        threading.Thread(target=call, name=f"kv-cancel-{transfer_id}", daemon=True).start()
+
+    def close(self) -> None:
+        with self.lock:
+            for pending in self.queues.values():
+                pending.put(_CLOSE)
+            threads = list(self.threads.values())
+        for thread in threads:
+            thread.join(timeout=5)
+
+
+def _release_queued(pending: queue.Queue) -> set[str]:
+    """Empty a dead channel's queue, releasing staged slices; their transfer ids."""
+    transfer_ids = set()
+    while True:
+        try:
+            piece = pending.get_nowait()
+        except queue.Empty:
+            return transfer_ids
+        if piece is not _CLOSE:
+            transfer_ids.add(piece.transfer_id)
+            piece.data.release()
+
+
+class Inbox:
+    """Slices received and not yet loaded, at most `max_bytes` of them, and cancels. A
+    receiver's `put` waits for room (so it stops reading, and the sender feels it); the loader
+    `take`s them and releases each once copied into the cache."""
+
+    def __init__(self, max_bytes: int = INBOX_BYTES, wait_s: float = INBOX_WAIT_S) -> None:
+        self.max_bytes = max_bytes
+        self.wait_s = wait_s
+        self.held = 0
+        self.complete: list[LayerSlice] = []
+        self.cancelled: dict[str, str] = {}  # transfer id -> reason
+        self.lock = threading.Condition()
+
+    def put(self, piece: LayerSlice) -> None:
+        """Hold `piece` (its release frees the room); ChannelError when no room came in time."""
+        size = nbytes(piece.data)
+        timeout_s = self.wait_s
+        deadline = time.monotonic() + timeout_s
+        with self.lock:
+            while self.held and self.held + size > self.max_bytes:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ChannelError(
+                        f"the decode worker's KV inbox stayed full ({self.held} bytes) for "
+                        f"{timeout_s:g} s"
+                    )
+                self.lock.wait(left)
+            self.held += size
+            released = threading.Event()
+
+            def release() -> None:
+                if not released.is_set():
+                    released.set()
+                    self._free(size)
+
+            self.complete.append(replace(piece, on_release=release))
+
+    def _free(self, size: int) -> None:
+        with self.lock:
+            self.held -= size
+            self.lock.notify_all()
+
+    def cancel(self, transfer_id: str, reason: str) -> None:
+        with self.lock:
+            self.cancelled[transfer_id] = reason or "cancelled"
+
+    def take(self) -> tuple[list[LayerSlice], dict[str, str]]:
+        with self.lock:
+            complete, self.complete = self.complete, []
+            cancelled, self.cancelled = self.cancelled, {}
+        return complete, cancelled
+
+
+class SliceAssembler:
+    """Puts a slice back together from its chunks (grpc, shm) on one stream and hands whole
+    slices to the inbox. It remembers the transfers the stream carried: when the stream breaks
+    (its sender died), `abandon` cancels them, so the decode worker does not wait for the
+    deadline (a transfer that did complete is still loaded: complete wins over cancelled)."""
+
+    def __init__(self, inbox: Inbox, transport: str) -> None:
+        self.inbox = inbox
+        self.transport = transport
+        self.buffers: dict[tuple, bytearray] = {}
+        self.carried: set[str] = set()
+
+    def add(self, chunk, data) -> None:
+        """`chunk`: a KvChunk message; `data`: its bytes (a buffer), at chunk.offset."""
+        self.carried.add(chunk.transfer_id)
+        key = (chunk.transfer_id, chunk.layer, chunk.first_block, chunk.first_head)
+        buffer = self.buffers.get(key)
+        if buffer is None:
+            buffer = self.buffers[key] = bytearray(chunk.slice_bytes)
+        end = chunk.offset + len(data)
+        buffer[chunk.offset : end] = data
+        if end >= chunk.slice_bytes:
+            del self.buffers[key]
+            self.deliver(chunk, buffer)
+
+    def deliver(self, chunk, data) -> None:
+        """A whole slice (`data`: its bytes, or a device tensor) to the inbox."""
+        self.carried.add(chunk.transfer_id)
+        self.inbox.put(
+            LayerSlice(
+                chunk.transfer_id,
+                chunk.layer,
+                chunk.first_block,
+                chunk.num_blocks,
+                chunk.first_head,
+                chunk.num_heads,
+                data,
+                chunk.last,
+                time.monotonic(),
+                self.transport,
+            )
+        )
+
+    def abandon(self, reason: str) -> None:
+        for transfer_id in sorted(self.carried):
+            self.inbox.cancel(transfer_id, reason)
+        self.buffers.clear()
+
+
+def host_id() -> str:
+    """Equal for two processes that can share memory through a Unix socket: same host (boot)
+    and same network namespace (abstract Unix sockets live in it)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:  # not Linux: never the same host as anyone (shm is Linux-only)
+        return f"{socket.gethostname()}/{os.getpid()}"
+    return f"{socket.gethostname()}/{boot}/{netns}"
+
+
+def choose_transport(
+    prefill_setting: str,
+    decode_setting: str,
+    same_host: bool,
+    both_cuda: bool,
+) -> TransportKind:
+    """The transport for one prefill -> decode pair. A worker's setting other than `auto`
+    forces it (the prefill worker's first, as it sends); with both on `auto`: NCCL between GPU
+    workers (device to device, over NVLink on one host), shared memory between CPU workers on
+    one host, gRPC otherwise."""
+    for setting in (prefill_setting, decode_setting):
+        if setting and setting != AUTO:
+            return setting
+    if both_cuda:
+        return "nccl"
+    return "shm" if same_host else "grpc"

@@ -1,0 +1,288 @@
+"""Every KV transport (grpc, nccl on gloo, shm) against the real receiver, in this process and
+with a sender process killed mid-transfer: bytes arrive whole and labelled, a refused handshake
+cancels the transfers it carried, a dead sender's transfers are cancelled on the receiver, a
+full inbox stops the sender instead of growing, idle channels close, nothing is leaked (staged
+buffers, inbox room, shared memory, descriptors)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from kv_transfer.channels import kv_sender
+from kv_transfer.compatibility import Compatibility
+from kv_transfer.host_staging import ByteBudget, DeviceToHost, Staged, StagingError
+from kv_transfer.kv_layout import WIRE_LAYOUT
+from kv_transfer.kv_receiver import KvReceiver
+from kv_transfer.transport import TRANSPORTS, LayerSlice, choose_transport
+
+CONSUMER = Compatibility("m", "float32", 16, 2, 2, 4, WIRE_LAYOUT, "0.32.0")
+CPU = torch.device("cpu")
+DEADLINE_S = 15.0
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class CountedStaged(Staged):
+    """A CPU `Staged` that counts its releases (stands in for a send-buffer allocation)."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        super().__init__(data, data.numel())
+        self.releases = 0
+        self.on_release = self._count
+
+    def _count(self, tensor) -> None:
+        self.releases += 1
+
+
+def piece(transfer_id: str, nbytes: int = 64, layer: int = 0, last: bool = True) -> LayerSlice:
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    return LayerSlice(transfer_id, layer, 0, 1, 0, 2, CountedStaged(data), last)
+
+
+@pytest.fixture
+def receiver():
+    kv_receiver = KvReceiver(CONSUMER)
+    port = kv_receiver.start("127.0.0.1", 0)
+    yield kv_receiver, f"127.0.0.1:{port}"
+    kv_receiver.stop()
+
+
+def wait_for(receiver: KvReceiver, slices: int = 0, cancels: set[str] = frozenset()):
+    got, cancelled = [], {}
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline and (len(got) < slices or not set(cancels) <= set(cancelled)):
+        more, why = receiver.take()
+        got += more
+        cancelled.update(why)
+        time.sleep(0.02)
+    return got, cancelled
+
+
+def memfds_after_close() -> int:
+    """Segments still open in this process once the receiver has seen the channel close."""
+    deadline = time.monotonic() + DEADLINE_S
+    while memfds() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return memfds()
+
+
+def memfds() -> int:
+    return sum("memfd:pdserve-kv" in os.readlink(f"/proc/self/fd/{fd}") for fd in _fds())
+
+
+def _fds() -> list[str]:
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            os.readlink(f"/proc/self/fd/{fd}")
+            fds.append(fd)
+        except OSError:  # the directory's own descriptor, closed by now
+            pass
+    return fds
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_slices_arrive_whole_labelled_and_every_buffer_is_released(receiver, transport):
+    kv_receiver, address = receiver
+    shm_before = set(os.listdir("/dev/shm"))
+    sender = kv_sender(CONSUMER, "127.0.0.1", CPU)
+    sent = [piece("t-1", (9 << 20) + 123, layer=0), piece("t-1", 5, layer=1)]  # spans segments
+    try:
+        for one in sent:
+            sender.send(address, transport, one)
+        got, cancelled = wait_for(kv_receiver, slices=2)
+        assert cancelled == {}
+        assert [(p.transfer_id, p.layer, p.transport) for p in got] == [
+            ("t-1", 0, transport),
+            ("t-1", 1, transport),
+        ]
+        for arrived, one in zip(got, sent, strict=True):
+            assert bytes(arrived.data) == one.data.ready().numpy().tobytes()
+        assert kv_receiver.inbox.held == sum(len(p.data) for p in got)
+        for arrived in got:
+            arrived.release()
+            arrived.release()  # a second release frees nothing twice
+        assert kv_receiver.inbox.held == 0
+    finally:
+        sender.close()
+    assert [one.data.releases for one in sent] == [1, 1]
+    assert set(os.listdir("/dev/shm")) == shm_before
+    assert memfds_after_close() == 0, "the closed shm channel left segments mapped"
+    assert wait_for(kv_receiver)[1] == {}, "a channel closed on purpose cancelled its transfers"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_refused_handshake_cancels_its_transfers_and_a_later_send_opens_a_new_channel(
+    receiver, transport
+):
+    kv_receiver, address = receiver
+    sender = kv_sender(replace(CONSUMER, dtype="bfloat16"), "127.0.0.1", CPU)
+    try:
+        first = piece("t-1")
+        sender.send(address, transport, first)
+        sender.send(address, transport, piece("t-2"))  # while the first channel may be ending
+        seen = wait_for(kv_receiver, cancels={"t-1", "t-2"})[1]
+        assert set(seen) == {"t-1", "t-2"}
+        assert all(
+            "dtype: producer 'bfloat16' != consumer 'float32'" in why for why in seen.values()
+        )
+        sender.send(address, transport, piece("t-3"))  # after it ended: a new channel
+        assert set(wait_for(kv_receiver, cancels={"t-3"})[1]) == {"t-3"}
+        assert first.data.releases == 1
+        assert kv_receiver.take() == ([], {})
+    finally:
+        sender.close()
+
+
+SENDER_PROCESS = textwrap.dedent(
+    """
+    import os, sys, time, torch
+    from kv_transfer.channels import channel_opener
+    from kv_transfer.compatibility import Compatibility
+    from kv_transfer.host_staging import Staged
+    from kv_transfer.kv_layout import WIRE_LAYOUT
+    from kv_transfer.transport import LayerSlice
+
+    compatibility = Compatibility("m", "float32", 16, 2, 2, 4, WIRE_LAYOUT, "0.32.0")
+    channel = channel_opener(compatibility, "127.0.0.1", torch.device("cpu"))(
+        sys.argv[2], sys.argv[1]
+    )
+    data = torch.ones(1 << 20, dtype=torch.uint8)
+    channel.send(LayerSlice("dying", 0, 0, 1, 0, 2, Staged(data, data.numel()), False))
+    print("sent", flush=True)
+    time.sleep(60)  # killed here, mid-transfer (layer 1 never comes)
+    """
+)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_sender_killed_mid_transfer_gets_its_transfer_cancelled_on_the_receiver(
+    receiver, transport
+):
+    kv_receiver, address = receiver
+    process = subprocess.Popen(
+        [sys.executable, "-c", SENDER_PROCESS, address, transport],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout.readline().strip() == "sent"
+        got, _ = wait_for(kv_receiver, slices=1)
+        assert [p.transfer_id for p in got] == ["dying"]
+        got[0].release()
+        started = time.monotonic()
+        process.kill()
+        cancelled = wait_for(kv_receiver, cancels={"dying"})[1]
+        assert "dying" in cancelled, "the dead sender's transfer was left to its deadline"
+        assert "mid" in cancelled["dying"] or "failed" in cancelled["dying"]
+        print(f"{transport}: cancelled {time.monotonic() - started:.2f} s after the kill")
+    finally:
+        process.kill()
+        process.wait(timeout=10)
+        process.stdout.close()
+    assert kv_receiver.inbox.held == 0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_full_inbox_stops_the_sender_and_fails_its_transfer_instead_of_growing(transport):
+    """Nobody takes what arrives (a decode worker not stepping): the inbox stays within its
+    bound, the stream stalls, and the transfer is cancelled once the wait runs out."""
+    kv_receiver = KvReceiver(CONSUMER, inbox_bytes=2 << 20, inbox_wait_s=0.5)
+    address = f"127.0.0.1:{kv_receiver.start('127.0.0.1', 0)}"
+    sender = kv_sender(CONSUMER, "127.0.0.1", CPU)
+    sent = [piece("stalled", 1 << 20, layer=layer) for layer in range(6)]
+    try:
+        for one in sent:
+            sender.send(address, transport, one)
+        deadline = time.monotonic() + DEADLINE_S
+        while time.monotonic() < deadline and "stalled" not in kv_receiver.inbox.cancelled:
+            assert kv_receiver.inbox.held <= 2 << 20
+            time.sleep(0.02)
+        assert "stalled" in kv_receiver.inbox.cancelled
+        assert kv_receiver.inbox.held <= 2 << 20
+        deadline = time.monotonic() + DEADLINE_S
+        while time.monotonic() < deadline and any(one.data.releases != 1 for one in sent):
+            time.sleep(0.02)
+        assert [one.data.releases for one in sent] == [1] * 6  # queued ones too
+    finally:
+        sender.close()
+        kv_receiver.stop()
+
+
+def test_an_idle_channel_closes_on_purpose_and_the_next_slice_reopens_it(receiver):
+    from kv_transfer.channels import channel_opener
+    from kv_transfer.grpc_transport import cancel_transfer
+    from kv_transfer.transport import KvSender
+
+    kv_receiver, address = receiver
+    sender = KvSender(channel_opener(CONSUMER, "127.0.0.1", CPU), cancel_transfer, 0.2)
+    try:
+        sender.send(address, "shm", piece("t-1"))
+        assert len(wait_for(kv_receiver, slices=1)[0]) == 1
+        deadline = time.monotonic() + DEADLINE_S
+        while time.monotonic() < deadline and sender.queues:
+            time.sleep(0.02)
+        assert sender.queues == {}
+        assert memfds_after_close() == 0
+        sender.send(address, "shm", piece("t-2"))
+        assert [p.transfer_id for p in wait_for(kv_receiver, slices=1)[0]] == ["t-2"]
+        assert kv_receiver.take()[1] == {}  # idle closes cancel nothing
+    finally:
+        sender.close()
+
+
+def test_the_send_budget_makes_the_forward_pass_wait_then_gives_up():
+    budget = ByteBudget(100)
+    budget.acquire(60)
+    started = time.monotonic()
+    with pytest.raises(StagingError, match="stayed full"):
+        budget.acquire(60, timeout_s=0.2)
+    assert time.monotonic() - started >= 0.2
+    with pytest.raises(StagingError, match="larger than"):
+        budget.acquire(101)
+    budget.release(60)
+    budget.acquire(100)  # room again
+
+
+def test_cpu_staging_counts_against_the_budget_until_released():
+    staging = DeviceToHost(CPU, 1 << 20)
+    first = staging.stage(lambda: torch.zeros(1 << 19, dtype=torch.uint8))
+    second = staging.stage(lambda: torch.zeros(1 << 19, dtype=torch.uint8))
+    with pytest.raises(StagingError):
+        staging.budget.acquire(1, timeout_s=0.05)
+    first.release()
+    first.release()  # once only
+    second.release()
+    assert staging.budget.in_use == 0
+
+
+@pytest.mark.parametrize(
+    "prefill, decode, same_host, both_cuda, chosen",
+    [
+        ("auto", "auto", True, False, "shm"),
+        ("auto", "auto", False, False, "grpc"),
+        ("auto", "auto", False, True, "nccl"),
+        ("auto", "auto", True, True, "nccl"),  # NVLink beats host memory
+        ("grpc", "auto", True, False, "grpc"),
+        ("auto", "shm", False, False, "shm"),  # forced: the channel says why it cannot
+        ("nccl", "grpc", True, False, "nccl"),  # the sender's choice wins
+        ("", "", True, False, "shm"),  # a worker too old to say: auto
+    ],
+)
+def test_which_transport_a_pair_uses(prefill, decode, same_host, both_cuda, chosen):
+    assert choose_transport(prefill, decode, same_host, both_cuda) == chosen
+
+
+def test_forced_shm_to_another_host_fails_with_a_reason_not_silently():
+    from kv_transfer.shm_transport import ShmChannel
+    from kv_transfer.transport import ChannelError
+
+    with pytest.raises(ChannelError, match="no shared-memory KV receiver for 10.1.2.3:5555"):
+        ShmChannel("10.1.2.3:5555", CONSUMER)
