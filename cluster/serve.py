@@ -16,6 +16,7 @@ from pathlib import Path
 
 from cluster.console import say
 from cluster.local_workers import start_worker, stop_worker, wait_ready
+from kv_transfer.transport import AUTO, TRANSPORTS
 from model_store.store import ModelError, resolve_model
 from router.command import run_router
 from settings.base import ConfigError
@@ -44,6 +45,13 @@ def add_parser(subparsers) -> None:
         metavar="P",
         help="tensor-parallel size of the prefill workers, when it differs from the decode "
         "workers' --tensor-parallel-size (the KV transfer re-shards the heads) (default: the same)",
+    )
+    parser.add_argument(
+        "--prefill-kv-transports",
+        default="",
+        metavar="KIND,...",
+        help="one KV transport per prefill worker, comma-separated (e.g. grpc,shm), to compare "
+        "them side by side in one cluster (default: --kv-transport for all)",
     )
     parser.add_argument(
         "--colocated",
@@ -77,6 +85,16 @@ def run(args: argparse.Namespace) -> int:
     if (args.prefill_tensor_parallel_size or 1) < 1:
         print("pdserve serve: --prefill-tensor-parallel-size: must be >= 1", file=sys.stderr)
         return 2
+    transports = [kind for kind in args.prefill_kv_transports.split(",") if kind]
+    if transports and (
+        len(transports) != args.prefill or not set(transports) <= {AUTO, *TRANSPORTS}
+    ):
+        print(
+            f"pdserve serve: --prefill-kv-transports: need {args.prefill} of "
+            f"{', '.join((AUTO, *TRANSPORTS))}, got {args.prefill_kv_transports!r}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         engine = from_arguments(EngineSettings, args)
         # Workers listen on loopback, each on a free port (--host and --port are the router's).
@@ -95,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     say(f"worker logs: {log_dir}")
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     workers = []
-    plan = _worker_plan(args, decode)
+    plan = _worker_plan(args, decode, transports)
     threads = max(1, (os.cpu_count() or 1) // len(plan))
     try:
         for settings in plan:
@@ -116,8 +134,9 @@ def run(args: argparse.Namespace) -> int:
             stop_worker(worker)
 
 
-def _worker_plan(args, decode: WorkerSettings) -> list[WorkerSettings]:
-    """Each worker to start: `decode` has the engine and the decode pool's settings."""
+def _worker_plan(args, decode: WorkerSettings, transports: list[str]) -> list[WorkerSettings]:
+    """Each worker to start: `decode` has the engine and the decode pool's settings;
+    `transports`, if given, one KV transport per prefill worker."""
     if args.colocated:
         return [decode.model_copy(update={"role": "colocated"})] * args.workers
     engine = decode.engine
@@ -126,7 +145,10 @@ def _worker_plan(args, decode: WorkerSettings) -> list[WorkerSettings]:
             update={"tensor_parallel_size": args.prefill_tensor_parallel_size}
         )
     prefill = decode.model_copy(update={"role": "prefill", "engine": engine})
-    return [prefill] * args.prefill + [decode] * args.decode
+    prefills = [prefill.model_copy(update={"kv_transport": kind}) for kind in transports] or [
+        prefill
+    ] * args.prefill
+    return prefills + [decode] * args.decode
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -29,7 +29,7 @@ def cluster_document(candidate: Candidate, model: str, dtype: str, gpu_type: str
             "tensor_parallel_size": candidate.decode_tp,
             "gpu_type": gpu_type,
         },
-        "transport": {"kind": "grpc"},
+        "transport": {"kind": "auto"},
         "router": {"port": 8000},
         "registry": {"embedded": True},
     }

@@ -27,7 +27,7 @@ def refused(document) -> str:
 def test_an_empty_file_takes_the_defaults():
     config = parse_cluster(None)
     assert (config.prefill.replicas, config.decode.replicas) == (1, 1)
-    assert config.registry.embedded and config.transport.kind == "grpc"
+    assert config.registry.embedded and config.transport.kind == "auto"
 
 
 @pytest.mark.parametrize(
@@ -43,7 +43,10 @@ def test_an_empty_file_takes_the_defaults():
             "prefill.tensor_parallel_size: must be an integer >= 1",
         ),
         ({"decode": {"gpu_type": "V100"}}, "decode.gpu_type: must be one of cpu, "),
-        ({"transport": {"kind": "nccl"}}, "transport.kind: must be one of grpc, got 'nccl'"),
+        (
+            {"transport": {"kind": "rdma"}},
+            "transport.kind: must be one of auto, grpc, nccl, shm, got 'rdma'",
+        ),
         ({"router": {"policy": "random"}}, "router.policy: must be one of"),
         ({"registry": {"url": "http://x"}}, "registry.url: must start with redis://"),
         ({"registry": {"embedded": False}}, "registry: give a url, or embedded: true"),

@@ -4,14 +4,15 @@ the monotonic clock, and small real torch tensors are the KV caches, so every by
 place can be checked. No engine, no network."""
 
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
 
 from decode_workers.kv_loader import ORPHAN_TTL_S, KvLoader
-from kv_transfer.grpc_transport import LayerSlice
 from kv_transfer.kv_layout import BLOCK, CONTENT, HEAD, TOKEN, LayerLayout
 from kv_transfer.metadata import Expected
+from kv_transfer.transport import LayerSlice
 
 NUM_LAYERS = 2
 NUM_BLOCKS = 10
@@ -23,7 +24,7 @@ TIMEOUT_S = 5.0
 
 
 class FakeReceiver:
-    """Stands in for kv_transfer.grpc_transport.KvReceiver: `take()` hands over what the test
+    """Stands in for kv_transfer.kv_receiver.KvReceiver: `take()` hands over what the test
     fed it since the last step (complete slices, {transfer id: cancel reason})."""
 
     def __init__(self) -> None:
@@ -86,7 +87,7 @@ def block_values(layer: int, first_block: int, num_blocks: int) -> torch.Tensor:
 
 def layer_slice(layer, first_block=0, num_blocks=4, last=True, transfer_id="t-1", at=0.0):
     data = bytearray(block_values(layer, first_block, num_blocks).numpy().tobytes())
-    return LayerSlice(transfer_id, layer, first_block, num_blocks, 0, 2, data, last, at)
+    return LayerSlice(transfer_id, layer, first_block, num_blocks, 0, 2, data, last, at, "shm")
 
 
 def whole_prompt(transfer_id="t-1", num_blocks=4, at=0.0) -> list[LayerSlice]:
@@ -256,6 +257,7 @@ def test_stats_give_bytes_and_first_to_last_slice_time_per_finished_transfer(
             "seconds": pytest.approx(0.25),
             "failed": False,
             "failure": "",
+            "transport": "shm",
         }
     ]
     assert stats[0]["bytes"] == NUM_LAYERS * 4 * torch.zeros(BLOCK_SHAPE).numel() * 4
@@ -284,3 +286,28 @@ def test_each_of_two_transfers_is_reported_on_its_own(loader, receiver, clock):
     clock.advance(TIMEOUT_S + 1)
     assert loader.transfer_results([], set()) == ({"req-2"}, {"req-2"})
     assert [entry["transfer_id"] for entry in loader.take_stats()] == ["t-1", "t-2"]
+
+
+def released_slices(slices: list[LayerSlice], releases: list[str]) -> list[LayerSlice]:
+    """The slices, each noting "transfer/layer" in `releases` when released."""
+    return [
+        replace(piece, on_release=lambda p=piece: releases.append(f"{p.transfer_id}/{p.layer}"))
+        for piece in slices
+    ]
+
+
+def test_every_slice_frees_its_inbox_room_once_loaded_dropped_or_late(loader, receiver, clock):
+    releases: list[str] = []
+    receiver.feed(released_slices(whole_prompt("t-1"), releases))
+    loader.transfer_results([expected()], set())
+    assert sorted(releases) == ["t-1/0", "t-1/1"]  # loaded: copied into the cache
+    receiver.feed(released_slices([layer_slice(0, transfer_id="t-1")], releases))
+    loader.transfer_results([], set())
+    assert releases.count("t-1/0") == 2  # late, for a transfer already reported: dropped now
+    orphan = layer_slice(0, transfer_id="nobody", at=clock.now)
+    receiver.feed(released_slices([orphan], releases))
+    loader.transfer_results([], set())
+    assert "nobody/0" not in releases  # an orphan waits for its request a while
+    clock.advance(ORPHAN_TTL_S + 1)
+    loader.transfer_results([], set())
+    assert "nobody/0" in releases
