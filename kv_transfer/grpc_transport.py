@@ -56,8 +56,8 @@ def slice_chunk(piece: LayerSlice, offset: int, length: int, data: bytes = b"") 
 
 class PushStream:
     """A PushKv client stream fed from this thread: `put` queues a message for gRPC's sending
-    thread (bounded, so a slow receiver slows the sender); `drain` waits until gRPC has taken
-    everything, and raises Refused or ChannelError as soon as the call has ended."""
+    thread (bounded, so a slow receiver slows the sender) and raises Refused or ChannelError
+    once the call has ended; `close` ends it on purpose and says how it went."""
 
     def __init__(self, destination: str, first: list[wire.KvMessage]) -> None:
         self.destination = destination
@@ -69,7 +69,6 @@ class PushStream:
         yield from first
         while True:
             message = self.outbox.get()
-            self.outbox.task_done()
             if message is _END:
                 return
             yield message
@@ -84,15 +83,6 @@ class PushStream:
             except queue.Full:
                 if time.monotonic() > deadline:
                     raise ChannelError(f"no progress for {DRAIN_WAIT_S:g} s") from None
-
-    def drain(self) -> None:
-        deadline = time.monotonic() + DRAIN_WAIT_S
-        while self.outbox.unfinished_tasks:
-            self.check()
-            if time.monotonic() > deadline:
-                raise ChannelError(f"no progress for {DRAIN_WAIT_S:g} s")
-            time.sleep(0.0005)
-        self.check()
 
     def check(self) -> None:
         if self.call.done():
@@ -137,7 +127,6 @@ class GrpcChannel:
         for offset in range(0, max(total, 1), CHUNK_BYTES):
             data = bytes(memory[offset : offset + CHUNK_BYTES])
             self.stream.put(wire.KvMessage(chunk=slice_chunk(piece, offset, len(data), data)))
-        self.stream.drain()  # a dead receiver shows here, not at the next slice
 
     def close(self) -> None:
         self.stream.close()

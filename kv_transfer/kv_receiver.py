@@ -91,7 +91,9 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
                 if body == "chunk" and nccl is None:
                     assembler.add(message.chunk, message.chunk.data)
                 elif body == "chunk":
-                    assembler.deliver(message.chunk, nccl.receive(message.chunk.length))
+                    assembler.deliver(
+                        message.chunk, nccl.receive(message.chunk.length, self.inbox.buffer)
+                    )
                 elif body == "nccl_open":
                     nccl = NcclReceiving(message.nccl_open, self.host, self.device)
                     assembler.transport = "nccl"

@@ -13,6 +13,7 @@ On CUDA the tensor is the gathered wire tensor on the device (no host copy); eac
 a stream of its own and synchronises it before the buffer is released or handed on.
 """
 
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -137,10 +138,11 @@ class NcclReceiving:
         self.store = store
         self.cuda_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def receive(self, length: int):
-        """The next slice's bytes: a bytearray on CPU, a uint8 tensor on the device on CUDA."""
+    def receive(self, length: int, buffer: Callable[[int], bytearray]):
+        """The next slice's bytes: a bytearray from `buffer(length)` on CPU, a uint8 tensor on
+        the device on CUDA."""
         if self.cuda_stream is None:
-            data = bytearray(length)
+            data = buffer(length)
             if length:
                 tensor = torch.frombuffer(data, dtype=torch.uint8)
                 _wait(self.group.recv([tensor], 0, 0), "KV receive", self.timeout_s)
