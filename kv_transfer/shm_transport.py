@@ -1,10 +1,12 @@
 """KV through shared memory, between a prefill and a decode worker on one host.
 
 The sender writes each chunk of a slice into one of a small pool of shared-memory segments and
-sends the chunk's KvChunk (which segment, how many bytes) on a Unix socket; the receiver copies
-the bytes out into the slice's buffer and says the segment is free again, so both processes copy
-at once on different segments. At most SEGMENTS segments of SEGMENT_BYTES per channel: a
-receiver that stops reading stops the sender.
+sends the chunk's KvChunk (which segment, how many bytes) on a Unix socket. A slice that fits in
+one segment is lent to the KV loader as it is, and the segment is freed once the loader has
+copied it into the cache (one copy on each side, the fewest possible); otherwise, or when half
+the segments are already lent, the receiver copies the bytes out and frees the segment at once,
+so both processes copy at the same time on different segments. At most SEGMENTS segments of
+SEGMENT_BYTES per channel: a receiver that stops reading stops the sender.
 
 Nothing can be left behind in /dev/shm: a segment is a memfd (anonymous, never named in a
 file system), passed to the receiver over the socket with SCM_RIGHTS the first time it is used,
@@ -185,6 +187,49 @@ class ShmChannel:
         self.segments.clear()
 
 
+class Replies:
+    """The receiver's side of one connection: "segment free" replies, sent by its thread after
+    a copy, or by the KV loader's thread when it releases a slice lent straight from a segment.
+    At most half the segments are lent at once, so a loader that lags (a slice waiting for its
+    request) never starves the sender: the other chunks are copied out and freed at once."""
+
+    def __init__(self, connection: socket.socket) -> None:
+        self.connection = connection
+        self.lock = threading.Lock()
+        self.lent = 0
+        self.closed = False
+
+    def may_lend(self) -> bool:
+        with self.lock:
+            return self.lent < SEGMENTS // 2
+
+    def lend(self, segment: int):
+        """The release callback of a slice lent from `segment`."""
+        with self.lock:
+            self.lent += 1
+
+        def release() -> None:
+            with self.lock:
+                self.lent -= 1
+            self.free(segment)
+
+        return release
+
+    def free(self, segment: int) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            try:
+                send_frame(self.connection, wire.ShmReply(free_segment=segment))
+            except OSError:  # the sender is gone; the connection's thread will notice
+                pass
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            self.connection.close()
+
+
 class ShmListener:
     """The receiving end: one thread per connected sender."""
 
@@ -221,6 +266,7 @@ class ShmListener:
 
     def _serve(self, connection: socket.socket) -> None:
         reader = FrameReader(connection)
+        replies = Replies(connection)
         maps: dict[int, mmap.mmap] = {}
         assembler = SliceAssembler(self.inbox, "shm")
         clean = False
@@ -238,18 +284,26 @@ class ShmListener:
                     fd = reader.fds.popleft()
                     maps[chunk.segment] = mmap.mmap(fd, 0)
                     os.close(fd)
-                with memoryview(maps[chunk.segment]) as view, view[: chunk.length] as data:
-                    assembler.add(chunk, data)
-                send_frame(connection, wire.ShmReply(free_segment=chunk.segment))
+                view = memoryview(maps[chunk.segment])[: chunk.length]
+                if chunk.length == chunk.slice_bytes and replies.may_lend():
+                    # The whole slice in one segment: the loader reads it there, and frees it.
+                    assembler.deliver(chunk, view, replies.lend(chunk.segment))
+                    continue
+                with view:
+                    assembler.add(chunk, view)
+                replies.free(chunk.segment)
         except (OSError, ChannelError, IndexError, DecodeError) as error:
             log.error("shm KV channel failed: %s", error)
         finally:
             if not clean:
                 assembler.abandon("the prefill worker's shm KV channel ended mid-stream")
+            replies.close()
             for mapped in maps.values():
-                mapped.close()
+                try:
+                    mapped.close()
+                except BufferError:  # a lent slice not loaded yet: unmapped once it is dropped
+                    pass
             reader.close()
-            connection.close()
             with self.lock:
                 self.connections.discard(connection)
 

@@ -255,6 +255,7 @@ class Inbox:
                 if not released.is_set():
                     released.set()
                     self._free(size, piece.data)
+                    piece.release()  # what the transport lent, if anything
 
             self.complete.append(replace(piece, on_release=release))
 
@@ -311,8 +312,9 @@ class SliceAssembler:
             del self.buffers[key]
             self.deliver(chunk, buffer)
 
-    def deliver(self, chunk, data) -> None:
-        """A whole slice (`data`: its bytes, or a device tensor) to the inbox."""
+    def deliver(self, chunk, data, on_release: Callable[[], None] | None = None) -> None:
+        """A whole slice (`data`: its bytes, or a device tensor) to the inbox; `on_release`
+        runs once the loader is done with it."""
         self.carried.add(chunk.transfer_id)
         self.inbox.put(
             LayerSlice(
@@ -326,6 +328,7 @@ class SliceAssembler:
                 chunk.last,
                 time.monotonic(),
                 self.transport,
+                on_release,
             )
         )
 

@@ -52,15 +52,19 @@ WAIT_S = 120.0
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7, help="runs per transport and payload")
+    parser.add_argument(
+        "--transports", default=",".join(TRANSPORTS), help="which to measure (default: all)"
+    )
     parser.add_argument("--cluster", action="store_true", help="also measure through serve")
     parser.add_argument("--cluster-repeats", type=int, default=3, help="prompts per transport")
     parser.add_argument("--sender", nargs=2, metavar=("KIND", "ADDRESS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.sender:
         return run_sender(*args.sender)
-    throughput(args.repeats)
+    kinds = args.transports.split(",")
+    throughput(kinds, args.repeats)
     if args.cluster:
-        through_cluster(args.cluster_repeats)
+        through_cluster(kinds, args.cluster_repeats)
     return 0
 
 
@@ -98,13 +102,16 @@ def memcpy_seconds(nbytes: int) -> float:
     return time.perf_counter() - started
 
 
-def throughput(repeats: int) -> None:
+def throughput(kinds: list[str], repeats: int) -> None:
+    from decode_workers.connector import GIL_SWITCH_INTERVAL_S
+
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as in a decode worker's process
     receiver = KvReceiver(COMPATIBILITY, inbox_bytes=256 * MIB)
     address = f"127.0.0.1:{receiver.start('127.0.0.1', 0)}"
     results: dict[tuple[str, str], list[float]] = {}
     memcpy: dict[str, list[float]] = {name: [] for name in PAYLOADS}
     try:
-        for kind in TRANSPORTS:
+        for kind in kinds:
             sender = subprocess.Popen(
                 [sys.executable, __file__, "--sender", kind, address],
                 stdin=subprocess.PIPE,
@@ -163,20 +170,23 @@ def receive_all(receiver: KvReceiver, nbytes: int, slices: int) -> None:
 # Part 2 -------------------------------------------------------------------------------------
 
 
-def through_cluster(repeats: int) -> None:
+def through_cluster(kinds: list[str], repeats: int) -> None:
     import httpx
 
     from bench.local_cluster import local_cluster
     from worker.processes import free_port
 
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-bench-transport-"))
-    print(f"\nstarting pdserve serve (3P + 1D, one prefill worker per transport; logs: {log_dir})")
-    serve_args = ["--prefill-kv-transports", ",".join(TRANSPORTS)]
+    print(
+        f"\nstarting pdserve serve ({len(kinds)}P + 1D, one prefill worker per transport; "
+        f"logs: {log_dir})"
+    )
+    serve_args = ["--prefill-kv-transports", ",".join(kinds)]
     rng = random.Random(0)
-    rows: dict[str, list[dict]] = {kind: [] for kind in TRANSPORTS}
-    with local_cluster(len(TRANSPORTS), 1, free_port(), log_dir, serve_args) as url:
+    rows: dict[str, list[dict]] = {kind: [] for kind in kinds}
+    with local_cluster(len(kinds), 1, free_port(), log_dir, serve_args) as url:
         model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-        for i in range((repeats + 1) * len(TRANSPORTS)):  # the first round opens the channels
+        for i in range((repeats + 1) * len(kinds)):  # the first round opens the channels
             prompt = [rng.randrange(1000, 40000) for _ in range(PROMPT_TOKENS)]
             response = httpx.post(
                 f"{url}/v1/completions",
@@ -186,7 +196,7 @@ def through_cluster(repeats: int) -> None:
             )
             response.raise_for_status()
             timing = response.json()["pdserve_timing"]
-            if i >= len(TRANSPORTS):
+            if i >= len(kinds):
                 rows[timing["kv_transport"]].append(timing)
         idle = idle_cpu(url)
     print(
