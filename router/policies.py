@@ -11,13 +11,18 @@ from router.worker_client import WorkerClient
 
 
 class RoundRobin:
+    """Takes turns within each pool: one counter per role, so a disaggregated request's two
+    picks (prefill, then decode) do not step one shared counter twice, which sent every
+    prefill to the same worker of two."""
+
     name = "round-robin"
 
     def __init__(self) -> None:
-        self._turn = itertools.count()
+        self._turns: dict[str, itertools.count] = {}
 
     def choose(self, candidates: list[WorkerClient]) -> WorkerClient:
-        return candidates[next(self._turn) % len(candidates)]
+        turn = self._turns.setdefault(candidates[0].role, itertools.count())
+        return candidates[next(turn) % len(candidates)]
 
 
 class LeastLoaded:

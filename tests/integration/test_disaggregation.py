@@ -1,4 +1,4 @@
-"""Prefill on the prefill worker, KV over gRPC, decode on the decode worker: the real thing.
+"""Prefill on the prefill worker, KV over shared memory (auto, one host), decode on the decode worker: the real thing.
 
 Outputs are compared with vLLM's offline engine, which computes every prompt itself (the
 colocated truth). Each disaggregated prompt is sent here first, so the decode worker holds no
@@ -64,6 +64,7 @@ def test_disaggregated_output_equals_colocated_and_skips_the_prompt(
     blocks = -(-body["usage"]["prompt_tokens"] // 128)
     assert timing["kv_bytes"] == blocks * 30 * 3 * 128 * 2 * 64 * 4
     assert timing["prefill"] > 0 and timing["first_decode_step"] > 0
+    assert timing["kv_transport"] == "shm"  # what `auto` picks for two CPU workers on one host
 
 
 def test_short_prompts_stay_local_and_long_ones_are_disaggregated(server):

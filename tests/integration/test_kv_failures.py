@@ -1,16 +1,10 @@
 """KV transfer failures: a mismatched pair, KV that never comes, a prefill worker killed while
 its KV is in flight, and requests aborted at every stage. Never a hang, never a leaked block."""
 
-import asyncio
-import os
-import random
-import signal
-import threading
 import time
 from dataclasses import replace
 
 import grpc
-import httpx
 import pytest
 import torch
 
@@ -22,9 +16,9 @@ from kv_transfer.kv_layout import WIRE_LAYOUT
 from kv_transfer.transport import TRANSPORTS, LayerSlice
 from settings.engine import EngineSettings
 from settings.worker import WorkerSettings
-from tests.integration.conftest import SERVED_MODEL, _stop_and_check, start_server
-from tests.integration.processes import children, command_line
-from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS, long_prompt
+from tests.integration.conftest import _stop_and_check, start_server
+from tests.integration.kv_stress import abort_fifty_requests, kill_prefill_workers_mid_transfer
+from tests.integration.prompts import DISAGGREGATED_PROMPTS
 from worker.protocol import worker_pb2, worker_pb2_grpc
 
 CONSUMER = Compatibility(
@@ -120,89 +114,12 @@ def recompute_cluster(smollm2_dir, tmp_path_factory):
     _stop_and_check(server)
 
 
-def prefill_worker_pid(server) -> int:
-    (pid,) = [child for child in children(server.process.pid) if "prefill" in command_line(child)]
-    return pid
-
-
 def test_killing_the_prefill_worker_mid_transfer_recomputes_correctly(
     recompute_cluster, offline_reference
 ):
-    server = recompute_cluster
-    index = len(DISAGGREGATED_PROMPTS) - 1  # the longest prompt: its prefill takes seconds
-    pid = prefill_worker_pid(server)
-    killer = threading.Timer(0.5, os.killpg, args=(pid, signal.SIGKILL))
-    started = time.monotonic()
-    killer.start()
-    try:
-        response = httpx.post(
-            f"{server.base_url}/completions",
-            timeout=120,
-            headers={"x-pdserve-route": "disaggregated"},
-            json={
-                "model": SERVED_MODEL,
-                "prompt": DISAGGREGATED_PROMPTS[index],
-                "temperature": 0,
-                "max_tokens": DISAGGREGATED_MAX_TOKENS,
-            },
-        )
-    finally:
-        killer.join()
-    assert response.status_code == 200, response.text
-    assert (
-        response.json()["choices"][0]["text"] == (offline_reference["disaggregated"][index]["text"])
-    )
-    assert time.monotonic() - started < 30, "the cancelled transfer waited for its deadline"
-    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
-    assert 'pdserve_kv_transfer_failures_total{reason="prefill_failed"} 1.0' in metrics
-    assert 'pdserve_kv_fallbacks_total{policy="recompute"} 1.0' in metrics
-    decode = server.worker("decode", fresh=True)
-    assert (decode["running_requests"], decode["kv_blocks_used"]) == (0, 0)
+    """On the default transport of one host (shm)."""
+    kill_prefill_workers_mid_transfer(recompute_cluster, offline_reference)
 
 
 def test_fifty_requests_aborted_at_random_stages_leave_no_kv_behind(server):
-    before = {w["role"]: w["kv_blocks_used"] for w in server.workers(fresh=True)}
-    rng = random.Random(7)
-
-    async def stream(http: httpx.AsyncClient, i: int) -> None:
-        body = {
-            "model": SERVED_MODEL,
-            "prompt": long_prompt(rng.choice((150, 400, 700))) + f" Request {i}.",
-            "max_tokens": 200,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        route = rng.choice(("disaggregated", "disaggregated", "local"))
-        async with http.stream(
-            "POST", f"{server.base_url}/completions", json=body, headers={"x-pdserve-route": route}
-        ) as response:
-            async for _ in response.aiter_lines():
-                pass
-
-    async def abort_all():
-        limit = asyncio.Semaphore(8)
-        async with httpx.AsyncClient(timeout=120) as http:
-
-            async def one(i: int):
-                async with limit:
-                    task = asyncio.create_task(stream(http, i))
-                    # Before the prefill ends, while KV moves, or while decoding.
-                    done, _ = await asyncio.wait({task}, timeout=rng.uniform(0.05, 3.0))
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
-                    return not done
-
-            return await asyncio.gather(*(one(i) for i in range(50)))
-
-    aborted = asyncio.run(asyncio.wait_for(abort_all(), timeout=600))
-    assert sum(aborted) >= 45  # each request could run ~10 s: nearly all were cut short
-    deadline = time.monotonic() + 60
-    while True:
-        after = {
-            w["role"]: (w["kv_blocks_used"], w["running_requests"])
-            for w in server.workers(fresh=True)
-        }
-        if after == {role: (used, 0) for role, used in before.items()}:
-            break
-        assert time.monotonic() < deadline, f"KV still held: {after} (baseline {before})"
-        time.sleep(1)
+    abort_fifty_requests(server)

@@ -8,11 +8,12 @@ from router.policies import LeastLoaded, RoundRobin
 
 
 class FakeWorker:
-    """Stands in for a WorkerClient: policies only read `outstanding_tokens`."""
+    """Stands in for a WorkerClient: policies only read `role` and `outstanding_tokens`."""
 
-    def __init__(self, name: str, outstanding_tokens: int = 0) -> None:
+    def __init__(self, name: str, outstanding_tokens: int = 0, role: str = "decode") -> None:
         self.name = name
         self.outstanding_tokens = outstanding_tokens
+        self.role = role
 
 
 @pytest.mark.parametrize(
@@ -44,6 +45,16 @@ def test_round_robin_cycles_through_the_candidates():
     workers = [FakeWorker("a"), FakeWorker("b"), FakeWorker("c")]
     policy = RoundRobin()
     assert [policy.choose(workers).name for _ in range(4)] == ["a", "b", "c", "a"]
+
+
+def test_round_robin_takes_turns_within_each_pool():
+    """Each disaggregated request picks a prefill worker, then a decode worker: both pools
+    still take turns (one shared counter sent every prefill to the same worker of two)."""
+    prefill = [FakeWorker("p0", role="prefill"), FakeWorker("p1", role="prefill")]
+    decode = [FakeWorker("d0"), FakeWorker("d1")]
+    policy = RoundRobin()
+    picks = [(policy.choose(prefill).name, policy.choose(decode).name) for _ in range(4)]
+    assert picks == [("p0", "d0"), ("p1", "d1"), ("p0", "d0"), ("p1", "d1")]
 
 
 def test_least_loaded_picks_the_fewest_outstanding_tokens():
