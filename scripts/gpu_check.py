@@ -11,7 +11,8 @@
    heads): every decode rank's cache equals the full cache sliced at its heads.
 3. Stream ordering (CUDA): staging sees what the forward stream wrote before it, and a load
    lands after what the forward stream queued before it.
-4. Bandwidth: device->pinned and pinned->device copies through the staging code, beside the
+4. The nccl transport's path: KV staged and loaded without leaving the device.
+5. Bandwidth: device->pinned and pinned->device copies through the staging code, beside the
    device's own device->device copy, in GB/s (median of repeats).
 Exits 1 if any check fails.
 """
@@ -101,6 +102,27 @@ def round_trip(device, dims, memory, dtype) -> bool:
     untouched = [b for b in range(NUM_BLOCKS) if b not in dst_ids.tolist()]
     clean = bool((bytes_of(target_canonical[untouched]) == 0).all())
     return moved and clean and memory_order(source, layout) != ""
+
+
+def device_resident(device, dtype=torch.bfloat16) -> bool:
+    """The nccl transport's path: the wire tensor stays on the device (staged on the side
+    stream, ready once its event fires) and is loaded from the device (no host copy)."""
+    source = make_cache((BLOCK, HEAD, TOKEN, CONTENT), (0, 2, 1, 3), dtype, device)
+    layout = LayerLayout((BLOCK, HEAD, TOKEN, CONTENT))
+    target = make_cache(layout.dims, (0, 2, 1, 3), dtype, device, fill=False)
+    src_ids = torch.tensor([4, 90, 11], device=device)
+    dst_ids = torch.tensor([7, 8, 200], device=device)
+    canonical, target_canonical = (layout.canonical(t, HEAD_SIZE) for t in (source, target))
+    staging = DeviceToHost(device, POOL_BYTES)
+    staged = staging.stage(lambda: gather(canonical, src_ids, slice(None)), to_host=False)
+    received = staged.ready().clone()  # what a receiving rank's group would hand over
+    staged.release()
+    wire = from_bytes(received, dtype, wire_shape(len(src_ids), HEADS, BLOCK_TOKENS, HEAD_SIZE))
+    loader = HostToDevice(device)
+    loader.load(wire, dst_ids.cpu(), lambda w, i: scatter(w, target_canonical, i, slice(None)))
+    loader.wait()
+    moved = torch.equal(bytes_of(target_canonical[dst_ids]), bytes_of(canonical[src_ids]))
+    return moved and received.device == device and staging.budget.in_use == 0
 
 
 def reshard(device, total_heads, prefill_tp, decode_tp, dtype=torch.bfloat16) -> bool:
@@ -219,6 +241,9 @@ def main() -> int:
             f"re-shard    {total} KV heads, prefill TP {p} -> decode TP {d:<10} "
             f"{'ok' if ok else 'FAILED'}"
         )
+    ok = device_resident(device)
+    failures += not ok
+    print(f"device-resident send and load (the nccl path)               {'ok' if ok else 'FAILED'}")
     if device.type == "cuda":
         ok = stream_ordering(device)
         failures += not ok
