@@ -38,7 +38,7 @@ class ByteBudget:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.in_use = 0
-        self.lock = threading.Condition()
+        self.lock = threading.Condition(threading.RLock())
 
     def acquire(self, nbytes: int, timeout_s: float = POOL_WAIT_S) -> None:
         if nbytes > self.max_bytes:
@@ -58,27 +58,17 @@ class ByteBudget:
             self.lock.notify_all()
 
 
-class PinnedPool:
+class PinnedPool(ByteBudget):
     """Pinned host buffers, reused by size, at most `max_bytes` of them at once."""
 
     def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.in_use = 0
+        super().__init__(max_bytes)
         self.free: dict[int, list[torch.Tensor]] = {}
-        self.lock = threading.Condition()
 
     def acquire(self, nbytes: int, timeout_s: float = POOL_WAIT_S) -> torch.Tensor:
         size = _size_class(nbytes)
-        if size > self.max_bytes:
-            raise StagingError(f"a {nbytes}-byte slice is larger than the pinned pool")
-        deadline = time.monotonic() + timeout_s
+        super().acquire(size, timeout_s)
         with self.lock:
-            while self.in_use + size > self.max_bytes:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise StagingError(f"no pinned host memory free after {timeout_s:g} s")
-                self.lock.wait(left)
-            self.in_use += size
             pooled = self.free.get(size)
             if pooled:
                 return pooled.pop()
@@ -89,10 +79,9 @@ class PinnedPool:
         """Back to the pool; buffers kept free count against `max_bytes` too, so pinned memory
         never exceeds it (a free buffer of another size is dropped to make room)."""
         with self.lock:
-            self.in_use -= buffer.numel()
             self.free.setdefault(buffer.numel(), []).append(buffer)
+            super().release(buffer.numel())  # the lock is re-entrant: trimmed below, then woken
             self._trim()
-            self.lock.notify_all()
 
     def _trim(self) -> None:
         """Drop free buffers, largest first, until in use + free fits `max_bytes`."""

@@ -59,6 +59,7 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
             self.server.stop(grace=1)
         if self.shm is not None:
             self.shm.stop()
+        self.inbox.drop_all()
 
     def take(self):
         return self.inbox.take()

@@ -286,6 +286,11 @@ class Inbox:
             cancelled, self.cancelled = self.cancelled, {}
         return complete, cancelled
 
+    def drop_all(self) -> None:
+        """The receiver stops: release what nobody will load (lent segments included)."""
+        for piece in self.take()[0]:
+            piece.release()
+
 
 class SliceAssembler:
     """Puts a slice back together from its chunks (grpc, shm) on one stream and hands whole

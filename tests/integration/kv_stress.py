@@ -28,6 +28,8 @@ def kill_prefill_workers_mid_transfer(server, offline_reference) -> None:
     worker, correctly, long before the 30 s KV deadline."""
     index = len(DISAGGREGATED_PROMPTS) - 1  # the longest prompt: its prefill takes seconds
     pids = prefill_worker_pids(server)
+    failed, recomputed = PREFILL_FAILED, RECOMPUTED
+    before = {name: metric_value(server, name) for name in (failed, recomputed)}
     killers = [threading.Timer(0.5, os.killpg, args=(pid, signal.SIGKILL)) for pid in pids]
     started = time.monotonic()
     for killer in killers:
@@ -57,12 +59,22 @@ def kill_prefill_workers_mid_transfer(server, offline_reference) -> None:
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"] == expected
     assert time.monotonic() - started < 30, "a cancelled transfer waited for its deadline"
-    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
-    count = f"{float(len(pids))}"
-    assert f'pdserve_kv_transfer_failures_total{{reason="prefill_failed"}} {count}' in metrics
-    assert f'pdserve_kv_fallbacks_total{{policy="recompute"}} {count}' in metrics
+    for name in (failed, recomputed):
+        assert metric_value(server, name) - before[name] == len(pids), name
     decode = server.worker("decode", fresh=True)
     assert (decode["running_requests"], decode["kv_blocks_used"]) == (0, 0)
+
+
+PREFILL_FAILED = 'pdserve_kv_transfer_failures_total{reason="prefill_failed"}'
+RECOMPUTED = 'pdserve_kv_fallbacks_total{policy="recompute"}'
+
+
+def metric_value(server, sample: str) -> float:
+    """One sample of the router's metrics (0 when it has not been counted yet)."""
+    for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.split()[-1])
+    return 0.0
 
 
 def abort_fifty_requests(server) -> None:

@@ -1,4 +1,5 @@
-"""Prefill on the prefill worker, KV over shared memory (auto, one host), decode on the decode worker: the real thing.
+"""Prefill on the prefill worker, KV over shared memory (`auto` on one host), decode on the
+decode worker: the real thing.
 
 Outputs are compared with vLLM's offline engine, which computes every prompt itself (the
 colocated truth). Each disaggregated prompt is sent here first, so the decode worker holds no
