@@ -8,11 +8,13 @@ import random
 import signal
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
 
+from router.disaggregation import DISAGGREGATED, LOCAL
 from tests.integration.conftest import SERVED_MODEL
 from tests.integration.processes import children, command_line
 from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS, long_prompt
@@ -22,47 +24,49 @@ def prefill_worker_pids(server) -> list[int]:
     return [child for child in children(server.process.pid) if "prefill" in command_line(child)]
 
 
-def kill_prefill_workers_mid_transfer(server, offline_reference) -> None:
+def kill_prefill_workers_mid_transfer(server) -> None:
     """As many long prompts at once as there are prefill workers (round-robin gives each
     one), every prefill worker killed 0.5 s in: each request is recomputed by the decode
-    worker, correctly, long before the 30 s KV deadline."""
-    index = len(DISAGGREGATED_PROMPTS) - 1  # the longest prompt: its prefill takes seconds
+    worker long before the 30 s KV deadline, with the output the decode worker gives the same
+    prompt on its own (the local path, asked afterwards). The prompts are new to every worker's
+    prefix cache, so each prefill is still running when it is killed."""
     pids = prefill_worker_pids(server)
+    prompts = [f"Request {uuid.uuid4()}. {DISAGGREGATED_PROMPTS[-1]}" for _ in pids]
     failed, recomputed = PREFILL_FAILED, RECOMPUTED
     before = {name: metric_value(server, name) for name in (failed, recomputed)}
     killers = [threading.Timer(0.5, os.killpg, args=(pid, signal.SIGKILL)) for pid in pids]
     started = time.monotonic()
     for killer in killers:
         killer.start()
-
-    def complete(i: int) -> httpx.Response:
-        return httpx.post(
-            f"{server.base_url}/completions",
-            timeout=120,
-            headers={"x-pdserve-route": "disaggregated"},
-            json={
-                "model": SERVED_MODEL,
-                "prompt": DISAGGREGATED_PROMPTS[index],
-                "temperature": 0,
-                "max_tokens": DISAGGREGATED_MAX_TOKENS,
-            },
-        )
-
     try:
         with ThreadPoolExecutor(len(pids)) as pool:
-            responses = list(pool.map(complete, range(len(pids))))
+            responses = list(pool.map(lambda p: complete(server, p, DISAGGREGATED), prompts))
     finally:
         for killer in killers:
             killer.join()
-    expected = offline_reference["disaggregated"][index]["text"]
-    for response in responses:
-        assert response.status_code == 200, response.text
-        assert response.json()["choices"][0]["text"] == expected
     assert time.monotonic() - started < 30, "a cancelled transfer waited for its deadline"
+    for prompt, response in zip(prompts, responses, strict=True):
+        assert response.status_code == 200, response.text
+        local = complete(server, prompt, LOCAL)
+        assert response.json()["choices"][0]["text"] == local.json()["choices"][0]["text"]
     for name in (failed, recomputed):
         assert metric_value(server, name) - before[name] == len(pids), name
     decode = server.worker("decode", fresh=True)
     assert (decode["running_requests"], decode["kv_blocks_used"]) == (0, 0)
+
+
+def complete(server, prompt: str, route: str) -> httpx.Response:
+    return httpx.post(
+        f"{server.base_url}/completions",
+        timeout=120,
+        headers={"x-pdserve-route": route},
+        json={
+            "model": SERVED_MODEL,
+            "prompt": prompt,
+            "temperature": 0,
+            "max_tokens": DISAGGREGATED_MAX_TOKENS,
+        },
+    )
 
 
 PREFILL_FAILED = 'pdserve_kv_transfer_failures_total{reason="prefill_failed"}'

@@ -114,11 +114,9 @@ def recompute_cluster(smollm2_dir, tmp_path_factory):
     _stop_and_check(server)
 
 
-def test_killing_the_prefill_worker_mid_transfer_recomputes_correctly(
-    recompute_cluster, offline_reference
-):
+def test_killing_the_prefill_worker_mid_transfer_recomputes_correctly(recompute_cluster):
     """On the default transport of one host (shm)."""
-    kill_prefill_workers_mid_transfer(recompute_cluster, offline_reference)
+    kill_prefill_workers_mid_transfer(recompute_cluster)
 
 
 def test_fifty_requests_aborted_at_random_stages_leave_no_kv_behind(server):

@@ -66,5 +66,5 @@ def test_fifty_aborts_leave_no_kv_behind_and_reuse_the_process_groups(mixed_clus
     assert 1 <= decode_log.count("KV gloo group with") <= 2, decode_log.count("KV gloo group with")
 
 
-def test_both_prefill_workers_killed_mid_transfer_are_recomputed(mixed_cluster, offline_reference):
-    kill_prefill_workers_mid_transfer(mixed_cluster, offline_reference)
+def test_both_prefill_workers_killed_mid_transfer_are_recomputed(mixed_cluster):
+    kill_prefill_workers_mid_transfer(mixed_cluster)
