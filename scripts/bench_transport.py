@@ -47,6 +47,7 @@ PAYLOADS = {
     "1536-token prompt": [SMOLLM2_LAYER_BYTES] * 30,
 }
 WAIT_S = 120.0
+IDLE_SETTLE_S = 10.0
 
 
 def main() -> int:
@@ -198,6 +199,7 @@ def through_cluster(kinds: list[str], repeats: int) -> None:
             timing = response.json()["pdserve_timing"]
             if i >= len(kinds):
                 rows[timing["kv_transport"]].append(timing)
+        time.sleep(IDLE_SETTLE_S)  # vLLM's engine loops wind down after the last request
         idle = idle_cpu(url)
     print(
         f"\nExposed transfer at {PROMPT_TOKENS} tokens through the cluster (median of {repeats}):\n"
@@ -221,10 +223,24 @@ def idle_cpu(url: str) -> dict[str, float]:
     import httpx
 
     workers = httpx.get(f"{url}/pdserve/workers", timeout=10).json()["workers"]
-    roots = {w["worker_id"]: worker_pid(w["address"]) for w in workers}
+    roots = {
+        f"{w['worker_id']} ({worker_transport(w['address'])})": worker_pid(w["address"])
+        for w in workers
+    }
     before = {name: tree_cpu_seconds(pid) for name, pid in roots.items()}
     time.sleep(10)
     return {name: (tree_cpu_seconds(pid) - before[name]) / 10 for name, pid in roots.items()}
+
+
+def worker_transport(address: str) -> str:
+    """The worker's --kv-transport setting, from its Health."""
+    import grpc
+
+    from worker.protocol import worker_pb2, worker_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        health = worker_pb2_grpc.WorkerStub(channel).Health(worker_pb2.HealthRequest(), timeout=5)
+    return f"kv_transport {health.kv_transport}"
 
 
 def worker_pid(address: str) -> int:
