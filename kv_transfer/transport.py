@@ -160,6 +160,8 @@ class KvSender:
             with self.lock:  # later slices for this destination go to a new channel
                 if self.queues.get(key) is pending:
                     del self.queues[key]
+                if self.threads.get(key) is threading.current_thread():
+                    del self.threads[key]
             carried |= _release_queued(pending)
             if channel is not None:
                 try:

@@ -228,6 +228,10 @@ def test_an_idle_channel_closes_on_purpose_and_the_next_slice_reopens_it(receive
         while time.monotonic() < deadline and sender.queues:
             time.sleep(0.02)
         assert sender.queues == {}
+        deadline = time.monotonic() + DEADLINE_S
+        while time.monotonic() < deadline and sender.threads:
+            time.sleep(0.02)
+        assert sender.threads == {}  # the channel's thread is gone, not kept
         assert memfds_after_close() == 0
         sender.send(address, "shm", piece("t-2"))
         assert [p.transfer_id for p in wait_for(kv_receiver, slices=1)[0]] == ["t-2"]
