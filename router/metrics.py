@@ -130,6 +130,12 @@ class RouterMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.migrations = Counter(
+            "pdserve_migrations",
+            "Requests continued on another decode worker after theirs became unavailable "
+            "mid-stream",
+            registry=self.registry,
+        )
         self.kv_fallbacks = Counter(
             "pdserve_kv_fallbacks",
             "Disaggregated requests whose decode worker prefilled the prompt itself after all",

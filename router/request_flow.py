@@ -3,7 +3,9 @@
     admit   validate the body, tokenize, build the worker request, choose the path
     start   send it on its path (prefill leg + decode leg, or local) and wait for the first
             chunk; a decode worker found unavailable first is marked down and another one tried
-    relay   pass the chunks on as they come (`collect` for a whole response, `stream` for SSE)
+    relay   pass the chunks on as they come (`collect` for a whole response, `stream` for SSE);
+            a decode worker lost mid-stream is marked down and the request migrates: another
+            decode worker continues it from the prompt plus the tokens already relayed
     finish  count the request in the metrics and return its usage
 
 The HTTP layer (router/app.py) only calls these steps; they know nothing of FastAPI, so they can
@@ -15,7 +17,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.disaggregation import (
     DISAGGREGATED,
@@ -25,7 +27,13 @@ from router.disaggregation import (
     choose_route,
     generate_disaggregated,
 )
-from router.errors import OpenAIError, context_length_exceeded, model_not_found, worker_unavailable
+from router.errors import (
+    OpenAIError,
+    context_length_exceeded,
+    model_not_found,
+    request_timeout,
+    worker_unavailable,
+)
 from router.metrics import RouterMetrics
 from router.openai_types import ChatCompletionRequest, SamplingFields, parse_request
 from router.responses import SSE_DONE, ResponseFormat, Usage, sse
@@ -38,6 +46,7 @@ log = logging.getLogger("pdserve.router")
 FINISH_REASONS = {"stop": "stop", "length": "length"}
 TAKES_REQUESTS = ("decode", "colocated")
 MAX_ATTEMPTS = 3  # decode workers a request may try when they turn out unavailable
+MAX_MIGRATIONS = 2  # times a request may move on after its decode worker was lost mid-stream
 
 
 @dataclass
@@ -55,6 +64,8 @@ class RequestRun:
     completion_tokens: int = 0
     cached_tokens: int = 0
     last_chunk: worker_pb2.GenerateChunk | None = None
+    token_ids: list[int] = field(default_factory=list)  # relayed so far
+    migrations: int = 0
 
 
 @dataclass
@@ -161,7 +172,53 @@ class RequestFlow:
             if run.prefill is not None and run.prefill.error_kind == "worker_unavailable":
                 self.pool.mark_down(prefill)
             self.metrics.routes.labels(run.route).inc()
-            return first, chunks, headers
+            return first, self._migrating(run, worker_request, chunks), headers
+
+    async def _migrating(self, run: RequestRun, request: worker_pb2.GenerateRequest, chunks):
+        """The request's chunks; when its decode worker is lost mid-stream, the rest come from
+        another one, which continues from the prompt plus the tokens relayed so far (computed
+        there as prompt: greedy output is what an undisturbed run gives), with max_tokens
+        reduced by as many. The client sees one stream, no token twice or missing."""
+        current = chunks
+        try:
+            while True:
+                try:
+                    async for chunk in current:
+                        yield chunk
+                    return
+                except OpenAIError as error:
+                    if error.kind != "worker_unavailable" or run.migrations >= MAX_MIGRATIONS:
+                        raise
+                    lost = run.decode_worker
+                    self.pool.mark_down(lost)
+                    await current.aclose()
+                    current = self._continuation(run, request)
+                    log.warning(
+                        "request %s: %s after %d tokens; continuing on %s",
+                        run.request_id,
+                        error.message,
+                        len(run.token_ids),
+                        run.decode_worker.worker_id,
+                    )
+        finally:
+            await current.aclose()
+
+    def _continuation(self, run: RequestRun, request: worker_pb2.GenerateRequest):
+        """The rest of the request on another decode worker (local path: it computes the prompt
+        and the relayed tokens itself), within the request's remaining time."""
+        run.migrations += 1
+        self.metrics.migrations.inc()
+        worker = run.decode_worker = self.pool.pick(TAKES_REQUESTS)
+        rest = worker_pb2.GenerateRequest()
+        rest.CopyFrom(request)
+        rest.ClearField("kv")
+        rest.request_id = f"{run.request_id}-m{run.migrations}"
+        rest.prompt_token_ids.extend(run.token_ids)
+        rest.sampling.max_tokens -= len(run.token_ids)
+        left = self.settings.request_timeout_s - (time.monotonic() - run.arrival)
+        if left <= 0:
+            raise request_timeout(self.settings.request_timeout_s)
+        return worker.generate(rest, timeout=left)
 
     # relay -------------------------------------------------------------------------------
 
@@ -242,8 +299,10 @@ class RequestFlow:
             self.metrics.inter_token.observe(now - run.last_token_at)
         run.last_token_at = now
         run.completion_tokens += len(chunk.token_ids)
-        run.cached_tokens = chunk.cached_tokens
-        run.last_chunk = chunk
+        run.token_ids.extend(chunk.token_ids)
+        if not run.migrations:  # the original worker's prompt-cache hit is the request's
+            run.cached_tokens = chunk.cached_tokens
+            run.last_chunk = chunk
 
     # finish ------------------------------------------------------------------------------
 

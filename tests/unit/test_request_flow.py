@@ -22,8 +22,9 @@ PROMPT = [11, 12, 13, 14, 15]
 
 
 class FakeWorker:
-    """Stands in for router.worker_client.WorkerClient: `generate` fails with `error` before
-    its first chunk, or streams `chunks`; it records every request it got."""
+    """Stands in for router.worker_client.WorkerClient: `generate` streams `chunks`, then
+    fails with `error` if it has one (before any chunk when there are none: it is down); it
+    records every request it got."""
 
     def __init__(self, name: str, role: str = "decode", chunks=(), error=None) -> None:
         self.address = f"{name}:50051"
@@ -39,10 +40,10 @@ class FakeWorker:
 
     async def generate(self, request: worker_pb2.GenerateRequest, timeout: float):
         self.requests.append(request)
-        if self.error is not None:
-            raise self.error
         for chunk in self.chunks:
             yield chunk
+        if self.error is not None:
+            raise self.error
 
 
 def unavailable(name: str, role: str = "decode") -> FakeWorker:
@@ -199,3 +200,55 @@ def test_a_worker_ending_a_request_with_abort_is_a_502_from_collect():
     assert (caught.value.status, caught.value.kind) == (502, "worker_error")
     labels = {"endpoint": "completions", "status": "200"}
     assert flow.metrics.registry.get_sample_value("pdserve_requests_total", labels) is None
+
+
+def collect(flow: RequestFlow, run: RequestRun, request) -> dict:
+    async def go():
+        first, chunks, _ = await flow.start(run, request)
+        response_format = CompletionFormat(run.request_id, "m")
+        return await flow.collect(run, first, chunks, response_format, "completions")
+
+    return asyncio.run(go())
+
+
+def test_a_decode_worker_lost_mid_stream_hands_the_rest_to_another_one():
+    dying = FakeWorker(
+        "decode-a",
+        chunks=[
+            worker_pb2.GenerateChunk(token_ids=[1], text="Hello"),
+            worker_pb2.GenerateChunk(token_ids=[2], text=" big"),
+        ],
+        error=worker_unavailable("worker decode-a is unavailable: Socket closed"),
+    )
+    rest = FakeWorker(
+        "decode-b",
+        chunks=[
+            worker_pb2.GenerateChunk(token_ids=[3], text=" world"),
+            worker_pb2.GenerateChunk(token_ids=[4], text="!", finish_reason="length"),
+        ],
+    )
+    flow = flow_over(dying, rest)
+    run, request = new_request()
+    request.sampling.max_tokens = 4
+    body = collect(flow, run, request)
+    assert body["choices"][0]["text"] == "Hello big world!"  # nothing twice, nothing missing
+    assert body["usage"]["completion_tokens"] == 4
+    [continuation] = rest.requests
+    assert list(continuation.prompt_token_ids) == PROMPT + [1, 2]
+    assert continuation.sampling.max_tokens == 2
+    assert continuation.request_id == "cmpl-1-m1"
+    assert flow.pool.down == {dying.address}
+    assert flow.metrics.registry.get_sample_value("pdserve_migrations_total") == 1.0
+
+
+def test_with_no_decode_worker_left_a_lost_stream_ends_in_a_503():
+    dying = FakeWorker(
+        "decode-a",
+        chunks=[worker_pb2.GenerateChunk(token_ids=[1], text="Hello")],
+        error=worker_unavailable("worker decode-a is unavailable"),
+    )
+    flow = flow_over(dying)
+    run, request = new_request()
+    with pytest.raises(OpenAIError) as caught:
+        collect(flow, run, request)
+    assert (caught.value.status, caught.value.kind) == (503, "worker_unavailable")
