@@ -87,11 +87,8 @@ def create_app(settings: RouterSettings, model: str) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        live = [w.worker_id for w in pool.workers if w.address not in pool.down]
-        status = 200 if live else 503
-        return JSONResponse(
-            {"status": "ok" if live else "unavailable", "workers": live}, status_code=status
-        )
+        serving, report = pool.health()
+        return JSONResponse(report, status_code=200 if serving else 503)
 
     @app.get("/metrics")
     async def prometheus():

@@ -57,6 +57,21 @@ class WorkerPool:
     def live(self, roles: tuple[str, ...]) -> list[WorkerClient]:
         return [w for w in self.workers if w.role in roles and w.address not in self.down]
 
+    def health(self) -> tuple[bool, dict]:
+        """Whether the cluster can serve a request (a decode or colocated worker is up; prefill
+        workers are optional), and what is up, by pool."""
+        live = [w for w in self.workers if w.address not in self.down]
+        pools = {
+            role: sum(w.role == role for w in live) for role in ("prefill", "decode", "colocated")
+        }
+        serving = bool(pools["decode"] or pools["colocated"])
+        return serving, {
+            "status": "ok" if serving else "unavailable",
+            "workers": [w.worker_id for w in live],
+            "pools": pools,
+            "down": sorted(w.worker_id for w in self.workers if w.address in self.down),
+        }
+
     def pick(self, roles: tuple[str, ...], avoid: frozenset[str] = frozenset()) -> WorkerClient:
         candidates = [w for w in self.live(roles) if w.address not in avoid]
         if not candidates:

@@ -248,3 +248,18 @@ def test_max_model_len_is_the_smallest_member_and_the_last_known_when_the_pool_e
         assert pool.max_model_len == 8192
 
     asyncio.run(scenario())
+
+
+def test_health_is_ok_only_while_a_worker_can_take_requests(workers):
+    pool = WorkerPool([], RoundRobin())
+    workers.up("p:1", role="prefill")
+    workers.up("d:1", role="decode")
+    asyncio.run(pool.sync(["p:1", "d:1"]))
+    serving, report = pool.health()
+    assert serving and report["status"] == "ok"
+    assert report["pools"] == {"prefill": 1, "decode": 1, "colocated": 0}
+    assert sorted(report["workers"]) == ["id-d:1", "id-p:1"]
+    pool.mark_down(next(w for w in pool.workers if w.role == "decode"))
+    serving, report = pool.health()  # prefill workers alone cannot answer anyone
+    assert not serving and report["status"] == "unavailable"
+    assert report["down"] == ["id-d:1"] and report["pools"]["prefill"] == 1
