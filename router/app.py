@@ -24,7 +24,7 @@ from router.errors import OpenAIError, invalid_request
 from router.metrics import RouterMetrics
 from router.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
 from router.policies import POLICIES
-from router.request_flow import RequestFlow, timing_breakdown
+from router.request_flow import TIMEOUT_HEADER, RequestFlow, timing_breakdown
 from router.responses import ChatFormat, CompletionFormat, ResponseFormat
 from router.tokenization import PromptTokenizer
 from router.worker_pool import WorkerPool, follow_registry
@@ -149,7 +149,13 @@ def create_app(settings: RouterSettings, model: str) -> FastAPI:
         try:
             body = await _read_json(request)
             admitted = flow.admit(
-                endpoint, schema, body, id_prefix, request.headers.get(ROUTE_HEADER), arrival
+                endpoint,
+                schema,
+                body,
+                id_prefix,
+                request.headers.get(ROUTE_HEADER),
+                arrival,
+                request.headers.get(TIMEOUT_HEADER),
             )
             run = admitted.run
             first, chunks, headers = await flow.start(run, admitted.worker_request)

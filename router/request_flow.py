@@ -30,6 +30,7 @@ from router.disaggregation import (
 from router.errors import (
     OpenAIError,
     context_length_exceeded,
+    invalid_request,
     model_not_found,
     request_timeout,
     worker_unavailable,
@@ -56,6 +57,7 @@ class RequestRun:
     request_id: str
     prompt_tokens: int
     arrival: float
+    timeout_s: float = 600.0  # the request's one deadline is arrival + timeout_s, for every leg
     route: str = LOCAL
     prefill: PrefillOutcome | None = None  # the prefill leg, when disaggregated
     decode_worker: WorkerClient | None = None
@@ -66,6 +68,13 @@ class RequestRun:
     last_chunk: worker_pb2.GenerateChunk | None = None
     token_ids: list[int] = field(default_factory=list)  # relayed so far
     migrations: int = 0
+
+    def time_left(self) -> float:
+        """Seconds until the request's deadline; a 504 once it has passed."""
+        left = self.arrival + self.timeout_s - time.monotonic()
+        if left <= 0:
+            raise request_timeout(self.timeout_s)
+        return left
 
 
 @dataclass
@@ -97,7 +106,13 @@ class RequestFlow:
         id_prefix: str,
         route_header: str | None,
         arrival: float,
+        timeout_header: str | None = None,
     ) -> Admitted:
+        """`timeout_header`: the client's own limit in seconds (x-pdserve-timeout), used when
+        it is below --request-timeout."""
+        timeout_s = self.settings.request_timeout_s
+        if timeout_header is not None:
+            timeout_s = min(timeout_s, parse_timeout(timeout_header))
         parsed = parse_request(schema, body)
         served = self.settings.served_model
         if parsed.model != served:
@@ -106,7 +121,7 @@ class RequestFlow:
             prompt_ids = self.tokenizer.chat(parsed)
         else:
             prompt_ids = self.tokenizer.completion(parsed)
-        run = RequestRun(f"{id_prefix}-{uuid.uuid4().hex}", len(prompt_ids), arrival)
+        run = RequestRun(f"{id_prefix}-{uuid.uuid4().hex}", len(prompt_ids), arrival, timeout_s)
         if not self.pool.max_model_len:
             raise worker_unavailable("no worker has joined the pools yet; retry later")
         worker_request = worker_pb2.GenerateRequest(
@@ -152,12 +167,12 @@ class RequestFlow:
                     worker,
                     worker_request,
                     self.settings.kv_timeout_s,
-                    self.settings.request_timeout_s,
+                    run.time_left(),
                     run.prefill,
                 )
                 headers["x-pdserve-prefill-worker"] = prefill.worker_id
             else:
-                chunks = worker.generate(worker_request, timeout=self.settings.request_timeout_s)
+                chunks = worker.generate(worker_request, timeout=run.time_left())
             try:
                 first = await anext(chunks)
             except OpenAIError as error:
@@ -215,10 +230,7 @@ class RequestFlow:
         rest.request_id = f"{run.request_id}-m{run.migrations}"
         rest.prompt_token_ids.extend(run.token_ids)
         rest.sampling.max_tokens -= len(run.token_ids)
-        left = self.settings.request_timeout_s - (time.monotonic() - run.arrival)
-        if left <= 0:
-            raise request_timeout(self.settings.request_timeout_s)
-        return worker.generate(rest, timeout=left)
+        return worker.generate(rest, timeout=run.time_left())
 
     # relay -------------------------------------------------------------------------------
 
@@ -356,6 +368,22 @@ class RequestFlow:
     def count_disconnect(self, endpoint: str) -> None:
         self.metrics.errors.labels("client_disconnect").inc()
         self.metrics.requests.labels(endpoint, "499").inc()
+
+
+TIMEOUT_HEADER = "x-pdserve-timeout"
+
+
+def parse_timeout(header: str) -> float:
+    try:
+        seconds = float(header)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0 or seconds != seconds or seconds == float("inf"):
+        raise invalid_request(
+            f"{TIMEOUT_HEADER} must be a number of seconds > 0, not {header!r}",
+            param=TIMEOUT_HEADER,
+        )
+    return seconds
 
 
 async def _prepend(first, chunks):

@@ -55,7 +55,8 @@ RequestTimeoutS = Annotated[
     Field(
         default=600.0,
         gt=0,
-        description="seconds a request may take on a worker",
+        description="the request's one deadline in seconds, from arrival, shared by every leg, "
+        "retry and migration (a client may ask for less with x-pdserve-timeout)",
         json_schema_extra={"flag": "--request-timeout"},
     ),
 ]

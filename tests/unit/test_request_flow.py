@@ -37,9 +37,11 @@ class FakeWorker:
         self.chunks = list(chunks)
         self.error = error
         self.requests: list[worker_pb2.GenerateRequest] = []
+        self.timeouts: list[float] = []
 
     async def generate(self, request: worker_pb2.GenerateRequest, timeout: float):
         self.requests.append(request)
+        self.timeouts.append(timeout)
         for chunk in self.chunks:
             yield chunk
         if self.error is not None:
@@ -252,3 +254,34 @@ def test_with_no_decode_worker_left_a_lost_stream_ends_in_a_503():
     with pytest.raises(OpenAIError) as caught:
         collect(flow, run, request)
     assert (caught.value.status, caught.value.kind) == (503, "worker_unavailable")
+
+
+def test_every_leg_and_retry_shares_the_one_deadline_set_at_arrival():
+    gone, alive = unavailable("decode-a"), answering("decode-b")
+    flow = flow_over(gone, alive)
+    run, request = new_request()
+    run.timeout_s = 30.0
+    run.arrival -= 12.0  # it has waited 12 s already
+    start(flow, run, request)
+    assert 17.0 < gone.timeouts[0] <= 18.0  # not the whole 30 s again
+    assert 17.0 < alive.timeouts[0] <= gone.timeouts[0]  # the retry: what is left
+    assert 17.0 < run.time_left() < 18.0
+    run.arrival -= 20.0
+    with pytest.raises(OpenAIError) as caught:
+        run.time_left()
+    assert (caught.value.status, caught.value.kind) == (504, "timeout")
+
+
+@pytest.mark.parametrize("header", ["0", "-3", "soon", "nan", "inf"])
+def test_a_bad_client_timeout_is_a_400(header):
+    from router.request_flow import parse_timeout
+
+    with pytest.raises(OpenAIError) as caught:
+        parse_timeout(header)
+    assert caught.value.status == 400 and "x-pdserve-timeout" in caught.value.message
+
+
+def test_a_client_timeout_below_the_routers_wins():
+    from router.request_flow import parse_timeout
+
+    assert parse_timeout("2.5") == 2.5
