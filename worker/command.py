@@ -20,6 +20,7 @@ from settings.base import ConfigError
 from settings.command_line import add_arguments, add_settings_json, from_arguments
 from settings.worker import WorkerSettings
 from worker import engine as engine_factory
+from worker import group_reaper
 from worker.processes import free_port
 from worker.protocol import GRPC_OPTIONS, worker_pb2_grpc
 
@@ -45,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ModelError) as error:
         print(f"pdserve worker: {error}", file=sys.stderr)
         return 2
+    group_reaper.start_for_this_worker()
     return asyncio.run(serve_worker(settings, model))
 
 

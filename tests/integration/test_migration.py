@@ -1,6 +1,7 @@
-"""A decode worker killed (SIGKILL) under a steady stream of requests: every request still
-succeeds, its stream uninterrupted, with the greedy output an undisturbed run gives; the
-requests it was decoding migrate to the other decode worker."""
+"""A decode worker killed (SIGKILL, the worker process alone) under a steady stream of
+requests: every request still succeeds, its stream uninterrupted, with the greedy output an
+undisturbed run gives; the requests it was decoding migrate to the other decode worker; and
+its vLLM engine processes die with it (no orphan)."""
 
 import asyncio
 import json
@@ -13,7 +14,7 @@ import pytest
 
 from tests.integration.conftest import SERVED_MODEL, _stop_and_check, start_server
 from tests.integration.kv_stress import metric_value
-from tests.integration.processes import children, command_line
+from tests.integration.processes import children, command_line, group_members
 from tests.integration.prompts import PROMPTS, long_prompt
 
 MAX_TOKENS = 48
@@ -73,6 +74,7 @@ def test_a_decode_worker_killed_mid_stream_fails_no_request(one_prefill_two_deco
         if any('"role":"decode"' in part for part in command_line(child))
     ]
     assert len(decode_pids) == 2
+    assert len(group_members(decode_pids[0])) >= 3  # the worker, its engine core, its reaper
 
     async def under_fire():
         limit = asyncio.Semaphore(CONCURRENCY)
@@ -85,8 +87,7 @@ def test_a_decode_worker_killed_mid_stream_fails_no_request(one_prefill_two_deco
 
             async def kill():
                 await asyncio.sleep(KILL_AFTER_S)
-                os.killpg(decode_pids[0], signal.SIGKILL)
-                return time.monotonic()
+                os.kill(decode_pids[0], signal.SIGKILL)  # not its group: the engine is its own
 
             killer = asyncio.create_task(kill())
             results = await asyncio.gather(*(one(i) for i in range(REQUESTS)))
@@ -103,3 +104,8 @@ def test_a_decode_worker_killed_mid_stream_fails_no_request(one_prefill_two_deco
     migrations = metric_value(server, "pdserve_migrations_total")
     print(f"migrated requests: {migrations:.0f}")
     assert migrations >= 1, "the killed worker was decoding nothing: the test proved nothing"
+    # The worker led its own process group, its engine processes in it: none outlives it.
+    deadline = time.monotonic() + 10
+    while group_members(decode_pids[0]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert group_members(decode_pids[0]) == [], "the killed worker's engine processes live on"

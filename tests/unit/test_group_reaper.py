@@ -1,0 +1,81 @@
+"""worker/group_reaper.py with real processes: a group leader SIGKILLed takes its other
+processes with it; a process that does not lead its group starts no reaper."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+LEADER = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    from worker import group_reaper
+    group_reaper.start_for_this_worker()
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    print(engine.pid, flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_sigkilled_group_leader_takes_its_engine_processes_with_it():
+    leader = subprocess.Popen(
+        [sys.executable, "-c", LEADER],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        engine = int(leader.stdout.readline())
+        assert alive(engine)
+        leader.kill()  # SIGKILL: no goodbye
+        leader.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while alive(engine) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(engine), "the engine process outlived its worker"
+    finally:
+        leader.stdout.close()
+        try:
+            os.killpg(leader.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+NOT_A_LEADER = textwrap.dedent(
+    """
+    import os
+    from pathlib import Path
+    from worker import group_reaper
+    group_reaper.start_for_this_worker()
+    children = [
+        p for p in Path("/proc").iterdir()
+        if p.name.isdigit()
+        and (p / "stat").read_text().rsplit(")", 1)[1].split()[1] == str(os.getpid())
+    ]
+    print(len(children))
+    """
+)
+
+
+def test_a_process_that_does_not_lead_its_group_gets_no_reaper():
+    """Run from a shell pipeline, a worker shares its group: killing it would kill more."""
+    probe = subprocess.run(
+        [sys.executable, "-c", NOT_A_LEADER], cwd=ROOT, capture_output=True, text=True, timeout=30
+    )
+    assert probe.stdout.strip() == "0", probe
