@@ -34,6 +34,7 @@ from worker.registry import Registry
 log = logging.getLogger("pdserve.router")
 TIMING_HEADER = "x-pdserve-timing"  # ask for the timing breakdown in a whole response
 CANCEL_GRACE_S = 5.0  # how long a cancelled relay may take to unwind
+MAX_BODY_BYTES = 32 << 20  # a request body beyond this is refused (413) before it is read whole
 DOWN_WORKER_CHECK_S = 2.0  # how often workers marked down are asked whether they are back
 
 
@@ -209,8 +210,26 @@ async def _watch_down_workers(pool: WorkerPool) -> None:
 
 
 async def _read_json(request: Request):
-    raw = await request.body()
+    """The body as JSON, read no further than MAX_BODY_BYTES (a 413 beyond)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise body_too_large()
+    raw = bytearray()
+    async for part in request.stream():
+        raw += part
+        if len(raw) > MAX_BODY_BYTES:
+            raise body_too_large()
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise invalid_request(f"the request body is not valid JSON: {error}") from None
+
+
+def body_too_large() -> OpenAIError:
+    return OpenAIError(
+        413,
+        f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB",
+        "invalid_request",
+        type="invalid_request_error",
+        code="request_too_large",
+    )

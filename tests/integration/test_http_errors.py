@@ -60,6 +60,34 @@ def test_bad_input_gets_an_openai_error(server, endpoint, body, status, code):
     assert error["code"] == code or code is None
 
 
+def test_a_body_beyond_the_limit_is_a_413_without_reading_it_whole(server):
+    from router.app import MAX_BODY_BYTES
+
+    huge = b'{"prompt": "' + b"x" * MAX_BODY_BYTES + b'"}'
+    response = httpx.post(
+        f"{server.base_url}/completions",
+        content=huge,
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code == 413, response.text
+    assert response.json()["error"]["code"] == "request_too_large"
+
+    def chunked():  # no content-length: the limit holds while reading
+        yield b'{"prompt": "'
+        for _ in range(MAX_BODY_BYTES >> 20):
+            yield b"x" * (1 << 20)
+        yield b'"}'
+
+    response = httpx.post(
+        f"{server.base_url}/completions",
+        content=chunked(),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code == 413, response.text
+
+
 def test_the_server_still_serves_after_bad_input(server):
     for endpoint, body, _, _ in BAD_REQUESTS:
         if isinstance(body, dict):
