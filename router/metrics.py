@@ -136,6 +136,12 @@ class RouterMetrics:
             "mid-stream",
             registry=self.registry,
         )
+        self.migration_gap = Histogram(
+            "pdserve_migration_gap_seconds",
+            "A migrated request's pause: its decode worker lost -> first token from the next",
+            registry=self.registry,
+            buckets=LATENCY_BUCKETS,
+        )
         self.kv_fallbacks = Counter(
             "pdserve_kv_fallbacks",
             "Disaggregated requests whose decode worker prefilled the prompt itself after all",

@@ -195,17 +195,23 @@ class RequestFlow:
         there as prompt: greedy output is what an undisturbed run gives), with max_tokens
         reduced by as many. The client sees one stream, no token twice or missing."""
         current = chunks
+        lost_at = None
         try:
             while True:
                 try:
                     async for chunk in current:
+                        if lost_at is not None:
+                            gap = time.monotonic() - lost_at
+                            self.metrics.migration_gap.observe(gap)
+                            log.info("request %s resumed %.3f s later", run.request_id, gap)
+                            lost_at = None
                         yield chunk
                     return
                 except OpenAIError as error:
                     if error.kind != "worker_unavailable" or run.migrations >= MAX_MIGRATIONS:
                         raise
-                    lost = run.decode_worker
-                    self.pool.mark_down(lost)
+                    lost_at = time.monotonic()
+                    self.pool.mark_down(run.decode_worker)
                     await current.aclose()
                     current = self._continuation(run, request)
                     log.warning(

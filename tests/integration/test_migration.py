@@ -102,7 +102,8 @@ def test_a_decode_worker_killed_mid_stream_fails_no_request(one_prefill_two_deco
         assert text == expected_text, f"request {i} differs from the undisturbed run"
         assert tokens == expected_tokens
     migrations = metric_value(server, "pdserve_migrations_total")
-    print(f"migrated requests: {migrations:.0f}")
+    gap = metric_value(server, "pdserve_migration_gap_seconds_sum") / max(migrations, 1)
+    print(f"migrated requests: {migrations:.0f}, mean pause {gap:.3f} s")
     assert migrations >= 1, "the killed worker was decoding nothing: the test proved nothing"
     # The worker led its own process group, its engine processes in it: none outlives it.
     deadline = time.monotonic() + 10

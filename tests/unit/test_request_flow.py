@@ -241,6 +241,7 @@ def test_a_decode_worker_lost_mid_stream_hands_the_rest_to_another_one():
     assert continuation.request_id == "cmpl-1-m1"
     assert flow.pool.down == {dying.address}
     assert flow.metrics.registry.get_sample_value("pdserve_migrations_total") == 1.0
+    assert flow.metrics.registry.get_sample_value("pdserve_migration_gap_seconds_count") == 1.0
 
 
 def test_with_no_decode_worker_left_a_lost_stream_ends_in_a_503():
