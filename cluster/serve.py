@@ -18,6 +18,7 @@ from cluster.console import say
 from cluster.local_workers import start_worker, stop_worker, wait_ready
 from kv_transfer.transport import AUTO, TRANSPORTS
 from model_store.store import ModelError, resolve_model
+from router.api_keys import load_api_keys
 from router.command import run_router
 from settings.base import ConfigError
 from settings.command_line import add_arguments, from_arguments
@@ -102,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
             WorkerSettings, args, role="decode", engine=engine, host="127.0.0.1", port=0
         )
         router = from_arguments(RouterSettings, args, model=engine.model)
+        load_api_keys(router)  # a key file that cannot be read stops it before any worker
         model = resolve_model(engine.model)
         _check_port_free(router.host, router.port)
     except (ConfigError, ModelError, OSError) as error:

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from router.api_keys import is_authorized, load_api_keys, open_paths, unauthorized
 from router.disaggregation import ROUTE_HEADER
 from router.errors import OpenAIError, invalid_request
 from router.metrics import RouterMetrics
@@ -65,6 +66,17 @@ def create_app(settings: RouterSettings, model: str) -> FastAPI:
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.pool = pool
+    api_keys, unguarded = load_api_keys(settings), open_paths(settings)
+    if api_keys:
+
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next):
+            header = request.headers.get("authorization")
+            if request.url.path in unguarded or is_authorized(header, api_keys):
+                return await call_next(request)
+            error = unauthorized(header)
+            metrics.errors.labels(error.kind).inc()
+            return JSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):

@@ -8,6 +8,7 @@ import sys
 import time
 
 from model_store.store import ModelError, resolve_model
+from router.api_keys import load_api_keys
 from settings.base import ConfigError
 from settings.command_line import add_arguments, add_settings_json, from_arguments
 from settings.router import RouterSettings
@@ -29,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
         settings = from_arguments(RouterSettings, args)
         if not settings.registry and not settings.worker_addresses:
             raise ConfigError("--registry: the router needs a registry to follow")
+        load_api_keys(settings)  # a key file that cannot be read stops it here
         model = resolve_model(settings.model)
     except (ConfigError, ModelError) as error:
         print(f"pdserve router: {error}", file=sys.stderr)

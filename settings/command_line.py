@@ -38,6 +38,9 @@ def add_arguments(
         options = {"dest": name, "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
         if typing.get_origin(kind) is typing.Literal:
             options["choices"] = typing.get_args(kind)
+        elif typing.get_origin(kind) is list:
+            options["action"] = "append"
+            options["metavar"] = extra.get("metavar")
         elif kind is bool:
             options["action"] = argparse.BooleanOptionalAction
         else:
@@ -127,4 +130,4 @@ def _base_type(annotation):
 
 
 def _show_default(value) -> str:
-    return "none" if value in (None, "") else str(value)
+    return "none" if value in (None, "", []) else str(value)

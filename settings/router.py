@@ -89,6 +89,21 @@ class RouterSettings(Settings):
     kv_timeout_s: KvTimeoutS
     default_max_tokens: DefaultMaxTokens
     request_timeout_s: RequestTimeoutS
+    api_key: list[str] = Field(
+        [],
+        description="a key clients must send (Authorization: Bearer KEY); repeatable; shows in "
+        "the process list: prefer --api-key-file or PDSERVE_API_KEYS (default: none, "
+        "the router is open unless a file or the variable gives keys)",
+        json_schema_extra={"metavar": "KEY"},
+    )
+    api_key_file: str = Field(
+        "",
+        description="a file of client API keys, one per line",
+        json_schema_extra={"metavar": "PATH"},
+    )
+    public_metrics: bool = Field(
+        True, description="/metrics answers without an API key (/health always does)"
+    )
     worker_ready_timeout_s: float = Field(
         600.0,
         gt=0,

@@ -1,0 +1,93 @@
+"""Client API keys on a real router (`pdserve router` in front of the session's workers), with
+the real `openai` client: no key or a wrong one is a 401 with OpenAI's body (which the client
+raises as AuthenticationError), a right one is served, /health stays open for probes, and
+/metrics is closed when asked."""
+
+import json
+import sys
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.conftest import SERVED_MODEL
+from worker.processes import free_port, spawn, stop_group, wait_until
+
+KEYS = ("sk-pdserve-test-1", "sk-pdserve-test-2")
+
+
+@pytest.fixture(scope="module")
+def guarded_router(server, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("api-keys")
+    key_file = folder / "keys"
+    key_file.write_text("# keys for the test\n" + "\n".join(KEYS) + "\n")
+    port = free_port()
+    settings = {
+        "port": port,
+        "model": "smollm2",
+        "served_model_name": SERVED_MODEL,
+        "worker_addresses": [w["address"] for w in server.workers()],
+        "api_key_file": str(key_file),
+        "public_metrics": False,
+    }
+    log = folder / "router.log"
+    process = spawn(
+        [sys.executable, "-m", "cluster.cli", "router", "--settings-json", json.dumps(settings)],
+        log,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _up(url), process, 120, "pdserve router", log)
+        yield url
+    finally:
+        stop_group(process.pid, process=process)
+    assert KEYS[0] not in log.read_text(), "a key reached the log"
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def client(url: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, timeout=120, max_retries=0)
+
+
+def test_a_right_key_is_served(guarded_router):
+    reply = client(guarded_router, KEYS[1]).completions.create(
+        model=SERVED_MODEL, prompt="The capital of France is", max_tokens=4, temperature=0
+    )
+    assert reply.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("key", ["sk-wrong", KEYS[0] + "x"])
+def test_a_wrong_key_is_a_401_with_the_openai_body(guarded_router, key):
+    with pytest.raises(openai.AuthenticationError) as caught:
+        client(guarded_router, key).completions.create(
+            model=SERVED_MODEL, prompt="Hi", max_tokens=2
+        )
+    error = caught.value.body
+    assert error["code"] == "invalid_api_key" and key not in error["message"]
+
+
+def test_no_key_is_a_401_naming_the_header(guarded_router):
+    response = httpx.post(
+        f"{guarded_router}/v1/completions",
+        json={"model": SERVED_MODEL, "prompt": "Hi", "max_tokens": 2},
+        timeout=30,
+    )
+    assert response.status_code == 401
+    assert "Authorization" in response.json()["error"]["message"]
+    assert httpx.get(f"{guarded_router}/v1/models", timeout=10).status_code == 401
+
+
+def test_health_stays_open_and_metrics_needs_a_key_when_not_public(guarded_router):
+    assert httpx.get(f"{guarded_router}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{guarded_router}/metrics", timeout=10).status_code == 401
+    metrics = httpx.get(
+        f"{guarded_router}/metrics", headers={"authorization": f"Bearer {KEYS[0]}"}, timeout=10
+    )
+    assert metrics.status_code == 200
+    assert 'pdserve_errors_total{kind="invalid_api_key"}' in metrics.text
