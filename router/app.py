@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from router.admission import RETRY_AFTER_S, AdmissionGate, Turn
 from router.api_keys import is_authorized, load_api_keys, open_paths, unauthorized
 from router.disaggregation import ROUTE_HEADER
 from router.errors import OpenAIError, invalid_request
@@ -44,6 +45,12 @@ def create_app(settings: RouterSettings, model: str) -> FastAPI:
     pool = WorkerPool(list(settings.worker_addresses), POLICIES[settings.policy]())
     metrics = RouterMetrics()
     flow = RequestFlow(settings, pool, PromptTokenizer(model), metrics)
+    gate = AdmissionGate(
+        lambda: settings.max_concurrent_requests or pool.capacity(),
+        lambda: settings.max_queued_requests or settings.max_concurrent_requests or pool.capacity(),
+        settings.queue_timeout_s,
+        metrics,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -171,19 +178,26 @@ def create_app(settings: RouterSettings, model: str) -> FastAPI:
                 request.headers.get(TIMEOUT_HEADER),
             )
             run = admitted.run
-            first, chunks, headers = await flow.start(run, admitted.worker_request)
+            turn = await gate.enter()
+            try:
+                first, chunks, headers = await flow.start(run, admitted.worker_request)
+            except BaseException:
+                turn.give_back()
+                raise
             response_format = format_class(run.request_id, settings.served_model)
             if admitted.stream:
-                return StreamingResponse(
-                    flow.stream(
-                        run, first, chunks, response_format, admitted.include_usage, endpoint
-                    ),
-                    media_type="text/event-stream",
-                    headers=headers,
+                events = flow.stream(
+                    run, first, chunks, response_format, admitted.include_usage, endpoint
                 )
-            whole = await _until_disconnected(
-                request, flow.collect(run, first, chunks, response_format, endpoint), endpoint
-            )
+                return StreamingResponse(
+                    _giving_back(turn, events), media_type="text/event-stream", headers=headers
+                )
+            try:
+                whole = await _until_disconnected(
+                    request, flow.collect(run, first, chunks, response_format, endpoint), endpoint
+                )
+            finally:
+                turn.give_back()
             if whole is None:
                 return Response(status_code=499)
             # Prompt tokens the serving worker did not compute itself (prefix cache + KV
@@ -194,7 +208,8 @@ def create_app(settings: RouterSettings, model: str) -> FastAPI:
             return JSONResponse(whole, headers=headers)
         except OpenAIError as error:
             flow.count_error(error, endpoint)
-            return JSONResponse(error.body(), status_code=error.status)
+            retry = {"retry-after": str(RETRY_AFTER_S)} if error.status == 429 else None
+            return JSONResponse(error.body(), status_code=error.status, headers=retry)
 
     async def _until_disconnected(request: Request, work, endpoint: str):
         """Run `work`; if the client leaves first, cancel it (which aborts the request on the
@@ -219,6 +234,15 @@ async def _watch_down_workers(pool: WorkerPool) -> None:
     while True:
         await asyncio.sleep(DOWN_WORKER_CHECK_S)
         await pool.refresh()
+
+
+async def _giving_back(turn: Turn, events):
+    """The SSE events; the request's turn goes back when they end, however they end."""
+    try:
+        async for event in events:
+            yield event
+    finally:
+        turn.give_back()
 
 
 async def _read_json(request: Request):

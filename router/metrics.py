@@ -5,7 +5,7 @@ the gap between consecutive token chunks; end-to-end is arrival -> last byte. Ea
 own registry, so several routers (in tests) never share counters.
 """
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (
     0.005,
@@ -128,6 +128,27 @@ class RouterMetrics:
             "KV transfers that did not complete, by reason "
             "(prefill_failed, timeout, cancelled, refused)",
             ["reason"],
+            registry=self.registry,
+        )
+        self.queue_length = Gauge(
+            "pdserve_queue_length",
+            "Requests waiting in the router's queue for a turn (admission control)",
+            registry=self.registry,
+        )
+        self.queue_wait = Histogram(
+            "pdserve_queue_wait_seconds",
+            "How long admitted requests waited in the router's queue",
+            registry=self.registry,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.admitted = Counter(
+            "pdserve_admitted",
+            "Requests given a turn by admission control",
+            registry=self.registry,
+        )
+        self.rejected = Counter(
+            "pdserve_rejected",
+            "Requests refused with 429: the router's queue was full, or its wait ran out",
             registry=self.registry,
         )
         self.migrations = Counter(

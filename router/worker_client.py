@@ -37,6 +37,7 @@ class WorkerClient:
         self.kv_transport = ""  # the worker's setting (auto, grpc, nccl, shm)
         self.host_id = ""  # equal on workers that can share memory
         self.device = ""  # cuda or cpu
+        self.max_num_seqs = 0  # requests its engine runs at once
         self.outstanding_tokens = 0  # prompt + max tokens of requests in flight here
         self._pending_aborts: set[asyncio.Task] = set()
 
@@ -55,7 +56,7 @@ class WorkerClient:
             self.max_model_len, self.kv_address = reply.max_model_len, reply.kv_address
             self.tensor_parallel_size = reply.tensor_parallel_size
             self.kv_transport, self.host_id = reply.kv_transport, reply.host_id
-            self.device = reply.device
+            self.device, self.max_num_seqs = reply.device, reply.max_num_seqs
         return reply
 
     async def stats(

@@ -57,6 +57,10 @@ class WorkerPool:
     def live(self, roles: tuple[str, ...]) -> list[WorkerClient]:
         return [w for w in self.workers if w.role in roles and w.address not in self.down]
 
+    def capacity(self) -> int:
+        """Requests the live decode and colocated workers run at once (their max_num_seqs)."""
+        return sum(w.max_num_seqs for w in self.live(("decode", "colocated")))
+
     def health(self) -> tuple[bool, dict]:
         """Whether the cluster can serve a request (a decode or colocated worker is up; prefill
         workers are optional), and what is up, by pool."""

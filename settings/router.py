@@ -89,6 +89,26 @@ class RouterSettings(Settings):
     kv_timeout_s: KvTimeoutS
     default_max_tokens: DefaultMaxTokens
     request_timeout_s: RequestTimeoutS
+    max_concurrent_requests: int = Field(
+        0,
+        ge=0,
+        description="requests running at once before new ones queue (0: what the decode "
+        "pool's engines run at once, the sum of their max_num_seqs)",
+        json_schema_extra={"metavar": "N"},
+    )
+    max_queued_requests: int = Field(
+        0,
+        ge=0,
+        description="requests waiting in the router's queue before new ones get 429 (0: as "
+        "many as may run at once)",
+        json_schema_extra={"metavar": "N"},
+    )
+    queue_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="longest a request waits in the router's queue before its 429",
+        json_schema_extra={"flag": "--queue-timeout"},
+    )
     api_key: list[str] = Field(
         [],
         description="a key clients must send (Authorization: Bearer KEY); repeatable; shows in "

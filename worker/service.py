@@ -94,6 +94,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.kv_transport = kv_transport
         self.host_id = host_id()
         self.device = ""
+        self.max_num_seqs = 0
         self.tensor_parallel_size = 0
         self.engine = None
         self.engine_stats = EngineStats()
@@ -111,6 +112,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.kv_blocks_total = engine.vllm_config.cache_config.num_gpu_blocks or 0
         self.tensor_parallel_size = engine.vllm_config.parallel_config.tensor_parallel_size
         self.device = engine.vllm_config.device_config.device_type
+        self.max_num_seqs = engine.vllm_config.scheduler_config.max_num_seqs
         self.state, self.state_message = State.READY, ""
 
     def engine_failed(self, message: str) -> None:
@@ -227,6 +229,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             kv_transport=self.kv_transport,
             host_id=self.host_id,
             device=self.device,
+            max_num_seqs=self.max_num_seqs,
         )
 
     async def Stats(self, request, context):

@@ -5,6 +5,7 @@ A vLLM engine takes ~30 s to start and ~3 GB, so every integration test shares t
 Teardown checks that SIGTERM stopped the router and every process it started.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -29,7 +30,7 @@ from tests.integration.prompts import (
     TINY_MAX_TOKENS,
     TINY_PROMPTS,
 )
-from worker.processes import ChildError, free_port, spawn, wait_until
+from worker.processes import ChildError, free_port, spawn, stop_group, wait_until
 
 SERVED_MODEL = "smollm2"
 START_TIMEOUT_S = 600
@@ -191,3 +192,28 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+@contextlib.contextmanager
+def router_in_front_of(server: Server, folder: Path, **settings):
+    """A second router (`pdserve router`) over `server`'s workers, with `settings`; yields its
+    URL, and stops it by process group."""
+    port = free_port()
+    document = {
+        "port": port,
+        "model": "smollm2",
+        "served_model_name": SERVED_MODEL,
+        "worker_addresses": [w["address"] for w in server.workers()],
+        **settings,
+    }
+    log = folder / "router.log"
+    process = spawn(
+        [sys.executable, "-m", "cluster.cli", "router", "--settings-json", json.dumps(document)],
+        log,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: router_healthy(url), process, 120, "pdserve router", log)
+        yield url
+    finally:
+        stop_group(process.pid, process=process)

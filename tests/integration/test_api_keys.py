@@ -3,15 +3,11 @@ the real `openai` client: no key or a wrong one is a 401 with OpenAI's body (whi
 raises as AuthenticationError), a right one is served, /health stays open for probes, and
 /metrics is closed when asked."""
 
-import json
-import sys
-
 import httpx
 import openai
 import pytest
 
-from tests.integration.conftest import SERVED_MODEL
-from worker.processes import free_port, spawn, stop_group, wait_until
+from tests.integration.conftest import SERVED_MODEL, router_in_front_of
 
 KEYS = ("sk-pdserve-test-1", "sk-pdserve-test-2")
 
@@ -21,34 +17,11 @@ def guarded_router(server, tmp_path_factory):
     folder = tmp_path_factory.mktemp("api-keys")
     key_file = folder / "keys"
     key_file.write_text("# keys for the test\n" + "\n".join(KEYS) + "\n")
-    port = free_port()
-    settings = {
-        "port": port,
-        "model": "smollm2",
-        "served_model_name": SERVED_MODEL,
-        "worker_addresses": [w["address"] for w in server.workers()],
-        "api_key_file": str(key_file),
-        "public_metrics": False,
-    }
-    log = folder / "router.log"
-    process = spawn(
-        [sys.executable, "-m", "cluster.cli", "router", "--settings-json", json.dumps(settings)],
-        log,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: _up(url), process, 120, "pdserve router", log)
+    with router_in_front_of(
+        server, folder, api_key_file=str(key_file), public_metrics=False
+    ) as url:
         yield url
-    finally:
-        stop_group(process.pid, process=process)
-    assert KEYS[0] not in log.read_text(), "a key reached the log"
-
-
-def _up(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+    assert KEYS[0] not in (folder / "router.log").read_text(), "a key reached the log"
 
 
 def client(url: str, key: str) -> openai.OpenAI:

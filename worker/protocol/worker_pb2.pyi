@@ -116,7 +116,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("state", "message", "worker_id", "role", "model", "max_model_len", "kv_address", "kv_failure_policy", "tensor_parallel_size", "kv_transport", "host_id", "device")
+    __slots__ = ("state", "message", "worker_id", "role", "model", "max_model_len", "kv_address", "kv_failure_policy", "tensor_parallel_size", "kv_transport", "host_id", "device", "max_num_seqs")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STARTING: _ClassVar[HealthReply.State]
@@ -139,6 +139,7 @@ class HealthReply(_message.Message):
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     state: HealthReply.State
     message: str
     worker_id: str
@@ -151,7 +152,8 @@ class HealthReply(_message.Message):
     kv_transport: str
     host_id: str
     device: str
-    def __init__(self, state: _Optional[_Union[HealthReply.State, str]] = ..., message: _Optional[str] = ..., worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_failure_policy: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., kv_transport: _Optional[str] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    max_num_seqs: int
+    def __init__(self, state: _Optional[_Union[HealthReply.State, str]] = ..., message: _Optional[str] = ..., worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_failure_policy: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., kv_transport: _Optional[str] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("fresh",)
