@@ -13,7 +13,7 @@ import collections
 import time
 from collections.abc import Callable
 
-from router.errors import OpenAIError
+from router.errors import OpenAIError, too_many_requests
 
 RETRY_AFTER_S = 1
 
@@ -107,13 +107,3 @@ class Turn:
 
     def __del__(self) -> None:
         self.give_back()
-
-
-def too_many_requests(message: str) -> OpenAIError:
-    return OpenAIError(
-        429,
-        message,
-        "rate_limited",
-        type="rate_limit_error",
-        code="rate_limit_exceeded",
-    )

@@ -73,6 +73,12 @@ def worker_unavailable(message: str) -> OpenAIError:
     )
 
 
+def too_many_requests(message: str) -> OpenAIError:
+    return OpenAIError(
+        429, message, "rate_limited", type="rate_limit_error", code="rate_limit_exceeded"
+    )
+
+
 def worker_failed(message: str) -> OpenAIError:
     return OpenAIError(502, message, "worker_error", type="server_error", code="worker_error")
 
