@@ -1,0 +1,93 @@
+"""Property-based fuzzing of both endpoints on a real router over real workers (hypothesis):
+bodies of every shape (right and wrong types, out-of-range values, unknown fields, non-JSON
+bytes) never get a 5xx, and every error has OpenAI's body. Generated tokens are capped (the
+router's --default-max-tokens 2, small max_tokens) so a few hundred cases run in seconds;
+`PDSERVE_FUZZ_EXAMPLES=5000 pytest tests/integration/test_fuzz.py` runs more."""
+
+import os
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.integration.conftest import SERVED_MODEL, router_in_front_of
+
+EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "150"))
+
+junk = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=40),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
+    max_leaves=8,
+)
+small_int = st.integers(min_value=-3, max_value=4)
+common = {
+    "model": st.sampled_from([SERVED_MODEL, "other", ""]) | junk,
+    "max_tokens": small_int | junk,
+    "temperature": st.floats(min_value=-1, max_value=3, allow_nan=False) | junk,
+    "top_p": st.floats(min_value=-0.5, max_value=1.5, allow_nan=False) | junk,
+    "top_k": small_int | junk,
+    "seed": st.integers(min_value=-(2**64), max_value=2**64) | junk,
+    "stop": st.lists(st.text(max_size=6), max_size=6) | st.text(max_size=6) | junk,
+    "presence_penalty": st.floats(min_value=-3, max_value=3, allow_nan=False) | junk,
+    "stream": st.booleans() | junk,
+    "n": small_int | junk,
+    "logprobs": junk,
+    "ignore_eos": st.booleans() | junk,
+    "unknown_field": junk,
+}
+prompts = st.text(max_size=60) | st.lists(st.integers(-5, 60000), max_size=8) | junk
+messages = (
+    st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "system", "assistant", "tool"]) | junk},
+            optional={"content": st.text(max_size=40) | junk, "name": junk},
+        ),
+        max_size=3,
+    )
+    | junk
+)
+completion_bodies = st.fixed_dictionaries({}, optional={**common, "prompt": prompts})
+chat_bodies = st.fixed_dictionaries(
+    {}, optional={**common, "messages": messages, "max_completion_tokens": small_int | junk}
+)
+
+
+@pytest.fixture(scope="module")
+def fuzz_router(server, tmp_path_factory):
+    with router_in_front_of(server, tmp_path_factory.mktemp("fuzz"), default_max_tokens=2) as url:
+        yield url
+
+
+def check(url: str, endpoint: str, body) -> None:
+    if isinstance(body, bytes):
+        response = httpx.post(
+            f"{url}/v1/{endpoint}",
+            content=body,
+            timeout=60,
+            headers={"content-type": "application/json"},
+        )
+    else:
+        response = httpx.post(f"{url}/v1/{endpoint}", json=body, timeout=60)
+    assert response.status_code < 500, (body, response.status_code, response.text)
+    if response.status_code >= 400:
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=completion_bodies | st.binary(max_size=40))
+def test_completions_never_answer_5xx(fuzz_router, body):
+    check(fuzz_router, "completions", body)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=chat_bodies | st.binary(max_size=40))
+def test_chat_completions_never_answer_5xx(fuzz_router, body):
+    check(fuzz_router, "chat/completions", body)
