@@ -40,3 +40,15 @@ REFUSAL_PREFIX = "incompatible KV"
 
 def describe_refusal(producer: Compatibility, consumer: Compatibility) -> str:
     return f"{REFUSAL_PREFIX} layout, refused: " + "; ".join(mismatches(producer, consumer))
+
+
+NO_HELLO = "a KV stream must start with hello"
+
+
+def check_hello(message, consumer: Compatibility) -> str:
+    """What a receiver says to a stream's first message: "" to accept it, else why it is
+    refused (every receiver, whatever the transport, answers the same)."""
+    if message is None or not message.HasField("hello"):
+        return NO_HELLO
+    producer = Compatibility.from_message(message.hello)
+    return describe_refusal(producer, consumer) if mismatches(producer, consumer) else ""

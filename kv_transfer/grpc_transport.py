@@ -6,6 +6,7 @@ sends each slice as chunks of at most 1 MiB on one long-lived client stream per 
 its rendezvous and slice descriptors. Cancels and the bare handshake are unary calls.
 """
 
+import contextlib
 import queue
 import time
 
@@ -73,7 +74,7 @@ class PushStream:
                 return
             yield message
 
-    def put(self, message: wire.KvMessage) -> None:
+    def put(self, message) -> None:
         deadline = time.monotonic() + DRAIN_WAIT_S
         while True:
             self.check()
@@ -101,13 +102,15 @@ class PushStream:
         """End the stream on purpose; raises what it ended with if it had failed."""
         try:
             self.put(wire.KvMessage(bye=True))
-            self.outbox.put(_END)
+            self.put(_END)
             reply = self.call.result(timeout=DRAIN_WAIT_S)
         except grpc.RpcError as error:
             raise ChannelError(error.details() or str(error.code())) from None
         except grpc.FutureTimeoutError:
             raise ChannelError("the receiver did not end the stream") from None
         finally:
+            with contextlib.suppress(queue.Full):  # gRPC's sending thread may wait on it: end it
+                self.outbox.put_nowait(_END)
             self.call.cancel()
             self.channel.close()
         if not reply.accepted:
@@ -159,7 +162,7 @@ def handshake(destination: str, compatibility: Compatibility) -> None:
     try:
         with grpc.insecure_channel(destination) as channel:
             reply = wire_grpc.KvReceiverStub(channel).Handshake(
-                wire.Compatibility(**compatibility.to_dict()), timeout=CONTROL_TIMEOUT_S
+                hello(compatibility).hello, timeout=CONTROL_TIMEOUT_S
             )
     except grpc.RpcError as error:
         raise ChannelError(error.details() or str(error.code())) from None

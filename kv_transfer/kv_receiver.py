@@ -14,7 +14,7 @@ import torch
 
 from kv_transfer import kv_wire_pb2 as wire
 from kv_transfer import kv_wire_pb2_grpc as wire_grpc
-from kv_transfer.compatibility import Compatibility, describe_refusal, mismatches
+from kv_transfer.compatibility import Compatibility, check_hello
 from kv_transfer.grpc_transport import GRPC_OPTIONS
 from kv_transfer.nccl_transport import NcclReceiving
 from kv_transfer.shm_transport import ShmListener
@@ -64,25 +64,19 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
     def take(self):
         return self.inbox.take()
 
-    def _refusal(self, message) -> str:
-        producer = Compatibility.from_message(message)
-        if not mismatches(producer, self.compatibility):
-            return ""
-        error = describe_refusal(producer, self.compatibility)
-        log.error("%s", error)
-        return error
-
-    def Handshake(self, request, context):
-        error = self._refusal(request)
+    def _answer(self, first) -> wire.PushKvReply:
+        error = check_hello(first, self.compatibility)
+        if error:
+            log.error("%s", error)
         return wire.PushKvReply(accepted=not error, error=error)
 
+    def Handshake(self, request, context):
+        return self._answer(wire.KvMessage(hello=request))
+
     def PushKv(self, request_iterator, context):
-        first = next(request_iterator, None)
-        if first is None or not first.HasField("hello"):
-            return wire.PushKvReply(accepted=False, error="a KV stream must start with hello")
-        error = self._refusal(first.hello)
-        if error:
-            return wire.PushKvReply(accepted=False, error=error)
+        answer = self._answer(next(request_iterator, None))
+        if not answer.accepted:
+            return answer
         log.info("KV stream from %s accepted", context.peer())
         assembler = SliceAssembler(self.inbox, "grpc")
         nccl: NcclReceiving | None = None

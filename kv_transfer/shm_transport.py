@@ -30,7 +30,7 @@ from collections import deque
 from google.protobuf.message import DecodeError
 
 from kv_transfer import kv_wire_pb2 as wire
-from kv_transfer.compatibility import Compatibility, describe_refusal, mismatches
+from kv_transfer.compatibility import Compatibility, check_hello
 from kv_transfer.grpc_transport import hello, slice_chunk
 from kv_transfer.kv_copy import as_bytes
 from kv_transfer.transport import ChannelError, Inbox, LayerSlice, Refused, SliceAssembler
@@ -308,16 +308,7 @@ class ShmListener:
                 self.connections.discard(connection)
 
     def _accept_hello(self, connection: socket.socket, frame: bytes) -> bool:
-        message = wire.KvMessage.FromString(frame)
-        if not message.HasField("hello"):
-            error = "a KV stream must start with hello"
-        else:
-            producer = Compatibility.from_message(message.hello)
-            error = (
-                describe_refusal(producer, self.compatibility)
-                if mismatches(producer, self.compatibility)
-                else ""
-            )
+        error = check_hello(wire.KvMessage.FromString(frame), self.compatibility)
         if error:
             log.error("%s", error)
         reply = wire.PushKvReply(accepted=not error, error=error)

@@ -282,7 +282,7 @@ def test_a_bad_client_timeout_is_a_400(header):
     assert caught.value.status == 400 and "x-pdserve-timeout" in caught.value.message
 
 
-def test_a_client_timeout_below_the_routers_wins():
+def test_a_client_timeout_is_read_in_seconds():
     from router.request_flow import parse_timeout
 
     assert parse_timeout("2.5") == 2.5
