@@ -240,17 +240,32 @@ class ShmListener:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.connections: set[socket.socket] = set()
         self.lock = threading.Lock()
+        self.accepting = threading.Thread(target=self._accept, name="kv-shm-accept", daemon=True)
 
     def start(self) -> None:
         self.sock.bind(socket_name(self.address))
         self.sock.listen(64)
-        threading.Thread(target=self._accept, name="kv-shm-accept", daemon=True).start()
+        self.accepting.start()
 
     def stop(self) -> None:
+        """Unbinds the name before returning, so a new listener can take the same address.
+
+        A bare close() would not: the kernel keeps a socket that a thread is blocked on in
+        accept() or recv(), so shutdown() first wakes those threads."""
+        for sock in [self.sock, *self.connections_now()]:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # never connected, or already shut
+                pass
+        if self.accepting.is_alive():
+            self.accepting.join(WAIT_S)
         self.sock.close()
+        for connection in self.connections_now():
+            connection.close()
+
+    def connections_now(self) -> list[socket.socket]:
         with self.lock:
-            for connection in self.connections:
-                connection.close()
+            return list(self.connections)
 
     def _accept(self) -> None:
         while True:

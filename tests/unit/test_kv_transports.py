@@ -240,6 +240,29 @@ def test_an_idle_channel_closes_on_purpose_and_the_next_slice_reopens_it(receive
         sender.close()
 
 
+def test_a_stopped_receiver_frees_its_address_at_once_even_with_a_sender_connected():
+    """The next receiver on the same port (a restart, or the OS reusing the port) must bind."""
+    from kv_transfer.channels import channel_opener
+    from kv_transfer.grpc_transport import cancel_transfer
+    from kv_transfer.transport import KvSender
+
+    first = KvReceiver(CONSUMER)
+    port = first.start("127.0.0.1", 0)
+    sender = KvSender(channel_opener(CONSUMER, "127.0.0.1", CPU), cancel_transfer)
+    try:
+        sender.send(f"127.0.0.1:{port}", "shm", piece("t-1"))
+        (arrived,) = wait_for(first, slices=1)[0]  # a connection thread is now blocked reading
+        arrived.release()
+        del arrived
+        first.stop()
+        second = KvReceiver(CONSUMER)
+        assert second.start("127.0.0.1", port) == port
+        second.stop()
+    finally:
+        sender.close()
+        first.stop()
+
+
 def test_the_send_budget_makes_the_forward_pass_wait_then_gives_up():
     budget = ByteBudget(100)
     budget.acquire(60)
