@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 
+from settings.cluster_secret import secret_metadata
 from settings.worker import WorkerSettings
 from worker.processes import ChildError, free_port, log_tail, spawn, stop_group, wait_until
 from worker.protocol import worker_pb2, worker_pb2_grpc
@@ -93,7 +94,7 @@ def _health(address: str):
     with grpc.insecure_channel(address) as channel:
         try:
             reply = worker_pb2_grpc.WorkerStub(channel).Health(
-                worker_pb2.HealthRequest(), timeout=2.0
+                worker_pb2.HealthRequest(), timeout=2.0, metadata=secret_metadata()
             )
             return reply.state, reply.message
         except grpc.RpcError:

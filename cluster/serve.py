@@ -21,6 +21,7 @@ from model_store.store import ModelError, resolve_model
 from router.api_keys import load_api_keys
 from router.command import run_router
 from settings.base import ConfigError
+from settings.cluster_secret import ensure_cluster_secret, load_cluster_secret
 from settings.command_line import add_arguments, from_arguments
 from settings.engine import EngineSettings
 from settings.router import RouterSettings
@@ -104,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
         )
         router = from_arguments(RouterSettings, args, model=engine.model)
         load_api_keys(router)  # a key file that cannot be read stops it before any worker
+        load_cluster_secret(router.cluster_secret_file)
+        ensure_cluster_secret()  # the workers inherit it; the router calls them with it
         model = resolve_model(engine.model)
         _check_port_free(router.host, router.port)
     except (ConfigError, ModelError, OSError) as error:

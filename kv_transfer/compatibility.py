@@ -5,6 +5,8 @@ the cache layouts need not either: KV travels in one wire order (kv_transfer/kv_
 
 from dataclasses import asdict, dataclass, fields
 
+from settings.cluster_secret import secret_matches
+
 
 @dataclass(frozen=True)
 class Compatibility:
@@ -43,12 +45,16 @@ def describe_refusal(producer: Compatibility, consumer: Compatibility) -> str:
 
 
 NO_HELLO = "a KV stream must start with hello"
+NO_SECRET = "refused: the KV stream did not carry this cluster's secret"
 
 
-def check_hello(message, consumer: Compatibility) -> str:
-    """What a receiver says to a stream's first message: "" to accept it, else why it is
-    refused (every receiver, whatever the transport, answers the same)."""
+def check_hello(message, consumer: Compatibility, secret: str) -> str:
+    """What a receiver with cluster secret `secret` says to a stream's first message: "" to
+    accept it, else why it is refused (every receiver, whatever the transport, answers the
+    same)."""
     if message is None or not message.HasField("hello"):
         return NO_HELLO
+    if not secret_matches(message.hello.cluster_secret, secret):
+        return NO_SECRET
     producer = Compatibility.from_message(message.hello)
     return describe_refusal(producer, consumer) if mismatches(producer, consumer) else ""

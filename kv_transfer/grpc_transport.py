@@ -17,6 +17,7 @@ from kv_transfer import kv_wire_pb2_grpc as wire_grpc
 from kv_transfer.compatibility import Compatibility
 from kv_transfer.kv_copy import as_bytes
 from kv_transfer.transport import ChannelError, LayerSlice, Refused
+from settings.cluster_secret import cluster_secret
 
 CHUNK_BYTES = 1 << 20
 GRPC_OPTIONS = [
@@ -34,7 +35,10 @@ _END = object()
 
 
 def hello(compatibility: Compatibility) -> wire.KvMessage:
-    return wire.KvMessage(hello=wire.Compatibility(**compatibility.to_dict()))
+    """A stream's first message: what the receiver checks, and this cluster's secret."""
+    return wire.KvMessage(
+        hello=wire.Compatibility(**compatibility.to_dict(), cluster_secret=cluster_secret())
+    )
 
 
 def slice_chunk(piece: LayerSlice, offset: int, length: int, data: bytes = b"") -> wire.KvChunk:
@@ -153,7 +157,10 @@ def cancel_transfer(
     for rank in range(ranks):
         with grpc.insecure_channel(rank_address(destination, rank)) as channel:
             wire_grpc.KvReceiverStub(channel).CancelTransfer(
-                wire.CancelTransferRequest(transfer_id=transfer_id, reason=reason), timeout=timeout
+                wire.CancelTransferRequest(
+                    transfer_id=transfer_id, reason=reason, cluster_secret=cluster_secret()
+                ),
+                timeout=timeout,
             )
 
 

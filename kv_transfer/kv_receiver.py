@@ -14,11 +14,12 @@ import torch
 
 from kv_transfer import kv_wire_pb2 as wire
 from kv_transfer import kv_wire_pb2_grpc as wire_grpc
-from kv_transfer.compatibility import Compatibility, check_hello
+from kv_transfer.compatibility import NO_SECRET, Compatibility, check_hello
 from kv_transfer.grpc_transport import GRPC_OPTIONS
 from kv_transfer.nccl_transport import NcclReceiving
 from kv_transfer.shm_transport import ShmListener
 from kv_transfer.transport import INBOX_BYTES, INBOX_WAIT_S, ChannelError, Inbox, SliceAssembler
+from settings.cluster_secret import cluster_secret, secret_matches
 
 log = logging.getLogger("pdserve.kv")
 MAX_STREAMS = 32  # concurrent sending channels (prefill ranks) this rank serves
@@ -32,6 +33,7 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
         inbox_wait_s: float = INBOX_WAIT_S,
     ) -> None:
         self.compatibility = compatibility
+        self.secret = cluster_secret()  # what every stream and cancel must carry
         self.inbox = Inbox(inbox_bytes, inbox_wait_s)
         self.device = torch.device("cpu")  # where nccl receives: the rank's cache device
         self.host = "127.0.0.1"
@@ -49,7 +51,7 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
         if bound == 0:
             raise RuntimeError(f"cannot listen for KV on {host}:{port}")
         self.host = advertised_host or host
-        self.shm = ShmListener(f"{self.host}:{bound}", self.compatibility, self.inbox)
+        self.shm = ShmListener(f"{self.host}:{bound}", self.compatibility, self.secret, self.inbox)
         self.shm.start()
         self.server.start()
         return bound
@@ -65,7 +67,7 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
         return self.inbox.take()
 
     def _answer(self, first) -> wire.PushKvReply:
-        error = check_hello(first, self.compatibility)
+        error = check_hello(first, self.compatibility, self.secret)
         if error:
             log.error("%s", error)
         return wire.PushKvReply(accepted=not error, error=error)
@@ -109,5 +111,8 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
         return wire.PushKvReply(accepted=True)
 
     def CancelTransfer(self, request, context):
+        if not secret_matches(request.cluster_secret, self.secret):
+            log.error("a KV cancel without this cluster's secret from %s: ignored", context.peer())
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, NO_SECRET)
         self.inbox.cancel(request.transfer_id, request.reason)
         return wire.CancelTransferReply(known=True)

@@ -6,7 +6,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Compatibility(_message.Message):
-    __slots__ = ("model", "dtype", "block_size", "num_layers", "total_kv_heads", "head_size", "kv_layout", "vllm_version")
+    __slots__ = ("model", "dtype", "block_size", "num_layers", "total_kv_heads", "head_size", "kv_layout", "vllm_version", "cluster_secret")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,7 @@ class Compatibility(_message.Message):
     HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     VLLM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_SECRET_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     block_size: int
@@ -23,7 +24,8 @@ class Compatibility(_message.Message):
     head_size: int
     kv_layout: str
     vllm_version: str
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., total_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., kv_layout: _Optional[str] = ..., vllm_version: _Optional[str] = ...) -> None: ...
+    cluster_secret: str
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., total_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., kv_layout: _Optional[str] = ..., vllm_version: _Optional[str] = ..., cluster_secret: _Optional[str] = ...) -> None: ...
 
 class KvChunk(_message.Message):
     __slots__ = ("transfer_id", "layer", "first_block", "num_blocks", "offset", "slice_bytes", "data", "last", "first_head", "num_heads", "segment", "length")
@@ -94,12 +96,14 @@ class PushKvReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class CancelTransferRequest(_message.Message):
-    __slots__ = ("transfer_id", "reason")
+    __slots__ = ("transfer_id", "reason", "cluster_secret")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_SECRET_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     reason: str
-    def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    cluster_secret: str
+    def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ..., cluster_secret: _Optional[str] = ...) -> None: ...
 
 class CancelTransferReply(_message.Message):
     __slots__ = ("known",)

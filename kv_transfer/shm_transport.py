@@ -233,9 +233,12 @@ class Replies:
 class ShmListener:
     """The receiving end: one thread per connected sender."""
 
-    def __init__(self, address: str, compatibility: Compatibility, inbox: Inbox) -> None:
+    def __init__(
+        self, address: str, compatibility: Compatibility, secret: str, inbox: Inbox
+    ) -> None:
         self.address = address
         self.compatibility = compatibility
+        self.secret = secret
         self.inbox = inbox
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.connections: set[socket.socket] = set()
@@ -323,7 +326,7 @@ class ShmListener:
                 self.connections.discard(connection)
 
     def _accept_hello(self, connection: socket.socket, frame: bytes) -> bool:
-        error = check_hello(wire.KvMessage.FromString(frame), self.compatibility)
+        error = check_hello(wire.KvMessage.FromString(frame), self.compatibility, self.secret)
         if error:
             log.error("%s", error)
         reply = wire.PushKvReply(accepted=not error, error=error)

@@ -29,7 +29,7 @@ from router.policies import POLICIES
 from router.request_flow import TIMEOUT_HEADER, RequestFlow, timing_breakdown
 from router.responses import ChatFormat, CompletionFormat, ResponseFormat
 from router.tokenization import PromptTokenizer
-from router.worker_pool import WorkerPool, follow_registry
+from router.worker_pool import WorkerPool, follow_load, follow_registry
 from settings.router import RouterSettings
 from worker.registry import Registry
 
@@ -54,7 +54,10 @@ def create_app(settings: RouterSettings, model: str) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        tasks = [asyncio.create_task(_watch_down_workers(pool))]
+        tasks = [
+            asyncio.create_task(_watch_down_workers(pool)),
+            asyncio.create_task(follow_load(pool)),
+        ]
         registry = None
         if settings.registry:
             registry = Registry(settings.registry, settings.cluster)

@@ -10,6 +10,7 @@ import time
 from model_store.store import ModelError, resolve_model
 from router.api_keys import load_api_keys
 from settings.base import ConfigError
+from settings.cluster_secret import load_cluster_secret
 from settings.command_line import add_arguments, add_settings_json, from_arguments
 from settings.router import RouterSettings
 
@@ -31,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
         if not settings.registry and not settings.worker_addresses:
             raise ConfigError("--registry: the router needs a registry to follow")
         load_api_keys(settings)  # a key file that cannot be read stops it here
+        load_cluster_secret(settings.cluster_secret_file)
         model = resolve_model(settings.model)
     except (ConfigError, ModelError) as error:
         print(f"pdserve router: {error}", file=sys.stderr)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from kv_transfer.grpc_transport import cancel_transfer
 from kv_transfer.transport import choose_transport
-from router.errors import OpenAIError, invalid_request
+from router.errors import OpenAIError, invalid_request, prefill_lost
 from router.worker_client import WorkerClient
 from settings.router import AFTER_PREFILL
 from worker.protocol import worker_pb2
@@ -78,13 +78,17 @@ async def generate_disaggregated(
     kv_timeout_s: float,
     timeout_s: float,
     outcome: PrefillOutcome,
+    attempt: int = 0,
 ):
     """Yield the request's chunks; the prefill leg fills `outcome`. With `with-prefill` the
     decode worker is told at once and reserves the KV blocks while the prompt computes, and
     every token comes from it. With `after-prefill` the first token comes from the prefill leg
     and the decode worker is told then, by which time the KV already waits in its receiver (a
-    failed prefill has cancelled the transfer, so the decode worker's policy applies at once)."""
-    transfer_id = request.request_id
+    failed prefill has cancelled the transfer, so the decode worker's policy applies at once),
+    unless the prefill worker was lost: then `prefill_lost` is raised before the decode worker
+    hears of the request, for the router to try another prefill worker (`attempt` 1, 2, ...:
+    each attempt is a new transfer, the cancelled one stays cancelled)."""
+    transfer_id = request.request_id if attempt == 0 else f"{request.request_id}-retry{attempt}"
     decode_request = worker_pb2.GenerateRequest()
     decode_request.CopyFrom(request)
     decode_request.kv.CopyFrom(
@@ -96,7 +100,7 @@ async def generate_disaggregated(
     )
     prefill_request = worker_pb2.GenerateRequest()
     prefill_request.CopyFrom(request)
-    prefill_request.request_id = f"{request.request_id}-prefill"
+    prefill_request.request_id = f"{transfer_id}-prefill"
     prefill_request.sampling.max_tokens = 1
     outcome.transport = pair_transport(prefill, decode)
     prefill_request.kv.CopyFrom(
@@ -114,6 +118,8 @@ async def generate_disaggregated(
         if outcome.admission == AFTER_PREFILL:
             await outcome.done.wait()  # bounded: the prefill leg has the request's deadline
             first = outcome.chunk
+            if outcome.error_kind == "worker_unavailable" and first is None:
+                raise prefill_lost(outcome.error)
             if (
                 outcome.error is None
                 and first is not None

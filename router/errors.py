@@ -73,6 +73,18 @@ def worker_unavailable(message: str) -> OpenAIError:
     )
 
 
+def prefill_lost(message: str) -> OpenAIError:
+    """A prefill leg's worker went away before the prompt's KV was complete: the router tries
+    another prefill worker (or the local path); the client sees this only if none is left."""
+    return OpenAIError(
+        503,
+        message,
+        "prefill_unavailable",
+        type="service_unavailable_error",
+        code="worker_unavailable",
+    )
+
+
 def too_many_requests(message: str) -> OpenAIError:
     return OpenAIError(
         429, message, "rate_limited", type="rate_limit_error", code="rate_limit_exceeded"

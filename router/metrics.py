@@ -163,6 +163,13 @@ class RouterMetrics:
             registry=self.registry,
             buckets=LATENCY_BUCKETS,
         )
+        self.prefill_lost = Counter(
+            "pdserve_prefill_lost",
+            "Prefill legs whose worker was lost before the prompt's KV was complete, by where "
+            "the prompt went next (another_prefill, or local: the decode worker prefilled it)",
+            ["next"],
+            registry=self.registry,
+        )
         self.kv_fallbacks = Counter(
             "pdserve_kv_fallbacks",
             "Disaggregated requests whose decode worker prefilled the prompt itself after all",

@@ -1,8 +1,7 @@
 """Which worker of a pool takes a request: pluggable policies, chosen with `--policy`.
 
-A policy sees the live candidates and picks one; it never waits. `least-loaded` compares the
-router's own count of outstanding tokens per worker (prompt + max_tokens of requests in flight
-there), which is exact for what this router sent and needs no round trip.
+A policy sees the live candidates and picks one; it never waits. `least-loaded` compares what
+the workers themselves report (router/worker_load.py), so that every router ranks them alike.
 """
 
 import itertools
@@ -26,10 +25,13 @@ class RoundRobin:
 
 
 class LeastLoaded:
+    """The idlest by its own report: prompt tokens yet to compute (prefill), requests in the
+    engine then KV blocks in use (decode); ties go to the first candidate."""
+
     name = "least-loaded"
 
     def choose(self, candidates: list[WorkerClient]) -> WorkerClient:
-        return min(candidates, key=lambda worker: worker.outstanding_tokens)
+        return min(candidates, key=lambda worker: worker.load.busyness(worker.role))
 
 
 POLICIES = {policy.name: policy for policy in (RoundRobin, LeastLoaded)}

@@ -149,8 +149,11 @@ class RequestFlow:
         """Send the request on its path and wait for its first chunk; returns (first chunk,
         the rest, response headers). A decode worker found unavailable before any token (it
         died, or left the pools a moment ago) is marked down and the request goes to another
-        one, up to MAX_ATTEMPTS workers."""
+        one, up to MAX_ATTEMPTS workers. A prefill worker lost before the prompt's KV was
+        complete is marked down too, and the prompt goes to another prefill worker, or, with
+        none left, the local path (counted in pdserve_prefill_lost_total)."""
         tried: set[str] = set()
+        tried_prefill: set[str] = set()
         while True:
             worker = run.decode_worker = self.pool.pick(TAKES_REQUESTS, frozenset(tried))
             headers = {
@@ -160,7 +163,7 @@ class RequestFlow:
             }
             prefill = None
             if run.route == DISAGGREGATED:
-                prefill = self.pool.pick(("prefill",))
+                prefill = self.pool.pick(("prefill",), frozenset(tried_prefill))
                 run.prefill = PrefillOutcome(admission=self.settings.decode_admission)
                 chunks = generate_disaggregated(
                     prefill,
@@ -169,13 +172,18 @@ class RequestFlow:
                     self.settings.kv_timeout_s,
                     run.time_left(),
                     run.prefill,
+                    attempt=len(tried_prefill),
                 )
                 headers["x-pdserve-prefill-worker"] = prefill.worker_id
             else:
+                run.prefill = None
                 chunks = worker.generate(worker_request, timeout=run.time_left())
             try:
                 first = await anext(chunks)
             except OpenAIError as error:
+                if error.kind == "prefill_unavailable":
+                    self._prefill_lost(run, prefill, tried_prefill, error)
+                    continue
                 if error.kind != "worker_unavailable":
                     raise
                 self.pool.mark_down(worker)
@@ -188,6 +196,26 @@ class RequestFlow:
                 self.pool.mark_down(prefill)
             self.metrics.routes.labels(run.route).inc()
             return first, self._migrating(run, worker_request, chunks), headers
+
+    def _prefill_lost(
+        self, run: RequestRun, prefill: WorkerClient, tried: set[str], error: OpenAIError
+    ) -> None:
+        """Mark the lost prefill worker down; the next attempt goes to another one, or takes
+        the local path when none is left or MAX_ATTEMPTS were tried."""
+        self.pool.mark_down(prefill)
+        tried.add(prefill.address)
+        others = [w for w in self.pool.live(("prefill",)) if w.address not in tried]
+        if others and len(tried) < MAX_ATTEMPTS:
+            self.metrics.prefill_lost.labels("another_prefill").inc()
+            log.warning(
+                "request %s: %s; trying another prefill worker", run.request_id, error.message
+            )
+            return
+        log.warning(
+            "request %s: %s; no prefill worker left: local path", run.request_id, error.message
+        )
+        run.route = LOCAL
+        self.metrics.prefill_lost.labels("local").inc()
 
     async def _migrating(self, run: RequestRun, request: worker_pb2.GenerateRequest, chunks):
         """The request's chunks; when its decode worker is lost mid-stream, the rest come from

@@ -18,6 +18,8 @@ from router.errors import (
     worker_failed,
     worker_unavailable,
 )
+from router.worker_load import WorkerLoad
+from settings.cluster_secret import secret_metadata
 from worker.protocol import GRPC_OPTIONS, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.router")
@@ -39,7 +41,9 @@ class WorkerClient:
         self.device = ""  # cuda or cpu
         self.max_num_seqs = 0  # requests its engine runs at once
         self.outstanding_tokens = 0  # prompt + max tokens of requests in flight here
+        self.load = WorkerLoad()  # what it reports, and what this router sent since
         self._pending_aborts: set[asyncio.Task] = set()
+        self.metadata = secret_metadata()  # every call carries the cluster secret
 
     @property
     def stub(self) -> worker_pb2_grpc.WorkerStub:
@@ -50,7 +54,9 @@ class WorkerClient:
         return self._stub
 
     async def health(self, timeout: float = CONTROL_TIMEOUT_S) -> worker_pb2.HealthReply:
-        reply = await self.stub.Health(worker_pb2.HealthRequest(), timeout=timeout)
+        reply = await self.stub.Health(
+            worker_pb2.HealthRequest(), timeout=timeout, metadata=self.metadata
+        )
         if reply.state == worker_pb2.HealthReply.READY:
             self.worker_id, self.role = reply.worker_id, reply.role
             self.max_model_len, self.kv_address = reply.max_model_len, reply.kv_address
@@ -62,13 +68,17 @@ class WorkerClient:
     async def stats(
         self, fresh: bool = False, timeout: float = CONTROL_TIMEOUT_S
     ) -> worker_pb2.StatsReply:
-        return await self.stub.Stats(worker_pb2.StatsRequest(fresh=fresh), timeout=timeout)
+        return await self.stub.Stats(
+            worker_pb2.StatsRequest(fresh=fresh), timeout=timeout, metadata=self.metadata
+        )
 
     async def abort(self, request_id: str) -> None:
         """Best effort: the worker also aborts when the Generate call is cancelled."""
         try:
             await self.stub.Abort(
-                worker_pb2.AbortRequest(request_id=request_id), timeout=CONTROL_TIMEOUT_S
+                worker_pb2.AbortRequest(request_id=request_id),
+                timeout=CONTROL_TIMEOUT_S,
+                metadata=self.metadata,
             )
         except grpc.aio.AioRpcError as error:
             log.warning("abort of %s on %s failed: %s", request_id, self.address, error.code())
@@ -78,10 +88,11 @@ class WorkerClient:
     ) -> AsyncIterator[worker_pb2.GenerateChunk]:
         """Stream a request's chunks. Leaving early (break, cancel, error) aborts it on the
         worker: the call is cancelled and an explicit Abort follows."""
-        call = self.stub.Generate(request, timeout=timeout)
+        call = self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
         finished = False
         cost = len(request.prompt_token_ids) + request.sampling.max_tokens
         self.outstanding_tokens += cost
+        self.load.sent(len(request.prompt_token_ids))
         try:
             async for chunk in call:
                 finished = bool(chunk.finish_reason)

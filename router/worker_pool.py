@@ -19,6 +19,7 @@ import grpc
 
 from router.errors import worker_unavailable
 from router.worker_client import WorkerClient
+from router.worker_load import LOAD_POLL_S
 from worker.protocol import worker_pb2
 
 log = logging.getLogger("pdserve.router")
@@ -58,8 +59,9 @@ class WorkerPool:
         return [w for w in self.workers if w.role in roles and w.address not in self.down]
 
     def capacity(self) -> int:
-        """Requests the live decode and colocated workers run at once (their max_num_seqs)."""
-        return sum(w.max_num_seqs for w in self.live(("decode", "colocated")))
+        """Requests the live decode and colocated workers run at once: their engines'
+        max_num_seqs, less while an engine holds requests back for want of KV blocks."""
+        return sum(w.load.capacity(w.max_num_seqs) for w in self.live(("decode", "colocated")))
 
     def health(self) -> tuple[bool, dict]:
         """Whether the cluster can serve a request (a decode or colocated worker is up; prefill
@@ -123,6 +125,27 @@ class WorkerPool:
     async def close(self) -> None:
         for worker in self.workers + self.leaving:
             await worker.close()
+
+
+async def follow_load(pool: WorkerPool, interval_s: float = LOAD_POLL_S) -> None:
+    """Forever (cancel to stop): every live worker's Stats into its `load`. A worker that no
+    longer answers at all (UNAVAILABLE: its process is gone) is marked down at once, before a
+    request finds out; a slow answer (a busy host) is not held against it."""
+    while True:
+        workers = [w for w in pool.workers if w.address not in pool.down]
+        replies = await asyncio.gather(
+            *(w.stats(timeout=interval_s * 4) for w in workers), return_exceptions=True
+        )
+        for worker, reply in zip(workers, replies, strict=True):
+            if isinstance(reply, worker_pb2.StatsReply):
+                worker.load.reported(reply)
+            elif (
+                isinstance(reply, grpc.aio.AioRpcError)
+                and reply.code() == grpc.StatusCode.UNAVAILABLE
+                and worker in pool.workers
+            ):
+                pool.mark_down(worker)
+        await asyncio.sleep(interval_s)
 
 
 async def follow_registry(pool: WorkerPool, registry, interval_s: float) -> None:

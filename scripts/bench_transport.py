@@ -175,6 +175,7 @@ def through_cluster(kinds: list[str], repeats: int) -> None:
     import httpx
 
     from bench.local_cluster import local_cluster
+    from settings.cluster_secret import ensure_cluster_secret
     from worker.processes import free_port
 
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-bench-transport-"))
@@ -183,6 +184,7 @@ def through_cluster(kinds: list[str], repeats: int) -> None:
         f"logs: {log_dir})"
     )
     serve_args = ["--prefill-kv-transports", ",".join(kinds)]
+    ensure_cluster_secret()  # serve keeps it: this script then asks the workers directly
     rng = random.Random(0)
     rows: dict[str, list[dict]] = {kind: [] for kind in kinds}
     with local_cluster(len(kinds), 1, free_port(), log_dir, serve_args) as url:
@@ -236,10 +238,13 @@ def worker_transport(address: str) -> str:
     """The worker's --kv-transport setting, from its Health."""
     import grpc
 
+    from settings.cluster_secret import secret_metadata
     from worker.protocol import worker_pb2, worker_pb2_grpc
 
     with grpc.insecure_channel(address) as channel:
-        health = worker_pb2_grpc.WorkerStub(channel).Health(worker_pb2.HealthRequest(), timeout=5)
+        health = worker_pb2_grpc.WorkerStub(channel).Health(
+            worker_pb2.HealthRequest(), timeout=5, metadata=secret_metadata()
+        )
     return f"kv_transport {health.kv_transport}"
 
 

@@ -5,6 +5,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from settings.base import Settings
+from settings.cluster_secret import ClusterSecretFile
 from settings.engine import Model
 from settings.worker import ClusterName
 
@@ -121,6 +122,7 @@ class RouterSettings(Settings):
         description="a file of client API keys, one per line",
         json_schema_extra={"metavar": "PATH"},
     )
+    cluster_secret_file: ClusterSecretFile
     public_metrics: bool = Field(
         True, description="/metrics answers without an API key (/health always does)"
     )

@@ -5,6 +5,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from settings.base import Settings
+from settings.cluster_secret import ClusterSecretFile
 from settings.engine import EngineSettings
 
 ROLES = ("colocated", "prefill", "decode")
@@ -80,6 +81,7 @@ class WorkerSettings(Settings):
     kv_failure_policy: KvFailurePolicy
     kv_send_buffer_mib: KvSendBufferMib
     kv_transport: KvTransport
+    cluster_secret_file: ClusterSecretFile
     registry: str = Field(
         "",
         description="join the pools in this Redis registry "

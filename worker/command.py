@@ -17,12 +17,14 @@ import grpc
 
 from model_store.store import ModelError, resolve_model
 from settings.base import ConfigError
+from settings.cluster_secret import cluster_secret, load_cluster_secret
 from settings.command_line import add_arguments, add_settings_json, from_arguments
 from settings.worker import WorkerSettings
 from worker import engine as engine_factory
 from worker import group_reaper
 from worker.processes import free_port
 from worker.protocol import GRPC_OPTIONS, worker_pb2_grpc
+from worker.secret_check import SecretCheck
 
 log = logging.getLogger("pdserve.worker")
 
@@ -42,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         settings = from_arguments(WorkerSettings, args)
+        load_cluster_secret(settings.cluster_secret_file)
         model = resolve_model(settings.engine.model)
     except (ConfigError, ModelError) as error:
         print(f"pdserve worker: {error}", file=sys.stderr)
@@ -53,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 async def serve_worker(settings: WorkerSettings, model) -> int:
     from worker.service import WorkerService
 
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[SecretCheck(cluster_secret())])
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     host = advertised_host(settings)
     worker_id = settings.worker_id or f"{settings.role}@{host}:{port}"

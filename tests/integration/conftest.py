@@ -8,6 +8,7 @@ Teardown checks that SIGTERM stopped the router and every process it started.
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import pytest
 
 from bench.local_cluster import router_healthy
 from model_store.store import ensure_model
+from settings.cluster_secret import SECRET_ENV
 from tests.integration.processes import alive, descendants
 from tests.integration.prompts import (
     CHATS,
@@ -60,6 +62,15 @@ class Server:
         return "\n".join(
             path.read_text(errors="replace")[-4000:] for path in sorted(self.log_dir.glob("*.log"))
         )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_cluster_secret():
+    """Every cluster the tests start inherits this secret (`serve` keeps one it is given), so
+    a test can call a worker directly, and a second router can front a server's workers."""
+    os.environ[SECRET_ENV] = secrets.token_urlsafe(16)
+    yield
+    del os.environ[SECRET_ENV]
 
 
 def start_server(log_dir: Path, *args: str) -> Server:

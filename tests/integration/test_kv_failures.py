@@ -14,6 +14,7 @@ from kv_transfer.compatibility import Compatibility
 from kv_transfer.host_staging import Staged
 from kv_transfer.kv_layout import WIRE_LAYOUT
 from kv_transfer.transport import TRANSPORTS, LayerSlice
+from settings.cluster_secret import SECRET_ENV, secret_metadata
 from settings.engine import EngineSettings
 from settings.worker import WorkerSettings
 from tests.integration.conftest import _stop_and_check, start_server
@@ -68,12 +69,14 @@ def test_kv_that_never_comes_fails_within_the_deadline_and_frees_its_blocks(
         stub = worker_pb2_grpc.WorkerStub(channel)
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as caught:
-            list(stub.Generate(request, timeout=30))
+            list(stub.Generate(request, timeout=30, metadata=secret_metadata()))
         assert time.monotonic() - started < 10
         assert caught.value.code() == grpc.StatusCode.ABORTED
         assert "did not arrive within 2 s" in caught.value.details()
         assert "'fail'" in caught.value.details()
-        stats = stub.Stats(worker_pb2.StatsRequest(fresh=True), timeout=30)
+        stats = stub.Stats(
+            worker_pb2.StatsRequest(fresh=True), timeout=30, metadata=secret_metadata()
+        )
     assert (stats.running_requests, stats.kv_blocks_used) == (0, 0)
 
 
@@ -88,8 +91,10 @@ def test_a_refused_handshake_fails_the_waiting_request_at_once_not_at_the_deadli
     request = waiting_request(smollm2_dir, f"refused-{transport}", transfer_id, timeout_s=30.0)
     with grpc.insecure_channel(fail_policy_decoder.address) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
-        kv_address = stub.Health(worker_pb2.HealthRequest(), timeout=10).kv_address
-        call = stub.Generate(request, timeout=60)
+        kv_address = stub.Health(
+            worker_pb2.HealthRequest(), timeout=10, metadata=secret_metadata()
+        ).kv_address
+        call = stub.Generate(request, timeout=60, metadata=secret_metadata())
         time.sleep(1.0)  # the request waits for its KV
         sender = kv_sender(replace(CONSUMER, dtype="bfloat16"), "127.0.0.1", torch.device("cpu"))
         payload = torch.zeros(8, dtype=torch.uint8)
@@ -104,6 +109,56 @@ def test_a_refused_handshake_fails_the_waiting_request_at_once_not_at_the_deadli
     print(f"a refused handshake failed the waiting request in {waited:.2f} s")
     assert waited < 2, f"the refusal took {waited:.1f} s to fail the request"
     assert fail_policy_decoder.log_path.read_text().count("dtype: producer 'bfloat16'") >= 1
+
+
+def test_without_the_cluster_secret_no_call_is_served_and_no_kv_is_written(
+    fail_policy_decoder, smollm2_dir, monkeypatch
+):
+    """A process that reaches the worker's ports but lacks the cluster's secret: its gRPC calls
+    are refused, and KV it pushes for a waiting request is refused before it is written (the
+    request fails at its deadline instead, as if nothing had come), on every transport."""
+    with grpc.insecure_channel(fail_policy_decoder.address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        unknown = waiting_request(smollm2_dir, "x", "y", 1)
+        for call in (
+            lambda metadata: stub.Health(worker_pb2.HealthRequest(), timeout=10, metadata=metadata),
+            lambda metadata: list(stub.Generate(unknown, timeout=10, metadata=metadata)),
+        ):
+            for metadata in ((), (("x-pdserve-cluster-secret", "a guess"),)):
+                with pytest.raises(grpc.RpcError) as caught:
+                    call(metadata)
+                assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        kv_address = stub.Health(
+            worker_pb2.HealthRequest(), timeout=10, metadata=secret_metadata()
+        ).kv_address
+        transfer_ids = [f"intruder-{transport}" for transport in TRANSPORTS]
+        calls = [
+            stub.Generate(
+                waiting_request(smollm2_dir, transfer_id, transfer_id, timeout_s=3.0),
+                timeout=60,
+                metadata=secret_metadata(),
+            )
+            for transfer_id in transfer_ids
+        ]
+        time.sleep(1.0)  # the requests wait for their KV
+        monkeypatch.setenv(SECRET_ENV, "not this cluster's")  # what the intruder's hello carries
+        intruder = kv_sender(CONSUMER, "127.0.0.1", torch.device("cpu"))
+        for transfer_id, transport in zip(transfer_ids, TRANSPORTS, strict=True):
+            payload = torch.zeros(8, dtype=torch.uint8)
+            intruder.send(
+                kv_address,
+                transport,
+                LayerSlice(transfer_id, 0, 0, 1, 0, 3, Staged(payload, 8), True),
+            )
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as caught:
+                list(call)
+            assert caught.value.code() == grpc.StatusCode.ABORTED
+            assert "did not arrive within 3 s" in caught.value.details()
+        intruder.close()
+    log = fail_policy_decoder.log_path.read_text()
+    # 4 refused calls, one refused hello per transport (and the intruder's refused cancels)
+    assert log.count("this cluster's secret") >= 4 + len(TRANSPORTS)
 
 
 @pytest.fixture(scope="module")

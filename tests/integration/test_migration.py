@@ -1,7 +1,9 @@
-"""A decode worker killed (SIGKILL, the worker process alone) under a steady stream of
-requests: every request still succeeds, its stream uninterrupted, with the greedy output an
-undisturbed run gives; the requests it was decoding migrate to the other decode worker; and
-its vLLM engine processes die with it (no orphan)."""
+"""Workers killed (SIGKILL, the worker process alone) under a steady stream of requests, on one
+2 prefill + 2 decode cluster: round-robin first spreads disaggregated requests over all four;
+then a decode worker dies (its requests migrate to the other one), then a prefill worker (2P+1D
+left: its prompts go to the other prefill worker). Every request still succeeds, its stream
+uninterrupted, with the greedy output an undisturbed run gives, and each killed worker's vLLM
+engine processes die with it (no orphan)."""
 
 import asyncio
 import json
@@ -28,10 +30,32 @@ CASES = [(prompt, "local") for prompt in PROMPTS] + [
 
 
 @pytest.fixture(scope="module")
-def one_prefill_two_decode(smollm2_dir, tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("migration"), "--prefill", "1", "--decode", "2")
+def two_prefill_two_decode(smollm2_dir, tmp_path_factory):
+    server = start_server(tmp_path_factory.mktemp("migration"), "--prefill", "2", "--decode", "2")
     yield server
     _stop_and_check(server)
+
+
+@pytest.fixture(scope="module")
+def undisturbed(two_prefill_two_decode) -> list[tuple[str, int]]:
+    """Each case's streamed text and token count with every worker up."""
+
+    async def run_all():
+        async with httpx.AsyncClient(timeout=300) as http:
+            return [
+                await streamed(http, two_prefill_two_decode, prompt, route)
+                for prompt, route in CASES
+            ]
+
+    return asyncio.run(run_all())
+
+
+def worker_pids(server, role: str) -> list[int]:
+    return [
+        child
+        for child in children(server.process.pid)
+        if any(f'"role":"{role}"' in part for part in command_line(child))
+    ]
 
 
 async def streamed(http: httpx.AsyncClient, server, prompt: str, route: str) -> tuple[str, int]:
@@ -60,21 +84,29 @@ async def streamed(http: httpx.AsyncClient, server, prompt: str, route: str) -> 
     return "".join(text), tokens
 
 
-def test_a_decode_worker_killed_mid_stream_fails_no_request(one_prefill_two_decode):
-    server = one_prefill_two_decode
+def test_round_robin_spreads_disaggregated_requests_over_all_four_workers(
+    two_prefill_two_decode, undisturbed
+):
+    body = {"model": SERVED_MODEL, "prompt": CASES[-1][0], "max_tokens": 2, "temperature": 0}
+    pairs = set()
+    for _ in range(4):
+        reply = httpx.post(
+            f"{two_prefill_two_decode.base_url}/completions",
+            json=body,
+            headers={"x-pdserve-route": "disaggregated"},
+            timeout=120,
+        )
+        assert reply.status_code == 200, reply.text
+        pairs.add((reply.headers["x-pdserve-prefill-worker"], reply.headers["x-pdserve-worker"]))
+    prefill = {p for p, _ in pairs}
+    decode = {d for _, d in pairs}
+    print(f"4 disaggregated requests went to {sorted(pairs)}")
+    assert len(prefill) == 2 and len(decode) == 2
 
-    async def undisturbed():
-        async with httpx.AsyncClient(timeout=300) as http:
-            return [await streamed(http, server, prompt, route) for prompt, route in CASES]
 
-    reference = asyncio.run(undisturbed())
-    decode_pids = [
-        child
-        for child in children(server.process.pid)
-        if any('"role":"decode"' in part for part in command_line(child))
-    ]
-    assert len(decode_pids) == 2
-    assert len(group_members(decode_pids[0])) >= 3  # the worker, its engine core, its reaper
+def kill_under_fire(server, victim: int, reference) -> float:
+    """REQUESTS streams, CONCURRENCY at a time, SIGKILL of `victim` KILL_AFTER_S in; every
+    one must equal its undisturbed run. Returns the seconds it took."""
 
     async def under_fire():
         limit = asyncio.Semaphore(CONCURRENCY)
@@ -87,7 +119,7 @@ def test_a_decode_worker_killed_mid_stream_fails_no_request(one_prefill_two_deco
 
             async def kill():
                 await asyncio.sleep(KILL_AFTER_S)
-                os.kill(decode_pids[0], signal.SIGKILL)  # not its group: the engine is its own
+                os.kill(victim, signal.SIGKILL)  # not its group: the engine is its own
 
             killer = asyncio.create_task(kill())
             results = await asyncio.gather(*(one(i) for i in range(REQUESTS)))
@@ -96,17 +128,45 @@ def test_a_decode_worker_killed_mid_stream_fails_no_request(one_prefill_two_deco
 
     started = time.monotonic()
     results = asyncio.run(asyncio.wait_for(under_fire(), timeout=900))
-    print(f"{REQUESTS} requests, one decode worker killed: {time.monotonic() - started:.1f} s")
+    seconds = time.monotonic() - started
     for i, (text, tokens) in enumerate(results):
         expected_text, expected_tokens = reference[i % len(CASES)]
         assert text == expected_text, f"request {i} differs from the undisturbed run"
         assert tokens == expected_tokens
-    migrations = metric_value(server, "pdserve_migrations_total")
-    gap = metric_value(server, "pdserve_migration_gap_seconds_sum") / max(migrations, 1)
-    print(f"migrated requests: {migrations:.0f}, mean pause {gap:.3f} s")
-    assert migrations >= 1, "the killed worker was decoding nothing: the test proved nothing"
     # The worker led its own process group, its engine processes in it: none outlives it.
     deadline = time.monotonic() + 10
-    while group_members(decode_pids[0]) and time.monotonic() < deadline:
+    while group_members(victim) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert group_members(decode_pids[0]) == [], "the killed worker's engine processes live on"
+    assert group_members(victim) == [], "the killed worker's engine processes live on"
+    return seconds
+
+
+def test_a_decode_worker_killed_mid_stream_fails_no_request(two_prefill_two_decode, undisturbed):
+    server = two_prefill_two_decode
+    victim = worker_pids(server, "decode")[0]
+    assert len(group_members(victim)) >= 3  # the worker, its engine core, its reaper
+    seconds = kill_under_fire(server, victim, undisturbed)
+    migrations = metric_value(server, "pdserve_migrations_total")
+    gap = metric_value(server, "pdserve_migration_gap_seconds_sum") / max(migrations, 1)
+    print(
+        f"{REQUESTS} requests, 0 failed, one decode worker killed: {seconds:.1f} s; "
+        f"migrated requests: {migrations:.0f}, mean pause {gap:.3f} s"
+    )
+    assert migrations >= 1, "the killed worker was decoding nothing: the test proved nothing"
+
+
+def test_a_prefill_worker_killed_under_load_fails_no_request(two_prefill_two_decode, undisturbed):
+    """Runs after the decode worker's death: 2 prefill + 1 decode workers."""
+    server = two_prefill_two_decode
+    victim = worker_pids(server, "prefill")[0]
+    seconds = kill_under_fire(server, victim, undisturbed)
+    retried = metric_value(server, 'pdserve_prefill_lost_total{next="another_prefill"}')
+    local = metric_value(server, 'pdserve_prefill_lost_total{next="local"}')
+    recomputed = metric_value(server, 'pdserve_kv_fallbacks_total{policy="recompute"}')
+    print(
+        f"{REQUESTS} requests, 0 failed, one prefill worker killed: {seconds:.1f} s; prompts "
+        f"moved to the other prefill worker: {retried:.0f}, to the local path: {local:.0f}, "
+        f"KV lost after the first token and recomputed: {recomputed:.0f}"
+    )
+    assert retried + recomputed >= 1, "the killed worker had no prompt: the test proved nothing"
+    assert local == 0  # the other prefill worker was there to take them

@@ -12,6 +12,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
@@ -21,6 +22,7 @@ from kv_transfer.host_staging import ByteBudget, DeviceToHost, Staged, StagingEr
 from kv_transfer.kv_layout import WIRE_LAYOUT
 from kv_transfer.kv_receiver import KvReceiver
 from kv_transfer.transport import TRANSPORTS, LayerSlice, choose_transport
+from settings.cluster_secret import SECRET_ENV
 
 CONSUMER = Compatibility("m", "float32", 16, 2, 2, 4, WIRE_LAYOUT, "0.32.0")
 CPU = torch.device("cpu")
@@ -134,6 +136,43 @@ def test_a_refused_handshake_cancels_its_transfers_and_a_later_send_opens_a_new_
         assert kv_receiver.take() == ([], {})
     finally:
         sender.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_sender_without_the_cluster_secret_is_refused_and_writes_nothing(monkeypatch, transport):
+    from kv_transfer.grpc_transport import cancel_transfer
+
+    monkeypatch.setenv(SECRET_ENV, "the cluster's")
+    kv_receiver = KvReceiver(CONSUMER)
+    address = f"127.0.0.1:{kv_receiver.start('127.0.0.1', 0)}"
+    monkeypatch.setenv(SECRET_ENV, "an intruder's")  # what this process's senders now carry
+    intruder = kv_sender(CONSUMER, "127.0.0.1", CPU)
+    try:
+        refused = piece("t-1")
+        intruder.send(address, transport, refused)
+        deadline = time.monotonic() + DEADLINE_S
+        while refused.data.releases == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert refused.data.releases == 1  # its channel was refused: the sender let it go
+        with pytest.raises(grpc.RpcError) as caught:  # nor may it cancel others' transfers
+            cancel_transfer(address, "someone-else's", "intruder")
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        time.sleep(0.2)
+        assert kv_receiver.take() == ([], {})  # nothing written, nothing cancelled
+        monkeypatch.setenv(SECRET_ENV, "the cluster's")
+        member = kv_sender(CONSUMER, "127.0.0.1", CPU)
+        try:
+            member.send(address, transport, piece("t-2"))
+            got, cancelled = wait_for(kv_receiver, slices=1)
+            assert [p.transfer_id for p in got] == ["t-2"] and cancelled == {}
+            for arrived in got:
+                arrived.release()
+            del got, arrived
+        finally:
+            member.close()
+    finally:
+        intruder.close()
+        kv_receiver.stop()
 
 
 SENDER_PROCESS = textwrap.dedent(

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from router.disaggregation import LOCAL, ROUTE_HEADER
+from router.disaggregation import DISAGGREGATED, LOCAL, ROUTE_HEADER
 from router.errors import OpenAIError, invalid_request, worker_unavailable
 from router.metrics import RouterMetrics
 from router.policies import RoundRobin
@@ -33,6 +33,7 @@ class FakeWorker:
         self.max_model_len = 4096
         self.kv_address = f"{name}:6000"
         self.tensor_parallel_size = 1
+        self.kv_transport, self.host_id, self.device = "grpc", "", "cpu"
         self.outstanding_tokens = 0
         self.chunks = list(chunks)
         self.error = error
@@ -286,3 +287,58 @@ def test_a_client_timeout_is_read_in_seconds():
     from router.request_flow import parse_timeout
 
     assert parse_timeout("2.5") == 2.5
+
+
+def first_token(name: str) -> FakeWorker:
+    """A prefill worker: its leg gives the prompt's first token."""
+    return FakeWorker(name, "prefill", chunks=[worker_pb2.GenerateChunk(token_ids=[1], text="Hi")])
+
+
+@pytest.fixture
+def cancels(monkeypatch) -> list[str]:
+    """The transfer ids the router cancelled on decode workers (a recording fake of the call)."""
+    cancelled = []
+    monkeypatch.setattr(
+        "router.disaggregation.cancel_transfer",
+        lambda address, transfer_id, reason, ranks: cancelled.append(transfer_id),
+    )
+    return cancelled
+
+
+def test_a_prefill_worker_lost_before_its_kv_hands_the_prompt_to_another_one(cancels):
+    lost, spare, decode = (
+        unavailable("prefill-a", "prefill"),
+        first_token("prefill-b"),
+        answering("decode-a"),
+    )
+    flow = flow_over(lost, spare, decode)
+    run, request = new_request()
+    run.route = DISAGGREGATED
+
+    async def whole_stream():
+        first, chunks, headers = await flow.start(run, request)
+        return [first] + [chunk async for chunk in chunks], headers
+
+    chunks, headers = asyncio.run(whole_stream())
+    assert flow.pool.down == {lost.address}
+    assert headers["x-pdserve-prefill-worker"] == "prefill-b"
+    assert [c.text for c in chunks] == ["Hi", "Hello", " world"]
+    assert cancels == ["cmpl-1"]  # the lost attempt's transfer, cancelled on the decode worker
+    assert [r.kv.transfer_id for r in spare.requests] == ["cmpl-1-retry1"]
+    # The decode worker heard of the request once, for the second attempt's KV.
+    assert [r.kv.transfer_id for r in decode.requests] == ["cmpl-1-retry1"]
+    metric = flow.metrics.registry.get_sample_value
+    assert metric("pdserve_prefill_lost_total", {"next": "another_prefill"}) == 1
+    assert run.route == DISAGGREGATED
+
+
+def test_with_no_prefill_worker_left_the_prompt_takes_the_local_path(cancels):
+    lost, decode = unavailable("prefill-a", "prefill"), answering("decode-a")
+    flow = flow_over(lost, decode)
+    run, request = new_request()
+    run.route = DISAGGREGATED
+    first, headers = start(flow, run, request)
+    assert first.text == "Hello" and headers[ROUTE_HEADER] == LOCAL
+    assert [r.HasField("kv") for r in decode.requests] == [False]  # it prefills the prompt itself
+    metric = flow.metrics.registry.get_sample_value
+    assert metric("pdserve_prefill_lost_total", {"next": "local"}) == 1

@@ -12,7 +12,8 @@ import pytest
 
 import router.worker_pool
 from router.policies import RoundRobin
-from router.worker_pool import WorkerPool, follow_registry
+from router.worker_load import WorkerLoad
+from router.worker_pool import WorkerPool, follow_load, follow_registry
 from worker.protocol import worker_pb2
 from worker.registry import WorkerRecord
 
@@ -25,6 +26,7 @@ class FakeWorkers:
 
     def __init__(self) -> None:
         self.replies: dict[str, worker_pb2.HealthReply] = {}
+        self.stats: dict[str, worker_pb2.StatsReply | grpc.StatusCode] = {}  # reply, or error
         self.clients: list[FakeWorkerClient] = []
 
     def up(
@@ -64,8 +66,16 @@ class FakeWorkerClient:
         self.max_model_len = 0
         self.kv_address = ""
         self.tensor_parallel_size = 1
+        self.max_num_seqs = 4
         self.outstanding_tokens = 0
+        self.load = WorkerLoad()
         self.closed = False
+
+    async def stats(self, timeout: float = 5.0) -> worker_pb2.StatsReply:
+        reply = self.workers.stats.get(self.address, grpc.StatusCode.UNAVAILABLE)
+        if isinstance(reply, grpc.StatusCode):
+            raise grpc.aio.AioRpcError(reply, grpc.aio.Metadata(), grpc.aio.Metadata(), "no")
+        return reply
 
     async def health(self, timeout: float = 5.0) -> worker_pb2.HealthReply:
         reply = self.workers.replies.get(self.address)
@@ -263,3 +273,32 @@ def test_health_is_ok_only_while_a_worker_can_take_requests(workers):
     serving, report = pool.health()  # prefill workers alone cannot answer anyone
     assert not serving and report["status"] == "unavailable"
     assert report["down"] == ["id-d:1"] and report["pools"]["prefill"] == 1
+
+
+def test_following_load_takes_each_report_and_marks_a_worker_that_is_gone_down(workers):
+    for address in ("a:1", "b:1", "c:1"):
+        workers.up(address)
+    workers.stats["a:1"] = worker_pb2.StatsReply(running_requests=3, kv_blocks_total=10)
+    workers.stats["b:1"] = grpc.StatusCode.DEADLINE_EXCEEDED  # busy, slow to answer
+    workers.stats["c:1"] = grpc.StatusCode.UNAVAILABLE  # its process is gone
+
+    async def scenario():
+        pool = WorkerPool([], RoundRobin())
+        await pool.sync(["a:1", "b:1", "c:1"])
+        a, b, c = pool.workers
+        a.load.sent(prompt_tokens=5)
+        task = asyncio.create_task(follow_load(pool, 0.01))
+        try:
+            for _ in range(200):
+                if a.load.report is not None and pool.down:
+                    break
+                await asyncio.sleep(0.005)
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert a.load.report.running_requests == 3 and a.load.requests_since == 0
+        assert b.load.report is None and pool.down == {"c:1"}
+        assert pool.capacity() == 4 + 4  # the two live ones' max_num_seqs
+
+    asyncio.run(scenario())

@@ -1,0 +1,53 @@
+"""A worker's load as the worker itself reports it (its Stats, polled by the router every
+LOAD_POLL_S), plus what this router sent it since that report.
+
+The report is the same for every router, so two routers rank the workers alike; the few
+requests a router sent since the last report keep a burst between two polls from all landing
+on the worker that looked idlest. `least-loaded` ranks by `busyness`; admission control sums
+`capacity`.
+"""
+
+from dataclasses import dataclass
+
+from worker.protocol import worker_pb2
+
+LOAD_POLL_S = 0.5  # how often the router asks every live worker for its Stats
+KV_FULL = 0.9  # share of KV blocks in use beyond which queued requests wait for blocks
+
+
+@dataclass
+class WorkerLoad:
+    report: worker_pb2.StatsReply | None = None  # the worker's last Stats
+    requests_since: int = 0  # requests this router sent it since that report
+    prompt_tokens_since: int = 0  # their prompt tokens
+
+    def sent(self, prompt_tokens: int) -> None:
+        self.requests_since += 1
+        self.prompt_tokens_since += prompt_tokens
+
+    def reported(self, report: worker_pb2.StatsReply) -> None:
+        self.report = report
+        self.requests_since = self.prompt_tokens_since = 0
+
+    def busyness(self, role: str) -> tuple[float, ...]:
+        """Smaller is idler. A prefill worker: prompt tokens it has yet to compute. A decode or
+        colocated worker: requests in its engine, then the share of its KV blocks in use."""
+        report = self.report or worker_pb2.StatsReply()
+        if role == "prefill":
+            return (report.outstanding_prefill_tokens + self.prompt_tokens_since,)
+        used = report.kv_blocks_used / report.kv_blocks_total if report.kv_blocks_total else 0.0
+        return (report.running_requests + self.requests_since, used)
+
+    def capacity(self, max_num_seqs: int) -> int:
+        """Requests the worker can run at once: its engine's max_num_seqs, or, while its engine
+        holds requests back for want of KV blocks (waiting ones with its blocks nearly all in
+        use), only as many as it runs now."""
+        report = self.report
+        if (
+            report is not None
+            and report.waiting_requests
+            and report.kv_blocks_total
+            and report.kv_blocks_used >= KV_FULL * report.kv_blocks_total
+        ):
+            return max(1, min(max_num_seqs, report.running_requests - report.waiting_requests))
+        return max_num_seqs

@@ -1,0 +1,105 @@
+"""The cluster secret (settings/cluster_secret.py) and the worker's gRPC gate
+(worker/secret_check.py): a real grpc.aio server on loopback with the real worker service (its
+engine not started), called with and without the secret. KV streams: test_kv_transports.py."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from settings.base import ConfigError
+from settings.cluster_secret import (
+    METADATA_KEY,
+    SECRET_ENV,
+    cluster_secret,
+    ensure_cluster_secret,
+    load_cluster_secret,
+    secret_matches,
+)
+from worker.protocol import worker_pb2, worker_pb2_grpc
+from worker.secret_check import SecretCheck
+from worker.service import WorkerService
+
+SECRET = "the-cluster-secret"
+
+
+async def calls_to_a_guarded_worker(metadata) -> dict[str, grpc.StatusCode]:
+    """Each call's status code (OK when answered) on a worker whose secret is SECRET."""
+    server = grpc.aio.server(interceptors=[SecretCheck(SECRET)])
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService("w", "decode", "m"), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    codes = {}
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            calls = {
+                "Health": lambda: stub.Health(
+                    worker_pb2.HealthRequest(), timeout=5, metadata=metadata
+                ),
+                "Abort": lambda: stub.Abort(
+                    worker_pb2.AbortRequest(request_id="r"), timeout=5, metadata=metadata
+                ),
+            }
+            for name, call in calls.items():
+                try:
+                    await call()
+                    codes[name] = grpc.StatusCode.OK
+                except grpc.aio.AioRpcError as error:
+                    codes[name] = error.code()
+            try:  # a streaming call: refused before the service (and its engine) sees it
+                async for _ in stub.Generate(
+                    worker_pb2.GenerateRequest(request_id="r"), timeout=5, metadata=metadata
+                ):
+                    pass
+            except grpc.aio.AioRpcError as error:
+                codes["Generate"] = error.code()
+    finally:
+        await server.stop(grace=None)
+    return codes
+
+
+@pytest.mark.parametrize("offered", [None, "", "a guess", SECRET + "x"])
+def test_a_call_without_the_secret_is_refused_whatever_the_method(offered):
+    metadata = () if offered is None else ((METADATA_KEY, offered),)
+    codes = asyncio.run(calls_to_a_guarded_worker(metadata))
+    assert codes == dict.fromkeys(("Health", "Abort", "Generate"), grpc.StatusCode.UNAUTHENTICATED)
+
+
+def test_a_call_with_the_secret_is_served():
+    codes = asyncio.run(calls_to_a_guarded_worker(((METADATA_KEY, SECRET),)))
+    assert codes["Health"] == codes["Abort"] == grpc.StatusCode.OK
+
+
+def test_an_open_worker_takes_any_call():
+    assert secret_matches("", "") and secret_matches("anything", "")
+    assert not secret_matches("", SECRET) and secret_matches(SECRET, SECRET)
+
+
+def test_the_secret_comes_from_a_file_into_the_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")
+    load_cluster_secret(str(path))
+    assert cluster_secret() == SECRET  # the engine processes started next inherit it
+    ensure_cluster_secret()  # one given is kept
+    assert cluster_secret() == SECRET
+
+
+def test_a_missing_or_empty_secret_file_is_a_config_error(tmp_path, monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_cluster_secret(str(tmp_path / "absent"))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConfigError, match="is empty"):
+        load_cluster_secret(str(tmp_path / "empty"))
+    assert cluster_secret() == ""
+
+
+def test_serve_and_up_generate_a_secret_when_none_is_given(monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    ensure_cluster_secret()
+    first = cluster_secret()
+    monkeypatch.delenv(SECRET_ENV)
+    ensure_cluster_secret()
+    assert len(first) >= 40 and cluster_secret() != first
