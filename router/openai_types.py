@@ -37,6 +37,10 @@ UNSUPPORTED = frozenset(
 )
 
 
+MAX_STOP_CHARS = 1024  # each stop string is searched for in the text after every token
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+
+
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -54,7 +58,7 @@ class SamplingFields(StrictModel):
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     top_k: Annotated[int, Field(ge=0)] = 0
     seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=4)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     ignore_eos: bool = False  # vLLM's extension, used by benchmarks
@@ -145,5 +149,7 @@ def _first_error(error: ValidationError) -> OpenAIError:
 def _is_union_tag(part) -> bool:
     """Pydantic names union members in error locations (e.g. 'str', 'list[int]'); drop them."""
     return isinstance(part, str) and (
-        "[" in part or part in {"str", "int", "float", "bool"} or part.startswith("function-")
+        "[" in part
+        or part in {"str", "int", "float", "bool"}
+        or part.startswith(("function-", "constrained-"))
     )

@@ -54,6 +54,8 @@ def test_max_completion_tokens_is_an_alias():
         ({**CHAT, "temperature": 3}, "temperature", "invalid_value"),
         ({**CHAT, "top_p": 0}, "top_p", "invalid_value"),
         ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
+        ({**CHAT, "stop": "x" * 1025}, "stop", "invalid_value"),
+        ({**CHAT, "stop": ["ok", "x" * 1025]}, "stop", "invalid_value"),
         ({**CHAT, "stream": "yes"}, "stream", "invalid_value"),
         ({**CHAT, "frobnicate": 1}, "frobnicate", "unrecognized_argument"),
         ({**CHAT, "tools": []}, "tools", "unsupported_parameter"),
