@@ -3,6 +3,8 @@ model, dtype, block size, layers, KV heads, head size, wire layout and vLLM vers
 Tensor parallelism need not: each side re-shards the heads (kv_transfer/head_shards.py), and
 the cache layouts need not either: KV travels in one wire order (kv_transfer/kv_layout.py)."""
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass, fields
 
 from settings.cluster_secret import secret_matches
@@ -25,6 +27,12 @@ class Compatibility:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def fingerprint(self) -> str:
+        """Short and equal exactly when every field is: what workers publish in Health, so the
+        router pairs only workers whose handshake would succeed."""
+        text = json.dumps(self.to_dict(), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def mismatches(producer: Compatibility, consumer: Compatibility) -> list[str]:

@@ -151,19 +151,21 @@ class RequestFlow:
         died, or left the pools a moment ago) is marked down and the request goes to another
         one, up to MAX_ATTEMPTS workers. A prefill worker lost before the prompt's KV was
         complete is marked down too, and the prompt goes to another prefill worker, or, with
-        none left, the local path (counted in pdserve_prefill_lost_total)."""
+        none left, the local path (counted in pdserve_prefill_lost_total). Only workers whose
+        KV is compatible are paired."""
         tried: set[str] = set()
         tried_prefill: set[str] = set()
         while True:
             worker = run.decode_worker = self.pool.pick(TAKES_REQUESTS, frozenset(tried))
+            prefill = None
+            if run.route == DISAGGREGATED:
+                prefill = self._pick_prefill(run, worker, tried_prefill)
             headers = {
                 "x-request-id": run.request_id,
                 "x-pdserve-worker": worker.worker_id,
                 ROUTE_HEADER: run.route,
             }
-            prefill = None
-            if run.route == DISAGGREGATED:
-                prefill = self.pool.pick(("prefill",), frozenset(tried_prefill))
+            if prefill is not None:
                 run.prefill = PrefillOutcome(admission=self.settings.decode_admission)
                 chunks = generate_disaggregated(
                     prefill,
@@ -196,6 +198,20 @@ class RequestFlow:
                 self.pool.mark_down(prefill)
             self.metrics.routes.labels(run.route).inc()
             return first, self._migrating(run, worker_request, chunks), headers
+
+    def _pick_prefill(
+        self, run: RequestRun, decode: WorkerClient, tried: set[str]
+    ) -> WorkerClient | None:
+        """A prefill worker whose KV `decode` can take; with none (all gone since admission, or
+        all incompatible with it: a misconfigured pool) the request takes the local path,
+        counted in pdserve_kv_fallbacks_total{policy="no_prefill"} and logged with why."""
+        try:
+            return self.pool.pick(("prefill",), frozenset(tried), pairs_with=decode)
+        except OpenAIError as error:
+            log.warning("request %s: %s; local path", run.request_id, error.message)
+            self.metrics.kv_fallbacks.labels("no_prefill").inc()
+            run.route = LOCAL
+            return None
 
     def _prefill_lost(
         self, run: RequestRun, prefill: WorkerClient, tried: set[str], error: OpenAIError

@@ -40,6 +40,7 @@ class WorkerClient:
         self.host_id = ""  # equal on workers that can share memory
         self.device = ""  # cuda or cpu
         self.max_num_seqs = 0  # requests its engine runs at once
+        self.kv_compatibility = ""  # equal on workers that can exchange KV
         self.outstanding_tokens = 0  # prompt + max tokens of requests in flight here
         self.load = WorkerLoad()  # what it reports, and what this router sent since
         self._pending_aborts: set[asyncio.Task] = set()
@@ -63,6 +64,7 @@ class WorkerClient:
             self.tensor_parallel_size = reply.tensor_parallel_size
             self.kv_transport, self.host_id = reply.kv_transport, reply.host_id
             self.device, self.max_num_seqs = reply.device, reply.max_num_seqs
+            self.kv_compatibility = reply.kv_compatibility
         return reply
 
     async def stats(

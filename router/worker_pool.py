@@ -78,10 +78,26 @@ class WorkerPool:
             "down": sorted(w.worker_id for w in self.workers if w.address in self.down),
         }
 
-    def pick(self, roles: tuple[str, ...], avoid: frozenset[str] = frozenset()) -> WorkerClient:
+    def pick(
+        self,
+        roles: tuple[str, ...],
+        avoid: frozenset[str] = frozenset(),
+        pairs_with: WorkerClient | None = None,
+    ) -> WorkerClient:
+        """`pairs_with`: only workers whose KV that worker can take (equal compatibility
+        fingerprints: the handshake between them would succeed)."""
         candidates = [w for w in self.live(roles) if w.address not in avoid]
         if not candidates:
             raise worker_unavailable(f"no {' or '.join(roles)} worker is available; retry later")
+        if pairs_with is not None:
+            fingerprint = pairs_with.kv_compatibility
+            candidates = [w for w in candidates if w.kv_compatibility == fingerprint]
+            if not candidates:
+                raise worker_unavailable(
+                    f"no {' or '.join(roles)} worker's KV is compatible with worker "
+                    f"{pairs_with.worker_id}'s (model, dtype, block size, layers, KV heads, head "
+                    f"size or vLLM version differ)"
+                )
         return self.policy.choose(candidates)
 
     def mark_down(self, worker: WorkerClient) -> None:

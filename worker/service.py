@@ -95,6 +95,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.host_id = host_id()
         self.device = ""
         self.max_num_seqs = 0
+        self.kv_compatibility = ""
         self.tensor_parallel_size = 0
         self.engine = None
         self.engine_stats = EngineStats()
@@ -107,12 +108,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.leave_pools = _nothing_to_leave  # set when the worker is in a registry
 
     def engine_ready(self, engine) -> None:
+        from kv_transfer.connector_base import compatibility_of
+
         self.engine = engine
         self.max_model_len = engine.vllm_config.model_config.max_model_len
         self.kv_blocks_total = engine.vllm_config.cache_config.num_gpu_blocks or 0
         self.tensor_parallel_size = engine.vllm_config.parallel_config.tensor_parallel_size
         self.device = engine.vllm_config.device_config.device_type
         self.max_num_seqs = engine.vllm_config.scheduler_config.max_num_seqs
+        self.kv_compatibility = compatibility_of(engine.vllm_config).fingerprint()
         self.state, self.state_message = State.READY, ""
 
     def engine_failed(self, message: str) -> None:
@@ -230,6 +234,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             host_id=self.host_id,
             device=self.device,
             max_num_seqs=self.max_num_seqs,
+            kv_compatibility=self.kv_compatibility,
         )
 
     async def Stats(self, request, context):

@@ -96,3 +96,49 @@ def test_twenty_concurrent_streams_all_complete(server):
             else completion_tokens < (max_tokens)
         )
     assert server.worker("decode")["running_requests"] == 0
+
+
+def test_eighty_streams_aborted_after_their_first_token_give_back_every_kv_block(server):
+    """80 streams at once, half disaggregated, each dropped by its client as soon as its first
+    token arrives: every worker's KV blocks go back to what they were before, nothing runs."""
+    before = {w["worker_id"]: w["kv_blocks_used"] for w in server.workers(fresh=True)}
+
+    async def first_token_then_leave(http: httpx.AsyncClient, i: int) -> bool:
+        body = {
+            "model": SERVED_MODEL,
+            "prompt": f"Story number {i}: once upon a time",
+            "max_tokens": 500,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        route = "disaggregated" if i % 2 else "local"
+        async with http.stream(
+            "POST", f"{server.base_url}/completions", json=body, headers={"x-pdserve-route": route}
+        ) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and '"text":""' not in line:
+                    return True  # leaving the block closes the connection mid-stream
+        return False
+
+    async def all_of_them():
+        async with httpx.AsyncClient(timeout=300) as http:
+            return await asyncio.gather(*(first_token_then_leave(http, i) for i in range(80)))
+
+    started = time.monotonic()
+    got_a_token = asyncio.run(asyncio.wait_for(all_of_them(), timeout=300))
+    assert all(got_a_token)
+    deadline = time.monotonic() + 60
+    while True:
+        after = {
+            w["worker_id"]: (w["kv_blocks_used"], w["running_requests"])
+            for w in server.workers(fresh=True)
+        }
+        if after == {worker: (used, 0) for worker, used in before.items()}:
+            break
+        assert time.monotonic() < deadline, f"KV still held: {after} (baseline {before})"
+        time.sleep(0.5)
+    print(
+        f"80 streams aborted after their first token; KV back to baseline "
+        f"{time.monotonic() - started:.1f} s after they started: {after}"
+    )

@@ -350,3 +350,13 @@ def test_forced_shm_to_another_host_fails_with_a_reason_not_silently():
 
     with pytest.raises(ChannelError, match="no shared-memory KV receiver for 10.1.2.3:5555"):
         ShmChannel("10.1.2.3:5555", CONSUMER)
+
+
+def test_the_compatibility_fingerprint_differs_exactly_when_a_field_does():
+    assert CONSUMER.fingerprint() == replace(CONSUMER).fingerprint()
+    changed = [
+        replace(CONSUMER, dtype="bfloat16"),
+        replace(CONSUMER, block_size=CONSUMER.block_size * 2),
+        replace(CONSUMER, vllm_version="0.33.0"),
+    ]
+    assert len({CONSUMER.fingerprint(), *(c.fingerprint() for c in changed)}) == 4

@@ -34,6 +34,7 @@ class FakeWorker:
         self.kv_address = f"{name}:6000"
         self.tensor_parallel_size = 1
         self.kv_transport, self.host_id, self.device = "grpc", "", "cpu"
+        self.kv_compatibility = "smollm2-float32"
         self.outstanding_tokens = 0
         self.chunks = list(chunks)
         self.error = error
@@ -342,3 +343,30 @@ def test_with_no_prefill_worker_left_the_prompt_takes_the_local_path(cancels):
     assert [r.HasField("kv") for r in decode.requests] == [False]  # it prefills the prompt itself
     metric = flow.metrics.registry.get_sample_value
     assert metric("pdserve_prefill_lost_total", {"next": "local"}) == 1
+
+
+def test_only_a_prefill_worker_whose_kv_the_decode_worker_can_take_is_paired(cancels):
+    other_dtype, same = first_token("prefill-bf16"), first_token("prefill-f32")
+    other_dtype.kv_compatibility = "smollm2-bfloat16"
+    decode = answering("decode-a")
+    flow = flow_over(other_dtype, same, decode)
+    for request_id in ("cmpl-1", "cmpl-2"):
+        run, request = new_request(request_id)
+        run.route = DISAGGREGATED
+        _, headers = start(flow, run, request)
+        assert headers["x-pdserve-prefill-worker"] == "prefill-f32"
+    assert other_dtype.requests == []
+
+
+def test_with_no_compatible_prefill_worker_the_request_goes_local_and_says_why(cancels, caplog):
+    other_dtype, decode = first_token("prefill-bf16"), answering("decode-a")
+    other_dtype.kv_compatibility = "smollm2-bfloat16"
+    flow = flow_over(other_dtype, decode)
+    run, request = new_request()
+    run.route = DISAGGREGATED
+    first, headers = start(flow, run, request)
+    assert headers[ROUTE_HEADER] == LOCAL and "x-pdserve-prefill-worker" not in headers
+    assert first.text == "Hello" and other_dtype.requests == []
+    metric = flow.metrics.registry.get_sample_value
+    assert metric("pdserve_kv_fallbacks_total", {"policy": "no_prefill"}) == 1
+    assert "KV is compatible with worker decode-a's" in caplog.text
