@@ -114,39 +114,40 @@ async def generate_disaggregated(
     prefill_task = asyncio.create_task(
         _run_prefill(prefill, prefill_request, decode, timeout_s, outcome)
     )
-    try:
-        if outcome.admission == AFTER_PREFILL:
-            await outcome.done.wait()  # bounded: the prefill leg has the request's deadline
-            first = outcome.chunk
-            if outcome.error_kind == "worker_unavailable" and first is None:
-                raise prefill_lost(outcome.error)
-            if (
-                outcome.error is None
-                and first is not None
-                and first.token_ids
-                and continues_from_first_token(request)
-            ):
-                # The client's first token is the prefill's; the decode worker goes on from
-                # the prompt and that token, computing only the token's own position.
-                done = (
-                    first.finish_reason == "stop"
-                    or len(first.token_ids) >= request.sampling.max_tokens
-                )
-                relayed = worker_pb2.GenerateChunk()
-                relayed.CopyFrom(first)
-                relayed.finish_reason = first.finish_reason if done else ""
-                outcome.ended_request = done
-                yield relayed
-                if done:
-                    return
-                decode_request.prompt_token_ids.extend(first.token_ids)
-                decode_request.sampling.max_tokens -= len(first.token_ids)
-                decode_request.kv.kv_tokens = len(request.prompt_token_ids)
-        async for chunk in decode.generate(decode_request, timeout=timeout_s):
-            yield chunk
-    finally:
-        if not prefill_task.done():
-            prefill_task.cancel()
+    with decode.in_use():  # its channel stays open while the prefill leg runs
+        try:
+            if outcome.admission == AFTER_PREFILL:
+                await outcome.done.wait()  # bounded: the prefill leg has the request's deadline
+                first = outcome.chunk
+                if outcome.error_kind == "worker_unavailable" and first is None:
+                    raise prefill_lost(outcome.error)
+                if (
+                    outcome.error is None
+                    and first is not None
+                    and first.token_ids
+                    and continues_from_first_token(request)
+                ):
+                    # The client's first token is the prefill's; the decode worker goes on from
+                    # the prompt and that token, computing only the token's own position.
+                    done = (
+                        first.finish_reason == "stop"
+                        or len(first.token_ids) >= request.sampling.max_tokens
+                    )
+                    relayed = worker_pb2.GenerateChunk()
+                    relayed.CopyFrom(first)
+                    relayed.finish_reason = first.finish_reason if done else ""
+                    outcome.ended_request = done
+                    yield relayed
+                    if done:
+                        return
+                    decode_request.prompt_token_ids.extend(first.token_ids)
+                    decode_request.sampling.max_tokens -= len(first.token_ids)
+                    decode_request.kv.kv_tokens = len(request.prompt_token_ids)
+            async for chunk in decode.generate(decode_request, timeout=timeout_s):
+                yield chunk
+        finally:
+            if not prefill_task.done():
+                prefill_task.cancel()
 
 
 def pair_transport(prefill: WorkerClient, decode: WorkerClient) -> str:

@@ -6,6 +6,7 @@ not there (503), a passed deadline is a timeout (504), the rest is a worker fail
 """
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -41,9 +42,10 @@ class WorkerClient:
         self.device = ""  # cuda or cpu
         self.max_num_seqs = 0  # requests its engine runs at once
         self.kv_compatibility = ""  # equal on workers that can exchange KV
-        self.outstanding_tokens = 0  # prompt + max tokens of requests in flight here
+        self.users = 0  # requests using it now (in a call, or about to call it): see in_use
         self.load = WorkerLoad()  # what it reports, and what this router sent since
         self._pending_aborts: set[asyncio.Task] = set()
+        self._closed = False
         self.metadata = secret_metadata()  # every call carries the cluster secret
 
     @property
@@ -90,10 +92,11 @@ class WorkerClient:
     ) -> AsyncIterator[worker_pb2.GenerateChunk]:
         """Stream a request's chunks. Leaving early (break, cancel, error) aborts it on the
         worker: the call is cancelled and an explicit Abort follows."""
+        if self._closed:  # it left the pools while the request waited for it (never a 500)
+            raise worker_unavailable(f"worker {self.worker_id} left the pools")
         call = self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
         finished = False
-        cost = len(request.prompt_token_ids) + request.sampling.max_tokens
-        self.outstanding_tokens += cost
+        self.users += 1
         self.load.sent(len(request.prompt_token_ids))
         try:
             async for chunk in call:
@@ -102,7 +105,7 @@ class WorkerClient:
         except grpc.aio.AioRpcError as error:
             raise self._to_openai_error(error, timeout) from None
         finally:
-            self.outstanding_tokens -= cost
+            self.users -= 1
             if not finished:
                 call.cancel()
                 # A task, not an await: this generator may be inside a cancelled scope.
@@ -128,6 +131,18 @@ class WorkerClient:
             return worker_unavailable(f"worker {self.worker_id} is unavailable: {details}")
         return worker_failed(f"worker {self.worker_id} failed: {code.name}: {details}")
 
+    @contextlib.contextmanager
+    def in_use(self):
+        """Held by a request between choosing this worker and calling it (a decode worker
+        while the prefill leg runs): the pool does not close a leaving worker's channel under
+        it."""
+        self.users += 1
+        try:
+            yield self
+        finally:
+            self.users -= 1
+
     async def close(self) -> None:
+        self._closed = True
         if self._channel is not None:
             await self._channel.close()

@@ -127,7 +127,7 @@ class WorkerPool:
             self.workers.remove(worker)
             self.down.discard(worker.address)
             self.leaving.append(worker)
-        for worker in [w for w in self.leaving if w.outstanding_tokens == 0]:
+        for worker in [w for w in self.leaving if w.users == 0]:
             self.leaving.remove(worker)
             await worker.close()
 

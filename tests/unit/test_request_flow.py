@@ -4,6 +4,7 @@ policy holds fake workers whose `generate` either fails before its first chunk o
 canned chunks; each test drives the coroutines with asyncio.run. No engine, no network."""
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -35,11 +36,19 @@ class FakeWorker:
         self.tensor_parallel_size = 1
         self.kv_transport, self.host_id, self.device = "grpc", "", "cpu"
         self.kv_compatibility = "smollm2-float32"
-        self.outstanding_tokens = 0
+        self.users = 0
         self.chunks = list(chunks)
         self.error = error
         self.requests: list[worker_pb2.GenerateRequest] = []
         self.timeouts: list[float] = []
+
+    @contextlib.contextmanager
+    def in_use(self):
+        self.users += 1
+        try:
+            yield self
+        finally:
+            self.users -= 1
 
     async def generate(self, request: worker_pb2.GenerateRequest, timeout: float):
         self.requests.append(request)
@@ -370,3 +379,44 @@ def test_with_no_compatible_prefill_worker_the_request_goes_local_and_says_why(c
     metric = flow.metrics.registry.get_sample_value
     assert metric("pdserve_kv_fallbacks_total", {"policy": "no_prefill"}) == 1
     assert "KV is compatible with worker decode-a's" in caplog.text
+
+
+def test_the_decode_worker_is_held_while_the_prefill_leg_runs(cancels):
+    """So that the pool does not close its channel should it leave the pools meanwhile."""
+    release = asyncio.Event()
+
+    class SlowPrefill(FakeWorker):
+        async def generate(self, request, timeout):
+            await release.wait()
+            yield worker_pb2.GenerateChunk(token_ids=[1], text="Hi")
+
+    prefill, decode = SlowPrefill("prefill-a", "prefill"), answering("decode-a")
+    flow = flow_over(prefill, decode)
+    run, request = new_request()
+    run.route = DISAGGREGATED
+
+    async def go():
+        starting = asyncio.create_task(flow.start(run, request))
+        await asyncio.sleep(0.05)
+        held_during_prefill = decode.users
+        release.set()
+        first, chunks, _ = await starting
+        await chunks.aclose()
+        return held_during_prefill
+
+    assert asyncio.run(go()) == 1
+    assert decode.users == 0
+
+
+def test_a_closed_worker_client_is_unavailable_not_an_internal_error():
+    from router.worker_client import WorkerClient
+
+    async def go():
+        client = WorkerClient("127.0.0.1:1")
+        await client.close()
+        with pytest.raises(OpenAIError) as caught:
+            await anext(client.generate(worker_pb2.GenerateRequest(request_id="r"), timeout=1))
+        return caught.value
+
+    error = asyncio.run(go())
+    assert (error.status, error.kind) == (503, "worker_unavailable")

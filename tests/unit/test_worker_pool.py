@@ -67,7 +67,7 @@ class FakeWorkerClient:
         self.kv_address = ""
         self.tensor_parallel_size = 1
         self.max_num_seqs = 4
-        self.outstanding_tokens = 0
+        self.users = 0
         self.load = WorkerLoad()
         self.closed = False
 
@@ -147,7 +147,7 @@ def test_a_worker_missing_from_membership_leaves_and_closes_once_its_requests_fi
         pool = WorkerPool([], RoundRobin())
         await pool.sync(["a:1", "b:1"])
         busy = pool.workers[0]
-        busy.outstanding_tokens = 300
+        busy.users = 1
         pool.mark_down(busy)
         await pool.sync(["b:1"])
         assert members(pool) == ["b:1"]
@@ -156,7 +156,7 @@ def test_a_worker_missing_from_membership_leaves_and_closes_once_its_requests_fi
         assert [w.address for w in pool.live(("decode",))] == ["b:1"]
         await pool.sync(["b:1"])
         assert pool.leaving == [busy] and not busy.closed
-        busy.outstanding_tokens = 0
+        busy.users = 0
         await pool.sync(["b:1"])
         assert pool.leaving == [] and busy.closed
         assert not pool.workers[0].closed
