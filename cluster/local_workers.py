@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 
+from settings import tls
 from settings.cluster_secret import secret_metadata
 from settings.worker import WorkerSettings
 from worker.processes import ChildError, free_port, log_tail, spawn, stop_group, wait_until
@@ -91,7 +92,7 @@ def wait_ready(workers: list[WorkerProcess], timeout_s: float, progress=print) -
 
 
 def _health(address: str):
-    with grpc.insecure_channel(address) as channel:
+    with tls.channel(address) as channel:
         try:
             reply = worker_pb2_grpc.WorkerStub(channel).Health(
                 worker_pb2.HealthRequest(), timeout=2.0, metadata=secret_metadata()

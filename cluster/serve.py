@@ -25,6 +25,7 @@ from settings.cluster_secret import ensure_cluster_secret, load_cluster_secret
 from settings.command_line import add_arguments, from_arguments
 from settings.engine import EngineSettings
 from settings.router import RouterSettings
+from settings.tls import load_tls_dir
 from settings.worker import WorkerSettings
 
 
@@ -106,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         router = from_arguments(RouterSettings, args, model=engine.model)
         load_api_keys(router)  # a key file that cannot be read stops it before any worker
         load_cluster_secret(router.cluster_secret_file)
+        load_tls_dir(router.tls_dir)  # the workers inherit it
         ensure_cluster_secret()  # the workers inherit it; the router calls them with it
         model = resolve_model(engine.model)
         _check_port_free(router.host, router.port)

@@ -17,6 +17,7 @@ from kv_transfer import kv_wire_pb2_grpc as wire_grpc
 from kv_transfer.compatibility import Compatibility
 from kv_transfer.kv_copy import as_bytes
 from kv_transfer.transport import ChannelError, LayerSlice, Refused
+from settings import tls
 from settings.cluster_secret import cluster_secret
 
 CHUNK_BYTES = 1 << 20
@@ -67,7 +68,7 @@ class PushStream:
     def __init__(self, destination: str, first: list[wire.KvMessage]) -> None:
         self.destination = destination
         self.outbox: queue.Queue = queue.Queue(maxsize=OUTBOX_MESSAGES)
-        self.channel = grpc.insecure_channel(destination, options=GRPC_OPTIONS)
+        self.channel = tls.channel(destination, GRPC_OPTIONS)
         self.call = wire_grpc.KvReceiverStub(self.channel).PushKv.future(self._messages(first))
 
     def _messages(self, first: list[wire.KvMessage]):
@@ -155,7 +156,7 @@ def cancel_transfer(
     """Tell the first `ranks` ranks of a decode worker at `destination` that a transfer's KV
     will not come (its producer failed, or its handshake was refused)."""
     for rank in range(ranks):
-        with grpc.insecure_channel(rank_address(destination, rank)) as channel:
+        with tls.channel(rank_address(destination, rank)) as channel:
             wire_grpc.KvReceiverStub(channel).CancelTransfer(
                 wire.CancelTransferRequest(
                     transfer_id=transfer_id, reason=reason, cluster_secret=cluster_secret()
@@ -167,7 +168,7 @@ def cancel_transfer(
 def handshake(destination: str, compatibility: Compatibility) -> None:
     """The bare handshake; raises Refused naming the mismatch, ChannelError if unreachable."""
     try:
-        with grpc.insecure_channel(destination) as channel:
+        with tls.channel(destination) as channel:
             reply = wire_grpc.KvReceiverStub(channel).Handshake(
                 hello(compatibility).hello, timeout=CONTROL_TIMEOUT_S
             )

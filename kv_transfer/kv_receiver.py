@@ -19,6 +19,7 @@ from kv_transfer.grpc_transport import GRPC_OPTIONS
 from kv_transfer.nccl_transport import NcclReceiving
 from kv_transfer.shm_transport import ShmListener
 from kv_transfer.transport import INBOX_BYTES, INBOX_WAIT_S, ChannelError, Inbox, SliceAssembler
+from settings import tls
 from settings.cluster_secret import cluster_secret, secret_matches
 
 log = logging.getLogger("pdserve.kv")
@@ -47,7 +48,7 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
             futures.ThreadPoolExecutor(max_workers=MAX_STREAMS), options=GRPC_OPTIONS
         )
         wire_grpc.add_KvReceiverServicer_to_server(self, self.server)
-        bound = self.server.add_insecure_port(f"{host}:{port}")
+        bound = tls.add_port(self.server, f"{host}:{port}")
         if bound == 0:
             raise RuntimeError(f"cannot listen for KV on {host}:{port}")
         self.host = advertised_host or host

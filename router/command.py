@@ -13,6 +13,7 @@ from settings.base import ConfigError
 from settings.cluster_secret import load_cluster_secret
 from settings.command_line import add_arguments, add_settings_json, from_arguments
 from settings.router import RouterSettings
+from settings.tls import load_tls_dir
 
 
 def add_parser(subparsers) -> None:
@@ -33,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--registry: the router needs a registry to follow")
         load_api_keys(settings)  # a key file that cannot be read stops it here
         load_cluster_secret(settings.cluster_secret_file)
+        load_tls_dir(settings.tls_dir)
         model = resolve_model(settings.model)
     except (ConfigError, ModelError) as error:
         print(f"pdserve router: {error}", file=sys.stderr)

@@ -20,6 +20,7 @@ from router.errors import (
     worker_unavailable,
 )
 from router.worker_load import WorkerLoad
+from settings import tls
 from settings.cluster_secret import secret_metadata
 from worker.protocol import GRPC_OPTIONS, worker_pb2, worker_pb2_grpc
 
@@ -52,7 +53,7 @@ class WorkerClient:
     def stub(self) -> worker_pb2_grpc.WorkerStub:
         """Made on first use: a grpc.aio channel belongs to the event loop that creates it."""
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=GRPC_OPTIONS)
+            self._channel = tls.aio_channel(self.address, GRPC_OPTIONS)
             self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         return self._stub
 

@@ -236,12 +236,12 @@ def idle_cpu(url: str) -> dict[str, float]:
 
 def worker_transport(address: str) -> str:
     """The worker's --kv-transport setting, from its Health."""
-    import grpc
 
+    from settings import tls
     from settings.cluster_secret import secret_metadata
     from worker.protocol import worker_pb2, worker_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with tls.channel(address) as channel:
         health = worker_pb2_grpc.WorkerStub(channel).Health(
             worker_pb2.HealthRequest(), timeout=5, metadata=secret_metadata()
         )

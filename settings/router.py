@@ -7,6 +7,7 @@ from pydantic import Field
 from settings.base import Settings
 from settings.cluster_secret import ClusterSecretFile
 from settings.engine import Model
+from settings.tls import TlsDir
 from settings.worker import ClusterName
 
 POLICIES = ("least-loaded", "round-robin")
@@ -123,6 +124,7 @@ class RouterSettings(Settings):
         json_schema_extra={"metavar": "PATH"},
     )
     cluster_secret_file: ClusterSecretFile
+    tls_dir: TlsDir
     public_metrics: bool = Field(
         True, description="/metrics answers without an API key (/health always does)"
     )

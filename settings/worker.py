@@ -7,6 +7,7 @@ from pydantic import Field
 from settings.base import Settings
 from settings.cluster_secret import ClusterSecretFile
 from settings.engine import EngineSettings
+from settings.tls import TlsDir
 
 ROLES = ("colocated", "prefill", "decode")
 Role = Literal[ROLES]
@@ -82,6 +83,7 @@ class WorkerSettings(Settings):
     kv_send_buffer_mib: KvSendBufferMib
     kv_transport: KvTransport
     cluster_secret_file: ClusterSecretFile
+    tls_dir: TlsDir
     registry: str = Field(
         "",
         description="join the pools in this Redis registry "

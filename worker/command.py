@@ -16,6 +16,7 @@ import sys
 import grpc
 
 from model_store.store import ModelError, resolve_model
+from settings import tls
 from settings.base import ConfigError
 from settings.cluster_secret import cluster_secret, load_cluster_secret
 from settings.command_line import add_arguments, add_settings_json, from_arguments
@@ -45,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = from_arguments(WorkerSettings, args)
         load_cluster_secret(settings.cluster_secret_file)
+        tls.load_tls_dir(settings.tls_dir)
         model = resolve_model(settings.engine.model)
     except (ConfigError, ModelError) as error:
         print(f"pdserve worker: {error}", file=sys.stderr)
@@ -57,7 +59,7 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
     from worker.service import WorkerService
 
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[SecretCheck(cluster_secret())])
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    port = tls.add_port(server, f"{settings.host}:{settings.port}")
     host = advertised_host(settings)
     worker_id = settings.worker_id or f"{settings.role}@{host}:{port}"
     kv_port = settings.kv_port

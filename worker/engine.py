@@ -7,6 +7,7 @@ between a prefill and a decode worker (dtype, block size, max length) come from 
 import os
 
 from settings.cluster_secret import SECRET_ENV
+from settings.tls import TLS_DIR_ENV
 from settings.worker import WorkerSettings
 
 GIB = 1 << 30
@@ -127,7 +128,9 @@ def make_engine(worker: WorkerSettings, model: str, kv_port: int, stats: EngineS
     args.distributed_executor_backend = "ray"
     # vLLM's Ray workers (where the KV connector's ranks run) get only the variables it copies.
     copied = os.environ.get("VLLM_RAY_EXTRA_ENV_VARS_TO_COPY", "")
-    os.environ["VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"] = ",".join(filter(None, [copied, SECRET_ENV]))
+    os.environ["VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"] = ",".join(
+        filter(None, [copied, SECRET_ENV, TLS_DIR_ENV])
+    )
     config = args.create_engine_config()
     config.parallel_config.placement_group = group
     return AsyncLLM.from_vllm_config(config, stat_loggers=loggers)

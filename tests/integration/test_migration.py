@@ -104,9 +104,10 @@ def test_round_robin_spreads_disaggregated_requests_over_all_four_workers(
     assert len(prefill) == 2 and len(decode) == 2
 
 
-def kill_under_fire(server, victim: int, reference) -> float:
-    """REQUESTS streams, CONCURRENCY at a time, SIGKILL of `victim` KILL_AFTER_S in; every
-    one must equal its undisturbed run. Returns the seconds it took."""
+def kill_under_fire(server, victim: int, reference, when=lambda: True) -> float:
+    """REQUESTS streams, CONCURRENCY at a time, SIGKILL of `victim` KILL_AFTER_S in, at the
+    first moment `when()` says (polled; at most 60 s later); every one must equal its
+    undisturbed run. Returns the seconds it took."""
 
     async def under_fire():
         limit = asyncio.Semaphore(CONCURRENCY)
@@ -119,6 +120,9 @@ def kill_under_fire(server, victim: int, reference) -> float:
 
             async def kill():
                 await asyncio.sleep(KILL_AFTER_S)
+                deadline = time.monotonic() + 60
+                while not await asyncio.to_thread(when) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
                 os.kill(victim, signal.SIGKILL)  # not its group: the engine is its own
 
             killer = asyncio.create_task(kill())
@@ -159,7 +163,16 @@ def test_a_prefill_worker_killed_under_load_fails_no_request(two_prefill_two_dec
     """Runs after the decode worker's death: 2 prefill + 1 decode workers."""
     server = two_prefill_two_decode
     victim = worker_pids(server, "prefill")[0]
-    seconds = kill_under_fire(server, victim, undisturbed)
+    port = json.loads(command_line(victim)[-1])["port"]
+
+    def computing_a_prompt() -> bool:
+        """Killed while a prompt computes there: its KV is never complete."""
+        for worker in server.workers():
+            if worker["address"].endswith(f":{port}"):
+                return worker["outstanding_prefill_tokens"] > 0
+        return False
+
+    seconds = kill_under_fire(server, victim, undisturbed, when=computing_a_prompt)
     retried = metric_value(server, 'pdserve_prefill_lost_total{next="another_prefill"}')
     local = metric_value(server, 'pdserve_prefill_lost_total{next="local"}')
     recomputed = metric_value(server, 'pdserve_kv_fallbacks_total{policy="recompute"}')
