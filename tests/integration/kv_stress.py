@@ -26,14 +26,14 @@ def prefill_worker_pids(server) -> list[int]:
 
 def kill_prefill_workers_mid_transfer(server) -> None:
     """As many long prompts at once as there are prefill workers (round-robin gives each
-    one), every prefill worker killed 0.5 s in: each request is recomputed by the decode
-    worker long before the 30 s KV deadline, with the output the decode worker gives the same
-    prompt on its own (the local path, asked afterwards). The prompts are new to every worker's
-    prefix cache, so each prefill is still running when it is killed."""
+    one), every prefill worker killed 0.5 s in: each prompt, its prefill worker lost before its
+    KV was complete, takes the local path (no prefill worker is left), long before the 30 s KV
+    deadline, with the output the decode worker gives the same prompt on its own (asked
+    afterwards). The prompts are new to every worker's prefix cache, so each prefill is still
+    running when it is killed."""
     pids = prefill_worker_pids(server)
     prompts = [f"Request {uuid.uuid4()}. {DISAGGREGATED_PROMPTS[-1]}" for _ in pids]
-    failed, recomputed = PREFILL_FAILED, RECOMPUTED
-    before = {name: metric_value(server, name) for name in (failed, recomputed)}
+    before = metric_value(server, LOST_TO_LOCAL)
     killers = [threading.Timer(0.5, os.killpg, args=(pid, signal.SIGKILL)) for pid in pids]
     started = time.monotonic()
     for killer in killers:
@@ -49,8 +49,7 @@ def kill_prefill_workers_mid_transfer(server) -> None:
         assert response.status_code == 200, response.text
         local = complete(server, prompt, LOCAL)
         assert response.json()["choices"][0]["text"] == local.json()["choices"][0]["text"]
-    for name in (failed, recomputed):
-        assert metric_value(server, name) - before[name] == len(pids), name
+    assert metric_value(server, LOST_TO_LOCAL) - before == len(pids)
     decode = server.worker("decode", fresh=True)
     assert (decode["running_requests"], decode["kv_blocks_used"]) == (0, 0)
 
@@ -69,8 +68,7 @@ def complete(server, prompt: str, route: str) -> httpx.Response:
     )
 
 
-PREFILL_FAILED = 'pdserve_kv_transfer_failures_total{reason="prefill_failed"}'
-RECOMPUTED = 'pdserve_kv_fallbacks_total{policy="recompute"}'
+LOST_TO_LOCAL = 'pdserve_prefill_lost_total{next="local"}'
 
 
 def metric_value(server, sample: str) -> float:
@@ -86,7 +84,7 @@ def abort_fifty_requests(server) -> None:
     while decoding: afterwards every worker holds the KV blocks it held before, and no worker
     keeps more shared memory than its channels' segment pools (nothing in /dev/shm at all)."""
     shm_before = set(os.listdir("/dev/shm"))
-    before = {w["worker_id"]: w["kv_blocks_used"] for w in server.workers(fresh=True)}
+    before = kv_baseline(server)
     rng = random.Random(7)
 
     async def stream(http: httpx.AsyncClient, i: int) -> None:
@@ -121,20 +119,31 @@ def abort_fifty_requests(server) -> None:
 
     aborted = asyncio.run(asyncio.wait_for(abort_all(), timeout=600))
     assert sum(aborted) >= 45  # each request could run ~10 s: nearly all were cut short
-    deadline = time.monotonic() + 60
+    wait_for_kv_baseline(server, before)
+    assert set(os.listdir("/dev/shm")) <= shm_before, "a KV transfer left files in /dev/shm"
+    for pid in children(server.process.pid):
+        segments = shared_memory_segments(pid)
+        assert segments <= 8 * len(prefill_worker_pids(server) or [1]), (pid, segments)
+
+
+def kv_baseline(server) -> dict[str, int]:
+    """Each worker's KV blocks in use now (after an engine step)."""
+    return {w["worker_id"]: w["kv_blocks_used"] for w in server.workers(fresh=True)}
+
+
+def wait_for_kv_baseline(server, before: dict[str, int], timeout_s: float = 60) -> dict:
+    """Until every worker holds the KV blocks of `before` and runs nothing (failing after
+    `timeout_s`); returns what they said last."""
+    deadline = time.monotonic() + timeout_s
     while True:
         after = {
             w["worker_id"]: (w["kv_blocks_used"], w["running_requests"])
             for w in server.workers(fresh=True)
         }
         if after == {worker: (used, 0) for worker, used in before.items()}:
-            break
+            return after
         assert time.monotonic() < deadline, f"KV still held: {after} (baseline {before})"
-        time.sleep(1)
-    assert set(os.listdir("/dev/shm")) <= shm_before, "a KV transfer left files in /dev/shm"
-    for pid in children(server.process.pid):
-        segments = shared_memory_segments(pid)
-        assert segments <= 8 * len(prefill_worker_pids(server) or [1]), (pid, segments)
+        time.sleep(0.5)
 
 
 def shared_memory_segments(pid: int) -> int:

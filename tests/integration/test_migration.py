@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import time
+import uuid
 
 import httpx
 import pytest
@@ -104,18 +105,18 @@ def test_round_robin_spreads_disaggregated_requests_over_all_four_workers(
     assert len(prefill) == 2 and len(decode) == 2
 
 
-def kill_under_fire(server, victim: int, reference, when=lambda: True) -> float:
-    """REQUESTS streams, CONCURRENCY at a time, SIGKILL of `victim` KILL_AFTER_S in, at the
-    first moment `when()` says (polled; at most 60 s later); every one must equal its
-    undisturbed run. Returns the seconds it took."""
+def kill_under_fire(server, victim: int, cases, when=lambda: True) -> tuple[list, float]:
+    """One streamed request per (prompt, route) of `cases`, CONCURRENCY at a time, SIGKILL of
+    `victim` KILL_AFTER_S in, at the first moment `when()` says (polled; at most 60 s later).
+    Returns each request's (text, tokens) and the seconds it all took; checks that the killed
+    worker's engine processes died with it."""
 
     async def under_fire():
         limit = asyncio.Semaphore(CONCURRENCY)
         async with httpx.AsyncClient(timeout=300) as http:
 
-            async def one(i: int):
+            async def one(prompt: str, route: str):
                 async with limit:
-                    prompt, route = CASES[i % len(CASES)]
                     return await streamed(http, server, prompt, route)
 
             async def kill():
@@ -126,30 +127,29 @@ def kill_under_fire(server, victim: int, reference, when=lambda: True) -> float:
                 os.kill(victim, signal.SIGKILL)  # not its group: the engine is its own
 
             killer = asyncio.create_task(kill())
-            results = await asyncio.gather(*(one(i) for i in range(REQUESTS)))
+            results = await asyncio.gather(*(one(*case) for case in cases))
             await killer
             return results
 
     started = time.monotonic()
     results = asyncio.run(asyncio.wait_for(under_fire(), timeout=900))
     seconds = time.monotonic() - started
-    for i, (text, tokens) in enumerate(results):
-        expected_text, expected_tokens = reference[i % len(CASES)]
-        assert text == expected_text, f"request {i} differs from the undisturbed run"
-        assert tokens == expected_tokens
     # The worker led its own process group, its engine processes in it: none outlives it.
     deadline = time.monotonic() + 10
     while group_members(victim) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert group_members(victim) == [], "the killed worker's engine processes live on"
-    return seconds
+    return results, seconds
 
 
 def test_a_decode_worker_killed_mid_stream_fails_no_request(two_prefill_two_decode, undisturbed):
     server = two_prefill_two_decode
     victim = worker_pids(server, "decode")[0]
     assert len(group_members(victim)) >= 3  # the worker, its engine core, its reaper
-    seconds = kill_under_fire(server, victim, undisturbed)
+    cases = [CASES[i % len(CASES)] for i in range(REQUESTS)]
+    results, seconds = kill_under_fire(server, victim, cases)
+    for i, result in enumerate(results):
+        assert result == undisturbed[i % len(CASES)], f"request {i} differs from undisturbed"
     migrations = metric_value(server, "pdserve_migrations_total")
     gap = metric_value(server, "pdserve_migration_gap_seconds_sum") / max(migrations, 1)
     print(
@@ -172,7 +172,24 @@ def test_a_prefill_worker_killed_under_load_fails_no_request(two_prefill_two_dec
                 return worker["outstanding_prefill_tokens"] > 0
         return False
 
-    seconds = kill_under_fire(server, victim, undisturbed, when=computing_a_prompt)
+    # Prompts new to the prefix caches: each still computes when the worker dies.
+    nonce = uuid.uuid4().hex
+    cases = []
+    for i in range(REQUESTS):
+        prompt, route = CASES[i % len(CASES)]
+        if route == "disaggregated":
+            prompt = f"Request {i} {nonce}. {prompt}"
+        cases.append((prompt, route))
+    results, seconds = kill_under_fire(server, victim, cases, when=computing_a_prompt)
+
+    async def as_if_undisturbed(i: int, prompt: str, route: str):
+        if route == "local":
+            return undisturbed[i % len(CASES)]
+        async with httpx.AsyncClient(timeout=300) as http:  # the decode worker alone
+            return await streamed(http, server, prompt, "local")
+
+    for i, (case, result) in enumerate(zip(cases, results, strict=True)):
+        assert result == asyncio.run(as_if_undisturbed(i, *case)), f"request {i} differs"
     retried = metric_value(server, 'pdserve_prefill_lost_total{next="another_prefill"}')
     local = metric_value(server, 'pdserve_prefill_lost_total{next="local"}')
     recomputed = metric_value(server, 'pdserve_kv_fallbacks_total{policy="recompute"}')

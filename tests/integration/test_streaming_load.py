@@ -8,6 +8,7 @@ import openai
 import pytest
 
 from tests.integration.conftest import SERVED_MODEL
+from tests.integration.kv_stress import kv_baseline, wait_for_kv_baseline
 
 
 def test_client_disconnect_aborts_the_request_on_the_worker(server):
@@ -101,7 +102,7 @@ def test_twenty_concurrent_streams_all_complete(server):
 def test_eighty_streams_aborted_after_their_first_token_give_back_every_kv_block(server):
     """80 streams at once, half disaggregated, each dropped by its client as soon as its first
     token arrives: every worker's KV blocks go back to what they were before, nothing runs."""
-    before = {w["worker_id"]: w["kv_blocks_used"] for w in server.workers(fresh=True)}
+    before = kv_baseline(server)
 
     async def first_token_then_leave(http: httpx.AsyncClient, i: int) -> bool:
         body = {
@@ -128,16 +129,7 @@ def test_eighty_streams_aborted_after_their_first_token_give_back_every_kv_block
     started = time.monotonic()
     got_a_token = asyncio.run(asyncio.wait_for(all_of_them(), timeout=300))
     assert all(got_a_token)
-    deadline = time.monotonic() + 60
-    while True:
-        after = {
-            w["worker_id"]: (w["kv_blocks_used"], w["running_requests"])
-            for w in server.workers(fresh=True)
-        }
-        if after == {worker: (used, 0) for worker, used in before.items()}:
-            break
-        assert time.monotonic() < deadline, f"KV still held: {after} (baseline {before})"
-        time.sleep(0.5)
+    after = wait_for_kv_baseline(server, before)
     print(
         f"80 streams aborted after their first token; KV back to baseline "
         f"{time.monotonic() - started:.1f} s after they started: {after}"
