@@ -102,6 +102,7 @@ async def generate_disaggregated(
     prefill_request.CopyFrom(request)
     prefill_request.request_id = f"{transfer_id}-prefill"
     prefill_request.sampling.max_tokens = 1
+    prefill_request.sampling.min_tokens = 0  # its token is used only without min_tokens
     outcome.transport = pair_transport(prefill, decode)
     prefill_request.kv.CopyFrom(
         worker_pb2.KvTransfer(
@@ -163,9 +164,18 @@ def pair_transport(prefill: WorkerClient, decode: WorkerClient) -> str:
 def continues_from_first_token(request: worker_pb2.GenerateRequest) -> bool:
     """Whether the decode worker may go on from the prefill's first token. Not with stop
     strings (one spanning the first and second tokens would go unseen: the first token is then
-    prompt to the decode worker) nor with a seed (the decode worker would sample from a later
-    position of its random stream): then the decode worker samples the first token itself."""
-    return not request.sampling.stop and not request.sampling.HasField("seed")
+    prompt to the decode worker), nor with a seed (the decode worker would sample from a later
+    position of its random stream), nor with min_tokens (the prefill leg, asked for one token,
+    may end the sequence there), nor with presence or frequency penalties (they count output
+    tokens only, and the first token would be prompt): then the decode worker samples the first
+    token itself."""
+    return (
+        not request.sampling.stop
+        and not request.sampling.HasField("seed")
+        and not request.sampling.min_tokens
+        and not request.sampling.presence_penalty
+        and not request.sampling.frequency_penalty
+    )
 
 
 async def _run_prefill(

@@ -37,6 +37,17 @@ UNSUPPORTED = frozenset(
 )
 
 
+# vLLM SamplingParams fields the router passes to the workers untouched (by vLLM's names): a
+# new one is a field on SamplingFields and a name here.
+VLLM_PASS_THROUGH = (
+    "min_p",
+    "repetition_penalty",
+    "stop_token_ids",
+    "bad_words",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+)
 MAX_STOP_CHARS = 1024  # each stop string is searched for in the text after every token
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
@@ -62,10 +73,27 @@ class SamplingFields(StrictModel):
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     ignore_eos: bool = False  # vLLM's extension, used by benchmarks
+    # vLLM's sampling extensions, with vLLM's ranges; unset (or null): vLLM's default.
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=2**31)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] | None = None
+    bad_words: Annotated[list[StopString], Field(max_length=64)] | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
     n: Literal[1] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+
+    def vllm_fields(self) -> dict:
+        """The VLLM_PASS_THROUGH fields the request set: vLLM applies them as they are."""
+        return {
+            name: getattr(self, name)
+            for name in VLLM_PASS_THROUGH
+            if getattr(self, name) is not None
+        }
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -117,6 +145,7 @@ def parse_request(model: type[SamplingFields], body: object) -> SamplingFields:
     """Validate a decoded JSON body, or raise an OpenAIError that names the bad field."""
     if not isinstance(body, dict):
         raise invalid_request("the request body must be a JSON object")
+    body = {key: value for key, value in body.items() if value is not None}  # null: not set
     unsupported = sorted(UNSUPPORTED & body.keys())
     if unsupported:
         raise unsupported_parameter(unsupported[0])

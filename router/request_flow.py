@@ -280,6 +280,7 @@ class RequestFlow:
         rest.request_id = f"{run.request_id}-m{run.migrations}"
         rest.prompt_token_ids.extend(run.token_ids)
         rest.sampling.max_tokens -= len(run.token_ids)
+        rest.sampling.min_tokens = max(0, rest.sampling.min_tokens - len(run.token_ids))
         return worker.generate(rest, timeout=run.time_left())
 
     # relay -------------------------------------------------------------------------------
@@ -495,7 +496,15 @@ def sampling_params(
         presence_penalty=parsed.presence_penalty,
         frequency_penalty=parsed.frequency_penalty,
         ignore_eos=parsed.ignore_eos,
+        min_tokens=parsed.min_tokens or 0,
+        vllm_fields_json=json.dumps(parsed.vllm_fields()) if parsed.vllm_fields() else "",
     )
+    if sampling.min_tokens > max_tokens:
+        raise invalid_request(
+            f"min_tokens ({sampling.min_tokens}) must be at most max_tokens ({max_tokens})",
+            param="min_tokens",
+            code="invalid_value",
+        )
     if parsed.seed is not None:
         sampling.seed = parsed.seed
     return sampling

@@ -6,6 +6,7 @@ request inside the engine and frees its KV blocks.
 """
 
 import asyncio
+import json
 import logging
 import time
 
@@ -45,10 +46,18 @@ def kv_extra_args(request: worker_pb2.GenerateRequest) -> dict | None:
 
 
 def to_vllm_sampling(params: worker_pb2.SamplingParams, extra_args: dict | None = None):
+    """vLLM's SamplingParams; a ValueError (the client's 400) when vLLM refuses a value or a
+    passed-through field is not vLLM's."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    fields = json.loads(params.vllm_fields_json or "{}")
+    unknown = sorted(set(fields) - set(SamplingParams.__struct_fields__))
+    if unknown:
+        raise ValueError(f"not vLLM sampling parameters: {', '.join(unknown)}")
     return SamplingParams(
+        **fields,
+        min_tokens=params.min_tokens,
         extra_args=extra_args,
         max_tokens=params.max_tokens,
         temperature=params.temperature,

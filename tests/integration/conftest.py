@@ -29,6 +29,7 @@ from tests.integration.prompts import (
     DISAGGREGATED_PROMPTS,
     MAX_TOKENS,
     PROMPTS,
+    SAMPLING_CASES,
     TINY_MAX_TOKENS,
     TINY_PROMPTS,
 )
@@ -120,15 +121,18 @@ def server(smollm2_dir, tmp_path_factory) -> Server:
 @pytest.fixture(scope="session")
 def offline_reference(smollm2_dir, tmp_path_factory) -> dict:
     """Greedy outputs of vLLM's offline engine for tests/prompts.py."""
-    prompts = [{"prompt": p, "max_tokens": MAX_TOKENS} for p in PROMPTS] + [
+    prompts = [{"prompt": p, "max_tokens": MAX_TOKENS} for p in PROMPTS]
+    prompts += [{"prompt": p, "max_tokens": MAX_TOKENS, "sampling": s} for p, s in SAMPLING_CASES]
+    prompts += [
         {"prompt": p, "max_tokens": DISAGGREGATED_MAX_TOKENS} for p in DISAGGREGATED_PROMPTS
     ]
     outputs = offline_outputs(smollm2_dir, tmp_path_factory.mktemp("offline"), prompts, CHATS)
-    count = len(PROMPTS)
+    count, sampling = len(PROMPTS), len(SAMPLING_CASES)
     return {
         "prompts": outputs["prompts"][:count],
+        "sampling": outputs["prompts"][count : count + sampling],
         "chats": outputs["chats"],
-        "disaggregated": outputs["prompts"][count:],
+        "disaggregated": outputs["prompts"][count + sampling :],
     }
 
 

@@ -2,8 +2,9 @@
 
 Run as a script (vLLM's CPU platform spawns processes, so it needs a __main__ guard):
     python tests/offline_reference.py MODEL_DIR REQUESTS_JSON OUTPUT_JSON
-REQUESTS_JSON: {"prompts": [{"prompt", "max_tokens"}...], "chats": [[{role, content}...]...],
-                "chat_max_tokens": N}
+REQUESTS_JSON: {"prompts": [{"prompt", "max_tokens", "sampling"?}...],
+                "chats": [[{role, content}...]...], "chat_max_tokens": N}
+                ("sampling": more SamplingParams fields, by name)
 OUTPUT_JSON: {"prompts": [{"text", "token_ids"}...], "chats": [...]}
 """
 
@@ -24,7 +25,10 @@ def main(model_dir: str, requests_path: str, output_path: str) -> None:
     results = {
         "prompts": llm.generate(
             [p["prompt"] for p in prompts],
-            [SamplingParams(temperature=0.0, max_tokens=p["max_tokens"]) for p in prompts],
+            [
+                SamplingParams(temperature=0.0, max_tokens=p["max_tokens"], **p.get("sampling", {}))
+                for p in prompts
+            ],
         ),
         "chats": llm.chat(
             requests["chats"],

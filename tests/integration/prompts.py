@@ -27,6 +27,16 @@ def long_prompt(approx_tokens: int) -> str:
     return _STORY * max(1, approx_tokens // 30) + "One evening he wrote:"
 
 
+# vLLM's sampling extensions (and the OpenAI fields that change which token comes first), each
+# with a greedy request whose output they change; the same names in the request body and in
+# vLLM's SamplingParams.
+SAMPLING_CASES = [
+    (PROMPTS[2], {"repetition_penalty": 1.3}),
+    (PROMPTS[1], {"frequency_penalty": 1.0, "presence_penalty": 0.5, "min_tokens": 20}),
+    (PROMPTS[0], {"stop": ["."], "include_stop_str_in_output": True}),
+    (PROMPTS[3], {"bad_words": [" red", " Red"], "min_p": 0.05}),
+]
+
 # Short to ~1.5K tokens: below, across and far above one 128-token KV block.
 DISAGGREGATED_PROMPTS = [long_prompt(n) for n in (10, 60, 130, 300, 520, 800, 1100, 1500)]
 DISAGGREGATED_MAX_TOKENS = 12

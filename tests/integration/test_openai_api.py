@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.integration.conftest import SERVED_MODEL
-from tests.integration.prompts import CHATS, MAX_TOKENS, PROMPTS
+from tests.integration.prompts import CHATS, MAX_TOKENS, PROMPTS, SAMPLING_CASES
 
 
 @pytest.fixture(scope="session")
@@ -138,3 +138,30 @@ def test_top_k_passes_through(client):
         extra_body={"top_k": 1},
     )
     assert top1.choices[0].text == greedy
+
+
+@pytest.mark.parametrize("route", ["local", "disaggregated"])
+@pytest.mark.parametrize("index", range(len(SAMPLING_CASES)))
+def test_vllm_sampling_extensions_match_offline_vllm_on_both_paths(
+    client, offline_reference, index, route
+):
+    prompt, sampling = SAMPLING_CASES[index]
+    expected = offline_reference["sampling"][index]
+    response = client.completions.create(
+        model=SERVED_MODEL,
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={k: v for k, v in sampling.items() if k not in ("stop",)},
+        stop=sampling.get("stop"),
+        extra_headers={"x-pdserve-route": route},
+    )
+    assert response.choices[0].text == expected["text"], sampling
+    assert response.usage.completion_tokens == len(expected["token_ids"])
+
+
+def test_the_sampling_cases_change_the_output(offline_reference):
+    """Each case's output differs from plain greedy on its prompt: they test something."""
+    plain = dict(zip(PROMPTS, offline_reference["prompts"], strict=True))
+    for (prompt, sampling), out in zip(SAMPLING_CASES, offline_reference["sampling"], strict=True):
+        assert out["text"] != plain[prompt]["text"], sampling

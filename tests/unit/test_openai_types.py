@@ -87,3 +87,43 @@ def test_echo_and_suffix_are_named_as_unsupported():
     assert refused(CompletionRequest, {"model": "m", "prompt": "x", "echo": True}).code == (
         "unsupported_parameter"
     )
+
+
+def test_null_means_not_set_for_every_field():
+    """What `vllm bench serve` and other clients send: nulls for fields they leave alone."""
+    parsed = parse_request(
+        CompletionRequest,
+        {"model": "m", "prompt": "hi", "logprobs": None, "temperature": None, "stop": None},
+    )
+    assert (parsed.temperature, parsed.stop_list()) == (1.0, [])
+
+
+def test_vllm_sampling_extensions_pass_through_by_name():
+    body = {
+        "model": "m",
+        "prompt": "hi",
+        "min_p": 0.1,
+        "repetition_penalty": 1.2,
+        "stop_token_ids": [2, 7],
+        "skip_special_tokens": False,
+        "min_tokens": 3,
+        "bad_words": None,
+    }
+    parsed = parse_request(CompletionRequest, body)
+    assert parsed.vllm_fields() == {
+        "min_p": 0.1,
+        "repetition_penalty": 1.2,
+        "stop_token_ids": [2, 7],
+        "skip_special_tokens": False,
+    }
+    assert parsed.min_tokens == 3
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("min_p", 1.5), ("repetition_penalty", 0), ("stop_token_ids", [-1]), ("min_tokens", -1)],
+)
+def test_vllm_extensions_out_of_vllm_range_are_400s_naming_the_field(field, value):
+    with pytest.raises(OpenAIError) as caught:
+        parse_request(CompletionRequest, {"model": "m", "prompt": "hi", field: value})
+    assert caught.value.status == 400 and caught.value.param.split(".")[0] == field
