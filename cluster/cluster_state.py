@@ -19,6 +19,7 @@ class ClusterState:
     ray_group: int = 0  # process group of the Ray head `up` started (0: not ours)
     redis_group: int = 0  # process group of the Redis server `up` started (0: not ours)
     loopback: bool = False  # one-node cluster: workers listen on 127.0.0.1 only
+    cluster_secret: str = ""  # settings/cluster_secret.py: what `scale` calls the workers with
 
 
 def state_dir() -> Path:
@@ -35,6 +36,8 @@ def save_state(state: ClusterState) -> None:
     path = state_path(state.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(".tmp")
+    temporary.touch(mode=0o600)  # it holds the cluster secret: for its owner's eyes only
+    temporary.chmod(0o600)
     temporary.write_text(json.dumps(asdict(state), indent=2) + "\n")
     temporary.replace(path)
 

@@ -2,11 +2,13 @@
 `--name NAME`, looked up in the state `pdserve up` saved."""
 
 import argparse
+import os
 from pathlib import Path
 
 from cluster.cluster_state import ClusterState, load_state, state_path
 from settings.base import ConfigError
 from settings.cluster_file import load_cluster_file
+from settings.cluster_secret import SECRET_ENV
 
 
 def add_target_arguments(parser) -> None:
@@ -21,4 +23,6 @@ def target_state(args: argparse.Namespace) -> ClusterState:
     state = load_state(name)
     if state is None:
         raise ConfigError(f"cluster {name!r} is not up (no {state_path(name)})")
+    if state.cluster_secret:  # this command may call the cluster's workers
+        os.environ[SECRET_ENV] = state.cluster_secret
     return state

@@ -1,11 +1,12 @@
-"""`pdserve down`: remove exactly what `pdserve up` created — the router and worker actors and
-their placement groups in the cluster's namespace, the registry entries, and the Ray head and
-Redis server if `up` started them — and nothing else."""
+"""`pdserve down`: remove exactly what `pdserve up` created — the replica keeper (first, so it
+starts nothing again), the router and worker actors and their placement groups in the cluster's
+namespace, the registry entries, and the Ray head and Redis server if `up` started them — and
+nothing else."""
 
 import argparse
 import sys
 
-from cluster import ray_launcher
+from cluster import ray_launcher, replica_keeper
 from cluster.cluster_state import ClusterState, forget_state
 from cluster.cluster_target import add_target_arguments, target_state
 from cluster.console import say
@@ -36,6 +37,8 @@ def tear_down(state: ClusterState) -> None:
     """Best effort on every step, so a half-started or half-dead cluster still goes away."""
     try:
         ray_launcher.connect(state.ray_address, state.name)
+        if replica_keeper.stop(state.name):
+            say(f"stopped the {replica_keeper.KEEPER}")
         names = ray_launcher.actor_names(state.name)
         say(f"stopping {', '.join(names) or 'no actors'}")
         if ray_launcher.ROUTER in names:  # no new requests first

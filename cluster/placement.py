@@ -54,6 +54,15 @@ def worker_slots(
     return slots
 
 
+def slot_named(config: ClusterFile, name: str) -> WorkerSlot:
+    """The slot of worker `name` ("decode-3"), as `worker_slots` names it: what the replica
+    keeper starts again when that worker dies."""
+    role, index = name.rsplit("-", 1)
+    if role not in ROLES or not index.isdigit():
+        raise ValueError(f"not a worker name: {name!r}")
+    return worker_slots(config, {r: int(r == role) for r in ROLES}, {role: int(index)})[0]
+
+
 def model_shape(config: ClusterFile) -> ModelSpec:
     """The head layout to check TP against: a planner preset, or the model folder's config."""
     if config.model.preset:

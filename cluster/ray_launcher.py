@@ -6,6 +6,7 @@ Each actor (`ProcessHost`) starts its process (`pdserve worker`, or `pdserve rou
 the process gets SIGTERM when the actor dies (parent-death signal), so killing the actor kills
 the worker, and the worker's registry entry then expires. Ray sets CUDA_VISIBLE_DEVICES in an
 actor that holds GPUs, and the worker inherits it: each worker sees only its own GPU ids.
+`start_worker` is also how the replica keeper (cluster/replica_keeper.py) replaces a dead worker.
 """
 
 import os
@@ -21,7 +22,9 @@ from ray.util.scheduling_strategies import (
 )
 
 from cluster.placement import WorkerSlot
+from settings.cluster_secret import SECRET_ENV
 from settings.router import RouterSettings
+from settings.tls import TLS_DIR_ENV
 from settings.worker import WorkerSettings
 from worker.engine import PLACEMENT_GROUP_ENV, RAY_NAMESPACE_ENV
 
@@ -50,6 +53,15 @@ def connect(address: str, cluster: str) -> None:
         )
     except (ConnectionError, RuntimeError, ValueError) as error:
         raise RuntimeError(f"cannot connect to Ray at {address}: {error}") from None
+
+
+def member_env() -> dict:
+    """Ray options giving an actor this process's cluster secret and TLS folder (the keeper's
+    replacements get what `up`'s workers got): the actor checks its worker's health with them,
+    and the worker it starts inherits them. Never on a command line."""
+    names = (SECRET_ENV, TLS_DIR_ENV)
+    env_vars = {name: os.environ[name] for name in names if os.environ.get(name)}
+    return {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
 
 
 def node_resources() -> list[dict[str, float]]:
@@ -170,6 +182,7 @@ def start_worker(
     host = ProcessHost.options(
         name=slot.name,
         lifetime="detached",
+        **member_env(),
         **resources,
         scheduling_strategy=PlacementGroupSchedulingStrategy(
             group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
@@ -195,6 +208,7 @@ def start_router(settings: RouterSettings, log_dir: str) -> dict:
     host = ProcessHost.options(
         name=ROUTER,
         lifetime="detached",
+        **member_env(),
         scheduling_strategy=NodeAffinitySchedulingStrategy(
             ray.get_runtime_context().get_node_id(), soft=False
         ),

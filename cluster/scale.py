@@ -3,6 +3,9 @@
 New workers start first and join the pools (the router follows the registry); then surplus
 workers drain: each leaves the pools, keeps serving for a grace period while the router's view
 catches up, finishes its requests in flight, and only then stops. The newest workers go first.
+The replica keeper's list is the cluster's workers: scale reads it, and tells the keeper what to
+keep once the new workers have joined and before the surplus ones drain, so the keeper neither
+replaces a worker scale stops nor misses one it started.
 """
 
 import argparse
@@ -11,13 +14,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from cluster import ray_launcher
+from cluster import ray_launcher, replica_keeper
 from cluster.cluster_target import add_target_arguments, target_state
 from cluster.console import say
 from cluster.placement import ROLES, check_resources, worker_slots
 from cluster.up import threads_per_worker, wait_joined
+from settings import tls
 from settings.base import ConfigError
 from settings.cluster_file import load_cluster_file
+from settings.cluster_secret import secret_metadata
 from worker.protocol import worker_pb2, worker_pb2_grpc
 
 DRAIN_GRACE_S = 2.0  # the router reads membership every 0.1 s; margin for a busy host
@@ -66,9 +71,8 @@ def run(args: argparse.Namespace) -> int:
         if args.prefill is not None and args.prefill < 0:
             raise ConfigError("--prefill: must be >= 0")
         ray_launcher.connect(state.ray_address, state.name)
-        if orphans := ray_launcher.remove_orphan_groups(state.name):
-            say(f"freed the placement groups of dead workers: {', '.join(orphans)}")
-        current = {role: _workers(state.name, role) for role in ROLES}
+        kept = replica_keeper.kept_names()
+        current = {role: [name for name in kept if name.startswith(f"{role}-")] for role in ROLES}
         wanted = {
             "prefill": len(current["prefill"]) if args.prefill is None else args.prefill,
             "decode": len(current["decode"]) if args.decode is None else args.decode,
@@ -103,6 +107,12 @@ def run(args: argparse.Namespace) -> int:
             ray_launcher.stop_actors(state.name, [slot.name for slot in new_slots])
             return 1
     leaving = [name for role in ROLES for name in sorted(current[role], key=_index)[wanted[role] :]]
+    staying = [name for name in kept if name not in leaving] + [slot.name for slot in new_slots]
+    try:
+        replica_keeper.keep(staying)
+    except RuntimeError as error:
+        say(f"pdserve scale: {error}; no worker leaves")
+        return 1
     with ThreadPoolExecutor(max_workers=max(1, len(leaving))) as pool:  # drain side by side
         drained = list(pool.map(lambda name: drain(name, args.drain_timeout), leaving))
     ray_launcher.stop_actors(state.name, leaving)
@@ -121,11 +131,12 @@ def drain(name: str, timeout_s: float) -> bool:
         say(f"{name}: no address (already gone); stopping it")
         return True
     say(f"draining {name} ({address})")
-    with grpc.insecure_channel(address) as channel:
+    with tls.channel(address) as channel:
         try:
             reply = worker_pb2_grpc.WorkerStub(channel).Drain(
                 worker_pb2.DrainRequest(grace_seconds=DRAIN_GRACE_S, timeout_seconds=timeout_s),
                 timeout=timeout_s + DRAIN_GRACE_S + 30,
+                metadata=secret_metadata(),
             )
         except grpc.RpcError as error:
             say(f"{name}: drain failed ({error.code().name}: {error.details()}); stopping it")
@@ -135,10 +146,6 @@ def drain(name: str, timeout_s: float) -> bool:
         + ("" if reply.drained else f", {reply.requests_left} request(s) cut at the timeout")
     )
     return reply.drained
-
-
-def _workers(cluster: str, role: str) -> list[str]:
-    return [name for name in ray_launcher.actor_names(cluster) if name.startswith(f"{role}-")]
 
 
 def _index(name: str) -> int:

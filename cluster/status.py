@@ -1,12 +1,13 @@
 """`pdserve status`: each pool's workers with their load and placement (node, GPU ids), from
-the registry (what the router sees) and from Ray (what runs)."""
+the registry (what the router sees) and from Ray (what runs), and what the replica keeper does
+(workers it keeps, replacements so far, back-offs, its metrics URL and latest events)."""
 
 import argparse
 import json
 import sys
 from dataclasses import asdict
 
-from cluster import ray_launcher
+from cluster import ray_launcher, replica_keeper
 from cluster.cluster_target import add_target_arguments, target_state
 from settings.base import ConfigError
 from worker.registry import read_members
@@ -31,10 +32,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdserve status: {error}", file=sys.stderr)
         return 1
     members = {r.worker_id: r for r in read_members(state.registry_url, state.name)}
+    keeper = replica_keeper.report()
     rows = []
-    for name in ray_launcher.actor_names(state.name):
-        if name == ray_launcher.ROUTER:
-            continue
+    running = [
+        n
+        for n in ray_launcher.actor_names(state.name)
+        if n not in (ray_launcher.ROUTER, replica_keeper.KEEPER)
+    ]
+    for name in running:
         record = members.pop(name, None)
         actor = ray_launcher.describe(name)
         rows.append(
@@ -50,6 +55,23 @@ def run(args: argparse.Namespace) -> int:
                 "pid": actor.get("pid"),
                 "tensor_parallel_size": record.tensor_parallel_size if record else None,
                 "load": asdict(record.load) if record else None,
+            }
+        )
+    for name in keeper.get("keeping", []):
+        if name in running:
+            continue
+        members.pop(name, None)  # a record left by the dead worker: it expires
+        rows.append(  # kept, with no actor: its replacement is on the way
+            {
+                "worker": name,
+                "role": name.split("-")[0],
+                "state": "replacing",
+                "address": "",
+                "node": "",
+                "gpu_ids": [],
+                "pid": None,
+                "tensor_parallel_size": None,
+                "load": None,
             }
         )
     rows += [
@@ -72,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         "ray": state.ray_address,
         "registry": state.registry_url,
         "workers": rows,
+        "keeper": keeper,
     }
     print(json.dumps(report, indent=2) if args.json else _table(report))
     return 0
@@ -93,4 +116,18 @@ def _table(report: dict) -> str:
             f"{','.join(row['gpu_ids']) or '-':<6} {load.get('running_requests', '-'):>4} "
             f"{load.get('waiting_requests', '-'):>4} {kv:>11}"
         )
+    keeper = report["keeper"]
+    if "error" in keeper:
+        lines.append(f"replica keeper: {keeper['error']}")
+        return "\n".join(lines)
+    waiting = ", ".join(f"{name} in {s:g} s" for name, s in keeper["waiting"].items())
+    lines += [
+        f"replica keeper: keeping {len(keeper['keeping'])} worker(s); replacements "
+        + ", ".join(f"{role} {n}" for role, n in keeper["replacements"].items())
+        + "; failed starts "
+        + ", ".join(f"{role} {n}" for role, n in keeper["failed_starts"].items())
+        + (f"; waiting: {waiting}" if waiting else "")
+        + f"; metrics {keeper['metrics_url']}",
+        *(f"  {event}" for event in keeper["events"][-5:]),
+    ]
     return "\n".join(lines)

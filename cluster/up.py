@@ -3,8 +3,9 @@
 Order: check everything (file, head layout, resources) before anything starts; start what the
 file asks for that is not there (a local Ray head without --address, a Redis server for an
 `embedded` registry); one placement group and actor per worker; wait until every worker has
-joined the registry; start the router; print the endpoint. A failure on the way removes what
-was started. `--dry-run` stops after the checks and prints the plan.
+joined the registry; start the router; start the replica keeper, which from then on replaces a
+worker that dies (cluster/replica_keeper.py); print the endpoint. A failure on the way removes
+what was started. `--dry-run` stops after the checks and prints the plan.
 """
 
 import argparse
@@ -15,7 +16,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from cluster import local_services, ray_launcher
+from cluster import local_services, ray_launcher, replica_keeper
 from cluster.cluster_state import ClusterState, load_state, save_state, state_dir
 from cluster.console import say
 from cluster.placement import (
@@ -28,6 +29,7 @@ from cluster.placement import (
 )
 from settings.base import ConfigError
 from settings.cluster_file import ClusterFile, load_cluster_file
+from settings.cluster_secret import cluster_secret, ensure_cluster_secret
 from worker.registry import read_members
 
 JOIN_TIMEOUT_S = 600.0
@@ -125,6 +127,14 @@ def run(args: argparse.Namespace) -> int:
         state = replace(state, router_url=router["url"])
         save_state(state)
         wait_router(router["url"], len(slots))
+        metrics_url = replica_keeper.start(
+            config.name,
+            config,
+            state.registry_url,
+            state.log_dir,
+            state.loopback,
+            [slot.name for slot in slots],
+        )
     except (RuntimeError, ConfigError, TimeoutError) as error:
         say(f"pdserve up: {error}")
         if state is not None:
@@ -137,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         f"pdserve up: {len(slots)} worker(s) and the router ready after "
         f"{time.monotonic() - started:.0f} s\n"
         f"endpoint: {state.router_url}/v1 (model: {config.served_model})\n"
+        f"replica keeper: replaces a worker that dies; metrics at {metrics_url}\n"
         f"logs: {state.log_dir}\nstop with: pdserve down -f {args.file}"
     )
     return 0
@@ -147,7 +158,9 @@ def start_services(config: ClusterFile, args, nodes) -> ClusterState:
     half-finished `up`."""
     log_dir = state_dir() / config.name / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
+    ensure_cluster_secret()  # one per cluster; its actors and workers get it (ray_launcher)
     state = ClusterState(
+        cluster_secret=cluster_secret(),
         name=config.name,
         config_path=str(args.file.resolve()),
         ray_address=args.address,

@@ -2,16 +2,19 @@
 
 The gRPC port opens first and answers Health with STARTING while the engine loads, so a
 launcher can tell "still starting" from "dead". SIGTERM or SIGINT stops the server, then the
-engine and its child processes.
+engine and its child processes; a stop still running after SHUTDOWN_DEADLINE_S ends the process
+anyway (its group reaper then takes the engine processes).
 """
 
 import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
+import threading
 
 import grpc
 
@@ -28,6 +31,7 @@ from worker.protocol import GRPC_OPTIONS, worker_pb2_grpc
 from worker.secret_check import SecretCheck
 
 log = logging.getLogger("pdserve.worker")
+SHUTDOWN_DEADLINE_S = 30.0  # longest a stop may take (the drain, if any, came before it)
 
 
 def add_parser(subparsers) -> None:
@@ -126,6 +130,7 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
             stop.set()
     await stopping
     log.info("worker %s stopping", worker_id)
+    _exit_if_stuck_after(SHUTDOWN_DEADLINE_S)
     if membership is not None:
         await membership.leave()
         await membership.registry.close()
@@ -139,13 +144,7 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
 
 async def _join_registry(settings: WorkerSettings, service, address: str, engine):
     """Join the pools; None (and the worker stops) when the registry cannot be reached."""
-    from kv_transfer.connector_base import compatibility_of
-    from worker.membership import (
-        WorkerMembership,
-        compatibility_hash,
-        load_of,
-        placement_from_environment,
-    )
+    from worker.membership import WorkerMembership, load_of, placement_from_environment
     from worker.registry import Registry, WorkerRecord
 
     node, gpu_ids = placement_from_environment()
@@ -155,7 +154,7 @@ async def _join_registry(settings: WorkerSettings, service, address: str, engine
         address=address,
         kv_address=service.kv_address,
         tensor_parallel_size=engine.vllm_config.parallel_config.tensor_parallel_size,
-        compatibility_hash=compatibility_hash(compatibility_of(engine.vllm_config).to_dict()),
+        compatibility_hash=service.kv_compatibility,
         node=node,
         gpu_ids=gpu_ids,
     )
@@ -172,6 +171,19 @@ async def _join_registry(settings: WorkerSettings, service, address: str, engine
         return None
     service.leave_pools = membership.leave
     return membership
+
+
+def _exit_if_stuck_after(seconds: float) -> None:
+    """A stop that hangs (an engine that does not shut down) ends the process anyway; its group
+    reaper then takes the engine processes with it."""
+
+    def give_up() -> None:
+        log.error("worker still stopping after %.0f s: exiting now", seconds)
+        os._exit(1)
+
+    timer = threading.Timer(seconds, give_up)
+    timer.daemon = True
+    timer.start()
 
 
 def advertised_host(settings: WorkerSettings) -> str:

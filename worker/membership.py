@@ -4,8 +4,6 @@ after TTL_HEARTBEATS heartbeats, which is how a dead worker leaves the pools."""
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import socket
@@ -14,11 +12,6 @@ from dataclasses import replace
 from worker.registry import TTL_HEARTBEATS, Registry, WorkerLoad, WorkerRecord
 
 log = logging.getLogger("pdserve.worker")
-
-
-def compatibility_hash(compatibility: dict) -> str:
-    """Equal for two workers whose KV blocks mean the same thing (see kv_transfer/compatibility)."""
-    return hashlib.sha256(json.dumps(compatibility, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def placement_from_environment() -> tuple[str, tuple[str, ...]]:

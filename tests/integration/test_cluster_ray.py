@@ -2,11 +2,13 @@
 server, both started here; real vLLM workers (SmolLM2 on CPU) and the real router.
 
 One cluster goes through the whole story, in order: 2P2D up; 2P2D -> 1P1D -> 2P1D -> 1P2D under
-a steady stream of requests; a killed worker actor; down.
+a steady stream of requests; a killed worker actor and a killed worker process, both replaced by
+the replica keeper under that stream; down.
 """
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -21,7 +23,9 @@ from openai import OpenAI
 from cluster import local_services
 from tests.integration.processes import (
     alive,
+    children,
     command_line,
+    descendants,
     group_members,
     pids_running,
     pids_with_environment,
@@ -31,6 +35,9 @@ from worker.processes import free_port, stop_group
 
 CLUSTER = "pdtest"
 HEARTBEAT_S = 1.0
+ORPHAN_TIMEOUT_S = 10.0  # a SIGKILLed worker's engine processes are gone by then
+STOP_TIMEOUT_S = 30.0  # a worker whose actor was killed stops gracefully (SIGTERM) by then
+REPLACE_TIMEOUT_S = 300.0  # a replacement is placed in ~1 s; its engine loads in ~30-90 s here
 COMMAND_TIMEOUT_S = 600
 
 
@@ -248,26 +255,81 @@ def test_ratio_changes_under_a_steady_stream_fail_no_request(cluster, offline_re
     assert stream.failures == []
 
 
-def test_a_killed_worker_leaves_the_pools_within_two_heartbeats(cluster, offline_reference):
-    victim = (
-        "decode-1"
-        if any(w["worker"] == "decode-1" for w in _status(cluster)["workers"])
-        else "decode-0"
+def _group_id(worker: str) -> str:
+    (group,) = [
+        g["placement_group_id"]
+        for g in ray.util.placement_group_table().values()
+        if g["name"] == f"pdserve-{CLUSTER}-{worker}" and g["state"] == "CREATED"
+    ]
+    return group
+
+
+def _in_pools(cluster) -> set[str]:
+    return set(httpx.get(f"{cluster['state']['router_url']}/health", timeout=5).json()["workers"])
+
+
+def test_killed_workers_leave_the_pools_and_are_replaced_with_no_failed_request(
+    cluster, offline_reference
+):
+    """Under a steady stream, a decode worker's actor is killed (ray.kill) and the prefill
+    worker's process SIGKILLed: both leave the pools within two heartbeats, no engine process of
+    the SIGKILLed one outlives it by 10 s (the worker leads its process group, so its group
+    reaper applies), the other stops gracefully, and the replica keeper brings the count back
+    (new placement groups, counted in its metric) while no request fails."""
+    rows = {row["worker"]: row for row in _status(cluster)["workers"]}
+    assert sorted(rows) == ["decode-0", "decode-1", "prefill-0"]  # 1P2D after the scale test
+    actor_victim, process_victim = "decode-1", "prefill-0"
+    old_processes = {  # the process keeper, the worker, its engine processes
+        name: [rows[name]["pid"], *descendants(rows[name]["pid"])]
+        for name in (actor_victim, process_victim)
+    }
+    assert all(len(pids) >= 3 for pids in old_processes.values()), old_processes
+    (worker_process,) = children(rows[process_victim]["pid"])
+    assert os.getpgid(worker_process) == worker_process
+    old_groups = {name: _group_id(name) for name in (actor_victim, process_victim)}
+    with SteadyStream(cluster, offline_reference) as stream:
+        time.sleep(2)  # requests in flight on every worker
+        ray.kill(ray.get_actor(actor_victim), no_restart=True)
+        os.kill(worker_process, signal.SIGKILL)
+        killed = time.monotonic()
+        while _in_pools(cluster) & {actor_victim, process_victim}:
+            assert time.monotonic() - killed < 2 * HEARTBEAT_S + 0.5, (
+                f"still in the router's pools {time.monotonic() - killed:.1f} s after the kill"
+            )
+            time.sleep(0.05)
+        left_after = time.monotonic() - killed
+        gone_after = {}
+        for name, timeout_s in ((process_victim, ORPHAN_TIMEOUT_S), (actor_victim, STOP_TIMEOUT_S)):
+            while (outliving := [p for p in old_processes[name] if alive(p)]) and (
+                time.monotonic() - killed < timeout_s
+            ):
+                time.sleep(0.1)
+            assert not outliving, f"{name}'s processes outlived it by {timeout_s} s: " + "; ".join(
+                f"{pid} {' '.join(command_line(pid))[:80]}" for pid in outliving
+            )
+            gone_after[name] = round(time.monotonic() - killed, 1)
+        while not {actor_victim, process_victim} <= _in_pools(cluster):
+            assert time.monotonic() - killed < REPLACE_TIMEOUT_S, (
+                f"not replaced after {REPLACE_TIMEOUT_S} s: {_status(cluster)}"
+            )
+            time.sleep(0.5)
+        back_after = time.monotonic() - killed
+        time.sleep(2)  # requests on the replacements too
+    print(
+        f"killed {actor_victim} (ray.kill) and {process_victim} (SIGKILL of its process): out of "
+        f"the pools after {left_after:.2f} s, their processes gone after {gone_after} s, "
+        f"replica count back after {back_after:.1f} s; requests sent {stream.sent}, failed "
+        f"{len(stream.failures)}"
     )
-    ray.kill(ray.get_actor(victim), no_restart=True)
-    killed = time.monotonic()
-    router = cluster["state"]["router_url"]
-    while victim in httpx.get(f"{router}/health", timeout=5).json()["workers"]:
-        assert time.monotonic() - killed < 2 * HEARTBEAT_S + 0.5, (
-            f"{victim} still in the router's pools {time.monotonic() - killed:.1f} s after kill"
-        )
-        time.sleep(0.05)
-    left_after = time.monotonic() - killed
-    print(f"{victim} left the pools {left_after:.2f} s after its actor was killed")
-    client = _client(cluster)
-    for index in range(4):
-        reply = client.completions.with_raw_response.create(
-            model="smollm2", prompt=PROMPTS[index], max_tokens=MAX_TOKENS, temperature=0
-        )
-        assert reply.headers["x-pdserve-worker"] != victim
-        assert reply.parse().choices[0].text == offline_reference["prompts"][index]["text"]
+    assert stream.failures == []
+    status = _status(cluster)
+    assert sorted(w["worker"] for w in status["workers"] if w["state"] == "in pool") == sorted(rows)
+    keeper = status["keeper"]
+    assert keeper["replacements"] == {"prefill": 1, "decode": 1}, keeper
+    assert keeper["failed_starts"] == {"prefill": 0, "decode": 0}, keeper
+    metrics = httpx.get(keeper["metrics_url"], timeout=5).text
+    for role in ("prefill", "decode"):
+        assert f'pdserve_worker_replacements_total{{role="{role}"}} 1.0' in metrics, metrics
+    for name, group in old_groups.items():  # a new placement group; the old one removed
+        assert _group_id(name) != group
+        assert ray.util.placement_group_table()[group]["state"] == "REMOVED"

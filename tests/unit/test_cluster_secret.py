@@ -103,3 +103,29 @@ def test_serve_and_up_generate_a_secret_when_none_is_given(monkeypatch):
     monkeypatch.delenv(SECRET_ENV)
     ensure_cluster_secret()
     assert len(first) >= 40 and cluster_secret() != first
+
+
+def test_ray_actors_get_the_secret_and_tls_folder_through_their_runtime_env(monkeypatch):
+    from cluster.ray_launcher import member_env
+    from settings.tls import TLS_DIR_ENV
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    monkeypatch.delenv(TLS_DIR_ENV, raising=False)
+    assert member_env() == {}
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    monkeypatch.setenv(TLS_DIR_ENV, "/etc/pdserve/tls")
+    assert member_env() == {
+        "runtime_env": {"env_vars": {SECRET_ENV: SECRET, TLS_DIR_ENV: "/etc/pdserve/tls"}}
+    }
+
+
+def test_the_state_file_holding_the_secret_is_its_owners_only(tmp_path, monkeypatch):
+    from cluster.cluster_state import ClusterState, load_state, save_state, state_path
+
+    monkeypatch.setenv("PDSERVE_STATE_DIR", str(tmp_path))
+    state = ClusterState(
+        "c", "/f.yaml", "ray", "ns", "redis://x", "", "/logs", cluster_secret=SECRET
+    )
+    save_state(state)
+    assert state_path("c").stat().st_mode & 0o777 == 0o600
+    assert load_state("c") == state
