@@ -9,6 +9,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from tests.integration.processes import alive
+
 ROOT = Path(__file__).resolve().parents[2]
 
 LEADER = textwrap.dedent(
@@ -21,15 +23,6 @@ LEADER = textwrap.dedent(
     time.sleep(120)
     """
 )
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_a_sigkilled_group_leader_takes_its_engine_processes_with_it():

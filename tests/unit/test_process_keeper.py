@@ -10,6 +10,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from tests.integration.processes import alive
+
 ROOT = Path(__file__).resolve().parents[2]
 
 WORKER = textwrap.dedent(
@@ -27,15 +29,6 @@ WORKER = textwrap.dedent(
 )
 KEEPER = "import sys; from cluster import process_keeper as k; k.KILL_AFTER_S = 1; "
 KEEPER += "sys.exit(k.main(sys.argv[1:]))"
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def run_keeper(lifetime_s: float, mode: str = "") -> tuple[subprocess.Popen, int, int]:
