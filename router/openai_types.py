@@ -141,7 +141,32 @@ class CompletionRequest(SamplingFields):
         return self.max_tokens
 
 
-def parse_request(model: type[SamplingFields], body: object) -> SamplingFields:
+class TokenizeCompletionRequest(StrictModel):
+    """vLLM's /tokenize with a prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(StrictModel):
+    """vLLM's /tokenize with messages (the chat template applied, as /v1/chat/completions)."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+def parse_request(model: type[StrictModel], body: object) -> StrictModel:
     """Validate a decoded JSON body, or raise an OpenAIError that names the bad field."""
     if not isinstance(body, dict):
         raise invalid_request("the request body must be a JSON object")

@@ -29,9 +29,9 @@ from router.disaggregation import (
 )
 from router.errors import (
     OpenAIError,
+    check_model,
     context_length_exceeded,
     invalid_request,
-    model_not_found,
     request_timeout,
     worker_unavailable,
 )
@@ -114,9 +114,7 @@ class RequestFlow:
         if timeout_header is not None:
             timeout_s = min(timeout_s, parse_timeout(timeout_header))
         parsed = parse_request(schema, body)
-        served = self.settings.served_model
-        if parsed.model != served:
-            raise model_not_found(parsed.model, served)
+        check_model(parsed.model, self.settings.served_model)
         if isinstance(parsed, ChatCompletionRequest):
             prompt_ids = self.tokenizer.chat(parsed)
         else:

@@ -5,7 +5,7 @@ prompt tokens for routing, and send the same token ids wherever the request goes
 """
 
 from router.errors import invalid_request
-from router.openai_types import ChatCompletionRequest, CompletionRequest
+from router.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 
 class PromptTokenizer:
@@ -17,15 +17,52 @@ class PromptTokenizer:
 
     def chat(self, request: ChatCompletionRequest) -> list[int]:
         """Apply the model's chat template, as vLLM's chat endpoint does."""
-        messages = [
+        return self.chat_ids(request.messages)
+
+    def chat_ids(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """The templated conversation's token ids (the template holds the special tokens; more
+        only with add_special_tokens, as vLLM does)."""
+        if add_generation_prompt and continue_final_message:
+            raise invalid_request(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                param="continue_final_message",
+            )
+        conversation = [
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in request.messages
+            for m in messages
         ]
         text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
+            conversation,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
         )
-        # The template already holds the special tokens.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        return self.tokenizer.convert_ids_to_tokens(token_ids)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """Text of `token_ids` (a 400 naming the first one outside the vocabulary)."""
+        self._check_vocabulary(token_ids, "tokens")
+        return self.tokenizer.decode(token_ids)
+
+    def _check_vocabulary(self, token_ids: list[int], param: str) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise invalid_request(
+                f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                param=param,
+            )
 
     def completion(self, request: CompletionRequest) -> list[int]:
         prompt = request.prompt
@@ -35,13 +72,7 @@ class PromptTokenizer:
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = prompt
-            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise invalid_request(
-                    f"prompt token id {bad[0]} is outside the vocabulary "
-                    f"(0..{self.vocab_size - 1})",
-                    param="prompt",
-                )
+            self._check_vocabulary(token_ids, "prompt")
         if not token_ids:
             raise invalid_request("the prompt is empty", param="prompt")
         return token_ids
