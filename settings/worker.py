@@ -63,6 +63,12 @@ class WorkerSettings(Settings):
     )
     host: str = Field("127.0.0.1", description="gRPC bind address")
     port: int = Field(50051, ge=0, description="gRPC port (0: any free port)")
+    metrics_port: int = Field(
+        0,
+        ge=0,
+        description="HTTP port of the worker's Prometheus /metrics (vLLM's engine metrics and "
+        "pdserve's), on --host (0: any free port; the worker logs the URL)",
+    )
     worker_id: str = Field(
         "", description="name in logs, stats and the registry (default: ROLE@HOST:PORT)"
     )

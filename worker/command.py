@@ -1,9 +1,10 @@
 """`pdserve worker`: one worker process, a vLLM engine behind the worker gRPC service.
 
-The gRPC port opens first and answers Health with STARTING while the engine loads, so a
-launcher can tell "still starting" from "dead". SIGTERM or SIGINT stops the server, then the
-engine and its child processes; a stop still running after SHUTDOWN_DEADLINE_S ends the process
-anyway (its group reaper then takes the engine processes).
+The gRPC port (the worker service and grpc.health.v1) and the Prometheus endpoint open first;
+Health answers STARTING while the engine loads, so a launcher can tell "still starting" from
+"dead". SIGTERM or SIGINT stops the server, then the engine and its child processes; a stop
+still running after SHUTDOWN_DEADLINE_S ends the process anyway (its group reaper then takes
+the engine processes).
 """
 
 import argparse
@@ -26,9 +27,10 @@ from settings.command_line import add_arguments, add_settings_json, from_argumen
 from settings.worker import WorkerSettings
 from worker import engine as engine_factory
 from worker import group_reaper
+from worker.grpc_health import SecretCheckButHealth, add_health
+from worker.metrics_server import WorkerMetrics, serve_metrics
 from worker.processes import free_port
 from worker.protocol import GRPC_OPTIONS, worker_pb2_grpc
-from worker.secret_check import SecretCheck
 
 log = logging.getLogger("pdserve.worker")
 SHUTDOWN_DEADLINE_S = 30.0  # longest a stop may take (the drain, if any, came before it)
@@ -62,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
 async def serve_worker(settings: WorkerSettings, model) -> int:
     from worker.service import WorkerService
 
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[SecretCheck(cluster_secret())])
+    server = grpc.aio.server(
+        options=GRPC_OPTIONS, interceptors=[SecretCheckButHealth(cluster_secret())]
+    )
     port = tls.add_port(server, f"{settings.host}:{settings.port}")
     host = advertised_host(settings)
     worker_id = settings.worker_id or f"{settings.role}@{host}:{port}"
@@ -80,6 +84,10 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
     )
     settings = settings.model_copy(update={"advertise_host": host})
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
+    add_health(server, service)
+    metrics = WorkerMetrics()
+    metrics.follow_state(service)
+    serve_metrics(settings.host, settings.metrics_port)
     await server.start()
     log.info("worker %s listening on %s:%d; starting the engine", worker_id, settings.host, port)
 
@@ -95,7 +103,7 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
     starting = asyncio.create_task(
         asyncio.to_thread(
             lambda: started.append(
-                engine_factory.make_engine(settings, model, kv_port, service.engine_stats)
+                engine_factory.make_engine(settings, model, kv_port, service.engine_stats, metrics)
             )
         )
     )

@@ -65,7 +65,9 @@ class EngineStats:
         self.running, self.waiting, self.kv_cache_usage = running, waiting, kv_cache_usage
 
 
-def _stat_logger_factory(stats: EngineStats):
+def _stat_logger_factory(stats: EngineStats, metrics):
+    """Keeps the scheduler's figures in `stats` (Health, Stats, the routers' load) and counts
+    each finished KV transfer in the worker's Prometheus `metrics` (worker/metrics_server.py)."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class SchedulerStatsLogger(StatLoggerBase):
@@ -82,6 +84,7 @@ def _stat_logger_factory(stats: EngineStats):
             )
             for transfer in (scheduler_stats.kv_connector_stats or {}).get("transfers", ()):
                 stats.kv_transfers[transfer["transfer_id"]] = transfer
+                metrics.kv_transfer_finished(transfer)
             while len(stats.kv_transfers) > MAX_UNCLAIMED_TRANSFERS:  # their requests were aborted
                 stats.kv_transfers.pop(next(iter(stats.kv_transfers)))
 
@@ -95,8 +98,10 @@ PLACEMENT_GROUP_ENV = "PDSERVE_PLACEMENT_GROUP"  # set by cluster/ray_launcher f
 RAY_NAMESPACE_ENV = "PDSERVE_RAY_NAMESPACE"
 
 
-def make_engine(worker: WorkerSettings, model: str, kv_port: int, stats: EngineStats):
-    """Start vLLM's AsyncLLM (its engine core runs in child processes)."""
+def make_engine(worker: WorkerSettings, model: str, kv_port: int, stats: EngineStats, metrics):
+    """Start vLLM's AsyncLLM (its engine core runs in child processes). vLLM's own Prometheus
+    metrics are on (its PrometheusStatLogger joins our stat logger); `disable_log_stats` only
+    silences its periodic log line."""
     engine = worker.engine
     # A KV connector makes vLLM reserve cores for itself; a 2-core machine has none to spare.
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -121,7 +126,7 @@ def make_engine(worker: WorkerSettings, model: str, kv_port: int, stats: EngineS
         kv_transfer_config=kv_transfer_config(worker, kv_port),
         disable_log_stats=True,
     )
-    loggers = [_stat_logger_factory(stats)]
+    loggers = [_stat_logger_factory(stats, metrics)]
     group = _ray_placement_group(engine.tensor_parallel_size)
     if group is None:
         return AsyncLLM.from_engine_args(args, stat_loggers=loggers)
