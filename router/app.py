@@ -37,7 +37,7 @@ from router.openai_types import (
 )
 from router.policies import POLICIES
 from router.request_flow import TIMEOUT_HEADER, RequestFlow, timing_breakdown
-from router.responses import ChatFormat, CompletionFormat, ResponseFormat
+from router.responses import ChatShape, CompletionShape, ResponseShape
 from router.tokenization import PromptTokenizer
 from router.worker_pool import WorkerPool, follow_load, follow_registry
 from settings.router import RouterSettings
@@ -210,17 +210,17 @@ def create_app(settings: RouterSettings, model: str) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await serve(request, "chat", ChatCompletionRequest, ChatFormat, "chatcmpl")
+        return await serve(request, "chat", ChatCompletionRequest, ChatShape, "chatcmpl")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await serve(request, "completions", CompletionRequest, CompletionFormat, "cmpl")
+        return await serve(request, "completions", CompletionRequest, CompletionShape, "cmpl")
 
     async def serve(
         request: Request,
         endpoint: str,
         schema: type[SamplingFields],
-        format_class: type[ResponseFormat],
+        shape_class: type[ResponseShape],
         id_prefix: str,
     ) -> Response:
         arrival = time.monotonic()
@@ -235,24 +235,25 @@ def create_app(settings: RouterSettings, model: str) -> FastAPI:
                 arrival,
                 request.headers.get(TIMEOUT_HEADER),
             )
-            run = admitted.run
             turn = await gate.enter()
             try:
-                first, chunks, headers = await flow.start(run, admitted.worker_request)
+                started = await flow.start_all(admitted)
             except BaseException:
                 turn.give_back()
                 raise
-            response_format = format_class(run.request_id, settings.served_model)
+            headers = started[0].headers
+            headers["x-request-id"] = admitted.request_id
+            shape = shape_class(
+                admitted.request_id, settings.served_model, admitted.options, tokenizer.token_text
+            )
             if admitted.stream:
-                events = flow.stream(
-                    run, first, chunks, response_format, admitted.include_usage, endpoint
-                )
+                events = flow.stream(admitted, started, shape, endpoint)
                 return StreamingResponse(
                     _giving_back(turn, events), media_type="text/event-stream", headers=headers
                 )
             try:
                 whole = await _until_disconnected(
-                    request, flow.collect(run, first, chunks, response_format, endpoint), endpoint
+                    request, flow.collect(admitted, started, shape, endpoint), endpoint
                 )
             finally:
                 turn.give_back()
@@ -260,9 +261,10 @@ def create_app(settings: RouterSettings, model: str) -> FastAPI:
                 return Response(status_code=499)
             # Prompt tokens the serving worker did not compute itself (prefix cache + KV
             # received); on a disaggregated request it shows the decode worker's saving.
-            headers["x-pdserve-decode-cached-tokens"] = str(run.cached_tokens)
+            cached = sum(run.cached_tokens for run in admitted.runs)
+            headers["x-pdserve-decode-cached-tokens"] = str(cached)
             if request.headers.get(TIMING_HEADER):
-                whole["pdserve_timing"] = timing_breakdown(run)
+                whole["pdserve_timing"] = timing_breakdown(admitted.runs[0])
             return JSONResponse(whole, headers=headers)
         except OpenAIError as error:
             flow.count_error(error, endpoint)

@@ -11,12 +11,13 @@ Which path a request takes is decided here too, and returned with the response.
 """
 
 import asyncio
+import json
 import logging
 from dataclasses import dataclass, field
 
 from kv_transfer.grpc_transport import cancel_transfer
 from kv_transfer.transport import choose_transport
-from router.errors import OpenAIError, invalid_request, prefill_lost
+from router.errors import OpenAIError, invalid_request, prefill_lost, worker_failed
 from router.worker_client import WorkerClient
 from settings.router import AFTER_PREFILL
 from worker.protocol import worker_pb2
@@ -103,6 +104,11 @@ async def generate_disaggregated(
     prefill_request.request_id = f"{transfer_id}-prefill"
     prefill_request.sampling.max_tokens = 1
     prefill_request.sampling.min_tokens = 0  # its token is used only without min_tokens
+    prefill_request.sampling.n = 1  # the decode worker samples the n choices
+    prefill_request.sampling.vllm_fields_json = _without_grammar(request.sampling)
+    # The prompt's logprobs come from the prefill leg, where the prompt is computed.
+    wants_prompt_logprobs = request.sampling.HasField("prompt_logprobs")
+    decode_request.sampling.ClearField("prompt_logprobs")
     outcome.transport = pair_transport(prefill, decode)
     prefill_request.kv.CopyFrom(
         worker_pb2.KvTransfer(
@@ -138,6 +144,7 @@ async def generate_disaggregated(
                     relayed.CopyFrom(first)
                     relayed.finish_reason = first.finish_reason if done else ""
                     outcome.ended_request = done
+                    wants_prompt_logprobs = False  # they came with the prefill's token
                     yield relayed
                     if done:
                         return
@@ -145,6 +152,9 @@ async def generate_disaggregated(
                     decode_request.sampling.max_tokens -= len(first.token_ids)
                     decode_request.kv.kv_tokens = len(request.prompt_token_ids)
             async for chunk in decode.generate(decode_request, timeout=timeout_s):
+                if wants_prompt_logprobs:
+                    await _add_prompt_logprobs(chunk, outcome)
+                    wants_prompt_logprobs = False
                 yield chunk
         finally:
             if not prefill_task.done():
@@ -161,16 +171,49 @@ def pair_transport(prefill: WorkerClient, decode: WorkerClient) -> str:
     )
 
 
+async def _add_prompt_logprobs(chunk: worker_pb2.GenerateChunk, outcome: PrefillOutcome) -> None:
+    """The prefill leg's prompt logprobs, on the decode leg's first chunk (a 502 when the
+    prefill leg failed: the decode worker had the KV, or recomputed it, but no logprobs)."""
+    await outcome.done.wait()  # bounded: the prefill leg has the request's deadline
+    if outcome.chunk is None or not outcome.chunk.prompt_logprobs:
+        raise worker_failed(
+            f"the prompt logprobs were lost with the prefill leg: {outcome.error or 'none sent'}"
+        )
+    chunk.prompt_logprobs.extend(outcome.chunk.prompt_logprobs)
+
+
+def _without_grammar(sampling: worker_pb2.SamplingParams) -> str:
+    """The prefill leg's vLLM fields: no structured-output grammar (its one token is not the
+    client's when there is one, and compiling it there would be wasted)."""
+    fields = json.loads(sampling.vllm_fields_json or "{}")
+    fields.pop("structured_outputs", None)
+    return json.dumps(fields) if fields else ""
+
+
+# vLLM fields whose effect depends on the tokens sampled before: with them the decode worker
+# samples the first token too, so that its state starts from the first output token.
+STATEFUL_FIELDS = (
+    "structured_outputs",
+    "bad_words",
+    "repetition_detection",
+    "thinking_token_budget",
+)
+
+
 def continues_from_first_token(request: worker_pb2.GenerateRequest) -> bool:
     """Whether the decode worker may go on from the prefill's first token. Not with stop
     strings (one spanning the first and second tokens would go unseen: the first token is then
     prompt to the decode worker), nor with a seed (the decode worker would sample from a later
     position of its random stream), nor with min_tokens (the prefill leg, asked for one token,
     may end the sequence there), nor with presence or frequency penalties (they count output
-    tokens only, and the first token would be prompt): then the decode worker samples the first
-    token itself."""
+    tokens only, and the first token would be prompt), nor with n choices (each samples its
+    own), nor with STATEFUL_FIELDS (a grammar, say, must see the first token as output): then
+    the decode worker samples the first token itself."""
+    fields = json.loads(request.sampling.vllm_fields_json or "{}")
     return (
-        not request.sampling.stop
+        request.sampling.n <= 1
+        and not any(name in fields for name in STATEFUL_FIELDS)
+        and not request.sampling.stop
         and not request.sampling.HasField("seed")
         and not request.sampling.min_tokens
         and not request.sampling.presence_penalty

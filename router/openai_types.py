@@ -1,41 +1,56 @@
-"""The OpenAI request bodies pdserve accepts, validated strictly.
+"""The OpenAI request bodies pdserve accepts: OpenAI's fields and vLLM's extensions, as vLLM's
+own server takes them (same names, defaults and limits), validated strictly.
 
-Unknown fields are refused (as OpenAI does), known OpenAI fields that pdserve does not implement
-get a message that says so, and wrong types are never coerced ("5" is not an int).
+Wrong types are never coerced ("5" is not an int). A field neither OpenAI's nor vLLM's is
+ignored with a warning, as vLLM's server does; a known field pdserve does not implement is
+refused by name (UNSUPPORTED), never silently dropped. null means "not set" everywhere.
 """
 
-from typing import Annotated, Literal
+import logging
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from router.errors import OpenAIError, invalid_request, unsupported_parameter
 
-# OpenAI parameters that exist but pdserve does not implement (yet): refused by name.
-UNSUPPORTED = frozenset(
-    {
-        "logprobs",
-        "top_logprobs",
-        "logit_bias",
-        "tools",
-        "tool_choice",
-        "functions",
-        "function_call",
-        "parallel_tool_calls",
-        "response_format",
-        "best_of",
-        "echo",
-        "suffix",
-        "modalities",
-        "audio",
-        "prediction",
-        "reasoning_effort",
-        "service_tier",
-        "store",
-        "metadata",
-        "web_search_options",
-    }
-)
+log = logging.getLogger("pdserve.router")
 
+# Known parameters (OpenAI's or vLLM's) that pdserve does not implement, with why.
+UNSUPPORTED = {
+    "tools": "tool calling needs a tool parser, which pdserve does not run",
+    "tool_choice": "tool calling needs a tool parser, which pdserve does not run",
+    "functions": "tool calling needs a tool parser, which pdserve does not run",
+    "function_call": "tool calling needs a tool parser, which pdserve does not run",
+    "parallel_tool_calls": "tool calling needs a tool parser, which pdserve does not run",
+    "reasoning_effort": "reasoning models' templates are not supported",
+    "include_reasoning": "reasoning models' templates are not supported",
+    "suffix": "is not supported (nor by vLLM)",
+    "modalities": "pdserve serves text only",
+    "audio": "pdserve serves text only",
+    "prediction": "predicted outputs are not supported (nor by vLLM)",
+    "service_tier": "has no meaning on pdserve",
+    "store": "stored completions are not supported",
+    "metadata": "stored completions are not supported",
+    "web_search_options": "web search is not supported",
+    "prompt_embeds": "prompt embeddings are not supported",
+    "cache_salt": "salted prefix caches are not supported",
+    "kv_transfer_params": "pdserve moves KV itself; it takes no transfer parameters",
+    "ec_transfer_params": "encoder caches are not supported",
+    "vllm_xargs": "custom engine extensions are not supported",
+    "routed_experts_prompt_start": "routed-expert data is not returned",
+    "media_io_kwargs": "pdserve serves text only",
+    "mm_processor_kwargs": "pdserve serves text only",
+    "documents": "custom chat templates are not supported",
+    "chat_template": "custom chat templates are not supported",
+    "chat_template_kwargs": "custom chat templates are not supported",
+    "truncate_prompt_tokens": "prompt truncation is not supported; send a shorter prompt",
+    "truncation_side": "prompt truncation is not supported; send a shorter prompt",
+    "watermarking": "watermarking is not supported",
+}
+
+# vLLM's parameters that are accepted and change nothing on pdserve (vLLM's server ignores
+# them on these endpoints too, or they only tune how output is chunked).
+ACCEPTED_NO_EFFECT = ("session_id", "stream_interval", "return_token_offsets", "mm_payload")
 
 # vLLM SamplingParams fields the router passes to the workers untouched (by vLLM's names): a
 # new one is a field on SamplingFields and a name here.
@@ -47,29 +62,97 @@ VLLM_PASS_THROUGH = (
     "skip_special_tokens",
     "spaces_between_special_tokens",
     "include_stop_str_in_output",
+    "logit_bias",
+    "allowed_token_ids",
+    "logprob_token_ids",
+    "repetition_detection",
+    "thinking_token_budget",
 )
 MAX_STOP_CHARS = 1024  # each stop string is searched for in the text after every token
+MAX_STOP_STRINGS = 64
+MAX_CHOICES = 128  # n (and best_of): choices of one request, each its own engine request
+MAX_BATCH_PROMPTS = 64  # prompts in one /v1/completions request
+GREEDY_TEMPERATURE = 1e-5  # below: greedy, as vLLM counts it
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+TokenId = Annotated[int, Field(ge=0)]
+Logprobs = Annotated[int, Field(ge=-1)]  # -1: the whole vocabulary
 
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class RequestModel(StrictModel):
+    """A request body: fields outside the model are kept aside (`ignored_fields`)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    def ignored_fields(self) -> list[str]:
+        return sorted(self.model_extra or ())
+
+
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
-class SamplingFields(StrictModel):
+class JsonSchema(StrictModel):
+    name: str = "schema"
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
+class ResponseFormatParam(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's StructuredOutputsParams: one constraint (json, regex, choice, grammar,
+    json_object or structural_tag) and its options."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def one_constraint(self):
+        kinds = ("json_", "regex", "choice", "grammar", "json_object", "structural_tag")
+        if sum(getattr(self, kind) is not None for kind in kinds) > 1:
+            raise ValueError(
+                "only one kind of constraint: json, regex, choice, grammar, json_object or "
+                "structural_tag"
+            )
+        return self
+
+
+class RepetitionDetection(StrictModel):
+    max_pattern_size: Annotated[int, Field(ge=0)] = 0
+    min_pattern_size: Annotated[int, Field(ge=0)] = 0
+    min_count: Annotated[int, Field(ge=0)] = 0
+
+
+class SamplingFields(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model: str
+    model: str | None = None  # unset: the served model, as vLLM
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: Annotated[int, Field(ge=0)] = 0
+    top_k: Annotated[int, Field(ge=-1)] = 0  # 0 or -1: no top-k
     seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
-    stop: StopString | Annotated[list[StopString], Field(max_length=4)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     ignore_eos: bool = False  # vLLM's extension, used by benchmarks
@@ -77,23 +160,98 @@ class SamplingFields(StrictModel):
     min_tokens: Annotated[int, Field(ge=0)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=2**31)] | None = None
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
     bad_words: Annotated[list[StopString], Field(max_length=64)] | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
-    n: Literal[1] = 1
+    logit_bias: Annotated[dict[str, float], Field(max_length=1024)] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    logprob_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    repetition_detection: RepetitionDetection | None = None
+    thinking_token_budget: Annotated[int, Field(ge=-1)] | None = None
+    prompt_logprobs: Logprobs | None = None
+    response_format: ResponseFormatParam | None = None
+    structured_outputs: StructuredOutputs | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
+    best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
+    use_beam_search: Literal[False] = False  # beam search is not supported
+    length_penalty: float = 1.0  # beam search only: no effect
+    priority: Literal[0] = 0  # the workers do not schedule by priority
+    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    session_id: str | None = None
+    stream_interval: Annotated[int, Field(ge=1)] | None = None
+    return_token_offsets: bool = False
+    mm_payload: Literal["tensors", "none"] = "tensors"
+
+    @model_validator(mode="after")
+    def vllm_rules(self):
+        """The cross-field rules vLLM's server applies, with its messages."""
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+        if self.prompt_logprobs is not None and self.stream and self.prompt_logprobs != 0:
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
+        if self.choice_count() > 1 and self.temperature < GREEDY_TEMPERATURE:
+            name = "n" if self.best_of is None else "best_of"
+            raise ValueError(
+                f"{name} must be 1 when using greedy sampling, got {self.choice_count()}."
+            )
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of > n cannot be streamed: the best are known at the end")
+        if self.response_format is not None and self.response_format.type == "json_schema":
+            if self.response_format.json_schema is None:
+                raise ValueError(
+                    "When response_format type is 'json_schema', the 'json_schema' field must "
+                    "be provided."
+                )
+        if self.logprob_token_ids and self.output_logprobs() is None:
+            raise ValueError("when using `logprob_token_ids`, `logprobs` must be set.")
+        return self
 
     def vllm_fields(self) -> dict:
-        """The VLLM_PASS_THROUGH fields the request set: vLLM applies them as they are."""
-        return {
-            name: getattr(self, name)
+        """The VLLM_PASS_THROUGH fields the request set and the structured-output constraint
+        (response_format as vLLM turns it into one): vLLM applies them as they are."""
+        fields = {
+            name: _plain(getattr(self, name))
             for name in VLLM_PASS_THROUGH
             if getattr(self, name) is not None
         }
+        if (constraint := self.structured_output()) is not None:
+            fields["structured_outputs"] = constraint
+        return fields
+
+    def structured_output(self) -> dict | None:
+        """vLLM's structured_outputs, with response_format applied over it as vLLM does."""
+        constraint = (
+            self.structured_outputs.model_dump(by_alias=True, exclude_defaults=True)
+            if self.structured_outputs is not None
+            else None
+        )
+        response_format = self.response_format
+        if response_format is None or response_format.type == "text":
+            return constraint
+        if response_format.type == "json_object":
+            override = {"json_object": True}
+        else:
+            override = {"json": response_format.json_schema.json_schema}
+        kinds = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+        kept = {k: v for k, v in (constraint or {}).items() if k not in kinds}
+        return {**kept, **override}
+
+    def output_logprobs(self) -> int | None:
+        """Top logprobs per output token (None: none asked)."""
+        raise NotImplementedError
+
+    def choice_count(self) -> int:
+        """Choices sampled per prompt: best_of, of which n are returned."""
+        return self.best_of or self.n
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -102,6 +260,10 @@ class SamplingFields(StrictModel):
 
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _plain(value):
+    return value.model_dump() if isinstance(value, BaseModel) else value
 
 
 class TextPart(StrictModel):
@@ -123,22 +285,74 @@ class ChatMessage(StrictModel):
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Logprobs | None = None
+    echo: bool = False  # the reply starts with the last message when it is the assistant's
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+
+    @model_validator(mode="after")
+    def top_logprobs_need_logprobs(self):
+        if self.top_logprobs not in (None, 0) and not self.logprobs:
+            raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
+        return self
 
     def max_tokens_asked(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def output_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def prompt_logprobs_asked(self) -> int | None:
+        """As vLLM: with echo, top_logprobs for the prompt too."""
+        if self.prompt_logprobs is None and self.echo and self.logprobs:
+            return self.top_logprobs or 0
+        return self.prompt_logprobs
+
+
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
 
 class CompletionRequest(SamplingFields):
-    # One prompt: text, or token ids; a list of one of either is accepted too.
+    # Text or token ids, or a batch of either (one response, n choices per prompt, in order).
     prompt: (
-        str
-        | Annotated[list[int], Field(min_length=1)]
-        | Annotated[list[str], Field(min_length=1, max_length=1)]
-        | Annotated[list[list[int]], Field(min_length=1, max_length=1)]
+        Annotated[str, Field(min_length=1)]
+        | TokenIds
+        | Annotated[
+            list[Annotated[str, Field(min_length=1)]],
+            Field(min_length=1, max_length=MAX_BATCH_PROMPTS),
+        ]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
     )
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: with echo, the prompt alone
+    logprobs: Logprobs | None = None
+    echo: bool = False  # the prompt's text (and, with logprobs, its logprobs) first
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def no_tokens_only_with_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 only with echo)")
+        return self
 
     def max_tokens_asked(self) -> int | None:
         return self.max_tokens
+
+    def output_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprobs_asked(self) -> int | None:
+        """As vLLM: with echo, logprobs for the prompt too."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one prompt, or several."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
 
 
 class TokenizeCompletionRequest(StrictModel):
@@ -171,20 +385,33 @@ def parse_request(model: type[StrictModel], body: object) -> StrictModel:
     if not isinstance(body, dict):
         raise invalid_request("the request body must be a JSON object")
     body = {key: value for key, value in body.items() if value is not None}  # null: not set
-    unsupported = sorted(UNSUPPORTED & body.keys())
-    if unsupported:
-        raise unsupported_parameter(unsupported[0])
-    if isinstance(body.get("n"), int) and body["n"] != 1:
-        raise unsupported_parameter("n", "must be 1: pdserve returns one choice per request")
+    unsupported = sorted(UNSUPPORTED.keys() & body.keys())
+    if unsupported and not _no_tools(body):
+        raise unsupported_parameter(unsupported[0], UNSUPPORTED[unsupported[0]])
     try:
-        return model.model_validate(body)
+        parsed = model.model_validate(body)
     except ValidationError as error:
         raise _first_error(error) from None
+    if isinstance(parsed, RequestModel) and parsed.ignored_fields():
+        log.warning(
+            "The following fields were present in the request but ignored: %s",
+            ", ".join(parsed.ignored_fields()),
+        )
+    return parsed
+
+
+def _no_tools(body: dict) -> bool:
+    """What clients send when they use no tools: tool_choice "none" and no tools."""
+    return set(UNSUPPORTED.keys() & body.keys()) <= {"tool_choice", "tools"} and (
+        body.get("tool_choice", "none") == "none" and not body.get("tools")
+    )
 
 
 def _first_error(error: ValidationError) -> OpenAIError:
     first = error.errors()[0]
     param = ".".join(str(part) for part in first["loc"] if not _is_union_tag(part))
+    if not param:  # a rule across fields: its message says which
+        return invalid_request(first["msg"].removeprefix("Value error, "), code="invalid_value")
     if first["type"] == "extra_forbidden":
         return invalid_request(
             f"Unrecognized request argument supplied: {param}",

@@ -36,8 +36,13 @@ from router.errors import (
     worker_unavailable,
 )
 from router.metrics import RouterMetrics
-from router.openai_types import ChatCompletionRequest, SamplingFields, parse_request
-from router.responses import SSE_DONE, ResponseFormat, Usage, sse
+from router.openai_types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    parse_request,
+)
+from router.responses import SSE_DONE, Choice, OutputOptions, Prompt, ResponseShape, Usage, sse
 from router.worker_client import WorkerClient
 from router.worker_pool import WorkerPool
 from settings.router import WITH_PREFILL, RouterSettings
@@ -66,8 +71,9 @@ class RequestRun:
     completion_tokens: int = 0
     cached_tokens: int = 0
     last_chunk: worker_pb2.GenerateChunk | None = None
-    token_ids: list[int] = field(default_factory=list)  # relayed so far
+    token_ids: list[int] = field(default_factory=list)  # relayed so far (one choice only)
     migrations: int = 0
+    choices: int = 1  # sampled from the prompt (n, or best_of)
 
     def time_left(self) -> float:
         """Seconds until the request's deadline; a 504 once it has passed."""
@@ -79,12 +85,26 @@ class RequestRun:
 
 @dataclass
 class Admitted:
-    """A request that passed validation, ready to start."""
+    """A request that passed validation, ready to start: one run per prompt (a batch on
+    /v1/completions has several), each with its worker request."""
 
-    run: RequestRun
-    worker_request: worker_pb2.GenerateRequest
+    request_id: str
+    runs: list[RequestRun]
+    worker_requests: list[worker_pb2.GenerateRequest]
+    prompts: list[Prompt]
+    options: OutputOptions
     stream: bool
     include_usage: bool
+    returned: int = 1  # choices returned per prompt (n): the best of `run.choices`
+
+
+@dataclass
+class Started:
+    """A run on its way: its first chunk, the rest, and the response headers."""
+
+    first: worker_pb2.GenerateChunk
+    chunks: object  # async iterator of the rest
+    headers: dict
 
 
 class RequestFlow:
@@ -116,30 +136,70 @@ class RequestFlow:
         parsed = parse_request(schema, body)
         check_model(parsed.model, self.settings.served_model)
         if isinstance(parsed, ChatCompletionRequest):
-            prompt_ids = self.tokenizer.chat(parsed)
+            prompts = [self.tokenizer.chat(parsed)]
+            echo_texts = [chat_echo_text(parsed)]
         else:
-            prompt_ids = self.tokenizer.completion(parsed)
-        run = RequestRun(f"{id_prefix}-{uuid.uuid4().hex}", len(prompt_ids), arrival, timeout_s)
+            prompts = self.tokenizer.completion_prompts(parsed)
+            echo_texts = [
+                prompt if isinstance(prompt, str) else self.tokenizer.detokenize(prompt_ids)
+                for prompt, prompt_ids in zip(parsed.prompts(), prompts, strict=True)
+            ]
         if not self.pool.max_model_len:
             raise worker_unavailable("no worker has joined the pools yet; retry later")
-        worker_request = worker_pb2.GenerateRequest(
-            request_id=run.request_id,
-            prompt_token_ids=prompt_ids,
-            sampling=sampling_params(
-                parsed,
+        request_id = f"{id_prefix}-{parsed.request_id or uuid.uuid4().hex}"
+        runs, worker_requests = [], []
+        for number, prompt_ids in enumerate(prompts):
+            run_id = request_id if len(prompts) == 1 else f"{request_id}-{number}"
+            run = RequestRun(run_id, len(prompt_ids), arrival, timeout_s)
+            run.choices = parsed.choice_count()
+            worker_requests.append(
+                worker_pb2.GenerateRequest(
+                    request_id=run.request_id,
+                    prompt_token_ids=prompt_ids,
+                    sampling=sampling_params(
+                        parsed,
+                        len(prompt_ids),
+                        self.pool.max_model_len,
+                        self.settings.default_max_tokens,
+                        param="messages" if endpoint == "chat" else "prompt",
+                    ),
+                )
+            )
+            run.route = choose_route(
+                route_header,
                 len(prompt_ids),
-                self.pool.max_model_len,
-                self.settings.default_max_tokens,
-                param="messages" if endpoint == "chat" else "prompt",
+                self.settings.disaggregate_min_tokens,
+                bool(self.pool.live(("prefill",))),
+            )
+            runs.append(run)
+        return Admitted(
+            request_id,
+            runs,
+            worker_requests,
+            [Prompt(ids, text) for ids, text in zip(prompts, echo_texts, strict=True)],
+            output_options(parsed),
+            parsed.stream,
+            parsed.include_usage_in_stream(),
+            returned=parsed.n,
+        )
+
+    async def start_all(self, admitted: Admitted) -> list[Started]:
+        """Start every run at once; if one fails, the others are closed (which aborts them on
+        their workers) and its error raised."""
+        results = await asyncio.gather(
+            *(
+                self.start(run, request)
+                for run, request in zip(admitted.runs, admitted.worker_requests, strict=True)
             ),
+            return_exceptions=True,
         )
-        run.route = choose_route(
-            route_header,
-            len(prompt_ids),
-            self.settings.disaggregate_min_tokens,
-            bool(self.pool.live(("prefill",))),
-        )
-        return Admitted(run, worker_request, parsed.stream, parsed.include_usage_in_stream())
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            for result in results:
+                if not isinstance(result, BaseException):
+                    await result[1].aclose()
+            raise failed[0]
+        return [Started(*result) for result in results]
 
     # start -------------------------------------------------------------------------------
 
@@ -250,7 +310,11 @@ class RequestFlow:
                         yield chunk
                     return
                 except OpenAIError as error:
-                    if error.kind != "worker_unavailable" or run.migrations >= MAX_MIGRATIONS:
+                    if (
+                        error.kind != "worker_unavailable"
+                        or run.migrations >= MAX_MIGRATIONS
+                        or run.choices > 1  # n choices do not migrate (yet)
+                    ):
                         raise
                     lost_at = time.monotonic()
                     self.pool.mark_down(run.decode_worker)
@@ -275,6 +339,7 @@ class RequestFlow:
         rest = worker_pb2.GenerateRequest()
         rest.CopyFrom(request)
         rest.ClearField("kv")
+        rest.sampling.ClearField("prompt_logprobs")  # the client has them already
         rest.request_id = f"{run.request_id}-m{run.migrations}"
         rest.prompt_token_ids.extend(run.token_ids)
         rest.sampling.max_tokens -= len(run.token_ids)
@@ -284,11 +349,12 @@ class RequestFlow:
     # relay -------------------------------------------------------------------------------
 
     async def relay(self, run: RequestRun, first, chunks):
-        """Yield (text, finish_reason or None) per chunk, ending with the finish reason."""
+        """Yield (chunk, finish_reason or None) until every choice has finished."""
+        finished = 0
         async for chunk in _prepend(first, chunks):
             self._on_chunk(run, chunk)
             if not chunk.finish_reason:
-                yield chunk.text, None
+                yield chunk, None
                 continue
             if chunk.finish_reason not in FINISH_REASONS:
                 raise OpenAIError(
@@ -298,47 +364,70 @@ class RequestFlow:
                     type="server_error",
                     code="worker_error",
                 )
-            yield chunk.text, FINISH_REASONS[chunk.finish_reason]
-            return
+            yield chunk, FINISH_REASONS[chunk.finish_reason]
+            finished += 1
+            if finished == run.choices:
+                return
 
     async def collect(
-        self, run: RequestRun, first, chunks, response_format: ResponseFormat, endpoint: str
+        self, admitted: Admitted, started: list[Started], shape: ResponseShape, endpoint: str
     ) -> dict:
-        """The whole response body."""
-        parts, finish_reason = [], "stop"
+        """The whole response body: every run's choices (the best `n` of each, by cumulative
+        logprob, when best_of sampled more), in prompt order."""
         try:
-            async for text, reason in self.relay(run, first, chunks):
-                parts.append(text)
-                finish_reason = reason or finish_reason
-            if run.prefill is not None:  # before closing the legs, which cancels the prefill
-                await run.prefill.wait()
+            choices = await asyncio.gather(
+                *(
+                    self._collect_run(run, prompt, leg)
+                    for run, prompt, leg in zip(
+                        admitted.runs, admitted.prompts, started, strict=True
+                    )
+                )
+            )
         finally:
-            await chunks.aclose()
-        return response_format.whole("".join(parts), finish_reason, self.finish(run, endpoint))
+            for leg in started:
+                await leg.chunks.aclose()
+        usages = [self.finish(run, endpoint) for run in admitted.runs]
+        returned = [best(run_choices, admitted.returned) for run_choices in choices]
+        for number, run_choices in enumerate(returned):
+            for offset, choice in enumerate(run_choices):
+                choice.index = number * admitted.returned + offset
+        return shape.whole(admitted.prompts, returned, total_usage(usages))
+
+    async def _collect_run(self, run: RequestRun, prompt: Prompt, leg: Started) -> list[Choice]:
+        choices = [Choice(index) for index in range(run.choices)]
+        async for chunk, reason in self.relay(run, leg.first, leg.chunks):
+            if chunk.prompt_logprobs:
+                prompt.logprobs = list(chunk.prompt_logprobs)
+            choices[chunk.index].add(chunk, reason)
+        if run.prefill is not None:  # before closing the legs, which cancels the prefill
+            await run.prefill.wait()
+        return choices
 
     async def stream(
         self,
-        run: RequestRun,
-        first,
-        chunks,
-        response_format: ResponseFormat,
-        include_usage: bool,
+        admitted: Admitted,
+        started: list[Started],
+        shape: ResponseShape,
         endpoint: str,
     ):
-        """The SSE events; a failure after streaming started is an error event."""
-        is_first = True
+        """The SSE events, prompt after prompt (each run started already: its tokens wait in
+        its stream meanwhile); a failure after streaming started is an error event."""
+        usages = []
         try:
-            async for text, reason in self.relay(run, first, chunks):
-                # As vLLM does, the finish reason rides on the last token's chunk: a separate
-                # empty chunk would look like one more token to clients that time tokens.
-                if text or is_first or reason is not None:
-                    yield response_format.chunk(text, reason, is_first)
-                    is_first = False
-            if run.prefill is not None:  # before closing the legs, which cancels the prefill
-                await run.prefill.wait()
-            usage = self.finish(run, endpoint)
-            if include_usage:
-                yield response_format.usage_chunk(usage)
+            for number, (run, prompt, leg) in enumerate(
+                zip(admitted.runs, admitted.prompts, started, strict=True)
+            ):
+                async for chunk, reason in self.relay(run, leg.first, leg.chunks):
+                    if chunk.prompt_logprobs:
+                        prompt.logprobs = list(chunk.prompt_logprobs)
+                    index = number * admitted.returned + chunk.index
+                    for event in shape.chunk_events(prompt, index, chunk, reason):
+                        yield event
+                if run.prefill is not None:  # before closing the legs: that cancels the prefill
+                    await run.prefill.wait()
+                usages.append(self.finish(run, endpoint))
+            if admitted.include_usage:
+                yield shape.usage_chunk(total_usage(usages))
         except OpenAIError as error:
             self.count_error(error, endpoint)
             yield sse(error.body())
@@ -346,7 +435,8 @@ class RequestFlow:
             self.count_disconnect(endpoint)
             raise
         finally:
-            await chunks.aclose()
+            for leg in started:
+                await leg.chunks.aclose()
         yield SSE_DONE
 
     def _on_chunk(self, run: RequestRun, chunk: worker_pb2.GenerateChunk) -> None:
@@ -360,8 +450,9 @@ class RequestFlow:
             self.metrics.inter_token.observe(now - run.last_token_at)
         run.last_token_at = now
         run.completion_tokens += len(chunk.token_ids)
-        run.token_ids.extend(chunk.token_ids)
-        if not run.migrations:  # the original worker's prompt-cache hit is the request's
+        if run.choices == 1:
+            run.token_ids.extend(chunk.token_ids)
+        if not run.migrations and chunk.index == 0:  # the first worker's, first choice's
             run.cached_tokens = chunk.cached_tokens
             run.last_chunk = chunk
 
@@ -481,6 +572,8 @@ def sampling_params(
     param: str,
 ) -> worker_pb2.SamplingParams:
     asked = parsed.max_tokens_asked()
+    if asked == 0:  # echo alone (completions): one token computed, none returned
+        asked = 1
     room = max_model_len - prompt_tokens
     max_tokens = asked if asked is not None else min(default_max_tokens, room)
     if max_tokens > room or room < 1:
@@ -505,4 +598,53 @@ def sampling_params(
         )
     if parsed.seed is not None:
         sampling.seed = parsed.seed
+    if parsed.choice_count() > 1:
+        sampling.n = parsed.choice_count()
+    logprobs = parsed.output_logprobs()
+    if logprobs is None and parsed.choice_count() > parsed.n:
+        logprobs = 0  # best_of ranks choices by their cumulative logprob
+    if logprobs is not None:
+        sampling.logprobs = logprobs
+    if (prompt_logprobs := parsed.prompt_logprobs_asked()) is not None:
+        sampling.prompt_logprobs = prompt_logprobs
     return sampling
+
+
+def output_options(parsed: SamplingFields) -> OutputOptions:
+    echo_only = isinstance(parsed, CompletionRequest) and parsed.echo and parsed.max_tokens == 0
+    return OutputOptions(
+        logprobs=parsed.output_logprobs(),
+        all_top=bool(parsed.logprob_token_ids),
+        prompt_logprobs=parsed.prompt_logprobs_asked() is not None,
+        echo=parsed.echo,
+        echo_only=echo_only,
+        as_token_ids=parsed.return_tokens_as_token_ids,
+        return_token_ids=parsed.return_token_ids,
+        n=parsed.n,
+    )
+
+
+def chat_echo_text(parsed: ChatCompletionRequest) -> str:
+    """What chat's echo puts first: the last message, when it is the assistant's (vLLM)."""
+    last = parsed.messages[-1]
+    if not parsed.echo or last.role != "assistant":
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(part.text for part in last.content)
+
+
+def best(choices: list[Choice], n: int) -> list[Choice]:
+    """The n choices with the highest cumulative logprob (all of them, in order, when n were
+    sampled)."""
+    if len(choices) == n:
+        return choices
+    return sorted(choices, key=lambda choice: choice.cumulative_logprob, reverse=True)[:n]
+
+
+def total_usage(usages: list[Usage]) -> Usage:
+    return Usage(
+        sum(u.prompt_tokens for u in usages),
+        sum(u.completion_tokens for u in usages),
+        sum(u.cached_tokens for u in usages),
+    )

@@ -1,12 +1,21 @@
-"""OpenAI response bodies for the two endpoints, streamed (SSE chunks) and whole.
+"""OpenAI response bodies for the two endpoints, streamed (SSE chunks) and whole, shaped as
+vLLM's own server shapes them: choices (n per prompt, prompts in order), logprobs, echo, stop
+reasons, token ids.
 
-Chat and completions differ only in object names and in how a choice holds its text, so one
-`ResponseFormat` per endpoint carries those differences and the rest is shared.
+Chat and completions differ in object names, in how a choice holds its text and in the logprobs
+format, so one `ResponseShape` subclass per endpoint carries those differences and the rest is
+shared. The workers' chunks carry vLLM's logprobs as they are (`PositionLogprobs`); the text of
+a token vLLM did not decode comes from the router's tokenizer (`decode`).
 """
 
 import json
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from worker.protocol import worker_pb2
+
+MIN_LOGPROB = -9999.0  # what OpenAI (and vLLM) report for -inf
 
 
 @dataclass(frozen=True)
@@ -24,23 +33,111 @@ class Usage:
         }
 
 
-class ResponseFormat:
+@dataclass(frozen=True)
+class OutputOptions:
+    """What the request asked to see, beyond the text."""
+
+    logprobs: int | None = None  # top logprobs per token (None: no logprobs)
+    all_top: bool = False  # logprob_token_ids: every entry the worker sent
+    prompt_logprobs: bool = False  # the prompt's logprobs on the choice (completions)
+    echo: bool = False
+    echo_only: bool = False  # completions with max_tokens 0: the prompt alone
+    as_token_ids: bool = False  # tokens as "token_id:N" (return_tokens_as_token_ids)
+    return_token_ids: bool = False
+    n: int = 1  # choices returned per prompt
+
+
+@dataclass
+class Prompt:
+    """One prompt of the request, as echo and its logprobs need it. `echo_text`: what echo
+    puts first (the prompt's text; in chat, the last message when it is the assistant's)."""
+
+    token_ids: list[int]
+    echo_text: str = ""
+    logprobs: list = field(default_factory=list)  # PositionLogprobs, from the worker
+
+
+@dataclass
+class Choice:
+    """One choice of a whole response, put together from its chunks."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    cumulative_logprob: float = 0.0
+
+    def add(self, chunk: worker_pb2.GenerateChunk, finish_reason: str | None) -> None:
+        self.text += chunk.text
+        self.token_ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
+        if finish_reason is not None:
+            self.finish_reason, self.stop_reason = finish_reason, stop_reason(chunk)
+            self.cumulative_logprob = chunk.cumulative_logprob
+
+
+def stop_reason(chunk: worker_pb2.GenerateChunk) -> str | int | None:
+    """vLLM's stop_reason: the stop string or token that ended the choice (None: end of
+    sequence, or the length limit)."""
+    which = chunk.WhichOneof("stop_reason")
+    return getattr(chunk, which) if which else None
+
+
+class ResponseShape:
     object_whole: str
     object_chunk: str
 
-    def __init__(self, response_id: str, model: str) -> None:
+    def __init__(
+        self,
+        response_id: str,
+        model: str,
+        options: OutputOptions = OutputOptions(),
+        decode: Callable[[int], str] = str,
+    ) -> None:
         self.response_id = response_id
         self.model = model
+        self.options = options
+        self.decode = decode  # token id -> its text, for tokens vLLM did not decode
         self.created = int(time.time())
+        self._started: set[int] = set()  # choices whose first chunk went out
+        self._text_offsets: dict[int, int] = {}
 
-    def whole(self, text: str, finish_reason: str, usage: Usage) -> dict:
-        return self._envelope(
-            self.object_whole, [self.whole_choice(text, finish_reason)], usage=usage.body()
-        )
+    # whole responses ----------------------------------------------------------------------
 
-    def chunk(self, text: str, finish_reason: str | None, first: bool) -> str:
-        choice = self.chunk_choice(text, finish_reason, first)
-        return sse(self._envelope(self.object_chunk, [choice]))
+    def whole(self, prompts: list[Prompt], choices: list[list[Choice]], usage: Usage) -> dict:
+        """`choices[p]`: prompt p's choices, in order."""
+        body = []
+        for prompt, prompt_choices in zip(prompts, choices, strict=True):
+            body.extend(self.whole_choice(prompt, choice) for choice in prompt_choices)
+        return self._envelope(self.object_whole, body, usage=usage.body())
+
+    def whole_choice(self, prompt: Prompt, choice: Choice) -> dict:
+        raise NotImplementedError
+
+    # streaming ----------------------------------------------------------------------------
+
+    def chunk_events(
+        self, prompt: Prompt, index: int, chunk: worker_pb2.GenerateChunk, finish: str | None
+    ) -> list[str]:
+        """The SSE events for one worker chunk of choice `index` (in the response's numbering)."""
+        first = index not in self._started
+        self._started.add(index)
+        return [
+            sse(self._envelope(self.object_chunk, [choice]))
+            for choice in self.stream_choices(prompt, index, chunk, finish, first)
+        ]
+
+    def stream_choices(
+        self,
+        prompt: Prompt,
+        index: int,
+        chunk: worker_pb2.GenerateChunk,
+        finish: str | None,
+        first: bool,
+    ) -> list[dict]:
+        raise NotImplementedError
 
     def usage_chunk(self, usage: Usage) -> str:
         return sse(self._envelope(self.object_chunk, [], usage=usage.body()))
@@ -55,39 +152,206 @@ class ResponseFormat:
             **extra,
         }
 
-    def whole_choice(self, text: str, finish_reason: str) -> dict:
-        raise NotImplementedError
+    def token_text(self, entry: worker_pb2.TokenLogprob) -> str:
+        if self.options.as_token_ids:
+            return f"token_id:{entry.token_id}"
+        if entry.HasField("decoded_token"):
+            return entry.decoded_token
+        return self.decode(entry.token_id)
 
-    def chunk_choice(self, text: str, finish_reason: str | None, first: bool) -> dict:
-        raise NotImplementedError
+    def plain_token_text(self, token_id: int) -> str:
+        if self.options.as_token_ids:
+            return f"token_id:{token_id}"
+        return self.decode(token_id)
 
 
-class ChatFormat(ResponseFormat):
+class ChatShape(ResponseShape):
     object_whole = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def whole_choice(self, text: str, finish_reason: str) -> dict:
-        return {
-            "index": 0,
+    def whole_choice(self, prompt: Prompt, choice: Choice) -> dict:
+        text = choice.text
+        if self.options.echo:
+            text = prompt.echo_text + text
+        body = {
+            "index": choice.index,
             "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish_reason,
+            "logprobs": self._logprobs(choice.token_ids, choice.logprobs),
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
         }
+        if self.options.return_token_ids:
+            body["token_ids"] = choice.token_ids
+        return body
 
-    def chunk_choice(self, text: str, finish_reason: str | None, first: bool) -> dict:
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def stream_choices(self, prompt, index, chunk, finish, first) -> list[dict]:
+        choices = []
+        if first:  # as vLLM: the role alone first, then the echoed message
+            choices.append(self._delta(index, {"role": "assistant", "content": ""}))
+            if self.options.echo and prompt.echo_text:
+                choices.append(self._delta(index, {"content": prompt.echo_text}))
+        if chunk.text or chunk.token_ids or finish is not None:
+            choice = self._delta(index, {"content": chunk.text})
+            choice["logprobs"] = self._logprobs(list(chunk.token_ids), list(chunk.logprobs))
+            if finish is not None:
+                choice.update(finish_reason=finish, stop_reason=stop_reason(chunk))
+            if self.options.return_token_ids:
+                choice["token_ids"] = list(chunk.token_ids)
+            choices.append(choice)
+        return choices
+
+    @staticmethod
+    def _delta(index: int, delta: dict) -> dict:
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+
+    def _logprobs(self, token_ids: list[int], positions: list) -> dict | None:
+        """vLLM's chat logprobs: per token its logprob and bytes, with the top ones."""
+        top = self.options.logprobs
+        if top is None:
+            return None
+        content = []
+        for token_id, position in zip(token_ids, positions, strict=True):
+            step = _entry(position, token_id)
+            if step is None:
+                token = self.plain_token_text(token_id)
+                content.append(
+                    {
+                        "token": token,
+                        "logprob": MIN_LOGPROB,
+                        "bytes": list(token.encode("utf-8", errors="replace")),
+                        "top_logprobs": [],
+                    }
+                )
+                continue
+            content.append(
+                {
+                    "token": self.token_text(step),
+                    "logprob": max(step.logprob, MIN_LOGPROB),
+                    "bytes": (
+                        list(step.decoded_token.encode("utf-8", errors="replace"))
+                        if step.HasField("decoded_token")
+                        else None
+                    ),
+                    "top_logprobs": [
+                        {
+                            "token": (text := self.token_text(entry)),
+                            "logprob": max(entry.logprob, MIN_LOGPROB),
+                            "bytes": list(text.encode("utf-8", errors="replace")),
+                        }
+                        for rank, entry in enumerate(position.entries)
+                        if self.options.all_top or top == -1 or rank < top
+                    ],
+                }
+            )
+        return {"content": content}
 
 
-class CompletionFormat(ResponseFormat):
+class CompletionShape(ResponseShape):
     object_whole = "text_completion"
     object_chunk = "text_completion"
 
-    def whole_choice(self, text: str, finish_reason: str) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def whole_choice(self, prompt: Prompt, choice: Choice) -> dict:
+        text, token_ids, positions = choice.text, choice.token_ids, choice.logprobs
+        if self.options.echo_only:
+            text, token_ids, positions = prompt.echo_text, prompt.token_ids, prompt.logprobs
+        elif self.options.echo:
+            text = prompt.echo_text + text
+            token_ids = prompt.token_ids + token_ids
+            positions = list(prompt.logprobs) + list(positions)
+        body = {
+            "index": choice.index,
+            "text": text,
+            "logprobs": self._logprobs(token_ids, positions, 0),
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+        }
+        if self.options.prompt_logprobs:
+            body["prompt_logprobs"] = [self._prompt_position(p) for p in prompt.logprobs]
+        if self.options.return_token_ids:
+            body.update(prompt_token_ids=prompt.token_ids, token_ids=choice.token_ids)
+        return body
 
-    def chunk_choice(self, text: str, finish_reason: str | None, first: bool) -> dict:
-        return self.whole_choice(text, finish_reason)
+    def stream_choices(self, prompt, index, chunk, finish, first) -> list[dict]:
+        text, token_ids, positions = chunk.text, list(chunk.token_ids), list(chunk.logprobs)
+        if first and self.options.echo_only:
+            text, token_ids, positions = prompt.echo_text, prompt.token_ids, prompt.logprobs
+        elif first and self.options.echo:
+            text = prompt.echo_text + text
+            token_ids = prompt.token_ids + token_ids
+            positions = list(prompt.logprobs) + positions
+        if not (text or token_ids or finish is not None):
+            return []
+        logprobs = self._logprobs(token_ids, positions, self._text_offsets.get(index, 0))
+        if logprobs is not None and logprobs["tokens"]:
+            # Advance by the tokens reported, not by the text: text held back for stop
+            # strings lags the tokens (as vLLM counts it).
+            self._text_offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            "stop_reason": stop_reason(chunk) if finish is not None else None,
+        }
+        if self.options.return_token_ids:
+            choice["token_ids"] = list(chunk.token_ids)
+            if first:
+                choice["prompt_token_ids"] = prompt.token_ids
+        return [choice]
+
+    def _logprobs(self, token_ids: list[int], positions: list, first_offset: int) -> dict | None:
+        """vLLM's completion logprobs: tokens, their logprobs, text offsets, and per position
+        the top logprobs plus the position's own token."""
+        top = self.options.logprobs
+        if top is None:
+            return None
+        offsets, token_logprobs, tokens, tops = [], [], [], []
+        for token_id, position in zip(token_ids, positions, strict=True):
+            step = _entry(position, token_id)
+            if step is None:  # the first prompt position has none
+                token = self.plain_token_text(token_id)
+                token_logprobs.append(None)
+                tops.append(None)
+            else:
+                token = self.token_text(step)
+                token_logprobs.append(max(step.logprob, MIN_LOGPROB))
+                tops.append(
+                    {
+                        self.token_text(entry): max(entry.logprob, MIN_LOGPROB)
+                        for rank, entry in enumerate(position.entries)
+                        if self.options.all_top or top == -1 or top >= rank
+                    }
+                )
+            offsets.append(offsets[-1] + len(tokens[-1]) if offsets else first_offset)
+            tokens.append(token)
+        return {
+            "text_offset": offsets,
+            "token_logprobs": token_logprobs,
+            "tokens": tokens,
+            "top_logprobs": tops,
+        }
+
+    @staticmethod
+    def _prompt_position(position: worker_pb2.PositionLogprobs) -> dict | None:
+        """vLLM's raw prompt logprobs: {token id: {logprob, rank, decoded_token}}, or None."""
+        if not position.entries:
+            return None
+        return {
+            str(entry.token_id): {
+                "logprob": max(entry.logprob, MIN_LOGPROB),
+                "rank": entry.rank,
+                "decoded_token": (entry.decoded_token if entry.HasField("decoded_token") else None),
+            }
+            for entry in position.entries
+        }
+
+
+def _entry(position: worker_pb2.PositionLogprobs, token_id: int):
+    """The position's entry for `token_id`, or None."""
+    for entry in position.entries:
+        if entry.token_id == token_id:
+            return entry
+    return None
 
 
 def sse(payload: dict | str) -> str:

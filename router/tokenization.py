@@ -17,7 +17,12 @@ class PromptTokenizer:
 
     def chat(self, request: ChatCompletionRequest) -> list[int]:
         """Apply the model's chat template, as vLLM's chat endpoint does."""
-        return self.chat_ids(request.messages)
+        return self.chat_ids(
+            request.messages,
+            request.add_generation_prompt,
+            request.continue_final_message,
+            request.add_special_tokens,
+        )
 
     def chat_ids(
         self,
@@ -64,15 +69,20 @@ class PromptTokenizer:
                 param=param,
             )
 
-    def completion(self, request: CompletionRequest) -> list[int]:
-        prompt = request.prompt
-        if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = prompt
-            self._check_vocabulary(token_ids, "prompt")
-        if not token_ids:
-            raise invalid_request("the prompt is empty", param="prompt")
-        return token_ids
+    def completion_prompts(self, request: CompletionRequest) -> list[list[int]]:
+        """Each prompt of the request (one, or a batch) as token ids."""
+        prompts = []
+        for prompt in request.prompts():
+            if isinstance(prompt, str):
+                token_ids = self.text_ids(prompt, request.add_special_tokens)
+            else:
+                token_ids = prompt
+                self._check_vocabulary(token_ids, "prompt")
+            if not token_ids:
+                raise invalid_request("the prompt is empty", param="prompt")
+            prompts.append(token_ids)
+        return prompts
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as vLLM's server decodes a token it has no text for."""
+        return self.tokenizer.decode([token_id])

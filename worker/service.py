@@ -6,14 +6,18 @@ request inside the engine and frees its KV blocks.
 """
 
 import asyncio
-import json
+import contextlib
+import functools
 import logging
 import time
 
 import grpc
 
+from worker.chunks import to_chunk
 from worker.engine import EngineStats
+from worker.fan_out import fan_out
 from worker.protocol import worker_pb2, worker_pb2_grpc
+from worker.sampling import choice_count, to_vllm_sampling
 
 State = worker_pb2.HealthReply.State
 PROBE_SAMPLING = worker_pb2.SamplingParams(max_tokens=1, temperature=0, top_p=1)
@@ -42,44 +46,6 @@ def kv_extra_args(request: worker_pb2.GenerateRequest) -> dict | None:
             kv.kv_tokens or len(request.prompt_token_ids),
             peer_tp,
         )
-    )
-
-
-def to_vllm_sampling(params: worker_pb2.SamplingParams, extra_args: dict | None = None):
-    """vLLM's SamplingParams; a ValueError (the client's 400) when vLLM refuses a value or a
-    passed-through field is not vLLM's."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    fields = json.loads(params.vllm_fields_json or "{}")
-    unknown = sorted(set(fields) - set(SamplingParams.__struct_fields__))
-    if unknown:
-        raise ValueError(f"not vLLM sampling parameters: {', '.join(unknown)}")
-    return SamplingParams(
-        **fields,
-        min_tokens=params.min_tokens,
-        extra_args=extra_args,
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        seed=params.seed if params.HasField("seed") else None,
-        stop=list(params.stop) or None,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        ignore_eos=params.ignore_eos,
-        output_kind=RequestOutputKind.DELTA,
-    )
-
-
-def request_timing(metrics) -> worker_pb2.RequestTiming | None:
-    """vLLM's per-request timestamps (engine-core monotonic clock) as durations."""
-    if metrics is None or not metrics.first_token_ts:
-        return None
-    return worker_pb2.RequestTiming(
-        queued_seconds=max(0.0, metrics.scheduled_ts - metrics.queued_ts),
-        prefill_seconds=max(0.0, metrics.first_token_ts - metrics.scheduled_ts),
-        decode_seconds=max(0.0, metrics.last_token_ts - metrics.first_token_ts),
     )
 
 
@@ -112,7 +78,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.state_message = "engine starting"
         self.max_model_len = 0
         self.kv_blocks_total = 0
-        self.active: set[str] = set()
+        self.active: dict[str, list[str]] = {}  # request id -> its engine requests' ids
         self.awaiting_first_token: dict[str, int] = {}  # request id -> prompt tokens
         self.leave_pools = _nothing_to_leave  # set when the worker is in a registry
 
@@ -143,22 +109,34 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         await self._validate(request, context)
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
         request_id = request.request_id
-        self.active.add(request_id)
+        choices = choice_count(request.sampling)
+        engine_ids = [request_id]  # one engine request per choice
+        if choices > 1:
+            engine_ids = [f"{request_id}-c{i}" for i in range(choices)]
+        self.active[request_id] = engine_ids
         self.awaiting_first_token[request_id] = len(prompt["prompt_token_ids"])
         try:
-            sampling = to_vllm_sampling(request.sampling, kv_extra_args(request))
-            async for output in self.engine.generate(prompt, sampling, request_id):
-                self.awaiting_first_token.pop(request_id, None)
-                if output.outputs[0].finish_reason == "error":
-                    await context.abort(grpc.StatusCode.ABORTED, self._error_reason(request))
-                yield self._chunk(output, request)
+            samplings = [
+                to_vllm_sampling(request.sampling, kv_extra_args(request) if i == 0 else None, i)
+                for i in range(choices)
+            ]
+            streams = [
+                functools.partial(self.engine.generate, prompt, sampling, engine_id)
+                for sampling, engine_id in zip(samplings, engine_ids, strict=True)
+            ]
+            async with contextlib.aclosing(fan_out(streams)) as outputs:
+                async for choice, output in outputs:
+                    self.awaiting_first_token.pop(request_id, None)
+                    if output.outputs[0].finish_reason == "error":
+                        await context.abort(grpc.StatusCode.ABORTED, self._error_reason(request))
+                    yield self._chunk(output, choice, request)
         except (VLLMClientError, ValueError) as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except EngineDeadError as error:
             self.engine_failed(f"engine died: {error}")
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.state_message)
         finally:
-            self.active.discard(request_id)
+            self.active.pop(request_id, None)
             self.awaiting_first_token.pop(request_id, None)
 
     def _error_reason(self, request) -> str:
@@ -187,19 +165,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 f"({request.sampling.max_tokens}) exceeds the context length {self.max_model_len}",
             )
 
-    def _chunk(self, output, request) -> worker_pb2.GenerateChunk:
-        completion = output.outputs[0]
-        chunk = worker_pb2.GenerateChunk(
-            token_ids=completion.token_ids,
-            text=completion.text,
-            finish_reason=completion.finish_reason or "",
-            prompt_tokens=len(output.prompt_token_ids or ()),
-            cached_tokens=output.num_cached_tokens or 0,
-        )
-        if not output.finished:
+    def _chunk(self, output, choice: int, request) -> worker_pb2.GenerateChunk:
+        chunk = to_chunk(output, choice)
+        if not output.finished or choice != 0:  # the first choice took the KV transfer
             return chunk
-        if (timing := request_timing(output.metrics)) is not None:
-            chunk.timing.CopyFrom(timing)
         if request.HasField("kv") and not request.kv.send_to:
             transfer = self.engine_stats.take_kv_transfer(request.kv.transfer_id)
             if transfer is not None:
@@ -223,9 +192,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             pass
 
     async def Abort(self, request, context):
-        was_running = request.request_id in self.active
-        if was_running:
-            await self.engine.abort(request.request_id)
+        engine_ids = self.active.get(request.request_id)
+        if engine_ids:
+            await self.engine.abort(engine_ids)
+        was_running = engine_ids is not None
         return worker_pb2.AbortReply(was_running=was_running)
 
     async def Health(self, request, context):

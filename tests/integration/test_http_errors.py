@@ -34,12 +34,13 @@ BAD_REQUESTS = [
     ("chat/completions", {**CHAT, "max_tokens": 100_000}, 400, "context_length_exceeded"),
     ("chat/completions", {**CHAT, "model": "gpt-4"}, 404, "model_not_found"),
     ("chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "unsupported_parameter"),
-    ("chat/completions", {**CHAT, "n": 3}, 400, "unsupported_parameter"),
-    ("chat/completions", {**CHAT, "bogus": True}, 400, "unrecognized_argument"),
+    ("chat/completions", {**CHAT, "n": 3, "temperature": 0}, 400, "invalid_value"),
+    ("chat/completions", {**CHAT, "logprobs": 2}, 400, "invalid_value"),
     ("completions", {**COMPLETION, "prompt": ""}, 400, None),
     ("completions", {**COMPLETION, "prompt": [10**9]}, 400, None),
     ("completions", {**COMPLETION, "prompt": "word " * 9000}, 400, "context_length_exceeded"),
-    ("completions", {**COMPLETION, "logprobs": 2}, 400, "unsupported_parameter"),
+    ("completions", {**COMPLETION, "logprobs": -2}, 400, "invalid_value"),
+    ("completions", {**COMPLETION, "suffix": "!"}, 400, "unsupported_parameter"),
     ("completions", {**COMPLETION, "model": "nope"}, 404, "model_not_found"),
 ]
 
@@ -58,6 +59,14 @@ def test_bad_input_gets_an_openai_error(server, endpoint, body, status, code):
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["code"] == code or code is None
+
+
+def test_a_field_neither_openai_nor_vllm_knows_is_ignored_as_vllm_does(server):
+    response = httpx.post(
+        f"{server.base_url}/chat/completions", json={**CHAT, "bogus": 1}, timeout=60
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
 
 
 def test_a_body_beyond_the_limit_is_a_413_without_reading_it_whole(server):

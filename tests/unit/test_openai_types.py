@@ -39,7 +39,7 @@ def test_max_completion_tokens_is_an_alias():
 @pytest.mark.parametrize(
     "body, param, code",
     [
-        ({"messages": CHAT["messages"]}, "model", "missing_required_parameter"),
+        ({"model": "m"}, "messages", "missing_required_parameter"),
         ({**CHAT, "messages": []}, "messages", "invalid_value"),
         ({**CHAT, "messages": "hi"}, "messages", "invalid_value"),
         (
@@ -53,40 +53,117 @@ def test_max_completion_tokens_is_an_alias():
         ({**CHAT, "temperature": "hot"}, "temperature", "invalid_value"),
         ({**CHAT, "temperature": 3}, "temperature", "invalid_value"),
         ({**CHAT, "top_p": 0}, "top_p", "invalid_value"),
-        ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
+        ({**CHAT, "stop": ["a"] * 65}, "stop", "invalid_value"),
         ({**CHAT, "stop": "x" * 1025}, "stop", "invalid_value"),
         ({**CHAT, "stop": ["ok", "x" * 1025]}, "stop", "invalid_value"),
         ({**CHAT, "stream": "yes"}, "stream", "invalid_value"),
-        ({**CHAT, "frobnicate": 1}, "frobnicate", "unrecognized_argument"),
-        ({**CHAT, "tools": []}, "tools", "unsupported_parameter"),
-        ({**CHAT, "logprobs": True}, "logprobs", "unsupported_parameter"),
-        ({**CHAT, "n": 2}, "n", "unsupported_parameter"),
+        ({**CHAT, "tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
+        ({**CHAT, "tool_choice": "auto"}, "tool_choice", "unsupported_parameter"),
+        ({**CHAT, "logprobs": 1}, "logprobs", "invalid_value"),
+        ({**CHAT, "logprobs": True, "top_logprobs": -2}, "top_logprobs", "invalid_value"),
+        ({**CHAT, "n": 0}, "n", "invalid_value"),
+        ({**CHAT, "n": 129}, "n", "invalid_value"),
+        ({**CHAT, "response_format": {"type": "xml"}}, "response_format.type", "invalid_value"),
+        ({**CHAT, "structured_outputs": {"regexp": "a"}}, "structured_outputs.regexp", None),
+        ({**CHAT, "priority": 1}, "priority", "invalid_value"),
     ],
 )
 def test_bad_chat_bodies_name_the_field(body, param, code):
     error = refused(ChatCompletionRequest, body)
-    assert (error.param, error.code) == (param, code)
+    assert (error.param, error.code) == (param, code or "unrecognized_argument")
     assert param in error.message
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"top_logprobs": 2}, "`logprobs` must be set to true"),
+        ({"n": 3, "best_of": 2}, "best_of (2) must be at least n (3)"),
+        ({"best_of": 2, "stream": True}, "cannot be streamed"),
+        ({"prompt_logprobs": 1, "stream": True}, "not available when `stream=True`"),
+        ({"stream_options": {"include_usage": True}}, "only be defined when `stream=True`"),
+        ({"response_format": {"type": "json_schema"}}, "'json_schema' field must be provided"),
+        ({"structured_outputs": {"regex": "a+", "choice": ["a"]}}, "only one kind of constraint"),
+        ({"logprob_token_ids": [3]}, "`logprobs` must be set"),
+    ],
+)
+def test_rules_across_fields_are_vllms(extra, words):
+    error = refused(ChatCompletionRequest, {**CHAT, **extra})
+    assert words in error.message
+    assert error.code == "invalid_value"
+
+
+def test_a_field_neither_openai_nor_vllm_knows_is_ignored_with_a_warning(caplog):
+    parsed = parse_request(ChatCompletionRequest, {**CHAT, "frobnicate": 1, "tools": []})
+    assert parsed.ignored_fields() == ["frobnicate", "tools"]
+    assert "ignored: frobnicate, tools" in caplog.text
+
+
+def test_response_format_becomes_vllms_structured_outputs():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    body = {
+        **CHAT,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        "structured_outputs": {"regex": "x+", "disable_any_whitespace": True},
+        "logit_bias": {"42": 3.5},
+    }
+    fields = parse_request(ChatCompletionRequest, body).vllm_fields()
+    assert fields["structured_outputs"] == {"json": schema, "disable_any_whitespace": True}
+    assert fields["logit_bias"] == {"42": 3.5}
+    json_object = {**CHAT, "response_format": {"type": "json_object"}}
+    assert parse_request(ChatCompletionRequest, json_object).vllm_fields() == {
+        "structured_outputs": {"json_object": True}
+    }
+
+
+def test_echo_asks_prompt_logprobs_as_vllm_does():
+    chat = parse_request(
+        ChatCompletionRequest, {**CHAT, "echo": True, "logprobs": True, "top_logprobs": 3}
+    )
+    assert (chat.output_logprobs(), chat.prompt_logprobs_asked()) == (3, 3)
+    completion = parse_request(
+        CompletionRequest, {"model": "m", "prompt": "x", "echo": True, "logprobs": 2}
+    )
+    assert (completion.output_logprobs(), completion.prompt_logprobs_asked()) == (2, 2)
+    plain = parse_request(CompletionRequest, {"model": "m", "prompt": "x"})
+    assert (plain.output_logprobs(), plain.prompt_logprobs_asked()) == (None, None)
 
 
 def test_a_body_that_is_not_an_object_is_refused():
     assert "JSON object" in refused(ChatCompletionRequest, [1, 2]).message
 
 
-@pytest.mark.parametrize("prompt", ["text", [1, 2, 3], ["text"], [[1, 2]]])
-def test_completion_prompts_in_each_accepted_shape(prompt):
-    assert parse_request(CompletionRequest, {"model": "m", "prompt": prompt}).prompt == prompt
+@pytest.mark.parametrize(
+    "prompt, prompts",
+    [
+        ("text", ["text"]),
+        ([1, 2, 3], [[1, 2, 3]]),
+        (["text"], ["text"]),
+        ([[1, 2]], [[1, 2]]),
+        (["a", "b"], ["a", "b"]),
+        ([[1], [2]], [[1], [2]]),
+    ],
+)
+def test_completion_prompts_in_each_accepted_shape(prompt, prompts):
+    assert parse_request(CompletionRequest, {"model": "m", "prompt": prompt}).prompts() == prompts
 
 
-@pytest.mark.parametrize("prompt", [["a", "b"], [], 5, None, [[1], [2]]])
+@pytest.mark.parametrize("prompt", [[], 5, None, "", [-1], ["a"] * 65, [[]]])
 def test_completion_prompts_pdserve_refuses(prompt):
     assert refused(CompletionRequest, {"model": "m", "prompt": prompt}).param.startswith("prompt")
 
 
-def test_echo_and_suffix_are_named_as_unsupported():
-    assert refused(CompletionRequest, {"model": "m", "prompt": "x", "echo": True}).code == (
-        "unsupported_parameter"
+def test_suffix_is_named_as_unsupported():
+    error = refused(CompletionRequest, {"model": "m", "prompt": "x", "suffix": "y"})
+    assert (error.param, error.code) == ("suffix", "unsupported_parameter")
+
+
+def test_max_tokens_zero_only_with_echo():
+    assert (
+        "0 only with echo" in refused(CompletionRequest, {"prompt": "x", "max_tokens": 0}).message
     )
+    echo = parse_request(CompletionRequest, {"prompt": "x", "max_tokens": 0, "echo": True})
+    assert echo.max_tokens == 0
 
 
 def test_null_means_not_set_for_every_field():

@@ -13,8 +13,8 @@ from router.disaggregation import DISAGGREGATED, LOCAL, ROUTE_HEADER
 from router.errors import OpenAIError, invalid_request, worker_unavailable
 from router.metrics import RouterMetrics
 from router.policies import RoundRobin
-from router.request_flow import MAX_ATTEMPTS, RequestFlow, RequestRun
-from router.responses import CompletionFormat
+from router.request_flow import MAX_ATTEMPTS, Admitted, RequestFlow, RequestRun
+from router.responses import CompletionShape, OutputOptions, Prompt
 from router.worker_pool import WorkerPool
 from settings.router import RouterSettings
 from worker.protocol import worker_pb2
@@ -171,12 +171,7 @@ def test_collect_returns_the_whole_text_finish_reason_and_usage_and_counts_the_r
     flow = flow_over(answering("decode-a"))
     run, request = new_request()
 
-    async def go():
-        first, chunks, _ = await flow.start(run, request)
-        response_format = CompletionFormat(run.request_id, flow.settings.served_model)
-        return await flow.collect(run, first, chunks, response_format, "completions")
-
-    body = asyncio.run(go())
+    body = collect(flow, run, request)
     [choice] = body["choices"]
     assert choice["text"] == "Hello world"
     assert choice["finish_reason"] == "length"
@@ -203,23 +198,29 @@ def test_a_worker_ending_a_request_with_abort_is_a_502_from_collect():
     flow = flow_over(aborting)
     run, request = new_request()
 
-    async def go():
-        first, chunks, _ = await flow.start(run, request)
-        response_format = CompletionFormat(run.request_id, "m")
-        return await flow.collect(run, first, chunks, response_format, "completions")
-
     with pytest.raises(OpenAIError) as caught:
-        asyncio.run(go())
+        collect(flow, run, request)
     assert (caught.value.status, caught.value.kind) == (502, "worker_error")
     labels = {"endpoint": "completions", "status": "200"}
     assert flow.metrics.registry.get_sample_value("pdserve_requests_total", labels) is None
 
 
 def collect(flow: RequestFlow, run: RequestRun, request) -> dict:
+    """Start the one-prompt request and collect its whole response."""
+    admitted = Admitted(
+        run.request_id,
+        [run],
+        [request],
+        [Prompt(list(request.prompt_token_ids))],
+        OutputOptions(),
+        stream=False,
+        include_usage=False,
+    )
+
     async def go():
-        first, chunks, _ = await flow.start(run, request)
-        response_format = CompletionFormat(run.request_id, "m")
-        return await flow.collect(run, first, chunks, response_format, "completions")
+        started = await flow.start_all(admitted)
+        shape = CompletionShape(run.request_id, "m")
+        return await flow.collect(admitted, started, shape, "completions")
 
     return asyncio.run(go())
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cworker.proto\x12\x11pdserve.worker.v1\"\xf8\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x18\n\x10vllm_fields_json\x18\x0b \x01(\tB\x07\n\x05_seed\"\x96\x01\n\nKvTransfer\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07send_to\x18\x02 \x01(\t\x12\x19\n\x11receive_timeout_s\x18\x03 \x01(\x01\x12\x11\n\tkv_tokens\x18\x04 \x01(\r\x12!\n\x19peer_tensor_parallel_size\x18\x05 \x01(\r\x12\x11\n\ttransport\x18\x06 \x01(\t\"\x9f\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.pdserve.worker.v1.SamplingParams\x12)\n\x02kv\x18\x04 \x01(\x0b\x32\x1d.pdserve.worker.v1.KvTransfer\"X\n\rRequestTiming\x12\x16\n\x0equeued_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x03 \x01(\x01\"\xdd\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x30\n\x06timing\x18\x07 \x01(\x0b\x32 .pdserve.worker.v1.RequestTiming\x12.\n\x02kv\x18\x08 \x01(\x0b\x32\".pdserve.worker.v1.KvTransferStatsJ\x04\x08\x04\x10\x05\"e\n\x0fKvTransferStats\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x0e\n\x06\x66\x61iled\x18\x03 \x01(\x08\x12\x0f\n\x07\x66\x61ilure\x18\x04 \x01(\t\x12\x11\n\ttransport\x18\x05 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"!\n\nAbortReply\x12\x13\n\x0bwas_running\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\x96\x03\n\x0bHealthReply\x12\x33\n\x05state\x18\x01 \x01(\x0e\x32$.pdserve.worker.v1.HealthReply.State\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x12\n\nkv_address\x18\x07 \x01(\t\x12\x19\n\x11kv_failure_policy\x18\n \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0b \x01(\r\x12\x14\n\x0ckv_transport\x18\x0c \x01(\t\x12\x0f\n\x07host_id\x18\r \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0e \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x0f \x01(\r\x12\x18\n\x10kv_compatibility\x18\x10 \x01(\t\":\n\x05State\x12\x0c\n\x08STARTING\x10\x00\x12\t\n\x05READY\x10\x01\x12\x0c\n\x08\x44RAINING\x10\x02\x12\n\n\x06\x46\x41ILED\x10\x03J\x04\x08\x08\x10\tJ\x04\x08\t\x10\n\"\x1d\n\x0cStatsRequest\x12\r\n\x05\x66resh\x18\x01 \x01(\x08\"\xae\x01\n\nStatsReply\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x18\n\x10running_requests\x18\x02 \x01(\r\x12\x18\n\x10waiting_requests\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\"\n\x1aoutstanding_prefill_tokens\x18\x06 \x01(\x04J\x04\x08\x07\x10\x08\">\n\x0c\x44rainRequest\x12\x15\n\rgrace_seconds\x18\x01 \x01(\x01\x12\x17\n\x0ftimeout_seconds\x18\x02 \x01(\x01\"E\n\nDrainReply\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\x12\x15\n\rrequests_left\x18\x02 \x01(\r\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x32\x83\x03\n\x06Worker\x12R\n\x08Generate\x12\".pdserve.worker.v1.GenerateRequest\x1a .pdserve.worker.v1.GenerateChunk0\x01\x12G\n\x05\x41\x62ort\x12\x1f.pdserve.worker.v1.AbortRequest\x1a\x1d.pdserve.worker.v1.AbortReply\x12J\n\x06Health\x12 .pdserve.worker.v1.HealthRequest\x1a\x1e.pdserve.worker.v1.HealthReply\x12G\n\x05Stats\x12\x1f.pdserve.worker.v1.StatsRequest\x1a\x1d.pdserve.worker.v1.StatsReply\x12G\n\x05\x44rain\x12\x1f.pdserve.worker.v1.DrainRequest\x1a\x1d.pdserve.worker.v1.DrainReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cworker.proto\x12\x11pdserve.worker.v1\"\xd9\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x18\n\x10vllm_fields_json\x18\x0b \x01(\t\x12\t\n\x01n\x18\x0c \x01(\r\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\x02\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x96\x01\n\nKvTransfer\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07send_to\x18\x02 \x01(\t\x12\x19\n\x11receive_timeout_s\x18\x03 \x01(\x01\x12\x11\n\tkv_tokens\x18\x04 \x01(\r\x12!\n\x19peer_tensor_parallel_size\x18\x05 \x01(\r\x12\x11\n\ttransport\x18\x06 \x01(\t\"\x9f\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.pdserve.worker.v1.SamplingParams\x12)\n\x02kv\x18\x04 \x01(\x0b\x32\x1d.pdserve.worker.v1.KvTransfer\"X\n\rRequestTiming\x12\x16\n\x0equeued_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x03 \x01(\x01\"\xd8\x03\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x30\n\x06timing\x18\x07 \x01(\x0b\x32 .pdserve.worker.v1.RequestTiming\x12.\n\x02kv\x18\x08 \x01(\x0b\x32\".pdserve.worker.v1.KvTransferStats\x12\r\n\x05index\x18\t \x01(\r\x12\x35\n\x08logprobs\x18\n \x03(\x0b\x32#.pdserve.worker.v1.PositionLogprobs\x12<\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32#.pdserve.worker.v1.PositionLogprobs\x12\x15\n\x0bstop_string\x18\x0c \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\r \x01(\rH\x00\x12\x1f\n\x12\x63umulative_logprob\x18\x0e \x01(\x01H\x01\x88\x01\x01\x42\r\n\x0bstop_reasonB\x15\n\x13_cumulative_logprobJ\x04\x08\x04\x10\x05\"D\n\x10PositionLogprobs\x12\x30\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1f.pdserve.worker.v1.TokenLogprob\"m\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x1a\n\rdecoded_token\x18\x04 \x01(\tH\x00\x88\x01\x01\x42\x10\n\x0e_decoded_token\"e\n\x0fKvTransferStats\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x0e\n\x06\x66\x61iled\x18\x03 \x01(\x08\x12\x0f\n\x07\x66\x61ilure\x18\x04 \x01(\t\x12\x11\n\ttransport\x18\x05 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"!\n\nAbortReply\x12\x13\n\x0bwas_running\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\x96\x03\n\x0bHealthReply\x12\x33\n\x05state\x18\x01 \x01(\x0e\x32$.pdserve.worker.v1.HealthReply.State\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x12\n\nkv_address\x18\x07 \x01(\t\x12\x19\n\x11kv_failure_policy\x18\n \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0b \x01(\r\x12\x14\n\x0ckv_transport\x18\x0c \x01(\t\x12\x0f\n\x07host_id\x18\r \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0e \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x0f \x01(\r\x12\x18\n\x10kv_compatibility\x18\x10 \x01(\t\":\n\x05State\x12\x0c\n\x08STARTING\x10\x00\x12\t\n\x05READY\x10\x01\x12\x0c\n\x08\x44RAINING\x10\x02\x12\n\n\x06\x46\x41ILED\x10\x03J\x04\x08\x08\x10\tJ\x04\x08\t\x10\n\"\x1d\n\x0cStatsRequest\x12\r\n\x05\x66resh\x18\x01 \x01(\x08\"\xae\x01\n\nStatsReply\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x18\n\x10running_requests\x18\x02 \x01(\r\x12\x18\n\x10waiting_requests\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\"\n\x1aoutstanding_prefill_tokens\x18\x06 \x01(\x04J\x04\x08\x07\x10\x08\">\n\x0c\x44rainRequest\x12\x15\n\rgrace_seconds\x18\x01 \x01(\x01\x12\x17\n\x0ftimeout_seconds\x18\x02 \x01(\x01\"E\n\nDrainReply\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\x12\x15\n\rrequests_left\x18\x02 \x01(\r\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x32\x83\x03\n\x06Worker\x12R\n\x08Generate\x12\".pdserve.worker.v1.GenerateRequest\x1a .pdserve.worker.v1.GenerateChunk0\x01\x12G\n\x05\x41\x62ort\x12\x1f.pdserve.worker.v1.AbortRequest\x1a\x1d.pdserve.worker.v1.AbortReply\x12J\n\x06Health\x12 .pdserve.worker.v1.HealthRequest\x1a\x1e.pdserve.worker.v1.HealthReply\x12G\n\x05Stats\x12\x1f.pdserve.worker.v1.StatsRequest\x1a\x1d.pdserve.worker.v1.StatsReply\x12G\n\x05\x44rain\x12\x1f.pdserve.worker.v1.DrainRequest\x1a\x1d.pdserve.worker.v1.DrainReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,35 +32,39 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=36
-  _globals['_SAMPLINGPARAMS']._serialized_end=284
-  _globals['_KVTRANSFER']._serialized_start=287
-  _globals['_KVTRANSFER']._serialized_end=437
-  _globals['_GENERATEREQUEST']._serialized_start=440
-  _globals['_GENERATEREQUEST']._serialized_end=599
-  _globals['_REQUESTTIMING']._serialized_start=601
-  _globals['_REQUESTTIMING']._serialized_end=689
-  _globals['_GENERATECHUNK']._serialized_start=692
-  _globals['_GENERATECHUNK']._serialized_end=913
-  _globals['_KVTRANSFERSTATS']._serialized_start=915
-  _globals['_KVTRANSFERSTATS']._serialized_end=1016
-  _globals['_ABORTREQUEST']._serialized_start=1018
-  _globals['_ABORTREQUEST']._serialized_end=1052
-  _globals['_ABORTREPLY']._serialized_start=1054
-  _globals['_ABORTREPLY']._serialized_end=1087
-  _globals['_HEALTHREQUEST']._serialized_start=1089
-  _globals['_HEALTHREQUEST']._serialized_end=1104
-  _globals['_HEALTHREPLY']._serialized_start=1107
-  _globals['_HEALTHREPLY']._serialized_end=1513
-  _globals['_HEALTHREPLY_STATE']._serialized_start=1443
-  _globals['_HEALTHREPLY_STATE']._serialized_end=1501
-  _globals['_STATSREQUEST']._serialized_start=1515
-  _globals['_STATSREQUEST']._serialized_end=1544
-  _globals['_STATSREPLY']._serialized_start=1547
-  _globals['_STATSREPLY']._serialized_end=1721
-  _globals['_DRAINREQUEST']._serialized_start=1723
-  _globals['_DRAINREQUEST']._serialized_end=1785
-  _globals['_DRAINREPLY']._serialized_start=1787
-  _globals['_DRAINREPLY']._serialized_end=1856
-  _globals['_WORKER']._serialized_start=1859
-  _globals['_WORKER']._serialized_end=2246
+  _globals['_SAMPLINGPARAMS']._serialized_end=381
+  _globals['_KVTRANSFER']._serialized_start=384
+  _globals['_KVTRANSFER']._serialized_end=534
+  _globals['_GENERATEREQUEST']._serialized_start=537
+  _globals['_GENERATEREQUEST']._serialized_end=696
+  _globals['_REQUESTTIMING']._serialized_start=698
+  _globals['_REQUESTTIMING']._serialized_end=786
+  _globals['_GENERATECHUNK']._serialized_start=789
+  _globals['_GENERATECHUNK']._serialized_end=1261
+  _globals['_POSITIONLOGPROBS']._serialized_start=1263
+  _globals['_POSITIONLOGPROBS']._serialized_end=1331
+  _globals['_TOKENLOGPROB']._serialized_start=1333
+  _globals['_TOKENLOGPROB']._serialized_end=1442
+  _globals['_KVTRANSFERSTATS']._serialized_start=1444
+  _globals['_KVTRANSFERSTATS']._serialized_end=1545
+  _globals['_ABORTREQUEST']._serialized_start=1547
+  _globals['_ABORTREQUEST']._serialized_end=1581
+  _globals['_ABORTREPLY']._serialized_start=1583
+  _globals['_ABORTREPLY']._serialized_end=1616
+  _globals['_HEALTHREQUEST']._serialized_start=1618
+  _globals['_HEALTHREQUEST']._serialized_end=1633
+  _globals['_HEALTHREPLY']._serialized_start=1636
+  _globals['_HEALTHREPLY']._serialized_end=2042
+  _globals['_HEALTHREPLY_STATE']._serialized_start=1972
+  _globals['_HEALTHREPLY_STATE']._serialized_end=2030
+  _globals['_STATSREQUEST']._serialized_start=2044
+  _globals['_STATSREQUEST']._serialized_end=2073
+  _globals['_STATSREPLY']._serialized_start=2076
+  _globals['_STATSREPLY']._serialized_end=2250
+  _globals['_DRAINREQUEST']._serialized_start=2252
+  _globals['_DRAINREQUEST']._serialized_end=2314
+  _globals['_DRAINREPLY']._serialized_start=2316
+  _globals['_DRAINREPLY']._serialized_end=2385
+  _globals['_WORKER']._serialized_start=2388
+  _globals['_WORKER']._serialized_end=2775
 # @@protoc_insertion_point(module_scope)
