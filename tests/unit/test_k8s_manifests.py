@@ -1,0 +1,200 @@
+"""The Kubernetes tree, offline (no cluster here): the committed overlays are what `pdserve k8s
+render` makes of deploy/clusters; `kubectl kustomize` builds each; every object validates (core
+kinds with kubernetes-validate, strictly; KubeRay's RayCluster against its CRD schema); and the
+pods ask for what the cluster file says (GPUs per worker = its tensor parallelism, replicas,
+probes, drain)."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from cluster.cli import main
+from cluster.k8s_render import (
+    GRPC_PORT,
+    KV_PORT,
+    METRICS_PORT,
+    MODES,
+    OVERLAYS,
+    REDIS_URL,
+    render,
+)
+from settings.cluster_file import load_cluster_file, parse_cluster
+
+DEPLOY = OVERLAYS.parents[1]
+CRD = Path(__file__).resolve().parents[3] / "shared/schemas/ray.io_rayclusters.yaml"
+# Cluster files with an embedded registry run on one host (`pdserve up` starts Redis there).
+CLUSTER_FILES = sorted(
+    path for path in (DEPLOY / "clusters").glob("*.yaml") if load_cluster_file(path).registry.url
+)
+OVERLAY_DIRS = [(path, mode) for path in CLUSTER_FILES for mode in MODES]
+PROMETHEUS_OPERATOR = "monitoring.coreos.com/v1"  # no schema offline: checked by shape below
+
+
+def build(folder: Path) -> list[dict]:
+    done = subprocess.run(
+        ["kubectl", "kustomize", str(folder)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
+    return {obj["metadata"]["name"]: obj for obj in objects if obj["kind"] == kind}
+
+
+@pytest.fixture(scope="module")
+def raycluster_schema() -> jsonschema.Draft7Validator:
+    if not CRD.is_file():
+        pytest.skip(f"KubeRay's CRD schema is not at {CRD}")
+    crd = yaml.load(CRD.read_text(), Loader=yaml.CSafeLoader)
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    schema = version["schema"]["openAPIV3Schema"]
+    jsonschema.Draft7Validator.check_schema(schema)  # once: it is the slow part
+    return jsonschema.Draft7Validator(schema)
+
+
+def test_the_kubernetes_cluster_files_are_the_four_layouts():
+    assert [path.stem for path in CLUSTER_FILES] == [
+        "cpu-smoke",
+        "gpu-8b",
+        "llama-3.1-70b-fp8-4p1d",
+        "llama-3.1-70b-tp4-1p1d",
+    ]
+
+
+def test_committed_overlays_are_the_rendered_cluster_files():
+    """Edit a cluster file, forget to render: this fails. No overlay without its file either."""
+    for path, mode in OVERLAY_DIRS:
+        out = OVERLAYS / path.stem / mode
+        for name, text in render(load_cluster_file(path), mode, out).items():
+            assert (out / name).read_text() == text, (
+                f"{out / name} is stale: pdserve k8s render -f {path} --mode {mode}"
+            )
+    committed = {(folder.parent.name, folder.name) for folder in OVERLAYS.glob("*/*")}
+    assert committed == {(path.stem, mode) for path, mode in OVERLAY_DIRS}
+
+
+def test_render_command_writes_what_the_tree_holds(tmp_path):
+    path = DEPLOY / "clusters/cpu-smoke.yaml"
+    assert (
+        main(["k8s", "render", "-f", str(path), "--mode", "kuberay", "--out", str(tmp_path)]) == 0
+    )
+    expected = render(load_cluster_file(path), "kuberay", tmp_path)
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == expected
+    assert build(tmp_path) == build(OVERLAYS / "cpu-smoke/kuberay")
+
+
+@pytest.mark.parametrize(("path", "mode"), OVERLAY_DIRS, ids=lambda v: getattr(v, "stem", v))
+def test_overlay_builds_and_every_object_validates(path, mode, raycluster_schema):
+    objects = build(OVERLAYS / path.stem / mode)
+    for obj in objects:
+        assert obj["metadata"].get("namespace", "pdserve") == "pdserve", obj
+        if obj["kind"] == "RayCluster":
+            raycluster_schema.validate(obj)
+            assert not unknown_fields(obj, raycluster_schema.schema)
+        else:
+            kubernetes_validate.validate(obj, kubernetes_validate.latest_version(), strict=True)
+    config = load_cluster_file(path)
+    if mode == "deployments":
+        check_deployments(config, objects)
+    else:
+        check_kuberay(config, objects)
+
+
+def check_deployments(config, objects: list[dict]) -> None:
+    deployments = by_kind(objects, "Deployment")
+    assert set(by_kind(objects, "PodDisruptionBudget")) == set(deployments)
+    assert set(by_kind(objects, "StatefulSet")) == {"redis"}
+    grace = config.router.request_timeout_s + 30
+    for role in ("prefill", "decode"):
+        pool = config.pool(role)
+        pod = deployments[f"pdserve-{role}"]["spec"]["template"]["spec"]
+        (worker,) = pod["containers"]
+        assert deployments[f"pdserve-{role}"]["spec"]["replicas"] == pool.replicas
+        gpus = worker["resources"]["limits"].get("nvidia.com/gpu", 0)
+        assert gpus == (pool.tensor_parallel_size if pool.uses_gpus else 0)
+        assert worker["resources"]["requests"].get("nvidia.com/gpu", 0) == gpus
+        settings = json.loads(worker["args"][worker["args"].index("--settings-json") + 1])
+        assert settings["registry"] == REDIS_URL
+        assert settings["engine"].get("tensor_parallel_size", 1) == pool.tensor_parallel_size
+        assert worker["readinessProbe"]["grpc"] == {"port": GRPC_PORT, "service": ""}
+        assert worker["livenessProbe"]["grpc"] == {"port": GRPC_PORT, "service": "liveness"}
+        assert worker["lifecycle"]["preStop"]["exec"]["command"][:3] == [
+            "python",
+            "-m",
+            "worker.drain",
+        ]
+        assert pod["terminationGracePeriodSeconds"] == grace
+        ports = {port["containerPort"] for port in worker["ports"]}
+        kv = {KV_PORT + rank for rank in range(pool.tensor_parallel_size)}
+        assert ports == {GRPC_PORT, METRICS_PORT} | (kv if role == "decode" else set())
+        shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+        assert shm["emptyDir"]["medium"] == "Memory"
+    (router,) = deployments["pdserve-router"]["spec"]["template"]["spec"]["containers"]
+    assert router["readinessProbe"]["httpGet"]["path"] == "/health"
+    keys = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in router["env"] if "valueFrom" in e}
+    assert keys["PDSERVE_CLUSTER_SECRET"]["name"] == "pdserve-cluster-secret"
+    assert keys["PDSERVE_API_KEYS"] == {"name": "pdserve-api-keys", "key": "keys", "optional": True}
+
+
+def check_kuberay(config, objects: list[dict]) -> None:
+    (cluster,) = by_kind(objects, "RayCluster").values()
+    groups = {group["groupName"]: group for group in cluster["spec"]["workerGroupSpecs"]}
+    assert set(groups) == {role for role in ("prefill", "decode") if config.pool(role).replicas}
+    for role, group in groups.items():
+        pool = config.pool(role)
+        assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == pool.replicas
+        (container,) = group["template"]["spec"]["containers"]
+        if pool.uses_gpus:
+            assert group["rayStartParams"] == {"num-gpus": str(pool.tensor_parallel_size)}
+            assert container["resources"]["limits"]["nvidia.com/gpu"] == pool.tensor_parallel_size
+        else:
+            assert group["rayStartParams"] == {"num-cpus": str(pool.tensor_parallel_size)}
+    file = yaml.safe_load(
+        by_kind(objects, "ConfigMap")["pdserve-cluster-file"]["data"]["cluster.yaml"]
+    )
+    assert parse_cluster(file).registry.url == REDIS_URL
+    (job,) = by_kind(objects, "Job").values()
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[-6:] == ["pdserve", "up", "-f", "/etc/pdserve/cluster.yaml", "--address", "auto"]
+
+
+def unknown_fields(obj, schema: dict, path: str = "") -> list[str]:
+    """Fields the CRD does not define (jsonschema lets them through: the CRD has no
+    additionalProperties: false, but the API server prunes them silently)."""
+    if isinstance(obj, list):
+        return [
+            bad
+            for i, item in enumerate(obj)
+            for bad in unknown_fields(item, schema.get("items", {}), f"{path}[{i}]")
+        ]
+    if not isinstance(obj, dict) or "properties" not in schema:
+        return []
+    found = []
+    for key, value in obj.items():
+        if key in schema["properties"]:
+            found += unknown_fields(value, schema["properties"][key], f"{path}.{key}")
+        elif not schema.get("x-kubernetes-preserve-unknown-fields"):
+            found.append(f"{path}.{key}")
+    return found
+
+
+def test_monitoring_builds_with_a_monitor_per_component_and_the_dashboard():
+    objects = build(DEPLOY / "k8s/monitoring")
+    assert {(o["apiVersion"], o["kind"]) for o in objects if o["kind"] != "ConfigMap"} == {
+        (PROMETHEUS_OPERATOR, "ServiceMonitor"),
+        (PROMETHEUS_OPERATOR, "PodMonitor"),
+    }
+    (service_monitor,) = by_kind(objects, "ServiceMonitor").values()
+    assert service_monitor["spec"]["endpoints"][0]["port"] == "http"
+    (pod_monitor,) = by_kind(objects, "PodMonitor").values()
+    assert pod_monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    dashboard = by_kind(objects, "ConfigMap")["pdserve-dashboard"]
+    kubernetes_validate.validate(dashboard, kubernetes_validate.latest_version(), strict=True)
+    panels = json.loads(dashboard["data"]["pdserve-dashboard.json"])["panels"]
+    assert all(panel["targets"] and all(t["expr"] for t in panel["targets"]) for panel in panels)
