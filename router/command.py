@@ -3,7 +3,6 @@ starts), and the start-up that `pdserve serve` shares with it."""
 
 import argparse
 import asyncio
-import logging
 import sys
 import time
 
@@ -12,6 +11,7 @@ from router.api_keys import load_api_keys
 from settings.base import ConfigError
 from settings.cluster_secret import load_cluster_secret
 from settings.command_line import add_arguments, add_settings_json, from_arguments
+from settings.json_logs import configure_logging
 from settings.router import RouterSettings
 from settings.tls import load_tls_dir
 
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ModelError) as error:
         print(f"pdserve router: {error}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    configure_logging()
     try:
         asyncio.run(run_router(settings, model))
     except KeyboardInterrupt:

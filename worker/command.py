@@ -24,6 +24,7 @@ from settings import tls
 from settings.base import ConfigError
 from settings.cluster_secret import cluster_secret, load_cluster_secret
 from settings.command_line import add_arguments, add_settings_json, from_arguments
+from settings.json_logs import configure_logging
 from settings.worker import WorkerSettings
 from worker import engine as engine_factory
 from worker import group_reaper
@@ -48,7 +49,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    configure_logging()
     try:
         settings = from_arguments(WorkerSettings, args)
         load_cluster_secret(settings.cluster_secret_file)
