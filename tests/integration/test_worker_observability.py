@@ -134,13 +134,14 @@ def test_ready_workers_serve_health_and_metrics_and_the_dashboard_names_them(ser
         timeout=120,
     )
     assert response.status_code == 200, response.text
+    prompt_tokens = response.json()["usage"]["prompt_tokens"]
     scrapes = {
         role: scrape(metrics_url(server, role, address)) for role, address in workers.items()
     }
     for role, samples in scrapes.items():
         assert samples[f'pdserve_worker_state{{role="{role}",state="ready"}}'] == 1.0
         assert total(samples, "vllm:request_success_total") >= 1, role
-        assert total(samples, "vllm:prompt_tokens_total") >= 300, role
+        assert total(samples, "vllm:prompt_tokens_total") >= prompt_tokens, role
         for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                      "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
                      "vllm:iteration_tokens_total_bucket"):  # fmt: skip
