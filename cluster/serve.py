@@ -6,7 +6,6 @@ router in this process. Ctrl-C or SIGTERM stops the router and every child it st
 
 import argparse
 import asyncio
-import logging
 import os
 import signal
 import socket
@@ -24,6 +23,7 @@ from settings.base import ConfigError
 from settings.cluster_secret import ensure_cluster_secret, load_cluster_secret
 from settings.command_line import add_arguments, from_arguments
 from settings.engine import EngineSettings
+from settings.json_logs import configure_logging
 from settings.router import RouterSettings
 from settings.tls import load_tls_dir
 from settings.worker import WorkerSettings
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ModelError, OSError) as error:
         print(f"pdserve serve: {error}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    configure_logging()
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     say(f"worker logs: {log_dir}")

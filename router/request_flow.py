@@ -45,6 +45,7 @@ from router.openai_types import (
 from router.responses import SSE_DONE, Choice, OutputOptions, Prompt, ResponseShape, Usage, sse
 from router.worker_client import WorkerClient
 from router.worker_pool import WorkerPool
+from settings import json_logs
 from settings.router import WITH_PREFILL, RouterSettings
 from worker.protocol import worker_pb2
 
@@ -147,9 +148,12 @@ class RequestFlow:
         if not self.pool.max_model_len:
             raise worker_unavailable("no worker has joined the pools yet; retry later")
         request_id = f"{id_prefix}-{parsed.request_id or uuid.uuid4().hex}"
+        # The workers' ids stay unique when clients reuse their request_id.
+        json_logs.request_id.set(request_id)  # on every line logged for this request
+        unique = request_id if parsed.request_id is None else f"{request_id}-{uuid.uuid4().hex[:8]}"
         runs, worker_requests = [], []
         for number, prompt_ids in enumerate(prompts):
-            run_id = request_id if len(prompts) == 1 else f"{request_id}-{number}"
+            run_id = unique if len(prompts) == 1 else f"{unique}-{number}"
             run = RequestRun(run_id, len(prompt_ids), arrival, timeout_s)
             run.choices = parsed.choice_count()
             worker_requests.append(
@@ -620,6 +624,8 @@ def output_options(parsed: SamplingFields) -> OutputOptions:
         echo_only=echo_only,
         as_token_ids=parsed.return_tokens_as_token_ids,
         return_token_ids=parsed.return_token_ids,
+        continuous_usage=parsed.stream_options is not None
+        and parsed.stream_options.continuous_usage_stats,
         n=parsed.n,
     )
 

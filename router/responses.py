@@ -44,6 +44,7 @@ class OutputOptions:
     echo_only: bool = False  # completions with max_tokens 0: the prompt alone
     as_token_ids: bool = False  # tokens as "token_id:N" (return_tokens_as_token_ids)
     return_token_ids: bool = False
+    continuous_usage: bool = False  # usage so far on every streamed chunk
     n: int = 1  # choices returned per prompt
 
 
@@ -103,6 +104,7 @@ class ResponseShape:
         self.created = int(time.time())
         self._started: set[int] = set()  # choices whose first chunk went out
         self._text_offsets: dict[int, int] = {}
+        self._tokens: dict[int, int] = {}  # tokens streamed per choice
 
     # whole responses ----------------------------------------------------------------------
 
@@ -124,8 +126,12 @@ class ResponseShape:
         """The SSE events for one worker chunk of choice `index` (in the response's numbering)."""
         first = index not in self._started
         self._started.add(index)
+        self._tokens[index] = self._tokens.get(index, 0) + len(chunk.token_ids)
+        extra = {}
+        if self.options.continuous_usage:  # as vLLM: the prompt and this choice's tokens
+            extra["usage"] = Usage(len(prompt.token_ids), self._tokens[index], 0).body()
         return [
-            sse(self._envelope(self.object_chunk, [choice]))
+            sse(self._envelope(self.object_chunk, [choice], **extra))
             for choice in self.stream_choices(prompt, index, chunk, finish, first)
         ]
 

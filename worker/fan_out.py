@@ -7,6 +7,7 @@ choice carries the KV transfer, so exactly one engine request waits for it.
 """
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 
 _DONE = object()
@@ -18,6 +19,11 @@ async def fan_out(
     """Yield (choice, item) from every stream until all end; streams[0] starts first, the rest
     at its first item. An error in any stream ends all (their tasks are cancelled, which
     aborts their engine requests) and is raised here; so does closing this generator."""
+    if len(streams) == 1:  # no task, no queue in the way of every token
+        async with contextlib.aclosing(streams[0]()) as only:
+            async for item in only:
+                yield 0, item
+        return
     queue: asyncio.Queue = asyncio.Queue()
     tasks: list[asyncio.Task] = []
 

@@ -13,6 +13,7 @@ import time
 
 import grpc
 
+from settings import json_logs
 from worker.chunks import to_chunk
 from worker.engine import EngineStats
 from worker.fan_out import fan_out
@@ -101,6 +102,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        json_logs.request_id.set(request.request_id)  # on every line logged for it
         if self.state not in (State.READY, State.DRAINING):
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,

@@ -193,13 +193,13 @@ def body_of(tokenizer, case: str, stream: bool) -> tuple[str, dict]:
     return endpoint, body
 
 
-def params():
-    for name, _, _, streamable in CASES:
-        for stream in (False, True) if streamable else (False,):
-            for route in ROUTES:
-                yield pytest.param(
-                    name, stream, route, id=f"{name}-{'stream' if stream else 'whole'}-{route}"
-                )
+def params() -> list:
+    return [
+        pytest.param(name, stream, route, id=f"{name}-{'stream' if stream else 'whole'}-{route}")
+        for name, _, _, streamable in CASES
+        for stream in ((False, True) if streamable else (False,))
+        for route in ROUTES
+    ]
 
 
 @pytest.mark.parametrize("case, stream, route", params())
