@@ -12,7 +12,8 @@ from planner.search import Candidate
 def cluster_document(candidate: Candidate, model: str, dtype: str, gpu_type: str) -> dict:
     """`model` is a planner preset or a config.json path: a preset stays as `model.preset` (the
     head layout `up` checks) and as a placeholder `model.path` to replace with the weights'
-    location; a config.json's folder is the path. `dtype` "auto" means the model's own."""
+    location; a config.json's folder is the path. `dtype` "auto" means the model's own.
+    Colocated is a decode pool with no prefill replica: its workers prefill their own prompts."""
     is_preset = model in MODEL_PRESETS
     folder = model if is_preset or Path(model).is_dir() else str(Path(model).parent)
     return {

@@ -1,9 +1,10 @@
 """`pdserve plan`: capacity figures for one model replica on one GPU type, or with `--gpus N` the
-prefill:decode split of N GPUs (replicas and TP per pool) with the highest simulated goodput
-per GPU.
+configuration of N GPUs (a prefill:decode split with replicas and TP per pool, or colocated
+replicas) with the highest simulated goodput per GPU.
 
-The search simulates every split with the roofline cost model (planner.search); its workload
-options take bench's forms, so a plan and a later `pdserve bench` describe the same load.
+The search simulates every configuration with the roofline cost model, or with step costs
+measured on a real cluster (`--calibration`; planner.search); its workload options take
+bench's forms, so a plan and a later `pdserve bench` describe the same load.
 """
 
 import argparse
@@ -13,11 +14,23 @@ from dataclasses import asdict
 
 from bench.metrics import Slo
 from bench.workload import DEFAULT_INPUT_LEN, Length
-from planner.capacity import DEFAULT_RESERVE_FRACTION, CapacityPlan, plan_capacity
+from planner.calibration import Calibration
+from planner.capacity import (
+    DEFAULT_RESERVE_FRACTION,
+    CapacityPlan,
+    kv_bytes_per_token,
+    plan_capacity,
+)
 from planner.cluster_file import cluster_document, write_cluster_file
 from planner.gpu_spec import GB, GPU_PRESETS, GpuSpec, gpu_preset
 from planner.model_spec import DTYPE_BYTES, MODEL_PRESETS, load_model_spec
-from planner.search import Evaluation, RooflineHardware, Scenario, search
+from planner.search import (
+    CalibratedHardware,
+    Evaluation,
+    RooflineHardware,
+    Scenario,
+    search,
+)
 from planner.sim_workload import WorkloadSpec
 
 DEFAULT_GPU = "A100-80GB"
@@ -108,14 +121,20 @@ def add_parser(subparsers) -> None:
 def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
     search = parser.add_argument_group(
         "prefill:decode search",
-        "with --gpus: simulate every split of the GPUs and recommend one "
-        "(--tensor-parallel-size, --batch and --context-tokens are then not used)",
+        "with --gpus: simulate every split of the GPUs, and colocated replicas, and recommend "
+        "one (--tensor-parallel-size, --batch and --context-tokens are then not used)",
     )
     search.add_argument(
         "--gpus",
         type=_positive_int,
         metavar="N",
-        help="GPUs to split into a prefill and a decode pool",
+        help="GPUs to split into a prefill and a decode pool, or to run colocated replicas on",
+    )
+    search.add_argument(
+        "--calibration",
+        metavar="FILE",
+        help="step costs measured on a real cluster (scripts/validate_simulator.py "
+        "--write-calibration) instead of the GPU's roofline; a GPU is then one measured worker",
     )
     search.add_argument(
         "--slo",
@@ -226,13 +245,21 @@ def _run_search(args: argparse.Namespace) -> int:
         if args.slo is None:
             raise ValueError("--gpus needs --slo, e.g. --slo ttft=500ms,tpot=50ms")
         model = load_model_spec(args.model, args.dtype)
-        hardware = RooflineHardware(
-            model,
-            _gpu(args),
-            args.kv_bandwidth_gbs * GB,
-            args.kv_latency_ms / 1e3,
-            args.reserve_fraction,
-        )
+        if args.calibration:
+            hardware = CalibratedHardware(
+                Calibration.load(args.calibration),
+                kv_bytes_per_token(model),
+                args.kv_bandwidth_gbs * GB,
+                args.kv_latency_ms / 1e3,
+            )
+        else:
+            hardware = RooflineHardware(
+                model,
+                _gpu(args),
+                args.kv_bandwidth_gbs * GB,
+                args.kv_latency_ms / 1e3,
+                args.reserve_fraction,
+            )
         scenario = Scenario(
             _workload(args),
             Slo.parse(args.slo),
@@ -245,9 +272,11 @@ def _run_search(args: argparse.Namespace) -> int:
         print(f"pdserve plan: error: {error}", file=sys.stderr)
         return 2
     evaluations = search(hardware, scenario, args.gpus, args.rate, _progress)
-    if not evaluations or evaluations[0].goodput_per_gpu == 0:
+    if not evaluations or not evaluations[0].meets_slo:
         print(_search_table(evaluations))
-        print(f"pdserve plan: no split of {args.gpus} GPU(s) meets the SLO", file=sys.stderr)
+        print(
+            f"pdserve plan: no configuration of {args.gpus} GPU(s) meets the SLO", file=sys.stderr
+        )
         return 1
     best = evaluations[0]
     print(_search_table(evaluations))
@@ -256,7 +285,10 @@ def _run_search(args: argparse.Namespace) -> int:
         f"({best.goodput:.2f} req/s on {best.candidate.gpus} GPU(s))"
     )
     if args.write_cluster:
-        gpu_type = args.gpu or (DEFAULT_GPU if args.gpu_memory_gb is None else "custom")
+        if args.calibration:
+            gpu_type = args.gpu or "cpu"
+        else:
+            gpu_type = args.gpu or (DEFAULT_GPU if args.gpu_memory_gb is None else "custom")
         write_cluster_file(
             args.write_cluster,
             cluster_document(best.candidate, args.model, args.dtype or "auto", gpu_type),
@@ -293,7 +325,7 @@ def _search_table(evaluations: list[Evaluation]) -> str:
     lines = [header]
     for rank, evaluation in enumerate(evaluations):
         summary = evaluation.summary
-        mark = "*" if rank == 0 and evaluation.goodput_per_gpu > 0 else " "
+        mark = "*" if rank == 0 and evaluation.meets_slo else " "
         lines.append(
             f"{mark} {evaluation.candidate.label:<22}{evaluation.candidate.gpus:>5}"
             f"{evaluation.rate:>9.2f}{evaluation.goodput:>9.2f}{evaluation.goodput_per_gpu:>9.3f}"

@@ -15,6 +15,12 @@ running; it mirrors the runtime's defaults instead:
   cache has blocks for the request's whole context (prompt + output, reserved at admission,
   so there is no preemption; a request that can never fit fails), and runs continuous
   batching: each step gives every running request one token, finished ones free their blocks.
+- workers may share a host (`workers_per_host`: the prefill workers, then the decode workers,
+  fill hosts in order, as `pdserve serve` starts them): while k other workers of its host are
+  busy, a step runs 1 + k · contention times slower (on a CPU host, two engines on the same cores
+  slow each other down, and so do the router, the client and the KV transfer they drive). A step
+  is re-timed whenever a neighbour starts or ends one, so it pays for exactly the time they
+  overlap. `prefill_contention` slows prefill workers' steps, `decode_contention` decode ones'.
 HTTP and tokenization are not modelled (a calibrated cost model folds them into its steps).
 
 The output is what `pdserve bench` records (RequestRecord per request, and the duration from
@@ -58,6 +64,9 @@ class SimCluster:
     prefill_token_budget: int = 8192
     max_decode_batch: int = 256
     local_prefill_below_tokens: int = 0
+    workers_per_host: int = 1
+    prefill_contention: float = 0.0
+    decode_contention: float = 0.0
 
 
 @dataclass
@@ -77,18 +86,31 @@ class _Job:
         return len(self.token_times) >= self.request.output_tokens
 
 
-@dataclass
-class _PrefillWorker:
-    queue: deque = field(default_factory=deque)
+@dataclass(eq=False)
+class _Worker:
+    """A worker's step in progress: `work` seconds it would take alone, left at `since`, and the
+    pace it runs at (1 alone; slower beside busy neighbours). `version` retires the end event of
+    a step that was re-timed."""
+
+    contention: float
     busy: bool = False
+    work: float = 0.0
+    since: float = 0.0
+    pace: float = 1.0
+    version: int = 0
+    on_end: Callable[[], None] | None = None
 
 
-@dataclass
-class _DecodeWorker:
-    free_blocks: int
+@dataclass(eq=False)
+class _PrefillWorker(_Worker):
+    queue: deque = field(default_factory=deque)
+
+
+@dataclass(eq=False)
+class _DecodeWorker(_Worker):
+    free_blocks: int = 0
     waiting: deque = field(default_factory=deque)
     running: list = field(default_factory=list)
-    busy: bool = False
 
 
 class _Simulation:
@@ -97,8 +119,18 @@ class _Simulation:
             raise ValueError("a cluster needs at least one decode worker")
         self.cluster = cluster
         self.capacity_blocks = cluster.kv_capacity_tokens // cluster.block_size
-        self.prefills = [_PrefillWorker() for _ in range(cluster.prefill_replicas)]
-        self.decodes = [_DecodeWorker(self.capacity_blocks) for _ in range(cluster.decode_replicas)]
+        self.prefills = [
+            _PrefillWorker(cluster.prefill_contention) for _ in range(cluster.prefill_replicas)
+        ]
+        self.decodes = [
+            _DecodeWorker(cluster.decode_contention, free_blocks=self.capacity_blocks)
+            for _ in range(cluster.decode_replicas)
+        ]
+        workers = [*self.prefills, *self.decodes]
+        size = max(1, cluster.workers_per_host)
+        self.host = {
+            worker: workers[i - i % size : i - i % size + size] for i, worker in enumerate(workers)
+        }
         self.next_prefill = itertools.cycle(self.prefills)
         self.next_decode = itertools.cycle(self.decodes)
         self.events: list[tuple[float, int, Callable[[], None]]] = []
@@ -124,6 +156,43 @@ class _Simulation:
     def _at(self, time: float, action: Callable[[], None]) -> None:
         heapq.heappush(self.events, (time, next(self.sequence), action))
 
+    def _start_step(self, worker: _Worker, work: float, on_end: Callable[[], None]) -> None:
+        """Run a step of `work` seconds (alone) on `worker`; `on_end` when it is done."""
+        self._settle(worker)
+        worker.busy, worker.work, worker.since, worker.on_end = True, work, self.now, on_end
+        self._pace(worker)
+
+    def _end_step(self, worker: _Worker, version: int) -> None:
+        if version != worker.version:
+            return  # re-timed since: a later event ends it
+        self._settle(worker)
+        worker.busy = False
+        self._pace(worker)
+        worker.on_end()
+
+    def _settle(self, worker: _Worker) -> None:
+        """Count the work the busy workers of `worker`'s host did at their pace until now."""
+        for neighbour in self.host[worker]:
+            if neighbour.busy:
+                neighbour.work = max(
+                    0.0, neighbour.work - (self.now - neighbour.since) * neighbour.pace
+                )
+                neighbour.since = self.now
+
+    def _pace(self, worker: _Worker) -> None:
+        """Set the pace of the busy workers of `worker`'s host, and (re)schedule the end of each
+        step whose pace changed (and of `worker`'s, just started)."""
+        busy = [neighbour for neighbour in self.host[worker] if neighbour.busy]
+        for neighbour in busy:
+            pace = 1 / (1 + neighbour.contention * (len(busy) - 1))
+            if pace != neighbour.pace or neighbour is worker:
+                neighbour.pace = pace
+                neighbour.version += 1
+                self._at(
+                    self.now + neighbour.work / pace,
+                    lambda n=neighbour, v=neighbour.version: self._end_step(n, v),
+                )
+
     def _arrive(self, job: _Job) -> None:
         if not self.prefills or job.request.prompt_tokens < self.cluster.local_prefill_below_tokens:
             job.local = True
@@ -144,12 +213,10 @@ class _Simulation:
         ):
             tokens += worker.queue[0].request.prompt_tokens
             batch.append(worker.queue.popleft())
-        worker.busy = True
         step = self.cluster.prefill_cost.prefill_time([job.request.prompt_tokens for job in batch])
-        self._at(self.now + step, lambda: self._end_prefill(worker, batch))
+        self._start_step(worker, step, lambda: self._end_prefill(worker, batch))
 
     def _end_prefill(self, worker: _PrefillWorker, batch: list[_Job]) -> None:
-        worker.busy = False
         for job in batch:
             job.token_times.append(self.now)
             if not job.done:
@@ -193,11 +260,9 @@ class _Simulation:
             if prefilling
             else 0.0
         )
-        worker.busy = True
-        self._at(self.now + step, lambda: self._end_decode(worker))
+        self._start_step(worker, step, lambda: self._end_decode(worker))
 
     def _end_decode(self, worker: _DecodeWorker) -> None:
-        worker.busy = False
         for job in worker.running:
             job.token_times.append(self.now)
             if job.done:

@@ -1,6 +1,8 @@
 """The discrete-event simulator: hand-computed timings, KV capacity, the local path, and the
 sanity checks of issue 5 (collapse past capacity; the bottleneck pool is the one that helps)."""
 
+from dataclasses import replace
+
 import pytest
 
 from bench.metrics import Slo, summarize
@@ -141,3 +143,22 @@ def test_roofline_cost_is_bandwidth_bound_in_decode_and_compute_bound_in_prefill
     assert RooflineCost(model, gpu, 2).decode_time([1000]) == pytest.approx(
         cost.decode_time([1000]) / 2
     )
+
+
+def test_workers_sharing_a_host_slow_each_other_while_both_are_busy():
+    # Every step takes 1 s alone. A: prefill [0, 1], then decode steps from 1. B arrives at 1.5:
+    # its prefill and A's decode share the host, each at pace 1 / (1 + 0.5) while both run.
+    # A's step 1 has 0.5 s left at 1.5 → ends 2.25; B's prefill has done 0.5 by then and shares
+    # the host with A's step 2 until it ends at 3.0; A's step 2 then runs alone: 0.5 s left → 3.5.
+    flat = LinearCost(1.0, 0.0, 1.0, 0.0)
+    requests = [SimRequest(0.0, 100, 3), SimRequest(1.5, 100, 1)]
+    shared = cluster(cost=flat, kv_latency_s=0.0, kv_bandwidth_bytes_per_s=1e15)
+    alone, _ = simulate(shared, requests)
+    assert alone[0].itl == pytest.approx([1.0, 1.0]) and alone[1].ttft == pytest.approx(1.0)
+    contended = replace(shared, workers_per_host=2, prefill_contention=0.5, decode_contention=0.5)
+    a, b = simulate(contended, requests)[0]
+    assert a.ttft == pytest.approx(1.0) and a.itl == pytest.approx([1.25, 1.25])
+    assert b.ttft == pytest.approx(1.5)
+    # Workers on hosts of their own: no contention whatever the factor.
+    apart = replace(contended, workers_per_host=1)
+    assert [r.itl for r in simulate(apart, requests)[0]] == [r.itl for r in alone]
