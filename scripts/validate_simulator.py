@@ -1,16 +1,21 @@
 """Check the simulator against the real cluster on this machine: calibrate the step-time model
-on 1 prefill + 1 decode worker, predict the goodput of that cluster at three request rates,
-measure the same requests with the benchmark, and print both side by side.
+on 1 prefill + 1 decode worker (or take a calibration file), predict the goodput of that cluster
+at three request rates, measure the same requests with the benchmark, and print both side by
+side with the error.
 
     python scripts/validate_simulator.py [--rates 0.5,1,2] [--num-requests 16] [--slo ...]
+        [--workload mixed] [--write-calibration cpu.json | --calibration cpu.json]
 
 Without --rates the three rates are 30%, 70% and 120% of the throughput the calibrated model
-says 1P1D can sustain: one at ease, one loaded, one past capacity. Every request goes
-disaggregated (--disaggregate-min-tokens 0), as the simulator is told. Takes a few minutes.
+says 1P1D can sustain without contention: one at ease, one loaded, one past capacity. Every
+request goes disaggregated (--disaggregate-min-tokens 0), as the simulator is told. The
+calibration (also what `pdserve plan --calibration` reads) includes how much the two workers,
+sharing this host's cores, slow each other. Takes a few minutes and every core.
 """
 
 import argparse
 import asyncio
+import os
 import sys
 import tempfile
 from dataclasses import replace
@@ -25,13 +30,20 @@ from bench.metrics import Slo, Summary, summarize
 from bench.report import record_json
 from bench.runner import run as run_benchmark
 from bench.runner import warm_up
-from bench.workload import BenchRequest, Length, PromptText, load_tokenizer, synthetic
+from bench.workload import (
+    DEFAULT_INPUT_LEN,
+    BenchRequest,
+    Length,
+    PromptText,
+    load_tokenizer,
+    mixed,
+    synthetic,
+)
 from model_store.store import ensure_model
-from planner.calibration import fit_linear_cost
+from planner.calibration import Calibration, fit_steps
 from planner.capacity import kv_bytes_per_token
-from planner.cost_model import LinearCost
 from planner.model_spec import MODEL_PRESETS
-from planner.search import throughput_bound
+from planner.search import CalibratedHardware, Candidate, throughput_bound
 from planner.sim_workload import from_bench
 from planner.simulator import SimCluster, simulate
 from worker.processes import free_port
@@ -50,7 +62,18 @@ def main() -> int:
     parser.add_argument(
         "--num-requests", type=int, default=16, help="requests per rate (default 16)"
     )
-    parser.add_argument("--input-len", default="128-384", help="prompt tokens (default 128-384)")
+    parser.add_argument(
+        "--workload",
+        choices=("synthetic", "mixed"),
+        default="synthetic",
+        help="synthetic, or mixed: 10%% long prompts (normal:1500,150) among short ones "
+        "(default synthetic)",
+    )
+    parser.add_argument(
+        "--input-len",
+        help="prompt tokens (default: synthetic 128-384, mixed "
+        f"{DEFAULT_INPUT_LEN['mixed']}, the short ones)",
+    )
     parser.add_argument("--output-len", default="24", help="output tokens (default 24)")
     parser.add_argument(
         "--slo", default="ttft=1.5s,tpot=200ms", help="default ttft=1.5s,tpot=200ms"
@@ -58,6 +81,19 @@ def main() -> int:
     parser.add_argument("--serve-args", default="", help="more options for pdserve serve")
     parser.add_argument(
         "--log-dir", type=Path, help="cluster logs (default: a new temporary folder)"
+    )
+    calibration = parser.add_mutually_exclusive_group()
+    calibration.add_argument(
+        "--write-calibration",
+        type=Path,
+        metavar="FILE",
+        help="also write the calibration measured here (for pdserve plan --calibration)",
+    )
+    calibration.add_argument(
+        "--calibration",
+        type=Path,
+        metavar="FILE",
+        help="predict with this calibration instead of measuring one",
     )
     args = parser.parse_args()
     slo = Slo.parse(args.slo)
@@ -79,19 +115,25 @@ def main() -> int:
 async def validate(url: str, args, slo: Slo, text: PromptText) -> int:
     async with make_http_client() as http:
         target = Target(url, await first_model(http, url), ignore_eos=True)
-    requests = synthetic(
-        args.num_requests, Length.parse(args.input_len), Length.parse(args.output_len), text
-    )
+    requests = workload(args, text)
     print("warming up ...", file=sys.stderr, flush=True)
-    await warm_up(requests, target, len(requests))
-    cost = await calibrate(target, requests)
+    await warm_up(requests, target, min(len(requests), 8))
+    if args.calibration:
+        calibration = Calibration.load(args.calibration)
+    else:
+        calibration = await calibrate(target, requests)
+        if args.write_calibration:
+            calibration.save(args.write_calibration)
+            print(f"wrote {args.write_calibration}", file=sys.stderr)
     print(
-        f"calibrated: prefill = {cost.prefill_base_s * 1e3:.1f} ms + "
-        f"{cost.prefill_per_token_s * 1e3:.3f} ms/token; "
-        f"decode step = {cost.decode_base_s * 1e3:.1f} ms + "
-        f"{cost.decode_per_request_s * 1e3:.2f} ms/request"
+        f"calibration: prefill = {calibration.prefill_base_s * 1e3:.1f} ms + "
+        f"{calibration.prefill_per_token_s * 1e3:.3f} ms/token; "
+        f"decode step = {calibration.decode_base_s * 1e3:.1f} ms + "
+        f"{calibration.decode_per_request_s * 1e3:.2f} ms/request; contention: prefill "
+        f"+{calibration.prefill_contention:.0%}, decode +{calibration.decode_contention:.0%} "
+        "per busy neighbour"
     )
-    cluster = cpu_cluster(cost)
+    cluster = cpu_cluster(calibration)
     if args.rates:
         rates = [float(rate) for rate in args.rates.split(",")]
     else:
@@ -110,56 +152,87 @@ async def validate(url: str, args, slo: Slo, text: PromptText) -> int:
     return 0
 
 
-async def calibrate(target: Target, workload: list[BenchRequest]) -> LinearCost:
-    """Two short benchmark runs on the workload's own prompts, so the step times are fitted over
-    the lengths and contexts they will predict (a line fitted over 64..960-token prompts
-    overestimated the middle: prefill cost is convex in length): eight sent one at a time with 4
-    output tokens (prefill), then two bursts of eight with 4..32 output tokens (decode: the batch
-    shrinks 8 → 1)."""
-    lone = [replace(request, max_tokens=4) for request in workload[:8]]
+def workload(args, text: PromptText) -> list[BenchRequest]:
+    output_len = Length.parse(args.output_len)
+    if args.workload == "mixed":
+        short = Length.parse(args.input_len or DEFAULT_INPUT_LEN["mixed"])
+        return mixed(
+            args.num_requests, 0.1, short, Length.parse("normal:1500,150"), output_len, text
+        )
+    return synthetic(args.num_requests, Length.parse(args.input_len or "128-384"), output_len, text)
+
+
+async def calibrate(target: Target, workload: list[BenchRequest]) -> Calibration:
+    """Three short benchmark runs on the workload's own prompts, so the step times are fitted
+    over the lengths and contexts they will predict (a line fitted over 64..960-token prompts
+    overestimated the middle: prefill cost is convex in length): eight prompts spread over the
+    workload's lengths, shortest to longest, sent one at a time with 4 output tokens (prefill);
+    two bursts of eight with 4..32 output tokens (decode: the batch shrinks 8 → 1); and four
+    prompts sent one at a time while other requests decode (both workers busy at once: how much
+    they slow each other on this host's shared cores)."""
+    by_length = sorted(workload, key=lambda request: request.prompt_tokens)
+    spread = [by_length[round(i * (len(by_length) - 1) / 7)] for i in range(8)]
+    lone = [replace(request, max_tokens=4) for request in spread]
     bursts = [replace(workload[i % len(workload)], max_tokens=4 * (i % 8 + 1)) for i in range(16)]
+    arriving = [replace(request, max_tokens=4) for request in spread[1::2]]
+    # Each prompt arrives 1 s after two requests began decoding 96 tokens, and the next pair
+    # waits until it had time to finish even at ~4 ms/token (seen 2.7 alone, more contended).
+    gap = 2.0 + max(request.prompt_tokens for request in arriving) * 0.004
+    overlap, offsets = [], []
+    for i, request in enumerate(arriving):
+        overlap += [replace(by_length[0], max_tokens=96)] * 2 + [request]
+        offsets += [i * gap, i * gap, i * gap + 1.0]
     print("calibrating ...", file=sys.stderr, flush=True)
     runs = [
         await run_benchmark(lone, target, concurrency=1, progress=False),
         await run_benchmark(bursts, target, offsets=[0.0] * 8 + [8.0] * 8, progress=False),
+        await run_benchmark(overlap, target, offsets=offsets, progress=False),
     ]
     entries = []
     for records, _ in runs:
         start = min(r.send_time for r in records)
         entries.append([record_json(r, start) for r in records])
-    return fit_linear_cost(entries)
-
-
-def cpu_cluster(cost: LinearCost) -> SimCluster:
-    """1P1D of SmolLM2-135M on this machine, as the simulator sees it."""
     per_token = kv_bytes_per_token(MODEL_PRESETS["smollm2-135m"])
-    return SimCluster(
-        prefill_replicas=1,
-        decode_replicas=1,
-        prefill_cost=cost,
-        decode_cost=cost,
+    return Calibration.from_fit(
+        fit_steps(entries),
+        model="smollm2",
+        measured_on=f"{os.cpu_count()} cores, 1 prefill + 1 decode worker (pdserve serve), "
+        "scripts/validate_simulator.py",
+        workers_per_host=2,
         kv_capacity_tokens=KV_CACHE_GIB * 2**30 // per_token,
-        kv_bytes_per_token=per_token,
-        kv_bandwidth_bytes_per_s=KV_BANDWIDTH_BYTES_PER_S,
-        kv_latency_s=KV_LATENCY_S,
         block_size=CPU_BLOCK_SIZE,
     )
+
+
+def cpu_cluster(calibration: Calibration) -> SimCluster:
+    """1P1D of SmolLM2-135M on this machine, as the simulator sees it."""
+    hardware = CalibratedHardware(
+        calibration,
+        kv_bytes_per_token(MODEL_PRESETS["smollm2-135m"]),
+        KV_BANDWIDTH_BYTES_PER_S,
+        KV_LATENCY_S,
+    )
+    return hardware.cluster(Candidate(1, 1, 1, 1))
 
 
 def comparison_table(rows: list[tuple[float, Summary, Summary]], slo: str) -> str:
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{value * 1e3:.0f}"
 
+    def error(predicted: float, measured: float) -> str:
+        return "-" if measured == 0 else f"{(predicted - measured) / measured:+.0%}"
+
     lines = [
         f"1P1D, SLO {slo}: predicted (simulator, calibrated) vs measured (pdserve bench)",
-        f"{'rate':>6} | {'goodput req/s':^15} | {'SLO met':^13} | "
+        f"{'rate':>6} | {'goodput req/s':^22} | {'SLO met':^13} | "
         f"{'p90 TTFT ms':^15} | {'p90 TPOT ms':^13}",
-        f"{'req/s':>6} | {'pred':>7}{'meas':>8} | {'pred':>6}{'meas':>7} | "
+        f"{'req/s':>6} | {'pred':>7}{'meas':>8}{'error':>7} | {'pred':>6}{'meas':>7} | "
         f"{'pred':>7}{'meas':>8} | {'pred':>6}{'meas':>7}",
     ]
     for rate, predicted, measured in rows:
         lines.append(
-            f"{rate:>6.2f} | {predicted.goodput:>7.2f}{measured.goodput:>8.2f} | "
+            f"{rate:>6.2f} | {predicted.goodput:>7.2f}{measured.goodput:>8.2f}"
+            f"{error(predicted.goodput, measured.goodput):>7} | "
             f"{predicted.slo_attainment:>6.0%}{measured.slo_attainment:>7.0%} | "
             f"{ms(predicted.ttft.p90):>7}{ms(measured.ttft.p90):>8} | "
             f"{ms(predicted.tpot.p90):>6}{ms(measured.tpot.p90):>7}"
