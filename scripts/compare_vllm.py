@@ -1,0 +1,283 @@
+"""pdserve against plain vLLM on the same cores: the same mixed workload at the same rates through
+pdserve's bench code, one system at a time, in one table.
+
+    python scripts/compare_vllm.py [--rates 0.5,1,1.5] [--num-requests 60]
+        [--slo ttft=2s,tpot=150ms] [--systems vllm,colocated,1p1d,1p1d-local,1p1d-disaggregated] [--output-dir compare]
+
+Systems (each started in its own process group, stopped by its PID before the next starts):
+- vllm: `python -m vllm.entrypoints.openai.api_server`, the same model, float32, eager, 1 GiB of
+  KV cache, as many OpenMP threads as a lone pdserve worker gets (every core), no binding;
+- colocated: `pdserve serve --colocated` (one worker that prefills and decodes);
+- 1p1d: `pdserve serve --prefill 1 --decode 1` with its default routing;
+- 1p1d-local: the same, every prompt prefilled on the decode worker (--disaggregate-min-tokens
+  past any prompt);
+- 1p1d-disaggregated: the same, every prompt through the prefill worker
+  (--disaggregate-min-tokens 0).
+Workload (bench's `mixed`): 90% ~100-token prompts, 10% ~1,500-token prompts, 64 output tokens
+(ignore_eos), Poisson arrivals; the same requests and arrival times for every system at a rate.
+Prints the table and writes OUTPUT_DIR/compare.json (every row's figures and full summary) and
+each system's logs under OUTPUT_DIR/logs-SYSTEM/.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.arrivals import arrival_times
+from bench.client import Target
+from bench.local_cluster import local_cluster, router_healthy
+from bench.metrics import Slo, Summary, distribution, summarize
+from bench.records import RequestRecord
+from bench.runner import run as run_benchmark
+from bench.runner import warm_up
+from bench.workload import DEFAULT_INPUT_LEN, BenchRequest, Length, PromptText, load_tokenizer
+from bench.workload import mixed as mixed_workload
+from model_store.store import ensure_model
+from worker.processes import ChildError, free_port, spawn, stop_group, wait_until
+
+MODEL = "smollm2"
+KV_CACHE_GIB = 1
+LONG_PROMPT_TOKENS = 800  # between the short (~100) and the long (~1,500) prompts
+STOP_GRACE_S = 60
+ALWAYS_LOCAL_TOKENS = 1_000_000  # past any prompt: every one prefilled on its decode worker
+SYSTEMS = {
+    "vllm": None,
+    "colocated": (0, 1, ["--colocated"]),
+    "1p1d": (1, 1, []),
+    "1p1d-local": (1, 1, ["--disaggregate-min-tokens", str(ALWAYS_LOCAL_TOKENS)]),
+    "1p1d-disaggregated": (1, 1, ["--disaggregate-min-tokens", "0"]),
+}
+"""How `pdserve serve` starts each pdserve system: (prefill, decode, more options)."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One system at one rate: the table's figures (seconds; None without samples)."""
+
+    system: str
+    rate: float
+    goodput: float
+    slo_attainment: float
+    ttft_short_p50: float | None
+    ttft_short_p90: float | None
+    ttft_long_p50: float | None
+    ttft_long_p90: float | None
+    tpot_p50: float | None
+    tpot_p99: float | None
+    failed: int
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default="0.5,1,1.5", help="request rates (default 0.5,1,1.5)")
+    parser.add_argument(
+        "--num-requests", type=int, default=60, help="requests per rate (default 60)"
+    )
+    parser.add_argument(
+        "--slo", default="ttft=2s,tpot=150ms", help="objectives (default ttft=2s,tpot=150ms)"
+    )
+    parser.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help=f"comma-separated, run in this order (default {','.join(SYSTEMS)})",
+    )
+    parser.add_argument("--output-len", type=int, default=64, help="output tokens (default 64)")
+    parser.add_argument("--seed", type=int, default=0, help="prompts, lengths and arrivals")
+    parser.add_argument(
+        "--ready-timeout", type=float, default=600, help="seconds a system may take to start"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=300, help="seconds a request may take (then failed)"
+    )
+    parser.add_argument(
+        "--output-dir", type=Path, help="compare.json and logs (default: a new temporary folder)"
+    )
+    args = parser.parse_args()
+    systems = args.systems.split(",")
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        parser.error(f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
+    rates = [float(rate) for rate in args.rates.split(",")]
+    slo = Slo.parse(args.slo)
+    output_dir = args.output_dir or Path(tempfile.mkdtemp(prefix="pdserve-compare-"))
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = ensure_model(MODEL, log=say)
+    requests = mixed_workload(
+        args.num_requests,
+        0.1,
+        Length.parse(DEFAULT_INPUT_LEN["mixed"]),
+        Length.parse("normal:1500,150"),
+        Length.parse(str(args.output_len)),
+        PromptText(args.seed, load_tokenizer(str(model_dir))),
+    )
+    rows, summaries = [], []
+    for system in systems:
+        log_dir = output_dir / f"logs-{system}"
+        say(f"[{system}] starting (logs: {log_dir})")
+        started = time.monotonic()
+        with serving(system, model_dir, log_dir, args.ready_timeout) as url:
+            say(f"[{system}] ready after {time.monotonic() - started:.0f} s")
+            for rate, records, summary in asyncio.run(
+                measure(system, url, requests, rates, slo, args)
+            ):
+                rows.append(row(system, rate, records, summary))
+                summaries.append(asdict(summary))
+        say(f"[{system}] stopped")
+    print(table(rows, args.slo))
+    result = {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "rows": [asdict(r) | {"summary": s} for r, s in zip(rows, summaries, strict=True)],
+    }
+    (output_dir / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
+    say(f"wrote {output_dir / 'compare.json'}")
+    return 0
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@contextmanager
+def serving(system: str, model_dir: Path, log_dir: Path, ready_timeout_s: float) -> Iterator[str]:
+    """Yields the base URL while `system` runs; stops it (its whole process group) on the way
+    out, whatever happened."""
+    if SYSTEMS[system] is None:
+        with vllm_server(model_dir, log_dir, ready_timeout_s) as url:
+            yield url
+        return
+    prefill, decode, options = SYSTEMS[system]
+    serve_args = ["--kv-cache-gib", str(KV_CACHE_GIB), "--served-model-name", MODEL, *options]
+    with local_cluster(prefill, decode, free_port(), log_dir, serve_args, ready_timeout_s) as url:
+        yield url
+
+
+@contextmanager
+def vllm_server(model_dir: Path, log_dir: Path, ready_timeout_s: float) -> Iterator[str]:
+    """Plain vLLM with a lone pdserve worker's engine settings and threads."""
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        MODEL,
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--kv-cache-memory-bytes",
+        str(KV_CACHE_GIB * 2**30),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CACHE_ROOT": str(log_dir / "vllm-cache"),
+        "VLLM_RPC_BASE_PATH": str(log_dir / "vllm-rpc"),
+    }
+    log_path = log_dir / "vllm.log"
+    process = spawn(command, log_path, env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(
+            lambda: router_healthy(url),
+            process,
+            ready_timeout_s,
+            "vLLM's api_server",
+            log_path,
+            poll_s=1.0,
+        )
+        yield url
+    except ChildError as error:
+        raise RuntimeError(str(error)) from None
+    finally:
+        stop_group(process.pid, STOP_GRACE_S, process)
+
+
+async def measure(
+    system: str,
+    url: str,
+    requests: list[BenchRequest],
+    rates: list[float],
+    slo: Slo,
+    args: argparse.Namespace,
+) -> list[tuple[float, list[RequestRecord], Summary]]:
+    target = Target(url, MODEL, ignore_eos=True)
+    await warm_up(requests, target, 4, args.timeout)
+    results = []
+    for rate in rates:
+        offsets = arrival_times(len(requests), rate, seed=args.seed)
+        say(f"[{system}] {len(requests)} requests at {rate:g} req/s ...")
+        records, duration = await run_benchmark(
+            requests,
+            target,
+            offsets=offsets,
+            timeout=args.timeout,
+            max_duration=offsets[-1] + args.timeout,
+            progress=False,
+        )
+        summary = summarize(records, duration, slo)
+        say(
+            f"[{system}] {rate:g} req/s: goodput {summary.goodput:.2f} req/s, "
+            f"{summary.slo_attainment:.0%} met the SLO, {summary.failed} failed"
+        )
+        results.append((rate, records, summary))
+    return results
+
+
+def row(system: str, rate: float, records: list[RequestRecord], summary: Summary) -> Row:
+    done = [r for r in records if r.ok]
+    short = distribution([r.ttft for r in done if r.prompt_tokens < LONG_PROMPT_TOKENS])
+    long = distribution([r.ttft for r in done if r.prompt_tokens >= LONG_PROMPT_TOKENS])
+    return Row(
+        system=system,
+        rate=rate,
+        goodput=summary.goodput,
+        slo_attainment=summary.slo_attainment,
+        ttft_short_p50=short.p50,
+        ttft_short_p90=short.p90,
+        ttft_long_p50=long.p50,
+        ttft_long_p90=long.p90,
+        tpot_p50=summary.tpot.p50,
+        tpot_p99=summary.tpot.p99,
+        failed=summary.failed,
+    )
+
+
+def table(rows: list[Row], slo: str) -> str:
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1e3:.0f}"
+
+    lines = [
+        f"mixed workload, SLO {slo}; TTFT and TPOT in ms",
+        f"{'system':<20}{'rate':>6}{'goodput':>9}{'SLO met':>9}{'failed':>8}"
+        f"{'TTFT short p50/p90':>20}{'TTFT long p50/p90':>20}{'TPOT p50/p99':>15}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.system:<20}{r.rate:>6g}{r.goodput:>9.2f}{r.slo_attainment:>9.0%}{r.failed:>8}"
+            f"{ms(r.ttft_short_p50) + ' / ' + ms(r.ttft_short_p90):>20}"
+            f"{ms(r.ttft_long_p50) + ' / ' + ms(r.ttft_long_p90):>20}"
+            f"{ms(r.tpot_p50) + ' / ' + ms(r.tpot_p99):>15}"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
