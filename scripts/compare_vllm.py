@@ -2,7 +2,8 @@
 pdserve's bench code, one system at a time, in one table.
 
     python scripts/compare_vllm.py [--rates 0.5,1,1.5] [--num-requests 60]
-        [--slo ttft=2s,tpot=150ms] [--systems vllm,colocated,1p1d,1p1d-local,1p1d-disaggregated] [--output-dir compare]
+        [--slo ttft=2s,tpot=150ms] [--output-dir compare]
+        [--systems vllm,colocated,1p1d,1p1d-local,1p1d-disaggregated]
 
 Systems (each started in its own process group, stopped by its PID before the next starts):
 - vllm: `python -m vllm.entrypoints.openai.api_server`, the same model, float32, eager, 1 GiB of
