@@ -26,18 +26,20 @@ def local_cluster(
     log_dir: Path,
     serve_args: list[str],
     ready_timeout_s: float = 600,
+    flex: int = 0,
 ) -> Iterator[str]:
-    """Yields the router's base URL while `pdserve serve --prefill N --decode M` runs; its
-    output goes to LOG_DIR/serve.log, its workers' logs next to it."""
+    """Yields the router's base URL while `pdserve serve --prefill N --decode M` (or, with
+    `flex`, `--flex N`) runs; its output goes to LOG_DIR/serve.log, its workers' logs next to
+    it."""
+    workers = (
+        ["--flex", str(flex)] if flex else ["--prefill", str(prefill), "--decode", str(decode)]
+    )
     command = [
         sys.executable,
         "-m",
         "cluster.cli",
         "serve",
-        "--prefill",
-        str(prefill),
-        "--decode",
-        str(decode),
+        *workers,
         "--port",
         str(port),
         "--log-dir",

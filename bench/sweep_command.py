@@ -1,15 +1,20 @@
 """`pdserve sweep`: for each prefill:decode ratio, start the cluster, benchmark it at each
 request rate, and report goodput per worker (table, JSON, PNG), marking the best ratio.
 
-Until `pdserve up`/`scale` take a cluster file here, each ratio is a fresh
-`pdserve serve --prefill N --decode M` on this host (bench.local_cluster).
+Each ratio is a fresh `pdserve serve --prefill N --decode M` on this host
+(bench.local_cluster); with `--flex`, one `pdserve serve --flex N` runs the whole sweep and
+each ratio is a role change (`POST /pdserve/roles`; the flex workers a ratio leaves out stand
+by), so the sweep costs one engine start per worker.
 """
 
 import argparse
 import asyncio
+import os
 import shlex
 import sys
 from pathlib import Path
+
+import httpx
 
 from bench.arrivals import arrival_times
 from bench.client import Target, first_model, make_http_client
@@ -21,6 +26,7 @@ from bench.runner import run as run_benchmark
 from bench.runner import warm_up
 from bench.sweep import Ratio, SweepPoint, sweep_table, write_sweep_json
 from bench.workload import BenchRequest
+from cluster.roles import API_KEY_ENV
 
 
 def add_parser(subparsers) -> None:
@@ -46,6 +52,12 @@ def add_parser(subparsers) -> None:
         default="",
         metavar="ARGS",
         help='more options for every `pdserve serve`, e.g. "--model tiny --kv-cache-gib 1"',
+    )
+    parser.add_argument(
+        "--flex",
+        action="store_true",
+        help="one cluster of flex workers (as many as the largest ratio) for the whole sweep, "
+        "the ratios set by role changes instead of cluster restarts",
     )
     parser.add_argument(
         "--port", type=int, default=8000, help="router port of the clusters (default: %(default)s)"
@@ -86,25 +98,24 @@ def run(args: argparse.Namespace) -> int:
         return 2
     points: list[SweepPoint] = []
     try:
-        for number, ratio in enumerate(ratios, start=1):
-            log_dir = args.output_dir / f"logs-{ratio.prefill}p{ratio.decode}d"
-            _say(
-                f"ratio {ratio.label} ({number}/{len(ratios)}): starting {ratio.prefill} prefill + "
-                f"{ratio.decode} decode worker(s), logs in {log_dir}"
-            )
-            with local_cluster(
-                ratio.prefill,
-                ratio.decode,
-                args.port,
-                log_dir,
-                shlex.split(args.serve_args),
-                args.ready_timeout,
-            ) as url:
-                asyncio.run(_warm_up(url, args, requests))
-                for rate in rates:
-                    _say(f"ratio {ratio.label}: {len(requests)} requests at {rate:g} req/s")
-                    summary = asyncio.run(_measure(url, args, requests, rate, slo))
-                    points.append(SweepPoint(ratio, rate, summary))
+        if args.flex:
+            _flex_sweep(args, ratios, rates, requests, slo, points)
+        else:
+            for number, ratio in enumerate(ratios, start=1):
+                log_dir = args.output_dir / f"logs-{ratio.prefill}p{ratio.decode}d"
+                _say(
+                    f"ratio {ratio.label} ({number}/{len(ratios)}): starting {ratio.prefill} "
+                    f"prefill + {ratio.decode} decode worker(s), logs in {log_dir}"
+                )
+                with local_cluster(
+                    ratio.prefill,
+                    ratio.decode,
+                    args.port,
+                    log_dir,
+                    shlex.split(args.serve_args),
+                    args.ready_timeout,
+                ) as url:
+                    _run_rates(url, args, ratio, rates, requests, slo, points)
     except ClusterStartError as error:
         print(f"pdserve sweep: {error}", file=sys.stderr)
         return 1
@@ -112,6 +123,45 @@ def run(args: argparse.Namespace) -> int:
         if points:
             _report(args, points, len(requests))
     return 0
+
+
+def _flex_sweep(args, ratios, rates, requests, slo, points: list[SweepPoint]) -> None:
+    workers = max(ratio.workers for ratio in ratios)
+    log_dir = args.output_dir / f"logs-flex{workers}"
+    _say(f"starting {workers} flex worker(s) for every ratio, logs in {log_dir}")
+    with local_cluster(
+        0, 0, args.port, log_dir, shlex.split(args.serve_args), args.ready_timeout, flex=workers
+    ) as url:
+        for number, ratio in enumerate(ratios, start=1):
+            took = _set_roles(url, ratio)
+            _say(f"ratio {ratio.label} ({number}/{len(ratios)}): roles set in {took * 1e3:.0f} ms")
+            _run_rates(url, args, ratio, rates, requests, slo, points)
+
+
+def _set_roles(url: str, ratio: Ratio) -> float:
+    """Give the flex workers the ratio's roles; the seconds the router took."""
+    reply = httpx.post(
+        f"{url}/pdserve/roles",
+        json={"prefill": ratio.prefill, "decode": ratio.decode},
+        headers=_auth_headers(),
+        timeout=30,
+    )
+    if reply.status_code != 200:
+        raise ClusterStartError(f"could not set ratio {ratio.label}: {reply.text}")
+    return reply.json()["seconds"]
+
+
+def _auth_headers() -> dict:
+    key = os.environ.get(API_KEY_ENV, "")
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
+def _run_rates(url, args, ratio: Ratio, rates, requests, slo, points: list[SweepPoint]) -> None:
+    asyncio.run(_warm_up(url, args, requests))
+    for rate in rates:
+        _say(f"ratio {ratio.label}: {len(requests)} requests at {rate:g} req/s")
+        summary = asyncio.run(_measure(url, args, requests, rate, slo))
+        points.append(SweepPoint(ratio, rate, summary))
 
 
 async def _target(url: str, args: argparse.Namespace) -> Target:
@@ -145,6 +195,7 @@ def _report(args: argparse.Namespace, points: list[SweepPoint], num_requests: in
     print(sweep_table(points))
     config = {
         "ratios": args.ratios,
+        "flex": args.flex,
         "rates": args.rates,
         "serve_args": args.serve_args,
         "slo": args.slo,

@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "cluster.down",
     "cluster.status",
     "cluster.scale",
+    "cluster.roles",
     "cluster.k8s_command",
     "bench.command",
     "bench.sweep_command",

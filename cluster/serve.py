@@ -57,6 +57,15 @@ def add_parser(subparsers) -> None:
         "them side by side in one cluster (default: --kv-transport for all)",
     )
     parser.add_argument(
+        "--flex",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N flex workers instead of --prefill/--decode: each can prefill or decode, the "
+        "router gives half of them (rounded down) the prefill role and changes roles live "
+        "(`pdserve roles`, --flex-auto) (default: 0)",
+    )
+    parser.add_argument(
         "--colocated",
         action="store_true",
         help="no disaggregation: --workers colocated workers instead",
@@ -146,6 +155,8 @@ def _worker_plan(args, decode: WorkerSettings, transports: list[str]) -> list[Wo
     `transports`, if given, one KV transport per prefill worker."""
     if args.colocated:
         return [decode.model_copy(update={"role": "colocated"})] * args.workers
+    if args.flex:
+        return [decode.model_copy(update={"role": "flex"})] * args.flex
     engine = decode.engine
     if args.prefill_tensor_parallel_size is not None:
         engine = engine.model_copy(

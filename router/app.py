@@ -25,6 +25,13 @@ from router.admission import RETRY_AFTER_S, AdmissionGate, Turn
 from router.api_keys import is_authorized, load_api_keys, open_paths, unauthorized
 from router.disaggregation import ROUTE_HEADER
 from router.errors import OpenAIError, check_model, invalid_request
+from router.flex_roles import (
+    AutoRatio,
+    AutoRatioSettings,
+    FlexRoles,
+    RoleMetrics,
+    follow_ratio,
+)
 from router.metrics import RouterMetrics
 from router.openai_types import (
     ChatCompletionRequest,
@@ -56,6 +63,7 @@ def create_app(settings: RouterSettings, model: str) -> FastAPI:
     metrics = RouterMetrics()
     tokenizer = PromptTokenizer(model)
     flow = RequestFlow(settings, pool, tokenizer, metrics)
+    roles = FlexRoles(pool, RoleMetrics(metrics.registry))
     started = int(time.time())
     gate = AdmissionGate(
         lambda: settings.max_concurrent_requests or pool.capacity(),
@@ -74,10 +82,19 @@ def create_app(settings: RouterSettings, model: str) -> FastAPI:
         if settings.registry:
             registry = Registry(settings.registry, settings.cluster)
             tasks.append(
-                asyncio.create_task(follow_registry(pool, registry, settings.registry_refresh_s))
+                asyncio.create_task(
+                    follow_registry(pool, registry, settings.registry_refresh_s, roles.place_new)
+                )
             )
         else:
             await pool.wait_ready(settings.worker_ready_timeout_s)
+            roles.place_new()
+        if settings.flex_auto:
+            auto = AutoRatioSettings(
+                prefill_backlog_tokens=settings.flex_auto_backlog,
+                max_changes_per_minute=settings.flex_auto_max_moves,
+            )
+            tasks.append(asyncio.create_task(follow_ratio(AutoRatio(roles, auto))))
         yield
         for task in tasks:
             task.cancel()
@@ -207,6 +224,30 @@ def create_app(settings: RouterSettings, model: str) -> FastAPI:
                 row["error"] = f"{error.code().name}: {error.details()}"
             rows.append(row)
         return {"workers": rows}
+
+    @app.get("/pdserve/roles")
+    async def current_roles():
+        """Every worker's role; flex workers' counts per role."""
+        return roles.view()
+
+    @app.post("/pdserve/roles")
+    async def change_roles(request: Request):
+        """Set the flex workers' split: {"prefill": N} or {"decode": M} (or both, adding up).
+        Behind the API keys like every route; in effect for the next request."""
+        body = await _read_json(request)
+        if not isinstance(body, dict) or set(body) - {"prefill", "decode"}:
+            raise invalid_request('the body is {"prefill": N} and/or {"decode": M}')
+        counts = {key: body.get(key) for key in ("prefill", "decode")}
+        for key, value in counts.items():
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise invalid_request(f"{key} must be a whole number of workers", param=key)
+        started = time.monotonic()
+        changes = roles.set_split(counts["prefill"], counts["decode"], by="manual")
+        return {
+            "changes": [change.body() for change in changes],
+            "seconds": time.monotonic() - started,
+            **roles.view(),
+        }
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

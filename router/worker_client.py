@@ -34,7 +34,8 @@ class WorkerClient:
         self._channel: grpc.aio.Channel | None = None
         self._stub: worker_pb2_grpc.WorkerStub | None = None
         self.worker_id = address
-        self.role = ""
+        self.role = ""  # the pool it serves: its own, or the one the router gave a flex worker
+        self.flex = False  # can play either role (router/flex_roles.py assigns it)
         self.max_model_len = 0
         self.kv_address = ""
         self.tensor_parallel_size = 1
@@ -62,7 +63,9 @@ class WorkerClient:
             worker_pb2.HealthRequest(), timeout=timeout, metadata=self.metadata
         )
         if reply.state == worker_pb2.HealthReply.READY:
-            self.worker_id, self.role = reply.worker_id, reply.role
+            self.worker_id, self.flex = reply.worker_id, reply.role == "flex"
+            if not self.flex:
+                self.role = reply.role
             self.max_model_len, self.kv_address = reply.max_model_len, reply.kv_address
             self.tensor_parallel_size = reply.tensor_parallel_size
             self.kv_transport, self.host_id = reply.kv_transport, reply.host_id

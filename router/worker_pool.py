@@ -164,11 +164,14 @@ async def follow_load(pool: WorkerPool, interval_s: float = LOAD_POLL_S) -> None
         await asyncio.sleep(interval_s)
 
 
-async def follow_registry(pool: WorkerPool, registry, interval_s: float) -> None:
-    """Keep `pool` equal to the registry's membership, forever (cancel to stop)."""
+async def follow_registry(pool: WorkerPool, registry, interval_s: float, joined=None) -> None:
+    """Keep `pool` equal to the registry's membership, forever (cancel to stop); `joined()`
+    after each sync (flex workers that joined get their role)."""
     while True:
         try:
             await pool.sync([record.address for record in await registry.members()])
+            if joined is not None:
+                joined()
         except Exception as error:  # Redis away for a moment: keep the last membership
             log.warning("cannot read the registry at %s: %s", registry.url, error)
         await asyncio.sleep(interval_s)

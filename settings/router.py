@@ -134,6 +134,24 @@ class RouterSettings(Settings):
         description="seconds to wait for workers to load the model",
         json_schema_extra={"flag": "--worker-ready-timeout"},
     )
+    flex_auto: bool = Field(
+        False,
+        description="move flex workers between the prefill and decode pools by themselves, "
+        "from the queues the workers report (each move logged with its figures)",
+    )
+    flex_auto_backlog: int = Field(
+        2048,
+        ge=1,
+        description="with --flex-auto: prompt tokens waiting per prefill worker beyond which "
+        "the prefill pool wants a worker",
+        json_schema_extra={"metavar": "TOKENS"},
+    )
+    flex_auto_max_moves: int = Field(
+        4,
+        ge=1,
+        description="with --flex-auto: role changes per minute at most",
+        json_schema_extra={"metavar": "N"},
+    )
     registry_refresh_s: float = Field(
         0.1,
         gt=0,

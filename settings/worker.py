@@ -9,7 +9,7 @@ from settings.cluster_secret import ClusterSecretFile
 from settings.engine import EngineSettings
 from settings.tls import TlsDir
 
-ROLES = ("colocated", "prefill", "decode")
+ROLES = ("colocated", "prefill", "decode", "flex")
 Role = Literal[ROLES]
 KvFailurePolicy = Annotated[
     Literal["recompute", "fail"],
@@ -59,7 +59,8 @@ class WorkerSettings(Settings):
         "colocated",
         description="colocated: prefills and decodes its own requests; prefill: "
         "computes prompts and sends their KV; decode: receives KV and "
-        "decodes (and prefills short prompts itself)",
+        "decodes (and prefills short prompts itself); flex: can do either, the router "
+        "assigns it the prefill or the decode role and changes it live",
     )
     host: str = Field("127.0.0.1", description="gRPC bind address")
     port: int = Field(50051, ge=0, description="gRPC port (0: any free port)")

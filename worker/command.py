@@ -72,15 +72,16 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
     host = advertised_host(settings)
     worker_id = settings.worker_id or f"{settings.role}@{host}:{port}"
     kv_port = settings.kv_port
-    if settings.role == "decode" and not kv_port:
+    receives = settings.role in ("decode", "flex")  # a KV receiver listens
+    if receives and not kv_port:
         kv_port = free_port(settings.host, count=settings.engine.tensor_parallel_size)
-    kv_address = f"{host}:{kv_port}" if settings.role == "decode" else ""
+    kv_address = f"{host}:{kv_port}" if receives else ""
     service = WorkerService(
         worker_id,
         settings.role,
         str(model),
         kv_address,
-        settings.kv_failure_policy if settings.role == "decode" else "",
+        settings.kv_failure_policy if receives else "",
         settings.kv_transport,
     )
     settings = settings.model_copy(update={"advertise_host": host})

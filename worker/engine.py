@@ -15,11 +15,16 @@ MAX_UNCLAIMED_TRANSFERS = 4096
 
 
 def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
-    """The role's connector: the producer in prefill_workers/, the consumer in decode_workers/
-    (a colocated worker has none). A decode worker's KV receiver binds to its gRPC host, rank r
-    on `kv_port` + r; the advertised host is where peers reach either side (a decode rank's
-    shared-memory socket is named after it, a prefill rank hosts its NCCL rendezvous there)."""
+    """The role's connector: the producer in prefill_workers/, the consumer in decode_workers/,
+    both for a flex worker (worker/flex_connector.py); a colocated worker has none. A decode
+    (or flex) worker's KV receiver binds to its gRPC host, rank r on `kv_port` + r; the
+    advertised host is where peers reach either side (a decode rank's shared-memory socket is
+    named after it, a prefill rank hosts its NCCL rendezvous there)."""
     advertised = worker.advertise_host or worker.host
+
+    def with_role(role: str) -> dict:
+        return kv_transfer_config(worker.model_copy(update={"role": role}), kv_port)
+
     if worker.role == "prefill":
         return {
             "kv_connector": "PrefillConnector",
@@ -28,6 +33,18 @@ def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
             "kv_connector_extra_config": {
                 "send_buffer_bytes": worker.kv_send_buffer_mib << 20,
                 "advertised_host": advertised,
+            },
+        }
+    if worker.role == "flex":  # both halves, both configurations
+        producer, consumer = with_role("prefill"), with_role("decode")
+        return {
+            **consumer,
+            "kv_connector": "FlexConnector",
+            "kv_connector_module_path": "worker.flex_connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                **producer["kv_connector_extra_config"],
+                **consumer["kv_connector_extra_config"],
             },
         }
     if worker.role == "decode":

@@ -1,0 +1,184 @@
+"""Flex workers on one real cluster (`pdserve serve --flex 3`): roles change under a steady
+stream of greedy requests with no engine restart, every request succeeds with vLLM's offline
+output, a worker moved to the prefill pool finishes the decodes it had, and no KV block leaks.
+"""
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from tests.integration.conftest import (
+    SERVED_MODEL,
+    _stop_and_check,
+    router_in_front_of,
+    start_server,
+)
+from tests.integration.kv_stress import kv_baseline, wait_for_kv_baseline
+from tests.integration.prompts import MAX_TOKENS, PROMPTS, long_prompt
+
+SPLITS = [2, 1, 2]  # prefill workers after each change (the cluster starts at 1 prefill, 2 decode)
+CHANGE_EVERY_S = 3.0
+CONCURRENCY = 3
+LONG_MAX_TOKENS = 128  # seconds of decoding on this machine
+BURST = 6  # long prompts at once: seconds of backlog for one prefill worker
+
+
+@pytest.fixture(scope="module")
+def flex_cluster(smollm2_dir, tmp_path_factory):
+    server = start_server(tmp_path_factory.mktemp("flex"), "--flex", "3")
+    yield server
+    _stop_and_check(server)
+
+
+def roles(server) -> dict[str, str]:
+    view = httpx.get(f"{server.url}/pdserve/roles", timeout=10).json()
+    return {row["worker"]: row["role"] for row in view["workers"]}
+
+
+def set_split(server, prefill: int) -> dict:
+    reply = httpx.post(f"{server.url}/pdserve/roles", json={"prefill": prefill}, timeout=10)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+async def complete(
+    http: httpx.AsyncClient, server, index: int, max_tokens: int = MAX_TOKENS
+) -> dict:
+    """A greedy request on the disaggregated path: its text and the workers that served it."""
+    started_at = time.monotonic()
+    reply = await http.post(
+        f"{server.base_url}/completions",
+        json={
+            "model": SERVED_MODEL,
+            "prompt": PROMPTS[index],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        },
+        headers={"x-pdserve-route": "disaggregated"},
+    )
+    assert reply.status_code == 200, reply.text
+    return {
+        "index": index,
+        "text": reply.json()["choices"][0]["text"],
+        "prefill": reply.headers["x-pdserve-prefill-worker"],
+        "decode": reply.headers["x-pdserve-worker"],
+        "started_at": started_at,
+    }
+
+
+def test_the_cluster_starts_one_prefill_two_decode(flex_cluster):
+    assert sorted(roles(flex_cluster).values()) == ["decode", "decode", "prefill"]
+
+
+def test_roles_change_under_load_with_no_failure_and_vllms_output(flex_cluster, offline_reference):
+    before = kv_baseline(flex_cluster)
+    changes = []  # (when it was asked, when it had taken effect, the roles then)
+
+    async def scenario():
+        stop = asyncio.Event()
+        async with httpx.AsyncClient(timeout=300) as http:
+
+            async def stream_of_requests(offset: int) -> list[dict]:
+                results, i = [], offset
+                while not stop.is_set():
+                    results.append(await complete(http, flex_cluster, i % len(PROMPTS)))
+                    i += 1
+                return results
+
+            loops = [asyncio.create_task(stream_of_requests(i)) for i in range(CONCURRENCY)]
+            for prefill in SPLITS:
+                await asyncio.sleep(CHANGE_EVERY_S)
+                started = time.monotonic()
+                reply = await asyncio.to_thread(set_split, flex_cluster, prefill)
+                assert time.monotonic() - started < 2.0 and reply["seconds"] < 2.0
+                assert reply["flex"] == {"prefill": prefill, "decode": 3 - prefill, "standby": 0}
+                now = await asyncio.to_thread(roles, flex_cluster)
+                changes.append((started, time.monotonic(), now))
+            await asyncio.sleep(CHANGE_EVERY_S)
+            stop.set()
+            return [result for loop in loops for result in await loop]
+
+    results = asyncio.run(scenario())
+    print(f"{len(results)} requests over {len(SPLITS)} role changes")
+    assert len(results) >= 3 * CONCURRENCY
+    for result in results:
+        assert result["text"] == offline_reference["prompts"][result["index"]]["text"]
+    # Requests sent after a change took effect used its pools, until the next change.
+    ends = [asked for asked, _, _ in changes[1:]] + [float("inf")]
+    for (_, effective, now), end in zip(changes, ends, strict=True):
+        later = [r for r in results if effective < r["started_at"] < end]
+        assert later, "no request ran under the new roles"
+        for result in later:
+            assert now[result["prefill"]] == "prefill" and now[result["decode"]] == "decode"
+    wait_for_kv_baseline(flex_cluster, before)
+
+
+def test_a_worker_moved_to_prefill_finishes_its_decodes(flex_cluster):
+    set_split(flex_cluster, 1)  # two decode workers: round-robin gives each one request
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=300) as http:
+            running = [
+                asyncio.create_task(complete(http, flex_cluster, i, LONG_MAX_TOKENS))
+                for i in range(2)
+            ]
+            await asyncio.sleep(1.5)  # both decoding
+            assert not any(task.done() for task in running)
+            moved = (await asyncio.to_thread(set_split, flex_cluster, 2))["changes"]
+            results = [await task for task in running]
+            undisturbed = [await complete(http, flex_cluster, i, LONG_MAX_TOKENS) for i in range(2)]
+            return moved, results, undisturbed
+
+    moved, results, undisturbed = asyncio.run(scenario())
+    [change] = moved
+    assert (change["from"], change["to"]) == ("decode", "prefill")
+    assert change["worker"] in {r["decode"] for r in results}, "it was decoding when moved"
+    assert [r["text"] for r in results] == [r["text"] for r in undisturbed]
+
+
+def test_a_split_that_leaves_no_decode_worker_is_refused(flex_cluster):
+    reply = httpx.post(f"{flex_cluster.url}/pdserve/roles", json={"prefill": 3}, timeout=10)
+    assert reply.status_code == 400
+    assert "at least one worker must decode" in reply.json()["error"]["message"]
+
+
+def test_the_automatic_ratio_follows_a_burst_of_long_prompts(flex_cluster, tmp_path):
+    """A second router over the same workers, with --flex-auto: a burst of long prompts backs
+    up its one prefill worker, so a decode worker joins the prefill pool; once the burst is over
+    it goes back. Every move is logged with the figures behind it."""
+    with router_in_front_of(flex_cluster, tmp_path, flex_auto=True, flex_auto_backlog=1000) as url:
+        assert httpx.get(f"{url}/pdserve/roles", timeout=10).json()["flex"]["prefill"] == 1
+        seen = []
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=300) as http:
+                body = {"model": SERVED_MODEL, "max_tokens": 2, "temperature": 0}
+                sent = [
+                    asyncio.create_task(
+                        http.post(
+                            f"{url}/v1/completions",
+                            json={**body, "prompt": long_prompt(1200) + f" Entry {i}."},
+                            headers={"x-pdserve-route": "disaggregated"},
+                        )
+                    )
+                    for i in range(BURST)
+                ]
+                while not all(task.done() for task in sent):
+                    view = (await http.get(f"{url}/pdserve/roles")).json()
+                    seen.append(view["flex"]["prefill"])
+                    await asyncio.sleep(0.5)
+                return [task.result().status_code for task in sent]
+
+        assert asyncio.run(burst()) == [200] * BURST
+        assert max(seen) == 2, seen
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{url}/pdserve/roles", timeout=10).json()["flex"]["prefill"] != 1:
+            assert time.monotonic() < deadline, "the prefill pool kept its extra worker"
+            time.sleep(0.5)
+        moves = [
+            line for line in (tmp_path / "router.log").read_text().splitlines() if "auto:" in line
+        ]
+        print("\n".join(moves))
+        assert len(moves) == 2 and "prefill_backlog_per_worker=" in moves[0]
