@@ -200,9 +200,12 @@ def _contended_line(
 
 def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
     """Least-squares intercept and slope; flat at the mean for a single x value or a negative
-    slope."""
+    slope; through the origin for a negative intercept (seen here on prefill, whose cost is
+    convex in length: a step of a short prompt would take no time, or less)."""
     x, y = np.asarray(points, dtype=float).T
     slope, intercept = np.polyfit(x, y, 1) if np.ptp(x) > 0 else (0.0, 0.0)
     if slope <= 0:
         return float(y.mean()), 0.0
+    if intercept < 0:
+        return 0.0, float(x @ y / (x @ x))
     return float(intercept), float(slope)

@@ -15,6 +15,7 @@ sharing this host's cores, slow each other. Takes a few minutes and every core.
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import tempfile
@@ -80,7 +81,9 @@ def main() -> int:
     )
     parser.add_argument("--serve-args", default="", help="more options for pdserve serve")
     parser.add_argument(
-        "--log-dir", type=Path, help="cluster logs (default: a new temporary folder)"
+        "--log-dir",
+        type=Path,
+        help="cluster logs and the calibration's requests (default: a new temporary folder)",
     )
     calibration = parser.add_mutually_exclusive_group()
     calibration.add_argument(
@@ -107,8 +110,8 @@ def main() -> int:
         *args.serve_args.split(),
     ]
     print("starting 1 prefill + 1 decode worker ...", file=sys.stderr, flush=True)
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-validate-"))
-    with local_cluster(1, 1, free_port(), log_dir, serve_args) as url:
+    args.log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-validate-"))
+    with local_cluster(1, 1, free_port(), args.log_dir, serve_args) as url:
         return asyncio.run(validate(url, args, slo, text))
 
 
@@ -121,7 +124,7 @@ async def validate(url: str, args, slo: Slo, text: PromptText) -> int:
     if args.calibration:
         calibration = Calibration.load(args.calibration)
     else:
-        calibration = await calibrate(target, requests)
+        calibration = await calibrate(target, requests, args.log_dir)
         if args.write_calibration:
             calibration.save(args.write_calibration)
             print(f"wrote {args.write_calibration}", file=sys.stderr)
@@ -162,7 +165,7 @@ def workload(args, text: PromptText) -> list[BenchRequest]:
     return synthetic(args.num_requests, Length.parse(args.input_len or "128-384"), output_len, text)
 
 
-async def calibrate(target: Target, workload: list[BenchRequest]) -> Calibration:
+async def calibrate(target: Target, workload: list[BenchRequest], log_dir: Path) -> Calibration:
     """Three short benchmark runs on the workload's own prompts, so the step times are fitted
     over the lengths and contexts they will predict (a line fitted over 64..960-token prompts
     overestimated the middle: prefill cost is convex in length): eight prompts spread over the
@@ -192,6 +195,7 @@ async def calibrate(target: Target, workload: list[BenchRequest]) -> Calibration
     for records, _ in runs:
         start = min(r.send_time for r in records)
         entries.append([record_json(r, start) for r in records])
+    (log_dir / "calibration-runs.json").write_text(json.dumps(entries))  # what was fitted
     per_token = kv_bytes_per_token(MODEL_PRESETS["smollm2-135m"])
     return Calibration.from_fit(
         fit_steps(entries),

@@ -152,3 +152,17 @@ def test_a_bad_calibration_file_is_refused_with_its_name(tmp_path, change, messa
     with pytest.raises(ValueError, match=message) as error:
         Calibration.load(path)
     assert str(path) in str(error.value)
+
+
+def test_a_negative_intercept_is_fitted_through_the_origin():
+    # Convex prefill cost: a line through these TTFTs would cross zero above 0 tokens.
+    entry = dict(itl=[0.3, 0.1, 0.1], e2e=1.0, error=None)
+    requests = [
+        entry | dict(send_time=10.0 * i, ttft=0.001 * n * n / 100, input_tokens=n)
+        for i, n in enumerate((100, 200, 400))
+    ]
+    fitted = fit_steps([requests]).cost
+    assert fitted.prefill_base_s == 0.0
+    assert fitted.prefill_per_token_s == pytest.approx(
+        sum(0.001 * n**3 / 100 for n in (100, 200, 400)) / sum(n * n for n in (100, 200, 400))
+    )
