@@ -192,6 +192,8 @@ def vllm_server(model_dir: Path, log_dir: Path, ready_timeout_s: float) -> Itera
         "VLLM_CACHE_ROOT": str(log_dir / "vllm-cache"),
         "VLLM_RPC_BASE_PATH": str(log_dir / "vllm-rpc"),
     }
+    for folder in ("VLLM_CACHE_ROOT", "VLLM_RPC_BASE_PATH"):  # vLLM makes neither itself
+        Path(env[folder]).mkdir(parents=True, exist_ok=True)
     log_path = log_dir / "vllm.log"
     process = spawn(command, log_path, env)
     url = f"http://127.0.0.1:{port}"
