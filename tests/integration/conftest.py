@@ -118,10 +118,11 @@ def server(smollm2_dir, tmp_path_factory) -> Server:
     _stop_and_check(server)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_server(smollm2_dir, tmp_path_factory) -> str:
     """vLLM's own OpenAI server (`vllm serve`) on the same model and engine settings as the
-    workers: the reference the router's answers must equal. Yields its URL."""
+    workers: the reference the router's answers must equal. Yields its URL; stopped after the
+    module that uses it (one engine fewer for the rest of the session)."""
     port = free_port()
     log = tmp_path_factory.mktemp("vllm-serve") / "vllm.log"
     process = spawn(

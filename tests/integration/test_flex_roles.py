@@ -159,7 +159,8 @@ def test_the_automatic_ratio_follows_a_burst_of_long_prompts(flex_cluster, tmp_p
                     asyncio.create_task(
                         http.post(
                             f"{url}/v1/completions",
-                            json={**body, "prompt": long_prompt(1200) + f" Entry {i}."},
+                            # Distinct from the first token on: no prefix-cache hit.
+                            json={**body, "prompt": f"Entry {i}. " + long_prompt(1200)},
                             headers={"x-pdserve-route": "disaggregated"},
                         )
                     )

@@ -38,7 +38,7 @@ def test_a_flex_sweep_starts_each_engine_once(tmp_path):
             "--port",
             str(free_port()),
             "--serve-args",
-            "--model tiny --kv-cache-gib 0.25",
+            "--model tiny --kv-cache-gib 0.25 --disaggregate-min-tokens 0",
             "--output-dir",
             str(out),
         ],
@@ -47,9 +47,12 @@ def test_a_flex_sweep_starts_each_engine_once(tmp_path):
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    print(done.stdout)
-    assert "starting 3 flex worker(s) for every ratio" in done.stdout
-    assert done.stdout.count("roles set in") == 3
+    print(done.stdout, done.stderr[-2000:])
+    assert "starting 3 flex worker(s) for every ratio" in done.stderr  # progress goes to stderr
+    assert done.stderr.count("roles set in") == 3
+    assert all(
+        f"* {ratio} " in done.stdout or f"  {ratio} " in done.stdout for ratio in RATIOS.split(",")
+    )
     points = json.loads((out / "sweep.json").read_text())["points"]
     assert sorted({p["ratio"] for p in points}) == sorted(RATIOS.split(","))
     assert all(p["summary"]["failed"] == 0 for p in points)
