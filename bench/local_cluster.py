@@ -1,7 +1,9 @@
-"""A `pdserve serve` cluster as a child process, for the sweep: started in its own process
-group, ready once the router answers /health (serve starts the router only after every worker
-loaded its model), and always stopped, on every path out (worker/processes.py)."""
+"""A `pdserve serve` cluster (or plain vLLM, the reference) as a child process, for the
+sweep, the comparison scripts and the tests: started in its own process group, ready once it
+answers /health (serve starts the router only after every worker loaded its model), and always
+stopped, on every path out (worker/processes.py)."""
 
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,16 +48,72 @@ def local_cluster(
         str(log_dir),
         *serve_args,
     ]
-    process = spawn(command, log_dir / "serve.log")
+    with served(command, log_dir / "serve.log", port, "pdserve serve", ready_timeout_s) as url:
+        yield url
+
+
+@contextmanager
+def vllm_server(
+    model_dir: Path,
+    log_dir: Path,
+    ready_timeout_s: float,
+    served_model: str,
+    kv_cache_bytes: int,
+    port: int,
+) -> Iterator[str]:
+    """Plain vLLM (`vllm serve`: its OpenAI server) with a pdserve worker's engine settings and
+    threads: the reference pdserve is compared with. Yields its URL; logs to LOG_DIR/vllm.log."""
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_model,
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--seed",
+        "0",
+        "--kv-cache-memory-bytes",
+        str(kv_cache_bytes),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CACHE_ROOT": str(log_dir / "vllm-cache"),
+        "VLLM_RPC_BASE_PATH": str(log_dir / "vllm-rpc"),
+    }
+    for folder in ("VLLM_CACHE_ROOT", "VLLM_RPC_BASE_PATH"):  # vLLM makes neither itself
+        Path(env[folder]).mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / "vllm.log"
+    with served(command, log_path, port, "vLLM's api_server", ready_timeout_s, env) as url:
+        yield url
+
+
+@contextmanager
+def served(
+    command: list[str],
+    log_path: Path,
+    port: int,
+    what: str,
+    ready_timeout_s: float,
+    env: dict | None = None,
+) -> Iterator[str]:
+    """Yields the server's URL once its /health answers 200, while `command` runs in its own
+    process group; stopped on every path out."""
+    process = spawn(command, log_path, env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(
-            lambda: router_healthy(url),
-            process,
-            ready_timeout_s,
-            "pdserve serve",
-            log_dir / "serve.log",
-            poll_s=1.0,
+            lambda: router_healthy(url), process, ready_timeout_s, what, log_path, poll_s=1.0
         )
         yield url
     except ChildError as error:

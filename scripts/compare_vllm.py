@@ -23,7 +23,6 @@ each system's logs under OUTPUT_DIR/logs-SYSTEM/.
 import argparse
 import asyncio
 import json
-import os
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.arrivals import arrival_times
 from bench.client import Target
-from bench.local_cluster import local_cluster, router_healthy
+from bench.local_cluster import local_cluster, vllm_server
 from bench.metrics import Slo, Summary, distribution, summarize
 from bench.records import RequestRecord
 from bench.runner import run as run_benchmark
@@ -44,7 +43,7 @@ from bench.runner import warm_up
 from bench.workload import DEFAULT_INPUT_LEN, BenchRequest, Length, PromptText, load_tokenizer
 from bench.workload import mixed as mixed_workload
 from model_store.store import ensure_model
-from worker.processes import ChildError, free_port, spawn, stop_group, wait_until
+from worker.processes import free_port
 
 MODEL = "smollm2"
 KV_CACHE_GIB = 1
@@ -153,64 +152,15 @@ def serving(system: str, model_dir: Path, log_dir: Path, ready_timeout_s: float)
     """Yields the base URL while `system` runs; stops it (its whole process group) on the way
     out, whatever happened."""
     if SYSTEMS[system] is None:
-        with vllm_server(model_dir, log_dir, ready_timeout_s) as url:
+        with vllm_server(
+            model_dir, log_dir, ready_timeout_s, MODEL, KV_CACHE_GIB * 2**30, free_port()
+        ) as url:
             yield url
         return
     prefill, decode, options = SYSTEMS[system]
     serve_args = ["--kv-cache-gib", str(KV_CACHE_GIB), "--served-model-name", MODEL, *options]
     with local_cluster(prefill, decode, free_port(), log_dir, serve_args, ready_timeout_s) as url:
         yield url
-
-
-@contextmanager
-def vllm_server(model_dir: Path, log_dir: Path, ready_timeout_s: float) -> Iterator[str]:
-    """Plain vLLM with a lone pdserve worker's engine settings and threads."""
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--served-model-name",
-        MODEL,
-        "--dtype",
-        "float32",
-        "--enforce-eager",
-        "--kv-cache-memory-bytes",
-        str(KV_CACHE_GIB * 2**30),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        "VLLM_CACHE_ROOT": str(log_dir / "vllm-cache"),
-        "VLLM_RPC_BASE_PATH": str(log_dir / "vllm-rpc"),
-    }
-    for folder in ("VLLM_CACHE_ROOT", "VLLM_RPC_BASE_PATH"):  # vLLM makes neither itself
-        Path(env[folder]).mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / "vllm.log"
-    process = spawn(command, log_path, env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(
-            lambda: router_healthy(url),
-            process,
-            ready_timeout_s,
-            "vLLM's api_server",
-            log_path,
-            poll_s=1.0,
-        )
-        yield url
-    except ChildError as error:
-        raise RuntimeError(str(error)) from None
-    finally:
-        stop_group(process.pid, STOP_GRACE_S, process)
 
 
 async def measure(

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench import local_cluster
 from bench.local_cluster import router_healthy
 from model_store.store import ensure_model
 from settings.cluster_secret import SECRET_ENV
@@ -123,49 +124,15 @@ def vllm_server(smollm2_dir, tmp_path_factory) -> str:
     """vLLM's own OpenAI server (`vllm serve`) on the same model and engine settings as the
     workers: the reference the router's answers must equal. Yields its URL; stopped after the
     module that uses it (one engine fewer for the rest of the session)."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm-serve") / "vllm.log"
-    process = spawn(
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(smollm2_dir),
-            "--served-model-name",
-            SERVED_MODEL,
-            "--dtype",
-            "float32",
-            "--enforce-eager",
-            "--seed",
-            "0",
-            "--kv-cache-memory-bytes",
-            str(1 << 30),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
-        log,
-        env={
-            **os.environ,
-            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        },
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: _answers(f"{url}/health"), process, START_TIMEOUT_S, "vllm serve", log)
+    with local_cluster.vllm_server(
+        smollm2_dir,
+        tmp_path_factory.mktemp("vllm-serve"),
+        START_TIMEOUT_S,
+        SERVED_MODEL,
+        1 << 30,
+        free_port(),
+    ) as url:
         yield url
-    finally:
-        stop_group(process.pid, process=process)
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 @pytest.fixture(scope="session")
