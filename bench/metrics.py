@@ -90,6 +90,7 @@ class Summary:
     request_throughput: float  # successful requests / s
     output_throughput: float  # output tokens of successful requests / s
     total_token_throughput: float  # (input + output) tokens of successful requests / s
+    prefix_hit_rate: float  # prompt tokens served from a prefix cache / all prompt tokens
     ttft: Distribution
     tpot: Distribution
     itl: Distribution
@@ -129,6 +130,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: Slo | None =
         request_throughput=len(done) / duration_s,
         output_throughput=output_tokens / duration_s,
         total_token_throughput=(input_tokens + output_tokens) / duration_s,
+        prefix_hit_rate=sum(r.cached_tokens for r in done) / input_tokens if input_tokens else 0.0,
         ttft=distribution(samples["ttft"]),
         tpot=distribution(samples["tpot"]),
         itl=distribution(samples["itl"]),

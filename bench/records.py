@@ -34,6 +34,12 @@ class RequestRecord:
         return self.output_chunks
 
     @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the server served from its prefix cache (its usage says; else 0)."""
+        details = (self.usage or {}).get("prompt_tokens_details") or {}
+        return int(details.get("cached_tokens") or 0)
+
+    @property
     def input_tokens(self) -> int:
         """Prompt tokens: the server's `prompt_tokens` if reported, else the workload's count."""
         if self.usage and self.usage.get("prompt_tokens") is not None:

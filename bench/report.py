@@ -29,6 +29,7 @@ def table(summary: Summary, records: list[RequestRecord]) -> str:
         f"{'Request throughput (req/s):':<36} {summary.request_throughput:.2f}",
         f"{'Output token throughput (tok/s):':<36} {summary.output_throughput:.2f}",
         f"{'Total token throughput (tok/s):':<36} {summary.total_token_throughput:.2f}",
+        f"{'Prefix cache hit rate:':<36} {summary.prefix_hit_rate:.1%}",
     ]
     if summary.slo is not None:
         limits = ", ".join(

@@ -1,12 +1,16 @@
 """Which worker of a pool takes a request: pluggable policies, chosen with `--policy`.
 
-A policy sees the live candidates and picks one; it never waits. `least-loaded` compares what
-the workers themselves report (router/worker_load.py), so that every router ranks them alike.
+A policy sees the live candidates (and the request's prompt) and picks one; it never waits.
+`least-loaded` compares what the workers themselves report (router/worker_load.py), so that
+every router ranks them alike; `cache-aware` adds the prefix each worker likely has cached.
 """
 
 import itertools
 
+from router.prefix_index import PrefixIndex, chunk_hashes
 from router.worker_client import WorkerClient
+
+DECODE_REQUEST_TOKENS = 32  # cache-aware: a running request counts as this much prompt work
 
 
 class RoundRobin:
@@ -19,7 +23,7 @@ class RoundRobin:
     def __init__(self) -> None:
         self._turns: dict[str, itertools.count] = {}
 
-    def choose(self, candidates: list[WorkerClient]) -> WorkerClient:
+    def choose(self, candidates: list[WorkerClient], prompt: list[int] = ()) -> WorkerClient:
         turn = self._turns.setdefault(candidates[0].role, itertools.count())
         return candidates[next(turn) % len(candidates)]
 
@@ -30,8 +34,37 @@ class LeastLoaded:
 
     name = "least-loaded"
 
-    def choose(self, candidates: list[WorkerClient]) -> WorkerClient:
+    def choose(self, candidates: list[WorkerClient], prompt: list[int] = ()) -> WorkerClient:
         return min(candidates, key=lambda worker: worker.load.busyness(worker.role))
 
 
-POLICIES = {policy.name: policy for policy in (RoundRobin, LeastLoaded)}
+class CacheAware:
+    """The worker where the prompt costs least: the prompt tokens it likely has in its prefix
+    cache (router/prefix_index.py, from the prompts this router sent it) less the work it has
+    queued (prompt tokens yet to compute, running requests at DECODE_REQUEST_TOKENS each), as
+    SGLang's and Dynamo's routers weigh them. Ties go to the first candidate."""
+
+    name = "cache-aware"
+
+    def __init__(self) -> None:
+        self.index = PrefixIndex()
+
+    def choose(self, candidates: list[WorkerClient], prompt: list[int] = ()) -> WorkerClient:
+        hashes = chunk_hashes(list(prompt))
+
+        def gain(worker: WorkerClient) -> int:
+            report = worker.load.report
+            queued = worker.load.prompt_tokens_since + worker.load.requests_since * (
+                DECODE_REQUEST_TOKENS
+            )
+            if report is not None:
+                queued += report.outstanding_prefill_tokens
+                queued += report.running_requests * DECODE_REQUEST_TOKENS
+            return self.index.cached_tokens(worker.address, hashes) - queued
+
+        chosen = max(candidates, key=gain)
+        self.index.sent(chosen.address, hashes)
+        return chosen
+
+
+POLICIES = {policy.name: policy for policy in (RoundRobin, LeastLoaded, CacheAware)}

@@ -218,10 +218,13 @@ class RequestFlow:
         tried: set[str] = set()
         tried_prefill: set[str] = set()
         while True:
-            worker = run.decode_worker = self.pool.pick(TAKES_REQUESTS, frozenset(tried))
+            prompt = worker_request.prompt_token_ids
+            worker = run.decode_worker = self.pool.pick(
+                TAKES_REQUESTS, frozenset(tried), prompt=prompt
+            )
             prefill = None
             if run.route == DISAGGREGATED:
-                prefill = self._pick_prefill(run, worker, tried_prefill)
+                prefill = self._pick_prefill(run, worker, tried_prefill, prompt)
             headers = {
                 "x-request-id": run.request_id,
                 "x-pdserve-worker": worker.worker_id,
@@ -262,13 +265,13 @@ class RequestFlow:
             return first, self._migrating(run, worker_request, chunks), headers
 
     def _pick_prefill(
-        self, run: RequestRun, decode: WorkerClient, tried: set[str]
+        self, run: RequestRun, decode: WorkerClient, tried: set[str], prompt
     ) -> WorkerClient | None:
         """A prefill worker whose KV `decode` can take; with none (all gone since admission, or
         all incompatible with it: a misconfigured pool) the request takes the local path,
         counted in pdserve_kv_fallbacks_total{policy="no_prefill"} and logged with why."""
         try:
-            return self.pool.pick(("prefill",), frozenset(tried), pairs_with=decode)
+            return self.pool.pick(("prefill",), frozenset(tried), pairs_with=decode, prompt=prompt)
         except OpenAIError as error:
             log.warning("request %s: %s; local path", run.request_id, error.message)
             self.metrics.kv_fallbacks.labels("no_prefill").inc()

@@ -83,9 +83,11 @@ class WorkerPool:
         roles: tuple[str, ...],
         avoid: frozenset[str] = frozenset(),
         pairs_with: WorkerClient | None = None,
+        prompt: list[int] = (),
     ) -> WorkerClient:
         """`pairs_with`: only workers whose KV that worker can take (equal compatibility
-        fingerprints: the handshake between them would succeed)."""
+        fingerprints: the handshake between them would succeed). `prompt`: the request's token
+        ids, for a policy that weighs prefix-cache hits."""
         candidates = [w for w in self.live(roles) if w.address not in avoid]
         if not candidates:
             raise worker_unavailable(f"no {' or '.join(roles)} worker is available; retry later")
@@ -98,7 +100,7 @@ class WorkerPool:
                     f"{pairs_with.worker_id}'s (model, dtype, block size, layers, KV heads, head "
                     f"size or vLLM version differ)"
                 )
-        return self.policy.choose(candidates)
+        return self.policy.choose(candidates, prompt)
 
     def mark_down(self, worker: WorkerClient) -> None:
         log.warning("worker %s marked down", worker.address)

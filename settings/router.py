@@ -10,7 +10,7 @@ from settings.engine import Model
 from settings.tls import TlsDir
 from settings.worker import ClusterName
 
-POLICIES = ("least-loaded", "round-robin")
+POLICIES = ("least-loaded", "round-robin", "cache-aware")
 # When the decode worker of a disaggregated request hears of it (router/disaggregation.py).
 WITH_PREFILL, AFTER_PREFILL = "with-prefill", "after-prefill"
 ADMISSIONS = (WITH_PREFILL, AFTER_PREFILL)

@@ -1,0 +1,52 @@
+"""Which worker has computed what: the router's estimate of each worker's prefix cache.
+
+A prompt is cut into chunks of CHUNK_TOKENS tokens; each chunk is named by a hash of every
+token up to its end (so a chunk matches only after the same prefix, as vLLM's block hashes
+do). A worker's entry holds the chunk hashes of the prompts the router sent it, least recently
+used first out, bounded like the cache it estimates. The estimate is the router's own view: it
+does not see evictions, so it overestimates an old entry, and the bound keeps that short-lived.
+"""
+
+import hashlib
+from collections import OrderedDict
+
+CHUNK_TOKENS = 64  # a divisor of vLLM's block sizes (16 on GPU, 128 on CPU): chunk ends align
+MAX_CHUNKS_PER_WORKER = 65536  # 4M tokens: more than a CPU worker's KV cache holds
+
+
+def chunk_hashes(prompt_ids: list[int]) -> list[bytes]:
+    """One hash per whole chunk of the prompt, each covering all tokens before its end."""
+    hashes, running = [], hashlib.blake2b(digest_size=16)
+    for end in range(CHUNK_TOKENS, len(prompt_ids) + 1, CHUNK_TOKENS):
+        running.update(
+            b"".join(t.to_bytes(4, "little") for t in prompt_ids[end - CHUNK_TOKENS : end])
+        )
+        hashes.append(running.copy().digest())
+    return hashes
+
+
+class PrefixIndex:
+    def __init__(self, max_chunks: int = MAX_CHUNKS_PER_WORKER) -> None:
+        self.max_chunks = max_chunks
+        self._chunks: dict[str, OrderedDict[bytes, None]] = {}  # worker address -> chunks
+
+    def cached_tokens(self, address: str, hashes: list[bytes]) -> int:
+        """Leading prompt tokens the worker likely has in its prefix cache."""
+        chunks = self._chunks.get(address)
+        matched = 0
+        while chunks is not None and matched < len(hashes) and hashes[matched] in chunks:
+            matched += 1
+        return matched * CHUNK_TOKENS
+
+    def sent(self, address: str, hashes: list[bytes]) -> None:
+        """The worker computes (or receives) these chunks now."""
+        chunks = self._chunks.setdefault(address, OrderedDict())
+        for digest in hashes:
+            chunks[digest] = None
+            chunks.move_to_end(digest)
+        while len(chunks) > self.max_chunks:
+            chunks.popitem(last=False)
+
+    def forget(self, address: str) -> None:
+        """A worker that left (or restarted) has an empty cache."""
+        self._chunks.pop(address, None)

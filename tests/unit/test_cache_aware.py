@@ -1,0 +1,60 @@
+"""router/prefix_index.py and the cache-aware policy over fake workers (named fakes: an address
+and a load report): prompts that share a prefix go where it is cached, unless that worker is
+far busier; prompts that share nothing spread by load."""
+
+from router.policies import DECODE_REQUEST_TOKENS, CacheAware
+from router.prefix_index import CHUNK_TOKENS, PrefixIndex, chunk_hashes
+from router.worker_load import WorkerLoad
+from worker.protocol import worker_pb2
+
+
+class FakeWorker:
+    def __init__(self, name: str) -> None:
+        self.address = self.worker_id = name
+        self.role = "prefill"
+        self.load = WorkerLoad()
+
+
+def prompt(prefix: int, length: int) -> list[int]:
+    """`length` tokens: the first 3/4 from prefix family `prefix`, then unique ones."""
+    shared = [prefix * 1000 + i for i in range(length * 3 // 4)]
+    return shared + [10**6 + prefix * 10**4 + length + i for i in range(length - len(shared))]
+
+
+def test_a_chunk_matches_only_after_the_same_prefix():
+    a = chunk_hashes(list(range(3 * CHUNK_TOKENS)))
+    b = chunk_hashes([9] + list(range(1, 3 * CHUNK_TOKENS)))
+    assert len(a) == 3 and not set(a) & set(b)
+    assert chunk_hashes(list(range(3 * CHUNK_TOKENS + 10)))[:3] == a  # the partial tail: none
+    index = PrefixIndex()
+    index.sent("w", a[:2])
+    assert index.cached_tokens("w", a) == 2 * CHUNK_TOKENS
+    assert index.cached_tokens("w", b) == 0 and index.cached_tokens("other", a) == 0
+
+
+def test_the_index_keeps_the_most_recent_chunks():
+    index = PrefixIndex(max_chunks=2)
+    first, second = chunk_hashes(list(range(CHUNK_TOKENS))), chunk_hashes([7] * CHUNK_TOKENS)
+    index.sent("w", first)
+    index.sent("w", second)
+    index.sent("w", chunk_hashes([8] * CHUNK_TOKENS))
+    assert index.cached_tokens("w", first) == 0 and index.cached_tokens("w", second) == CHUNK_TOKENS
+
+
+def test_shared_prefixes_stick_to_their_worker_and_families_spread():
+    policy, workers = CacheAware(), [FakeWorker("a"), FakeWorker("b")]
+    picks = {}
+    for request in range(8):
+        family = request % 2
+        chosen = policy.choose(workers, prompt(family, 512 + request))
+        chosen.load.sent(0)  # the router's own count resets with each report; keep it level
+        picks.setdefault(family, set()).add(chosen.address)
+    assert picks[0] != picks[1] and all(len(seen) == 1 for seen in picks.values())
+
+
+def test_a_cached_prefix_loses_to_a_long_enough_queue():
+    policy, workers = CacheAware(), [FakeWorker("a"), FakeWorker("b")]
+    first = policy.choose(workers, prompt(0, 1024))
+    busy = 2 * 1024 // DECODE_REQUEST_TOKENS
+    first.load.reported(worker_pb2.StatsReply(running_requests=busy))
+    assert policy.choose(workers, prompt(0, 1024)).address != first.address
