@@ -15,8 +15,6 @@ from planner.model_spec import MODEL_PRESETS, ModelSpec, from_hf_config
 from settings.base import ConfigError
 from settings.cluster_file import ClusterFile, PoolSection
 
-ROLES = ("prefill", "decode")
-
 
 @dataclass(frozen=True)
 class WorkerSlot:
@@ -40,12 +38,12 @@ def worker_slots(
     counts: dict[str, int] | None = None,
     first_index: dict[str, int] | None = None,
 ) -> list[WorkerSlot]:
-    """The workers of each pool, `counts[role]` of them (default: the file's replicas), named
-    from `first_index[role]` on (scale-up names new workers after the existing ones)."""
+    """The workers of each pool, `counts[role]` of them (default: the file's replicas; a pool
+    not in `counts`: none), named from `first_index[role]` on (scale-up names new workers after
+    the existing ones)."""
     slots = []
-    for role in ROLES:
-        pool = config.pool(role)
-        count = pool.replicas if counts is None else counts[role]
+    for role, pool in config.pools().items():
+        count = pool.replicas if counts is None else counts.get(role, 0)
         start = (first_index or {}).get(role, 0)
         slots += [
             WorkerSlot(f"{role}-{start + i}", role, pool.tensor_parallel_size, bundles(pool))
@@ -58,9 +56,9 @@ def slot_named(config: ClusterFile, name: str) -> WorkerSlot:
     """The slot of worker `name` ("decode-3"), as `worker_slots` names it: what the replica
     keeper starts again when that worker dies."""
     role, index = name.rsplit("-", 1)
-    if role not in ROLES or not index.isdigit():
-        raise ValueError(f"not a worker name: {name!r}")
-    return worker_slots(config, {r: int(r == role) for r in ROLES}, {role: int(index)})[0]
+    if role not in config.pools() or not index.isdigit():
+        raise ValueError(f"not a worker name of this cluster: {name!r}")
+    return worker_slots(config, {role: 1}, {role: int(index)})[0]
 
 
 def model_shape(config: ClusterFile) -> ModelSpec:
@@ -89,10 +87,9 @@ def check_layout(config: ClusterFile, model: ModelSpec) -> None:
     """Tensor parallelism must split the attention heads evenly, and shard the KV heads as vLLM
     does (TP divides them, or they divide TP and each is replicated). The two pools' TPs may
     differ: the KV transfer re-shards the heads between them."""
-    for role in ROLES:
-        pool = config.pool(role)
+    for role, pool in config.pools().items():
         tp = pool.tensor_parallel_size
-        if not pool.replicas and role == "prefill":
+        if not pool.replicas:
             continue
         if model.num_attention_heads % tp:
             raise ConfigError(

@@ -8,7 +8,8 @@ through the path `up` uses: the old actor is killed and its placement group remo
 group and actor of the same name start the worker, which joins the pools once its engine is
 ready. Each slot waits out a crash-loop back-off first (cluster/crash_loop.py). It replaces; it
 never adds or removes: `scale` tells it what to keep (`keep`) after its new workers joined and
-before its surplus workers drain, and `down` kills it first, so neither is fought.
+before its surplus workers drain, and `down` kills it first, so neither is fought. A replaced
+flex worker joins with no role, and the router gives it one as to any new flex worker.
 
 Replacements are counted in `pdserve_worker_replacements_total{role}` (and failed starts in
 `pdserve_worker_replacement_failures_total{role}`) on its own Prometheus endpoint, whose URL
@@ -28,7 +29,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster import ray_launcher
 from cluster.crash_loop import CrashLoopBackoff
-from cluster.placement import ROLES, slot_named
+from cluster.placement import slot_named
 from settings.cluster_file import ClusterFile
 
 KEEPER = "replica-keeper"
@@ -80,7 +81,7 @@ class ReplicaKeeper:
             ["role"],
             registry=metrics,
         )
-        for role in ROLES:  # both series exist from the start, at 0
+        for role in config.pools():  # every pool's series exist from the start, at 0
             self.replacements.labels(role)
             self.failures.labels(role)
         from worker.processes import free_port
@@ -109,8 +110,10 @@ class ReplicaKeeper:
         kept = dict(self.kept)
         return {
             "keeping": sorted(kept),
-            "replacements": {r: self._count("replacements", r) for r in ROLES},
-            "failed_starts": {r: self._count("replacement_failures", r) for r in ROLES},
+            "replacements": {r: self._count("replacements", r) for r in self.config.pools()},
+            "failed_starts": {
+                r: self._count("replacement_failures", r) for r in self.config.pools()
+            },
             "waiting": {
                 name: round(backoff.wait_left(now), 1)
                 for name, backoff in kept.items()

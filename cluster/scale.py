@@ -1,8 +1,12 @@
 """`pdserve scale --prefill N --decode M`: change the ratio of a running cluster, live.
 
-New workers start first and join the pools (the router follows the registry); then surplus
-workers drain: each leaves the pools, keeps serving for a grace period while the router's view
-catches up, finishes its requests in flight, and only then stops. The newest workers go first.
+On a cluster of flex workers (the file's `flex:` pool) nothing starts or stops: the router gives
+the workers their new roles (`POST /pdserve/roles`), in effect from its next request on.
+
+On a fixed-role cluster, new workers start first and join the pools (the router follows the
+registry); then surplus workers drain: each leaves the pools, keeps serving for a grace period
+while the router's view catches up, finishes its requests in flight, and only then stops. The
+newest workers go first.
 The replica keeper's list is the cluster's workers: scale reads it, and tells the keeper what to
 keep once the new workers have joined and before the surplus ones drain, so the keeper neither
 replaces a worker scale stops nor misses one it started.
@@ -15,9 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from cluster import ray_launcher, replica_keeper
-from cluster.cluster_target import add_target_arguments, target_state
+from cluster.cluster_state import ClusterState
+from cluster.cluster_target import add_target_arguments, router_roles, target_state
 from cluster.console import say
-from cluster.placement import ROLES, check_resources, worker_slots
+from cluster.placement import check_resources, worker_slots
 from cluster.up import threads_per_worker, wait_joined
 from settings import tls
 from settings.base import ConfigError
@@ -27,6 +32,7 @@ from worker.protocol import worker_pb2, worker_pb2_grpc
 
 DRAIN_GRACE_S = 2.0  # the router reads membership every 0.1 s; margin for a busy host
 DRAIN_TIMEOUT_S = 600.0  # the longest a request may take (router.request_timeout_s)
+ROLES = ("prefill", "decode")  # the pools of a fixed-role cluster
 
 
 def add_parser(subparsers) -> None:
@@ -41,14 +47,16 @@ def add_parser(subparsers) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="prefill workers wanted (default: unchanged)",
+        help="prefill workers wanted (default: unchanged); on a flex cluster, flex workers "
+        "in the prefill role",
     )
     parser.add_argument(
         "--decode",
         type=int,
         default=None,
         metavar="M",
-        help="decode workers wanted, at least 1 (default: unchanged)",
+        help="decode workers wanted, at least 1 (default: unchanged); on a flex cluster, flex "
+        "workers in the decode role (with only one of the two given, the rest take the other)",
     )
     parser.add_argument(
         "--drain-timeout",
@@ -56,7 +64,7 @@ def add_parser(subparsers) -> None:
         default=DRAIN_TIMEOUT_S,
         metavar="SECONDS",
         help="how long a leaving worker may take to finish its requests before it "
-        f"stops anyway (default: {DRAIN_TIMEOUT_S:.0f})",
+        f"stops anyway (default: {DRAIN_TIMEOUT_S:.0f}; a flex cluster stops none)",
     )
     parser.set_defaults(run=run)
 
@@ -70,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--decode: at least 1 decode worker is needed")
         if args.prefill is not None and args.prefill < 0:
             raise ConfigError("--prefill: must be >= 0")
+        if config.is_flex:
+            return move_roles(state, args.prefill, args.decode, started)
         ray_launcher.connect(state.ray_address, state.name)
         kept = replica_keeper.kept_names()
         current = {role: [name for name in kept if name.startswith(f"{role}-")] for role in ROLES}
@@ -122,6 +132,24 @@ def run(args: argparse.Namespace) -> int:
         f"{time.monotonic() - started:.1f} s"
     )
     return 0 if all(drained) else 1
+
+
+def move_roles(state: ClusterState, prefill: int | None, decode: int | None, started: float) -> int:
+    """The flex cluster's new split, set by its router; prints each worker that moved."""
+    split = {key: n for key, n in (("prefill", prefill), ("decode", decode)) if n is not None}
+    if not split:
+        raise ConfigError("give --prefill and/or --decode")
+    reply = router_roles(state, split)
+    for change in reply["changes"]:
+        say(f"{change['worker']}: {change['from']} -> {change['to']}")
+    counts = reply["flex"]
+    standby = f" ({counts['standby']} on standby)" if counts["standby"] else ""
+    say(
+        f"roles set to {counts['prefill']} prefill + {counts['decode']} decode{standby} in "
+        f"{time.monotonic() - started:.2f} s ({len(reply['changes'])} worker(s) moved, no "
+        "engine restarted)"
+    )
+    return 0
 
 
 def drain(name: str, timeout_s: float) -> bool:

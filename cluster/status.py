@@ -1,6 +1,7 @@
 """`pdserve status`: each pool's workers with their load and placement (node, GPU ids), from
 the registry (what the router sees) and from Ray (what runs), and what the replica keeper does
-(workers it keeps, replacements so far, back-offs, its metrics URL and latest events)."""
+(workers it keeps, replacements so far, back-offs, its metrics URL and latest events). A flex
+worker's current role comes from the router, which assigns it."""
 
 import argparse
 import json
@@ -8,7 +9,7 @@ import sys
 from dataclasses import asdict
 
 from cluster import ray_launcher, replica_keeper
-from cluster.cluster_target import add_target_arguments, target_state
+from cluster.cluster_target import add_target_arguments, router_roles, target_state
 from settings.base import ConfigError
 from worker.registry import read_members
 
@@ -96,25 +97,49 @@ def run(args: argparse.Namespace) -> int:
         "workers": rows,
         "keeper": keeper,
     }
+    if any(row["role"] == "flex" for row in rows):
+        report["flex"] = flex_roles(state, rows)
     print(json.dumps(report, indent=2) if args.json else _table(report))
     return 0
+
+
+def flex_roles(state, rows: list[dict]) -> dict:
+    """Sets each flex row's `serves` (prefill, decode, standby) from the router; returns the
+    split, or {"error": why} when the router cannot say."""
+    try:
+        view = router_roles(state)
+    except (ConfigError, RuntimeError) as error:
+        return {"error": str(error)}
+    serves = {worker["worker"]: worker["role"] for worker in view["workers"] if worker["flex"]}
+    for row in rows:
+        if row["role"] == "flex":
+            row["serves"] = serves.get(row["worker"], "")
+    return view["flex"]
 
 
 def _table(report: dict) -> str:
     lines = [
         f"cluster {report['name']}: router {report['router']}  ray {report['ray']}  "
         f"registry {report['registry']}",
-        f"{'worker':<11} {'role':<8} {'state':<12} {'address':<21} {'node':<14} "
+        f"{'worker':<11} {'role':<12} {'state':<12} {'address':<21} {'node':<14} "
         f"{'GPUs':<6} {'run':>4} {'wait':>4} {'KV blocks':>11}",
     ]
     for row in sorted(report["workers"], key=lambda r: (r["role"], r["worker"])):
         load = row["load"] or {}
         kv = f"{load['kv_blocks_used']}/{load['kv_blocks_total']}" if load else "-"
+        role = f"{row['role']}/{row['serves']}" if row.get("serves") else row["role"]
         lines.append(
-            f"{row['worker']:<11} {row['role']:<8} {row['state']:<12} "
+            f"{row['worker']:<11} {role:<12} {row['state']:<12} "
             f"{row['address']:<21} {row['node'][:12]:<14} "
             f"{','.join(row['gpu_ids']) or '-':<6} {load.get('running_requests', '-'):>4} "
             f"{load.get('waiting_requests', '-'):>4} {kv:>11}"
+        )
+    if flex := report.get("flex"):
+        lines.append(
+            f"flex roles: {flex['error']}"
+            if "error" in flex
+            else f"flex roles: {flex['prefill']} prefill, {flex['decode']} decode, "
+            f"{flex['standby']} standby (set with pdserve scale)"
         )
     keeper = report["keeper"]
     if "error" in keeper:

@@ -6,6 +6,9 @@ file asks for that is not there (a local Ray head without --address, a Redis ser
 joined the registry; start the router; start the replica keeper, which from then on replaces a
 worker that dies (cluster/replica_keeper.py); print the endpoint. A failure on the way removes
 what was started. `--dry-run` stops after the checks and prints the plan.
+
+A `flex:` pool's workers (`flex-0`, ...) start like any other; the router gives each its role as
+it joins (half prefill, rounded down), and `pdserve scale` changes the roles, not the workers.
 """
 
 import argparse
@@ -143,12 +146,18 @@ def run(args: argparse.Namespace) -> int:
             say("removing what was started")
             tear_down(state)
         return 1
+    flex_note = (
+        "flex workers: the router splits them (half prefill, rounded down); "
+        f"`pdserve scale -f {args.file} --prefill N` moves them\n"
+        if config.is_flex
+        else ""
+    )
     say(
         f"pdserve up: {len(slots)} worker(s) and the router ready after "
         f"{time.monotonic() - started:.0f} s\n"
         f"endpoint: {state.router_url}/v1 (model: {config.served_model})\n"
         f"replica keeper: replaces a worker that dies; metrics at {metrics_url}\n"
-        f"logs: {state.log_dir}\nstop with: pdserve down -f {args.file}"
+        f"{flex_note}logs: {state.log_dir}\nstop with: pdserve down -f {args.file}"
     )
     return 0
 

@@ -85,6 +85,15 @@ class DecodePoolSection(PoolSection):
     kv_failure_policy: KvFailurePolicy
 
 
+class FlexPoolSection(PoolSection):
+    """Workers that can play either role: the router gives each one prefill, decode or standby
+    and changes it live (router/flex_roles.py), so they carry both pools' knobs."""
+
+    replicas: int = Field(0, ge=0)  # 0: none, the cluster has prefill and decode pools
+    kv_send_buffer_mib: KvSendBufferMib
+    kv_failure_policy: KvFailurePolicy
+
+
 class TransportSection(Settings):
     kind: KvTransport
     kv_timeout_s: KvTimeoutS
@@ -125,6 +134,7 @@ class ClusterFile(Settings):
     engine: EngineSection = Field(default_factory=EngineSection)
     prefill: PrefillPoolSection = Field(default_factory=PrefillPoolSection)
     decode: DecodePoolSection = Field(default_factory=DecodePoolSection)
+    flex: FlexPoolSection = Field(default_factory=FlexPoolSection)
     transport: TransportSection = Field(default_factory=TransportSection)
     router: RouterSection = Field(default_factory=RouterSection)
     registry: RegistrySection = Field(default_factory=RegistrySection)
@@ -140,8 +150,18 @@ class ClusterFile(Settings):
     def served_model(self) -> str:
         return self.model.served_name or self.model.path
 
+    @property
+    def is_flex(self) -> bool:
+        return self.flex.replicas > 0
+
+    def pools(self) -> dict[str, PoolSection]:
+        """The pools whose workers `up` starts, by role: flex alone, or prefill and decode."""
+        if self.is_flex:
+            return {"flex": self.flex}
+        return {"prefill": self.prefill, "decode": self.decode}
+
     def pool(self, role: str) -> PoolSection:
-        return {"prefill": self.prefill, "decode": self.decode}[role]
+        return self.pools()[role]
 
     def worker_settings(self, role: str, registry_url: str) -> WorkerSettings:
         """What a worker of pool `role` starts with (its launcher sets id, host and port)."""
@@ -156,10 +176,7 @@ class ClusterFile(Settings):
             quantization=self.model.quantization,
             enforce_eager=self.engine.enforce_eager,
         )
-        if role == "decode":
-            policy = {"kv_failure_policy": pool.kv_failure_policy}
-        else:
-            policy = {"kv_send_buffer_mib": pool.kv_send_buffer_mib}
+        policy = pool.model_dump(include={"kv_failure_policy", "kv_send_buffer_mib"})
         return WorkerSettings(
             role=role,
             registry=registry_url,
@@ -212,6 +229,18 @@ def parse_cluster(document) -> ClusterFile:
             for key, value in document.items()
         }
     try:
-        return ClusterFile.model_validate(document if document is not None else {})
+        config = ClusterFile.model_validate(document if document is not None else {})
     except ValidationError as error:
         raise refusal(error, ClusterFile) from None
+    check_flex_alone(config)
+    return config
+
+
+def check_flex_alone(config: ClusterFile) -> None:
+    """A cluster is all flex or all fixed-role: `scale` then either moves roles or starts and
+    stops workers, never both, and the router's split covers every worker."""
+    if config.is_flex and (fixed := {"prefill", "decode"} & config.model_fields_set):
+        raise ConfigError(
+            f"flex: a cluster of flex workers has no {' or '.join(sorted(fixed))} section (the "
+            "router splits the flex workers between prefill and decode); remove it"
+        )
