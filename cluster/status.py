@@ -9,6 +9,7 @@ import sys
 from dataclasses import asdict
 
 from cluster import ray_launcher, replica_keeper
+from cluster.cluster_state import ClusterState
 from cluster.cluster_target import add_target_arguments, router_roles, target_state
 from settings.base import ConfigError
 from worker.registry import read_members
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def flex_roles(state, rows: list[dict]) -> dict:
+def flex_roles(state: ClusterState, rows: list[dict]) -> dict:
     """Sets each flex row's `serves` (prefill, decode, standby) from the router; returns the
     split, or {"error": why} when the router cannot say."""
     try:
