@@ -68,6 +68,7 @@ class RequestRun:
     prefill: PrefillOutcome | None = None  # the prefill leg, when disaggregated
     decode_worker: WorkerClient | None = None
     first_token_at: float | None = None
+    second_token_at: float | None = None  # disaggregated: the decode worker's first, usually
     last_token_at: float | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -455,6 +456,7 @@ class RequestFlow:
             self.metrics.ttft.observe(now - run.arrival)
         else:
             self.metrics.inter_token.observe(now - run.last_token_at)
+            run.second_token_at = run.second_token_at or now
         run.last_token_at = now
         run.completion_tokens += len(chunk.token_ids)
         if run.choices == 1:
@@ -545,6 +547,11 @@ def timing_breakdown(run: RequestRun) -> dict:
         "request_id": run.request_id,
         "route": run.route,
         "ttft": run.first_token_at - run.arrival if run.first_token_at else None,
+        # The hand-off: on the disaggregated path the first token is the prefill worker's and
+        # the second the decode worker's.
+        "first_to_second_token": (
+            run.second_token_at - run.first_token_at if run.second_token_at else None
+        ),
     }
     decode = run.last_chunk.timing if run.last_chunk is not None else None
     if run.route == LOCAL and decode is not None:
