@@ -55,6 +55,7 @@ async def complete(
             "prompt": PROMPTS[index],
             "max_tokens": max_tokens,
             "temperature": 0,
+            "ignore_eos": max_tokens == LONG_MAX_TOKENS,  # seconds of decoding, whatever comes
         },
         headers={"x-pdserve-route": "disaggregated"},
     )
