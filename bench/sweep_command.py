@@ -14,8 +14,6 @@ import shlex
 import sys
 from pathlib import Path
 
-import httpx
-
 from bench.arrivals import arrival_times
 from bench.client import Target, first_model, make_http_client
 from bench.local_cluster import ClusterStartError, local_cluster
@@ -26,7 +24,8 @@ from bench.runner import run as run_benchmark
 from bench.runner import warm_up
 from bench.sweep import Ratio, SweepPoint, sweep_table, write_sweep_json
 from bench.workload import BenchRequest
-from cluster.roles import API_KEY_ENV
+from cluster.roles import API_KEY_ENV, ask_roles
+from settings.base import ConfigError
 
 
 def add_parser(subparsers) -> None:
@@ -140,20 +139,11 @@ def _flex_sweep(args, ratios, rates, requests, slo, points: list[SweepPoint]) ->
 
 def _set_roles(url: str, ratio: Ratio) -> float:
     """Give the flex workers the ratio's roles; the seconds the router took."""
-    reply = httpx.post(
-        f"{url}/pdserve/roles",
-        json={"prefill": ratio.prefill, "decode": ratio.decode},
-        headers=_auth_headers(),
-        timeout=30,
-    )
-    if reply.status_code != 200:
-        raise ClusterStartError(f"could not set ratio {ratio.label}: {reply.text}")
-    return reply.json()["seconds"]
-
-
-def _auth_headers() -> dict:
-    key = os.environ.get(API_KEY_ENV, "")
-    return {"authorization": f"Bearer {key}"} if key else {}
+    split = {"prefill": ratio.prefill, "decode": ratio.decode}
+    try:
+        return ask_roles(url, split, os.environ.get(API_KEY_ENV, ""))["seconds"]
+    except (ConfigError, RuntimeError) as error:
+        raise ClusterStartError(f"could not set ratio {ratio.label}: {error}") from None
 
 
 def _run_rates(url, args, ratio: Ratio, rates, requests, slo, points: list[SweepPoint]) -> None:

@@ -6,16 +6,13 @@ import argparse
 import os
 from pathlib import Path
 
-import httpx
-
 from cluster.cluster_state import ClusterState, load_state, state_path
-from cluster.roles import API_KEY_ENV
+from cluster.roles import API_KEY_ENV, ask_roles
 from settings.base import ConfigError
 from settings.cluster_file import load_cluster_file
 from settings.cluster_secret import SECRET_ENV
 
 ROUTER_KEYS_ENV = "PDSERVE_API_KEYS"  # the router's keys (router/api_keys.py)
-ROUTER_CALL_TIMEOUT_S = 10.0
 
 
 def add_target_arguments(parser) -> None:
@@ -43,25 +40,5 @@ def router_api_key() -> str:
 
 
 def router_roles(state: ClusterState, split: dict[str, int] | None = None) -> dict:
-    """The router's flex roles (`GET /pdserve/roles`), or the reply to setting `split`
-    (`POST`: {"prefill": N, "decode": M}, either may be missing). ConfigError with the router's
-    reason when it refuses the split, RuntimeError when it cannot be asked."""
-    url = f"{state.router_url}/pdserve/roles"
-    key = router_api_key()
-    headers = {"authorization": f"Bearer {key}"} if key else {}
-    try:
-        if split is None:
-            response = httpx.get(url, headers=headers, timeout=ROUTER_CALL_TIMEOUT_S)
-        else:
-            response = httpx.post(url, json=split, headers=headers, timeout=ROUTER_CALL_TIMEOUT_S)
-    except httpx.HTTPError as error:
-        raise RuntimeError(f"cannot reach the router at {url}: {error}") from None
-    if response.status_code == 200:
-        return response.json()
-    try:
-        reason = response.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        reason = response.text
-    if response.status_code == 400:
-        raise ConfigError(reason)
-    raise RuntimeError(f"the router at {url} answered {response.status_code}: {reason}")
+    """The cluster router's flex roles, or its reply to setting `split` (cluster/roles.py)."""
+    return ask_roles(state.router_url, split, router_api_key())

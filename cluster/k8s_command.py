@@ -48,6 +48,13 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"pdserve k8s render: refused: {error}", file=sys.stderr)
         return 2
+    if "flex" in config.pools():
+        print(
+            "pdserve k8s render: refused: a cluster of flex workers has no Kubernetes overlay "
+            "yet; use prefill: and decode: pools (or `pdserve up` on KubeRay)",
+            file=sys.stderr,
+        )
+        return 2
     out = (args.out or OVERLAYS / args.file.stem / args.mode).resolve()
     write(render(config, args.mode, out), out)
     print(f"wrote {out}: kubectl apply -k {out}", file=sys.stderr)

@@ -7,7 +7,10 @@ import sys
 
 import httpx
 
+from settings.base import ConfigError
+
 API_KEY_ENV = "PDSERVE_API_KEY"
+ROUTER_CALL_TIMEOUT_S = 10.0
 
 
 def add_parser(subparsers) -> None:
@@ -32,24 +35,41 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    url = f"{args.url.rstrip('/')}/pdserve/roles"
-    asked = {key: getattr(args, key) for key in ("prefill", "decode")}
+def ask_roles(router_url: str, split: dict | None = None, api_key: str = "") -> dict:
+    """The router's roles (`GET /pdserve/roles`), or its reply to setting `split` (`POST`:
+    {"prefill": N, "decode": M}, either may be missing). ConfigError with the router's reason
+    when it refuses the split; RuntimeError when it cannot be asked."""
+    url = f"{router_url.rstrip('/')}/pdserve/roles"
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        if all(value is None for value in asked.values()):
-            response = httpx.get(url, headers=headers, timeout=10)
+        if split is None:
+            response = httpx.get(url, headers=headers, timeout=ROUTER_CALL_TIMEOUT_S)
         else:
-            body = {key: value for key, value in asked.items() if value is not None}
-            response = httpx.post(url, json=body, headers=headers, timeout=10)
+            response = httpx.post(url, json=split, headers=headers, timeout=ROUTER_CALL_TIMEOUT_S)
     except httpx.HTTPError as error:
-        print(f"pdserve roles: cannot reach {url}: {error}", file=sys.stderr)
+        raise RuntimeError(f"cannot reach the router at {url}: {error}") from None
+    if response.status_code == 200:
+        return response.json()
+    try:
+        reason = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        reason = response.text
+    if response.status_code == 400:
+        raise ConfigError(reason)
+    raise RuntimeError(f"the router at {url} answered {response.status_code}: {reason}")
+
+
+def run(args: argparse.Namespace) -> int:
+    asked = {key: getattr(args, key) for key in ("prefill", "decode")}
+    split = {key: value for key, value in asked.items() if value is not None} or None
+    try:
+        view = ask_roles(args.url, split, args.api_key)
+    except ConfigError as error:
+        print(f"pdserve roles: refused: {error}", file=sys.stderr)
+        return 2
+    except RuntimeError as error:
+        print(f"pdserve roles: {error}", file=sys.stderr)
         return 1
-    if response.status_code != 200:
-        message = response.json().get("error", {}).get("message", response.text)
-        print(f"pdserve roles: {response.status_code}: {message}", file=sys.stderr)
-        return 1
-    view = response.json()
     for change in view.get("changes", []):
         print(f"{change['worker']}: {change['from']} -> {change['to']}")
     for worker in view["workers"]:
