@@ -24,13 +24,10 @@ from cluster.cluster_target import add_target_arguments, router_roles, target_st
 from cluster.console import say
 from cluster.placement import check_resources, worker_slots
 from cluster.up import threads_per_worker, wait_joined
-from settings import tls
 from settings.base import ConfigError
 from settings.cluster_file import load_cluster_file
-from settings.cluster_secret import secret_metadata
-from worker.protocol import worker_pb2, worker_pb2_grpc
+from worker.drain import request_drain
 
-DRAIN_GRACE_S = 2.0  # the router reads membership every 0.1 s; margin for a busy host
 DRAIN_TIMEOUT_S = 600.0  # the longest a request may take (router.request_timeout_s)
 ROLES = ("prefill", "decode")  # the pools of a fixed-role cluster
 
@@ -159,16 +156,11 @@ def drain(name: str, timeout_s: float) -> bool:
         say(f"{name}: no address (already gone); stopping it")
         return True
     say(f"draining {name} ({address})")
-    with tls.channel(address) as channel:
-        try:
-            reply = worker_pb2_grpc.WorkerStub(channel).Drain(
-                worker_pb2.DrainRequest(grace_seconds=DRAIN_GRACE_S, timeout_seconds=timeout_s),
-                timeout=timeout_s + DRAIN_GRACE_S + 30,
-                metadata=secret_metadata(),
-            )
-        except grpc.RpcError as error:
-            say(f"{name}: drain failed ({error.code().name}: {error.details()}); stopping it")
-            return False
+    try:
+        reply = request_drain(address, timeout_s)
+    except grpc.RpcError as error:
+        say(f"{name}: drain failed ({error.code().name}: {error.details()}); stopping it")
+        return False
     say(
         f"{name}: drained in {reply.seconds:.1f} s"
         + ("" if reply.drained else f", {reply.requests_left} request(s) cut at the timeout")

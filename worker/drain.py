@@ -16,20 +16,26 @@ from settings import tls
 from settings.cluster_secret import secret_metadata
 from worker.protocol import worker_pb2, worker_pb2_grpc
 
-GRACE_S = 2.0  # as `pdserve scale`: the routers read membership every 0.1 s
+GRACE_S = 2.0  # the routers read membership every 0.1 s; margin for a busy host
+
+
+def request_drain(address: str, timeout_s: float) -> worker_pb2.DrainReply:
+    """The worker's Drain, with the grace the routers need to stop sending it requests (the
+    one call `pdserve scale` and the preStop hook both make; raises grpc.RpcError)."""
+    with tls.channel(address) as channel:
+        return worker_pb2_grpc.WorkerStub(channel).Drain(
+            worker_pb2.DrainRequest(grace_seconds=GRACE_S, timeout_seconds=timeout_s),
+            timeout=timeout_s + GRACE_S + 30,
+            metadata=secret_metadata(),
+        )
 
 
 def drain(address: str, timeout_s: float) -> bool:
-    with tls.channel(address) as channel:
-        try:
-            reply = worker_pb2_grpc.WorkerStub(channel).Drain(
-                worker_pb2.DrainRequest(grace_seconds=GRACE_S, timeout_seconds=timeout_s),
-                timeout=timeout_s + GRACE_S + 10,
-                metadata=secret_metadata(),
-            )
-        except grpc.RpcError as error:
-            print(f"drain {address}: {error.code().name}: {error.details()}", file=sys.stderr)
-            return False
+    try:
+        reply = request_drain(address, timeout_s)
+    except grpc.RpcError as error:
+        print(f"drain {address}: {error.code().name}: {error.details()}", file=sys.stderr)
+        return False
     print(f"drain {address}: {reply.seconds:.1f} s, {reply.requests_left} request(s) left")
     return reply.drained
 
