@@ -48,10 +48,6 @@ UNSUPPORTED = {
     "watermarking": "watermarking is not supported",
 }
 
-# vLLM's parameters that are accepted and change nothing on pdserve (vLLM's server ignores
-# them on these endpoints too, or they only tune how output is chunked).
-ACCEPTED_NO_EFFECT = ("session_id", "stream_interval", "return_token_offsets", "mm_payload")
-
 # vLLM SamplingParams fields the router passes to the workers untouched (by vLLM's names): a
 # new one is a field on SamplingFields and a name here.
 VLLM_PASS_THROUGH = (
@@ -184,6 +180,8 @@ class SamplingFields(RequestModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Accepted, no effect: vLLM's server ignores them on these endpoints too, or they only
+    # tune how output is chunked.
     session_id: str | None = None
     stream_interval: Annotated[int, Field(ge=1)] | None = None
     return_token_offsets: bool = False

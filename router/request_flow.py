@@ -636,7 +636,6 @@ def output_options(parsed: SamplingFields) -> OutputOptions:
         return_token_ids=parsed.return_token_ids,
         continuous_usage=parsed.stream_options is not None
         and parsed.stream_options.continuous_usage_stats,
-        n=parsed.n,
     )
 
 

@@ -45,7 +45,6 @@ class OutputOptions:
     as_token_ids: bool = False  # tokens as "token_id:N" (return_tokens_as_token_ids)
     return_token_ids: bool = False
     continuous_usage: bool = False  # usage so far on every streamed chunk
-    n: int = 1  # choices returned per prompt
 
 
 @dataclass
