@@ -23,7 +23,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.admission import RETRY_AFTER_S, AdmissionGate, Turn
 from router.api_keys import is_authorized, load_api_keys, open_paths, unauthorized
-from router.disaggregation import ROUTE_HEADER
 from router.errors import OpenAIError, check_model, invalid_request
 from router.flex_roles import (
     AutoRatio,
@@ -45,6 +44,7 @@ from router.openai_types import (
 from router.policies import POLICIES
 from router.request_flow import TIMEOUT_HEADER, RequestFlow, timing_breakdown
 from router.responses import ChatShape, CompletionShape, ResponseShape
+from router.route_choice import ROUTE_HEADER
 from router.tokenization import PromptTokenizer
 from router.worker_pool import WorkerPool, follow_load, follow_registry
 from settings.router import RouterSettings
@@ -206,20 +206,19 @@ def create_app(settings: RouterSettings, model: str) -> FastAPI:
 
     @app.get("/pdserve/workers")
     async def worker_stats(fresh: bool = False):
-        """Each worker's load, straight from its Stats RPC (`?fresh=true`: after an engine
-        step, so KV usage reflects every finished and aborted request)."""
+        """Each worker's load and learned step costs, straight from its Stats RPC
+        (`?fresh=true`: after an engine step, so KV usage reflects every finished and aborted
+        request), and the rate at which this router sends it requests: what the route estimate
+        prices paths with."""
         rows = []
         for worker in pool.workers:
             row = {"address": worker.address, "worker_id": worker.worker_id, "role": worker.role}
             try:
                 stats = await worker.stats(fresh=fresh)
-                row.update(
-                    running_requests=stats.running_requests,
-                    waiting_requests=stats.waiting_requests,
-                    kv_blocks_used=stats.kv_blocks_used,
-                    kv_blocks_total=stats.kv_blocks_total,
-                    outstanding_prefill_tokens=stats.outstanding_prefill_tokens,
-                )
+                row.update({f.name: getattr(stats, f.name) for f in stats.DESCRIPTOR.fields})
+                requests, tokens = worker.load.arrival_rates()
+                row["requests_per_second_sent"] = round(requests, 3)
+                row["prompt_tokens_per_second_sent"] = round(tokens, 1)
             except grpc.aio.AioRpcError as error:
                 row["error"] = f"{error.code().name}: {error.details()}"
             rows.append(row)

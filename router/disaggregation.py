@@ -7,7 +7,7 @@ The client's tokens come from the decode leg. If the prefill leg fails, the rout
 transfer so the decode worker applies its policy (recompute or fail) at once instead of at the
 deadline.
 
-Which path a request takes is decided here too, and returned with the response.
+Whether a request takes this path is decided in router/route_choice.py.
 """
 
 import asyncio
@@ -17,37 +17,12 @@ from dataclasses import dataclass, field
 
 from kv_transfer.grpc_transport import cancel_transfer
 from kv_transfer.transport import choose_transport
-from router.errors import OpenAIError, invalid_request, prefill_lost, worker_failed
+from router.errors import OpenAIError, prefill_lost, worker_failed
 from router.worker_client import WorkerClient
 from settings.router import AFTER_PREFILL
 from worker.protocol import worker_pb2
 
 log = logging.getLogger("pdserve.router")
-ROUTE_HEADER = "x-pdserve-route"
-LOCAL, DISAGGREGATED = "local", "disaggregated"
-
-
-def choose_route(
-    header: str | None, prompt_tokens: int, threshold: int, have_prefill_workers: bool
-) -> str:
-    """Disaggregate prompts of at least `threshold` tokens when prefill workers exist; a
-    request may force its path with the x-pdserve-route header."""
-    if header:
-        if header not in (LOCAL, DISAGGREGATED):
-            raise invalid_request(
-                f"{ROUTE_HEADER} must be '{LOCAL}' or '{DISAGGREGATED}', not {header!r}",
-                param=ROUTE_HEADER,
-            )
-        if header == DISAGGREGATED and not have_prefill_workers:
-            raise OpenAIError(
-                503,
-                "no prefill worker is available for a disaggregated request",
-                "worker_unavailable",
-                type="service_unavailable_error",
-                code="worker_unavailable",
-            )
-        return header
-    return DISAGGREGATED if have_prefill_workers and prompt_tokens >= threshold else LOCAL
 
 
 @dataclass

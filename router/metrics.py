@@ -97,9 +97,17 @@ class RouterMetrics:
         )
         self.routes = Counter(
             "pdserve_route",
-            "Routing decisions: path=disaggregated (prefill worker + decode "
-            "worker) or local (one worker prefills and decodes)",
+            "Requests started, by path: disaggregated (prefill worker + decode worker), local "
+            "(its decode worker prefills and decodes), stay-on-prefill (its prefill worker does)",
             ["path"],
+            registry=self.registry,
+        )
+        self.route_decisions = Counter(
+            "pdserve_route_decisions",
+            "Each path decision (every attempt), by path (local, disaggregated, stay-on-prefill) "
+            "and reason: estimate (the cheapest priced path), length (--route-policy length), "
+            "below_floor, header, no_prefill_worker, prefill_lost",
+            ["path", "reason"],
             registry=self.registry,
         )
         self.kv_bytes = Histogram(

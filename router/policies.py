@@ -27,6 +27,9 @@ class RoundRobin:
         turn = self._turns.setdefault(candidates[0].role, itertools.count())
         return candidates[next(turn) % len(candidates)]
 
+    def computes(self, worker: WorkerClient, prompt: list[int]) -> None:
+        """Nothing to keep: the turns ignore the prompts."""
+
 
 class LeastLoaded:
     """The idlest by its own report: prompt tokens yet to compute (prefill), requests in the
@@ -36,6 +39,9 @@ class LeastLoaded:
 
     def choose(self, candidates: list[WorkerClient], prompt: list[int] = ()) -> WorkerClient:
         return min(candidates, key=lambda worker: worker.load.busyness(worker.role))
+
+    def computes(self, worker: WorkerClient, prompt: list[int]) -> None:
+        """Nothing to keep: the workers' own reports carry their load."""
 
 
 class CacheAware:
@@ -62,9 +68,13 @@ class CacheAware:
                 queued += report.running_requests * DECODE_REQUEST_TOKENS
             return self.index.cached_tokens(worker.address, hashes) - queued
 
-        chosen = max(candidates, key=gain)
-        self.index.sent(chosen.address, hashes)
-        return chosen
+        return max(candidates, key=gain)
+
+    def computes(self, worker: WorkerClient, prompt: list[int]) -> None:
+        """The worker computes the prompt (or receives its KV) now: its prefix is cached there
+        from now on. Told once the request's path is chosen, which may not use every worker
+        `choose` picked."""
+        self.index.sent(worker.address, chunk_hashes(list(prompt)))
 
 
 POLICIES = {policy.name: policy for policy in (RoundRobin, LeastLoaded, CacheAware)}

@@ -19,14 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from router.disaggregation import (
-    DISAGGREGATED,
-    LOCAL,
-    ROUTE_HEADER,
-    PrefillOutcome,
-    choose_route,
-    generate_disaggregated,
-)
+from router.disaggregation import PrefillOutcome, generate_disaggregated
 from router.errors import (
     OpenAIError,
     check_model,
@@ -43,6 +36,19 @@ from router.openai_types import (
     parse_request,
 )
 from router.responses import SSE_DONE, Choice, OutputOptions, Prompt, ResponseShape, Usage, sse
+from router.route_choice import (
+    DISAGGREGATED,
+    LENGTH,
+    LOCAL,
+    ROUTE_HEADER,
+    STAY_ON_PREFILL,
+    RouteDecision,
+    WorkerState,
+    by_length,
+    cluster_costs,
+    estimate,
+    forced_route,
+)
 from router.worker_client import WorkerClient
 from router.worker_pool import WorkerPool
 from settings import json_logs
@@ -65,6 +71,10 @@ class RequestRun:
     arrival: float
     timeout_s: float = 600.0  # the request's one deadline is arrival + timeout_s, for every leg
     route: str = LOCAL
+    # A path fixed before any estimate, and why: the client's x-pdserve-route ("header"), or
+    # local once every prefill worker was lost ("prefill_lost").
+    route_forced: RouteDecision | None = None
+    decision: RouteDecision | None = None  # why the run took its path
     prefill: PrefillOutcome | None = None  # the prefill leg, when disaggregated
     decode_worker: WorkerClient | None = None
     first_token_at: float | None = None
@@ -170,12 +180,8 @@ class RequestFlow:
                     ),
                 )
             )
-            run.route = choose_route(
-                route_header,
-                len(prompt_ids),
-                self.settings.disaggregate_min_tokens,
-                bool(self.pool.live(("prefill",))),
-            )
+            forced = forced_route(route_header, bool(self.pool.live(("prefill",))))
+            run.route_forced = RouteDecision(forced, "header") if forced else None
             runs.append(run)
         return Admitted(
             request_id,
@@ -223,9 +229,13 @@ class RequestFlow:
             worker = run.decode_worker = self.pool.pick(
                 TAKES_REQUESTS, frozenset(tried), prompt=prompt
             )
-            prefill = None
-            if run.route == DISAGGREGATED:
-                prefill = self._pick_prefill(run, worker, tried_prefill, prompt)
+            prefill = self._choose_path(run, worker, tried_prefill, worker_request)
+            if run.route == STAY_ON_PREFILL:  # the prefill worker takes the whole request
+                worker, prefill = prefill, None
+                run.decode_worker = worker
+            self.pool.computes(worker, prompt)  # it computes the prompt, or receives its KV
+            if prefill is not None:
+                self.pool.computes(prefill, prompt)
             headers = {
                 "x-request-id": run.request_id,
                 "x-pdserve-worker": worker.worker_id,
@@ -265,6 +275,44 @@ class RequestFlow:
             self.metrics.routes.labels(run.route).inc()
             return first, self._migrating(run, worker_request, chunks), headers
 
+    def _choose_path(
+        self,
+        run: RequestRun,
+        decode: WorkerClient,
+        tried_prefill: set[str],
+        request: worker_pb2.GenerateRequest,
+    ) -> WorkerClient | None:
+        """Decide the run's path (router/route_choice.py) given its decode worker; returns the
+        prefill worker when the path uses one. Every decision is counted by path and reason
+        and kept in `run.decision` for the timing breakdown."""
+        prompt = request.prompt_token_ids
+        floor = self.settings.disaggregate_min_tokens
+        decision = run.route_forced
+        if decision is None and not [
+            w for w in self.pool.live(("prefill",)) if w.address not in tried_prefill
+        ]:
+            decision = RouteDecision(LOCAL, "no_prefill_worker")
+        elif decision is None and self.settings.route_policy == LENGTH:
+            decision = by_length(len(prompt), floor)
+        prefill = None
+        if decision is None or decision.route != LOCAL:
+            prefill = self._pick_prefill(run, decode, tried_prefill, prompt)
+            if prefill is None:
+                decision = RouteDecision(LOCAL, "no_prefill_worker")
+        if decision is None:
+            cluster = cluster_costs(self.pool.live(("prefill", *TAKES_REQUESTS)))
+            decision = estimate(
+                len(prompt),
+                request.sampling.max_tokens * max(1, request.sampling.n),
+                WorkerState.of(decode, cluster),
+                WorkerState.of(prefill, cluster),
+                floor,
+            )
+        run.decision = decision
+        run.route = decision.route
+        self.metrics.route_decisions.labels(decision.route, decision.reason).inc()
+        return prefill if decision.route != LOCAL else None
+
     def _pick_prefill(
         self, run: RequestRun, decode: WorkerClient, tried: set[str], prompt
     ) -> WorkerClient | None:
@@ -276,7 +324,6 @@ class RequestFlow:
         except OpenAIError as error:
             log.warning("request %s: %s; local path", run.request_id, error.message)
             self.metrics.kv_fallbacks.labels("no_prefill").inc()
-            run.route = LOCAL
             return None
 
     def _prefill_lost(
@@ -296,7 +343,7 @@ class RequestFlow:
         log.warning(
             "request %s: %s; no prefill worker left: local path", run.request_id, error.message
         )
-        run.route = LOCAL
+        run.route_forced = RouteDecision(LOCAL, "prefill_lost")
         self.metrics.prefill_lost.labels("local").inc()
 
     async def _migrating(self, run: RequestRun, request: worker_pb2.GenerateRequest, chunks):
@@ -546,6 +593,7 @@ def timing_breakdown(run: RequestRun) -> dict:
     breakdown = {
         "request_id": run.request_id,
         "route": run.route,
+        "decision": run.decision.view() if run.decision is not None else None,
         "ttft": run.first_token_at - run.arrival if run.first_token_at else None,
         # The hand-off: on the disaggregated path the first token is the prefill worker's and
         # the second the decode worker's.
@@ -554,7 +602,7 @@ def timing_breakdown(run: RequestRun) -> dict:
         ),
     }
     decode = run.last_chunk.timing if run.last_chunk is not None else None
-    if run.route == LOCAL and decode is not None:
+    if run.route in (LOCAL, STAY_ON_PREFILL) and decode is not None:
         breakdown.update(queue=decode.queued_seconds, prefill=decode.prefill_seconds)
     elif run.prefill is not None and run.prefill.chunk is not None and decode is not None:
         prefill = run.prefill.chunk.timing

@@ -7,12 +7,15 @@ on the worker that looked idlest. `least-loaded` ranks by `busyness`; admission 
 `capacity`.
 """
 
-from dataclasses import dataclass
+import time
+from collections import deque
+from dataclasses import dataclass, field
 
 from worker.protocol import worker_pb2
 
 LOAD_POLL_S = 0.5  # how often the router asks every live worker for its Stats
 KV_FULL = 0.9  # share of KV blocks in use beyond which queued requests wait for blocks
+RATE_WINDOW_S = 30.0  # the arrival rate counts the requests sent this long ago at most
 
 
 @dataclass
@@ -20,10 +23,21 @@ class WorkerLoad:
     report: worker_pb2.StatsReply | None = None  # the worker's last Stats
     requests_since: int = 0  # requests this router sent it since that report
     prompt_tokens_since: int = 0  # their prompt tokens
+    sent_at: deque = field(default_factory=deque)  # (monotonic time, prompt tokens) per send
 
     def sent(self, prompt_tokens: int) -> None:
         self.requests_since += 1
         self.prompt_tokens_since += prompt_tokens
+        self.sent_at.append((time.monotonic(), prompt_tokens))
+
+    def arrival_rates(self) -> tuple[float, float]:
+        """Requests and prompt tokens per second this router sent the worker over the last
+        RATE_WINDOW_S."""
+        since = time.monotonic() - RATE_WINDOW_S
+        while self.sent_at and self.sent_at[0][0] < since:
+            self.sent_at.popleft()
+        tokens = sum(prompt_tokens for _, prompt_tokens in self.sent_at)
+        return len(self.sent_at) / RATE_WINDOW_S, tokens / RATE_WINDOW_S
 
     def reported(self, report: worker_pb2.StatsReply) -> None:
         self.report = report

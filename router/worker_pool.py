@@ -102,6 +102,10 @@ class WorkerPool:
                 )
         return self.policy.choose(candidates, prompt)
 
+    def computes(self, worker: WorkerClient, prompt: list[int]) -> None:
+        """`worker` computes `prompt` (or receives its KV): for a policy that tracks caches."""
+        self.policy.computes(worker, prompt)
+
     def mark_down(self, worker: WorkerClient) -> None:
         log.warning("worker %s marked down", worker.address)
         self.down.add(worker.address)

@@ -10,10 +10,11 @@ Systems (each started in its own process group, stopped by its PID before the ne
   KV cache, as many OpenMP threads as a lone pdserve worker gets (every core), no binding;
 - colocated: `pdserve serve --colocated` (one worker that prefills and decodes);
 - 1p1d: `pdserve serve --prefill 1 --decode 1` with its default routing;
-- 1p1d-local: the same, every prompt prefilled on the decode worker (--disaggregate-min-tokens
-  past any prompt);
-- 1p1d-disaggregated: the same, every prompt through the prefill worker
-  (--disaggregate-min-tokens 0).
+- 1p1d-local: the same, every prompt prefilled on the decode worker (--route-policy length,
+  --disaggregate-min-tokens past any prompt);
+- 1p1d-disaggregated: the same, every prompt through the prefill worker (--route-policy length,
+  --disaggregate-min-tokens 0);
+- 1p1d-length: the same, prompts of 256 tokens or more disaggregated (the old default).
 Workload (bench's `mixed`): 90% ~100-token prompts, 10% ~1,500-token prompts, 64 output tokens
 (ignore_eos), Poisson arrivals; the same requests and arrival times for every system at a rate.
 Prints the table and writes OUTPUT_DIR/compare.json (every row's figures and full summary) and
@@ -54,8 +55,13 @@ SYSTEMS = {
     "vllm": None,
     "colocated": (0, 1, ["--colocated"]),
     "1p1d": (1, 1, []),
-    "1p1d-local": (1, 1, ["--disaggregate-min-tokens", str(ALWAYS_LOCAL_TOKENS)]),
-    "1p1d-disaggregated": (1, 1, ["--disaggregate-min-tokens", "0"]),
+    "1p1d-local": (
+        1,
+        1,
+        ["--route-policy", "length", "--disaggregate-min-tokens", str(ALWAYS_LOCAL_TOKENS)],
+    ),
+    "1p1d-disaggregated": (1, 1, ["--route-policy", "length", "--disaggregate-min-tokens", "0"]),
+    "1p1d-length": (1, 1, ["--route-policy", "length"]),
 }
 """How `pdserve serve` starts each pdserve system: (prefill, decode, more options)."""
 

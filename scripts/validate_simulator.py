@@ -8,9 +8,9 @@ side with the error.
 
 Without --rates the three rates are 30%, 70% and 120% of the throughput the calibrated model
 says 1P1D can sustain without contention: one at ease, one loaded, one past capacity. Every
-request goes disaggregated (--disaggregate-min-tokens 0), as the simulator is told. The
-calibration (also what `pdserve plan --calibration` reads) includes how much the two workers,
-sharing this host's cores, slow each other. Takes a few minutes and every core.
+request goes disaggregated (--route-policy length --disaggregate-min-tokens 0), as the simulator
+is told. The calibration (also what `pdserve plan --calibration` reads) includes how much the
+two workers, sharing this host's cores, slow each other. Takes a few minutes and every core.
 """
 
 import argparse
@@ -105,6 +105,8 @@ def main() -> int:
     serve_args = [
         "--kv-cache-gib",
         str(KV_CACHE_GIB),
+        "--route-policy",
+        "length",
         "--disaggregate-min-tokens",
         "0",
         *args.serve_args.split(),

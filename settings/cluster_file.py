@@ -34,6 +34,7 @@ from settings.router import (
     Policy,
     Port,
     RequestTimeoutS,
+    RoutePolicy,
     RouterSettings,
 )
 from settings.worker import (
@@ -103,6 +104,7 @@ class RouterSection(Settings):
     host: Host
     port: Port
     policy: Policy
+    route_policy: RoutePolicy
     disaggregate_min_tokens: DisaggregateMinTokens
     decode_admission: DecodeAdmission
     default_max_tokens: DefaultMaxTokens
@@ -197,6 +199,7 @@ class ClusterFile(Settings):
             registry=registry_url,
             cluster=self.name,
             policy=router.policy,
+            route_policy=router.route_policy,
             disaggregate_min_tokens=router.disaggregate_min_tokens,
             decode_admission=router.decode_admission,
             kv_timeout_s=self.transport.kv_timeout_s,

@@ -11,6 +11,8 @@ from settings.tls import TlsDir
 from settings.worker import ClusterName
 
 POLICIES = ("least-loaded", "round-robin", "cache-aware")
+ESTIMATE, LENGTH = "estimate", "length"  # how a request's path is chosen (router/route_choice.py)
+ROUTE_POLICIES = (ESTIMATE, LENGTH)
 # When the decode worker of a disaggregated request hears of it (router/disaggregation.py).
 WITH_PREFILL, AFTER_PREFILL = "with-prefill", "after-prefill"
 ADMISSIONS = (WITH_PREFILL, AFTER_PREFILL)
@@ -21,13 +23,22 @@ Policy = Annotated[
     Literal[POLICIES],
     Field(default="round-robin", description="how a worker is chosen within a pool"),
 ]
+RoutePolicy = Annotated[
+    Literal[ROUTE_POLICIES],
+    Field(
+        default=ESTIMATE,
+        description="how a request's path is chosen: estimate (the cheapest of local, "
+        "disaggregated and stay-on-prefill, priced from the workers' live load and learned step "
+        "costs) or length (disaggregate every prompt of at least --disaggregate-min-tokens)",
+    ),
+]
 DisaggregateMinTokens = Annotated[
     int,
     Field(
         default=256,
         ge=0,
-        description="prompts shorter than this go straight to a decode worker, "
-        "which prefills them itself",
+        description="prompts shorter than this are never disaggregated (their KV is not worth "
+        "a transfer); with --route-policy length, longer ones always are",
         json_schema_extra={"metavar": "TOKENS"},
     ),
 ]
@@ -86,6 +97,7 @@ class RouterSettings(Settings):
         json_schema_extra={"cli": False},
     )
     policy: Policy
+    route_policy: RoutePolicy
     disaggregate_min_tokens: DisaggregateMinTokens
     decode_admission: DecodeAdmission
     kv_timeout_s: KvTimeoutS

@@ -9,6 +9,7 @@ import os
 from settings.cluster_secret import SECRET_ENV
 from settings.tls import TLS_DIR_ENV
 from settings.worker import WorkerSettings
+from worker.step_costs import StepCosts
 
 GIB = 1 << 30
 MAX_UNCLAIMED_TRANSFERS = 4096
@@ -74,6 +75,7 @@ class EngineStats:
         self.waiting = 0
         self.kv_cache_usage = 0.0
         self.kv_transfers: dict[str, dict] = {}  # transfer id -> connector's figures
+        self.step_costs = StepCosts()
 
     def take_kv_transfer(self, transfer_id: str) -> dict | None:
         return self.kv_transfers.pop(transfer_id, None)
@@ -83,8 +85,9 @@ class EngineStats:
 
 
 def _stat_logger_factory(stats: EngineStats, metrics):
-    """Keeps the scheduler's figures in `stats` (Health, Stats, the routers' load) and counts
-    each finished KV transfer in the worker's Prometheus `metrics` (worker/metrics_server.py)."""
+    """Keeps the scheduler's figures and the learned step costs in `stats` (Health, Stats, the
+    routers' load and route estimates) and counts each finished KV transfer in the worker's
+    Prometheus `metrics` (worker/metrics_server.py)."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class SchedulerStatsLogger(StatLoggerBase):
@@ -92,6 +95,8 @@ def _stat_logger_factory(stats: EngineStats, metrics):
             pass
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+            if iteration_stats is not None:
+                stats.step_costs.record_iteration(iteration_stats)
             if scheduler_stats is None:
                 return
             stats.update(

@@ -80,7 +80,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.max_model_len = 0
         self.kv_blocks_total = 0
         self.active: dict[str, list[str]] = {}  # request id -> its engine requests' ids
-        self.awaiting_first_token: dict[str, int] = {}  # request id -> prompt tokens
+        self.awaiting_first_token: dict[str, int] = {}  # request id -> prompt tokens to compute
         self.leave_pools = _nothing_to_leave  # set when the worker is in a registry
 
     def engine_ready(self, engine) -> None:
@@ -116,7 +116,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if choices > 1:
             engine_ids = [f"{request_id}-c{i}" for i in range(choices)]
         self.active[request_id] = engine_ids
-        self.awaiting_first_token[request_id] = len(prompt["prompt_token_ids"])
+        self.awaiting_first_token[request_id] = _tokens_to_compute(request)
         try:
             samplings = [
                 to_vllm_sampling(request.sampling, kv_extra_args(request) if i == 0 else None, i)
@@ -226,6 +226,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def stats_reply(self) -> worker_pb2.StatsReply:
         running = self.engine.get_num_unfinished_requests() if self.engine is not None else 0
         stats = self.engine_stats
+        decode = stats.step_costs.decode_fit()
         return worker_pb2.StatsReply(
             worker_id=self.worker_id,
             running_requests=running,
@@ -233,6 +234,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             kv_blocks_used=round(stats.kv_cache_usage * self.kv_blocks_total),
             kv_blocks_total=self.kv_blocks_total,
             outstanding_prefill_tokens=sum(self.awaiting_first_token.values()),
+            prefilling_requests=len(self.awaiting_first_token),
+            prefill_seconds_per_token=stats.step_costs.prefill_s_per_token,
+            decode_step_base_seconds=decode.base_s,
+            decode_step_seconds_per_sequence=decode.per_sequence_s,
         )
 
     async def Drain(self, request, context):
@@ -259,3 +264,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             return not self.active
         await self._probe()
         return self.stats_reply().kv_blocks_used == 0
+
+
+def _tokens_to_compute(request: worker_pb2.GenerateRequest) -> int:
+    """The prompt tokens this worker computes: none of those whose KV a prefill worker sends
+    (a decode leg: all of the prompt, or its first kv_tokens when it goes on from the prefill's
+    first token)."""
+    prompt = len(request.prompt_token_ids)
+    if request.HasField("kv") and not request.kv.send_to:
+        return prompt - request.kv.kv_tokens if request.kv.kv_tokens else 0
+    return prompt

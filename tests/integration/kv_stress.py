@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import psutil
 
-from router.disaggregation import DISAGGREGATED, LOCAL
+from router.route_choice import DISAGGREGATED, LOCAL
 from tests.integration.conftest import SERVED_MODEL
 from tests.integration.processes import children, command_line
 from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS, long_prompt

@@ -69,14 +69,39 @@ def test_disaggregated_output_equals_colocated_and_skips_the_prompt(
     assert timing["kv_transport"] == "shm"  # what `auto` picks for two CPU workers on one host
 
 
-def test_short_prompts_stay_local_and_long_ones_are_disaggregated(server):
-    short = complete(server, "Hi", route="")
-    long = complete(server, DISAGGREGATED_PROMPTS[4] + " Again?", route="")
-    assert short.headers["x-pdserve-route"] == "local"
-    assert long.headers["x-pdserve-route"] == "disaggregated"
+def test_an_unforced_request_takes_the_path_its_estimate_prices_cheapest(server):
+    """The default route policy prices every path from the workers' live state and learned
+    step costs (router/route_choice.py); the decision and its prices come back in the timing
+    breakdown and are counted by path and reason."""
+    for prompt, floor_bars_disaggregation in (
+        ("Hi", True),
+        (DISAGGREGATED_PROMPTS[4] + " Again?", False),
+    ):
+        response = complete(server, prompt, route="")
+        assert response.status_code == 200, response.text
+        decision = response.json()["pdserve_timing"]["decision"]
+        assert decision["reason"] == "estimate"
+        costs = decision["costs"]
+        assert ("disaggregated" not in costs) == floor_bars_disaggregation
+        assert {"local", "stay-on-prefill"} <= set(costs)
+        cheapest = min(costs, key=lambda route: costs[route]["total_s"])
+        assert response.headers["x-pdserve-route"] == decision["route"] == cheapest
+        assert all(cost["ttft_s"] > 0 and cost["decode_s"] > 0 for cost in costs.values())
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
-    assert 'pdserve_route_total{path="local"}' in metrics
-    assert 'pdserve_route_total{path="disaggregated"}' in metrics
+    assert 'pdserve_route_decisions_total{path="' in metrics and 'reason="estimate"' in metrics
+
+
+def test_the_workers_report_the_step_costs_they_learned(server):
+    """By now both workers have computed prompts and decoded: /pdserve/workers shows what each
+    learned, the figures the route estimate uses."""
+    for route in ("disaggregated", "local"):
+        assert complete(server, DISAGGREGATED_PROMPTS[5], route).status_code == 200
+    rows = httpx.get(f"{server.url}/pdserve/workers", timeout=10).json()["workers"]
+    learned = {row["role"]: row for row in rows}
+    assert learned["prefill"]["prefill_seconds_per_token"] > 0
+    assert learned["decode"]["prefill_seconds_per_token"] > 0
+    assert learned["decode"]["decode_step_base_seconds"] > 0
+    assert learned["decode"]["decode_step_seconds_per_sequence"] > 0
 
 
 def test_a_bad_route_header_is_refused(server):

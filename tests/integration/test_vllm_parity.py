@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from router.disaggregation import DISAGGREGATED, LOCAL, ROUTE_HEADER
+from router.route_choice import DISAGGREGATED, LOCAL, ROUTE_HEADER
 from tests.integration.conftest import SERVED_MODEL
 from tests.integration.prompts import CHATS, PROMPTS
 from tests.integration.vllm_parity import ask, assert_same

@@ -47,6 +47,7 @@ def test_shared_prefixes_stick_to_their_worker_and_families_spread():
     for request in range(8):
         family = request % 2
         chosen = policy.choose(workers, prompt(family, 512 + request))
+        policy.computes(chosen, prompt(family, 512 + request))  # the path took it
         chosen.load.sent(0)  # the router's own count resets with each report; keep it level
         picks.setdefault(family, set()).add(chosen.address)
     assert picks[0] != picks[1] and all(len(seen) == 1 for seen in picks.values())
@@ -55,6 +56,17 @@ def test_shared_prefixes_stick_to_their_worker_and_families_spread():
 def test_a_cached_prefix_loses_to_a_long_enough_queue():
     policy, workers = CacheAware(), [FakeWorker("a"), FakeWorker("b")]
     first = policy.choose(workers, prompt(0, 1024))
+    policy.computes(first, prompt(0, 1024))
     busy = 2 * 1024 // DECODE_REQUEST_TOKENS
     first.load.reported(worker_pb2.StatsReply(running_requests=busy))
     assert policy.choose(workers, prompt(0, 1024)).address != first.address
+
+
+def test_a_worker_picked_but_not_used_is_not_taken_to_hold_the_prompt():
+    """The router picks a prefill worker before the path is priced; when the request then stays
+    on its decode worker, the prefill worker never saw the prompt."""
+    policy, workers = CacheAware(), [FakeWorker("a"), FakeWorker("b")]
+    policy.choose(workers, prompt(0, 1024))
+    assert all(
+        policy.index.cached_tokens(w.address, chunk_hashes(prompt(0, 1024))) == 0 for w in workers
+    )

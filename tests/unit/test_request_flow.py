@@ -9,12 +9,13 @@ import time
 
 import pytest
 
-from router.disaggregation import DISAGGREGATED, LOCAL, ROUTE_HEADER
 from router.errors import OpenAIError, invalid_request, worker_unavailable
 from router.metrics import RouterMetrics
 from router.policies import RoundRobin
-from router.request_flow import MAX_ATTEMPTS, Admitted, RequestFlow, RequestRun
+from router.request_flow import MAX_ATTEMPTS, Admitted, RequestFlow, RequestRun, timing_breakdown
 from router.responses import CompletionShape, OutputOptions, Prompt
+from router.route_choice import DISAGGREGATED, LOCAL, ROUTE_HEADER, STAY_ON_PREFILL, RouteDecision
+from router.worker_load import WorkerLoad
 from router.worker_pool import WorkerPool
 from settings.router import RouterSettings
 from worker.protocol import worker_pb2
@@ -37,6 +38,7 @@ class FakeWorker:
         self.kv_transport, self.host_id, self.device = "grpc", "", "cpu"
         self.kv_compatibility = "smollm2-float32"
         self.users = 0
+        self.load = WorkerLoad()  # no report: the route estimate prices it like the cluster
         self.chunks = list(chunks)
         self.error = error
         self.requests: list[worker_pb2.GenerateRequest] = []
@@ -324,7 +326,7 @@ def test_a_prefill_worker_lost_before_its_kv_hands_the_prompt_to_another_one(can
     )
     flow = flow_over(lost, spare, decode)
     run, request = new_request()
-    run.route = DISAGGREGATED
+    run.route_forced = RouteDecision(DISAGGREGATED, "header")
 
     async def whole_stream():
         first, chunks, headers = await flow.start(run, request)
@@ -347,7 +349,7 @@ def test_with_no_prefill_worker_left_the_prompt_takes_the_local_path(cancels):
     lost, decode = unavailable("prefill-a", "prefill"), answering("decode-a")
     flow = flow_over(lost, decode)
     run, request = new_request()
-    run.route = DISAGGREGATED
+    run.route_forced = RouteDecision(DISAGGREGATED, "header")
     first, headers = start(flow, run, request)
     assert first.text == "Hello" and headers[ROUTE_HEADER] == LOCAL
     assert [r.HasField("kv") for r in decode.requests] == [False]  # it prefills the prompt itself
@@ -362,7 +364,7 @@ def test_only_a_prefill_worker_whose_kv_the_decode_worker_can_take_is_paired(can
     flow = flow_over(other_dtype, same, decode)
     for request_id in ("cmpl-1", "cmpl-2"):
         run, request = new_request(request_id)
-        run.route = DISAGGREGATED
+        run.route_forced = RouteDecision(DISAGGREGATED, "header")
         _, headers = start(flow, run, request)
         assert headers["x-pdserve-prefill-worker"] == "prefill-f32"
     assert other_dtype.requests == []
@@ -373,7 +375,7 @@ def test_with_no_compatible_prefill_worker_the_request_goes_local_and_says_why(c
     other_dtype.kv_compatibility = "smollm2-bfloat16"
     flow = flow_over(other_dtype, decode)
     run, request = new_request()
-    run.route = DISAGGREGATED
+    run.route_forced = RouteDecision(DISAGGREGATED, "header")
     first, headers = start(flow, run, request)
     assert headers[ROUTE_HEADER] == LOCAL and "x-pdserve-prefill-worker" not in headers
     assert first.text == "Hello" and other_dtype.requests == []
@@ -394,7 +396,7 @@ def test_the_decode_worker_is_held_while_the_prefill_leg_runs(cancels):
     prefill, decode = SlowPrefill("prefill-a", "prefill"), answering("decode-a")
     flow = flow_over(prefill, decode)
     run, request = new_request()
-    run.route = DISAGGREGATED
+    run.route_forced = RouteDecision(DISAGGREGATED, "header")
 
     async def go():
         starting = asyncio.create_task(flow.start(run, request))
@@ -421,3 +423,29 @@ def test_a_closed_worker_client_is_unavailable_not_an_internal_error():
 
     error = asyncio.run(go())
     assert (error.status, error.kind) == (503, "worker_unavailable")
+
+
+def test_a_request_left_on_its_prefill_worker_runs_there_whole_and_moves_no_kv():
+    prefill, decode = answering("prefill-a", role="prefill"), answering("decode-a")
+    decode.load.reported(worker_pb2.StatsReply(running_requests=40))  # a full decode worker
+    flow = flow_over(prefill, decode)
+    run, request = new_request()
+    first, headers = start(flow, run, request)
+    assert headers[ROUTE_HEADER] == STAY_ON_PREFILL and headers["x-pdserve-worker"] == "prefill-a"
+    assert first.text == "Hello" and decode.requests == []
+    (sent,) = prefill.requests
+    assert not sent.HasField("kv") and sent.sampling.max_tokens == 3  # the whole request
+    assert run.decision.reason == "estimate" and run.decision.route == STAY_ON_PREFILL
+    metric = flow.metrics.registry.get_sample_value
+    assert metric("pdserve_route_decisions_total", {"path": STAY_ON_PREFILL, "reason": "estimate"})
+    assert timing_breakdown(run)["decision"]["costs"][STAY_ON_PREFILL]["total_s"] > 0
+
+
+def test_the_length_policy_keeps_short_prompts_local_without_asking_a_prefill_worker():
+    prefill, decode = answering("prefill-a", role="prefill"), answering("decode-a")
+    flow = flow_over(prefill, decode)
+    flow.settings = RouterSettings(model="m", route_policy="length")
+    run, request = new_request()
+    _, headers = start(flow, run, request)
+    assert headers[ROUTE_HEADER] == LOCAL and prefill.requests == []
+    assert run.decision.reason == "below_floor"

@@ -2,9 +2,9 @@
 
 import pytest
 
-from router.disaggregation import DISAGGREGATED, LOCAL, choose_route
 from router.errors import OpenAIError
 from router.policies import LeastLoaded, RoundRobin
+from router.route_choice import DISAGGREGATED, LOCAL, STAY_ON_PREFILL, by_length, forced_route
 from router.worker_load import WorkerLoad
 from worker.protocol import worker_pb2
 
@@ -20,28 +20,31 @@ class FakeWorker:
 
 
 @pytest.mark.parametrize(
-    "prompt_tokens, have_prefill, expected",
-    [
-        (10, True, LOCAL),
-        (255, True, LOCAL),
-        (256, True, DISAGGREGATED),
-        (5000, True, DISAGGREGATED),
-        (5000, False, LOCAL),
-    ],
+    "prompt_tokens, expected",
+    [(10, LOCAL), (255, LOCAL), (256, DISAGGREGATED), (5000, DISAGGREGATED)],
 )
-def test_the_threshold_decides_the_path(prompt_tokens, have_prefill, expected):
-    assert choose_route(None, prompt_tokens, 256, have_prefill) == expected
+def test_the_length_policy_disaggregates_from_the_threshold_on(prompt_tokens, expected):
+    assert by_length(prompt_tokens, 256).route == expected
 
 
 def test_the_header_forces_the_path():
-    assert choose_route("disaggregated", 3, 256, True) == DISAGGREGATED
-    assert choose_route("local", 9000, 256, True) == LOCAL
+    assert forced_route(None, True) is None
+    assert forced_route("disaggregated", True) == DISAGGREGATED
+    assert forced_route("stay-on-prefill", True) == STAY_ON_PREFILL
+    assert forced_route("local", False) == LOCAL
 
 
-def test_forcing_disaggregation_without_prefill_workers_is_a_503():
+@pytest.mark.parametrize("route", [DISAGGREGATED, STAY_ON_PREFILL])
+def test_forcing_a_path_through_a_prefill_worker_without_one_is_a_503(route):
     with pytest.raises(OpenAIError) as caught:
-        choose_route("disaggregated", 3, 256, False)
+        forced_route(route, False)
     assert caught.value.status == 503
+
+
+def test_an_unknown_path_is_a_400_naming_the_header():
+    with pytest.raises(OpenAIError) as caught:
+        forced_route("sideways", True)
+    assert caught.value.status == 400 and caught.value.param == "x-pdserve-route"
 
 
 def test_round_robin_cycles_through_the_candidates():

@@ -204,20 +204,28 @@ class StatsRequest(_message.Message):
     def __init__(self, fresh: _Optional[bool] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("worker_id", "running_requests", "waiting_requests", "kv_blocks_used", "kv_blocks_total", "outstanding_prefill_tokens")
+    __slots__ = ("worker_id", "running_requests", "waiting_requests", "kv_blocks_used", "kv_blocks_total", "outstanding_prefill_tokens", "prefill_seconds_per_token", "decode_step_base_seconds", "decode_step_seconds_per_sequence", "prefilling_requests")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     OUTSTANDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_BASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_SECONDS_PER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    PREFILLING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     running_requests: int
     waiting_requests: int
     kv_blocks_used: int
     kv_blocks_total: int
     outstanding_prefill_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., outstanding_prefill_tokens: _Optional[int] = ...) -> None: ...
+    prefill_seconds_per_token: float
+    decode_step_base_seconds: float
+    decode_step_seconds_per_sequence: float
+    prefilling_requests: int
+    def __init__(self, worker_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., outstanding_prefill_tokens: _Optional[int] = ..., prefill_seconds_per_token: _Optional[float] = ..., decode_step_base_seconds: _Optional[float] = ..., decode_step_seconds_per_sequence: _Optional[float] = ..., prefilling_requests: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("grace_seconds", "timeout_seconds")

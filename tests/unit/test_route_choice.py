@@ -1,0 +1,155 @@
+"""router/route_choice.py: the path estimate over fake workers (named fakes: a WorkerClient's
+`load`, its report set by hand) and the figures the workers learn (worker/step_costs.py)."""
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from router.route_choice import (
+    DEFAULT_COSTS,
+    DISAGGREGATED,
+    LOCAL,
+    STAY_ON_PREFILL,
+    WorkerState,
+    cluster_costs,
+    estimate,
+)
+from router.worker_load import RATE_WINDOW_S, WorkerLoad
+from worker.protocol import worker_pb2
+from worker.step_costs import DEFAULT_SEQUENCE_SHARE, MIN_PREFILL_TOKENS, StepCosts
+
+FLOOR = 256
+LONG, SHORT = 1500, 100
+
+
+def fake_worker(sent_per_second: tuple[int, int] = (0, 0), **report) -> SimpleNamespace:
+    """A WorkerClient stand-in: its last Stats, and what the router sent it over the rate
+    window (requests per second, prompt tokens each)."""
+    load = WorkerLoad(worker_pb2.StatsReply(**report) if report else None)
+    requests, tokens = sent_per_second
+    now = time.monotonic()
+    for _ in range(round(requests * RATE_WINDOW_S)):
+        load.sent_at.append((now, tokens))
+    return SimpleNamespace(load=load)
+
+
+def state(**report) -> WorkerState:
+    return WorkerState.of(fake_worker(**report), DEFAULT_COSTS)
+
+
+def decide(prompt_tokens: int, decode: WorkerState, prefill: WorkerState, max_tokens=64):
+    return estimate(prompt_tokens, max_tokens, decode, prefill, FLOOR)
+
+
+def test_a_backed_up_prefill_pool_sends_a_long_prompt_to_its_decode_worker():
+    decision = decide(LONG, state(), state(outstanding_prefill_tokens=20_000, running_requests=5))
+    assert decision.route == LOCAL and decision.reason == "estimate"
+    costs = {cost.route: cost for cost in decision.costs}
+    assert costs[DISAGGREGATED].ttft_s > costs[LOCAL].ttft_s + 50  # 20,000 tokens queued first
+
+
+def test_a_full_decode_worker_leaves_the_request_on_an_idle_prefill_worker():
+    decode = state(running_requests=40)
+    decision = decide(SHORT, decode, state())
+    assert decision.route == STAY_ON_PREFILL
+
+
+def test_a_long_prompt_goes_where_its_prefill_stalls_nobody():
+    """The decode worker decodes 6 requests and is sent a short prompt a second; the prefill
+    worker computes long prompts most of its time: prefilling there stalls no decoding request,
+    and decoding there would crawl between its prefills."""
+    decode = state(running_requests=6, sent_per_second=(1, SHORT))
+    prefill = state(sent_per_second=(0.2, LONG))
+    decision = decide(LONG, decode, prefill)
+    assert decision.route == DISAGGREGATED, decision.view()
+
+
+def test_a_short_prompt_is_never_disaggregated_and_an_idle_cluster_keeps_it_local():
+    decision = decide(SHORT, state(), state())
+    assert decision.route == LOCAL  # ties go to the decode worker, which moves no KV
+    assert DISAGGREGATED not in {cost.route for cost in decision.costs}
+
+
+def test_the_costs_come_back_cheapest_first_with_their_parts():
+    decision = decide(LONG, state(running_requests=3), state())
+    totals = [cost.total_s for cost in decision.costs]
+    assert totals == sorted(totals) and decision.route == decision.costs[0].route
+    view = decision.view()["costs"]
+    assert set(view[LOCAL]) == {"ttft_s", "decode_s", "others_s", "total_s"}
+
+
+def test_expected_output_is_bounded_so_a_huge_max_tokens_does_not_drown_the_prompt():
+    small, huge = decide(LONG, state(), state(), 256), decide(LONG, state(), state(), 100_000)
+    assert [c.total_s for c in small.costs] == [c.total_s for c in huge.costs]
+
+
+def test_what_the_router_sent_since_the_last_report_counts_as_queued():
+    worker = fake_worker(outstanding_prefill_tokens=100, running_requests=3, prefilling_requests=1)
+    worker.load.sent(400)
+    seen = WorkerState.of(worker, DEFAULT_COSTS)
+    assert seen.queued_tokens == 500 and seen.decoding == 2
+
+
+def test_a_worker_that_learned_nothing_yet_is_priced_like_the_cluster():
+    learned = fake_worker(
+        prefill_seconds_per_token=0.001,
+        decode_step_base_seconds=0.02,
+        decode_step_seconds_per_sequence=0.002,
+    )
+    fresh = fake_worker(running_requests=1)
+    cluster = cluster_costs([learned, fresh])
+    assert cluster.prefill_s_per_token == 0.001 and cluster.step_base_s == 0.02
+    assert WorkerState.of(fresh, cluster).costs == WorkerState.of(learned, cluster).costs
+    assert cluster_costs([fresh]) == DEFAULT_COSTS
+
+
+def test_step_costs_fit_a_decode_step_from_its_batch():
+    costs = StepCosts()
+    for _ in range(50):
+        for batch in (1, 4, 8):
+            costs.decode_step(batch, 0.03 + 0.005 * batch)
+    fit = costs.decode_fit()
+    assert fit.base_s == pytest.approx(0.03, rel=1e-6)
+    assert fit.per_sequence_s == pytest.approx(0.005, rel=1e-6)
+
+
+def test_one_batch_size_alone_gives_a_share_of_a_step_per_sequence():
+    costs = StepCosts()
+    for _ in range(10):
+        costs.decode_step(2, 0.05)
+    fit = costs.decode_fit()
+    assert fit.per_sequence_s == pytest.approx(DEFAULT_SEQUENCE_SHARE * 0.05)
+    assert fit.base_s + 2 * fit.per_sequence_s == pytest.approx(0.05)
+
+
+def test_idle_gaps_and_short_prompts_teach_nothing():
+    costs = StepCosts()
+    costs.decode_step(1, 30.0)  # the engine sat idle between two requests
+    costs.finished_request(prefill_s=0.5, prompt_tokens=MIN_PREFILL_TOKENS - 1, cached_tokens=0)
+    costs.finished_request(prefill_s=0.5, prompt_tokens=1000, cached_tokens=990)  # KV received
+    assert costs.decode_fit().base_s == 0 and costs.prefill_s_per_token == 0
+    costs.finished_request(prefill_s=3.0, prompt_tokens=1000, cached_tokens=0)
+    assert costs.prefill_s_per_token == pytest.approx(0.003)
+
+
+def test_vllm_iteration_stats_feed_the_costs():
+    """The figures come from vLLM's own IterationStats (the real class)."""
+    from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats
+
+    costs = StepCosts()
+    decode_step = IterationStats()
+    decode_step.inter_token_latencies_iter = [0.04, 0.04, 0.04]
+    first_token_step = IterationStats()
+    first_token_step.time_to_first_tokens_iter = [2.0]
+    first_token_step.inter_token_latencies_iter = [2.0]  # stalled by the prefill: not a decode
+    first_token_step.finished_requests = [
+        FinishedRequestStats(
+            finish_reason=None, num_prompt_tokens=800, num_cached_tokens=0, prefill_time=2.4
+        )
+    ]
+    costs.record_iteration(decode_step)
+    costs.record_iteration(first_token_step)
+    fit = costs.decode_fit()
+    assert fit.base_s + 3 * fit.per_sequence_s == pytest.approx(0.04)
+    assert costs.prefill_s_per_token == pytest.approx(0.003)
