@@ -16,14 +16,18 @@ Systems (each started in its own process group, stopped by its PID before the ne
   --disaggregate-min-tokens 0);
 - 1p1d-length: the same, prompts of 256 tokens or more disaggregated (the old default).
 Workload (bench's `mixed`): 90% ~100-token prompts, 10% ~1,500-token prompts, 64 output tokens
-(ignore_eos), Poisson arrivals; the same requests and arrival times for every system at a rate.
-Prints the table and writes OUTPUT_DIR/compare.json (every row's figures and full summary) and
-each system's logs under OUTPUT_DIR/logs-SYSTEM/.
+(ignore_eos), Poisson arrivals; the same requests and arrival times for every system at a rate,
+other prompts at each rate (no prefix-cache hit from the rate before).
+Before the rates, each system gets LONE_REQUESTS lone long prompts, one at a time: the table's
+last column is their median inter-token latency from the third token on and the gap between
+the first and second token. Prints the table and writes OUTPUT_DIR/compare.json (every row's
+figures and full summary) and each system's logs under OUTPUT_DIR/logs-SYSTEM/.
 """
 
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -49,6 +53,7 @@ from worker.processes import free_port
 MODEL = "smollm2"
 KV_CACHE_GIB = 1
 LONG_PROMPT_TOKENS = 800  # between the short (~100) and the long (~1,500) prompts
+LONE_REQUESTS, LONE_PROMPT_TOKENS = 3, 1536
 STOP_GRACE_S = 60
 ALWAYS_LOCAL_TOKENS = 1_000_000  # past any prompt: every one prefilled on its decode worker
 SYSTEMS = {
@@ -81,6 +86,18 @@ class Row:
     tpot_p50: float | None
     tpot_p99: float | None
     failed: int
+    lone_itl_p50: float | None  # a lone long request: median gap before tokens 3, 4, ...
+    lone_first_gap: float | None  # ... and between its first and second token
+
+
+@dataclass
+class Lone:
+    """LONE_REQUESTS long prompts sent one at a time on an idle system, before the rates: how
+    fast one request decodes with nothing else running (issue 14's decode-worker ITL and
+    hand-off gap; on the disaggregated path the first token is the prefill worker's)."""
+
+    itl_p50: float | None
+    first_gap: float | None
 
 
 def main() -> int:
@@ -118,14 +135,25 @@ def main() -> int:
     output_dir = args.output_dir or Path(tempfile.mkdtemp(prefix="pdserve-compare-"))
     output_dir.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_model(MODEL, log=say)
-    requests = mixed_workload(
-        args.num_requests,
-        0.1,
-        Length.parse(DEFAULT_INPUT_LEN["mixed"]),
-        Length.parse("normal:1500,150"),
-        Length.parse(str(args.output_len)),
-        PromptText(args.seed, load_tokenizer(str(model_dir))),
-    )
+    tokenizer = load_tokenizer(str(model_dir))
+    # A workload of its own per rate (and one for the warm-up and lone requests): a prompt seen
+    # at an earlier rate would be a prefix-cache hit at the next.
+    workloads = [
+        mixed_workload(
+            args.num_requests,
+            0.1,
+            Length.parse(DEFAULT_INPUT_LEN["mixed"]),
+            Length.parse("normal:1500,150"),
+            Length.parse(str(args.output_len)),
+            PromptText(args.seed + number, tokenizer),
+        )
+        for number in range(len(rates) + 1)
+    ]
+    text = PromptText(args.seed + len(rates) + 1, tokenizer)
+    lone = [
+        BenchRequest(LONE_PROMPT_TOKENS, args.output_len, prompt=text.make(LONE_PROMPT_TOKENS))
+        for _ in range(LONE_REQUESTS)
+    ]
     rows, summaries = [], []
     for system in systems:
         log_dir = output_dir / f"logs-{system}"
@@ -133,10 +161,9 @@ def main() -> int:
         started = time.monotonic()
         with serving(system, model_dir, log_dir, args.ready_timeout) as url:
             say(f"[{system}] ready after {time.monotonic() - started:.0f} s")
-            for rate, records, summary in asyncio.run(
-                measure(system, url, requests, rates, slo, args)
-            ):
-                rows.append(row(system, rate, records, summary))
+            alone, results = asyncio.run(measure(system, url, workloads, lone, rates, slo, args))
+            for rate, records, summary in results:
+                rows.append(row(system, rate, records, summary, alone))
                 summaries.append(asdict(summary))
         say(f"[{system}] stopped")
     print(table(rows, args.slo))
@@ -172,15 +199,28 @@ def serving(system: str, model_dir: Path, log_dir: Path, ready_timeout_s: float)
 async def measure(
     system: str,
     url: str,
-    requests: list[BenchRequest],
+    workloads: list[list[BenchRequest]],
+    lone: list[BenchRequest],
     rates: list[float],
     slo: Slo,
     args: argparse.Namespace,
-) -> list[tuple[float, list[RequestRecord], Summary]]:
+) -> tuple[Lone, list[tuple[float, list[RequestRecord], Summary]]]:
     target = Target(url, MODEL, ignore_eos=True)
-    await warm_up(requests, target, 4, args.timeout)
+    await warm_up(workloads[-1], target, 4, args.timeout)
+    records, _ = await run_benchmark(
+        lone, target, concurrency=1, timeout=args.timeout, progress=False
+    )
+    gaps = [r.itl for r in records if r.ok and len(r.itl) >= 2]
+    alone = Lone(
+        distribution([statistics.median(itl[1:]) for itl in gaps]).p50,
+        distribution([itl[0] for itl in gaps]).p50,
+    )
+    say(
+        f"[{system}] a lone {LONE_PROMPT_TOKENS}-token request: ITL p50 {_ms(alone.itl_p50)} ms "
+        f"from its third token on, first-to-second token {_ms(alone.first_gap)} ms"
+    )
     results = []
-    for rate in rates:
+    for rate, requests in zip(rates, workloads, strict=False):
         offsets = arrival_times(len(requests), rate, seed=args.seed)
         say(f"[{system}] {len(requests)} requests at {rate:g} req/s ...")
         records, duration = await run_benchmark(
@@ -197,10 +237,12 @@ async def measure(
             f"{summary.slo_attainment:.0%} met the SLO, {summary.failed} failed"
         )
         results.append((rate, records, summary))
-    return results
+    return alone, results
 
 
-def row(system: str, rate: float, records: list[RequestRecord], summary: Summary) -> Row:
+def row(
+    system: str, rate: float, records: list[RequestRecord], summary: Summary, alone: Lone
+) -> Row:
     done = [r for r in records if r.ok]
     short = distribution([r.ttft for r in done if r.prompt_tokens < LONG_PROMPT_TOKENS])
     long = distribution([r.ttft for r in done if r.prompt_tokens >= LONG_PROMPT_TOKENS])
@@ -216,17 +258,22 @@ def row(system: str, rate: float, records: list[RequestRecord], summary: Summary
         tpot_p50=summary.tpot.p50,
         tpot_p99=summary.tpot.p99,
         failed=summary.failed,
+        lone_itl_p50=alone.itl_p50,
+        lone_first_gap=alone.first_gap,
     )
 
 
-def table(rows: list[Row], slo: str) -> str:
-    def ms(value: float | None) -> str:
-        return "-" if value is None else f"{value * 1e3:.0f}"
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.0f}"
 
+
+def table(rows: list[Row], slo: str) -> str:
+    ms = _ms
     lines = [
         f"mixed workload, SLO {slo}; TTFT and TPOT in ms",
         f"{'system':<20}{'rate':>6}{'goodput':>9}{'SLO met':>9}{'failed':>8}"
-        f"{'TTFT short p50/p90':>20}{'TTFT long p50/p90':>20}{'TPOT p50/p99':>15}",
+        f"{'TTFT short p50/p90':>20}{'TTFT long p50/p90':>20}{'TPOT p50/p99':>15}"
+        f"{'lone ITL/1st gap':>18}",
     ]
     for r in rows:
         lines.append(
@@ -234,6 +281,7 @@ def table(rows: list[Row], slo: str) -> str:
             f"{ms(r.ttft_short_p50) + ' / ' + ms(r.ttft_short_p90):>20}"
             f"{ms(r.ttft_long_p50) + ' / ' + ms(r.ttft_long_p90):>20}"
             f"{ms(r.tpot_p50) + ' / ' + ms(r.tpot_p99):>15}"
+            f"{ms(r.lone_itl_p50) + ' / ' + ms(r.lone_first_gap):>18}"
         )
     return "\n".join(lines)
 

@@ -4,17 +4,22 @@ reported in Stats, so that the router can estimate each path's time (router/rout
 - prefill: seconds per computed prompt token, from each finished request's prefill time (its
   first schedule to its first token) over the prompt tokens it computed (cache and transferred
   KV hits excluded); requests that computed fewer than MIN_PREFILL_TOKENS are left out, since
-  one decode step dominates their time;
+  one decode step dominates their time. The figure is a low quantile (PREFILL_QUANTILE) of the
+  last PREFILL_SAMPLES: a prompt computed beside others, or between decode steps, takes longer
+  than its own cost, and the router counts those others itself (queued tokens, decoding
+  requests), so the mean would count them twice;
 - decode: a step's seconds as base + per_sequence x batch, fitted by least squares over the
   recent pure decode steps (steps that finished no prefill), older steps fading by DECAY.
 Until a worker has run at two batch sizes the slope is unknown, and one more sequence is taken
 to cost DEFAULT_SEQUENCE_SHARE of a step.
 """
 
+from collections import deque
 from dataclasses import dataclass
 
 MIN_PREFILL_TOKENS = 32
-PREFILL_EWMA = 0.2  # weight of the newest request in the prefill cost
+PREFILL_SAMPLES = 32
+PREFILL_QUANTILE = 0.25
 DECAY = 0.98  # weight left to every older decode step at each new one
 MIN_BATCH_SPREAD = 0.25  # variance of the batch sizes seen below which the slope is unknown
 DEFAULT_SEQUENCE_SHARE = 0.1
@@ -29,18 +34,22 @@ class DecodeFit:
 
 class StepCosts:
     def __init__(self) -> None:
-        self.prefill_s_per_token = 0.0  # 0: no request computed enough prompt yet
+        self._prefill_samples: deque[float] = deque(maxlen=PREFILL_SAMPLES)
         self._weight = self._batch = self._step = self._batch_sq = self._batch_step = 0.0
 
     def finished_request(self, prefill_s: float, prompt_tokens: int, cached_tokens: int) -> None:
         computed = prompt_tokens - cached_tokens
         if computed < MIN_PREFILL_TOKENS or prefill_s <= 0:
             return
-        sample = prefill_s / computed
-        if self.prefill_s_per_token == 0.0:
-            self.prefill_s_per_token = sample
-        else:
-            self.prefill_s_per_token += PREFILL_EWMA * (sample - self.prefill_s_per_token)
+        self._prefill_samples.append(prefill_s / computed)
+
+    @property
+    def prefill_s_per_token(self) -> float:
+        """0 until a request computed MIN_PREFILL_TOKENS prompt tokens."""
+        if not self._prefill_samples:
+            return 0.0
+        ordered = sorted(self._prefill_samples)
+        return ordered[int(PREFILL_QUANTILE * (len(ordered) - 1))]
 
     def decode_step(self, batch: int, step_s: float) -> None:
         """One pure decode step: `batch` sequences each got a token `step_s` after their last."""

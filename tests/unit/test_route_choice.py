@@ -153,3 +153,14 @@ def test_vllm_iteration_stats_feed_the_costs():
     fit = costs.decode_fit()
     assert fit.base_s + 3 * fit.per_sequence_s == pytest.approx(0.04)
     assert costs.prefill_s_per_token == pytest.approx(0.003)
+
+
+def test_prompts_computed_beside_others_do_not_inflate_the_prefill_cost():
+    """Two prompts computed together each take twice their own time; the router already counts
+    the other one (in the queue), so the cost learned stays the lone prompt's."""
+    costs = StepCosts()
+    for _ in range(4):
+        costs.finished_request(prefill_s=1.0, prompt_tokens=1000, cached_tokens=0)
+    for _ in range(8):
+        costs.finished_request(prefill_s=2.0, prompt_tokens=1000, cached_tokens=0)
+    assert costs.prefill_s_per_token == pytest.approx(0.001)
