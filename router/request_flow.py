@@ -307,6 +307,7 @@ class RequestFlow:
                 WorkerState.of(decode, cluster),
                 WorkerState.of(prefill, cluster),
                 floor,
+                decode_full=decode.load.full(decode.max_num_seqs),
             )
         run.decision = decision
         run.route = decision.route

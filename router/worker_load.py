@@ -52,6 +52,11 @@ class WorkerLoad:
         used = report.kv_blocks_used / report.kv_blocks_total if report.kv_blocks_total else 0.0
         return (report.running_requests + self.requests_since, used)
 
+    def full(self, max_num_seqs: int) -> bool:
+        """Whether the worker already runs as many requests as it can (see `capacity`)."""
+        running = (self.report.running_requests if self.report else 0) + self.requests_since
+        return running >= self.capacity(max_num_seqs)
+
     def capacity(self, max_num_seqs: int) -> int:
         """Requests the worker can run at once: its engine's max_num_seqs, or, while its engine
         holds requests back for want of KV blocks (waiting ones with its blocks nearly all in

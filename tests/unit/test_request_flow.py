@@ -39,6 +39,7 @@ class FakeWorker:
         self.kv_compatibility = "smollm2-float32"
         self.users = 0
         self.load = WorkerLoad()  # no report: the route estimate prices it like the cluster
+        self.max_num_seqs = 16
         self.chunks = list(chunks)
         self.error = error
         self.requests: list[worker_pb2.GenerateRequest] = []

@@ -51,8 +51,22 @@ def test_a_backed_up_prefill_pool_sends_a_long_prompt_to_its_decode_worker():
 
 def test_a_full_decode_worker_leaves_the_request_on_an_idle_prefill_worker():
     decode = state(running_requests=40)
-    decision = decide(SHORT, decode, state())
+    decision = estimate(SHORT, 64, decode, state(), FLOOR, decode_full=True)
     assert decision.route == STAY_ON_PREFILL
+
+
+def test_a_decode_worker_with_room_keeps_the_prefill_worker_free_of_decoding():
+    decode = state(running_requests=40)
+    decision = decide(SHORT, decode, state())
+    assert decision.route == LOCAL
+    assert STAY_ON_PREFILL not in {cost.route for cost in decision.costs}
+
+
+def test_a_worker_is_full_once_it_runs_what_its_engine_takes():
+    load = WorkerLoad(worker_pb2.StatsReply(running_requests=7))
+    assert not load.full(max_num_seqs=8)
+    load.sent(10)
+    assert load.full(max_num_seqs=8)
 
 
 def test_a_long_prompt_goes_where_its_prefill_stalls_nobody():
