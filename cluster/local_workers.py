@@ -63,6 +63,27 @@ def start_worker(
     )
 
 
+OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM on CPU: its compute threads' cores
+
+
+def core_shares(tensor_parallel_sizes: list[int], cores: list[int]) -> list[str]:
+    """`pdserve serve --cpu-binding split`: each worker's share of `cores`, in order, as vLLM's
+    VLLM_CPU_OMP_THREADS_BIND reads it ("0-3", or "0-1|2-3" for a worker of two TP ranks: one
+    list per rank). Shares are equal (cores left over go unused); with more ranks than cores,
+    ranks share cores in turn."""
+    ranks = sum(tensor_parallel_sizes)
+    per_rank = max(1, len(cores) // ranks)
+    shares, rank = [], 0
+    for size in tensor_parallel_sizes:
+        lists = []
+        for _ in range(size):
+            first = (rank * per_rank) % len(cores)
+            lists.append(",".join(str(core) for core in cores[first : first + per_rank]))
+            rank += 1
+        shares.append("|".join(lists))
+    return shares
+
+
 def wait_ready(workers: list[WorkerProcess], timeout_s: float, progress=print) -> None:
     """Until every worker's Health says READY; ChildError with the worker's log tail if one
     exits or fails, or when the deadline passes."""

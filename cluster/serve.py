@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from cluster.console import say
-from cluster.local_workers import start_worker, stop_worker, wait_ready
+from cluster.local_workers import OMP_BIND_ENV, core_shares, start_worker, stop_worker, wait_ready
 from kv_transfer.transport import AUTO, TRANSPORTS
 from model_store.store import ModelError, resolve_model
 from router.api_keys import load_api_keys
@@ -27,6 +27,8 @@ from settings.json_logs import configure_logging
 from settings.router import RouterSettings
 from settings.tls import load_tls_dir
 from settings.worker import WorkerSettings
+
+CPU_BINDINGS = ("none", "split")
 
 
 def add_parser(subparsers) -> None:
@@ -75,6 +77,15 @@ def add_parser(subparsers) -> None:
         type=int,
         default=1,
         help="with --colocated: number of colocated workers (default: 1)",
+    )
+    parser.add_argument(
+        "--cpu-binding",
+        choices=CPU_BINDINGS,
+        default="none",
+        help="none: the OS places every thread; split: each worker gets its own equal share "
+        "of this host's cores, its compute (OpenMP) threads pinned there (vLLM's "
+        "VLLM_CPU_OMP_THREADS_BIND), while the router, the client and the workers' other "
+        "threads stay unpinned (default: none; see README for what each measured)",
     )
     parser.add_argument(
         "--log-dir",
@@ -131,9 +142,16 @@ def run(args: argparse.Namespace) -> int:
     workers = []
     plan = _worker_plan(args, decode, transports)
     threads = max(1, (os.cpu_count() or 1) // len(plan))
+    binds = [{}] * len(plan)
+    if args.cpu_binding == "split":
+        sizes = [settings.engine.tensor_parallel_size for settings in plan]
+        shares = core_shares(sizes, sorted(os.sched_getaffinity(0)))
+        binds = [{OMP_BIND_ENV: share} for share in shares]
+        pairs = zip(plan, shares, strict=True)
+        say("cores per worker: " + ", ".join(f"{w.role} {cores}" for w, cores in pairs))
     try:
-        for settings in plan:
-            workers.append(start_worker(settings, log_dir, threads))
+        for settings, bind in zip(plan, binds, strict=True):
+            workers.append(start_worker(settings, log_dir, threads, env=bind))
         wait_ready(workers, router.worker_ready_timeout_s, progress=say)
         addresses = [worker.address for worker in workers]
         asyncio.run(run_router(router.model_copy(update={"worker_addresses": addresses}), model))

@@ -30,6 +30,9 @@ class RoundRobin:
     def computes(self, worker: WorkerClient, prompt: list[int]) -> None:
         """Nothing to keep: the turns ignore the prompts."""
 
+    def cached_tokens(self, worker: WorkerClient, prompt: list[int]) -> int:
+        return 0  # unknown: no index of the workers' caches
+
 
 class LeastLoaded:
     """The idlest by its own report: prompt tokens yet to compute (prefill), requests in the
@@ -42,6 +45,9 @@ class LeastLoaded:
 
     def computes(self, worker: WorkerClient, prompt: list[int]) -> None:
         """Nothing to keep: the workers' own reports carry their load."""
+
+    def cached_tokens(self, worker: WorkerClient, prompt: list[int]) -> int:
+        return 0  # unknown: no index of the workers' caches
 
 
 class CacheAware:
@@ -75,6 +81,10 @@ class CacheAware:
         from now on. Told once the request's path is chosen, which may not use every worker
         `choose` picked."""
         self.index.sent(worker.address, chunk_hashes(list(prompt)))
+
+    def cached_tokens(self, worker: WorkerClient, prompt: list[int]) -> int:
+        """Leading prompt tokens the worker likely has in its prefix cache."""
+        return self.index.cached_tokens(worker.address, chunk_hashes(list(prompt)))
 
 
 POLICIES = {policy.name: policy for policy in (RoundRobin, LeastLoaded, CacheAware)}

@@ -304,8 +304,8 @@ class RequestFlow:
             decision = estimate(
                 len(prompt),
                 request.sampling.max_tokens * max(1, request.sampling.n),
-                WorkerState.of(decode, cluster),
-                WorkerState.of(prefill, cluster),
+                WorkerState.of(decode, cluster, self.pool.cached_tokens(decode, prompt)),
+                WorkerState.of(prefill, cluster, self.pool.cached_tokens(prefill, prompt)),
                 floor,
                 decode_full=decode.load.full(decode.max_num_seqs),
             )

@@ -13,10 +13,11 @@ Three paths, none best everywhere:
 `--route-policy estimate` (the default) prices each path in seconds, summed over every request
 it touches, and takes the cheapest:
 - the request's own time: to its first token (the prompt tokens queued on the worker that
-  prefills, then its own, at that worker's cost per token) and to its last (its expected output
-  tokens at the decode step its worker will run, one sequence more than now, stretched by the
-  share of that worker's time its arriving prompts take: a worker that prefills most of the time
-  decodes slowly);
+  prefills, then its own less those likely in that worker's prefix cache (`--policy
+  cache-aware` knows them; other policies count none), at that worker's cost per token) and to
+  its last (its expected output tokens at the decode step its worker will run, one sequence
+  more than now, stretched by the share of that worker's time its arriving prompts take: a
+  worker that prefills most of the time decodes slowly);
 - the time it costs the others: a prefill stalls the worker's decoding requests, and the ones
   that arrive meanwhile (the worker's arrival rate), for as long as it computes; one more
   sequence slows each of the worker's decoding requests by the step's cost per sequence.
@@ -62,14 +63,15 @@ class WorkerState:
     arrival_rate: float  # requests per second this router sends it
     prompt_token_rate: float  # prompt tokens per second this router sends it
     costs: StepCosts
+    cached_tokens: int = 0  # of this request's prompt, likely in its prefix cache
 
     @classmethod
-    def of(cls, worker: WorkerClient, cluster: StepCosts) -> "WorkerState":
+    def of(cls, worker: WorkerClient, cluster: StepCosts, cached_tokens: int = 0) -> "WorkerState":
         load = worker.load
         report = load.report
         rates = load.arrival_rates()
         if report is None:
-            return cls(load.prompt_tokens_since, 0, *rates, cluster)
+            return cls(load.prompt_tokens_since, 0, *rates, cluster, cached_tokens)
         learned = StepCosts(
             report.prefill_seconds_per_token or cluster.prefill_s_per_token,
             report.decode_step_base_seconds or cluster.step_base_s,
@@ -80,6 +82,7 @@ class WorkerState:
             max(0, report.running_requests - report.prefilling_requests),
             *rates,
             learned,
+            cached_tokens,
         )
 
     def step_s(self, batch: int) -> float:
@@ -187,7 +190,7 @@ def estimate(
 
     def prefill_times(worker: WorkerState) -> tuple[float, float]:
         queued = worker.queued_tokens * worker.costs.prefill_s_per_token
-        own = prompt_tokens * worker.costs.prefill_s_per_token
+        own = max(1, prompt_tokens - worker.cached_tokens) * worker.costs.prefill_s_per_token
         return queued + own, worker.stall_cost_s(own)
 
     costs = []

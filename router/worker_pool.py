@@ -106,6 +106,11 @@ class WorkerPool:
         """`worker` computes `prompt` (or receives its KV): for a policy that tracks caches."""
         self.policy.computes(worker, prompt)
 
+    def cached_tokens(self, worker: WorkerClient, prompt: list[int]) -> int:
+        """Of `prompt`, the leading tokens `worker` likely has cached (0 when the policy keeps
+        no index)."""
+        return self.policy.cached_tokens(worker, prompt)
+
     def mark_down(self, worker: WorkerClient) -> None:
         log.warning("worker %s marked down", worker.address)
         self.down.add(worker.address)

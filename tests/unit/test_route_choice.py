@@ -178,3 +178,12 @@ def test_prompts_computed_beside_others_do_not_inflate_the_prefill_cost():
     for _ in range(8):
         costs.finished_request(prefill_s=2.0, prompt_tokens=1000, cached_tokens=0)
     assert costs.prefill_s_per_token == pytest.approx(0.001)
+
+
+def test_a_prompt_cached_on_its_decode_worker_is_not_sent_to_be_recomputed():
+    """The prefill worker is idle and the decode worker's queue is short, but the decode worker
+    holds 1,400 of the prompt's 1,500 tokens (what cache-aware routing tracks)."""
+    decode = WorkerState.of(fake_worker(sent_per_second=(1, SHORT)), DEFAULT_COSTS, 1400)
+    cold = decide(LONG, state(sent_per_second=(1, SHORT)), state())
+    warm = decide(LONG, decode, state())
+    assert cold.route == DISAGGREGATED and warm.route == LOCAL
