@@ -9,6 +9,8 @@ Systems (each started in its own process group, stopped by its PID before the ne
 - vllm: `python -m vllm.entrypoints.openai.api_server`, the same model, float32, eager, 1 GiB of
   KV cache, as many OpenMP threads as a lone pdserve worker gets (every core), no binding;
 - colocated: `pdserve serve --colocated` (one worker that prefills and decodes);
+- colocated-2: `pdserve serve --colocated --workers 2` (two such workers, a core each: data
+  parallel on the cores 1P1D splits; its lone request is a colocated worker's on one core);
 - 1p1d: `pdserve serve --prefill 1 --decode 1` with its default routing;
 - 1p1d-local: the same, every prompt prefilled on the decode worker (--route-policy length,
   --disaggregate-min-tokens past any prompt);
@@ -60,6 +62,7 @@ ALWAYS_LOCAL_TOKENS = 1_000_000  # past any prompt: every one prefilled on its d
 SYSTEMS = {
     "vllm": None,
     "colocated": (0, 1, ["--colocated"]),
+    "colocated-2": (0, 1, ["--colocated", "--workers", "2"]),
     "1p1d": (1, 1, []),
     "1p1d-local": (
         1,
