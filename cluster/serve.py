@@ -28,7 +28,7 @@ from settings.router import RouterSettings
 from settings.tls import load_tls_dir
 from settings.worker import WorkerSettings
 
-CPU_BINDINGS = ("none", "split")
+CPU_BINDINGS = ("auto", "none", "split")
 
 
 def add_parser(subparsers) -> None:
@@ -81,11 +81,12 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--cpu-binding",
         choices=CPU_BINDINGS,
-        default="none",
-        help="none: the OS places every thread; split: each worker gets its own equal share "
-        "of this host's cores, its compute (OpenMP) threads pinned there (vLLM's "
-        "VLLM_CPU_OMP_THREADS_BIND), while the router, the client and the workers' other "
-        "threads stay unpinned (default: none; see README for what each measured)",
+        default="auto",
+        help="split: each worker gets its own equal share of this host's cores, its compute "
+        "(OpenMP) threads pinned there (vLLM's VLLM_CPU_OMP_THREADS_BIND), while the router, "
+        "the client and the workers' other threads stay unpinned; none: the OS places every "
+        "thread; auto: split when every worker rank gets a core of its own, else none "
+        "(default: auto; see README for what each measured)",
     )
     parser.add_argument(
         "--log-dir",
@@ -143,9 +144,10 @@ def run(args: argparse.Namespace) -> int:
     plan = _worker_plan(args, decode, transports)
     threads = max(1, (os.cpu_count() or 1) // len(plan))
     binds = [{}] * len(plan)
-    if args.cpu_binding == "split":
-        sizes = [settings.engine.tensor_parallel_size for settings in plan]
-        shares = core_shares(sizes, sorted(os.sched_getaffinity(0)))
+    sizes = [settings.engine.tensor_parallel_size for settings in plan]
+    cores = sorted(os.sched_getaffinity(0))
+    if args.cpu_binding == "split" or (args.cpu_binding == "auto" and sum(sizes) <= len(cores)):
+        shares = core_shares(sizes, cores)
         binds = [{OMP_BIND_ENV: share} for share in shares]
         pairs = zip(plan, shares, strict=True)
         say("cores per worker: " + ", ".join(f"{w.role} {cores}" for w, cores in pairs))

@@ -17,7 +17,8 @@ Systems (each started in its own process group, stopped by its PID before the ne
 - 1p1d-disaggregated: the same, every prompt through the prefill worker (--route-policy length,
   --disaggregate-min-tokens 0);
 - 1p1d-length: the same, prompts of 256 tokens or more disaggregated (the old default);
-- 1p1d-split: 1p1d with --cpu-binding split (each worker's compute threads on its own cores).
+- 1p1d-unbound: 1p1d with --cpu-binding none (the OS places every thread; 1p1d's default here,
+  auto, pins each worker's compute threads to its own core).
 Workload (bench's `mixed`): 90% ~100-token prompts, 10% ~1,500-token prompts, 64 output tokens
 (ignore_eos), Poisson arrivals; the same requests and arrival times for every system at a rate,
 other prompts at each rate (no prefix-cache hit from the rate before).
@@ -71,7 +72,7 @@ SYSTEMS = {
     ),
     "1p1d-disaggregated": (1, 1, ["--route-policy", "length", "--disaggregate-min-tokens", "0"]),
     "1p1d-length": (1, 1, ["--route-policy", "length"]),
-    "1p1d-split": (1, 1, ["--cpu-binding", "split"]),
+    "1p1d-unbound": (1, 1, ["--cpu-binding", "none"]),
 }
 """How `pdserve serve` starts each pdserve system: (prefill, decode, more options)."""
 
