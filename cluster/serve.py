@@ -131,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
         load_tls_dir(router.tls_dir)  # the workers inherit it
         ensure_cluster_secret()  # the workers inherit it; the router calls them with it
         model = resolve_model(engine.model)
-        _check_port_free(router.host, router.port)
+        listener = _listen(router.host, router.port)
+        router = router.model_copy(update={"port": listener.getsockname()[1]})
     except (ConfigError, ModelError, OSError) as error:
         print(f"pdserve serve: {error}", file=sys.stderr)
         return 2
@@ -150,13 +151,14 @@ def run(args: argparse.Namespace) -> int:
         shares = core_shares(sizes, cores)
         binds = [{OMP_BIND_ENV: share} for share in shares]
         pairs = zip(plan, shares, strict=True)
-        say("cores per worker: " + ", ".join(f"{w.role} {cores}" for w, cores in pairs))
+        say("cores per worker: " + ", ".join(f"{w.role} {share}" for w, share in pairs))
     try:
         for settings, bind in zip(plan, binds, strict=True):
             workers.append(start_worker(settings, log_dir, threads, env=bind))
         wait_ready(workers, router.worker_ready_timeout_s, progress=say)
         addresses = [worker.address for worker in workers]
-        asyncio.run(run_router(router.model_copy(update={"worker_addresses": addresses}), model))
+        serving = router.model_copy(update={"worker_addresses": addresses})
+        asyncio.run(run_router(serving, model, listener))
         return 0
     except RuntimeError as error:
         say(f"pdserve serve: {error}")
@@ -164,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
+        listener.close()
         if workers:
             say(f"stopping {len(workers)} worker(s)")
         for worker in workers:
@@ -189,13 +192,19 @@ def _worker_plan(args, decode: WorkerSettings, transports: list[str]) -> list[Wo
     return prefills + [decode] * args.decode
 
 
-def _check_port_free(host: str, port: int) -> None:
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as error:
-            raise OSError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+def _listen(host: str, port: int) -> socket.socket:
+    """The router's socket, listening from the start: the workers that start before the router
+    take free ports of their own, and one could otherwise be handed the router's port while it
+    is not yet bound (seen: the router failing with "address already in use")."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as error:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+    return sock
 
 
 def _raise_keyboard_interrupt(signum, frame):

@@ -47,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def run_router(settings: RouterSettings, model: str) -> None:
+async def run_router(settings: RouterSettings, model: str, listener=None) -> None:
+    """Serve until stopped; on `listener` (a bound, listening socket) when given."""
     import uvicorn
 
     from router.app import create_app
@@ -62,7 +63,7 @@ async def run_router(settings: RouterSettings, model: str) -> None:
     )
     announce = asyncio.create_task(_announce_when_started(server, settings))
     try:
-        await server.serve()
+        await server.serve(sockets=[listener] if listener is not None else None)
     finally:
         announce.cancel()
 

@@ -128,7 +128,7 @@ class PathCost:
 @dataclass(frozen=True)
 class RouteDecision:
     route: str
-    reason: str  # header, below_floor, no_prefill_worker, estimate, length
+    reason: str  # estimate, length, below_floor, header, no_prefill_worker, prefill_lost
     costs: tuple[PathCost, ...] = ()  # the estimate's prices, cheapest first
 
     def view(self) -> dict:
