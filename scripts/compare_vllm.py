@@ -19,9 +19,9 @@ Systems (each started in its own process group, stopped by its PID before the ne
 - 1p1d-length: the same, prompts of 256 tokens or more disaggregated (the old default);
 - 1p1d-unbound: 1p1d with --cpu-binding none (the OS places every thread; 1p1d's default here,
   auto, pins each worker's compute threads to its own core).
-Workload (bench's `mixed`): 90% ~100-token prompts, 10% ~1,500-token prompts, 64 output tokens
-(ignore_eos), Poisson arrivals; the same requests and arrival times for every system at a rate,
-other prompts at each rate (no prefix-cache hit from the rate before).
+Workload (bench's `mixed`): 90% ~100-token prompts, 10% ~1,500-token prompts (--long-fraction),
+64 output tokens (ignore_eos), Poisson arrivals; the same requests and arrival times for every
+system at a rate, other prompts at each rate (no prefix-cache hit from the rate before).
 Before the rates, each system gets LONE_REQUESTS lone long prompts, one at a time: the table's
 last column is their median inter-token latency from the third token on and the gap between
 the first and second token. Prints the table and writes OUTPUT_DIR/compare.json (every row's
@@ -121,6 +121,12 @@ def main() -> int:
         help=f"comma-separated, run in this order (default {','.join(SYSTEMS)})",
     )
     parser.add_argument("--output-len", type=int, default=64, help="output tokens (default 64)")
+    parser.add_argument(
+        "--long-fraction",
+        type=float,
+        default=0.1,
+        help="share of ~1,500-token prompts (default 0.1)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="prompts, lengths and arrivals")
     parser.add_argument(
         "--ready-timeout", type=float, default=600, help="seconds a system may take to start"
@@ -147,7 +153,7 @@ def main() -> int:
     workloads = [
         mixed_workload(
             args.num_requests,
-            0.1,
+            args.long_fraction,
             Length.parse(DEFAULT_INPUT_LEN["mixed"]),
             Length.parse("normal:1500,150"),
             Length.parse(str(args.output_len)),
