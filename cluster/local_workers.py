@@ -68,7 +68,7 @@ OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM on CPU: its compute threads' 
 
 def core_shares(tensor_parallel_sizes: list[int], cores: list[int]) -> list[str]:
     """`pdserve serve --cpu-binding split`: each worker's share of `cores`, in order, as vLLM's
-    VLLM_CPU_OMP_THREADS_BIND reads it ("0-3", or "0-1|2-3" for a worker of two TP ranks: one
+    VLLM_CPU_OMP_THREADS_BIND reads it ("0,1", or "0,1|2,3" for a worker of two TP ranks: one
     list per rank). Shares are equal (cores left over go unused); with more ranks than cores,
     ranks share cores in turn."""
     ranks = sum(tensor_parallel_sizes)

@@ -13,7 +13,17 @@ from router.worker_client import WorkerClient
 DECODE_REQUEST_TOKENS = 32  # cache-aware: a running request counts as this much prompt work
 
 
-class RoundRobin:
+class NoCacheIndex:
+    """A policy that keeps no index of the workers' prefix caches."""
+
+    def computes(self, worker: WorkerClient, prompt: list[int]) -> None:
+        """Nothing to keep."""
+
+    def cached_tokens(self, worker: WorkerClient, prompt: list[int]) -> int:
+        return 0  # unknown
+
+
+class RoundRobin(NoCacheIndex):
     """Takes turns within each pool: one counter per role, so a disaggregated request's two
     picks (prefill, then decode) do not step one shared counter twice, which sent every
     prefill to the same worker of two."""
@@ -27,14 +37,8 @@ class RoundRobin:
         turn = self._turns.setdefault(candidates[0].role, itertools.count())
         return candidates[next(turn) % len(candidates)]
 
-    def computes(self, worker: WorkerClient, prompt: list[int]) -> None:
-        """Nothing to keep: the turns ignore the prompts."""
 
-    def cached_tokens(self, worker: WorkerClient, prompt: list[int]) -> int:
-        return 0  # unknown: no index of the workers' caches
-
-
-class LeastLoaded:
+class LeastLoaded(NoCacheIndex):
     """The idlest by its own report: prompt tokens yet to compute (prefill), requests in the
     engine then KV blocks in use (decode); ties go to the first candidate."""
 
@@ -42,12 +46,6 @@ class LeastLoaded:
 
     def choose(self, candidates: list[WorkerClient], prompt: list[int] = ()) -> WorkerClient:
         return min(candidates, key=lambda worker: worker.load.busyness(worker.role))
-
-    def computes(self, worker: WorkerClient, prompt: list[int]) -> None:
-        """Nothing to keep: the workers' own reports carry their load."""
-
-    def cached_tokens(self, worker: WorkerClient, prompt: list[int]) -> int:
-        return 0  # unknown: no index of the workers' caches
 
 
 class CacheAware:
@@ -60,9 +58,18 @@ class CacheAware:
 
     def __init__(self) -> None:
         self.index = PrefixIndex()
+        self._last: tuple[tuple[int, ...], list[bytes]] = ((), [])
+
+    def _hashes(self, prompt: list[int]) -> list[bytes]:
+        """The prompt's chunk hashes, computed once for a request's several calls (its picks,
+        the path's prices, then `computes`)."""
+        key = tuple(prompt)
+        if key != self._last[0]:
+            self._last = (key, chunk_hashes(list(key)))
+        return self._last[1]
 
     def choose(self, candidates: list[WorkerClient], prompt: list[int] = ()) -> WorkerClient:
-        hashes = chunk_hashes(list(prompt))
+        hashes = self._hashes(prompt)
 
         def gain(worker: WorkerClient) -> int:
             report = worker.load.report
@@ -80,11 +87,11 @@ class CacheAware:
         """The worker computes the prompt (or receives its KV) now: its prefix is cached there
         from now on. Told once the request's path is chosen, which may not use every worker
         `choose` picked."""
-        self.index.sent(worker.address, chunk_hashes(list(prompt)))
+        self.index.sent(worker.address, self._hashes(prompt))
 
     def cached_tokens(self, worker: WorkerClient, prompt: list[int]) -> int:
         """Leading prompt tokens the worker likely has in its prefix cache."""
-        return self.index.cached_tokens(worker.address, chunk_hashes(list(prompt)))
+        return self.index.cached_tokens(worker.address, self._hashes(prompt))
 
 
 POLICIES = {policy.name: policy for policy in (RoundRobin, LeastLoaded, CacheAware)}

@@ -24,20 +24,21 @@ class WorkerLoad:
     requests_since: int = 0  # requests this router sent it since that report
     prompt_tokens_since: int = 0  # their prompt tokens
     sent_at: deque = field(default_factory=deque)  # (monotonic time, prompt tokens) per send
+    tokens_in_window: int = 0  # the prompt tokens of `sent_at`
 
     def sent(self, prompt_tokens: int) -> None:
         self.requests_since += 1
         self.prompt_tokens_since += prompt_tokens
         self.sent_at.append((time.monotonic(), prompt_tokens))
+        self.tokens_in_window += prompt_tokens
 
     def arrival_rates(self) -> tuple[float, float]:
         """Requests and prompt tokens per second this router sent the worker over the last
         RATE_WINDOW_S."""
         since = time.monotonic() - RATE_WINDOW_S
         while self.sent_at and self.sent_at[0][0] < since:
-            self.sent_at.popleft()
-        tokens = sum(prompt_tokens for _, prompt_tokens in self.sent_at)
-        return len(self.sent_at) / RATE_WINDOW_S, tokens / RATE_WINDOW_S
+            self.tokens_in_window -= self.sent_at.popleft()[1]
+        return len(self.sent_at) / RATE_WINDOW_S, self.tokens_in_window / RATE_WINDOW_S
 
     def reported(self, report: worker_pb2.StatsReply) -> None:
         self.report = report

@@ -1,7 +1,6 @@
 """router/route_choice.py: the path estimate over fake workers (named fakes: a WorkerClient's
 `load`, its report set by hand) and the figures the workers learn (worker/step_costs.py)."""
 
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -26,11 +25,14 @@ LONG, SHORT = 1500, 100
 def fake_worker(sent_per_second: tuple[int, int] = (0, 0), **report) -> SimpleNamespace:
     """A WorkerClient stand-in: its last Stats, and what the router sent it over the rate
     window (requests per second, prompt tokens each)."""
-    load = WorkerLoad(worker_pb2.StatsReply(**report) if report else None)
+    load = WorkerLoad()
     requests, tokens = sent_per_second
-    now = time.monotonic()
     for _ in range(round(requests * RATE_WINDOW_S)):
-        load.sent_at.append((now, tokens))
+        load.sent(tokens)
+    if report:
+        load.reported(worker_pb2.StatsReply(**report))  # those sends are in the report now
+    else:
+        load.requests_since = load.prompt_tokens_since = 0
     return SimpleNamespace(load=load)
 
 
