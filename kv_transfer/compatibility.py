@@ -7,7 +7,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, fields
 
-from settings.cluster_secret import secret_matches
+from pdserve.settings.cluster_secret import secret_matches
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from kv_transfer import kv_wire_pb2_grpc as wire_grpc
 from kv_transfer.compatibility import Compatibility
 from kv_transfer.kv_copy import as_bytes
 from kv_transfer.transport import ChannelError, LayerSlice, Refused
-from settings import tls
-from settings.cluster_secret import cluster_secret
+from pdserve.settings import tls
+from pdserve.settings.cluster_secret import cluster_secret
 
 CHUNK_BYTES = 1 << 20
 GRPC_OPTIONS = [

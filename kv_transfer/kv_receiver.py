@@ -19,8 +19,8 @@ from kv_transfer.grpc_transport import GRPC_OPTIONS
 from kv_transfer.nccl_transport import NcclReceiving
 from kv_transfer.shm_transport import ShmListener
 from kv_transfer.transport import INBOX_BYTES, INBOX_WAIT_S, ChannelError, Inbox, SliceAssembler
-from settings import tls
-from settings.cluster_secret import cluster_secret, secret_matches
+from pdserve.settings import tls
+from pdserve.settings.cluster_secret import cluster_secret, secret_matches
 
 log = logging.getLogger("pdserve.kv")
 MAX_STREAMS = 32  # concurrent sending channels (prefill ranks) this rank serves

@@ -1,7 +1,7 @@
 """Per-transfer figures from the decode worker's connector, carried by vLLM's stats path.
 
 The worker half returns these each engine step; vLLM merges them into its scheduler stats,
-which reach the stat logger in the worker's AsyncLLM process (see worker/engine.py).
+which reach the stat logger in the worker's AsyncLLM process (see pdserve/worker/engine.py).
 Each entry: {"transfer_id", "bytes", "seconds" (first slice received -> last slice received),
 "failed"}.
 """

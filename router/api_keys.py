@@ -11,9 +11,9 @@ import hmac
 import os
 from pathlib import Path
 
+from pdserve.settings.base import ConfigError
+from pdserve.settings.router import RouterSettings
 from router.errors import OpenAIError
-from settings.base import ConfigError
-from settings.router import RouterSettings
 
 ENV = "PDSERVE_API_KEYS"
 ALWAYS_OPEN = ("/health",)

@@ -21,6 +21,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.settings.router import RouterSettings
+from pdserve.worker.registry import Registry
 from router.admission import RETRY_AFTER_S, AdmissionGate, Turn
 from router.api_keys import is_authorized, load_api_keys, open_paths, unauthorized
 from router.errors import OpenAIError, check_model, invalid_request
@@ -47,8 +49,6 @@ from router.responses import ChatShape, CompletionShape, ResponseShape
 from router.route_choice import ROUTE_HEADER
 from router.tokenization import PromptTokenizer
 from router.worker_pool import WorkerPool, follow_load, follow_registry
-from settings.router import RouterSettings
-from worker.registry import Registry
 
 log = logging.getLogger("pdserve.router")
 TIMING_HEADER = "x-pdserve-timing"  # ask for the timing breakdown in a whole response

@@ -6,14 +6,14 @@ import asyncio
 import sys
 import time
 
-from model_store.store import ModelError, resolve_model
+from pdserve.model_store.store import ModelError, resolve_model
+from pdserve.settings.base import ConfigError
+from pdserve.settings.cluster_secret import load_cluster_secret
+from pdserve.settings.command_line import add_arguments, add_settings_json, from_arguments
+from pdserve.settings.json_logs import configure_logging
+from pdserve.settings.router import RouterSettings
+from pdserve.settings.tls import load_tls_dir
 from router.api_keys import load_api_keys
-from settings.base import ConfigError
-from settings.cluster_secret import load_cluster_secret
-from settings.command_line import add_arguments, add_settings_json, from_arguments
-from settings.json_logs import configure_logging
-from settings.router import RouterSettings
-from settings.tls import load_tls_dir
 
 
 def add_parser(subparsers) -> None:

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 from kv_transfer.grpc_transport import cancel_transfer
 from kv_transfer.transport import choose_transport
+from pdserve.settings.router import AFTER_PREFILL
+from pdserve.worker.protocol import worker_pb2
 from router.errors import OpenAIError, prefill_lost, worker_failed
 from router.worker_client import WorkerClient
-from settings.router import AFTER_PREFILL
-from worker.protocol import worker_pb2
 
 log = logging.getLogger("pdserve.router")
 

@@ -1,6 +1,7 @@
 """Roles of flex workers: which pool (prefill or decode) each one serves, changed live.
 
-A flex worker's engine carries both connector halves (worker/flex_connector.py), so its role is
+A flex worker's engine carries both connector halves (pdserve/worker/flex_connector.py), so its
+role is
 only which legs this router sends it. A change takes effect for the next request; what the
 worker already runs it finishes (a new prefill worker completes the decodes it had, a new
 decode worker the prompts it was computing): nothing is drained to idle, no engine restarts.

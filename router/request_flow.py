@@ -19,6 +19,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from pdserve.settings import json_logs
+from pdserve.settings.router import WITH_PREFILL, RouterSettings
+from pdserve.worker.protocol import worker_pb2
 from router.disaggregation import PrefillOutcome, generate_disaggregated
 from router.errors import (
     OpenAIError,
@@ -51,9 +54,6 @@ from router.route_choice import (
 )
 from router.worker_client import WorkerClient
 from router.worker_pool import WorkerPool
-from settings import json_logs
-from settings.router import WITH_PREFILL, RouterSettings
-from worker.protocol import worker_pb2
 
 log = logging.getLogger("pdserve.router")
 FINISH_REASONS = {"stop": "stop", "length": "length"}

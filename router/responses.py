@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from worker.protocol import worker_pb2
+from pdserve.worker.protocol import worker_pb2
 
 MIN_LOGPROB = -9999.0  # what OpenAI (and vLLM) report for -inf
 

@@ -21,7 +21,8 @@ it touches, and takes the cheapest:
 - the time it costs the others: a prefill stalls the worker's decoding requests, and the ones
   that arrive meanwhile (the worker's arrival rate), for as long as it computes; one more
   sequence slows each of the worker's decoding requests by the step's cost per sequence.
-Step costs are what each worker learned from its own steps (worker/step_costs.py); a worker that
+Step costs are what each worker learned from its own steps (pdserve/worker/step_costs.py); a worker
+that
 has not run such a step yet is priced like the others of the cluster, or by DEFAULT_COSTS.
 Prompts below --disaggregate-min-tokens never take the disaggregated path (a floor: their KV
 is not worth a transfer). `--route-policy length` disaggregates every prompt of at least
@@ -31,9 +32,9 @@ A request may force its path with the x-pdserve-route header.
 
 from dataclasses import asdict, dataclass
 
+from pdserve.settings.router import ESTIMATE, LENGTH
 from router.errors import OpenAIError, invalid_request
 from router.worker_client import WorkerClient
-from settings.router import ESTIMATE, LENGTH
 
 ROUTE_HEADER = "x-pdserve-route"
 LOCAL, DISAGGREGATED, STAY_ON_PREFILL = "local", "disaggregated", "stay-on-prefill"

@@ -12,6 +12,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from pdserve.settings import tls
+from pdserve.settings.cluster_secret import secret_metadata
+from pdserve.worker.protocol import GRPC_OPTIONS, worker_pb2, worker_pb2_grpc
 from router.errors import (
     OpenAIError,
     invalid_request,
@@ -20,9 +23,6 @@ from router.errors import (
     worker_unavailable,
 )
 from router.worker_load import WorkerLoad
-from settings import tls
-from settings.cluster_secret import secret_metadata
-from worker.protocol import GRPC_OPTIONS, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.router")
 CONTROL_TIMEOUT_S = 5.0

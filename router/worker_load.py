@@ -11,7 +11,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from worker.protocol import worker_pb2
+from pdserve.worker.protocol import worker_pb2
 
 LOAD_POLL_S = 0.5  # how often the router asks every live worker for its Stats
 KV_FULL = 0.9  # share of KV blocks in use beyond which queued requests wait for blocks

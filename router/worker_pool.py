@@ -17,10 +17,10 @@ import logging
 
 import grpc
 
+from pdserve.worker.protocol import worker_pb2
 from router.errors import worker_unavailable
 from router.worker_client import WorkerClient
 from router.worker_load import LOAD_POLL_S
-from worker.protocol import worker_pb2
 
 log = logging.getLogger("pdserve.router")
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.local_cluster import local_cluster
-from worker.processes import free_port
+from pdserve.bench.local_cluster import local_cluster
+from pdserve.worker.processes import free_port
 
 
 def main() -> int:

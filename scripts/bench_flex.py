@@ -22,8 +22,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.local_cluster import local_cluster
-from worker.processes import free_port
+from pdserve.bench.local_cluster import local_cluster
+from pdserve.worker.processes import free_port
 
 MODEL = "smollm2"  # the name the clusters serve
 
@@ -33,7 +33,7 @@ def worker_trees() -> dict[str, list[psutil.Process]]:
     trees = {}
     for process in psutil.Process().children(recursive=True):
         command = " ".join(process.cmdline())
-        if "cluster.cli worker" in command:
+        if "pdserve.cluster.cli worker" in command:
             role = command.split("--role ")[1].split()[0]
             trees[f"{role}-{process.pid}"] = [process, *process.children(recursive=True)]
     return trees

@@ -174,9 +174,9 @@ def receive_all(receiver: KvReceiver, nbytes: int, slices: int) -> None:
 def through_cluster(kinds: list[str], repeats: int) -> None:
     import httpx
 
-    from bench.local_cluster import local_cluster
-    from settings.cluster_secret import ensure_cluster_secret
-    from worker.processes import free_port
+    from pdserve.bench.local_cluster import local_cluster
+    from pdserve.settings.cluster_secret import ensure_cluster_secret
+    from pdserve.worker.processes import free_port
 
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-bench-transport-"))
     print(
@@ -237,9 +237,9 @@ def idle_cpu(url: str) -> dict[str, float]:
 def worker_transport(address: str) -> str:
     """The worker's --kv-transport setting, from its Health."""
 
-    from settings import tls
-    from settings.cluster_secret import secret_metadata
-    from worker.protocol import worker_pb2, worker_pb2_grpc
+    from pdserve.settings import tls
+    from pdserve.settings.cluster_secret import secret_metadata
+    from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 
     with tls.channel(address) as channel:
         health = worker_pb2_grpc.WorkerStub(channel).Health(

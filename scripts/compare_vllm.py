@@ -42,17 +42,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.arrivals import arrival_times
-from bench.client import Target
-from bench.local_cluster import local_cluster, vllm_server
-from bench.metrics import Slo, Summary, distribution, summarize
-from bench.records import RequestRecord
-from bench.runner import run as run_benchmark
-from bench.runner import warm_up
-from bench.workload import DEFAULT_INPUT_LEN, BenchRequest, Length, PromptText, load_tokenizer
-from bench.workload import mixed as mixed_workload
-from model_store.store import ensure_model
-from worker.processes import free_port
+from pdserve.bench.arrivals import arrival_times
+from pdserve.bench.client import Target
+from pdserve.bench.local_cluster import local_cluster, vllm_server
+from pdserve.bench.metrics import Slo, Summary, distribution, summarize
+from pdserve.bench.records import RequestRecord
+from pdserve.bench.runner import run as run_benchmark
+from pdserve.bench.runner import warm_up
+from pdserve.bench.workload import (
+    DEFAULT_INPUT_LEN,
+    BenchRequest,
+    Length,
+    PromptText,
+    load_tokenizer,
+)
+from pdserve.bench.workload import mixed as mixed_workload
+from pdserve.model_store.store import ensure_model
+from pdserve.worker.processes import free_port
 
 MODEL = "smollm2"
 KV_CACHE_GIB = 1

@@ -1,4 +1,5 @@
-"""Make TLS folders for a pdserve cluster (see settings/tls.py): one CA, and per member a folder
+"""Make TLS folders for a pdserve cluster (see pdserve/settings/tls.py): one CA, and per member a
+folder
 with ca.pem, cert.pem and key.pem, the certificate naming `pdserve` and signed by the CA.
 
     python scripts/make_tls_dir.py OUT [--members N] [--days D]
@@ -17,7 +18,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-TARGET_NAME = "pdserve"  # settings/tls.py's: what every member's certificate names
+TARGET_NAME = "pdserve"  # pdserve/settings/tls.py's: what every member's certificate names
 
 
 def _pem(key) -> bytes:

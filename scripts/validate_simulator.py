@@ -24,14 +24,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.arrivals import arrival_times
-from bench.client import Target, first_model, make_http_client
-from bench.local_cluster import local_cluster
-from bench.metrics import Slo, Summary, summarize
-from bench.report import record_json
-from bench.runner import run as run_benchmark
-from bench.runner import warm_up
-from bench.workload import (
+from pdserve.bench.arrivals import arrival_times
+from pdserve.bench.client import Target, first_model, make_http_client
+from pdserve.bench.local_cluster import local_cluster
+from pdserve.bench.metrics import Slo, Summary, summarize
+from pdserve.bench.report import record_json
+from pdserve.bench.runner import run as run_benchmark
+from pdserve.bench.runner import warm_up
+from pdserve.bench.workload import (
     DEFAULT_INPUT_LEN,
     BenchRequest,
     Length,
@@ -40,14 +40,14 @@ from bench.workload import (
     mixed,
     synthetic,
 )
-from model_store.store import ensure_model
-from planner.calibration import Calibration, fit_steps
-from planner.capacity import kv_bytes_per_token
-from planner.model_spec import MODEL_PRESETS
-from planner.search import CalibratedHardware, Candidate, throughput_bound
-from planner.sim_workload import from_bench
-from planner.simulator import SimCluster, simulate
-from worker.processes import free_port
+from pdserve.model_store.store import ensure_model
+from pdserve.planner.calibration import Calibration, fit_steps
+from pdserve.planner.capacity import kv_bytes_per_token
+from pdserve.planner.model_spec import MODEL_PRESETS
+from pdserve.planner.search import CalibratedHardware, Candidate, throughput_bound
+from pdserve.planner.sim_workload import from_bench
+from pdserve.planner.simulator import SimCluster, simulate
+from pdserve.worker.processes import free_port
 
 KV_CACHE_GIB = 1
 KV_BANDWIDTH_BYTES_PER_S = 0.5e9  # gRPC over loopback, measured here (DESIGN.md)

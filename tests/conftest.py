@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from model_store.store import ensure_model
+from pdserve.model_store.store import ensure_model
 
 
 @pytest.fixture(scope="session")

@@ -19,10 +19,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench import local_cluster
-from bench.local_cluster import router_healthy
-from model_store.store import ensure_model
-from settings.cluster_secret import SECRET_ENV
+from pdserve.bench import local_cluster
+from pdserve.bench.local_cluster import router_healthy
+from pdserve.model_store.store import ensure_model
+from pdserve.settings.cluster_secret import SECRET_ENV
+from pdserve.worker.processes import ChildError, free_port, spawn, stop_group, wait_until
 from tests.integration.processes import alive, descendants
 from tests.integration.prompts import (
     CHATS,
@@ -34,7 +35,6 @@ from tests.integration.prompts import (
     TINY_MAX_TOKENS,
     TINY_PROMPTS,
 )
-from worker.processes import ChildError, free_port, spawn, stop_group, wait_until
 
 SERVED_MODEL = "smollm2"
 START_TIMEOUT_S = 600
@@ -81,7 +81,7 @@ def start_server(log_dir: Path, *args: str) -> Server:
         [
             sys.executable,
             "-m",
-            "cluster.cli",
+            "pdserve.cluster.cli",
             "serve",
             "--port",
             str(port),
@@ -240,7 +240,14 @@ def router_in_front_of(server: Server, folder: Path, **settings):
     }
     log = folder / "router.log"
     process = spawn(
-        [sys.executable, "-m", "cluster.cli", "router", "--settings-json", json.dumps(document)],
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cluster.cli",
+            "router",
+            "--settings-json",
+            json.dumps(document),
+        ],
         log,
     )
     url = f"http://127.0.0.1:{port}"

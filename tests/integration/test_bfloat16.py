@@ -5,11 +5,12 @@ its KV must be bfloat16 on the wire: 2 bytes an element."""
 
 import pytest
 
-from model_store.store import ensure_model
+from pdserve.model_store.store import ensure_model
 from tests.integration.conftest import _stop_and_check, start_server, tiny_completion
 from tests.integration.prompts import TINY_PROMPTS as PROMPTS
 
-# The tiny model (model_store/store.py): 2 layers, 2 KV heads of 64; CPU blocks of 128 tokens.
+# The tiny model (pdserve/model_store/store.py): 2 layers, 2 KV heads of 64; CPU blocks of 128
+# tokens.
 LAYERS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 2, 2, 64, 128
 BFLOAT16_BYTES = 2
 

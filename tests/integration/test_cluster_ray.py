@@ -20,7 +20,8 @@ import pytest
 import ray
 from openai import OpenAI
 
-from cluster import local_services
+from pdserve.cluster import local_services
+from pdserve.worker.processes import free_port, stop_group
 from tests.integration.processes import (
     alive,
     children,
@@ -31,7 +32,6 @@ from tests.integration.processes import (
     pids_with_environment,
 )
 from tests.integration.prompts import MAX_TOKENS, PROMPTS
-from worker.processes import free_port, stop_group
 
 CLUSTER = "pdtest"
 HEARTBEAT_S = 1.0
@@ -45,7 +45,7 @@ def pdserve(
     *args: str, env: dict, timeout: float = COMMAND_TIMEOUT_S
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "cluster.cli", *args],
+        [sys.executable, "-m", "pdserve.cluster.cli", *args],
         env=env,
         text=True,
         capture_output=True,

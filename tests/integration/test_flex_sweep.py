@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from worker.processes import free_port
+from pdserve.worker.processes import free_port
 
 RATIOS = "1:1,2:1,1:2"
 
@@ -17,7 +17,7 @@ def test_a_flex_sweep_starts_each_engine_once(tmp_path):
         [
             sys.executable,
             "-m",
-            "cluster.cli",
+            "pdserve.cluster.cli",
             "sweep",
             "--flex",
             "--ratios",

@@ -8,19 +8,19 @@ import grpc
 import pytest
 import torch
 
-from cluster.local_workers import start_worker, stop_worker, wait_ready
 from kv_transfer.channels import kv_sender
 from kv_transfer.compatibility import Compatibility
 from kv_transfer.host_staging import Staged
 from kv_transfer.kv_layout import WIRE_LAYOUT
 from kv_transfer.transport import TRANSPORTS, LayerSlice
-from settings.cluster_secret import SECRET_ENV, secret_metadata
-from settings.engine import EngineSettings
-from settings.worker import WorkerSettings
+from pdserve.cluster.local_workers import start_worker, stop_worker, wait_ready
+from pdserve.settings.cluster_secret import SECRET_ENV, secret_metadata
+from pdserve.settings.engine import EngineSettings
+from pdserve.settings.worker import WorkerSettings
+from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 from tests.integration.conftest import _stop_and_check, start_server
 from tests.integration.kv_stress import abort_fifty_requests, kill_prefill_workers_mid_transfer
 from tests.integration.prompts import DISAGGREGATED_PROMPTS
-from worker.protocol import worker_pb2, worker_pb2_grpc
 
 CONSUMER = Compatibility(
     model="smollm2",

@@ -6,7 +6,7 @@ decode worker must have computed no prompt token: every head of every layer arri
 
 import pytest
 
-from model_store.store import ensure_model
+from pdserve.model_store.store import ensure_model
 from tests.integration.conftest import _stop_and_check, start_server, tiny_completion
 from tests.integration.prompts import TINY_PROMPTS as PROMPTS
 

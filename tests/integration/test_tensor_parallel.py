@@ -5,7 +5,7 @@ decode worker. Greedy output must equal vLLM's offline engine at TP=1 on the sam
 
 import pytest
 
-from model_store.store import ensure_model
+from pdserve.model_store.store import ensure_model
 from tests.integration.conftest import _stop_and_check, start_server, tiny_completion
 from tests.integration.prompts import TINY_PROMPTS as PROMPTS
 

@@ -13,12 +13,12 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from settings.cluster_secret import secret_metadata
+from pdserve.settings.cluster_secret import secret_metadata
+from pdserve.worker.grpc_health import LIVENESS, READINESS
+from pdserve.worker.processes import free_port, spawn, stop_group, wait_until
+from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 from tests.integration.conftest import SERVED_MODEL
 from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS
-from worker.grpc_health import LIVENESS, READINESS
-from worker.processes import free_port, spawn, stop_group, wait_until
-from worker.protocol import worker_pb2, worker_pb2_grpc
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy/grafana/pdserve-dashboard.json"
 METRICS_URL = re.compile(r"metrics on (http://\S+/metrics)")
@@ -83,7 +83,7 @@ def test_a_loading_worker_is_alive_but_not_serving(smollm2_dir, tmp_path):
     port, metrics_port = free_port(), free_port()
     log_path = tmp_path / "worker.log"
     process = spawn(
-        [sys.executable, "-m", "cluster.cli", "worker", "--port", str(port),
+        [sys.executable, "-m", "pdserve.cluster.cli", "worker", "--port", str(port),
          "--metrics-port", str(metrics_port), "--kv-cache-gib", "1"],
         log_path,
     )  # fmt: skip

@@ -2,9 +2,9 @@
 
 import pytest
 
+from pdserve.settings.base import ConfigError
+from pdserve.settings.router import RouterSettings
 from router.api_keys import ENV, is_authorized, load_api_keys, open_paths, unauthorized
-from settings.base import ConfigError
-from settings.router import RouterSettings
 
 
 def settings(**fields) -> RouterSettings:

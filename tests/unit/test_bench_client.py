@@ -15,12 +15,12 @@ import threading
 import pytest
 from aiohttp import web
 
-from bench import command
-from bench.client import Target, make_http_client, send
-from bench.metrics import Slo, summarize
-from bench.report import plot_cdfs, plot_goodput_vs_rate, table, write_json
-from bench.runner import run
-from bench.workload import BenchRequest
+from pdserve.bench import command
+from pdserve.bench.client import Target, make_http_client, send
+from pdserve.bench.metrics import Slo, summarize
+from pdserve.bench.report import plot_cdfs, plot_goodput_vs_rate, table, write_json
+from pdserve.bench.runner import run
+from pdserve.bench.workload import BenchRequest
 
 pytestmark = pytest.mark.timeout(60)
 

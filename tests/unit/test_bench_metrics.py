@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from bench.arrivals import arrival_times
-from bench.metrics import Slo, distribution, summarize
-from bench.records import RequestRecord
+from pdserve.bench.arrivals import arrival_times
+from pdserve.bench.metrics import Slo, distribution, summarize
+from pdserve.bench.records import RequestRecord
 
 pytestmark = pytest.mark.timeout(60)
 

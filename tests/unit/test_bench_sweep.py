@@ -8,14 +8,14 @@ from contextlib import contextmanager
 
 import pytest
 
-from bench import sweep_command
-from bench.local_cluster import ClusterStartError, local_cluster
-from bench.metrics import Slo, summarize
-from bench.records import RequestRecord
-from bench.report import plot_sweep
-from bench.sweep import Ratio, SweepPoint, best_ratio, sweep_table, write_sweep_json
+from pdserve.bench import sweep_command
+from pdserve.bench.local_cluster import ClusterStartError, local_cluster
+from pdserve.bench.metrics import Slo, summarize
+from pdserve.bench.records import RequestRecord
+from pdserve.bench.report import plot_sweep
+from pdserve.bench.sweep import Ratio, SweepPoint, best_ratio, sweep_table, write_sweep_json
+from pdserve.worker.processes import free_port
 from tests.unit.test_bench_client import FakeOpenAIServer
-from worker.processes import free_port
 
 SLO = Slo(ttft=1.0)
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from bench import workload
-from bench.workload import Length, PromptText
+from pdserve.bench import workload
+from pdserve.bench.workload import Length, PromptText
 
 pytestmark = pytest.mark.timeout(60)
 

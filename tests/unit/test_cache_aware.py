@@ -2,10 +2,10 @@
 and a load report): prompts that share a prefix go where it is cached, unless that worker is
 far busier; prompts that share nothing spread by load."""
 
+from pdserve.worker.protocol import worker_pb2
 from router.policies import DECODE_REQUEST_TOKENS, CacheAware
 from router.prefix_index import CHUNK_TOKENS, PrefixIndex, chunk_hashes
 from router.worker_load import WorkerLoad
-from worker.protocol import worker_pb2
 
 
 class FakeWorker:

@@ -3,7 +3,7 @@
 import argparse
 from pathlib import Path
 
-from cluster.cli import build_parser
+from pdserve.cluster.cli import build_parser
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.placement import check_layout, check_resources, model_shape, worker_slots
-from planner.model_spec import MODEL_PRESETS
-from settings.base import ConfigError
-from settings.cluster_file import load_cluster_file, parse_cluster
+from pdserve.cluster.placement import check_layout, check_resources, model_shape, worker_slots
+from pdserve.planner.model_spec import MODEL_PRESETS
+from pdserve.settings.base import ConfigError
+from pdserve.settings.cluster_file import load_cluster_file, parse_cluster
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "clusters"
 
@@ -137,7 +137,7 @@ def run_up(tmp_path, document, *extra) -> subprocess.CompletedProcess:
     path.write_text(document if isinstance(document, str) else yaml.safe_dump(document))
     env = {**os.environ, "PDSERVE_STATE_DIR": str(tmp_path / "state")}
     return subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "up", "-f", str(path), *extra],
+        [sys.executable, "-m", "pdserve.cluster.cli", "up", "-f", str(path), *extra],
         capture_output=True,
         text=True,
         timeout=120,
@@ -181,7 +181,7 @@ def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path):
 def test_a_dry_run_plans_a_70b_file_against_the_gpus_it_asks_for(tmp_path, name):
     env = {**os.environ, "PDSERVE_STATE_DIR": str(tmp_path / "state")}
     done = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "up", "-f", str(DEPLOY / name), "--dry-run"],
+        [sys.executable, "-m", "pdserve.cluster.cli", "up", "-f", str(DEPLOY / name), "--dry-run"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -13,13 +13,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import yaml
 
-from cluster import ray_launcher, scale, status
-from cluster.cluster_state import ClusterState, save_state
-from cluster.cluster_target import router_api_key
-from cluster.placement import check_layout, check_resources, slot_named, worker_slots
-from planner.model_spec import MODEL_PRESETS
-from settings.base import ConfigError
-from settings.cluster_file import parse_cluster
+from pdserve.cluster import ray_launcher, scale, status
+from pdserve.cluster.cluster_state import ClusterState, save_state
+from pdserve.cluster.cluster_target import router_api_key
+from pdserve.cluster.placement import check_layout, check_resources, slot_named, worker_slots
+from pdserve.planner.model_spec import MODEL_PRESETS
+from pdserve.settings.base import ConfigError
+from pdserve.settings.cluster_file import parse_cluster
 
 FLEX_3 = {"name": "flexy", "flex": {"replicas": 3, "kv_failure_policy": "fail"}}
 
@@ -88,7 +88,7 @@ def test_a_dry_run_plans_flex_workers(tmp_path):
     }
     path.write_text(yaml.safe_dump(document))
     done = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "up", "-f", str(path), "--dry-run"],
+        [sys.executable, "-m", "pdserve.cluster.cli", "up", "-f", str(path), "--dry-run"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -228,7 +228,7 @@ def test_the_router_key_is_the_clients_own_else_the_routers_first(monkeypatch):
 
 
 def test_k8s_render_refuses_a_flex_cluster_file_by_name(tmp_path, capsys):
-    from cluster.cli import main
+    from pdserve.cluster.cli import main
 
     path = tmp_path / "flexy.yaml"
     path.write_text(yaml.safe_dump(FLEX_3))

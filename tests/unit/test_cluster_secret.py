@@ -1,5 +1,6 @@
-"""The cluster secret (settings/cluster_secret.py) and the worker's gRPC gate
-(worker/secret_check.py): a real grpc.aio server on loopback with the real worker service (its
+"""The cluster secret (pdserve/settings/cluster_secret.py) and the worker's gRPC gate
+(pdserve/worker/secret_check.py): a real grpc.aio server on loopback with the real worker service
+(its
 engine not started), called with and without the secret. KV streams: test_kv_transports.py."""
 
 import asyncio
@@ -7,8 +8,8 @@ import asyncio
 import grpc
 import pytest
 
-from settings.base import ConfigError
-from settings.cluster_secret import (
+from pdserve.settings.base import ConfigError
+from pdserve.settings.cluster_secret import (
     METADATA_KEY,
     SECRET_ENV,
     cluster_secret,
@@ -16,9 +17,9 @@ from settings.cluster_secret import (
     load_cluster_secret,
     secret_matches,
 )
-from worker.protocol import worker_pb2, worker_pb2_grpc
-from worker.secret_check import SecretCheck
-from worker.service import WorkerService
+from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
+from pdserve.worker.secret_check import SecretCheck
+from pdserve.worker.service import WorkerService
 
 SECRET = "the-cluster-secret"
 
@@ -106,8 +107,8 @@ def test_serve_and_up_generate_a_secret_when_none_is_given(monkeypatch):
 
 
 def test_ray_actors_get_the_secret_and_tls_folder_through_their_runtime_env(monkeypatch):
-    from cluster.ray_launcher import member_env
-    from settings.tls import TLS_DIR_ENV
+    from pdserve.cluster.ray_launcher import member_env
+    from pdserve.settings.tls import TLS_DIR_ENV
 
     monkeypatch.delenv(SECRET_ENV, raising=False)
     monkeypatch.delenv(TLS_DIR_ENV, raising=False)
@@ -120,7 +121,7 @@ def test_ray_actors_get_the_secret_and_tls_folder_through_their_runtime_env(monk
 
 
 def test_the_state_file_holding_the_secret_is_its_owners_only(tmp_path, monkeypatch):
-    from cluster.cluster_state import ClusterState, load_state, save_state, state_path
+    from pdserve.cluster.cluster_state import ClusterState, load_state, save_state, state_path
 
     monkeypatch.setenv("PDSERVE_STATE_DIR", str(tmp_path))
     state = ClusterState(

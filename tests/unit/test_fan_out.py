@@ -1,4 +1,5 @@
-"""worker/fan_out.py with fake streams standing in for engine requests: the first choice runs
+"""pdserve/worker/fan_out.py with fake streams standing in for engine requests: the first choice
+runs
 alone until its first output, errors end every stream, and closing early cancels them all."""
 
 import asyncio
@@ -6,7 +7,7 @@ import contextlib
 
 import pytest
 
-from worker.fan_out import fan_out
+from pdserve.worker.fan_out import fan_out
 
 
 class FakeEngineRequest:

@@ -5,12 +5,12 @@ AutoRatio's decisions with their hysteresis and rate limit."""
 import pytest
 from prometheus_client import CollectorRegistry
 
+from pdserve.worker.protocol import worker_pb2
 from router.errors import OpenAIError
 from router.flex_roles import AutoRatio, AutoRatioSettings, FlexRoles, RoleMetrics
 from router.policies import RoundRobin
 from router.worker_load import WorkerLoad
 from router.worker_pool import WorkerPool
-from worker.protocol import worker_pb2
 
 
 class FakeFlexWorker:

@@ -1,4 +1,4 @@
-"""worker/group_reaper.py with real processes: a group leader SIGKILLed takes its other
+"""pdserve/worker/group_reaper.py with real processes: a group leader SIGKILLed takes its other
 processes with it; a process that does not lead its group starts no reaper."""
 
 import os
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LEADER = textwrap.dedent(
     """
     import subprocess, sys, time
-    from worker import group_reaper
+    from pdserve.worker import group_reaper
     group_reaper.start_for_this_worker()
     engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     print(engine.pid, flush=True)
@@ -54,7 +54,7 @@ NOT_A_LEADER = textwrap.dedent(
     """
     import os
     from pathlib import Path
-    from worker import group_reaper
+    from pdserve.worker import group_reaper
     group_reaper.start_for_this_worker()
     children = [
         p for p in Path("/proc").iterdir()

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from settings.json_logs import LOG_FORMAT_ENV, configure_logging
+from pdserve.settings.json_logs import LOG_FORMAT_ENV, configure_logging
 
 SCRIPT = """
 import asyncio, json, logging, logging.config, os
-from settings.json_logs import configure_logging, request_context
+from pdserve.settings.json_logs import configure_logging, request_context
 
 configure_logging()
 log = logging.getLogger("pdserve.test")
@@ -58,7 +58,8 @@ def test_json_lines_carry_the_request_id_in_the_request_only():
 def test_text_is_the_default_format():
     env = {k: v for k, v in os.environ.items() if k != LOG_FORMAT_ENV}
     done = subprocess.run(
-        [sys.executable, "-c", "from settings.json_logs import configure_logging; import logging;"
+        [sys.executable, "-c",
+         "from pdserve.settings.json_logs import configure_logging; import logging;"
          "configure_logging(); logging.getLogger('pdserve.test').info('plain')"],
         capture_output=True, text=True, env=env, timeout=60,
     )  # fmt: skip

@@ -13,8 +13,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from cluster.cli import main
-from cluster.k8s_render import (
+from pdserve.cluster.cli import main
+from pdserve.cluster.k8s_render import (
     GRPC_PORT,
     KV_PORT,
     METRICS_PORT,
@@ -23,7 +23,7 @@ from cluster.k8s_render import (
     REDIS_URL,
     render,
 )
-from settings.cluster_file import load_cluster_file, parse_cluster
+from pdserve.settings.cluster_file import load_cluster_file, parse_cluster
 
 DEPLOY = OVERLAYS.parents[1]
 CRD = Path(__file__).resolve().parents[3] / "shared/schemas/ray.io_rayclusters.yaml"
@@ -127,7 +127,7 @@ def check_deployments(config, objects: list[dict]) -> None:
         assert worker["lifecycle"]["preStop"]["exec"]["command"][:3] == [
             "python",
             "-m",
-            "worker.drain",
+            "pdserve.worker.drain",
         ]
         assert pod["terminationGracePeriodSeconds"] == grace
         ports = {port["containerPort"] for port in worker["ports"]}

@@ -22,7 +22,7 @@ from kv_transfer.host_staging import ByteBudget, DeviceToHost, Staged, StagingEr
 from kv_transfer.kv_layout import WIRE_LAYOUT
 from kv_transfer.kv_receiver import KvReceiver
 from kv_transfer.transport import TRANSPORTS, LayerSlice, choose_transport
-from settings.cluster_secret import SECRET_ENV
+from pdserve.settings.cluster_secret import SECRET_ENV
 
 CONSUMER = Compatibility("m", "float32", 16, 2, 2, 4, WIRE_LAYOUT, "0.32.0")
 CPU = torch.device("cpu")

@@ -1,7 +1,8 @@
-"""cluster/local_workers.core_shares: how `pdserve serve --cpu-binding split` divides a host's
+"""pdserve/cluster/local_workers.core_shares: how `pdserve serve --cpu-binding split` divides a
+host's
 cores among its workers, in the form vLLM's VLLM_CPU_OMP_THREADS_BIND reads."""
 
-from cluster.local_workers import core_shares
+from pdserve.cluster.local_workers import core_shares
 
 
 def test_two_workers_on_two_cores_get_one_each():

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from model_store import store as model_store
+from pdserve.model_store import store as model_store
 
 
 def test_smollm2_is_a_complete_llama_folder(smollm2_dir):

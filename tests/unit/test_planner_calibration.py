@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from bench.metrics import summarize
-from bench.report import write_json
-from planner.calibration import Calibration, fit_steps, load_requests
-from planner.cost_model import LinearCost
-from planner.simulator import SimCluster, SimRequest, simulate
+from pdserve.bench.metrics import summarize
+from pdserve.bench.report import write_json
+from pdserve.planner.calibration import Calibration, fit_steps, load_requests
+from pdserve.planner.cost_model import LinearCost
+from pdserve.planner.simulator import SimCluster, SimRequest, simulate
 
 KNOWN = LinearCost(
     prefill_base_s=0.05, prefill_per_token_s=0.002, decode_base_s=0.03, decode_per_request_s=0.004

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from planner.capacity import (
+from pdserve.planner.capacity import (
     decode_step_lower_bound,
     kv_bytes_per_request,
     kv_bytes_per_token,
@@ -16,9 +16,9 @@ from planner.capacity import (
     prefill_time,
     weight_bytes,
 )
-from planner.command import add_parser
-from planner.gpu_spec import GPU_PRESETS, GpuSpec
-from planner.model_spec import MODEL_PRESETS, ModelSpec, count_llama_params, from_hf_config
+from pdserve.planner.command import add_parser
+from pdserve.planner.gpu_spec import GPU_PRESETS, GpuSpec
+from pdserve.planner.model_spec import MODEL_PRESETS, ModelSpec, count_llama_params, from_hf_config
 
 LLAMA_7B = MODEL_PRESETS["llama-7b"]
 A100 = GPU_PRESETS["A100-80GB"]

@@ -6,13 +6,13 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from bench.metrics import Slo
-from bench.workload import Length
-from cluster.placement import check_layout, check_resources, model_shape, worker_slots
-from planner.command import add_parser
-from planner.gpu_spec import GB, GPU_PRESETS
-from planner.model_spec import MODEL_PRESETS
-from planner.search import (
+from pdserve.bench.metrics import Slo
+from pdserve.bench.workload import Length
+from pdserve.cluster.placement import check_layout, check_resources, model_shape, worker_slots
+from pdserve.planner.command import add_parser
+from pdserve.planner.gpu_spec import GB, GPU_PRESETS
+from pdserve.planner.model_spec import MODEL_PRESETS
+from pdserve.planner.search import (
     Candidate,
     RooflineHardware,
     Scenario,
@@ -20,8 +20,8 @@ from planner.search import (
     head_splits,
     search,
 )
-from planner.sim_workload import WorkloadSpec
-from settings.cluster_file import load_cluster_file
+from pdserve.planner.sim_workload import WorkloadSpec
+from pdserve.settings.cluster_file import load_cluster_file
 
 LLAMA_8B = MODEL_PRESETS["llama-3.1-8b"]
 H100 = GPU_PRESETS["H100-SXM"]

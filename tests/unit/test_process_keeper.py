@@ -1,4 +1,5 @@
-"""cluster/process_keeper.py with real processes, as a Ray actor starts it (in its own session):
+"""pdserve/cluster/process_keeper.py with real processes, as a Ray actor starts it (in its own
+session):
 its worker leads its own group, and whatever way the worker ends (SIGKILL, a SIGTERM passed on,
 a SIGTERM it ignores) its engine processes go with it."""
 
@@ -17,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = textwrap.dedent(
     """
     import signal, subprocess, sys, time
-    from worker import group_reaper
+    from pdserve.worker import group_reaper
     if sys.argv[2] == "deaf":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     group_reaper.start_for_this_worker()
@@ -27,7 +28,7 @@ WORKER = textwrap.dedent(
     sys.exit(3)
     """
 )
-KEEPER = "import sys; from cluster import process_keeper as k; k.KILL_AFTER_S = 1; "
+KEEPER = "import sys; from pdserve.cluster import process_keeper as k; k.KILL_AFTER_S = 1; "
 KEEPER += "sys.exit(k.main(sys.argv[1:]))"
 
 

@@ -5,10 +5,10 @@ import time
 
 import pytest
 
-from cluster import local_services
+from pdserve.cluster import local_services
+from pdserve.worker.processes import stop_group
+from pdserve.worker.registry import Registry, WorkerLoad, WorkerRecord
 from tests.integration.processes import group_members
-from worker.processes import stop_group
-from worker.registry import Registry, WorkerLoad, WorkerRecord
 
 
 @pytest.fixture(scope="module")

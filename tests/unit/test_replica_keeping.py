@@ -3,9 +3,9 @@ the slot a dead worker's name is started again in."""
 
 import pytest
 
-from cluster.crash_loop import FIRST_S, MAX_S, STABLE_S, CrashLoopBackoff
-from cluster.placement import slot_named, worker_slots
-from settings.cluster_file import parse_cluster
+from pdserve.cluster.crash_loop import FIRST_S, MAX_S, STABLE_S, CrashLoopBackoff
+from pdserve.cluster.placement import slot_named, worker_slots
+from pdserve.settings.cluster_file import parse_cluster
 
 
 def test_a_first_death_is_replaced_after_the_first_wait():

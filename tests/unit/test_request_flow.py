@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from pdserve.settings.router import RouterSettings
+from pdserve.worker.protocol import worker_pb2
 from router.errors import OpenAIError, invalid_request, worker_unavailable
 from router.metrics import RouterMetrics
 from router.policies import RoundRobin
@@ -17,8 +19,6 @@ from router.responses import CompletionShape, OutputOptions, Prompt
 from router.route_choice import DISAGGREGATED, LOCAL, ROUTE_HEADER, STAY_ON_PREFILL, RouteDecision
 from router.worker_load import WorkerLoad
 from router.worker_pool import WorkerPool
-from settings.router import RouterSettings
-from worker.protocol import worker_pb2
 
 PROMPT = [11, 12, 13, 14, 15]
 

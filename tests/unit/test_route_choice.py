@@ -1,10 +1,12 @@
 """router/route_choice.py: the path estimate over fake workers (named fakes: a WorkerClient's
-`load`, its report set by hand) and the figures the workers learn (worker/step_costs.py)."""
+`load`, its report set by hand) and the figures the workers learn (pdserve/worker/step_costs.py)."""
 
 from types import SimpleNamespace
 
 import pytest
 
+from pdserve.worker.protocol import worker_pb2
+from pdserve.worker.step_costs import DEFAULT_SEQUENCE_SHARE, MIN_PREFILL_TOKENS, StepCosts
 from router.route_choice import (
     DEFAULT_COSTS,
     DISAGGREGATED,
@@ -15,8 +17,6 @@ from router.route_choice import (
     estimate,
 )
 from router.worker_load import RATE_WINDOW_S, WorkerLoad
-from worker.protocol import worker_pb2
-from worker.step_costs import DEFAULT_SEQUENCE_SHARE, MIN_PREFILL_TOKENS, StepCosts
 
 FLOOR = 256
 LONG, SHORT = 1500, 100

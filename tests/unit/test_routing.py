@@ -2,11 +2,11 @@
 
 import pytest
 
+from pdserve.worker.protocol import worker_pb2
 from router.errors import OpenAIError
 from router.policies import LeastLoaded, RoundRobin
 from router.route_choice import DISAGGREGATED, LOCAL, STAY_ON_PREFILL, by_length, forced_route
 from router.worker_load import WorkerLoad
-from worker.protocol import worker_pb2
 
 
 class FakeWorker:

@@ -1,11 +1,12 @@
-"""cluster/serve._listen: the router's socket is bound and listening before any worker starts,
+"""pdserve/cluster/serve._listen: the router's socket is bound and listening before any worker
+starts,
 so no worker can be handed its port in the meantime (loopback only)."""
 
 import socket
 
 import pytest
 
-from cluster.serve import _listen
+from pdserve.cluster.serve import _listen
 
 
 def test_the_routers_port_is_held_from_the_start():

@@ -5,14 +5,14 @@ import argparse
 
 import pytest
 
-from cluster.cli import build_parser
+from pdserve.cluster.cli import build_parser
+from pdserve.settings.base import ConfigError
+from pdserve.settings.cluster_file import parse_cluster
+from pdserve.settings.command_line import add_arguments, add_settings_json, from_arguments
+from pdserve.settings.router import POLICIES as POLICY_NAMES
+from pdserve.settings.router import RouterSettings
+from pdserve.settings.worker import WorkerSettings
 from router.policies import POLICIES
-from settings.base import ConfigError
-from settings.cluster_file import parse_cluster
-from settings.command_line import add_arguments, add_settings_json, from_arguments
-from settings.router import POLICIES as POLICY_NAMES
-from settings.router import RouterSettings
-from settings.worker import WorkerSettings
 
 
 def worker_parser() -> argparse.ArgumentParser:

@@ -5,13 +5,13 @@ from dataclasses import replace
 
 import pytest
 
-from bench.metrics import Slo, summarize
-from bench.workload import Length
-from planner.cost_model import LinearCost, RooflineCost
-from planner.gpu_spec import GPU_PRESETS
-from planner.model_spec import MODEL_PRESETS
-from planner.sim_workload import WorkloadSpec
-from planner.simulator import SimCluster, SimRequest, simulate
+from pdserve.bench.metrics import Slo, summarize
+from pdserve.bench.workload import Length
+from pdserve.planner.cost_model import LinearCost, RooflineCost
+from pdserve.planner.gpu_spec import GPU_PRESETS
+from pdserve.planner.model_spec import MODEL_PRESETS
+from pdserve.planner.sim_workload import WorkloadSpec
+from pdserve.planner.simulator import SimCluster, SimRequest, simulate
 
 # prefill = 0.1 + 0.001/token; decode = 0.02 + 0.01/request in the batch
 COST = LinearCost(

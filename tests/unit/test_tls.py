@@ -1,4 +1,5 @@
-"""Mutual TLS on the cluster's gRPC channels (settings/tls.py), on loopback with certificates
+"""Mutual TLS on the cluster's gRPC channels (pdserve/settings/tls.py), on loopback with
+certificates
 made by scripts/make_tls_dir.py: the real worker service and the real KV receiver and gRPC KV
 sender. A member of the cluster gets through; a plaintext client, or one whose certificate
 another CA signed, does not."""
@@ -18,10 +19,10 @@ from kv_transfer.host_staging import Staged
 from kv_transfer.kv_layout import WIRE_LAYOUT
 from kv_transfer.kv_receiver import KvReceiver
 from kv_transfer.transport import LayerSlice
-from settings import tls
-from settings.base import ConfigError
-from worker.protocol import worker_pb2, worker_pb2_grpc
-from worker.service import WorkerService
+from pdserve.settings import tls
+from pdserve.settings.base import ConfigError
+from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
+from pdserve.worker.service import WorkerService
 
 SCRIPT = Path(__file__).parents[2] / "scripts" / "make_tls_dir.py"
 CONSUMER = Compatibility("m", "float32", 16, 2, 2, 4, WIRE_LAYOUT, "0.32.0")

@@ -11,11 +11,11 @@ import grpc
 import pytest
 
 import router.worker_pool
+from pdserve.worker.protocol import worker_pb2
+from pdserve.worker.registry import WorkerRecord
 from router.policies import RoundRobin
 from router.worker_load import WorkerLoad
 from router.worker_pool import WorkerPool, follow_load, follow_registry
-from worker.protocol import worker_pb2
-from worker.registry import WorkerRecord
 
 READY, STARTING = worker_pb2.HealthReply.READY, worker_pb2.HealthReply.STARTING
 

@@ -1,0 +1,129 @@
+"""A `pdserve serve` cluster (or plain vLLM, the reference) as a child process, for the
+sweep, the comparison scripts and the tests: started in its own process group, ready once it
+answers /health (serve starts the router only after every worker loaded its model), and always
+stopped, on every path out (pdserve/worker/processes.py)."""
+
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from pdserve.worker.processes import ChildError, spawn, stop_group, wait_until
+
+STOP_GRACE_S = 60
+
+
+class ClusterStartError(RuntimeError):
+    pass
+
+
+@contextmanager
+def local_cluster(
+    prefill: int,
+    decode: int,
+    port: int,
+    log_dir: Path,
+    serve_args: list[str],
+    ready_timeout_s: float = 600,
+    flex: int = 0,
+) -> Iterator[str]:
+    """Yields the router's base URL while `pdserve serve --prefill N --decode M` (or, with
+    `flex`, `--flex N`) runs; its output goes to LOG_DIR/serve.log, its workers' logs next to
+    it."""
+    workers = (
+        ["--flex", str(flex)] if flex else ["--prefill", str(prefill), "--decode", str(decode)]
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "pdserve.cluster.cli",
+        "serve",
+        *workers,
+        "--port",
+        str(port),
+        "--log-dir",
+        str(log_dir),
+        *serve_args,
+    ]
+    with served(command, log_dir / "serve.log", port, "pdserve serve", ready_timeout_s) as url:
+        yield url
+
+
+@contextmanager
+def vllm_server(
+    model_dir: Path,
+    log_dir: Path,
+    ready_timeout_s: float,
+    served_model: str,
+    kv_cache_bytes: int,
+    port: int,
+) -> Iterator[str]:
+    """Plain vLLM (`vllm serve`: its OpenAI server) with a pdserve worker's engine settings and
+    threads: the reference pdserve is compared with. Yields its URL; logs to LOG_DIR/vllm.log."""
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_model,
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--seed",
+        "0",
+        "--kv-cache-memory-bytes",
+        str(kv_cache_bytes),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CACHE_ROOT": str(log_dir / "vllm-cache"),
+        "VLLM_RPC_BASE_PATH": str(log_dir / "vllm-rpc"),
+    }
+    for folder in ("VLLM_CACHE_ROOT", "VLLM_RPC_BASE_PATH"):  # vLLM makes neither itself
+        Path(env[folder]).mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / "vllm.log"
+    with served(command, log_path, port, "vLLM's api_server", ready_timeout_s, env) as url:
+        yield url
+
+
+@contextmanager
+def served(
+    command: list[str],
+    log_path: Path,
+    port: int,
+    what: str,
+    ready_timeout_s: float,
+    env: dict | None = None,
+) -> Iterator[str]:
+    """Yields the server's URL once its /health answers 200, while `command` runs in its own
+    process group; stopped on every path out."""
+    process = spawn(command, log_path, env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(
+            lambda: router_healthy(url), process, ready_timeout_s, what, log_path, poll_s=1.0
+        )
+        yield url
+    except ChildError as error:
+        raise ClusterStartError(str(error)) from None
+    finally:
+        stop_group(process.pid, STOP_GRACE_S, process)
+
+
+def router_healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -1,0 +1,145 @@
+"""The benchmark summary, computed from request records and the benchmark duration.
+
+Definitions follow `vllm bench serve` (vllm/benchmarks/serve.py `calculate_metrics`):
+- throughputs divide by the benchmark duration (start of the send schedule to the last
+  completion) and count successful requests only (their server-reported token counts);
+- TTFT, ITL and E2E statistics are over successful requests, ITL pooled over all of them;
+- TPOT = (E2E - TTFT) / (output tokens - 1), left out of the statistics for 1-token outputs;
+- percentiles are numpy's (linear interpolation); std is the population std (numpy's default);
+- goodput = requests meeting every SLO / duration; a 1-token output counts TPOT as 0 there.
+Differences: a statistic with no samples is None here (vLLM reports 0), and `slo_attainment`
+(good requests / all requests, failed ones included) is added.
+"""
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdserve.bench.records import RequestRecord
+
+PERCENTILES = (50, 90, 95, 99)
+
+
+@dataclass
+class Distribution:
+    """Statistics of one latency, in seconds; None where there were no samples."""
+
+    count: int
+    mean: float | None = None
+    std: float | None = None
+    p50: float | None = None
+    p90: float | None = None
+    p95: float | None = None
+    p99: float | None = None
+
+
+def distribution(values: list[float]) -> Distribution:
+    if not values:
+        return Distribution(count=0)
+    array = np.asarray(values, dtype=float)
+    p50, p90, p95, p99 = (float(v) for v in np.percentile(array, PERCENTILES))
+    return Distribution(len(array), float(array.mean()), float(array.std()), p50, p90, p95, p99)
+
+
+_SLO_ITEM = re.compile(r"^(ttft|tpot|e2e)=([0-9]*\.?[0-9]+)(ms|s)?$")
+
+
+@dataclass
+class Slo:
+    """Latency objectives in seconds; a request meets the SLO if it succeeded and met each one
+    set."""
+
+    ttft: float | None = None
+    tpot: float | None = None
+    e2e: float | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "Slo":
+        """Parse "ttft=500ms,tpot=50ms" or "ttft=0.5,e2e=10s" (a bare number is seconds)."""
+        values: dict[str, float] = {}
+        for item in text.replace(" ", "").split(","):
+            match = _SLO_ITEM.match(item)
+            if not match:
+                raise ValueError(
+                    f"bad SLO item {item!r}: expected ttft|tpot|e2e=NUMBER[ms|s], "
+                    'e.g. "ttft=500ms,tpot=50ms"'
+                )
+            name, number, unit = match.groups()
+            if name in values:
+                raise ValueError(f"SLO {name!r} given twice")
+            values[name] = float(number) / (1000.0 if unit == "ms" else 1.0)
+        return cls(**values)
+
+    def met_by(self, record: RequestRecord) -> bool:
+        if not record.ok:
+            return False
+        tpot = record.tpot or 0.0  # as vLLM: a 1-token output has no TPOT, so it cannot miss it
+        checks = ((self.ttft, record.ttft), (self.tpot, tpot), (self.e2e, record.e2e))
+        return all(limit is None or value <= limit for limit, value in checks)
+
+
+@dataclass
+class Summary:
+    num_requests: int
+    completed: int
+    failed: int
+    duration_s: float
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float  # successful requests / s
+    output_throughput: float  # output tokens of successful requests / s
+    total_token_throughput: float  # (input + output) tokens of successful requests / s
+    prefix_hit_rate: float  # prompt tokens served from a prefix cache / all prompt tokens
+    ttft: Distribution
+    tpot: Distribution
+    itl: Distribution
+    e2e: Distribution
+    slo: Slo | None = None
+    good_requests: int | None = None
+    goodput: float | None = None  # requests meeting the SLO / s
+    slo_attainment: float | None = None  # requests meeting the SLO / all requests
+
+
+def latency_samples(records: list[RequestRecord]) -> dict[str, list[float]]:
+    """Per-metric samples, in seconds, over successful requests: TTFT, TPOT (requests with at
+    least 2 output tokens), ITL (every gap of every request, pooled) and E2E."""
+    done = [r for r in records if r.ok]
+    return {
+        "ttft": [r.ttft for r in done],
+        "tpot": [r.tpot for r in done if r.tpot is not None],
+        "itl": [gap for r in done for gap in r.itl],
+        "e2e": [r.e2e for r in done],
+    }
+
+
+def summarize(records: list[RequestRecord], duration_s: float, slo: Slo | None = None) -> Summary:
+    if duration_s <= 0:
+        raise ValueError(f"benchmark duration must be positive, got {duration_s}")
+    done = [r for r in records if r.ok]
+    samples = latency_samples(records)
+    input_tokens = sum(r.input_tokens for r in done)
+    output_tokens = sum(r.output_tokens for r in done)
+    summary = Summary(
+        num_requests=len(records),
+        completed=len(done),
+        failed=len(records) - len(done),
+        duration_s=duration_s,
+        total_input_tokens=input_tokens,
+        total_output_tokens=output_tokens,
+        request_throughput=len(done) / duration_s,
+        output_throughput=output_tokens / duration_s,
+        total_token_throughput=(input_tokens + output_tokens) / duration_s,
+        prefix_hit_rate=sum(r.cached_tokens for r in done) / input_tokens if input_tokens else 0.0,
+        ttft=distribution(samples["ttft"]),
+        tpot=distribution(samples["tpot"]),
+        itl=distribution(samples["itl"]),
+        e2e=distribution(samples["e2e"]),
+    )
+    if slo is not None:
+        good = sum(slo.met_by(r) for r in records)
+        summary.slo = slo
+        summary.good_requests = good
+        summary.goodput = good / duration_s
+        summary.slo_attainment = good / len(records) if records else None
+    return summary

@@ -1,0 +1,55 @@
+"""What `pdserve up` created, written to a file so that `down`, `status` and `scale` (other
+processes, later) find the same Ray namespace, registry and services."""
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    name: str
+    config_path: str  # the cluster file, absolute
+    ray_address: str
+    namespace: str  # the Ray namespace holding the actors and placement groups
+    registry_url: str
+    router_url: str
+    log_dir: str
+    ray_group: int = 0  # process group of the Ray head `up` started (0: not ours)
+    redis_group: int = 0  # process group of the Redis server `up` started (0: not ours)
+    loopback: bool = False  # one-node cluster: workers listen on 127.0.0.1 only
+    cluster_secret: str = (
+        ""  # pdserve/settings/cluster_secret.py: what `scale` calls the workers with
+    )
+
+
+def state_dir() -> Path:
+    return Path(
+        os.environ.get("PDSERVE_STATE_DIR") or Path.home() / ".cache" / "pdserve" / "clusters"
+    )
+
+
+def state_path(name: str) -> Path:
+    return state_dir() / f"{name}.json"
+
+
+def save_state(state: ClusterState) -> None:
+    path = state_path(state.name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    temporary.touch(mode=0o600)  # it holds the cluster secret: for its owner's eyes only
+    temporary.chmod(0o600)
+    temporary.write_text(json.dumps(asdict(state), indent=2) + "\n")
+    temporary.replace(path)
+
+
+def load_state(name: str) -> ClusterState | None:
+    path = state_path(name)
+    if not path.is_file():
+        return None
+    return ClusterState(**json.loads(path.read_text()))
+
+
+def forget_state(name: str) -> None:
+    state_path(name).unlink(missing_ok=True)

@@ -1,0 +1,45 @@
+"""Which running cluster a command (`down`, `status`, `scale`) means: `-f cluster.yaml` or
+`--name NAME`, looked up in the state `pdserve up` saved; and its router's flex roles, which
+`status` shows and `scale` sets on a cluster of flex workers."""
+
+import argparse
+import os
+from pathlib import Path
+
+from pdserve.cluster.cluster_state import ClusterState, load_state, state_path
+from pdserve.cluster.roles import API_KEY_ENV, ask_roles
+from pdserve.settings.base import ConfigError
+from pdserve.settings.cluster_file import load_cluster_file
+from pdserve.settings.cluster_secret import SECRET_ENV
+
+ROUTER_KEYS_ENV = "PDSERVE_API_KEYS"  # the router's keys (router/api_keys.py)
+
+
+def add_target_arguments(parser) -> None:
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("-f", "--file", type=Path, help="the cluster file given to `pdserve up`")
+    target.add_argument("--name", help="the cluster's name (the file's `name`)")
+
+
+def target_state(args: argparse.Namespace) -> ClusterState:
+    """The saved state, or ConfigError saying why there is none."""
+    name = args.name or load_cluster_file(args.file).name
+    state = load_state(name)
+    if state is None:
+        raise ConfigError(f"cluster {name!r} is not up (no {state_path(name)})")
+    if state.cluster_secret:  # this command may call the cluster's workers
+        os.environ[SECRET_ENV] = state.cluster_secret
+    return state
+
+
+def router_api_key() -> str:
+    """The key this command calls the router with: $PDSERVE_API_KEY (as `pdserve roles`), else
+    the first of $PDSERVE_API_KEYS, the router's own keys (its actor inherits them under `up`)."""
+    own = [key.strip() for key in os.environ.get(ROUTER_KEYS_ENV, "").split(",") if key.strip()]
+    return os.environ.get(API_KEY_ENV) or (own[0] if own else "")
+
+
+def router_roles(state: ClusterState, split: dict[str, int] | None = None) -> dict:
+    """The cluster router's flex roles, or its reply to setting `split`
+    (pdserve/cluster/roles.py)."""
+    return ask_roles(state.router_url, split, router_api_key())

@@ -1,0 +1,65 @@
+"""`pdserve down`: remove exactly what `pdserve up` created — the replica keeper (first, so it
+starts nothing again), the router and worker actors and their placement groups in the cluster's
+namespace, the registry entries, and the Ray head and Redis server if `up` started them — and
+nothing else."""
+
+import argparse
+import sys
+
+from pdserve.cluster import ray_launcher, replica_keeper
+from pdserve.cluster.cluster_state import ClusterState, forget_state
+from pdserve.cluster.cluster_target import add_target_arguments, target_state
+from pdserve.cluster.console import say
+from pdserve.settings.base import ConfigError
+from pdserve.worker.processes import stop_group
+from pdserve.worker.registry import clear_members
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "down", help="remove what `pdserve up` created", description=__doc__.splitlines()[0]
+    )
+    add_target_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        state = target_state(args)
+    except ConfigError as error:
+        print(f"pdserve down: {error}", file=sys.stderr)
+        return 1
+    tear_down(state)
+    return 0
+
+
+def tear_down(state: ClusterState) -> None:
+    """Best effort on every step, so a half-started or half-dead cluster still goes away."""
+    try:
+        ray_launcher.connect(state.ray_address, state.name)
+        if replica_keeper.stop(state.name):
+            say(f"stopped the {replica_keeper.KEEPER}")
+        names = ray_launcher.actor_names(state.name)
+        say(f"stopping {', '.join(names) or 'no actors'}")
+        if ray_launcher.ROUTER in names:  # no new requests first
+            ray_launcher.stop_actors(state.name, [ray_launcher.ROUTER])
+        ray_launcher.stop_actors(state.name, [n for n in names if n != ray_launcher.ROUTER])
+        if left := ray_launcher.wait_gone(state.name, names):
+            say(f"still alive after ray.kill: {', '.join(left)}")
+        if orphans := ray_launcher.remove_orphan_groups(state.name):
+            say(f"freed the placement groups of dead workers: {', '.join(orphans)}")
+        ray_launcher.ray.shutdown()
+    except Exception as error:  # Ray gone already: its actors went with it
+        say(f"ray at {state.ray_address}: {error}")
+    if not state.redis_group:  # a shared Redis keeps its data; remove this cluster's entries
+        try:
+            removed = clear_members(state.registry_url, state.name)
+            say(f"removed {removed} registry entr{'y' if removed == 1 else 'ies'}")
+        except Exception as error:
+            say(f"registry at {state.registry_url}: {error}")
+    for group, what in ((state.ray_group, "ray head"), (state.redis_group, "redis-server")):
+        if group:
+            say(f"stopping the {what} (process group {group})")
+            stop_group(group)
+    forget_state(state.name)
+    say(f"cluster {state.name!r} is down")

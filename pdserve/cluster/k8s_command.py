@@ -1,0 +1,61 @@
+"""`pdserve k8s render`: a cluster file's Kubernetes overlay (pdserve/cluster/k8s_render.py), so the
+manifests in deploy/k8s/overlays/ are rendered from deploy/clusters/ and never edited apart."""
+
+import argparse
+import sys
+from pathlib import Path
+
+from pdserve.settings.base import ConfigError
+from pdserve.settings.cluster_file import load_cluster_file
+
+
+def add_parser(subparsers) -> None:
+    from pdserve.cluster.k8s_render import MODES
+
+    parser = subparsers.add_parser(
+        "k8s", help="Kubernetes manifests from a cluster file", description=__doc__.splitlines()[0]
+    )
+    commands = parser.add_subparsers(dest="k8s_command", required=True, metavar="COMMAND")
+    render = commands.add_parser(
+        "render",
+        help="write a cluster file's kustomize overlay",
+        description="Write the kustomize overlay (kustomization.yaml, pdserve.yaml) of a "
+        "cluster file on top of deploy/k8s/base.",
+    )
+    render.add_argument("-f", "--file", required=True, type=Path, help="the cluster file (YAML)")
+    render.add_argument(
+        "--mode",
+        choices=MODES,
+        default="deployments",
+        help="deployments: one Deployment per pool, no Ray; kuberay: a RayCluster and a Job "
+        "running `pdserve up` on it (default: deployments)",
+    )
+    render.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where to write it (default: deploy/k8s/overlays/<file name>/<mode>)",
+    )
+    render.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.cluster.k8s_render import OVERLAYS, render, write
+
+    try:
+        config = load_cluster_file(args.file)
+    except ConfigError as error:
+        print(f"pdserve k8s render: refused: {error}", file=sys.stderr)
+        return 2
+    if "flex" in config.pools():
+        print(
+            "pdserve k8s render: refused: a cluster of flex workers has no Kubernetes overlay "
+            "yet; use prefill: and decode: pools (or `pdserve up` on KubeRay)",
+            file=sys.stderr,
+        )
+        return 2
+    out = (args.out or OVERLAYS / args.file.stem / args.mode).resolve()
+    write(render(config, args.mode, out), out)
+    print(f"wrote {out}: kubectl apply -k {out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,494 @@
+"""Kubernetes manifests from a cluster file: the overlay `pdserve k8s render` writes, on top of
+deploy/k8s/base (namespace, Redis registry, router Service, model cache).
+
+Two modes, the same pools:
+- deployments: one Deployment per pool running `pdserve worker --role ROLE --registry ...`, and
+  a router Deployment following the registry. Changing the P:D ratio is `kubectl scale
+  deployment/pdserve-decode --replicas=N`. A worker pod drains in its preStop hook
+  (pdserve/worker/drain.py) before SIGTERM, within terminationGracePeriodSeconds.
+- kuberay: a RayCluster whose worker groups are the pools (one pdserve worker per pod: a
+  pod offers its tensor-parallel group's GPUs) and a Job that runs `pdserve up` on the head
+  through `ray job submit`, so Ray places TP groups exactly as on bare metal; the router runs on
+  the head (behind the base's router Service).
+
+Every number in the output comes from the cluster file or a constant here, so the committed
+overlays are this module's output (a test renders them again and compares).
+"""
+
+import importlib.metadata
+import json
+import math
+import os
+from pathlib import Path
+
+import yaml
+
+from pdserve.settings.cluster_file import ClusterFile, PoolSection
+
+NAMESPACE = "pdserve"
+REDIS_URL = f"redis://redis.{NAMESPACE}.svc:6379/0"  # deploy/k8s/base/redis.yaml
+ROUTER_PORT = 8000
+GRPC_PORT = 50051
+METRICS_PORT = 9400
+KV_PORT = 50100  # decode: tensor-parallel rank r receives on KV_PORT + r
+RAY_CLUSTER = "pdserve"  # KubeRay names the head's Service <name>-head-svc
+MODES = ("deployments", "kuberay")
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+OVERLAYS = DEPLOY / "k8s" / "overlays"
+BASE = DEPLOY / "k8s" / "base"
+
+# Pod sizes. CPU: a SmolLM2-class worker used 1.3 GiB beside its KV cache (README); GPU: host
+# memory for loading weights and the pinned KV send buffers.
+CPU_WORKER_OVERHEAD_GIB = 3
+CPUS_PER_GPU = 8
+HOST_GIB_PER_GPU = 64
+SHM = {"cpu": "1Gi", "gpu": "16Gi"}  # vLLM's TP message queues and NCCL use /dev/shm
+DRAIN_MARGIN_S = 30  # beyond the longest request, for the drain's grace and the stop itself
+
+PART_OF = {"app.kubernetes.io/part-of": "pdserve"}
+SECRET_ENV = [
+    {
+        "name": "PDSERVE_CLUSTER_SECRET",
+        "valueFrom": {"secretKeyRef": {"name": "pdserve-cluster-secret", "key": "secret"}},
+    }
+]
+API_KEYS_ENV = [
+    {
+        "name": "PDSERVE_API_KEYS",
+        "valueFrom": {
+            "secretKeyRef": {"name": "pdserve-api-keys", "key": "keys", "optional": True}
+        },
+    }
+]
+CACHE_ENV = [
+    {"name": "PDSERVE_CACHE", "value": "/models/pdserve"},
+    {"name": "HF_HOME", "value": "/models/huggingface"},
+    {"name": "PDSERVE_LOG_FORMAT", "value": "json"},
+]
+POD_ENV = [
+    {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+]
+GPU_TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+NON_ROOT = {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000}
+NO_ESCALATION = {"allowPrivilegeEscalation": False}
+
+
+def render(config: ClusterFile, mode: str, out: Path) -> dict[str, str]:
+    """The overlay's files (name -> text) for `config` in `mode`, written to `out`."""
+    base = os.path.relpath(BASE, out)
+    objects = deployments(config) if mode == "deployments" else kuberay(config)
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "namespace": NAMESPACE,
+        "resources": [base, "pdserve.yaml"],
+    }
+    if not any(pool.uses_gpus for pool in _pools(config).values()):
+        kustomization["patches"] = [_one_node_model_cache()]
+    header = (
+        f"# Rendered by `pdserve k8s render --mode {mode}` from the cluster file {config.name!r}:"
+        "\n# edit the cluster file and render again rather than this file.\n"
+    )
+    return {
+        "kustomization.yaml": header + _yaml(kustomization),
+        "pdserve.yaml": header + "---\n".join(_yaml(item) for item in objects),
+    }
+
+
+def write(files: dict[str, str], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (out / name).write_text(text)
+
+
+# Deployments mode ----------------------------------------------------------------------------
+
+
+def deployments(config: ClusterFile) -> list[dict]:
+    objects = [router_deployment(config), _pdb("router", 1)]
+    for role, pool in _pools(config).items():
+        objects += [worker_deployment(config, role, pool), _pdb(role, 1)]
+    return objects
+
+
+def worker_deployment(config: ClusterFile, role: str, pool: PoolSection) -> dict:
+    settings = config.worker_settings(role, _registry_url(config)).model_copy(
+        update={
+            "host": "0.0.0.0",
+            "port": GRPC_PORT,
+            "metrics_port": METRICS_PORT,
+            "kv_port": KV_PORT if role == "decode" else 0,
+        }
+    )
+    ports = [
+        {"name": "grpc", "containerPort": GRPC_PORT},
+        {"name": "metrics", "containerPort": METRICS_PORT},
+    ]
+    if role == "decode":
+        ports += [
+            {"name": f"kv-{rank}", "containerPort": KV_PORT + rank}
+            for rank in range(pool.tensor_parallel_size)
+        ]
+    container = {
+        "name": "worker",
+        "image": _image(pool.uses_gpus),
+        "args": [
+            "worker",
+            "--role",
+            role,
+            "--settings-json",
+            json.dumps(settings.model_dump(mode="json", exclude_defaults=True)),
+            "--worker-id",
+            "$(POD_NAME)",
+            "--advertise-host",
+            "$(POD_IP)",
+        ],
+        "env": POD_ENV + SECRET_ENV + CACHE_ENV,
+        "ports": ports,
+        "resources": pool_resources(config, pool),
+        # Readiness: SERVING only with the engine READY; liveness: the process answers and its
+        # engine has not failed (pdserve/worker/grpc_health.py). The start-up probe covers a model
+        # download before the port opens.
+        "startupProbe": _grpc_probe("liveness", period_s=10, failures=60),
+        "readinessProbe": _grpc_probe("", period_s=5, failures=2),
+        "livenessProbe": _grpc_probe("liveness", period_s=10, failures=6),
+        "lifecycle": {
+            "preStop": {
+                "exec": {
+                    "command": [
+                        "python",
+                        "-m",
+                        "pdserve.worker.drain",
+                        "--timeout",
+                        str(config.router.request_timeout_s),
+                    ]
+                }
+            }
+        },
+        "securityContext": NO_ESCALATION,
+        "volumeMounts": [
+            {"name": "models", "mountPath": "/models"},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
+    }
+    spec = {
+        "terminationGracePeriodSeconds": _grace_s(config),
+        "securityContext": NON_ROOT,
+        "containers": [container],
+        "volumes": _volumes(pool.uses_gpus),
+    }
+    if pool.uses_gpus:
+        spec["tolerations"] = GPU_TOLERATIONS
+    # Without spare GPUs a rolling update replaces one pod at a time; on CPU it adds one first.
+    surge = (
+        {"maxSurge": 0, "maxUnavailable": 1}
+        if pool.uses_gpus
+        else {
+            "maxSurge": 1,
+            "maxUnavailable": 0,
+        }
+    )
+    return _deployment(role, pool.replicas, spec, {"type": "RollingUpdate", "rollingUpdate": surge})
+
+
+def router_deployment(config: ClusterFile) -> dict:
+    settings = config.router_settings(_registry_url(config)).model_copy(
+        update={"host": "0.0.0.0", "port": ROUTER_PORT}
+    )
+    container = {
+        "name": "router",
+        "image": _image(False),
+        "args": [
+            "router",
+            "--settings-json",
+            json.dumps(settings.model_dump(mode="json", exclude_defaults=True)),
+        ],
+        "env": SECRET_ENV + API_KEYS_ENV + CACHE_ENV,
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
+        "resources": {
+            "requests": {"cpu": "1", "memory": "2Gi"},
+            "limits": {"memory": "4Gi"},
+        },
+        # /health is 503 while no decode worker is up: it gates traffic, never restarts.
+        "startupProbe": _tcp_probe(period_s=10, failures=60),
+        "readinessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 5,
+            "failureThreshold": 2,
+        },
+        "livenessProbe": _tcp_probe(period_s=10, failures=6),
+        # The Service stops sending new requests before the router is told to stop.
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}},
+        "securityContext": NO_ESCALATION,
+        "volumeMounts": [{"name": "models", "mountPath": "/models"}],
+    }
+    spec = {
+        "terminationGracePeriodSeconds": _grace_s(config),
+        "securityContext": NON_ROOT,
+        "containers": [container],
+        "volumes": [_models_volume()],
+    }
+    return _deployment(
+        "router", 1, spec, {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0}}
+    )
+
+
+# KubeRay mode --------------------------------------------------------------------------------
+
+
+def kuberay(config: ClusterFile) -> list[dict]:
+    gpus = any(pool.uses_gpus for pool in _pools(config).values())
+    head = {
+        "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
+        "template": {
+            "metadata": {"labels": _labels("router")},
+            "spec": {
+                "securityContext": NON_ROOT,
+                "containers": [
+                    {
+                        "name": "ray-head",
+                        "image": _image(gpus),
+                        "env": SECRET_ENV + API_KEYS_ENV + CACHE_ENV,
+                        "ports": [
+                            {"name": "gcs", "containerPort": 6379},
+                            {"name": "dashboard", "containerPort": 8265},
+                            {"name": "client", "containerPort": 10001},
+                            {"name": "http", "containerPort": ROUTER_PORT},
+                        ],
+                        "resources": {
+                            "requests": {"cpu": "2", "memory": "8Gi"},
+                            "limits": {"memory": "8Gi"},
+                        },
+                        "securityContext": NO_ESCALATION,
+                        "volumeMounts": [
+                            {"name": "models", "mountPath": "/models"},
+                            {"name": "cluster-file", "mountPath": "/etc/pdserve"},
+                        ],
+                    }
+                ],
+                "volumes": [
+                    _models_volume(),
+                    {"name": "cluster-file", "configMap": {"name": "pdserve-cluster-file"}},
+                ],
+            },
+        },
+    }
+    groups = []
+    for role, pool in _pools(config).items():
+        resource = "num-gpus" if pool.uses_gpus else "num-cpus"
+        spec = {
+            "securityContext": NON_ROOT,
+            "containers": [
+                {
+                    "name": "ray-worker",
+                    "image": _image(pool.uses_gpus),
+                    "env": SECRET_ENV + CACHE_ENV,
+                    "resources": pool_resources(config, pool),
+                    "securityContext": NO_ESCALATION,
+                    "volumeMounts": [
+                        {"name": "models", "mountPath": "/models"},
+                        {"name": "dshm", "mountPath": "/dev/shm"},
+                    ],
+                }
+            ],
+            "volumes": _volumes(pool.uses_gpus),
+        }
+        if pool.uses_gpus:
+            spec["tolerations"] = GPU_TOLERATIONS
+        groups.append(
+            {
+                "groupName": role,
+                "replicas": pool.replicas,
+                "minReplicas": pool.replicas,
+                "maxReplicas": pool.replicas,
+                # One pdserve worker per pod: the pod offers exactly its TP group.
+                "rayStartParams": {resource: str(pool.tensor_parallel_size)},
+                "template": {"metadata": {"labels": _labels(f"{role}-node")}, "spec": spec},
+            }
+        )
+    cluster = {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayCluster",
+        "metadata": _metadata(RAY_CLUSTER, "ray"),
+        "spec": {
+            "rayVersion": importlib.metadata.version("ray"),
+            "headGroupSpec": head,
+            "workerGroupSpecs": groups,
+        },
+    }
+    return [_cluster_file_map(config), cluster, _up_job(config, gpus)]
+
+
+def _cluster_file_map(config: ClusterFile) -> dict:
+    """The cluster file `pdserve up` reads on the head: the registry is the base's Redis, the
+    router listens on every address of the head pod."""
+    document = config.model_copy(
+        update={
+            "registry": config.registry.model_copy(
+                update={"url": _registry_url(config), "embedded": False}
+            ),
+            "router": config.router.model_copy(update={"host": "0.0.0.0", "port": ROUTER_PORT}),
+        }
+    ).model_dump(mode="json", exclude_defaults=True)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata("pdserve-cluster-file", "ray"),
+        "data": {"cluster.yaml": _yaml(document)},
+    }
+
+
+def _up_job(config: ClusterFile, gpus: bool) -> dict:
+    """`pdserve up` as a Ray job: its driver runs on the head, where the cluster file is
+    mounted, and the router actor it starts stays there (the router Service's pod)."""
+    command = ["ray", "job", "submit", "--address", f"http://{RAY_CLUSTER}-head-svc:8265", "--"]
+    command += ["pdserve", "up", "-f", "/etc/pdserve/cluster.yaml", "--address", "auto"]
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": _metadata("pdserve-up", "up"),
+        "spec": {
+            "backoffLimit": 3,
+            "template": {
+                "metadata": {"labels": _labels("up")},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "securityContext": NON_ROOT,
+                    "containers": [
+                        {
+                            "name": "up",
+                            "image": _image(gpus),
+                            "command": command,
+                            "resources": {
+                                "requests": {"cpu": "100m", "memory": "512Mi"},
+                                "limits": {"memory": "1Gi"},
+                            },
+                            "securityContext": NO_ESCALATION,
+                        }
+                    ],
+                },
+            },
+        },
+    }
+
+
+# Shared pieces -------------------------------------------------------------------------------
+
+
+def pool_resources(config: ClusterFile, pool: PoolSection) -> dict:
+    """A worker pod's requests and limits: its TP group's GPUs (or CPU ranks), and memory."""
+    tp = pool.tensor_parallel_size
+    if pool.uses_gpus:
+        memory = f"{HOST_GIB_PER_GPU * tp}Gi"
+        return {
+            "requests": {"cpu": str(CPUS_PER_GPU * tp), "memory": memory, "nvidia.com/gpu": tp},
+            "limits": {"memory": memory, "nvidia.com/gpu": tp},
+        }
+    memory = f"{math.ceil(config.engine.kv_cache_gib) + CPU_WORKER_OVERHEAD_GIB}Gi"
+    return {"requests": {"cpu": str(tp), "memory": memory}, "limits": {"memory": memory}}
+
+
+def _pools(config: ClusterFile) -> dict[str, PoolSection]:
+    return {role: config.pool(role) for role in ("prefill", "decode") if config.pool(role).replicas}
+
+
+def _registry_url(config: ClusterFile) -> str:
+    """The file's Redis, or the base's when it asks for an embedded one (one host only)."""
+    return config.registry.url or REDIS_URL
+
+
+def _grace_s(config: ClusterFile) -> int:
+    """No request outlives its deadline, so draining never needs longer than that."""
+    return math.ceil(config.router.request_timeout_s) + DRAIN_MARGIN_S
+
+
+def _image(gpu: bool) -> str:
+    """The image of deploy/docker/Dockerfile's target; `images:` in a kustomization (or
+    `kustomize edit set image pdserve=REGISTRY/pdserve`) points it at your registry."""
+    return f"pdserve:{importlib.metadata.version('pdserve')}-{'gpu' if gpu else 'cpu'}"
+
+
+def _labels(component: str) -> dict:
+    return {**PART_OF, "app.kubernetes.io/component": component}
+
+
+def _metadata(name: str, component: str) -> dict:
+    return {"name": name, "namespace": NAMESPACE, "labels": _labels(component)}
+
+
+def _deployment(component: str, replicas: int, pod_spec: dict, strategy: dict) -> dict:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(f"pdserve-{component}", component),
+        "spec": {
+            "replicas": replicas,
+            "strategy": strategy,
+            "selector": {"matchLabels": _labels(component)},
+            "template": {"metadata": {"labels": _labels(component)}, "spec": pod_spec},
+        },
+    }
+
+
+def _pdb(component: str, max_unavailable: int) -> dict:
+    """Voluntary disruptions (node drains) take one pod of a pool at a time."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(f"pdserve-{component}", component),
+        "spec": {
+            "maxUnavailable": max_unavailable,
+            "selector": {"matchLabels": _labels(component)},
+        },
+    }
+
+
+def _grpc_probe(service: str, period_s: int, failures: int) -> dict:
+    return {
+        "grpc": {"port": GRPC_PORT, "service": service},
+        "periodSeconds": period_s,
+        "failureThreshold": failures,
+    }
+
+
+def _tcp_probe(period_s: int, failures: int) -> dict:
+    return {"tcpSocket": {"port": "http"}, "periodSeconds": period_s, "failureThreshold": failures}
+
+
+def _models_volume() -> dict:
+    return {"name": "models", "persistentVolumeClaim": {"claimName": "pdserve-models"}}
+
+
+def _volumes(gpu: bool) -> list[dict]:
+    """The model cache, and /dev/shm as memory (the container default is 64 MiB)."""
+    shm = {"medium": "Memory", "sizeLimit": SHM["gpu" if gpu else "cpu"]}
+    return [_models_volume(), {"name": "dshm", "emptyDir": shm}]
+
+
+def _one_node_model_cache() -> dict:
+    """A CPU cluster (a smoke test on one node) takes the model cache ReadWriteOnce."""
+    patch = [
+        {"op": "replace", "path": "/spec/accessModes", "value": ["ReadWriteOnce"]},
+        {"op": "replace", "path": "/spec/resources/requests/storage", "value": "10Gi"},
+    ]
+    return {
+        "target": {"kind": "PersistentVolumeClaim", "name": "pdserve-models"},
+        "patch": _yaml(patch),
+    }
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (a patch, the cluster file) as readable literal blocks."""
+
+
+_Dumper.add_representer(
+    str,
+    lambda dumper, text: dumper.represent_scalar(
+        "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None
+    ),
+)
+
+
+def _yaml(document) -> str:
+    return yaml.dump(document, Dumper=_Dumper, sort_keys=False, width=100)

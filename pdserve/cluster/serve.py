@@ -1,0 +1,217 @@
+"""`pdserve serve`: the whole cluster on one host, with no Redis and no Ray.
+
+Starts the workers as child processes, waits until their engines are ready, then runs the
+router in this process. Ctrl-C or SIGTERM stops the router and every child it started.
+"""
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+from kv_transfer.transport import AUTO, TRANSPORTS
+from pdserve.cluster.console import say
+from pdserve.cluster.local_workers import (
+    OMP_BIND_ENV,
+    core_shares,
+    start_worker,
+    stop_worker,
+    wait_ready,
+)
+from pdserve.model_store.store import ModelError, resolve_model
+from pdserve.settings.base import ConfigError
+from pdserve.settings.cluster_secret import ensure_cluster_secret, load_cluster_secret
+from pdserve.settings.command_line import add_arguments, from_arguments
+from pdserve.settings.engine import EngineSettings
+from pdserve.settings.json_logs import configure_logging
+from pdserve.settings.router import RouterSettings
+from pdserve.settings.tls import load_tls_dir
+from pdserve.settings.worker import WorkerSettings
+from router.api_keys import load_api_keys
+from router.command import run_router
+
+CPU_BINDINGS = ("auto", "none", "split")
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve the OpenAI API with the router and local workers",
+        description=__doc__.splitlines()[0],
+    )
+    parser.add_argument(
+        "--prefill", type=int, default=1, metavar="N", help="prefill workers (default: 1)"
+    )
+    parser.add_argument(
+        "--decode", type=int, default=1, metavar="M", help="decode workers (default: 1)"
+    )
+    parser.add_argument(
+        "--prefill-tensor-parallel-size",
+        type=int,
+        default=None,
+        metavar="P",
+        help="tensor-parallel size of the prefill workers, when it differs from the decode "
+        "workers' --tensor-parallel-size (the KV transfer re-shards the heads) (default: the same)",
+    )
+    parser.add_argument(
+        "--prefill-kv-transports",
+        default="",
+        metavar="KIND,...",
+        help="one KV transport per prefill worker, comma-separated (e.g. grpc,shm), to compare "
+        "them side by side in one cluster (default: --kv-transport for all)",
+    )
+    parser.add_argument(
+        "--flex",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N flex workers instead of --prefill/--decode: each can prefill or decode, the "
+        "router gives half of them (rounded down) the prefill role and changes roles live "
+        "(`pdserve roles`, --flex-auto) (default: 0)",
+    )
+    parser.add_argument(
+        "--colocated",
+        action="store_true",
+        help="no disaggregation: --workers colocated workers instead",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="with --colocated: number of colocated workers (default: 1)",
+    )
+    parser.add_argument(
+        "--cpu-binding",
+        choices=CPU_BINDINGS,
+        default="auto",
+        help="split: each worker gets its own equal share of this host's cores, its compute "
+        "(OpenMP) threads pinned there (vLLM's VLLM_CPU_OMP_THREADS_BIND), while the router, "
+        "the client and the workers' other threads stay unpinned; none: the OS places every "
+        "thread; auto: split when every worker rank gets a core of its own, else none "
+        "(default: auto; see README for what each measured)",
+    )
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="where worker logs go (default: a new temporary folder)",
+    )
+    add_arguments(
+        parser, WorkerSettings, only=("kv_failure_policy", "kv_send_buffer_mib", "kv_transport")
+    )
+    add_arguments(parser, RouterSettings, exclude=("model", "registry", "cluster"))
+    add_arguments(parser.add_argument_group("engine"), EngineSettings)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.colocated and (args.decode < 1 or args.prefill < 0):
+        print("pdserve serve: need --decode >= 1 and --prefill >= 0", file=sys.stderr)
+        return 2
+    if (args.prefill_tensor_parallel_size or 1) < 1:
+        print("pdserve serve: --prefill-tensor-parallel-size: must be >= 1", file=sys.stderr)
+        return 2
+    transports = [kind for kind in args.prefill_kv_transports.split(",") if kind]
+    if transports and (
+        len(transports) != args.prefill or not set(transports) <= {AUTO, *TRANSPORTS}
+    ):
+        print(
+            f"pdserve serve: --prefill-kv-transports: need {args.prefill} of "
+            f"{', '.join((AUTO, *TRANSPORTS))}, got {args.prefill_kv_transports!r}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        engine = from_arguments(EngineSettings, args)
+        # Workers listen on loopback, each on a free port (--host and --port are the router's).
+        decode = from_arguments(
+            WorkerSettings, args, role="decode", engine=engine, host="127.0.0.1", port=0
+        )
+        router = from_arguments(RouterSettings, args, model=engine.model)
+        load_api_keys(router)  # a key file that cannot be read stops it before any worker
+        load_cluster_secret(router.cluster_secret_file)
+        load_tls_dir(router.tls_dir)  # the workers inherit it
+        ensure_cluster_secret()  # the workers inherit it; the router calls them with it
+        model = resolve_model(engine.model)
+        listener = _listen(router.host, router.port)
+        router = router.model_copy(update={"port": listener.getsockname()[1]})
+    except (ConfigError, ModelError, OSError) as error:
+        print(f"pdserve serve: {error}", file=sys.stderr)
+        return 2
+    configure_logging()
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-logs-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    say(f"worker logs: {log_dir}")
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    workers = []
+    plan = _worker_plan(args, decode, transports)
+    threads = max(1, (os.cpu_count() or 1) // len(plan))
+    binds = [{}] * len(plan)
+    sizes = [settings.engine.tensor_parallel_size for settings in plan]
+    cores = sorted(os.sched_getaffinity(0))
+    if args.cpu_binding == "split" or (args.cpu_binding == "auto" and sum(sizes) <= len(cores)):
+        shares = core_shares(sizes, cores)
+        binds = [{OMP_BIND_ENV: share} for share in shares]
+        pairs = zip(plan, shares, strict=True)
+        say("cores per worker: " + ", ".join(f"{w.role} {share}" for w, share in pairs))
+    try:
+        for settings, bind in zip(plan, binds, strict=True):
+            workers.append(start_worker(settings, log_dir, threads, env=bind))
+        wait_ready(workers, router.worker_ready_timeout_s, progress=say)
+        addresses = [worker.address for worker in workers]
+        serving = router.model_copy(update={"worker_addresses": addresses})
+        asyncio.run(run_router(serving, model, listener))
+        return 0
+    except RuntimeError as error:
+        say(f"pdserve serve: {error}")
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        listener.close()
+        if workers:
+            say(f"stopping {len(workers)} worker(s)")
+        for worker in workers:
+            stop_worker(worker)
+
+
+def _worker_plan(args, decode: WorkerSettings, transports: list[str]) -> list[WorkerSettings]:
+    """Each worker to start: `decode` has the engine and the decode pool's settings;
+    `transports`, if given, one KV transport per prefill worker."""
+    if args.colocated:
+        return [decode.model_copy(update={"role": "colocated"})] * args.workers
+    if args.flex:
+        return [decode.model_copy(update={"role": "flex"})] * args.flex
+    engine = decode.engine
+    if args.prefill_tensor_parallel_size is not None:
+        engine = engine.model_copy(
+            update={"tensor_parallel_size": args.prefill_tensor_parallel_size}
+        )
+    prefill = decode.model_copy(update={"role": "prefill", "engine": engine})
+    prefills = [prefill.model_copy(update={"kv_transport": kind}) for kind in transports] or [
+        prefill
+    ] * args.prefill
+    return prefills + [decode] * args.decode
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The router's socket, listening from the start: the workers that start before the router
+    take free ports of their own, and one could otherwise be handed the router's port while it
+    is not yet bound (seen: the router failing with "address already in use")."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as error:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+    return sock
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt

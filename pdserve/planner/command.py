@@ -1,0 +1,382 @@
+"""`pdserve plan`: capacity figures for one model replica on one GPU type, or with `--gpus N` the
+configuration of N GPUs (a prefill:decode split with replicas and TP per pool, or colocated
+replicas) with the highest simulated goodput per GPU.
+
+The search simulates every configuration with the roofline cost model, or with step costs
+measured on a real cluster (`--calibration`; planner.search); its workload options take
+bench's forms, so a plan and a later `pdserve bench` describe the same load.
+"""
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+
+from pdserve.bench.metrics import Slo
+from pdserve.bench.workload import DEFAULT_INPUT_LEN, Length
+from pdserve.planner.calibration import Calibration
+from pdserve.planner.capacity import (
+    DEFAULT_RESERVE_FRACTION,
+    CapacityPlan,
+    kv_bytes_per_token,
+    plan_capacity,
+)
+from pdserve.planner.cluster_file import cluster_document, write_cluster_file
+from pdserve.planner.gpu_spec import GB, GPU_PRESETS, GpuSpec, gpu_preset
+from pdserve.planner.model_spec import DTYPE_BYTES, MODEL_PRESETS, load_model_spec
+from pdserve.planner.search import (
+    CalibratedHardware,
+    Evaluation,
+    RooflineHardware,
+    Scenario,
+    search,
+)
+from pdserve.planner.sim_workload import WorkloadSpec
+
+DEFAULT_GPU = "A100-80GB"
+
+
+def _checked(convert, accept, what: str):
+    """An argparse `type` that converts the text and rejects values `accept` refuses."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+
+    return parse
+
+
+_positive_int = _checked(int, lambda value: value > 0, "a positive integer")
+_positive_float = _checked(float, lambda value: value > 0, "a positive number")
+_fraction = _checked(float, lambda value: 0 <= value < 1, "a fraction in [0, 1)")
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="capacity math: weights, KV cache, concurrency, step times",
+        description=__doc__.splitlines()[0],
+    )
+    parser.add_argument(
+        "--model",
+        required=True,
+        metavar="PRESET_OR_CONFIG",
+        help=f"a preset ({', '.join(MODEL_PRESETS)}) "
+        "or the path of an HF config.json or its folder",
+    )
+    parser.add_argument(
+        "--gpu", metavar="PRESET", help=f"{', '.join(GPU_PRESETS)} (default {DEFAULT_GPU})"
+    )
+    custom = parser.add_argument_group("custom GPU", "give all three instead of --gpu")
+    custom.add_argument(
+        "--gpu-memory-gb", type=_positive_float, metavar="GB", help="GPU memory in GB (decimal)"
+    )
+    custom.add_argument(
+        "--gpu-bandwidth-gbs",
+        type=_positive_float,
+        metavar="GB_PER_S",
+        help="memory bandwidth in GB/s",
+    )
+    custom.add_argument(
+        "--gpu-tflops", type=_positive_float, metavar="TFLOPS", help="dense FP16/BF16 tensor TFLOPS"
+    )
+    parser.add_argument(
+        "--dtype", choices=list(DTYPE_BYTES), help="weights and KV cache (default: the model's own)"
+    )
+    parser.add_argument(
+        "--context-tokens",
+        type=_positive_int,
+        default=8192,
+        help="tokens per request, prompt plus output (default 8192)",
+    )
+    parser.add_argument(
+        "--batch",
+        type=_positive_int,
+        help="decode batch for the step time at batch (default: as many requests as fit)",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=_positive_int,
+        default=1,
+        metavar="TP",
+        help="GPUs one replica spans; divides weights and KV (default 1)",
+    )
+    parser.add_argument(
+        "--reserve-fraction",
+        type=_fraction,
+        default=DEFAULT_RESERVE_FRACTION,
+        help=f"GPU memory kept back from weights and KV cache (default {DEFAULT_RESERVE_FRACTION}, "
+        "as vLLM's gpu_memory_utilization 0.9)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    _add_search_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
+    search = parser.add_argument_group(
+        "prefill:decode search",
+        "with --gpus: simulate every split of the GPUs, and colocated replicas, and recommend "
+        "one (--tensor-parallel-size, --batch and --context-tokens are then not used)",
+    )
+    search.add_argument(
+        "--gpus",
+        type=_positive_int,
+        metavar="N",
+        help="GPUs to split into a prefill and a decode pool, or to run colocated replicas on",
+    )
+    search.add_argument(
+        "--calibration",
+        metavar="FILE",
+        help="step costs measured on a real cluster (scripts/validate_simulator.py "
+        "--write-calibration) instead of the GPU's roofline; a GPU is then one measured worker",
+    )
+    search.add_argument(
+        "--slo",
+        metavar="OBJECTIVES",
+        help='with --gpus (required): e.g. "ttft=500ms,tpot=50ms" (keys ttft, tpot, e2e)',
+    )
+    search.add_argument(
+        "--rate",
+        type=_positive_float,
+        metavar="REQ_PER_S",
+        help="compare at this request rate (default: each split at the highest rate "
+        "where --attainment of its requests meet the SLO)",
+    )
+    search.add_argument(
+        "--attainment",
+        type=_checked(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]"),
+        default=0.9,
+        help="share of requests that must meet the SLO (default 0.9)",
+    )
+    search.add_argument(
+        "--workload",
+        choices=("synthetic", "mixed"),
+        default="synthetic",
+        help="synthetic lengths, or a fraction of long prompts among short ones "
+        "(default synthetic)",
+    )
+    search.add_argument(
+        "--input-len",
+        metavar="DIST",
+        help="prompt tokens: N, LOW-HIGH or normal:MEAN,STD (default: synthetic "
+        f"{DEFAULT_INPUT_LEN['synthetic']}, mixed {DEFAULT_INPUT_LEN['mixed']})",
+    )
+    search.add_argument(
+        "--output-len",
+        default="128",
+        metavar="DIST",
+        help="output tokens, same forms (default 128)",
+    )
+    search.add_argument(
+        "--long-fraction",
+        type=_checked(float, lambda v: 0 <= v <= 1, "a fraction"),
+        default=0.1,
+        help="mixed: fraction of long prompts (default 0.1)",
+    )
+    search.add_argument(
+        "--long-input-len",
+        default="normal:1500,150",
+        metavar="DIST",
+        help="mixed: tokens of a long prompt (default normal:1500,150)",
+    )
+    search.add_argument(
+        "--num-requests",
+        type=_positive_int,
+        default=200,
+        help="simulated requests per run (default 200)",
+    )
+    search.add_argument(
+        "--burstiness",
+        type=_positive_float,
+        default=1.0,
+        help="gamma shape of inter-arrival times, 1 = Poisson (default 1)",
+    )
+    search.add_argument(
+        "--seed", type=int, default=0, help="seed for lengths and arrivals (default 0)"
+    )
+    search.add_argument(
+        "--kv-bandwidth-gbs",
+        type=_positive_float,
+        default=25.0,
+        metavar="GB_PER_S",
+        help="prefill-to-decode KV transfer bandwidth (default 25, a 200 Gb/s NIC)",
+    )
+    search.add_argument(
+        "--kv-latency-ms",
+        type=_checked(float, lambda v: v >= 0, "a non-negative number"),
+        default=1.0,
+        metavar="MS",
+        help="fixed cost of one KV transfer (default 1)",
+    )
+    search.add_argument(
+        "--write-cluster",
+        metavar="FILE",
+        help="write the recommended configuration as a cluster YAML file",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.gpus is not None:
+        return _run_search(args)
+    try:
+        plan = plan_capacity(
+            load_model_spec(args.model, args.dtype),
+            _gpu(args),
+            context_tokens=args.context_tokens,
+            batch_size=args.batch,
+            tensor_parallel_size=args.tensor_parallel_size,
+            reserve_fraction=args.reserve_fraction,
+        )
+    except (ValueError, OSError) as error:
+        print(f"pdserve plan: error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(asdict(plan), indent=2) if args.json else _table(plan))
+    return 0
+
+
+def _run_search(args: argparse.Namespace) -> int:
+    try:
+        if args.slo is None:
+            raise ValueError("--gpus needs --slo, e.g. --slo ttft=500ms,tpot=50ms")
+        model = load_model_spec(args.model, args.dtype)
+        if args.calibration:
+            hardware = CalibratedHardware(
+                Calibration.load(args.calibration),
+                kv_bytes_per_token(model),
+                args.kv_bandwidth_gbs * GB,
+                args.kv_latency_ms / 1e3,
+            )
+        else:
+            hardware = RooflineHardware(
+                model,
+                _gpu(args),
+                args.kv_bandwidth_gbs * GB,
+                args.kv_latency_ms / 1e3,
+                args.reserve_fraction,
+            )
+        scenario = Scenario(
+            _workload(args),
+            Slo.parse(args.slo),
+            args.num_requests,
+            args.burstiness,
+            args.seed,
+            args.attainment,
+        )
+    except (ValueError, OSError) as error:
+        print(f"pdserve plan: error: {error}", file=sys.stderr)
+        return 2
+    evaluations = search(hardware, scenario, args.gpus, args.rate, _progress)
+    if not evaluations or not evaluations[0].meets_slo:
+        print(_search_table(evaluations))
+        print(
+            f"pdserve plan: no configuration of {args.gpus} GPU(s) meets the SLO", file=sys.stderr
+        )
+        return 1
+    best = evaluations[0]
+    print(_search_table(evaluations))
+    print(
+        f"recommended: {best.candidate.label}, {best.goodput_per_gpu:.3f} req/s per GPU "
+        f"({best.goodput:.2f} req/s on {best.candidate.gpus} GPU(s))"
+    )
+    if args.write_cluster:
+        if args.calibration:
+            gpu_type = args.gpu or "cpu"
+        else:
+            gpu_type = args.gpu or (DEFAULT_GPU if args.gpu_memory_gb is None else "custom")
+        write_cluster_file(
+            args.write_cluster,
+            cluster_document(best.candidate, args.model, args.dtype or "auto", gpu_type),
+        )
+        print(f"wrote {args.write_cluster}")
+    return 0
+
+
+def _workload(args: argparse.Namespace) -> WorkloadSpec:
+    input_len = Length.parse(args.input_len or DEFAULT_INPUT_LEN[args.workload])
+    output_len = Length.parse(args.output_len)
+    if args.workload == "mixed":
+        return WorkloadSpec(
+            input_len, output_len, args.long_fraction, Length.parse(args.long_input_len)
+        )
+    return WorkloadSpec(input_len, output_len)
+
+
+def _progress(done: int, total: int) -> None:
+    print(
+        f"\rsimulated {done}/{total} configurations",
+        end="\n" if done == total else "",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _search_table(evaluations: list[Evaluation]) -> str:
+    """One row per configuration, best first; the recommended one is marked with *."""
+    header = (
+        f"  {'configuration':<22}{'GPUs':>5}{'rate':>9}{'goodput':>9}{'per GPU':>9}"
+        f"{'p90 TTFT ms':>13}{'p90 TPOT ms':>13}{'SLO met':>9}"
+    )
+    lines = [header]
+    for rank, evaluation in enumerate(evaluations):
+        summary = evaluation.summary
+        mark = "*" if rank == 0 and evaluation.meets_slo else " "
+        lines.append(
+            f"{mark} {evaluation.candidate.label:<22}{evaluation.candidate.gpus:>5}"
+            f"{evaluation.rate:>9.2f}{evaluation.goodput:>9.2f}{evaluation.goodput_per_gpu:>9.3f}"
+            f"{_ms(summary.ttft.p90):>13}{_ms(summary.tpot.p90):>13}{summary.slo_attainment:>9.0%}"
+        )
+    return "\n".join(lines)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _gpu(args: argparse.Namespace) -> GpuSpec:
+    custom = (args.gpu_memory_gb, args.gpu_bandwidth_gbs, args.gpu_tflops)
+    if custom == (None, None, None):
+        return gpu_preset(args.gpu or DEFAULT_GPU)
+    if args.gpu is not None or None in custom:
+        raise ValueError(
+            "a custom GPU needs all of --gpu-memory-gb, --gpu-bandwidth-gbs and --gpu-tflops, "
+            "and no --gpu"
+        )
+    return GpuSpec.from_datasheet("custom", *custom)
+
+
+def _table(plan: CapacityPlan) -> str:
+    rows = (
+        ("model", plan.model),
+        ("GPU", f"{plan.gpu} × {plan.tensor_parallel_size} (tensor parallel)"),
+        ("weights", f"{_bytes(plan.weight_bytes)}  ({plan.weight_bytes / GB:.2f} GB)"),
+        ("KV per token", _bytes(plan.kv_bytes_per_token)),
+        ("KV per request", f"{_bytes(plan.kv_bytes_per_request)}  ({plan.context_tokens} tokens)"),
+        (
+            "max concurrent requests",
+            f"{plan.max_concurrent_requests}  ({plan.reserve_fraction:.0%} memory reserve)",
+        ),
+        ("decode step ≥", f"{plan.decode_step_lower_bound_ms:.2f} ms  (weights only)"),
+        (
+            "decode step at batch ≥",
+            f"{plan.decode_step_lower_bound_at_batch_ms:.2f} ms  "
+            f"({plan.batch_size} × {plan.context_tokens} tokens)",
+        ),
+        ("prefill ≈", f"{plan.prefill_time_ms:.2f} ms  ({plan.context_tokens}-token prompt)"),
+    )
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def _bytes(count: float) -> str:
+    """Binary units, the way GPU memory and KV blocks are usually counted."""
+    for unit in ("B", "KiB", "MiB"):
+        if count < 1024:
+            return f"{count:.2f} {unit}"
+        count /= 1024
+    return f"{count:.2f} GiB"

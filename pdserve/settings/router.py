@@ -1,0 +1,176 @@
+"""The router's settings: where it listens, where its workers are, and how it routes."""
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from pdserve.settings.base import Settings
+from pdserve.settings.cluster_secret import ClusterSecretFile
+from pdserve.settings.engine import Model
+from pdserve.settings.tls import TlsDir
+from pdserve.settings.worker import ClusterName
+
+POLICIES = ("least-loaded", "round-robin", "cache-aware")
+ESTIMATE, LENGTH = "estimate", "length"  # how a request's path is chosen (router/route_choice.py)
+ROUTE_POLICIES = (ESTIMATE, LENGTH)
+# When the decode worker of a disaggregated request hears of it (router/disaggregation.py).
+WITH_PREFILL, AFTER_PREFILL = "with-prefill", "after-prefill"
+ADMISSIONS = (WITH_PREFILL, AFTER_PREFILL)
+
+Host = Annotated[str, Field(default="127.0.0.1", description="router bind address")]
+Port = Annotated[int, Field(default=8000, ge=0, description="router port")]
+Policy = Annotated[
+    Literal[POLICIES],
+    Field(default="round-robin", description="how a worker is chosen within a pool"),
+]
+RoutePolicy = Annotated[
+    Literal[ROUTE_POLICIES],
+    Field(
+        default=ESTIMATE,
+        description="how a request's path is chosen: estimate (the cheapest of local, "
+        "disaggregated and stay-on-prefill, priced from the workers' live load and learned step "
+        "costs) or length (disaggregate every prompt of at least --disaggregate-min-tokens)",
+    ),
+]
+DisaggregateMinTokens = Annotated[
+    int,
+    Field(
+        default=256,
+        ge=0,
+        description="prompts shorter than this are never disaggregated (their KV is not worth "
+        "a transfer); with --route-policy length, longer ones always are",
+        json_schema_extra={"metavar": "TOKENS"},
+    ),
+]
+DecodeAdmission = Annotated[
+    Literal[ADMISSIONS],
+    Field(
+        default=AFTER_PREFILL,
+        description="when a decode worker hears of a disaggregated request: with-prefill (at once; "
+        "it reserves the KV blocks while the prompt computes) or after-prefill (with the "
+        "prefill's first token; see README)",
+    ),
+]
+KvTimeoutS = Annotated[
+    float,
+    Field(
+        default=30.0,
+        gt=0,
+        description="how long a decode worker waits for a prompt's KV",
+        json_schema_extra={"flag": "--kv-timeout", "metavar": "SECONDS"},
+    ),
+]
+DefaultMaxTokens = Annotated[
+    int, Field(default=512, ge=1, description="max_tokens when a request gives none")
+]
+RequestTimeoutS = Annotated[
+    float,
+    Field(
+        default=600.0,
+        gt=0,
+        description="the request's one deadline in seconds, from arrival, shared by every leg, "
+        "retry and migration (a client may ask for less with x-pdserve-timeout)",
+        json_schema_extra={"flag": "--request-timeout"},
+    ),
+]
+
+
+class RouterSettings(Settings):
+    host: Host
+    port: Port
+    model: Model = Field(
+        description="where the tokenizer comes from: a `pdserve model` name or "
+        "a Hugging Face folder"
+    )
+    served_model_name: str = Field(
+        "", description="model name clients send (default: the --model value)"
+    )
+    registry: str = Field(
+        "",
+        description="follow the workers in this Redis registry (redis://host:port/db)",
+        json_schema_extra={"metavar": "REDIS_URL"},
+    )
+    cluster: ClusterName
+    worker_addresses: list[str] = Field(
+        [],
+        description="a fixed list of workers instead of a registry",
+        json_schema_extra={"cli": False},
+    )
+    policy: Policy
+    route_policy: RoutePolicy
+    disaggregate_min_tokens: DisaggregateMinTokens
+    decode_admission: DecodeAdmission
+    kv_timeout_s: KvTimeoutS
+    default_max_tokens: DefaultMaxTokens
+    request_timeout_s: RequestTimeoutS
+    max_concurrent_requests: int = Field(
+        0,
+        ge=0,
+        description="requests running at once before new ones queue (0: what the decode "
+        "pool's engines run at once, the sum of their max_num_seqs)",
+        json_schema_extra={"metavar": "N"},
+    )
+    max_queued_requests: int = Field(
+        0,
+        ge=0,
+        description="requests waiting in the router's queue before new ones get 429 (0: as "
+        "many as may run at once)",
+        json_schema_extra={"metavar": "N"},
+    )
+    queue_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="longest a request waits in the router's queue before its 429",
+        json_schema_extra={"flag": "--queue-timeout"},
+    )
+    api_key: list[str] = Field(
+        [],
+        description="a key clients must send (Authorization: Bearer KEY); repeatable; shows in "
+        "the process list: prefer --api-key-file or PDSERVE_API_KEYS (default: none, "
+        "the router is open unless a file or the variable gives keys)",
+        json_schema_extra={"metavar": "KEY"},
+    )
+    api_key_file: str = Field(
+        "",
+        description="a file of client API keys, one per line",
+        json_schema_extra={"metavar": "PATH"},
+    )
+    cluster_secret_file: ClusterSecretFile
+    tls_dir: TlsDir
+    public_metrics: bool = Field(
+        True, description="/metrics answers without an API key (/health always does)"
+    )
+    worker_ready_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="seconds to wait for workers to load the model",
+        json_schema_extra={"flag": "--worker-ready-timeout"},
+    )
+    flex_auto: bool = Field(
+        False,
+        description="move flex workers between the prefill and decode pools by themselves, "
+        "from the queues the workers report (each move logged with its figures)",
+    )
+    flex_auto_backlog: int = Field(
+        2048,
+        ge=1,
+        description="with --flex-auto: prompt tokens waiting per prefill worker beyond which "
+        "the prefill pool wants a worker",
+        json_schema_extra={"metavar": "TOKENS"},
+    )
+    flex_auto_max_moves: int = Field(
+        4,
+        ge=1,
+        description="with --flex-auto: role changes per minute at most",
+        json_schema_extra={"metavar": "N"},
+    )
+    registry_refresh_s: float = Field(
+        0.1,
+        gt=0,
+        description="how often membership is read from the registry",
+        json_schema_extra={"cli": False},
+    )
+
+    @property
+    def served_model(self) -> str:
+        return self.served_model_name or self.model

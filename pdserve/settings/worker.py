@@ -1,0 +1,103 @@
+"""A worker's settings: its role, where it listens, its registry, and its engine."""
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from pdserve.settings.base import Settings
+from pdserve.settings.cluster_secret import ClusterSecretFile
+from pdserve.settings.engine import EngineSettings
+from pdserve.settings.tls import TlsDir
+
+ROLES = ("colocated", "prefill", "decode", "flex")
+Role = Literal[ROLES]
+KvFailurePolicy = Annotated[
+    Literal["recompute", "fail"],
+    Field(
+        default="recompute",
+        description="decode: when a prompt's KV does not arrive in time, prefill it locally "
+        "(recompute) or end the request with an error (fail)",
+    ),
+]
+HeartbeatS = Annotated[
+    float,
+    Field(
+        default=1.0,
+        gt=0,
+        description="registry heartbeat in seconds; a worker that misses two leaves the pools",
+        json_schema_extra={"flag": "--heartbeat"},
+    ),
+]
+KvSendBufferMib = Annotated[
+    int,
+    Field(
+        default=256,
+        ge=1,
+        description="prefill: KV staged and not yet sent, per rank, in MiB (pinned host memory "
+        "on GPU); when it is full the forward pass waits (up to 10 s, then the transfer is "
+        "cancelled)",
+        json_schema_extra={"metavar": "MIB"},
+    ),
+]
+KvTransport = Annotated[
+    Literal["auto", "grpc", "nccl", "shm"],
+    Field(
+        default="auto",
+        description="how KV moves to or from this worker: auto (NCCL between GPU workers, "
+        "shared memory between CPU workers on one host, else gRPC), or force grpc, nccl (gloo "
+        "on CPU) or shm (one host only); a prefill worker's forced choice wins over its decode "
+        "worker's",
+    ),
+]
+ClusterName = Annotated[
+    str, Field(default="pdserve", description="the cluster's name in the registry")
+]
+
+
+class WorkerSettings(Settings):
+    role: Role = Field(
+        "colocated",
+        description="colocated: prefills and decodes its own requests; prefill: "
+        "computes prompts and sends their KV; decode: receives KV and "
+        "decodes (and prefills short prompts itself); flex: can do either, the router "
+        "assigns it the prefill or the decode role and changes it live",
+    )
+    host: str = Field("127.0.0.1", description="gRPC bind address")
+    port: int = Field(50051, ge=0, description="gRPC port (0: any free port)")
+    metrics_port: int = Field(
+        0,
+        ge=0,
+        description="HTTP port of the worker's Prometheus /metrics (vLLM's engine metrics and "
+        "pdserve's), on --host (0: any free port; the worker logs the URL)",
+    )
+    worker_id: str = Field(
+        "", description="name in logs, stats and the registry (default: ROLE@HOST:PORT)"
+    )
+    advertise_host: str = Field(
+        "",
+        description="the host others reach this worker at "
+        "(default: --host, or this host's address when "
+        "--host is 0.0.0.0)",
+    )
+    kv_port: int = Field(
+        0,
+        ge=0,
+        description="decode: port of the KV receiver; rank r of a "
+        "tensor-parallel worker uses PORT + r (0: any free "
+        "port at TP 1)",
+    )
+    kv_failure_policy: KvFailurePolicy
+    kv_send_buffer_mib: KvSendBufferMib
+    kv_transport: KvTransport
+    cluster_secret_file: ClusterSecretFile
+    tls_dir: TlsDir
+    registry: str = Field(
+        "",
+        description="join the pools in this Redis registry "
+        "(redis://host:port/db) once the engine is ready "
+        "(default: none, as under `pdserve serve`)",
+        json_schema_extra={"metavar": "REDIS_URL"},
+    )
+    cluster: ClusterName
+    heartbeat_s: HeartbeatS
+    engine: EngineSettings = Field(default_factory=EngineSettings)

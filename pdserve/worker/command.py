@@ -1,0 +1,204 @@
+"""`pdserve worker`: one worker process, a vLLM engine behind the worker gRPC service.
+
+The gRPC port (the worker service and grpc.health.v1) and the Prometheus endpoint open first;
+Health answers STARTING while the engine loads, so a launcher can tell "still starting" from
+"dead". SIGTERM or SIGINT stops the server, then the engine and its child processes; a stop
+still running after SHUTDOWN_DEADLINE_S ends the process anyway (its group reaper then takes
+the engine processes).
+"""
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+
+import grpc
+
+from pdserve.model_store.store import ModelError, resolve_model
+from pdserve.settings import tls
+from pdserve.settings.base import ConfigError
+from pdserve.settings.cluster_secret import cluster_secret, load_cluster_secret
+from pdserve.settings.command_line import add_arguments, add_settings_json, from_arguments
+from pdserve.settings.json_logs import configure_logging
+from pdserve.settings.worker import WorkerSettings
+from pdserve.worker import engine as engine_factory
+from pdserve.worker import group_reaper
+from pdserve.worker.grpc_health import SecretCheckButHealth, add_health
+from pdserve.worker.metrics_server import WorkerMetrics, serve_metrics
+from pdserve.worker.processes import free_port
+from pdserve.worker.protocol import GRPC_OPTIONS, worker_pb2_grpc
+
+log = logging.getLogger("pdserve.worker")
+SHUTDOWN_DEADLINE_S = 30.0  # longest a stop may take (the drain, if any, came before it)
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "worker",
+        help="run one worker process (a vLLM engine behind gRPC)",
+        description=__doc__.splitlines()[0],
+    )
+    add_arguments(parser, WorkerSettings)
+    add_settings_json(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging()
+    try:
+        settings = from_arguments(WorkerSettings, args)
+        load_cluster_secret(settings.cluster_secret_file)
+        tls.load_tls_dir(settings.tls_dir)
+        model = resolve_model(settings.engine.model)
+    except (ConfigError, ModelError) as error:
+        print(f"pdserve worker: {error}", file=sys.stderr)
+        return 2
+    group_reaper.start_for_this_worker()
+    return asyncio.run(serve_worker(settings, model))
+
+
+async def serve_worker(settings: WorkerSettings, model) -> int:
+    from pdserve.worker.service import WorkerService
+
+    server = grpc.aio.server(
+        options=GRPC_OPTIONS, interceptors=[SecretCheckButHealth(cluster_secret())]
+    )
+    port = tls.add_port(server, f"{settings.host}:{settings.port}")
+    host = advertised_host(settings)
+    worker_id = settings.worker_id or f"{settings.role}@{host}:{port}"
+    kv_port = settings.kv_port
+    receives = settings.role in ("decode", "flex")  # a KV receiver listens
+    if receives and not kv_port:
+        kv_port = free_port(settings.host, count=settings.engine.tensor_parallel_size)
+    kv_address = f"{host}:{kv_port}" if receives else ""
+    service = WorkerService(
+        worker_id,
+        settings.role,
+        str(model),
+        kv_address,
+        settings.kv_failure_policy if receives else "",
+        settings.kv_transport,
+    )
+    settings = settings.model_copy(update={"advertise_host": host})
+    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
+    add_health(server, service)
+    metrics = WorkerMetrics()
+    metrics.follow_state(service)
+    serve_metrics(settings.host, settings.metrics_port)
+    await server.start()
+    log.info("worker %s listening on %s:%d; starting the engine", worker_id, settings.host, port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    # The engine comes back through `started`, not as the thread's result: asyncio's and the
+    # thread pool's futures keep a result alive until interpreter exit, where AsyncLLM.__del__
+    # then failed ("'NoneType' object is not callable").
+    started: list = []
+    starting = asyncio.create_task(
+        asyncio.to_thread(
+            lambda: started.append(
+                engine_factory.make_engine(settings, model, kv_port, service.engine_stats, metrics)
+            )
+        )
+    )
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set():
+        log.info("stop requested while the engine starts: stopping once it has started")
+        await server.stop(grace=0)
+        with contextlib.suppress(Exception):  # a failed start has nothing to shut down
+            await starting
+            started.pop().shutdown()
+        return 0
+    try:
+        starting.result()
+        engine = started.pop()
+    except Exception as error:  # the engine could not start: say why, then exit
+        service.engine_failed(f"engine failed to start: {error}")
+        log.exception("engine failed to start")
+        await server.stop(grace=1)
+        return 1
+    service.engine_ready(engine)
+    log.info(
+        "worker %s ready (max_model_len=%d, kv blocks=%d)",
+        worker_id,
+        service.max_model_len,
+        service.kv_blocks_total,
+    )
+    membership = None
+    if settings.registry:
+        membership = await _join_registry(settings, service, f"{host}:{port}", engine)
+        if membership is None:
+            stop.set()
+    await stopping
+    log.info("worker %s stopping", worker_id)
+    _exit_if_stuck_after(SHUTDOWN_DEADLINE_S)
+    if membership is not None:
+        await membership.leave()
+        await membership.registry.close()
+    await server.stop(grace=2)
+    engine.shutdown()
+    # Drop every reference, so AsyncLLM.__del__ does not shut down again at interpreter exit.
+    service.engine = None
+    del engine
+    return 0
+
+
+async def _join_registry(settings: WorkerSettings, service, address: str, engine):
+    """Join the pools; None (and the worker stops) when the registry cannot be reached."""
+    from pdserve.worker.membership import WorkerMembership, load_of, placement_from_environment
+    from pdserve.worker.registry import Registry, WorkerRecord
+
+    node, gpu_ids = placement_from_environment()
+    record = WorkerRecord(
+        worker_id=service.worker_id,
+        role=service.role,
+        address=address,
+        kv_address=service.kv_address,
+        tensor_parallel_size=engine.vllm_config.parallel_config.tensor_parallel_size,
+        compatibility_hash=service.kv_compatibility,
+        node=node,
+        gpu_ids=gpu_ids,
+    )
+    registry = Registry(settings.registry, settings.cluster)
+    membership = WorkerMembership(
+        registry, record, settings.heartbeat_s, lambda: load_of(service.stats_reply())
+    )
+    try:
+        await membership.join()
+    except Exception as error:
+        log.error("cannot join the registry at %s: %s", settings.registry, error)
+        service.engine_failed(f"cannot join the registry at {settings.registry}: {error}")
+        await registry.close()
+        return None
+    service.leave_pools = membership.leave
+    return membership
+
+
+def _exit_if_stuck_after(seconds: float) -> None:
+    """A stop that hangs (an engine that does not shut down) ends the process anyway; its group
+    reaper then takes the engine processes with it."""
+
+    def give_up() -> None:
+        log.error("worker still stopping after %.0f s: exiting now", seconds)
+        os._exit(1)
+
+    timer = threading.Timer(seconds, give_up)
+    timer.daemon = True
+    timer.start()
+
+
+def advertised_host(settings: WorkerSettings) -> str:
+    if settings.advertise_host:
+        return settings.advertise_host
+    if settings.host in ("0.0.0.0", "::"):
+        return socket.gethostbyname(socket.gethostname())
+    return settings.host

@@ -1,0 +1,186 @@
+"""The engine factory: one place that turns pdserve's engine options into a vLLM AsyncLLM.
+
+Every role (colocated, prefill, decode) builds its engine here, so the settings that must match
+between a prefill and a decode worker (dtype, block size, max length) come from one source.
+"""
+
+import os
+
+from pdserve.settings.cluster_secret import SECRET_ENV
+from pdserve.settings.tls import TLS_DIR_ENV
+from pdserve.settings.worker import WorkerSettings
+from pdserve.worker.step_costs import StepCosts
+
+GIB = 1 << 30
+MAX_UNCLAIMED_TRANSFERS = 4096
+
+
+def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
+    """The role's connector: the producer in prefill_workers/, the consumer in decode_workers/,
+    both for a flex worker (pdserve/worker/flex_connector.py); a colocated worker has none. A decode
+    (or flex) worker's KV receiver binds to its gRPC host, rank r on `kv_port` + r; the
+    advertised host is where peers reach either side (a decode rank's shared-memory socket is
+    named after it, a prefill rank hosts its NCCL rendezvous there)."""
+    advertised = worker.advertise_host or worker.host
+
+    def with_role(role: str) -> dict:
+        return kv_transfer_config(worker.model_copy(update={"role": role}), kv_port)
+
+    if worker.role == "prefill":
+        return {
+            "kv_connector": "PrefillConnector",
+            "kv_connector_module_path": "prefill_workers.connector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {
+                "send_buffer_bytes": worker.kv_send_buffer_mib << 20,
+                "advertised_host": advertised,
+            },
+        }
+    if worker.role == "flex":  # both halves, both configurations
+        producer, consumer = with_role("prefill"), with_role("decode")
+        return {
+            **consumer,
+            "kv_connector": "FlexConnector",
+            "kv_connector_module_path": "pdserve.worker.flex_connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                **producer["kv_connector_extra_config"],
+                **consumer["kv_connector_extra_config"],
+            },
+        }
+    if worker.role == "decode":
+        return {
+            "kv_connector": "DecodeConnector",
+            "kv_connector_module_path": "decode_workers.connector",
+            "kv_role": "kv_consumer",
+            "kv_load_failure_policy": worker.kv_failure_policy,
+            "kv_connector_extra_config": {
+                "receiver_host": worker.host,
+                "receiver_port": kv_port,
+                "advertised_host": advertised,
+            },
+        }
+    return None
+
+
+class EngineStats:
+    """The engine's latest scheduler report, kept by a vLLM stat logger.
+
+    vLLM reports scheduler stats after each engine step, so an idle engine keeps its last
+    report (a fresh Stats call runs a probe step first).
+    """
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.waiting = 0
+        self.kv_cache_usage = 0.0
+        self.kv_transfers: dict[str, dict] = {}  # transfer id -> connector's figures
+        self.step_costs = StepCosts()
+
+    def take_kv_transfer(self, transfer_id: str) -> dict | None:
+        return self.kv_transfers.pop(transfer_id, None)
+
+    def update(self, running: int, waiting: int, kv_cache_usage: float) -> None:
+        self.running, self.waiting, self.kv_cache_usage = running, waiting, kv_cache_usage
+
+
+def _stat_logger_factory(stats: EngineStats, metrics):
+    """Keeps the scheduler's figures and the learned step costs in `stats` (Health, Stats, the
+    routers' load and route estimates) and counts each finished KV transfer in the worker's
+    Prometheus `metrics` (pdserve/worker/metrics_server.py)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class SchedulerStatsLogger(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0):
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+            if iteration_stats is not None:
+                stats.step_costs.record_iteration(iteration_stats)
+            if scheduler_stats is None:
+                return
+            stats.update(
+                scheduler_stats.num_running_reqs,
+                scheduler_stats.num_waiting_reqs,
+                scheduler_stats.kv_cache_usage,
+            )
+            for transfer in (scheduler_stats.kv_connector_stats or {}).get("transfers", ()):
+                stats.kv_transfers[transfer["transfer_id"]] = transfer
+                metrics.kv_transfer_finished(transfer)
+            while len(stats.kv_transfers) > MAX_UNCLAIMED_TRANSFERS:  # their requests were aborted
+                stats.kv_transfers.pop(next(iter(stats.kv_transfers)))
+
+        def log_engine_initialized(self):
+            pass
+
+    return SchedulerStatsLogger
+
+
+PLACEMENT_GROUP_ENV = (
+    "PDSERVE_PLACEMENT_GROUP"  # set by pdserve/cluster/ray_launcher for TP > 1 on GPUs
+)
+RAY_NAMESPACE_ENV = "PDSERVE_RAY_NAMESPACE"
+
+
+def make_engine(worker: WorkerSettings, model: str, kv_port: int, stats: EngineStats, metrics):
+    """Start vLLM's AsyncLLM (its engine core runs in child processes). vLLM's own Prometheus
+    metrics are on (its PrometheusStatLogger joins our stat logger); `disable_log_stats` only
+    silences its periodic log line."""
+    engine = worker.engine
+    # A KV connector makes vLLM reserve cores for itself; a 2-core machine has none to spare.
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    # vLLM's automatic binding pinned every worker of a host (and so their KV transfer
+    # threads) to the same core, which starved the transfers; let the OS place threads.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    eager = engine.enforce_eager if engine.enforce_eager is not None else current_platform.is_cpu()
+
+    args = AsyncEngineArgs(
+        model=model,
+        dtype=engine.dtype,
+        max_model_len=engine.max_model_len,
+        kv_cache_memory_bytes=int(engine.kv_cache_gib * GIB),
+        enforce_eager=eager,
+        seed=engine.seed,
+        tensor_parallel_size=engine.tensor_parallel_size,
+        quantization=engine.quantization,
+        kv_transfer_config=kv_transfer_config(worker, kv_port),
+        disable_log_stats=True,
+    )
+    loggers = [_stat_logger_factory(stats, metrics)]
+    group = _ray_placement_group(engine.tensor_parallel_size)
+    if group is None:
+        return AsyncLLM.from_engine_args(args, stat_loggers=loggers)
+    args.distributed_executor_backend = "ray"
+    # vLLM's Ray workers (where the KV connector's ranks run) get only the variables it copies.
+    copied = os.environ.get("VLLM_RAY_EXTRA_ENV_VARS_TO_COPY", "")
+    os.environ["VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"] = ",".join(
+        filter(None, [copied, SECRET_ENV, TLS_DIR_ENV])
+    )
+    config = args.create_engine_config()
+    config.parallel_config.placement_group = group
+    return AsyncLLM.from_vllm_config(config, stat_loggers=loggers)
+
+
+def _ray_placement_group(tensor_parallel_size: int):
+    """A tensor-parallel GPU worker started by `pdserve up` runs vLLM's Ray executor in its own
+    placement group (named by the launcher), one GPU bundle per rank. On CPU vLLM has no Ray
+    executor and tensor parallelism uses its multiprocessing one."""
+    from vllm.platforms import current_platform
+
+    name = os.environ.get(PLACEMENT_GROUP_ENV)
+    if tensor_parallel_size == 1 or not name or not current_platform.ray_device_key:
+        return None
+    import ray
+    from ray.util.placement_group import get_placement_group
+
+    if not ray.is_initialized():
+        ray.init(
+            address=os.environ["RAY_ADDRESS"],
+            namespace=os.environ[RAY_NAMESPACE_ENV],
+            log_to_driver=False,
+        )
+    return get_placement_group(name)

@@ -1,0 +1,83 @@
+"""A worker's Prometheus endpoint (`GET /metrics` on `--metrics-port`): vLLM's own engine
+metrics (`vllm:*`: running and waiting requests, KV cache usage, prefix cache hits, step and
+request times), which vLLM registers in prometheus_client's default registry when the engine
+starts, plus pdserve's worker series below.
+
+The KV transfer series are counted by the decode worker, which measures every transfer it
+receives (first slice -> last slice; kv_transfer/stats.py): a prefill worker exports them at 0.
+"""
+
+import logging
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+
+from pdserve.worker.protocol import worker_pb2
+
+log = logging.getLogger("pdserve.worker")
+State = worker_pb2.HealthReply.State
+
+KV_BYTES_BUCKETS = tuple(float(1 << shift) for shift in range(16, 34, 2))  # 64 KiB .. 8 GiB
+KV_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class WorkerMetrics:
+    """pdserve's series of one worker process (one per process: the default registry)."""
+
+    def __init__(self, registry=REGISTRY) -> None:
+        self.state = Gauge(
+            "pdserve_worker_state",
+            "1 for the worker's current state (starting, ready, draining, failed), 0 for others",
+            ["role", "state"],
+            registry=registry,
+        )
+        self.kv_bytes = Counter(
+            "pdserve_worker_kv_transfer_bytes",
+            "KV bytes received, by the transport that carried them",
+            ["transport"],
+            registry=registry,
+        )
+        self.kv_seconds = Histogram(
+            "pdserve_worker_kv_transfer_seconds",
+            "Per transfer: first slice received -> last slice received (or the failure)",
+            ["transport"],
+            buckets=KV_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.kv_transfer_size = Histogram(
+            "pdserve_worker_kv_transfer_size_bytes",
+            "KV bytes per transfer",
+            ["transport"],
+            buckets=KV_BYTES_BUCKETS,
+            registry=registry,
+        )
+        self.kv_failures = Counter(
+            "pdserve_worker_kv_transfer_failures",
+            "Transfers whose KV did not arrive: timeout, cancelled (its producer gave up), "
+            "refused (the compatibility handshake failed)",
+            ["transport", "reason"],
+            registry=registry,
+        )
+
+    def follow_state(self, service) -> None:
+        """The state gauge reads the worker service's state at every scrape."""
+        for name, value in State.items():
+            self.state.labels(service.role, name.lower()).set_function(
+                lambda value=value: float(service.state == value)
+            )
+
+    def kv_transfer_finished(self, transfer: dict) -> None:
+        """One entry of the decode connector's stats (kv_transfer/stats.py)."""
+        transport = transfer.get("transport") or "none"  # failed before any slice came
+        self.kv_bytes.labels(transport).inc(transfer["bytes"])
+        self.kv_seconds.labels(transport).observe(transfer["seconds"])
+        self.kv_transfer_size.labels(transport).observe(transfer["bytes"])
+        if transfer["failed"]:
+            self.kv_failures.labels(transport, transfer["failure"] or "unknown").inc()
+
+
+def serve_metrics(host: str, port: int) -> int:
+    """Serve the default registry over HTTP on a daemon thread; the port it bound."""
+    httpd, _ = start_http_server(port, addr=host)
+    bound = httpd.server_port
+    log.info("metrics on http://%s:%d/metrics", host, bound)
+    return bound

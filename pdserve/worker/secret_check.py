@@ -1,0 +1,35 @@
+"""The worker's gRPC gate: every call must carry the cluster secret in its metadata
+(pdserve/settings/cluster_secret.py), or it is answered UNAUTHENTICATED before the service sees
+it."""
+
+import logging
+
+import grpc
+
+from pdserve.settings.cluster_secret import METADATA_KEY, secret_matches
+
+log = logging.getLogger("pdserve.worker")
+REFUSAL = "refused: the call did not carry this cluster's secret"
+
+
+class SecretCheck(grpc.aio.ServerInterceptor):
+    def __init__(self, secret: str) -> None:
+        self.secret = secret
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        offered = dict(details.invocation_metadata or ()).get(METADATA_KEY, "")
+        if handler is None or secret_matches(offered, self.secret):
+            return handler
+        log.error("a %s call without this cluster's secret: refused", details.method)
+
+        async def refuse(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
+
+        # The worker's calls take one request (their replies may stream): refuse() serves both.
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if handler.unary_stream
+            else grpc.unary_unary_rpc_method_handler
+        )
+        return make(refuse, handler.request_deserializer, handler.response_serializer)

@@ -1,0 +1,276 @@
+"""The worker's gRPC service: runs requests on the vLLM engine and reports load.
+
+The gRPC server starts before the engine (which takes ~30 s on CPU), so Health can answer
+STARTING meanwhile. A cancelled Generate call cancels vLLM's generator, which aborts the
+request inside the engine and frees its KV blocks.
+"""
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+
+import grpc
+
+from pdserve.settings import json_logs
+from pdserve.worker.chunks import to_chunk
+from pdserve.worker.engine import EngineStats
+from pdserve.worker.fan_out import fan_out
+from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
+from pdserve.worker.sampling import choice_count, to_vllm_sampling
+
+State = worker_pb2.HealthReply.State
+PROBE_SAMPLING = worker_pb2.SamplingParams(max_tokens=1, temperature=0, top_p=1)
+DRAIN_POLL_S = 0.2
+log = logging.getLogger("pdserve.worker")
+
+
+async def _nothing_to_leave() -> None:
+    """A worker outside any registry (`pdserve serve`) is in no pool to leave."""
+
+
+def kv_extra_args(request: worker_pb2.GenerateRequest) -> dict | None:
+    """The request's KV transfer, as the connector reads it from vLLM's extra_args."""
+    from kv_transfer.params import ReceiveKv, SendKv, to_extra_args
+
+    if not request.HasField("kv"):
+        return None
+    kv = request.kv
+    peer_tp = kv.peer_tensor_parallel_size or 1
+    if kv.send_to:
+        return to_extra_args(SendKv(kv.transfer_id, kv.send_to, peer_tp, kv.transport or "grpc"))
+    return to_extra_args(
+        ReceiveKv(
+            kv.transfer_id,
+            kv.receive_timeout_s,
+            kv.kv_tokens or len(request.prompt_token_ids),
+            peer_tp,
+        )
+    )
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    def __init__(
+        self,
+        worker_id: str,
+        role: str,
+        model: str,
+        kv_address: str = "",
+        kv_failure_policy: str = "",
+        kv_transport: str = "auto",
+    ) -> None:
+        from kv_transfer.transport import host_id
+
+        self.worker_id = worker_id
+        self.role = role
+        self.model = model
+        self.kv_address = kv_address
+        self.kv_failure_policy = kv_failure_policy
+        self.kv_transport = kv_transport
+        self.host_id = host_id()
+        self.device = ""
+        self.max_num_seqs = 0
+        self.kv_compatibility = ""
+        self.tensor_parallel_size = 0
+        self.engine = None
+        self.engine_stats = EngineStats()
+        self.state = State.STARTING
+        self.state_message = "engine starting"
+        self.max_model_len = 0
+        self.kv_blocks_total = 0
+        self.active: dict[str, list[str]] = {}  # request id -> its engine requests' ids
+        self.awaiting_first_token: dict[str, int] = {}  # request id -> prompt tokens to compute
+        self.leave_pools = _nothing_to_leave  # set when the worker is in a registry
+
+    def engine_ready(self, engine) -> None:
+        from kv_transfer.connector_base import compatibility_of
+
+        self.engine = engine
+        self.max_model_len = engine.vllm_config.model_config.max_model_len
+        self.kv_blocks_total = engine.vllm_config.cache_config.num_gpu_blocks or 0
+        self.tensor_parallel_size = engine.vllm_config.parallel_config.tensor_parallel_size
+        self.device = engine.vllm_config.device_config.device_type
+        self.max_num_seqs = engine.vllm_config.scheduler_config.max_num_seqs
+        self.kv_compatibility = compatibility_of(engine.vllm_config).fingerprint()
+        self.state, self.state_message = State.READY, ""
+
+    def engine_failed(self, message: str) -> None:
+        self.state, self.state_message = State.FAILED, message
+
+    async def Generate(self, request, context):
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        json_logs.request_id.set(request.request_id)  # on every line logged for it
+        if self.state not in (State.READY, State.DRAINING):
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"worker {self.worker_id} is not ready: {self.state_message}",
+            )
+        await self._validate(request, context)
+        prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+        request_id = request.request_id
+        choices = choice_count(request.sampling)
+        engine_ids = [request_id]  # one engine request per choice
+        if choices > 1:
+            engine_ids = [f"{request_id}-c{i}" for i in range(choices)]
+        self.active[request_id] = engine_ids
+        self.awaiting_first_token[request_id] = _tokens_to_compute(request)
+        try:
+            samplings = [
+                to_vllm_sampling(request.sampling, kv_extra_args(request) if i == 0 else None, i)
+                for i in range(choices)
+            ]
+            streams = [
+                functools.partial(self.engine.generate, prompt, sampling, engine_id)
+                for sampling, engine_id in zip(samplings, engine_ids, strict=True)
+            ]
+            async with contextlib.aclosing(fan_out(streams)) as outputs:
+                async for choice, output in outputs:
+                    self.awaiting_first_token.pop(request_id, None)
+                    if output.outputs[0].finish_reason == "error":
+                        await context.abort(grpc.StatusCode.ABORTED, self._error_reason(request))
+                    yield self._chunk(output, choice, request)
+        except (VLLMClientError, ValueError) as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except EngineDeadError as error:
+            self.engine_failed(f"engine died: {error}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.state_message)
+        finally:
+            self.active.pop(request_id, None)
+            self.awaiting_first_token.pop(request_id, None)
+
+    def _error_reason(self, request) -> str:
+        if request.HasField("kv") and not request.kv.send_to:
+            return (
+                f"the prompt's KV did not arrive within {request.kv.receive_timeout_s:g} s "
+                f"(transfer {request.kv.transfer_id}); this worker's kv failure policy is "
+                f"'{self.kv_failure_policy}'"
+            )
+        return "the engine ended the request with an error"
+
+    async def _validate(self, request, context) -> None:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        if request.request_id in self.active:
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"request {request.request_id} is already running"
+            )
+        if not request.prompt_token_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
+        total = len(request.prompt_token_ids) + request.sampling.max_tokens
+        if total > self.max_model_len:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt ({len(request.prompt_token_ids)} tokens) plus max_tokens "
+                f"({request.sampling.max_tokens}) exceeds the context length {self.max_model_len}",
+            )
+
+    def _chunk(self, output, choice: int, request) -> worker_pb2.GenerateChunk:
+        chunk = to_chunk(output, choice)
+        if not output.finished or choice != 0:  # the first choice took the KV transfer
+            return chunk
+        if request.HasField("kv") and not request.kv.send_to:
+            transfer = self.engine_stats.take_kv_transfer(request.kv.transfer_id)
+            if transfer is not None:
+                chunk.kv.CopyFrom(
+                    worker_pb2.KvTransferStats(
+                        bytes=transfer["bytes"],
+                        seconds=transfer["seconds"],
+                        failed=transfer["failed"],
+                        failure=transfer["failure"],
+                        transport=transfer.get("transport", ""),
+                    )
+                )
+        return chunk
+
+    async def _probe(self) -> None:
+        """One 1-token request: an engine step, after which vLLM reports its scheduler stats."""
+        probe = {"prompt_token_ids": [0]}
+        async for _ in self.engine.generate(
+            probe, to_vllm_sampling(PROBE_SAMPLING), f"stats-probe-{time.monotonic_ns()}"
+        ):
+            pass
+
+    async def Abort(self, request, context):
+        engine_ids = self.active.get(request.request_id)
+        if engine_ids:
+            await self.engine.abort(engine_ids)
+        was_running = engine_ids is not None
+        return worker_pb2.AbortReply(was_running=was_running)
+
+    async def Health(self, request, context):
+        return worker_pb2.HealthReply(
+            state=self.state,
+            message=self.state_message,
+            worker_id=self.worker_id,
+            role=self.role,
+            model=self.model,
+            max_model_len=self.max_model_len,
+            kv_address=self.kv_address,
+            kv_failure_policy=self.kv_failure_policy,
+            tensor_parallel_size=self.tensor_parallel_size,
+            kv_transport=self.kv_transport,
+            host_id=self.host_id,
+            device=self.device,
+            max_num_seqs=self.max_num_seqs,
+            kv_compatibility=self.kv_compatibility,
+        )
+
+    async def Stats(self, request, context):
+        if request.fresh and self.engine is not None:
+            await self._probe()
+        return self.stats_reply()
+
+    def stats_reply(self) -> worker_pb2.StatsReply:
+        running = self.engine.get_num_unfinished_requests() if self.engine is not None else 0
+        stats = self.engine_stats
+        decode = stats.step_costs.decode_fit()
+        return worker_pb2.StatsReply(
+            worker_id=self.worker_id,
+            running_requests=running,
+            waiting_requests=min(stats.waiting, running),
+            kv_blocks_used=round(stats.kv_cache_usage * self.kv_blocks_total),
+            kv_blocks_total=self.kv_blocks_total,
+            outstanding_prefill_tokens=sum(self.awaiting_first_token.values()),
+            prefilling_requests=len(self.awaiting_first_token),
+            prefill_seconds_per_token=stats.step_costs.prefill_s_per_token,
+            decode_step_base_seconds=decode.base_s,
+            decode_step_seconds_per_sequence=decode.per_sequence_s,
+        )
+
+    async def Drain(self, request, context):
+        started = time.monotonic()
+        if self.state == State.READY:
+            self.state, self.state_message = State.DRAINING, "draining: left the pools"
+        await self.leave_pools()
+        await asyncio.sleep(request.grace_seconds)
+        deadline = started + request.timeout_seconds
+        idle = await self._idle()
+        while not idle and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+            idle = await self._idle()
+        left = len(self.active)
+        log.info("drained in %.1f s, %d request(s) left", time.monotonic() - started, left)
+        return worker_pb2.DrainReply(
+            drained=idle, requests_left=left, seconds=time.monotonic() - started
+        )
+
+    async def _idle(self) -> bool:
+        """No request in flight, and no KV block held (a prefill worker holds a request's
+        blocks until its KV is sent)."""
+        if self.active or self.engine is None:
+            return not self.active
+        await self._probe()
+        return self.stats_reply().kv_blocks_used == 0
+
+
+def _tokens_to_compute(request: worker_pb2.GenerateRequest) -> int:
+    """The prompt tokens this worker computes: none of those whose KV a prefill worker sends
+    (a decode leg: all of the prompt, or its first kv_tokens when it goes on from the prefill's
+    first token)."""
+    prompt = len(request.prompt_token_ids)
+    if request.HasField("kv") and not request.kv.send_to:
+        return prompt - request.kv.kv_tokens if request.kv.kv_tokens else 0
+    return prompt
