@@ -32,9 +32,7 @@ def run(args: argparse.Namespace) -> int:
         settings = from_arguments(RouterSettings, args)
         if not settings.registry and not settings.worker_addresses:
             raise ConfigError("--registry: the router needs a registry to follow")
-        load_api_keys(settings)  # a key file that cannot be read stops it here
-        load_cluster_secret(settings.cluster_secret_file)
-        load_tls_dir(settings.tls_dir)
+        check_files(settings)
         model = resolve_model(settings.model)
     except (ConfigError, ModelError) as error:
         print(f"pdserve router: {error}", file=sys.stderr)
@@ -45,6 +43,14 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def check_files(settings: RouterSettings) -> None:
+    """Read every file the settings name (API keys, cluster secret, TLS folder), so that one that
+    cannot be read stops the router (and `pdserve serve`, before any worker) with a ConfigError."""
+    load_api_keys(settings)
+    load_cluster_secret(settings.cluster_secret_file)
+    load_tls_dir(settings.tls_dir)
 
 
 async def run_router(settings: RouterSettings, model: str, listener=None) -> None:

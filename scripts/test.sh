@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# Set up (idempotent), check style with ruff, then run the test suite. Arguments go to pytest
-# (`tests/unit` for the unit tier alone).
+# Set up (idempotent), check style with ruff, then run the test suite: the unit tier on every core
+# (pytest-xdist), then the integration tier in one process (its engines share the machine).
+# Arguments go to a single pytest run instead (`tests/unit` for the unit tier alone).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-exec .venv/bin/python -m pytest "$@"
+if [ "$#" -gt 0 ]; then
+  exec .venv/bin/python -m pytest "$@"
+fi
+.venv/bin/python -m pytest tests/unit -n auto
+exec .venv/bin/python -m pytest tests/integration

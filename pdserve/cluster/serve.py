@@ -24,15 +24,13 @@ from pdserve.cluster.local_workers import (
 )
 from pdserve.model_store.store import ModelError, resolve_model
 from pdserve.settings.base import ConfigError
-from pdserve.settings.cluster_secret import ensure_cluster_secret, load_cluster_secret
+from pdserve.settings.cluster_secret import ensure_cluster_secret
 from pdserve.settings.command_line import add_arguments, from_arguments
 from pdserve.settings.engine import EngineSettings
 from pdserve.settings.json_logs import configure_logging
 from pdserve.settings.router import RouterSettings
-from pdserve.settings.tls import load_tls_dir
 from pdserve.settings.worker import WorkerSettings
-from router.api_keys import load_api_keys
-from router.command import run_router
+from router.command import check_files, run_router
 
 CPU_BINDINGS = ("auto", "none", "split")
 
@@ -132,9 +130,7 @@ def run(args: argparse.Namespace) -> int:
             WorkerSettings, args, role="decode", engine=engine, host="127.0.0.1", port=0
         )
         router = from_arguments(RouterSettings, args, model=engine.model)
-        load_api_keys(router)  # a key file that cannot be read stops it before any worker
-        load_cluster_secret(router.cluster_secret_file)
-        load_tls_dir(router.tls_dir)  # the workers inherit it
+        check_files(router)  # before any worker; the workers inherit the TLS folder
         ensure_cluster_secret()  # the workers inherit it; the router calls them with it
         model = resolve_model(engine.model)
         listener = _listen(router.host, router.port)

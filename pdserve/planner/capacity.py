@@ -8,7 +8,7 @@ split by heads) and reading its share with its own bandwidth, so TP must divide 
 import math
 from dataclasses import dataclass
 
-from pdserve.planner.gpu_spec import GpuSpec
+from pdserve.gpu_spec import GpuSpec
 from pdserve.planner.model_spec import ModelSpec
 
 GIB = 2**30

@@ -14,6 +14,7 @@ from dataclasses import asdict
 
 from pdserve.bench.metrics import Slo
 from pdserve.bench.workload import DEFAULT_INPUT_LEN, Length
+from pdserve.gpu_spec import GB, GPU_PRESETS, GpuSpec, gpu_preset
 from pdserve.planner.calibration import Calibration
 from pdserve.planner.capacity import (
     DEFAULT_RESERVE_FRACTION,
@@ -22,7 +23,6 @@ from pdserve.planner.capacity import (
     plan_capacity,
 )
 from pdserve.planner.cluster_file import cluster_document, write_cluster_file
-from pdserve.planner.gpu_spec import GB, GPU_PRESETS, GpuSpec, gpu_preset
 from pdserve.planner.model_spec import DTYPE_BYTES, MODEL_PRESETS, load_model_spec
 from pdserve.planner.search import (
     CalibratedHardware,

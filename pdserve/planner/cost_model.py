@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from pdserve.gpu_spec import GpuSpec
 from pdserve.planner.capacity import decode_step_lower_bound, prefill_time
-from pdserve.planner.gpu_spec import GpuSpec
 from pdserve.planner.model_spec import ModelSpec
 
 

@@ -13,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pdserve.bench.metrics import Slo, Summary, summarize
+from pdserve.gpu_spec import GpuSpec
 from pdserve.planner.calibration import Calibration
 from pdserve.planner.capacity import DEFAULT_RESERVE_FRACTION, kv_budget_bytes, kv_bytes_per_token
 from pdserve.planner.cost_model import RooflineCost
-from pdserve.planner.gpu_spec import GpuSpec
 from pdserve.planner.model_spec import ModelSpec
 from pdserve.planner.sim_workload import WorkloadSpec
 from pdserve.planner.simulator import SimCluster, SimRequest, simulate

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from pdserve.planner.gpu_spec import GPU_PRESETS
+from pdserve.gpu_spec import GPU_PRESETS
 from pdserve.settings.base import ConfigError, Settings, refusal
 from pdserve.settings.engine import (
     Dtype,

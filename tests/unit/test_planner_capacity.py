@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from pdserve.gpu_spec import GPU_PRESETS, GpuSpec
 from pdserve.planner.capacity import (
     decode_step_lower_bound,
     kv_bytes_per_request,
@@ -17,7 +18,6 @@ from pdserve.planner.capacity import (
     weight_bytes,
 )
 from pdserve.planner.command import add_parser
-from pdserve.planner.gpu_spec import GPU_PRESETS, GpuSpec
 from pdserve.planner.model_spec import MODEL_PRESETS, ModelSpec, count_llama_params, from_hf_config
 
 LLAMA_7B = MODEL_PRESETS["llama-7b"]

@@ -9,8 +9,8 @@ import yaml
 from pdserve.bench.metrics import Slo
 from pdserve.bench.workload import Length
 from pdserve.cluster.placement import check_layout, check_resources, model_shape, worker_slots
+from pdserve.gpu_spec import GB, GPU_PRESETS
 from pdserve.planner.command import add_parser
-from pdserve.planner.gpu_spec import GB, GPU_PRESETS
 from pdserve.planner.model_spec import MODEL_PRESETS
 from pdserve.planner.search import (
     Candidate,
