@@ -1,5 +1,6 @@
 """What every KV transport shares: the layer slice, the sender's per-destination threads, the
-receiver's bounded inbox, slice assembly, and which transport a worker pair uses.
+receiver's bounded inbox and slice assembly. Which transport a worker pair uses is chosen from
+their Health (pdserve/worker/protocol/transport_choice.py).
 
 A transport moves layer slices from a prefill rank to a decode rank. Three implement
 `Channel` (the sending end of one destination): `grpc` (kv_transfer/grpc_transport.py,
@@ -355,21 +356,3 @@ def host_id() -> str:
     except OSError:  # not Linux: never the same host as anyone (shm is Linux-only)
         return f"{socket.gethostname()}/{os.getpid()}"
     return f"{socket.gethostname()}/{boot}/{netns}"
-
-
-def choose_transport(
-    prefill_setting: str,
-    decode_setting: str,
-    same_host: bool,
-    both_cuda: bool,
-) -> TransportKind:
-    """The transport for one prefill -> decode pair. A worker's setting other than `auto`
-    forces it (the prefill worker's first, as it sends); with both on `auto`: NCCL between GPU
-    workers (device to device, over NVLink on one host), shared memory between CPU workers on
-    one host, gRPC otherwise."""
-    for setting in (prefill_setting, decode_setting):
-        if setting and setting != AUTO:
-            return setting
-    if both_cuda:
-        return "nccl"
-    return "shm" if same_host else "grpc"

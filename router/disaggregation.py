@@ -15,10 +15,9 @@ import json
 import logging
 from dataclasses import dataclass, field
 
-from kv_transfer.grpc_transport import cancel_transfer
-from kv_transfer.transport import choose_transport
 from pdserve.settings.router import AFTER_PREFILL
 from pdserve.worker.protocol import worker_pb2
+from pdserve.worker.protocol.transport_choice import choose_transport
 from router.errors import OpenAIError, prefill_lost, worker_failed
 from router.worker_client import WorkerClient
 
@@ -214,15 +213,8 @@ async def _run_prefill(
             request.kv.transfer_id,
             error.message,
         )
-        try:
-            await asyncio.to_thread(
-                cancel_transfer,
-                decode.kv_address,
-                request.kv.transfer_id,
-                f"prefill worker failed: {error.message}",
-                decode.tensor_parallel_size,
-            )
-        except Exception as cancel_error:  # the decode worker's deadline still applies
-            log.warning("could not cancel transfer %s: %s", request.kv.transfer_id, cancel_error)
+        await decode.cancel_transfer(
+            request.kv.transfer_id, f"prefill worker failed: {error.message}"
+        )
     finally:
         outcome.done.set()

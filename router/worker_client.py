@@ -91,6 +91,25 @@ class WorkerClient:
         except grpc.aio.AioRpcError as error:
             log.warning("abort of %s on %s failed: %s", request_id, self.address, error.code())
 
+    async def cancel_transfer(self, transfer_id: str, reason: str) -> None:
+        """Best effort, on a decode worker: its receivers learn that a transfer's KV will not
+        come, so its kv failure policy applies now rather than at the KV deadline (which still
+        applies when this fails)."""
+        try:
+            await self.stub.CancelTransfer(
+                worker_pb2.CancelTransferRequest(transfer_id=transfer_id, reason=reason),
+                timeout=CONTROL_TIMEOUT_S,
+                metadata=self.metadata,
+            )
+        except grpc.aio.AioRpcError as error:
+            log.warning(
+                "could not cancel transfer %s on %s: %s: %s",
+                transfer_id,
+                self.address,
+                error.code().name,
+                error.details(),
+            )
+
     async def generate(
         self, request: worker_pb2.GenerateRequest, timeout: float
     ) -> AsyncIterator[worker_pb2.GenerateChunk]:

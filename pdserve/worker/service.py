@@ -18,11 +18,13 @@ from pdserve.worker.chunks import to_chunk
 from pdserve.worker.engine import EngineStats
 from pdserve.worker.fan_out import fan_out
 from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
+from pdserve.worker.protocol.status import ENGINE_FAILED, KV_TRANSFER_FAILED
 from pdserve.worker.sampling import choice_count, to_vllm_sampling
 
 State = worker_pb2.HealthReply.State
 PROBE_SAMPLING = worker_pb2.SamplingParams(max_tokens=1, temperature=0, top_p=1)
 DRAIN_POLL_S = 0.2
+CANCEL_TIMEOUT_S = 5.0  # a CancelTransfer call without a deadline gets this one
 log = logging.getLogger("pdserve.worker")
 
 
@@ -130,7 +132,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 async for choice, output in outputs:
                     self.awaiting_first_token.pop(request_id, None)
                     if output.outputs[0].finish_reason == "error":
-                        await context.abort(grpc.StatusCode.ABORTED, self._error_reason(request))
+                        await context.abort(*self._error_status(request))
                     yield self._chunk(output, choice, request)
         except (VLLMClientError, ValueError) as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
@@ -141,14 +143,17 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             self.active.pop(request_id, None)
             self.awaiting_first_token.pop(request_id, None)
 
-    def _error_reason(self, request) -> str:
+    def _error_status(self, request) -> tuple[grpc.StatusCode, str]:
+        """Why the engine ended a request with an error: on a decode leg, its KV did not come
+        (the `fail` policy); otherwise the engine's own failure. Distinct codes, so that the
+        router reports each as what it is."""
         if request.HasField("kv") and not request.kv.send_to:
-            return (
+            return KV_TRANSFER_FAILED, (
                 f"the prompt's KV did not arrive within {request.kv.receive_timeout_s:g} s "
                 f"(transfer {request.kv.transfer_id}); this worker's kv failure policy is "
                 f"'{self.kv_failure_policy}'"
             )
-        return "the engine ended the request with an error"
+        return ENGINE_FAILED, "the engine ended the request with an error"
 
     async def _validate(self, request, context) -> None:
         if not request.request_id:
@@ -199,6 +204,36 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             await self.engine.abort(engine_ids)
         was_running = engine_ids is not None
         return worker_pb2.AbortReply(was_running=was_running)
+
+    async def CancelTransfer(self, request, context):
+        """Tell each of this worker's KV receiver ranks that a transfer's KV will not come
+        (its prefill leg failed), so that the waiting request's policy applies at once; within
+        the call's deadline. UNAVAILABLE when a rank could not be told: the request's own KV
+        deadline still applies."""
+        from kv_transfer.grpc_transport import cancel_transfer
+
+        if not self.kv_address:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"worker {self.worker_id} receives no KV"
+            )
+        ranks = self.tensor_parallel_size or 1
+        per_rank_s = (context.time_remaining() or CANCEL_TIMEOUT_S) / ranks
+        try:
+            await asyncio.to_thread(
+                cancel_transfer,
+                self.kv_address,
+                request.transfer_id,
+                request.reason,
+                ranks,
+                per_rank_s,
+            )
+        except grpc.RpcError as error:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"could not cancel transfer {request.transfer_id}: {error.code().name}: "
+                f"{error.details()}",
+            )
+        return worker_pb2.CancelTransferReply()
 
     async def Health(self, request, context):
         return worker_pb2.HealthReply(

@@ -21,7 +21,7 @@ from kv_transfer.compatibility import Compatibility
 from kv_transfer.host_staging import ByteBudget, DeviceToHost, Staged, StagingError
 from kv_transfer.kv_layout import WIRE_LAYOUT
 from kv_transfer.kv_receiver import KvReceiver
-from kv_transfer.transport import TRANSPORTS, LayerSlice, choose_transport
+from kv_transfer.transport import TRANSPORTS, LayerSlice
 from pdserve.settings.cluster_secret import SECRET_ENV
 
 CONSUMER = Compatibility("m", "float32", 16, 2, 2, 4, WIRE_LAYOUT, "0.32.0")
@@ -325,23 +325,6 @@ def test_cpu_staging_counts_against_the_budget_until_released():
     first.release()  # once only
     second.release()
     assert staging.budget.in_use == 0
-
-
-@pytest.mark.parametrize(
-    "prefill, decode, same_host, both_cuda, chosen",
-    [
-        ("auto", "auto", True, False, "shm"),
-        ("auto", "auto", False, False, "grpc"),
-        ("auto", "auto", False, True, "nccl"),
-        ("auto", "auto", True, True, "nccl"),  # NVLink beats host memory
-        ("grpc", "auto", True, False, "grpc"),
-        ("auto", "shm", False, False, "shm"),  # forced: the channel says why it cannot
-        ("nccl", "grpc", True, False, "nccl"),  # the sender's choice wins
-        ("", "", True, False, "shm"),  # a worker too old to say: auto
-    ],
-)
-def test_which_transport_a_pair_uses(prefill, decode, same_host, both_cuda, chosen):
-    assert choose_transport(prefill, decode, same_host, both_cuda) == chosen
 
 
 def test_forced_shm_to_another_host_fails_with_a_reason_not_silently():

@@ -44,6 +44,7 @@ class FakeWorker:
         self.error = error
         self.requests: list[worker_pb2.GenerateRequest] = []
         self.timeouts: list[float] = []
+        self.cancelled: list[str] = []  # transfer ids whose KV it was told will not come
 
     @contextlib.contextmanager
     def in_use(self):
@@ -52,6 +53,9 @@ class FakeWorker:
             yield self
         finally:
             self.users -= 1
+
+    async def cancel_transfer(self, transfer_id: str, reason: str) -> None:
+        self.cancelled.append(transfer_id)
 
     async def generate(self, request: worker_pb2.GenerateRequest, timeout: float):
         self.requests.append(request)
@@ -308,18 +312,7 @@ def first_token(name: str) -> FakeWorker:
     return FakeWorker(name, "prefill", chunks=[worker_pb2.GenerateChunk(token_ids=[1], text="Hi")])
 
 
-@pytest.fixture
-def cancels(monkeypatch) -> list[str]:
-    """The transfer ids the router cancelled on decode workers (a recording fake of the call)."""
-    cancelled = []
-    monkeypatch.setattr(
-        "router.disaggregation.cancel_transfer",
-        lambda address, transfer_id, reason, ranks: cancelled.append(transfer_id),
-    )
-    return cancelled
-
-
-def test_a_prefill_worker_lost_before_its_kv_hands_the_prompt_to_another_one(cancels):
+def test_a_prefill_worker_lost_before_its_kv_hands_the_prompt_to_another_one():
     lost, spare, decode = (
         unavailable("prefill-a", "prefill"),
         first_token("prefill-b"),
@@ -337,7 +330,9 @@ def test_a_prefill_worker_lost_before_its_kv_hands_the_prompt_to_another_one(can
     assert flow.pool.down == {lost.address}
     assert headers["x-pdserve-prefill-worker"] == "prefill-b"
     assert [c.text for c in chunks] == ["Hi", "Hello", " world"]
-    assert cancels == ["cmpl-1"]  # the lost attempt's transfer, cancelled on the decode worker
+    assert decode.cancelled == [
+        "cmpl-1"
+    ]  # the lost attempt's transfer, cancelled on the decode worker
     assert [r.kv.transfer_id for r in spare.requests] == ["cmpl-1-retry1"]
     # The decode worker heard of the request once, for the second attempt's KV.
     assert [r.kv.transfer_id for r in decode.requests] == ["cmpl-1-retry1"]
@@ -346,7 +341,7 @@ def test_a_prefill_worker_lost_before_its_kv_hands_the_prompt_to_another_one(can
     assert run.route == DISAGGREGATED
 
 
-def test_with_no_prefill_worker_left_the_prompt_takes_the_local_path(cancels):
+def test_with_no_prefill_worker_left_the_prompt_takes_the_local_path():
     lost, decode = unavailable("prefill-a", "prefill"), answering("decode-a")
     flow = flow_over(lost, decode)
     run, request = new_request()
@@ -358,7 +353,7 @@ def test_with_no_prefill_worker_left_the_prompt_takes_the_local_path(cancels):
     assert metric("pdserve_prefill_lost_total", {"next": "local"}) == 1
 
 
-def test_only_a_prefill_worker_whose_kv_the_decode_worker_can_take_is_paired(cancels):
+def test_only_a_prefill_worker_whose_kv_the_decode_worker_can_take_is_paired():
     other_dtype, same = first_token("prefill-bf16"), first_token("prefill-f32")
     other_dtype.kv_compatibility = "smollm2-bfloat16"
     decode = answering("decode-a")
@@ -371,7 +366,7 @@ def test_only_a_prefill_worker_whose_kv_the_decode_worker_can_take_is_paired(can
     assert other_dtype.requests == []
 
 
-def test_with_no_compatible_prefill_worker_the_request_goes_local_and_says_why(cancels, caplog):
+def test_with_no_compatible_prefill_worker_the_request_goes_local_and_says_why(caplog):
     other_dtype, decode = first_token("prefill-bf16"), answering("decode-a")
     other_dtype.kv_compatibility = "smollm2-bfloat16"
     flow = flow_over(other_dtype, decode)
@@ -385,7 +380,7 @@ def test_with_no_compatible_prefill_worker_the_request_goes_local_and_says_why(c
     assert "KV is compatible with worker decode-a's" in caplog.text
 
 
-def test_the_decode_worker_is_held_while_the_prefill_leg_runs(cancels):
+def test_the_decode_worker_is_held_while_the_prefill_leg_runs():
     """So that the pool does not close its channel should it leave the pools meanwhile."""
     release = asyncio.Event()
 

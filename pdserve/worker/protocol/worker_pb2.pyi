@@ -244,3 +244,15 @@ class DrainReply(_message.Message):
     requests_left: int
     seconds: float
     def __init__(self, drained: _Optional[bool] = ..., requests_left: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class CancelTransferRequest(_message.Message):
+    __slots__ = ("transfer_id", "reason")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    reason: str
+    def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CancelTransferReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

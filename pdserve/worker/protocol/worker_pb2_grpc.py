@@ -59,6 +59,11 @@ class WorkerStub:
                 request_serializer=worker__pb2.DrainRequest.SerializeToString,
                 response_deserializer=worker__pb2.DrainReply.FromString,
                 _registered_method=True)
+        self.CancelTransfer = channel.unary_unary(
+                '/pdserve.worker.v1.Worker/CancelTransfer',
+                request_serializer=worker__pb2.CancelTransferRequest.SerializeToString,
+                response_deserializer=worker__pb2.CancelTransferReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -100,6 +105,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CancelTransfer(self, request, context):
+        """Decode worker: a transfer's KV will not come (its prefill leg failed); the worker tells
+        its KV receivers, so its kv failure policy applies at once instead of at the deadline.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +140,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=worker__pb2.DrainRequest.FromString,
                     response_serializer=worker__pb2.DrainReply.SerializeToString,
+            ),
+            'CancelTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelTransfer,
+                    request_deserializer=worker__pb2.CancelTransferRequest.FromString,
+                    response_serializer=worker__pb2.CancelTransferReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +282,33 @@ class Worker:
             '/pdserve.worker.v1.Worker/Drain',
             worker__pb2.DrainRequest.SerializeToString,
             worker__pb2.DrainReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.Worker/CancelTransfer',
+            worker__pb2.CancelTransferRequest.SerializeToString,
+            worker__pb2.CancelTransferReply.FromString,
             options,
             channel_credentials,
             insecure,
