@@ -50,7 +50,7 @@ from pdserve.planner.simulator import SimCluster, simulate
 from pdserve.worker.processes import free_port
 
 KV_CACHE_GIB = 1
-KV_BANDWIDTH_BYTES_PER_S = 0.5e9  # gRPC over loopback, measured here (DESIGN.md)
+KV_BANDWIDTH_BYTES_PER_S = 0.5e9  # gRPC over loopback, measured here (docs/planner.md)
 KV_LATENCY_S = 0.005
 CPU_BLOCK_SIZE = 128
 

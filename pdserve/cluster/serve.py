@@ -90,7 +90,7 @@ def add_parser(subparsers) -> None:
         "(OpenMP) threads pinned there (vLLM's VLLM_CPU_OMP_THREADS_BIND), while the router, "
         "the client and the workers' other threads stay unpinned; none: the OS places every "
         "thread; auto: split when every worker rank gets a core of its own, else none "
-        "(default: auto; see README for what each measured)",
+        "(default: auto; docs/operating.md says what each measured)",
     )
     parser.add_argument(
         "--log-dir",

@@ -3,7 +3,7 @@
 Its sections reuse the engine, worker and router knobs (same types, defaults and checks), and
 `worker_settings` / `router_settings` turn it into what each process is started with. A bad
 field is refused with its dotted path: `prefill.tensor_parallel_size: must be an integer >= 1,
-got 0`. README.md documents the schema; `deploy/clusters/` holds worked files.
+got 0`. docs/operating.md documents the schema; `deploy/clusters/` holds worked files.
 """
 
 from pathlib import Path

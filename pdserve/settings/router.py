@@ -48,7 +48,7 @@ DecodeAdmission = Annotated[
         default=AFTER_PREFILL,
         description="when a decode worker hears of a disaggregated request: with-prefill (at once; "
         "it reserves the KV blocks while the prompt computes) or after-prefill (with the "
-        "prefill's first token; see README)",
+        "prefill's first token; see docs/architecture.md)",
     ),
 ]
 KvTimeoutS = Annotated[
