@@ -1,4 +1,5 @@
-"""The docs site's CLI reference holds every flag of every command, and the README stays short.
+"""The docs site's CLI reference holds every flag of every command, its metrics page every
+metric and label, and the README stays short.
 
 The reference is what docs/hooks/cli_reference.py renders at build time; this calls the same
 render function, and walks the parsers on its own to know what must be there.
@@ -9,7 +10,12 @@ import importlib.util
 import re
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
+
 from pdserve.cluster.cli import build_parser
+from pdserve.worker.metrics_server import WorkerMetrics
+from router.flex_roles import RoleMetrics
+from router.metrics import RouterMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 README_MAX_LINES = 150
@@ -60,6 +66,32 @@ def test_the_reference_page_and_the_hook_are_wired_into_the_site():
     hook = load_hook()
     assert hook.MARKER in (ROOT / "docs" / "cli.md").read_text()
     assert "docs/hooks/cli_reference.py" in (ROOT / "mkdocs.yml").read_text()
+
+
+def exported(registry: CollectorRegistry):
+    """(name as Prometheus exports it, label names) of every metric in `registry`."""
+    for collector in registry._collector_to_names:
+        suffix = "_total" if collector._type == "counter" else ""
+        yield collector._name + suffix, collector._labelnames
+
+
+def test_every_metric_and_label_is_on_the_metrics_page():
+    registries = [RouterMetrics().registry, CollectorRegistry(), CollectorRegistry()]
+    RoleMetrics(registries[1])
+    WorkerMetrics(registries[2])
+    rows = {  # metric name -> its table row (a row may name several metrics)
+        name: row
+        for row in (ROOT / "docs" / "metrics.md").read_text().splitlines()
+        if row.startswith("| `pdserve_")
+        for name in re.findall(r"`(pdserve_\w+)`", row.split("|")[1])
+    }
+    missing = [
+        f"{name}{{{','.join(labels)}}}"
+        for registry in registries
+        for name, labels in exported(registry)
+        if name not in rows or not all(f"`{label}`" in rows[name] for label in labels)
+    ]
+    assert not missing, f"metrics or labels missing from docs/metrics.md: {missing}"
 
 
 def test_the_readme_is_short():
