@@ -1,4 +1,4 @@
-"""router/admission.py, driven with asyncio.run: turns up to the capacity, a FIFO queue up to
+"""router/admission_gate.py, driven with asyncio.run: turns up to the capacity, a FIFO queue up to
 its bound, 429s (never an unbounded wait) beyond, and every turn given back exactly once."""
 
 import asyncio
@@ -6,9 +6,10 @@ import gc
 
 import pytest
 
-from router.admission import AdmissionGate
+from router.admission_gate import AdmissionGate
 from router.errors import OpenAIError
 from router.metrics import RouterMetrics
+from tests.waiting import until
 
 
 def gate(capacity: int = 2, queued: int = 2, timeout_s: float = 5.0) -> AdmissionGate:
@@ -46,8 +47,8 @@ def test_at_capacity_requests_queue_and_get_turns_in_arrival_order():
             return turn
 
         tasks = [asyncio.create_task(waiter(name)) for name in "abc"]
-        await asyncio.sleep(0.05)
-        assert len(g.waiting) == 3 and order == []
+        await until(lambda: len(g.waiting) == 3, 5, "three waiters queued")
+        assert order == []
         first.give_back()
         second = await tasks[0]
         second.give_back()
@@ -64,7 +65,7 @@ def test_a_full_queue_is_a_429_at_once():
     async def go():
         held = await g.enter()
         queued = asyncio.create_task(g.enter())
-        await asyncio.sleep(0.01)
+        await until(lambda: len(g.waiting) == 1, 5, "one waiter queued")
         with pytest.raises(OpenAIError) as caught:
             await g.enter()
         held.give_back()
@@ -100,7 +101,7 @@ def test_a_waiter_whose_client_leaves_gives_up_its_place():
     async def go():
         held = await g.enter()
         waiter = asyncio.create_task(g.enter())
-        await asyncio.sleep(0.01)
+        await until(lambda: len(g.waiting) == 1, 5, "the waiter queued")
         waiter.cancel()
         await asyncio.gather(waiter, return_exceptions=True)
         assert not g.waiting
