@@ -31,3 +31,14 @@ class RoutePath(StrEnum):
     LOCAL = "local"  # the decode worker prefills the prompt itself
     DISAGGREGATED = "disaggregated"  # a prefill worker computes the KV and sends it
     STAY_ON_PREFILL = "stay-on-prefill"  # the prefill worker decodes too; no KV moves
+
+
+class RouteReason(StrEnum):
+    """Why a request took its path (the `reason` label of pdserve_route_decisions_total)."""
+
+    ESTIMATE = "estimate"  # the cheapest path by the estimate
+    LENGTH = "length"  # --route-policy length: the prompt is at least the floor
+    BELOW_FLOOR = "below_floor"  # shorter than --disaggregate-min-tokens
+    HEADER = "header"  # the client's x-pdserve-route
+    NO_PREFILL_WORKER = "no_prefill_worker"  # none up, or none with compatible KV
+    PREFILL_LOST = "prefill_lost"  # every prefill worker was lost during the request

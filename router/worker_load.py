@@ -11,11 +11,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdserve.costs.path_prices import RATE_WINDOW_S
 from pdserve.worker.protocol import worker_pb2
 
 LOAD_POLL_S = 0.5  # how often the router asks every live worker for its Stats
 KV_FULL = 0.9  # share of KV blocks in use beyond which queued requests wait for blocks
-RATE_WINDOW_S = 30.0  # the arrival rate counts the requests sent this long ago at most
 
 
 @dataclass

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.planner.cost_model import LinearCost
+from pdserve.costs.step_costs import StepCosts
 
 IDLE_SHARE = 0.1
 FORMAT = "pdserve-calibration/1"
@@ -37,7 +37,7 @@ _KINDS = {str: (str, "a string"), int: (int, "an integer"), float: ((int, float)
 
 @dataclass(frozen=True)
 class FittedSteps:
-    cost: LinearCost
+    cost: StepCosts
     prefill_contention: float  # k_p: a prefill step's slowdown while the neighbour decodes
     decode_contention: float  # k_d: a decode step's slowdown while the neighbour prefills
 
@@ -62,20 +62,24 @@ class Calibration:
 
     @classmethod
     def from_fit(cls, fitted: FittedSteps, **rest) -> "Calibration":
+        cost = fitted.cost
         return cls(
-            **asdict(fitted.cost),
+            prefill_base_s=cost.prefill_base_s,
+            prefill_per_token_s=cost.prefill_s_per_token,
+            decode_base_s=cost.decode_base_s,
+            decode_per_request_s=cost.decode_s_per_sequence,
             prefill_contention=fitted.prefill_contention,
             decode_contention=fitted.decode_contention,
             **rest,
         )
 
     @property
-    def cost(self) -> LinearCost:
-        return LinearCost(
-            self.prefill_base_s,
-            self.prefill_per_token_s,
-            self.decode_base_s,
-            self.decode_per_request_s,
+    def cost(self) -> StepCosts:
+        return StepCosts(
+            prefill_s_per_token=self.prefill_per_token_s,
+            decode_base_s=self.decode_base_s,
+            decode_s_per_sequence=self.decode_per_request_s,
+            prefill_base_s=self.prefill_base_s,
         )
 
     def save(self, path: str | Path) -> None:
@@ -121,7 +125,10 @@ def fit_steps(runs: list[list[dict]]) -> FittedSteps:
         decode_points += _decode_gaps(done)
     (a, b), k_p = _contended_line(prefill_points, "prefill (TTFTs of requests sent one at a time)")
     (c, d), k_d = _contended_line(decode_points, "decode (inter-token gaps)")
-    return FittedSteps(LinearCost(a, b, c, d), k_p, k_d)
+    cost = StepCosts(
+        prefill_s_per_token=b, decode_base_s=c, decode_s_per_sequence=d, prefill_base_s=a
+    )
+    return FittedSteps(cost, k_p, k_d)
 
 
 def _prefilling(request: dict) -> tuple[float, float]:

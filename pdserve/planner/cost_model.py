@@ -3,14 +3,16 @@
 The simulator only asks two questions of a worker: how long a prefill step over some prompts
 takes, and how long a decode step over a batch of requests (given their context lengths) takes.
 Two answers are kept side by side so a plan can be made before any hardware exists (roofline,
-from the capacity math) and checked against the real engine afterwards (calibrated, fitted from
-a benchmark by planner.calibration).
+from the capacity math) and checked against the real engine afterwards: calibrated, fitted from
+a benchmark by pdserve.planner.calibration into the StepCosts model the workers learn and the
+router prices with (pdserve/costs/step_costs.py).
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from pdserve.costs.step_costs import StepCosts
 from pdserve.gpu_spec import GpuSpec
 from pdserve.planner.capacity import decode_step_lower_bound, prefill_time
 from pdserve.planner.model_spec import ModelSpec
@@ -58,19 +60,19 @@ class RooflineCost:
         )
 
 
-@dataclass(frozen=True)
-class LinearCost:
-    """Step times fitted from a real engine: prefill = a + b · prompt tokens in the step, and
-    decode = c + d · requests in the batch. The context length is left out of decode: on the
-    short contexts a calibration run uses its effect is lost in the noise."""
+LINEARIZED_AT_TOKENS = 1024  # the prompt and context length a roofline is read at, to linearize
 
-    prefill_base_s: float
-    prefill_per_token_s: float
-    decode_base_s: float
-    decode_per_request_s: float
 
-    def prefill_time(self, prompt_tokens: Sequence[int]) -> float:
-        return self.prefill_base_s + self.prefill_per_token_s * sum(prompt_tokens)
-
-    def decode_time(self, context_tokens: Sequence[int]) -> float:
-        return self.decode_base_s + self.decode_per_request_s * len(context_tokens)
+def linearized(cost: StepCost) -> StepCosts:
+    """`cost` as the StepCosts line the router prices with: a calibrated model is one already; a
+    roofline is read at LINEARIZED_AT_TOKENS (one prompt of that length; a batch of one and of
+    two requests holding that context)."""
+    if isinstance(cost, StepCosts):
+        return cost
+    n = LINEARIZED_AT_TOKENS
+    one, two = cost.decode_time([n]), cost.decode_time([n, n])
+    return StepCosts(
+        prefill_s_per_token=cost.prefill_time([n]) / n,
+        decode_base_s=max(0.0, 2 * one - two),
+        decode_s_per_sequence=max(0.0, two - one),
+    )

@@ -2,14 +2,19 @@
 
 Kept apart from the runtime (no router, cluster or vLLM import) so a plan needs nothing
 running; it mirrors the runtime's defaults instead:
-- the router sends each request round-robin to a prefill worker (pdserve's default policy);
-  prompts shorter than `local_prefill_below_tokens` (the router's --disaggregate-min-tokens),
-  or every prompt when there is no prefill worker, take the local path instead: a decode
-  worker prefills them itself, and that step costs its decode batch plus the prefill;
+- the router picks a prefill worker and a decode worker round-robin (pdserve's default policy)
+  and chooses the request's path as the router does (pdserve/costs/path_prices.py, the same
+  function): with `route_policy` "estimate" (the default) the cheaper of local and
+  disaggregated, priced from the two workers' queues, batches, arrival rates over the last
+  RATE_WINDOW_S and step costs (a calibrated cost model's own figures; the roofline's,
+  linearized); with "length", disaggregated from `disaggregate_min_tokens` on. Prompts below
+  that floor, and every prompt when there is no prefill worker, take the local path: the decode
+  worker prefills them itself, and that step costs its decode batch plus the prefill.
+  Stay-on-prefill is not modelled: the runtime takes it only when a decode worker is full;
 - a prefill worker runs one step at a time over whole prompts from its FIFO queue, up to
   `prefill_token_budget` tokens per step (always at least one prompt; no chunking), and its
   step's end is the client's first token (pdserve's after-prefill admission);
-- the KV then travels to a decode worker (round-robin) in latency + bytes / bandwidth, counted
+- the KV then travels to the request's decode worker in latency + bytes / bandwidth, counted
   after the prefill ends (the runtime overlaps it with later layers, so this errs long);
 - a decode worker admits arrived requests in FIFO order while its batch has room and its KV
   cache has blocks for the request's whole context (prompt + output, reserved at admission,
@@ -37,7 +42,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.bench.records import RequestRecord
-from pdserve.planner.cost_model import StepCost
+from pdserve.costs.path_prices import RATE_WINDOW_S, WorkerState, by_length, estimate
+from pdserve.costs.step_costs import StepCosts
+from pdserve.kinds import RoutePath
+from pdserve.planner.cost_model import StepCost, linearized
+from pdserve.settings.router import ESTIMATE, LENGTH, RouterSettings
+
+DEFAULT_FLOOR = RouterSettings.model_fields["disaggregate_min_tokens"].default
 
 
 @dataclass(frozen=True)
@@ -63,7 +74,8 @@ class SimCluster:
     block_size: int = 16
     prefill_token_budget: int = 8192
     max_decode_batch: int = 256
-    local_prefill_below_tokens: int = 0
+    route_policy: str = ESTIMATE  # the router's --route-policy: "estimate" or "length"
+    disaggregate_min_tokens: int = DEFAULT_FLOOR  # the router's --disaggregate-min-tokens
     workers_per_host: int = 1
     prefill_contention: float = 0.0
     decode_contention: float = 0.0
@@ -75,6 +87,7 @@ class _Job:
     request: SimRequest
     blocks: int
     local: bool = False
+    decode: "_DecodeWorker | None" = None  # chosen on arrival, as the router does
     token_times: list[float] = field(default_factory=list)
 
     @property
@@ -93,17 +106,31 @@ class _Worker:
     a step that was re-timed."""
 
     contention: float
+    costs: StepCosts
     busy: bool = False
     work: float = 0.0
     since: float = 0.0
     pace: float = 1.0
     version: int = 0
     on_end: Callable[[], None] | None = None
+    sent: deque = field(default_factory=deque)  # (time, prompt tokens) of what it was sent
+
+    def state(self, now: float, queued_tokens: int, decoding: int) -> WorkerState:
+        """What the router's estimate would know of this worker now."""
+        while self.sent and self.sent[0][0] < now - RATE_WINDOW_S:
+            self.sent.popleft()
+        tokens = sum(prompt for _, prompt in self.sent)
+        rates = len(self.sent) / RATE_WINDOW_S, tokens / RATE_WINDOW_S
+        return WorkerState(queued_tokens, decoding, *rates, self.costs)
 
 
 @dataclass(eq=False)
 class _PrefillWorker(_Worker):
     queue: deque = field(default_factory=deque)
+    in_step_tokens: int = 0  # prompt tokens of the step it is computing
+
+    def queued_tokens(self) -> int:
+        return self.in_step_tokens + sum(job.request.prompt_tokens for job in self.queue)
 
 
 @dataclass(eq=False)
@@ -112,6 +139,14 @@ class _DecodeWorker(_Worker):
     waiting: deque = field(default_factory=deque)
     running: list = field(default_factory=list)
 
+    def queued_tokens(self) -> int:
+        """Prompt tokens of the local requests it has yet to prefill."""
+        waiting = [job for job in [*self.waiting, *self.running] if job.local]
+        return sum(job.request.prompt_tokens for job in waiting if not job.token_times)
+
+    def decoding(self) -> int:
+        return sum(1 for job in self.running if job.token_times)
+
 
 class _Simulation:
     def __init__(self, cluster: SimCluster):
@@ -119,11 +154,18 @@ class _Simulation:
             raise ValueError("a cluster needs at least one decode worker")
         self.cluster = cluster
         self.capacity_blocks = cluster.kv_capacity_tokens // cluster.block_size
+        if cluster.route_policy not in (ESTIMATE, LENGTH):
+            raise ValueError(f"route_policy: {ESTIMATE} or {LENGTH}, not {cluster.route_policy!r}")
+        prefill_costs, decode_costs = (
+            linearized(cluster.prefill_cost),
+            linearized(cluster.decode_cost),
+        )
         self.prefills = [
-            _PrefillWorker(cluster.prefill_contention) for _ in range(cluster.prefill_replicas)
+            _PrefillWorker(cluster.prefill_contention, prefill_costs)
+            for _ in range(cluster.prefill_replicas)
         ]
         self.decodes = [
-            _DecodeWorker(cluster.decode_contention, free_blocks=self.capacity_blocks)
+            _DecodeWorker(cluster.decode_contention, decode_costs, free_blocks=self.capacity_blocks)
             for _ in range(cluster.decode_replicas)
         ]
         workers = [*self.prefills, *self.decodes]
@@ -194,13 +236,30 @@ class _Simulation:
                 )
 
     def _arrive(self, job: _Job) -> None:
-        if not self.prefills or job.request.prompt_tokens < self.cluster.local_prefill_below_tokens:
-            job.local = True
-            self._enqueue_decode(next(self.next_decode), job)
+        job.decode = next(self.next_decode)
+        prefill = next(self.next_prefill) if self.prefills else None
+        job.local = prefill is None or self._route(job, prefill) == RoutePath.LOCAL
+        job.decode.sent.append((self.now, job.request.prompt_tokens))
+        if job.local:
+            self._enqueue_decode(job.decode, job)
         else:
-            worker = next(self.next_prefill)
-            worker.queue.append(job)
-            self._step_prefill(worker)
+            prefill.sent.append((self.now, job.request.prompt_tokens))
+            prefill.queue.append(job)
+            self._step_prefill(prefill)
+
+    def _route(self, job: _Job, prefill: _PrefillWorker) -> RoutePath:
+        """The path the router would choose for `job` (see the module docstring)."""
+        request, floor = job.request, self.cluster.disaggregate_min_tokens
+        if self.cluster.route_policy == LENGTH:
+            return by_length(request.prompt_tokens, floor).route
+        decode = job.decode
+        return estimate(
+            request.prompt_tokens,
+            request.output_tokens,
+            decode.state(self.now, decode.queued_tokens(), decode.decoding()),
+            prefill.state(self.now, prefill.queued_tokens(), 0),
+            floor,
+        ).route
 
     def _step_prefill(self, worker: _PrefillWorker) -> None:
         if worker.busy or not worker.queue:
@@ -214,9 +273,11 @@ class _Simulation:
             tokens += worker.queue[0].request.prompt_tokens
             batch.append(worker.queue.popleft())
         step = self.cluster.prefill_cost.prefill_time([job.request.prompt_tokens for job in batch])
+        worker.in_step_tokens = tokens
         self._start_step(worker, step, lambda: self._end_prefill(worker, batch))
 
     def _end_prefill(self, worker: _PrefillWorker, batch: list[_Job]) -> None:
+        worker.in_step_tokens = 0
         for job in batch:
             job.token_times.append(self.now)
             if not job.done:
@@ -226,11 +287,7 @@ class _Simulation:
                     * self.cluster.kv_bytes_per_token
                     / self.cluster.kv_bandwidth_bytes_per_s
                 )
-                decode = next(self.next_decode)
-                self._at(
-                    self.now + transfer,
-                    lambda job=job, decode=decode: self._enqueue_decode(decode, job),
-                )
+                self._at(self.now + transfer, lambda job=job: self._enqueue_decode(job.decode, job))
         self._step_prefill(worker)
 
     def _enqueue_decode(self, worker: _DecodeWorker, job: _Job) -> None:

@@ -9,7 +9,7 @@ import os
 from pdserve.settings.cluster_secret import SECRET_ENV
 from pdserve.settings.tls import TLS_DIR_ENV
 from pdserve.settings.worker import WorkerSettings
-from pdserve.worker.step_costs import StepCosts
+from pdserve.worker.step_costs import StepCostLearner
 
 GIB = 1 << 30
 MAX_UNCLAIMED_TRANSFERS = 4096
@@ -75,7 +75,7 @@ class EngineStats:
         self.waiting = 0
         self.kv_cache_usage = 0.0
         self.kv_transfers: dict[str, dict] = {}  # transfer id -> connector's figures
-        self.step_costs = StepCosts()
+        self.step_costs = StepCostLearner()
 
     def take_kv_transfer(self, transfer_id: str) -> dict | None:
         return self.kv_transfers.pop(transfer_id, None)

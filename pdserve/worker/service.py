@@ -261,7 +261,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def stats_reply(self) -> worker_pb2.StatsReply:
         running = self.engine.get_num_unfinished_requests() if self.engine is not None else 0
         stats = self.engine_stats
-        decode = stats.step_costs.decode_fit()
+        costs = stats.step_costs.costs()
         return worker_pb2.StatsReply(
             worker_id=self.worker_id,
             running_requests=running,
@@ -270,9 +270,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             kv_blocks_total=self.kv_blocks_total,
             outstanding_prefill_tokens=sum(self.awaiting_first_token.values()),
             prefilling_requests=len(self.awaiting_first_token),
-            prefill_seconds_per_token=stats.step_costs.prefill_s_per_token,
-            decode_step_base_seconds=decode.base_s,
-            decode_step_seconds_per_sequence=decode.per_sequence_s,
+            prefill_seconds_per_token=costs.prefill_s_per_token,
+            decode_step_base_seconds=costs.decode_base_s,
+            decode_step_seconds_per_sequence=costs.decode_s_per_sequence,
         )
 
     async def Drain(self, request, context):

@@ -1,5 +1,6 @@
-"""What a step of this worker's engine costs, learned online from vLLM's iteration stats and
-reported in Stats, so that the router can estimate each path's time (router/route_choice.py).
+"""What a step of this worker's engine costs (pdserve/costs/step_costs.py's model), learned online
+from vLLM's iteration stats and reported in Stats, so that the router can price each path
+(pdserve/costs/path_prices.py).
 
 - prefill: seconds per computed prompt token, from each finished request's prefill time (its
   first schedule to its first token) over the prompt tokens it computed (cache and transferred
@@ -15,7 +16,8 @@ to cost DEFAULT_SEQUENCE_SHARE of a step.
 """
 
 from collections import deque
-from dataclasses import dataclass
+
+from pdserve.costs.step_costs import StepCosts
 
 MIN_PREFILL_TOKENS = 32
 PREFILL_SAMPLES = 32
@@ -26,13 +28,7 @@ DEFAULT_SEQUENCE_SHARE = 0.1
 MAX_STEP_S = 5.0  # a longer gap between two tokens is an idle engine, not a step
 
 
-@dataclass
-class DecodeFit:
-    base_s: float = 0.0
-    per_sequence_s: float = 0.0
-
-
-class StepCosts:
+class StepCostLearner:
     def __init__(self) -> None:
         self._prefill_samples: deque[float] = deque(maxlen=PREFILL_SAMPLES)
         self._weight = self._batch = self._step = self._batch_sq = self._batch_step = 0.0
@@ -61,10 +57,20 @@ class StepCosts:
         self._batch_sq = self._batch_sq * DECAY + batch * batch
         self._batch_step = self._batch_step * DECAY + batch * step_s
 
-    def decode_fit(self) -> DecodeFit:
-        """step(batch) = base + per_sequence x batch; zeros before any decode step."""
+    def costs(self) -> StepCosts:
+        """What it learned so far: zeros for what it has not seen yet (no prefill of
+        MIN_PREFILL_TOKENS, no decode step)."""
+        base, slope = self._decode_fit()
+        return StepCosts(
+            prefill_s_per_token=self.prefill_s_per_token,
+            decode_base_s=base,
+            decode_s_per_sequence=slope,
+        )
+
+    def _decode_fit(self) -> tuple[float, float]:
+        """step(batch) = base + per_sequence x batch, as (base, per_sequence)."""
         if self._weight == 0:
-            return DecodeFit()
+            return 0.0, 0.0
         mean_batch = self._batch / self._weight
         mean_step = self._step / self._weight
         variance = self._batch_sq / self._weight - mean_batch**2
@@ -73,8 +79,7 @@ class StepCosts:
             slope = max(slope, 0.0)
         else:
             slope = DEFAULT_SEQUENCE_SHARE * mean_step
-        base = max(mean_step - slope * mean_batch, 0.0)
-        return DecodeFit(base, slope)
+        return max(mean_step - slope * mean_batch, 0.0), slope
 
     def record_iteration(self, iteration_stats) -> None:
         """vLLM's IterationStats of one engine step: a pure decode step's time and batch."""

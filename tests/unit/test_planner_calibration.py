@@ -10,12 +10,12 @@ import pytest
 
 from pdserve.bench.metrics import summarize
 from pdserve.bench.report import write_json
+from pdserve.costs.step_costs import StepCosts
 from pdserve.planner.calibration import Calibration, fit_steps, load_requests
-from pdserve.planner.cost_model import LinearCost
 from pdserve.planner.simulator import SimCluster, SimRequest, simulate
 
-KNOWN = LinearCost(
-    prefill_base_s=0.05, prefill_per_token_s=0.002, decode_base_s=0.03, decode_per_request_s=0.004
+KNOWN = StepCosts(
+    prefill_base_s=0.05, prefill_s_per_token=0.002, decode_base_s=0.03, decode_s_per_sequence=0.004
 )
 
 
@@ -32,6 +32,8 @@ def _bench_json(path, requests, contention=0.0):
         workers_per_host=2,
         prefill_contention=contention,
         decode_contention=contention,
+        route_policy="length",  # every prompt on the prefill worker, as the fit expects
+        disaggregate_min_tokens=0,
     )
     records, duration = simulate(cluster, requests)
     write_json(path, {"workload": "synthetic (simulated)"}, summarize(records, duration), records)
@@ -49,10 +51,10 @@ def test_fit_recovers_known_step_costs_from_bench_json(tmp_path):
     fitted = fit_steps(load_requests(paths)).cost
 
     assert fitted.prefill_base_s == pytest.approx(KNOWN.prefill_base_s, rel=1e-6)
-    assert fitted.prefill_per_token_s == pytest.approx(KNOWN.prefill_per_token_s, rel=1e-6)
+    assert fitted.prefill_s_per_token == pytest.approx(KNOWN.prefill_s_per_token, rel=1e-6)
     assert fitted.decode_base_s == pytest.approx(KNOWN.decode_base_s, rel=0.02)
     # The batch of a gap is counted at its midpoint from client-side times: close, not exact.
-    assert fitted.decode_per_request_s == pytest.approx(KNOWN.decode_per_request_s, rel=0.03)
+    assert fitted.decode_s_per_sequence == pytest.approx(KNOWN.decode_s_per_sequence, rel=0.03)
 
 
 def test_fit_leaves_out_queued_prefills_and_failed_requests():
@@ -67,10 +69,10 @@ def test_fit_leaves_out_queued_prefills_and_failed_requests():
         dict(send_time=40.0, ttft=None, itl=[], e2e=None, input_tokens=300, error="HTTP 500"),
     ]
     fitted = fit_steps([requests]).cost
-    assert fitted.prefill_per_token_s == pytest.approx(0.002)
+    assert fitted.prefill_s_per_token == pytest.approx(0.002)
     assert fitted.prefill_base_s == pytest.approx(0.1)
     assert fitted.decode_base_s == pytest.approx(0.1)
-    assert fitted.decode_per_request_s == pytest.approx(0.0, abs=1e-9)
+    assert fitted.decode_s_per_sequence == pytest.approx(0.0, abs=1e-9)
 
 
 def test_fit_without_samples_says_what_is_missing():
@@ -88,7 +90,7 @@ def test_a_negative_slope_is_fitted_flat():
         fit_steps([requests])  # no inter-token gaps at all
     requests[0]["itl"] = [0.3, 0.1, 0.1]
     fitted = fit_steps([requests]).cost
-    assert fitted.prefill_per_token_s == 0.0 and fitted.prefill_base_s == pytest.approx(0.998)
+    assert fitted.prefill_s_per_token == 0.0 and fitted.prefill_base_s == pytest.approx(0.998)
 
 
 @pytest.mark.parametrize("contention", [0.0, 0.6])
@@ -105,7 +107,7 @@ def test_fit_recovers_the_contention_of_a_shared_host(tmp_path, contention):
 
     fitted = fit_steps(load_requests(runs))
 
-    assert fitted.cost.prefill_per_token_s == pytest.approx(KNOWN.prefill_per_token_s, rel=1e-6)
+    assert fitted.cost.prefill_s_per_token == pytest.approx(KNOWN.prefill_s_per_token, rel=1e-6)
     assert fitted.cost.decode_base_s == pytest.approx(KNOWN.decode_base_s, rel=0.03)
     assert fitted.prefill_contention == pytest.approx(contention, abs=0.02)
     assert fitted.decode_contention == pytest.approx(contention, abs=0.02)
@@ -163,6 +165,6 @@ def test_a_negative_intercept_is_fitted_through_the_origin():
     ]
     fitted = fit_steps([requests]).cost
     assert fitted.prefill_base_s == 0.0
-    assert fitted.prefill_per_token_s == pytest.approx(
+    assert fitted.prefill_s_per_token == pytest.approx(
         sum(0.001 * n**3 / 100 for n in (100, 200, 400)) / sum(n * n for n in (100, 200, 400))
     )

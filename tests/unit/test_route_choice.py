@@ -1,22 +1,18 @@
-"""router/route_choice.py: the path estimate over fake workers (named fakes: a WorkerClient's
-`load`, its report set by hand) and the figures the workers learn (pdserve/worker/step_costs.py)."""
+"""The path estimate (pdserve/costs/path_prices.py) as the router feeds it (router/route_choice.py),
+over fake workers (named fakes: a WorkerClient's `load`, its report set by hand), and the figures
+the workers learn (pdserve/worker/step_costs.py)."""
 
 from types import SimpleNamespace
 
 import pytest
 
+from pdserve.costs.path_prices import RATE_WINDOW_S, WorkerState, estimate
+from pdserve.costs.step_costs import DEFAULT_COSTS
+from pdserve.kinds import RoutePath
 from pdserve.worker.protocol import worker_pb2
-from pdserve.worker.step_costs import DEFAULT_SEQUENCE_SHARE, MIN_PREFILL_TOKENS, StepCosts
-from router.route_choice import (
-    DEFAULT_COSTS,
-    DISAGGREGATED,
-    LOCAL,
-    STAY_ON_PREFILL,
-    WorkerState,
-    cluster_costs,
-    estimate,
-)
-from router.worker_load import RATE_WINDOW_S, WorkerLoad
+from pdserve.worker.step_costs import DEFAULT_SEQUENCE_SHARE, MIN_PREFILL_TOKENS, StepCostLearner
+from router.route_choice import cluster_costs, worker_state
+from router.worker_load import WorkerLoad
 
 FLOOR = 256
 LONG, SHORT = 1500, 100
@@ -37,7 +33,7 @@ def fake_worker(sent_per_second: tuple[int, int] = (0, 0), **report) -> SimpleNa
 
 
 def state(**report) -> WorkerState:
-    return WorkerState.of(fake_worker(**report), DEFAULT_COSTS)
+    return worker_state(fake_worker(**report), DEFAULT_COSTS)
 
 
 def decide(prompt_tokens: int, decode: WorkerState, prefill: WorkerState, max_tokens=64):
@@ -46,22 +42,24 @@ def decide(prompt_tokens: int, decode: WorkerState, prefill: WorkerState, max_to
 
 def test_a_backed_up_prefill_pool_sends_a_long_prompt_to_its_decode_worker():
     decision = decide(LONG, state(), state(outstanding_prefill_tokens=20_000, running_requests=5))
-    assert decision.route == LOCAL and decision.reason == "estimate"
+    assert decision.route == RoutePath.LOCAL and decision.reason == "estimate"
     costs = {cost.route: cost for cost in decision.costs}
-    assert costs[DISAGGREGATED].ttft_s > costs[LOCAL].ttft_s + 50  # 20,000 tokens queued first
+    assert (
+        costs[RoutePath.DISAGGREGATED].ttft_s > costs[RoutePath.LOCAL].ttft_s + 50
+    )  # 20,000 tokens queued first
 
 
 def test_a_full_decode_worker_leaves_the_request_on_an_idle_prefill_worker():
     decode = state(running_requests=40)
     decision = estimate(SHORT, 64, decode, state(), FLOOR, decode_full=True)
-    assert decision.route == STAY_ON_PREFILL
+    assert decision.route == RoutePath.STAY_ON_PREFILL
 
 
 def test_a_decode_worker_with_room_keeps_the_prefill_worker_free_of_decoding():
     decode = state(running_requests=40)
     decision = decide(SHORT, decode, state())
-    assert decision.route == LOCAL
-    assert STAY_ON_PREFILL not in {cost.route for cost in decision.costs}
+    assert decision.route == RoutePath.LOCAL
+    assert RoutePath.STAY_ON_PREFILL not in {cost.route for cost in decision.costs}
 
 
 def test_a_worker_is_full_once_it_runs_what_its_engine_takes():
@@ -78,13 +76,13 @@ def test_a_long_prompt_goes_where_its_prefill_stalls_nobody():
     decode = state(running_requests=6, sent_per_second=(1, SHORT))
     prefill = state(sent_per_second=(0.2, LONG))
     decision = decide(LONG, decode, prefill)
-    assert decision.route == DISAGGREGATED, decision.view()
+    assert decision.route == RoutePath.DISAGGREGATED, decision.view()
 
 
 def test_a_short_prompt_is_never_disaggregated_and_an_idle_cluster_keeps_it_local():
     decision = decide(SHORT, state(), state())
-    assert decision.route == LOCAL  # ties go to the decode worker, which moves no KV
-    assert DISAGGREGATED not in {cost.route for cost in decision.costs}
+    assert decision.route == RoutePath.LOCAL  # ties go to the decode worker, which moves no KV
+    assert RoutePath.DISAGGREGATED not in {cost.route for cost in decision.costs}
 
 
 def test_the_costs_come_back_cheapest_first_with_their_parts():
@@ -92,7 +90,7 @@ def test_the_costs_come_back_cheapest_first_with_their_parts():
     totals = [cost.total_s for cost in decision.costs]
     assert totals == sorted(totals) and decision.route == decision.costs[0].route
     view = decision.view()["costs"]
-    assert set(view[LOCAL]) == {"ttft_s", "decode_s", "others_s", "total_s"}
+    assert set(view[RoutePath.LOCAL]) == {"ttft_s", "decode_s", "others_s", "total_s"}
 
 
 def test_expected_output_is_bounded_so_a_huge_max_tokens_does_not_drown_the_prompt():
@@ -103,7 +101,7 @@ def test_expected_output_is_bounded_so_a_huge_max_tokens_does_not_drown_the_prom
 def test_what_the_router_sent_since_the_last_report_counts_as_queued():
     worker = fake_worker(outstanding_prefill_tokens=100, running_requests=3, prefilling_requests=1)
     worker.load.sent(400)
-    seen = WorkerState.of(worker, DEFAULT_COSTS)
+    seen = worker_state(worker, DEFAULT_COSTS)
     assert seen.queued_tokens == 500 and seen.decoding == 2
 
 
@@ -115,36 +113,36 @@ def test_a_worker_that_learned_nothing_yet_is_priced_like_the_cluster():
     )
     fresh = fake_worker(running_requests=1)
     cluster = cluster_costs([learned, fresh])
-    assert cluster.prefill_s_per_token == 0.001 and cluster.step_base_s == 0.02
-    assert WorkerState.of(fresh, cluster).costs == WorkerState.of(learned, cluster).costs
+    assert cluster.prefill_s_per_token == 0.001 and cluster.decode_base_s == 0.02
+    assert worker_state(fresh, cluster).costs == worker_state(learned, cluster).costs
     assert cluster_costs([fresh]) == DEFAULT_COSTS
 
 
 def test_step_costs_fit_a_decode_step_from_its_batch():
-    costs = StepCosts()
+    costs = StepCostLearner()
     for _ in range(50):
         for batch in (1, 4, 8):
             costs.decode_step(batch, 0.03 + 0.005 * batch)
-    fit = costs.decode_fit()
-    assert fit.base_s == pytest.approx(0.03, rel=1e-6)
-    assert fit.per_sequence_s == pytest.approx(0.005, rel=1e-6)
+    fit = costs.costs()
+    assert fit.decode_base_s == pytest.approx(0.03, rel=1e-6)
+    assert fit.decode_s_per_sequence == pytest.approx(0.005, rel=1e-6)
 
 
 def test_one_batch_size_alone_gives_a_share_of_a_step_per_sequence():
-    costs = StepCosts()
+    costs = StepCostLearner()
     for _ in range(10):
         costs.decode_step(2, 0.05)
-    fit = costs.decode_fit()
-    assert fit.per_sequence_s == pytest.approx(DEFAULT_SEQUENCE_SHARE * 0.05)
-    assert fit.base_s + 2 * fit.per_sequence_s == pytest.approx(0.05)
+    fit = costs.costs()
+    assert fit.decode_s_per_sequence == pytest.approx(DEFAULT_SEQUENCE_SHARE * 0.05)
+    assert fit.decode_base_s + 2 * fit.decode_s_per_sequence == pytest.approx(0.05)
 
 
 def test_idle_gaps_and_short_prompts_teach_nothing():
-    costs = StepCosts()
+    costs = StepCostLearner()
     costs.decode_step(1, 30.0)  # the engine sat idle between two requests
     costs.finished_request(prefill_s=0.5, prompt_tokens=MIN_PREFILL_TOKENS - 1, cached_tokens=0)
     costs.finished_request(prefill_s=0.5, prompt_tokens=1000, cached_tokens=990)  # KV received
-    assert costs.decode_fit().base_s == 0 and costs.prefill_s_per_token == 0
+    assert costs.costs().decode_base_s == 0 and costs.prefill_s_per_token == 0
     costs.finished_request(prefill_s=3.0, prompt_tokens=1000, cached_tokens=0)
     assert costs.prefill_s_per_token == pytest.approx(0.003)
 
@@ -153,7 +151,7 @@ def test_vllm_iteration_stats_feed_the_costs():
     """The figures come from vLLM's own IterationStats (the real class)."""
     from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats
 
-    costs = StepCosts()
+    costs = StepCostLearner()
     decode_step = IterationStats()
     decode_step.inter_token_latencies_iter = [0.04, 0.04, 0.04]
     first_token_step = IterationStats()
@@ -166,15 +164,15 @@ def test_vllm_iteration_stats_feed_the_costs():
     ]
     costs.record_iteration(decode_step)
     costs.record_iteration(first_token_step)
-    fit = costs.decode_fit()
-    assert fit.base_s + 3 * fit.per_sequence_s == pytest.approx(0.04)
+    fit = costs.costs()
+    assert fit.decode_base_s + 3 * fit.decode_s_per_sequence == pytest.approx(0.04)
     assert costs.prefill_s_per_token == pytest.approx(0.003)
 
 
 def test_prompts_computed_beside_others_do_not_inflate_the_prefill_cost():
     """Two prompts computed together each take twice their own time; the router already counts
     the other one (in the queue), so the cost learned stays the lone prompt's."""
-    costs = StepCosts()
+    costs = StepCostLearner()
     for _ in range(4):
         costs.finished_request(prefill_s=1.0, prompt_tokens=1000, cached_tokens=0)
     for _ in range(8):
@@ -185,7 +183,7 @@ def test_prompts_computed_beside_others_do_not_inflate_the_prefill_cost():
 def test_a_prompt_cached_on_its_decode_worker_is_not_sent_to_be_recomputed():
     """The prefill worker is idle and the decode worker's queue is short, but the decode worker
     holds 1,400 of the prompt's 1,500 tokens (what cache-aware routing tracks)."""
-    decode = WorkerState.of(fake_worker(sent_per_second=(1, SHORT)), DEFAULT_COSTS, 1400)
+    decode = worker_state(fake_worker(sent_per_second=(1, SHORT)), DEFAULT_COSTS, 1400)
     cold = decide(LONG, state(sent_per_second=(1, SHORT)), state())
     warm = decide(LONG, decode, state())
-    assert cold.route == DISAGGREGATED and warm.route == LOCAL
+    assert cold.route == RoutePath.DISAGGREGATED and warm.route == RoutePath.LOCAL

@@ -2,10 +2,12 @@
 
 import pytest
 
+from pdserve.costs.path_prices import by_length
+from pdserve.kinds import RoutePath
 from pdserve.worker.protocol import worker_pb2
 from router.errors import OpenAIError
 from router.policies import LeastLoaded, RoundRobin
-from router.route_choice import DISAGGREGATED, LOCAL, STAY_ON_PREFILL, by_length, forced_route
+from router.route_choice import forced_route
 from router.worker_load import WorkerLoad
 
 
@@ -21,7 +23,12 @@ class FakeWorker:
 
 @pytest.mark.parametrize(
     "prompt_tokens, expected",
-    [(10, LOCAL), (255, LOCAL), (256, DISAGGREGATED), (5000, DISAGGREGATED)],
+    [
+        (10, RoutePath.LOCAL),
+        (255, RoutePath.LOCAL),
+        (256, RoutePath.DISAGGREGATED),
+        (5000, RoutePath.DISAGGREGATED),
+    ],
 )
 def test_the_length_policy_disaggregates_from_the_threshold_on(prompt_tokens, expected):
     assert by_length(prompt_tokens, 256).route == expected
@@ -29,12 +36,12 @@ def test_the_length_policy_disaggregates_from_the_threshold_on(prompt_tokens, ex
 
 def test_the_header_forces_the_path():
     assert forced_route(None, True) is None
-    assert forced_route("disaggregated", True) == DISAGGREGATED
-    assert forced_route("stay-on-prefill", True) == STAY_ON_PREFILL
-    assert forced_route("local", False) == LOCAL
+    assert forced_route("disaggregated", True) == RoutePath.DISAGGREGATED
+    assert forced_route("stay-on-prefill", True) == RoutePath.STAY_ON_PREFILL
+    assert forced_route("local", False) == RoutePath.LOCAL
 
 
-@pytest.mark.parametrize("route", [DISAGGREGATED, STAY_ON_PREFILL])
+@pytest.mark.parametrize("route", [RoutePath.DISAGGREGATED, RoutePath.STAY_ON_PREFILL])
 def test_forcing_a_path_through_a_prefill_worker_without_one_is_a_503(route):
     with pytest.raises(OpenAIError) as caught:
         forced_route(route, False)

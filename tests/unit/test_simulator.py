@@ -7,15 +7,18 @@ import pytest
 
 from pdserve.bench.metrics import Slo, summarize
 from pdserve.bench.workload import Length
+from pdserve.costs.step_costs import StepCosts
 from pdserve.gpu_spec import GPU_PRESETS
-from pdserve.planner.cost_model import LinearCost, RooflineCost
+from pdserve.planner.cost_model import RooflineCost
 from pdserve.planner.model_spec import MODEL_PRESETS
 from pdserve.planner.sim_workload import WorkloadSpec
 from pdserve.planner.simulator import SimCluster, SimRequest, simulate
 
+ROUTER_FIELDS = ("route_policy", "disaggregate_min_tokens")
+
 # prefill = 0.1 + 0.001/token; decode = 0.02 + 0.01/request in the batch
-COST = LinearCost(
-    prefill_base_s=0.1, prefill_per_token_s=0.001, decode_base_s=0.02, decode_per_request_s=0.01
+COST = StepCosts(
+    prefill_base_s=0.1, prefill_s_per_token=0.001, decode_base_s=0.02, decode_s_per_sequence=0.01
 )
 
 
@@ -30,6 +33,10 @@ def cluster(prefill=1, decode=1, cost=COST, **overrides) -> SimCluster:
         kv_bandwidth_bytes_per_s=1e8,
         kv_latency_s=0.005,
         block_size=16,
+        # Every prompt disaggregated, so the hand-computed timings follow one path; the
+        # router's own choice has tests of its own below.
+        route_policy="length",
+        disaggregate_min_tokens=0,
     )
     return SimCluster(**settings | overrides)
 
@@ -79,12 +86,37 @@ def test_a_request_larger_than_the_kv_cache_fails_and_counts_against_goodput():
 
 
 def test_short_prompts_take_the_local_path_on_the_decode_worker():
-    records, _ = simulate(cluster(local_prefill_below_tokens=256), [SimRequest(0.0, 100, 3)])
+    records, _ = simulate(cluster(disaggregate_min_tokens=256), [SimRequest(0.0, 100, 3)])
     step = 0.02 + 0.01
     assert records[0].ttft == pytest.approx(0.1 + 0.001 * 100)  # prefilled by the decode worker
     assert records[0].itl == pytest.approx([step, step])  # no KV transfer
     records, _ = simulate(cluster(prefill=0), [SimRequest(0.0, 1000, 2)])
     assert records[0].ttft == pytest.approx(0.1 + 1.0)
+
+
+def test_by_default_it_chooses_paths_as_the_router_does():
+    """The default cluster models the router's defaults (--route-policy estimate, floor 256)
+    with the router's own function: a short prompt stays local; a long one beside requests the
+    decode worker is decoding goes to the idle prefill worker (its prefill would stall them); and a
+    burst of long prompts is shared between the two workers instead of queueing on one."""
+    default = replace(cluster(), route_policy="estimate", disaggregate_min_tokens=256)
+    assert default == replace(cluster(), **{f: getattr(SimCluster, f) for f in ROUTER_FIELDS})
+    records, _ = simulate(default, [SimRequest(0.0, 100, 3)])
+    assert records[0].ttft == pytest.approx(0.1 + 0.001 * 100)  # the decode worker prefilled it
+    decoding = [SimRequest(0.0, 100, 200) for _ in range(4)]
+    records, _ = simulate(default, [*decoding, SimRequest(1.0, 2000, 3)])
+    transfer = 0.005 + 2000 * 1000 / 1e8
+    assert records[-1].itl[0] > transfer  # its KV travelled from the prefill worker
+    assert all(record.itl[-1] < 0.1 for record in records[:4])  # and the decodes did not stall
+    backed_up = [SimRequest(0.0, 8000, 3) for _ in range(4)] + [SimRequest(0.01, 2000, 3)]
+    estimated, _ = simulate(default, backed_up)
+    by_length, _ = simulate(replace(default, route_policy="length"), backed_up)
+    long_prefill = 0.1 + 0.001 * 8000
+    # The first two computed side by side, one on each worker; by length, one after the other.
+    assert [r.ttft for r in estimated[:2]] == pytest.approx([long_prefill] * 2)
+    assert [r.ttft for r in by_length[:2]] == pytest.approx([long_prefill, 2 * long_prefill])
+    assert by_length[-1].ttft > 4 * (0.1 + 0.001 * 8000)  # queued behind the four long prompts
+    assert estimated[-1].ttft < 0.6 * by_length[-1].ttft
 
 
 def test_same_requests_same_result():
@@ -115,11 +147,11 @@ def test_goodput_collapses_past_capacity():
 
 def test_more_decode_workers_help_a_decode_bound_workload():
     # A decode worker makes at most 1/0.001 = 1000 tokens/s, 5 requests/s of 200 tokens.
-    cost = LinearCost(
+    cost = StepCosts(
         prefill_base_s=0.01,
-        prefill_per_token_s=0.0001,
+        prefill_s_per_token=0.0001,
         decode_base_s=0.02,
-        decode_per_request_s=0.001,
+        decode_s_per_sequence=0.001,
     )
     workload = WorkloadSpec(Length.parse("16"), Length.parse("200"))
     slo = Slo(ttft=1.0, tpot=0.1)
@@ -150,7 +182,9 @@ def test_workers_sharing_a_host_slow_each_other_while_both_are_busy():
     # its prefill and A's decode share the host, each at pace 1 / (1 + 0.5) while both run.
     # A's step 1 has 0.5 s left at 1.5 → ends 2.25; B's prefill has done 0.5 by then and shares
     # the host with A's step 2 until it ends at 3.0; A's step 2 then runs alone: 0.5 s left → 3.5.
-    flat = LinearCost(1.0, 0.0, 1.0, 0.0)
+    flat = StepCosts(
+        prefill_s_per_token=0.0, decode_base_s=1.0, decode_s_per_sequence=0.0, prefill_base_s=1.0
+    )
     requests = [SimRequest(0.0, 100, 3), SimRequest(1.5, 100, 1)]
     shared = cluster(cost=flat, kv_latency_s=0.0, kv_bandwidth_bytes_per_s=1e15)
     alone, _ = simulate(shared, requests)
