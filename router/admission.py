@@ -1,109 +1,127 @@
-"""Admission control: at most `capacity` requests run at once, at most `max_queued` wait for a
-turn, each for at most `queue_timeout_s`; beyond that a 429 with Retry-After, never an
-unbounded wait and never a 5xx for load.
+"""Admission of one HTTP request: validate the body, tokenize its prompts, and build a run and
+a worker request per prompt, under the request's one deadline. Nothing is sent yet; a request
+that fails here is a 4xx (or a 503 before any worker has joined)."""
 
-The capacity is what the workers say they can run at once (the sum of their engines'
-`max_num_seqs`, from Health), unless `--max-concurrent-requests` sets it: below it nobody is
-refused, so a user never sees a 429 below the cluster's real capacity. A request holds its
-turn from admission to its last token; turns go to waiters in arrival order.
-"""
+import uuid
 
-import asyncio
-import collections
-import time
-from collections.abc import Callable
+from pdserve.costs.path_prices import RouteDecision
+from pdserve.kinds import Role, RouteReason
+from pdserve.settings import json_logs
+from pdserve.settings.router import RouterSettings
+from router.errors import check_model, invalid_request, worker_unavailable
+from router.openai_types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    parse_request,
+)
+from router.request_run import Admitted, RequestRun
+from router.responses import OutputOptions, Prompt
+from router.route_choice import forced_route
+from router.worker_pool import WorkerPool
+from router.worker_request import generate_request
 
-from router.errors import OpenAIError, too_many_requests
-
-RETRY_AFTER_S = 1
+TIMEOUT_HEADER = "x-pdserve-timeout"
 
 
-class AdmissionGate:
-    def __init__(
-        self,
-        capacity: Callable[[], int],
-        max_queued: Callable[[], int],
-        queue_timeout_s: float,
-        metrics,
-    ) -> None:
-        self.capacity = capacity
-        self.max_queued = max_queued
-        self.queue_timeout_s = queue_timeout_s
-        self.metrics = metrics
-        self.running = 0
-        self.waiting: collections.deque[asyncio.Future] = collections.deque()
-
-    async def enter(self) -> "Turn":
-        """Take a turn, waiting for one if all are taken; a 429 when the queue is full or the
-        wait passes its deadline. With no capacity known (no worker up) the request goes on,
-        to be answered 503 by the flow."""
-        capacity = self.capacity()
-        if capacity <= 0 or (self.running < capacity and not self.waiting):
-            self._admit()
-            return Turn(self)
-        if len(self.waiting) >= self.max_queued():
-            raise self._reject("the router's queue is full")
-        turn = asyncio.get_running_loop().create_future()
-        self.waiting.append(turn)
-        self.metrics.queue_length.set(len(self.waiting))
-        started = time.monotonic()
-        try:
-            await asyncio.wait_for(asyncio.shield(turn), self.queue_timeout_s)
-        except TimeoutError:
-            if not turn.done():  # (a turn handed over as the wait ran out is taken after all)
-                self._forget(turn)
-                raise self._reject(
-                    f"no turn came within {self.queue_timeout_s:g} s in the router's queue"
-                ) from None
-        except asyncio.CancelledError:  # the client left while it waited
-            if turn.done():
-                self.leave()
-            else:
-                self._forget(turn)
-            raise
-        self.metrics.queue_wait.observe(time.monotonic() - started)
-        return Turn(self)
-
-    def _forget(self, turn: asyncio.Future) -> None:
-        self.waiting.remove(turn)
-        self.metrics.queue_length.set(len(self.waiting))
-
-    def leave(self) -> None:
-        """A request ended (any way): its turn goes to the first waiter, or back to the pool."""
-        self.running -= 1
-        self._hand_over()
-
-    def _hand_over(self) -> None:
-        while self.waiting and self.running < self.capacity():
-            turn = self.waiting.popleft()
-            self._admit()
-            turn.set_result(True)
-        self.metrics.queue_length.set(len(self.waiting))
-
-    def _admit(self) -> None:
-        self.running += 1
-        self.metrics.admitted.inc()
-
-    def _reject(self, why: str) -> OpenAIError:
-        self.metrics.rejected.inc()
-        return too_many_requests(
-            f"{why} ({self.running} requests running, capacity {self.capacity()}); "
-            f"retry in {RETRY_AFTER_S} s"
+def admit(
+    settings: RouterSettings,
+    pool: WorkerPool,
+    tokenizer,
+    endpoint: str,
+    schema: type[SamplingFields],
+    body,
+    id_prefix: str,
+    route_header: str | None,
+    arrival: float,
+    timeout_header: str | None = None,
+) -> Admitted:
+    """`tokenizer`: router/tokenization.py's PromptTokenizer. `timeout_header`: the client's
+    own limit in seconds (x-pdserve-timeout), used when it is below --request-timeout."""
+    timeout_s = settings.request_timeout_s
+    if timeout_header is not None:
+        timeout_s = min(timeout_s, parse_timeout(timeout_header))
+    parsed = parse_request(schema, body)
+    check_model(parsed.model, settings.served_model)
+    prompts, echo_texts = _prompts(parsed, tokenizer)
+    if not pool.max_model_len:
+        raise worker_unavailable("no worker has joined the pools yet; retry later")
+    request_id = f"{id_prefix}-{parsed.request_id or uuid.uuid4().hex}"
+    json_logs.request_id.set(request_id)  # on every line logged for this request
+    # The workers' ids stay unique when clients reuse their request_id.
+    unique = request_id if parsed.request_id is None else f"{request_id}-{uuid.uuid4().hex[:8]}"
+    runs, worker_requests = [], []
+    for number, prompt_ids in enumerate(prompts):
+        run_id = unique if len(prompts) == 1 else f"{unique}-{number}"
+        run = RequestRun(run_id, len(prompt_ids), arrival, timeout_s)
+        run.choices = parsed.choice_count()
+        param = "messages" if endpoint == "chat" else "prompt"
+        worker_requests.append(
+            generate_request(
+                parsed, run_id, prompt_ids, pool.max_model_len, settings.default_max_tokens, param
+            )
         )
+        runs.append(run)
+    if forced := forced_route(route_header, bool(pool.live((Role.PREFILL,)))):
+        for run in runs:
+            run.route_forced = RouteDecision(forced, RouteReason.HEADER)
+    return Admitted(
+        request_id,
+        runs,
+        worker_requests,
+        [Prompt(ids, text) for ids, text in zip(prompts, echo_texts, strict=True)],
+        output_options(parsed),
+        parsed.stream,
+        parsed.include_usage_in_stream(),
+        returned=parsed.n,
+    )
 
 
-class Turn:
-    """A request's turn, given back exactly once: when it ends, or, should the response never
-    start (its stream dropped unread), when the turn is garbage."""
+def _prompts(parsed: SamplingFields, tokenizer) -> tuple[list[list[int]], list[str]]:
+    """Each prompt's token ids, and the text echo puts first for it."""
+    if isinstance(parsed, ChatCompletionRequest):
+        return [tokenizer.chat(parsed)], [chat_echo_text(parsed)]
+    prompts = tokenizer.completion_prompts(parsed)
+    echo_texts = [
+        prompt if isinstance(prompt, str) else tokenizer.detokenize(prompt_ids)
+        for prompt, prompt_ids in zip(parsed.prompts(), prompts, strict=True)
+    ]
+    return prompts, echo_texts
 
-    def __init__(self, gate: AdmissionGate) -> None:
-        self.gate = gate
-        self.held = True
 
-    def give_back(self) -> None:
-        if self.held:
-            self.held = False
-            self.gate.leave()
+def parse_timeout(header: str) -> float:
+    try:
+        seconds = float(header)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0 or seconds != seconds or seconds == float("inf"):
+        raise invalid_request(
+            f"{TIMEOUT_HEADER} must be a number of seconds > 0, not {header!r}",
+            param=TIMEOUT_HEADER,
+        )
+    return seconds
 
-    def __del__(self) -> None:
-        self.give_back()
+
+def output_options(parsed: SamplingFields) -> OutputOptions:
+    echo_only = isinstance(parsed, CompletionRequest) and parsed.echo and parsed.max_tokens == 0
+    return OutputOptions(
+        logprobs=parsed.output_logprobs(),
+        all_top=bool(parsed.logprob_token_ids),
+        prompt_logprobs=parsed.prompt_logprobs_asked() is not None,
+        echo=parsed.echo,
+        echo_only=echo_only,
+        as_token_ids=parsed.return_tokens_as_token_ids,
+        return_token_ids=parsed.return_token_ids,
+        continuous_usage=parsed.stream_options is not None
+        and parsed.stream_options.continuous_usage_stats,
+    )
+
+
+def chat_echo_text(parsed: ChatCompletionRequest) -> str:
+    """What chat's echo puts first: the last message, when it is the assistant's (vLLM)."""
+    last = parsed.messages[-1]
+    if not parsed.echo or last.role != "assistant":
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(part.text for part in last.content)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pdserve.settings.base import ConfigError
 from pdserve.settings.router import RouterSettings
-from router.errors import OpenAIError
+from router.errors import OpenAIError, invalid_api_key
 
 ENV = "PDSERVE_API_KEYS"
 ALWAYS_OPEN = ("/health",)
@@ -50,4 +50,4 @@ def unauthorized(header: str | None) -> OpenAIError:
         if not header
         else "Incorrect API key provided."
     )
-    return OpenAIError(401, message, "invalid_api_key", code="invalid_api_key")
+    return invalid_api_key(message)

@@ -23,7 +23,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.settings.router import RouterSettings
 from pdserve.worker.registry import Registry
-from router.admission import RETRY_AFTER_S, AdmissionGate, Turn
+from router.accounting import timing_breakdown
+from router.admission import TIMEOUT_HEADER
+from router.admission_gate import RETRY_AFTER_S, AdmissionGate, Turn
 from router.api_keys import is_authorized, load_api_keys, open_paths, unauthorized
 from router.errors import OpenAIError, check_model, invalid_request
 from router.flex_roles import (
@@ -44,7 +46,7 @@ from router.openai_types import (
     parse_request,
 )
 from router.policies import POLICIES
-from router.request_flow import TIMEOUT_HEADER, RequestFlow, timing_breakdown
+from router.request_flow import RequestFlow
 from router.responses import ChatShape, CompletionShape, ResponseShape
 from router.route_choice import ROUTE_HEADER
 from router.tokenization import PromptTokenizer

@@ -15,10 +15,11 @@ import json
 import logging
 from dataclasses import dataclass, field
 
+from pdserve.kinds import Transport
 from pdserve.settings.router import AFTER_PREFILL
 from pdserve.worker.protocol import worker_pb2
 from pdserve.worker.protocol.transport_choice import choose_transport
-from router.errors import OpenAIError, prefill_lost, worker_failed
+from router.errors import ErrorKind, OpenAIError, prefill_lost, worker_failed
 from router.worker_client import WorkerClient
 
 log = logging.getLogger("pdserve.router")
@@ -31,9 +32,9 @@ class PrefillOutcome:
     admission: str = AFTER_PREFILL  # when the decode leg starts (see generate_disaggregated)
     chunk: worker_pb2.GenerateChunk | None = None
     error: str | None = None
-    error_kind: str | None = None  # OpenAIError.kind: "worker_unavailable" marks the worker down
+    error_kind: ErrorKind | None = None  # WORKER_UNAVAILABLE marks the worker down
     ended_request: bool = False  # its first token ended the request: no decode leg ran
-    transport: str = ""  # what the router chose to carry the KV
+    transport: Transport | str = ""  # what the router chose to carry the KV
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def wait(self, timeout_s: float = 2.0) -> None:
@@ -100,7 +101,7 @@ async def generate_disaggregated(
             if outcome.admission == AFTER_PREFILL:
                 await outcome.done.wait()  # bounded: the prefill leg has the request's deadline
                 first = outcome.chunk
-                if outcome.error_kind == "worker_unavailable" and first is None:
+                if outcome.error_kind == ErrorKind.WORKER_UNAVAILABLE and first is None:
                     raise prefill_lost(outcome.error)
                 if (
                     outcome.error is None
@@ -135,7 +136,7 @@ async def generate_disaggregated(
                 prefill_task.cancel()
 
 
-def pair_transport(prefill: WorkerClient, decode: WorkerClient) -> str:
+def pair_transport(prefill: WorkerClient, decode: WorkerClient) -> Transport:
     """The KV transport for this pair, from what both workers said in Health."""
     return choose_transport(
         prefill.kv_transport,

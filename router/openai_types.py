@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from router.errors import OpenAIError, invalid_request, unsupported_parameter
+from router.errors import ErrorCode, OpenAIError, invalid_request, unsupported_parameter
 
 log = logging.getLogger("pdserve.router")
 
@@ -409,19 +409,23 @@ def _first_error(error: ValidationError) -> OpenAIError:
     first = error.errors()[0]
     param = ".".join(str(part) for part in first["loc"] if not _is_union_tag(part))
     if not param:  # a rule across fields: its message says which
-        return invalid_request(first["msg"].removeprefix("Value error, "), code="invalid_value")
+        return invalid_request(
+            first["msg"].removeprefix("Value error, "), code=ErrorCode.INVALID_VALUE
+        )
     if first["type"] == "extra_forbidden":
         return invalid_request(
             f"Unrecognized request argument supplied: {param}",
             param=param,
-            code="unrecognized_argument",
+            code=ErrorCode.UNRECOGNIZED_ARGUMENT,
         )
     if first["type"] == "missing":
         return invalid_request(
-            f"Missing required parameter: '{param}'", param=param, code="missing_required_parameter"
+            f"Missing required parameter: '{param}'",
+            param=param,
+            code=ErrorCode.MISSING_REQUIRED_PARAMETER,
         )
     return invalid_request(
-        f"Invalid value for '{param}': {first['msg']}", param=param, code="invalid_value"
+        f"Invalid value for '{param}': {first['msg']}", param=param, code=ErrorCode.INVALID_VALUE
     )
 
 

@@ -2,7 +2,9 @@
 
 gRPC failures become OpenAIErrors here, so the HTTP layer only ever sees one error type:
 INVALID_ARGUMENT from a worker is the client's fault (400), UNAVAILABLE means the worker is
-not there (503), a passed deadline is a timeout (504), the rest is a worker failure (502).
+not there (503), a passed deadline is a timeout (504), KV_TRANSFER_FAILED (ABORTED) means the
+prompt's KV did not reach a decode worker (502 kv_transfer_failed), the rest, engine errors
+included, is a worker failure (502 worker_error).
 """
 
 import asyncio
@@ -12,12 +14,15 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from pdserve.kinds import Role
 from pdserve.settings import tls
 from pdserve.settings.cluster_secret import secret_metadata
 from pdserve.worker.protocol import GRPC_OPTIONS, worker_pb2, worker_pb2_grpc
+from pdserve.worker.protocol.status import KV_TRANSFER_FAILED
 from router.errors import (
     OpenAIError,
     invalid_request,
+    kv_transfer_failed,
     request_timeout,
     worker_failed,
     worker_unavailable,
@@ -63,7 +68,7 @@ class WorkerClient:
             worker_pb2.HealthRequest(), timeout=timeout, metadata=self.metadata
         )
         if reply.state == worker_pb2.HealthReply.READY:
-            self.worker_id, self.flex = reply.worker_id, reply.role == "flex"
+            self.worker_id, self.flex = reply.worker_id, reply.role == Role.FLEX
             if not self.flex:
                 self.role = reply.role
             self.max_model_len, self.kv_address = reply.max_model_len, reply.kv_address
@@ -140,14 +145,8 @@ class WorkerClient:
         code, details = error.code(), error.details() or ""
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return invalid_request(details)
-        if code == grpc.StatusCode.ABORTED:
-            return OpenAIError(
-                502,
-                f"worker {self.worker_id}: {details}",
-                "kv_transfer_failed",
-                type="server_error",
-                code="kv_transfer_failed",
-            )
+        if code == KV_TRANSFER_FAILED:  # an engine error is ENGINE_FAILED: a worker error
+            return kv_transfer_failed(f"worker {self.worker_id}: {details}")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return request_timeout(timeout)
         if code == grpc.StatusCode.UNAVAILABLE:

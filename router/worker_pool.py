@@ -17,12 +17,14 @@ import logging
 
 import grpc
 
+from pdserve.kinds import Role
 from pdserve.worker.protocol import worker_pb2
 from router.errors import worker_unavailable
 from router.worker_client import WorkerClient
 from router.worker_load import LOAD_POLL_S
 
 log = logging.getLogger("pdserve.router")
+TAKES_REQUESTS = (Role.DECODE, Role.COLOCATED)  # whole requests, and disaggregated decode legs
 
 
 class WorkerPool:

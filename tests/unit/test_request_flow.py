@@ -9,14 +9,19 @@ import time
 
 import pytest
 
+from pdserve.costs.path_prices import RouteDecision
+from pdserve.kinds import RoutePath, RouteReason
 from pdserve.settings.router import RouterSettings
 from pdserve.worker.protocol import worker_pb2
+from router.accounting import timing_breakdown
 from router.errors import OpenAIError, invalid_request, worker_unavailable
 from router.metrics import RouterMetrics
 from router.policies import RoundRobin
-from router.request_flow import MAX_ATTEMPTS, Admitted, RequestFlow, RequestRun, timing_breakdown
+from router.request_flow import RequestFlow
+from router.request_run import Admitted, RequestRun
 from router.responses import CompletionShape, OutputOptions, Prompt
-from router.route_choice import DISAGGREGATED, LOCAL, ROUTE_HEADER, STAY_ON_PREFILL, RouteDecision
+from router.retries import MAX_ATTEMPTS
+from router.route_choice import ROUTE_HEADER
 from router.worker_load import WorkerLoad
 from router.worker_pool import WorkerPool
 
@@ -81,14 +86,14 @@ def answering(name: str, role: str = "decode") -> FakeWorker:
     )
 
 
-def flow_over(*workers: FakeWorker) -> RequestFlow:
+def flow_over(*workers: FakeWorker, settings: RouterSettings | None = None) -> RequestFlow:
     pool = WorkerPool([], RoundRobin())
     pool.workers = list(workers)
-    return RequestFlow(RouterSettings(model="m"), pool, None, RouterMetrics())
+    return RequestFlow(settings or RouterSettings(model="m"), pool, None, RouterMetrics())
 
 
 def new_request(request_id: str = "cmpl-1") -> tuple[RequestRun, worker_pb2.GenerateRequest]:
-    run = RequestRun(request_id, len(PROMPT), time.monotonic(), route=LOCAL)
+    run = RequestRun(request_id, len(PROMPT), time.monotonic(), route=RoutePath.LOCAL)
     request = worker_pb2.GenerateRequest(
         request_id=request_id,
         prompt_token_ids=PROMPT,
@@ -101,7 +106,8 @@ def start(flow: RequestFlow, run: RequestRun, request: worker_pb2.GenerateReques
     """Run `start` and close the stream it opened; returns (first chunk, headers)."""
 
     async def go():
-        first, chunks, headers = await flow.start(run, request)
+        started = await flow.start(run, request)
+        first, chunks, headers = started.first, started.chunks, started.headers
         await chunks.aclose()
         return first, headers
 
@@ -124,7 +130,7 @@ def test_an_unavailable_decode_worker_is_marked_down_and_another_one_answers():
     assert headers == {
         "x-request-id": "cmpl-1",
         "x-pdserve-worker": "decode-b",
-        ROUTE_HEADER: LOCAL,
+        ROUTE_HEADER: RoutePath.LOCAL,
     }
     assert run.decode_worker is alive
     assert [r.request_id for r in gone.requests] == ["cmpl-1"]
@@ -189,7 +195,7 @@ def test_collect_returns_the_whole_text_finish_reason_and_usage_and_counts_the_r
     registry = flow.metrics.registry
     labels = {"endpoint": "completions", "status": "200"}
     assert registry.get_sample_value("pdserve_requests_total", labels) == 1.0
-    assert registry.get_sample_value("pdserve_route_total", {"path": LOCAL}) == 1.0
+    assert registry.get_sample_value("pdserve_route_total", {"path": RoutePath.LOCAL}) == 1.0
     assert registry.get_sample_value("pdserve_generation_tokens_total") == 3.0
     assert registry.get_sample_value("pdserve_prompt_tokens_total") == len(PROMPT)
 
@@ -294,7 +300,7 @@ def test_every_leg_and_retry_shares_the_one_deadline_set_at_arrival():
 
 @pytest.mark.parametrize("header", ["0", "-3", "soon", "nan", "inf"])
 def test_a_bad_client_timeout_is_a_400(header):
-    from router.request_flow import parse_timeout
+    from router.admission import parse_timeout
 
     with pytest.raises(OpenAIError) as caught:
         parse_timeout(header)
@@ -302,7 +308,7 @@ def test_a_bad_client_timeout_is_a_400(header):
 
 
 def test_a_client_timeout_is_read_in_seconds():
-    from router.request_flow import parse_timeout
+    from router.admission import parse_timeout
 
     assert parse_timeout("2.5") == 2.5
 
@@ -320,10 +326,11 @@ def test_a_prefill_worker_lost_before_its_kv_hands_the_prompt_to_another_one():
     )
     flow = flow_over(lost, spare, decode)
     run, request = new_request()
-    run.route_forced = RouteDecision(DISAGGREGATED, "header")
+    run.route_forced = RouteDecision(RoutePath.DISAGGREGATED, RouteReason.HEADER)
 
     async def whole_stream():
-        first, chunks, headers = await flow.start(run, request)
+        started = await flow.start(run, request)
+        first, chunks, headers = started.first, started.chunks, started.headers
         return [first] + [chunk async for chunk in chunks], headers
 
     chunks, headers = asyncio.run(whole_stream())
@@ -338,16 +345,16 @@ def test_a_prefill_worker_lost_before_its_kv_hands_the_prompt_to_another_one():
     assert [r.kv.transfer_id for r in decode.requests] == ["cmpl-1-retry1"]
     metric = flow.metrics.registry.get_sample_value
     assert metric("pdserve_prefill_lost_total", {"next": "another_prefill"}) == 1
-    assert run.route == DISAGGREGATED
+    assert run.route == RoutePath.DISAGGREGATED
 
 
 def test_with_no_prefill_worker_left_the_prompt_takes_the_local_path():
     lost, decode = unavailable("prefill-a", "prefill"), answering("decode-a")
     flow = flow_over(lost, decode)
     run, request = new_request()
-    run.route_forced = RouteDecision(DISAGGREGATED, "header")
+    run.route_forced = RouteDecision(RoutePath.DISAGGREGATED, RouteReason.HEADER)
     first, headers = start(flow, run, request)
-    assert first.text == "Hello" and headers[ROUTE_HEADER] == LOCAL
+    assert first.text == "Hello" and headers[ROUTE_HEADER] == RoutePath.LOCAL
     assert [r.HasField("kv") for r in decode.requests] == [False]  # it prefills the prompt itself
     metric = flow.metrics.registry.get_sample_value
     assert metric("pdserve_prefill_lost_total", {"next": "local"}) == 1
@@ -360,7 +367,7 @@ def test_only_a_prefill_worker_whose_kv_the_decode_worker_can_take_is_paired():
     flow = flow_over(other_dtype, same, decode)
     for request_id in ("cmpl-1", "cmpl-2"):
         run, request = new_request(request_id)
-        run.route_forced = RouteDecision(DISAGGREGATED, "header")
+        run.route_forced = RouteDecision(RoutePath.DISAGGREGATED, RouteReason.HEADER)
         _, headers = start(flow, run, request)
         assert headers["x-pdserve-prefill-worker"] == "prefill-f32"
     assert other_dtype.requests == []
@@ -371,9 +378,9 @@ def test_with_no_compatible_prefill_worker_the_request_goes_local_and_says_why(c
     other_dtype.kv_compatibility = "smollm2-bfloat16"
     flow = flow_over(other_dtype, decode)
     run, request = new_request()
-    run.route_forced = RouteDecision(DISAGGREGATED, "header")
+    run.route_forced = RouteDecision(RoutePath.DISAGGREGATED, RouteReason.HEADER)
     first, headers = start(flow, run, request)
-    assert headers[ROUTE_HEADER] == LOCAL and "x-pdserve-prefill-worker" not in headers
+    assert headers[ROUTE_HEADER] == RoutePath.LOCAL and "x-pdserve-prefill-worker" not in headers
     assert first.text == "Hello" and other_dtype.requests == []
     metric = flow.metrics.registry.get_sample_value
     assert metric("pdserve_kv_fallbacks_total", {"policy": "no_prefill"}) == 1
@@ -392,14 +399,15 @@ def test_the_decode_worker_is_held_while_the_prefill_leg_runs():
     prefill, decode = SlowPrefill("prefill-a", "prefill"), answering("decode-a")
     flow = flow_over(prefill, decode)
     run, request = new_request()
-    run.route_forced = RouteDecision(DISAGGREGATED, "header")
+    run.route_forced = RouteDecision(RoutePath.DISAGGREGATED, RouteReason.HEADER)
 
     async def go():
         starting = asyncio.create_task(flow.start(run, request))
         await asyncio.sleep(0.05)
         held_during_prefill = decode.users
         release.set()
-        first, chunks, _ = await starting
+        started = await starting
+        chunks = started.chunks
         await chunks.aclose()
         return held_during_prefill
 
@@ -427,21 +435,25 @@ def test_a_request_left_on_its_prefill_worker_runs_there_whole_and_moves_no_kv()
     flow = flow_over(prefill, decode)
     run, request = new_request()
     first, headers = start(flow, run, request)
-    assert headers[ROUTE_HEADER] == STAY_ON_PREFILL and headers["x-pdserve-worker"] == "prefill-a"
+    assert (
+        headers[ROUTE_HEADER] == RoutePath.STAY_ON_PREFILL
+        and headers["x-pdserve-worker"] == "prefill-a"
+    )
     assert first.text == "Hello" and decode.requests == []
     (sent,) = prefill.requests
     assert not sent.HasField("kv") and sent.sampling.max_tokens == 3  # the whole request
-    assert run.decision.reason == "estimate" and run.decision.route == STAY_ON_PREFILL
+    assert run.decision.reason == "estimate" and run.decision.route == RoutePath.STAY_ON_PREFILL
     metric = flow.metrics.registry.get_sample_value
-    assert metric("pdserve_route_decisions_total", {"path": STAY_ON_PREFILL, "reason": "estimate"})
-    assert timing_breakdown(run)["decision"]["costs"][STAY_ON_PREFILL]["total_s"] > 0
+    assert metric(
+        "pdserve_route_decisions_total", {"path": RoutePath.STAY_ON_PREFILL, "reason": "estimate"}
+    )
+    assert timing_breakdown(run)["decision"]["costs"][RoutePath.STAY_ON_PREFILL]["total_s"] > 0
 
 
 def test_the_length_policy_keeps_short_prompts_local_without_asking_a_prefill_worker():
     prefill, decode = answering("prefill-a", role="prefill"), answering("decode-a")
-    flow = flow_over(prefill, decode)
-    flow.settings = RouterSettings(model="m", route_policy="length")
+    flow = flow_over(prefill, decode, settings=RouterSettings(model="m", route_policy="length"))
     run, request = new_request()
     _, headers = start(flow, run, request)
-    assert headers[ROUTE_HEADER] == LOCAL and prefill.requests == []
+    assert headers[ROUTE_HEADER] == RoutePath.LOCAL and prefill.requests == []
     assert run.decision.reason == "below_floor"
