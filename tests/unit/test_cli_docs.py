@@ -13,7 +13,9 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from pdserve.cluster.cli import build_parser
+from pdserve.kinds import RoutePath, RouteReason
 from pdserve.worker.metrics_server import WorkerMetrics
+from router.errors import ErrorKind
 from router.flex_roles import RoleMetrics
 from router.metrics import RouterMetrics
 
@@ -75,16 +77,21 @@ def exported(registry: CollectorRegistry):
         yield collector._name + suffix, collector._labelnames
 
 
-def test_every_metric_and_label_is_on_the_metrics_page():
-    registries = [RouterMetrics().registry, CollectorRegistry(), CollectorRegistry()]
-    RoleMetrics(registries[1])
-    WorkerMetrics(registries[2])
-    rows = {  # metric name -> its table row (a row may name several metrics)
+def metric_rows() -> dict[str, str]:
+    """Metric name -> its row in docs/metrics.md (a row may name several metrics)."""
+    return {
         name: row
         for row in (ROOT / "docs" / "metrics.md").read_text().splitlines()
         if row.startswith("| `pdserve_")
         for name in re.findall(r"`(pdserve_\w+)`", row.split("|")[1])
     }
+
+
+def test_every_metric_and_label_is_on_the_metrics_page():
+    registries = [RouterMetrics().registry, CollectorRegistry(), CollectorRegistry()]
+    RoleMetrics(registries[1])
+    WorkerMetrics(registries[2])
+    rows = metric_rows()
     missing = [
         f"{name}{{{','.join(labels)}}}"
         for registry in registries
@@ -92,6 +99,22 @@ def test_every_metric_and_label_is_on_the_metrics_page():
         if name not in rows or not all(f"`{label}`" in rows[name] for label in labels)
     ]
     assert not missing, f"metrics or labels missing from docs/metrics.md: {missing}"
+
+
+def test_every_value_of_the_enum_labels_is_on_the_metrics_page():
+    rows = metric_rows()
+    labels = {
+        "pdserve_errors_total": ErrorKind,
+        "pdserve_route_total": RoutePath,
+        "pdserve_route_decisions_total": RouteReason,
+    }
+    missing = [
+        f"{name}: {value}"
+        for name, values in labels.items()
+        for value in values
+        if f"`{value}`" not in rows[name]
+    ]
+    assert not missing, f"label values missing from docs/metrics.md: {missing}"
 
 
 def test_the_readme_is_short():
