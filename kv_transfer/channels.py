@@ -6,19 +6,20 @@ from kv_transfer.compatibility import Compatibility
 from kv_transfer.grpc_transport import GrpcChannel, cancel_transfer
 from kv_transfer.nccl_transport import NcclChannel
 from kv_transfer.shm_transport import ShmChannel
-from kv_transfer.transport import Channel, KvSender, OpenChannel, TransportKind
+from kv_transfer.transport import Channel, KvSender, OpenChannel
+from pdserve.kinds import Transport
 
 
 def channel_opener(compatibility: Compatibility, host: str, device: torch.device) -> OpenChannel:
     """`open(kind, destination)` for a prefill rank whose KV is on `device`, reachable at
     `host` (where an nccl channel's rendezvous listens)."""
 
-    def open_channel(kind: TransportKind, destination: str) -> Channel:
-        if kind == "grpc":
+    def open_channel(kind: Transport, destination: str) -> Channel:
+        if kind == Transport.GRPC:
             return GrpcChannel(destination, compatibility)
-        if kind == "shm":
+        if kind == Transport.SHM:
             return ShmChannel(destination, compatibility)
-        if kind == "nccl":
+        if kind == Transport.NCCL:
             return NcclChannel(destination, compatibility, host, device)
         raise ValueError(f"unknown KV transport {kind!r}")
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from pdserve.kinds import Transport
+
 
 @dataclass(frozen=True)
 class SendSlice:
@@ -20,7 +22,7 @@ class SendSlice:
     block_ids: list[int]  # engine block ids, in request order
     last: bool  # this step completes the prompt
     decode_tp: int = 1  # the decode worker's TP: which of its ranks get which heads
-    transport: str = "grpc"  # what carries it (kv_transfer/transport.py)
+    transport: str = Transport.GRPC  # what carries it (kv_transfer/transport.py)
 
 
 @dataclass(frozen=True)

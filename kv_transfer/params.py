@@ -7,6 +7,8 @@ travel as plain dicts (vLLM serialises them with msgpack) under the key "pdserve
 
 from dataclasses import asdict, dataclass
 
+from pdserve.kinds import Transport
+
 KEY = "pdserve"
 
 
@@ -17,7 +19,7 @@ class SendKv:
     transfer_id: str
     destination: str  # host:port of the decode worker's KV receiver (rank r: port + r)
     decode_tp: int = 1  # the decode worker's tensor-parallel size
-    transport: str = "grpc"  # "grpc", "nccl" or "shm": kv_transfer/transport.py
+    transport: str = Transport.GRPC  # a pdserve.kinds.Transport (a string on the wire)
 
 
 @dataclass(frozen=True)

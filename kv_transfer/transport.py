@@ -27,13 +27,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Literal, Protocol
+from typing import Protocol
+
+from pdserve.kinds import Transport
 
 log = logging.getLogger("pdserve.kv")
 
-TransportKind = Literal["grpc", "nccl", "shm"]
-TRANSPORTS: tuple[str, ...] = ("grpc", "nccl", "shm")
-AUTO = "auto"
+TRANSPORTS = tuple(Transport)
 IDLE_CLOSE_S = 60.0  # a channel with nothing to send this long is closed (its peer may be gone)
 INBOX_BYTES = 1 << 30  # KV received and not yet loaded into the cache, per decode rank
 INBOX_WAIT_S = 10.0  # longest a receiver waits for room in the inbox before failing the stream
@@ -92,7 +92,7 @@ class Channel(Protocol):
         """Tell the receiver the stream ends on purpose, and free the channel's resources."""
 
 
-OpenChannel = Callable[[TransportKind, str], Channel]
+OpenChannel = Callable[[Transport, str], Channel]
 
 
 class KvSender:
@@ -119,7 +119,7 @@ class KvSender:
         self.threads: dict[tuple[str, str], threading.Thread] = {}
         self.lock = threading.Lock()
 
-    def send(self, destination: str, kind: TransportKind, piece: LayerSlice) -> None:
+    def send(self, destination: str, kind: Transport, piece: LayerSlice) -> None:
         key = (destination, kind)
         with self.lock:
             pending = self.queues.get(key)

@@ -19,6 +19,7 @@ from kv_transfer.kv_copy import gather
 from kv_transfer.kv_layout import LayerLayout
 from kv_transfer.metadata import SendSlice
 from kv_transfer.transport import KvSender, LayerSlice
+from pdserve.kinds import Transport
 
 log = logging.getLogger("pdserve.kv")
 
@@ -68,7 +69,7 @@ class LayerSender:
                 try:
                     staged = self.staging.stage(
                         lambda ids=block_ids, heads=heads: gather(canonical, ids, heads),
-                        to_host=piece.transport != "nccl",  # NCCL sends from the device
+                        to_host=piece.transport != Transport.NCCL,  # NCCL sends from the device
                     )
                 except StagingError as error:  # the sender is far behind: give this one up
                     log.error("KV transfer %s: %s; cancelling it", piece.transfer_id, error)

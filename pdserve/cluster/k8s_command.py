@@ -5,6 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from pdserve.kinds import Role
 from pdserve.settings.base import ConfigError
 from pdserve.settings.cluster_file import load_cluster_file
 
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"pdserve k8s render: refused: {error}", file=sys.stderr)
         return 2
-    if "flex" in config.pools():
+    if Role.FLEX in config.pools():
         print(
             "pdserve k8s render: refused: a cluster of flex workers has no Kubernetes overlay "
             "yet; use prefill: and decode: pools (or `pdserve up` on KubeRay)",

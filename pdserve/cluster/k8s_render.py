@@ -23,6 +23,7 @@ from pathlib import Path
 
 import yaml
 
+from pdserve.kinds import Role
 from pdserve.settings.cluster_file import ClusterFile, PoolSection
 
 NAMESPACE = "pdserve"
@@ -118,14 +119,14 @@ def worker_deployment(config: ClusterFile, role: str, pool: PoolSection) -> dict
             "host": "0.0.0.0",
             "port": GRPC_PORT,
             "metrics_port": METRICS_PORT,
-            "kv_port": KV_PORT if role == "decode" else 0,
+            "kv_port": KV_PORT if role == Role.DECODE else 0,
         }
     )
     ports = [
         {"name": "grpc", "containerPort": GRPC_PORT},
         {"name": "metrics", "containerPort": METRICS_PORT},
     ]
-    if role == "decode":
+    if role == Role.DECODE:
         ports += [
             {"name": f"kv-{rank}", "containerPort": KV_PORT + rank}
             for rank in range(pool.tensor_parallel_size)
@@ -390,7 +391,11 @@ def pool_resources(config: ClusterFile, pool: PoolSection) -> dict:
 
 
 def _pools(config: ClusterFile) -> dict[str, PoolSection]:
-    return {role: config.pool(role) for role in ("prefill", "decode") if config.pool(role).replicas}
+    return {
+        role: config.pool(role)
+        for role in (Role.PREFILL.value, Role.DECODE.value)
+        if config.pool(role).replicas
+    }
 
 
 def _registry_url(config: ClusterFile) -> str:

@@ -24,12 +24,13 @@ from pdserve.cluster.cluster_target import add_target_arguments, router_roles, t
 from pdserve.cluster.console import say
 from pdserve.cluster.placement import check_resources, worker_slots
 from pdserve.cluster.up import threads_per_worker, wait_joined
+from pdserve.kinds import Role
 from pdserve.settings.base import ConfigError
 from pdserve.settings.cluster_file import load_cluster_file
 from pdserve.worker.drain import request_drain
 
 DRAIN_TIMEOUT_S = 600.0  # the longest a request may take (router.request_timeout_s)
-ROLES = ("prefill", "decode")  # the pools of a fixed-role cluster
+ROLES = (Role.PREFILL, Role.DECODE)  # the pools of a fixed-role cluster
 
 
 def add_parser(subparsers) -> None:

@@ -13,7 +13,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kv_transfer.transport import AUTO, TRANSPORTS
 from pdserve.cluster.console import say
 from pdserve.cluster.local_workers import (
     OMP_BIND_ENV,
@@ -22,6 +21,7 @@ from pdserve.cluster.local_workers import (
     stop_worker,
     wait_ready,
 )
+from pdserve.kinds import AUTO_TRANSPORT, Role, Transport
 from pdserve.model_store.store import ModelError, resolve_model
 from pdserve.settings.base import ConfigError
 from pdserve.settings.cluster_secret import ensure_cluster_secret
@@ -115,11 +115,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     transports = [kind for kind in args.prefill_kv_transports.split(",") if kind]
     if transports and (
-        len(transports) != args.prefill or not set(transports) <= {AUTO, *TRANSPORTS}
+        len(transports) != args.prefill or not set(transports) <= {AUTO_TRANSPORT, *Transport}
     ):
         print(
             f"pdserve serve: --prefill-kv-transports: need {args.prefill} of "
-            f"{', '.join((AUTO, *TRANSPORTS))}, got {args.prefill_kv_transports!r}",
+            f"{', '.join((AUTO_TRANSPORT, *Transport))}, got {args.prefill_kv_transports!r}",
             file=sys.stderr,
         )
         return 2
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         engine = from_arguments(EngineSettings, args)
         # Workers listen on loopback, each on a free port (--host and --port are the router's).
         decode = from_arguments(
-            WorkerSettings, args, role="decode", engine=engine, host="127.0.0.1", port=0
+            WorkerSettings, args, role=Role.DECODE, engine=engine, host="127.0.0.1", port=0
         )
         router = from_arguments(RouterSettings, args, model=engine.model)
         check_files(router)  # before any worker; the workers inherit the TLS folder
@@ -179,15 +179,15 @@ def _worker_plan(args, decode: WorkerSettings, transports: list[str]) -> list[Wo
     """Each worker to start: `decode` has the engine and the decode pool's settings;
     `transports`, if given, one KV transport per prefill worker."""
     if args.colocated:
-        return [decode.model_copy(update={"role": "colocated"})] * args.workers
+        return [decode.model_copy(update={"role": Role.COLOCATED})] * args.workers
     if args.flex:
-        return [decode.model_copy(update={"role": "flex"})] * args.flex
+        return [decode.model_copy(update={"role": Role.FLEX})] * args.flex
     engine = decode.engine
     if args.prefill_tensor_parallel_size is not None:
         engine = engine.model_copy(
             update={"tensor_parallel_size": args.prefill_tensor_parallel_size}
         )
-    prefill = decode.model_copy(update={"role": "prefill", "engine": engine})
+    prefill = decode.model_copy(update={"role": Role.PREFILL, "engine": engine})
     prefills = [prefill.model_copy(update={"kv_transport": kind}) for kind in transports] or [
         prefill
     ] * args.prefill

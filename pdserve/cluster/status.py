@@ -11,6 +11,7 @@ from dataclasses import asdict
 from pdserve.cluster import ray_launcher, replica_keeper
 from pdserve.cluster.cluster_state import ClusterState
 from pdserve.cluster.cluster_target import add_target_arguments, router_roles, target_state
+from pdserve.kinds import Role
 from pdserve.settings.base import ConfigError
 from pdserve.worker.registry import read_members
 
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         "workers": rows,
         "keeper": keeper,
     }
-    if any(row["role"] == "flex" for row in rows):
+    if any(row["role"] == Role.FLEX for row in rows):
         report["flex"] = flex_roles(state, rows)
     print(json.dumps(report, indent=2) if args.json else _table(report))
     return 0
@@ -113,7 +114,7 @@ def flex_roles(state: ClusterState, rows: list[dict]) -> dict:
         return {"error": str(error)}
     serves = {worker["worker"]: worker["role"] for worker in view["workers"] if worker["flex"]}
     for row in rows:
-        if row["role"] == "flex":
+        if row["role"] == Role.FLEX:
             row["serves"] = serves.get(row["worker"], "")
     return view["flex"]
 

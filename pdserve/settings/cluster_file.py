@@ -13,6 +13,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from pdserve.gpu_spec import GPU_PRESETS
+from pdserve.kinds import Role
 from pdserve.settings.base import ConfigError, Settings, refusal
 from pdserve.settings.engine import (
     Dtype,
@@ -159,8 +160,8 @@ class ClusterFile(Settings):
     def pools(self) -> dict[str, PoolSection]:
         """The pools whose workers `up` starts, by role: flex alone, or prefill and decode."""
         if self.is_flex:
-            return {"flex": self.flex}
-        return {"prefill": self.prefill, "decode": self.decode}
+            return {Role.FLEX.value: self.flex}
+        return {Role.PREFILL.value: self.prefill, Role.DECODE.value: self.decode}
 
     def pool(self, role: str) -> PoolSection:
         return self.pools()[role]

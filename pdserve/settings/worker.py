@@ -4,13 +4,14 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
+from pdserve.kinds import AUTO_TRANSPORT, Role, Transport
 from pdserve.settings.base import Settings
 from pdserve.settings.cluster_secret import ClusterSecretFile
 from pdserve.settings.engine import EngineSettings
 from pdserve.settings.tls import TlsDir
 
-ROLES = ("colocated", "prefill", "decode", "flex")
-Role = Literal[ROLES]
+ROLES = tuple(role.value for role in Role)
+RoleName = Literal[ROLES]
 KvFailurePolicy = Annotated[
     Literal["recompute", "fail"],
     Field(
@@ -40,9 +41,9 @@ KvSendBufferMib = Annotated[
     ),
 ]
 KvTransport = Annotated[
-    Literal["auto", "grpc", "nccl", "shm"],
+    Literal[(AUTO_TRANSPORT, *(kind.value for kind in Transport))],
     Field(
-        default="auto",
+        default=AUTO_TRANSPORT,
         description="how KV moves to or from this worker: auto (NCCL between GPU workers, "
         "shared memory between CPU workers on one host, else gRPC), or force grpc, nccl (gloo "
         "on CPU) or shm (one host only); a prefill worker's forced choice wins over its decode "
@@ -55,8 +56,8 @@ ClusterName = Annotated[
 
 
 class WorkerSettings(Settings):
-    role: Role = Field(
-        "colocated",
+    role: RoleName = Field(
+        Role.COLOCATED.value,
         description="colocated: prefills and decodes its own requests; prefill: "
         "computes prompts and sends their KV; decode: receives KV and "
         "decodes (and prefills short prompts itself); flex: can do either, the router "

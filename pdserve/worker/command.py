@@ -19,6 +19,7 @@ import threading
 
 import grpc
 
+from pdserve.kinds import Role
 from pdserve.model_store.store import ModelError, resolve_model
 from pdserve.settings import tls
 from pdserve.settings.base import ConfigError
@@ -72,7 +73,7 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
     host = advertised_host(settings)
     worker_id = settings.worker_id or f"{settings.role}@{host}:{port}"
     kv_port = settings.kv_port
-    receives = settings.role in ("decode", "flex")  # a KV receiver listens
+    receives = settings.role in (Role.DECODE, Role.FLEX)  # a KV receiver listens
     if receives and not kv_port:
         kv_port = free_port(settings.host, count=settings.engine.tensor_parallel_size)
     kv_address = f"{host}:{kv_port}" if receives else ""

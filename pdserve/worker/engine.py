@@ -6,6 +6,7 @@ between a prefill and a decode worker (dtype, block size, max length) come from 
 
 import os
 
+from pdserve.kinds import Role
 from pdserve.settings.cluster_secret import SECRET_ENV
 from pdserve.settings.tls import TLS_DIR_ENV
 from pdserve.settings.worker import WorkerSettings
@@ -23,10 +24,10 @@ def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
     named after it, a prefill rank hosts its NCCL rendezvous there)."""
     advertised = worker.advertise_host or worker.host
 
-    def with_role(role: str) -> dict:
+    def with_role(role: Role) -> dict:
         return kv_transfer_config(worker.model_copy(update={"role": role}), kv_port)
 
-    if worker.role == "prefill":
+    if worker.role == Role.PREFILL:
         return {
             "kv_connector": "PrefillConnector",
             "kv_connector_module_path": "prefill_workers.connector",
@@ -36,8 +37,8 @@ def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
                 "advertised_host": advertised,
             },
         }
-    if worker.role == "flex":  # both halves, both configurations
-        producer, consumer = with_role("prefill"), with_role("decode")
+    if worker.role == Role.FLEX:  # both halves, both configurations
+        producer, consumer = with_role(Role.PREFILL), with_role(Role.DECODE)
         return {
             **consumer,
             "kv_connector": "FlexConnector",
@@ -48,7 +49,7 @@ def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
                 **consumer["kv_connector_extra_config"],
             },
         }
-    if worker.role == "decode":
+    if worker.role == Role.DECODE:
         return {
             "kv_connector": "DecodeConnector",
             "kv_connector_module_path": "decode_workers.connector",

@@ -26,7 +26,7 @@ class WorkerLoad:
 @dataclass(frozen=True)
 class WorkerRecord:
     worker_id: str
-    role: str  # "prefill", "decode" or "colocated"
+    role: str  # a pdserve.kinds.Role: prefill, decode, colocated or flex
     address: str  # the worker's gRPC address, host:port
     kv_address: str = ""  # decode: where prefill workers push KV
     tensor_parallel_size: int = 1

@@ -13,6 +13,7 @@ import time
 
 import grpc
 
+from pdserve.kinds import AUTO_TRANSPORT, Transport
 from pdserve.settings import json_logs
 from pdserve.worker.chunks import to_chunk
 from pdserve.worker.engine import EngineStats
@@ -41,7 +42,9 @@ def kv_extra_args(request: worker_pb2.GenerateRequest) -> dict | None:
     kv = request.kv
     peer_tp = kv.peer_tensor_parallel_size or 1
     if kv.send_to:
-        return to_extra_args(SendKv(kv.transfer_id, kv.send_to, peer_tp, kv.transport or "grpc"))
+        return to_extra_args(
+            SendKv(kv.transfer_id, kv.send_to, peer_tp, kv.transport or Transport.GRPC)
+        )
     return to_extra_args(
         ReceiveKv(
             kv.transfer_id,
@@ -60,7 +63,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         model: str,
         kv_address: str = "",
         kv_failure_policy: str = "",
-        kv_transport: str = "auto",
+        kv_transport: str = AUTO_TRANSPORT,
     ) -> None:
         from kv_transfer.transport import host_id
 

@@ -56,11 +56,13 @@ NOT_A_LEADER = textwrap.dedent(
     from pathlib import Path
     from pdserve.worker import group_reaper
     group_reaper.start_for_this_worker()
-    children = [
-        p for p in Path("/proc").iterdir()
-        if p.name.isdigit()
-        and (p / "stat").read_text().rsplit(")", 1)[1].split()[1] == str(os.getpid())
-    ]
+    def parent(process):
+        try:
+            return (process / "stat").read_text().rsplit(")", 1)[1].split()[1]
+        except (FileNotFoundError, ProcessLookupError):  # it ended since the listing
+            return None
+    mine = str(os.getpid())
+    children = [p for p in Path("/proc").iterdir() if p.name.isdigit() and parent(p) == mine]
     print(len(children))
     """
 )
