@@ -9,7 +9,7 @@ import os
 import socket
 from dataclasses import replace
 
-from pdserve.worker.registry import TTL_HEARTBEATS, Registry, WorkerLoad, WorkerRecord
+from pdserve.worker.registry import TTL_HEARTBEATS, RecordedLoad, Registry, WorkerRecord
 
 log = logging.getLogger("pdserve.worker")
 
@@ -31,7 +31,7 @@ class WorkerMembership:
         self.registry = registry
         self.record = record
         self.heartbeat_s = heartbeat_s
-        self.read_load = read_load  # () -> WorkerLoad
+        self.read_load = read_load  # () -> RecordedLoad
         self._beating: asyncio.Task | None = None
 
     async def join(self) -> None:
@@ -70,8 +70,8 @@ class WorkerMembership:
             log.warning("could not remove %s from the registry: %s", self.record.worker_id, error)
 
 
-def load_of(stats_reply) -> WorkerLoad:
-    return WorkerLoad(
+def load_of(stats_reply) -> RecordedLoad:
+    return RecordedLoad(
         running_requests=stats_reply.running_requests,
         waiting_requests=stats_reply.waiting_requests,
         kv_blocks_used=stats_reply.kv_blocks_used,

@@ -15,7 +15,10 @@ TTL_HEARTBEATS = 2
 
 
 @dataclass(frozen=True)
-class WorkerLoad:
+class RecordedLoad:
+    """A worker's load as its registry record carries it (its Stats at its last heartbeat);
+    the router's live view of a worker is router/worker_load.py's WorkerLoad."""
+
     running_requests: int = 0
     waiting_requests: int = 0
     kv_blocks_used: int = 0
@@ -33,7 +36,7 @@ class WorkerRecord:
     compatibility_hash: str = ""  # equal hashes: KV blocks mean the same on both workers
     node: str = ""  # where it runs: the Ray node id, or the host name
     gpu_ids: tuple[str, ...] = ()  # the accelerator ids this worker may see
-    load: WorkerLoad = field(default_factory=WorkerLoad)
+    load: RecordedLoad = field(default_factory=RecordedLoad)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -45,7 +48,7 @@ class WorkerRecord:
             **{
                 **data,
                 "gpu_ids": tuple(data.get("gpu_ids", ())),
-                "load": WorkerLoad(**data.get("load", {})),
+                "load": RecordedLoad(**data.get("load", {})),
             }
         )
 

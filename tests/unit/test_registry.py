@@ -7,7 +7,7 @@ import pytest
 
 from pdserve.cluster import local_services
 from pdserve.worker.processes import stop_group
-from pdserve.worker.registry import Registry, WorkerLoad, WorkerRecord
+from pdserve.worker.registry import RecordedLoad, Registry, WorkerRecord
 from tests.integration.processes import group_members
 
 
@@ -28,7 +28,7 @@ def record(worker_id: str, role: str = "decode") -> WorkerRecord:
         compatibility_hash="abc",
         node="n1",
         gpu_ids=("3",),
-        load=WorkerLoad(running_requests=2, kv_blocks_total=9),
+        load=RecordedLoad(running_requests=2, kv_blocks_total=9),
     )
 
 
