@@ -94,7 +94,7 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
                     )
                 elif body == "nccl_open":
                     nccl = NcclReceiving(message.nccl_open, self.host, self.device)
-                    assembler.transport = "nccl"
+                    assembler.transport = message.nccl_open.backend  # nccl or gloo
                     log.info(
                         "KV %s group with %s joined", message.nccl_open.backend, context.peer()
                     )

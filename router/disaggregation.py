@@ -65,34 +65,11 @@ async def generate_disaggregated(
     hears of the request, for the router to try another prefill worker (`attempt` 1, 2, ...:
     each attempt is a new transfer, the cancelled one stays cancelled)."""
     transfer_id = request.request_id if attempt == 0 else f"{request.request_id}-retry{attempt}"
-    decode_request = worker_pb2.GenerateRequest()
-    decode_request.CopyFrom(request)
-    decode_request.kv.CopyFrom(
-        worker_pb2.KvTransfer(
-            transfer_id=transfer_id,
-            receive_timeout_s=kv_timeout_s,
-            peer_tensor_parallel_size=prefill.tensor_parallel_size,
-        )
-    )
-    prefill_request = worker_pb2.GenerateRequest()
-    prefill_request.CopyFrom(request)
-    prefill_request.request_id = f"{transfer_id}-prefill"
-    prefill_request.sampling.max_tokens = 1
-    prefill_request.sampling.min_tokens = 0  # its token is used only without min_tokens
-    prefill_request.sampling.n = 1  # the decode worker samples the n choices
-    prefill_request.sampling.vllm_fields_json = _without_grammar(request.sampling)
+    outcome.transport = pair_transport(prefill, decode)
+    prefill_request = _prefill_leg(request, transfer_id, decode, outcome.transport)
+    decode_request = _decode_leg(request, transfer_id, prefill, kv_timeout_s)
     # The prompt's logprobs come from the prefill leg, where the prompt is computed.
     wants_prompt_logprobs = request.sampling.HasField("prompt_logprobs")
-    decode_request.sampling.ClearField("prompt_logprobs")
-    outcome.transport = pair_transport(prefill, decode)
-    prefill_request.kv.CopyFrom(
-        worker_pb2.KvTransfer(
-            transfer_id=transfer_id,
-            send_to=decode.kv_address,
-            peer_tensor_parallel_size=decode.tensor_parallel_size,
-            transport=outcome.transport,
-        )
-    )
     prefill_task = asyncio.create_task(
         _run_prefill(prefill, prefill_request, decode, timeout_s, outcome)
     )
@@ -134,6 +111,52 @@ async def generate_disaggregated(
         finally:
             if not prefill_task.done():
                 prefill_task.cancel()
+
+
+def _prefill_leg(
+    request: worker_pb2.GenerateRequest,
+    transfer_id: str,
+    decode: WorkerClient,
+    transport: Transport,
+) -> worker_pb2.GenerateRequest:
+    """The prefill worker's request: the prompt and one token, its KV sent to `decode`."""
+    leg = worker_pb2.GenerateRequest()
+    leg.CopyFrom(request)
+    leg.request_id = f"{transfer_id}-prefill"
+    leg.sampling.max_tokens = 1
+    leg.sampling.min_tokens = 0  # its token is used only without min_tokens
+    leg.sampling.n = 1  # the decode worker samples the n choices
+    leg.sampling.vllm_fields_json = _without_grammar(request.sampling)
+    leg.kv.CopyFrom(
+        worker_pb2.KvTransfer(
+            transfer_id=transfer_id,
+            send_to=decode.kv_address,
+            peer_tensor_parallel_size=decode.tensor_parallel_size,
+            transport=transport,
+        )
+    )
+    return leg
+
+
+def _decode_leg(
+    request: worker_pb2.GenerateRequest,
+    transfer_id: str,
+    prefill: WorkerClient,
+    kv_timeout_s: float,
+) -> worker_pb2.GenerateRequest:
+    """The decode worker's request: the whole request, its prompt's KV awaited from `prefill`
+    (the prompt logprobs come from the prefill leg)."""
+    leg = worker_pb2.GenerateRequest()
+    leg.CopyFrom(request)
+    leg.kv.CopyFrom(
+        worker_pb2.KvTransfer(
+            transfer_id=transfer_id,
+            receive_timeout_s=kv_timeout_s,
+            peer_tensor_parallel_size=prefill.tensor_parallel_size,
+        )
+    )
+    leg.sampling.ClearField("prompt_logprobs")
+    return leg
 
 
 def pair_transport(prefill: WorkerClient, decode: WorkerClient) -> Transport:

@@ -17,19 +17,21 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from pdserve.kinds import Role
 from router.errors import invalid_request
 from router.worker_client import WorkerClient
 from router.worker_load import LOAD_POLL_S
+from router.worker_pool import TAKES_REQUESTS
 
 log = logging.getLogger("pdserve.router")
-FLEX_ROLES = ("prefill", "decode")
+FLEX_ROLES = (Role.PREFILL, Role.DECODE)
 STANDBY = "standby"  # a flex worker in no pool (a sweep's ratio with fewer workers)
 
 
 def initial_role(flex_count: int, prefill_now: int) -> str:
     """A newly joined flex worker's role: half the flex workers prefill (rounded down), so at
     least one decodes."""
-    return "prefill" if prefill_now < flex_count // 2 else "decode"
+    return Role.PREFILL if prefill_now < flex_count // 2 else Role.DECODE
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class FlexRoles:
         flex = self.flex()
         for worker in flex:
             if not worker.role:
-                prefill = sum(w.role == "prefill" for w in flex)
+                prefill = sum(w.role == Role.PREFILL for w in flex)
                 worker.role = initial_role(len(flex), prefill)
                 log.info("flex worker %s joins the %s pool", worker.worker_id, worker.role)
         self.metrics.count(flex)
@@ -105,14 +107,14 @@ class FlexRoles:
             raise invalid_request("give prefill or decode (how many flex workers)")
         prefill = len(flex) - decode if prefill is None else prefill
         decode = len(flex) - prefill if decode is None else decode
-        fixed_takers = [w for w in self.pool.workers if not w.flex and w.role != "prefill"]
+        fixed_takers = [w for w in self.pool.workers if not w.flex and w.role != Role.PREFILL]
         if prefill < 0 or decode < (0 if fixed_takers else 1) or prefill + decode > len(flex):
             raise invalid_request(
                 f"prefill ({prefill}) and decode ({decode}) must add up to at most the "
                 f"{len(flex)} flex workers, and at least one worker must decode",
                 param="prefill",
             )
-        wanted = {"prefill": prefill, "decode": decode, STANDBY: len(flex) - prefill - decode}
+        wanted = {Role.PREFILL: prefill, Role.DECODE: decode, STANDBY: len(flex) - prefill - decode}
         changes = []
         # Workers leave the pools with too many for the pools with too few, least busy first.
         for short in FLEX_ROLES + (STANDBY,):
@@ -180,14 +182,14 @@ class AutoRatio:
     def pressure(self) -> dict:
         """The figures a decision reads, per pool."""
         pool = self.roles.pool
-        prefill = pool.live(("prefill",))
-        decode = pool.live(("decode",))
-        backlog = sum(w.load.busyness("prefill")[0] for w in prefill)
+        prefill = pool.live((Role.PREFILL,))
+        decode = pool.live((Role.DECODE,))
+        backlog = sum(w.load.busyness(Role.PREFILL)[0] for w in prefill)
         running = sum((w.load.report.running_requests if w.load.report else 0) for w in decode)
         waiting = sum((w.load.report.waiting_requests if w.load.report else 0) for w in decode)
         seats = sum(w.max_num_seqs for w in decode) or 1
         return {
-            "flex_prefill_workers": sum(w.role == "prefill" for w in self.roles.flex()),
+            "flex_prefill_workers": sum(w.role == Role.PREFILL for w in self.roles.flex()),
             "prefill_workers": len(prefill),
             "decode_workers": len(decode),
             "prefill_backlog_tokens": backlog,
@@ -204,17 +206,17 @@ class AutoRatio:
             s.decode_busy_share
         )
         if prefill_short and not decode_short:
-            return "prefill"
+            return Role.PREFILL
         idle_prefill = figures["prefill_backlog_tokens"] == 0
         if decode_short and not prefill_short and idle_prefill:
-            return "decode"
+            return Role.DECODE
         if prefill_short or decode_short:
             return None
         home = len(self.roles.flex()) // 2
         if figures["flex_prefill_workers"] > home and idle_prefill:
-            return "decode"
+            return Role.DECODE
         if figures["flex_prefill_workers"] < home:
-            return "prefill"
+            return Role.PREFILL
         return None
 
     def check(self, now: float) -> RoleChange | None:
@@ -228,10 +230,10 @@ class AutoRatio:
             return None
         if len(self.recent) >= self.settings.max_changes_per_minute:
             return None
-        other = "decode" if want == "prefill" else "prefill"
+        other = Role.DECODE if want == Role.PREFILL else Role.PREFILL
         givers = [w for w in self.roles.flex() if w.role == other]
-        takers_left = len(self.roles.pool.live(("decode", "colocated"))) - (other == "decode")
-        if not givers or (other == "decode" and takers_left < 1):
+        takers_left = len(self.roles.pool.live(TAKES_REQUESTS)) - (other == Role.DECODE)
+        if not givers or (other == Role.DECODE and takers_left < 1):
             return None
         giver = min(givers, key=lambda w: w.load.busyness(other))
         reason = ", ".join(f"{key}={value:g}" for key, value in figures.items())

@@ -57,15 +57,18 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "pdserve_requests",
-            "Finished HTTP requests by endpoint and status code",
+            "Finished HTTP requests, once each however many prompts it had (a batch), by "
+            "endpoint and status: the HTTP status code, the error's for a stream that failed "
+            "after its 200 was sent, 499 for a client that left first",
             ["endpoint", "status"],
             registry=self.registry,
         )
         self.errors = Counter(
             "pdserve_errors",
             "Failed requests by kind (invalid_request, unsupported_parameter, "
-            "model_not_found, context_length, worker_unavailable, worker_error, timeout, "
-            "client_disconnect)",
+            "model_not_found, context_length, invalid_api_key, rate_limited, worker_unavailable, "
+            "worker_error: the worker or its engine failed it, kv_transfer_failed: its KV did "
+            "not reach the decode worker, timeout, client_disconnect, internal)",
             ["kind"],
             registry=self.registry,
         )
@@ -112,14 +115,16 @@ class RouterMetrics:
         )
         self.kv_bytes = Histogram(
             "pdserve_kv_transfer_bytes",
-            "KV bytes received per transfer (decode worker), by transport",
+            "KV bytes received per transfer (decode worker), by what carried them (grpc, shm, "
+            "nccl between GPUs, gloo: the nccl transport between CPU workers)",
             ["transport"],
             registry=self.registry,
             buckets=KV_BYTES_BUCKETS,
         )
         self.kv_seconds = Histogram(
             "pdserve_kv_transfer_seconds",
-            "First KV slice received -> last slice received (decode worker), by transport",
+            "First KV slice received -> last slice received (decode worker), by what carried "
+            "them (grpc, shm, nccl, gloo)",
             ["transport"],
             registry=self.registry,
             buckets=LATENCY_BUCKETS,

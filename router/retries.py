@@ -205,4 +205,4 @@ class Starter:
             "request %s: %s; no prefill worker left: local path", run.request_id, error.message
         )
         run.route_forced = RouteDecision(RoutePath.LOCAL, RouteReason.PREFILL_LOST)
-        self.metrics.prefill_lost.labels("local").inc()
+        self.metrics.prefill_lost.labels(RoutePath.LOCAL).inc()

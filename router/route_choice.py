@@ -12,7 +12,7 @@ A request may force its path with the x-pdserve-route header.
 from pdserve.costs.path_prices import WorkerState
 from pdserve.costs.step_costs import DEFAULT_COSTS, StepCosts
 from pdserve.kinds import RoutePath
-from router.errors import OpenAIError, invalid_request
+from router.errors import invalid_request, worker_unavailable
 from router.worker_client import WorkerClient
 
 ROUTE_HEADER = "x-pdserve-route"
@@ -70,11 +70,5 @@ def forced_route(header: str | None, have_prefill_workers: bool) -> RoutePath | 
             param=ROUTE_HEADER,
         )
     if header != RoutePath.LOCAL and not have_prefill_workers:
-        raise OpenAIError(
-            503,
-            f"no prefill worker is available for a {header} request",
-            "worker_unavailable",
-            type="service_unavailable_error",
-            code="worker_unavailable",
-        )
+        raise worker_unavailable(f"no prefill worker is available for a {header} request")
     return RoutePath(header)

@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.costs.path_prices import RATE_WINDOW_S
+from pdserve.kinds import Role
 from pdserve.worker.protocol import worker_pb2
 
 LOAD_POLL_S = 0.5  # how often the router asks every live worker for its Stats
@@ -48,7 +49,7 @@ class WorkerLoad:
         """Smaller is idler. A prefill worker: prompt tokens it has yet to compute. A decode or
         colocated worker: requests in its engine, then the share of its KV blocks in use."""
         report = self.report or worker_pb2.StatsReply()
-        if role == "prefill":
+        if role == Role.PREFILL:
             return (report.outstanding_prefill_tokens + self.prompt_tokens_since,)
         used = report.kv_blocks_used / report.kv_blocks_total if report.kv_blocks_total else 0.0
         return (report.running_requests + self.requests_since, used)

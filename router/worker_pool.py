@@ -57,22 +57,23 @@ class WorkerPool:
         except grpc.aio.AioRpcError:  # not listening yet, or gone
             return False
 
-    def live(self, roles: tuple[str, ...]) -> list[WorkerClient]:
+    def live(self, roles: tuple[Role, ...]) -> list[WorkerClient]:
         return [w for w in self.workers if w.role in roles and w.address not in self.down]
 
     def capacity(self) -> int:
         """Requests the live decode and colocated workers run at once: their engines'
         max_num_seqs, less while an engine holds requests back for want of KV blocks."""
-        return sum(w.load.capacity(w.max_num_seqs) for w in self.live(("decode", "colocated")))
+        return sum(w.load.capacity(w.max_num_seqs) for w in self.live(TAKES_REQUESTS))
 
     def health(self) -> tuple[bool, dict]:
         """Whether the cluster can serve a request (a decode or colocated worker is up; prefill
         workers are optional), and what is up, by pool."""
         live = [w for w in self.workers if w.address not in self.down]
         pools = {
-            role: sum(w.role == role for w in live) for role in ("prefill", "decode", "colocated")
+            role: sum(w.role == role for w in live)
+            for role in (Role.PREFILL, Role.DECODE, Role.COLOCATED)
         }
-        serving = bool(pools["decode"] or pools["colocated"])
+        serving = bool(pools[Role.DECODE] or pools[Role.COLOCATED])
         return serving, {
             "status": "ok" if serving else "unavailable",
             "workers": [w.worker_id for w in live],
@@ -82,7 +83,7 @@ class WorkerPool:
 
     def pick(
         self,
-        roles: tuple[str, ...],
+        roles: tuple[Role, ...],
         avoid: frozenset[str] = frozenset(),
         pairs_with: WorkerClient | None = None,
         prompt: list[int] = (),

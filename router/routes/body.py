@@ -1,0 +1,24 @@
+"""Reading a request body: JSON, read no further than the app's limit."""
+
+import json
+
+from fastapi import Request
+
+from router.errors import body_too_large, invalid_request
+
+
+async def read_json(request: Request):
+    """The body as JSON, read no further than `app.state.max_body_bytes` (a 413 beyond)."""
+    limit = request.app.state.max_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise body_too_large(limit)
+    raw = bytearray()
+    async for part in request.stream():
+        raw += part
+        if len(raw) > limit:
+            raise body_too_large(limit)
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise invalid_request(f"the request body is not valid JSON: {error}") from None

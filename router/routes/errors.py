@@ -1,0 +1,52 @@
+"""How the app answers what no route answered itself: an endpoint's OpenAIError, an HTTP error
+of the framework's (404, 405), an unexpected exception (500, details in the log only), and a
+call without a valid API key (401)."""
+
+import logging
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router.api_keys import is_authorized, unauthorized
+from router.errors import ErrorKind, OpenAIError, internal_error
+
+log = logging.getLogger("pdserve.router")
+
+
+async def openai_error(request: Request, error: OpenAIError):
+    """An endpoint's own error (the generation endpoints answer theirs themselves, counting
+    them in the metrics)."""
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def http_error(request: Request, error: StarletteHTTPException):
+    body = OpenAIError(error.status_code, str(error.detail), ErrorKind.INVALID_REQUEST).body()
+    return JSONResponse(body, status_code=error.status_code)
+
+
+async def unexpected_error(request: Request, error: Exception):
+    """The details go to the log, under an id the client gets; not to the client."""
+    error_id = uuid.uuid4().hex[:12]
+    log.exception("unexpected error %s on %s", error_id, request.url.path)
+    request.app.state.metrics.errors.labels(ErrorKind.INTERNAL).inc()
+    return JSONResponse(internal_error(error_id).body(), status_code=500)
+
+
+HANDLERS = {
+    OpenAIError: openai_error,
+    StarletteHTTPException: http_error,
+    Exception: unexpected_error,
+}
+
+
+async def authenticate(request: Request, call_next):
+    """Middleware: every path but the app's open ones needs one of its API keys."""
+    state = request.app.state
+    header = request.headers.get("authorization")
+    if request.url.path in state.unguarded or is_authorized(header, state.api_keys):
+        return await call_next(request)
+    error = unauthorized(header)
+    state.metrics.errors.labels(error.kind).inc()
+    return JSONResponse(error.body(), status_code=error.status)

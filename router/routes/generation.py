@@ -1,0 +1,138 @@
+"""The OpenAI generation endpoints: /v1/chat/completions and /v1/completions.
+
+The routes only translate HTTP to the request flow's steps (router/request_flow.py) and back.
+The first chunk is awaited before the HTTP status is sent, so a request the worker refuses gets
+a real 4xx/5xx even when streaming. A client that goes away cancels the relay, which aborts the
+request on the workers.
+"""
+
+import asyncio
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from router.accounting import DISCONNECTED, timing_breakdown
+from router.admission import TIMEOUT_HEADER
+from router.admission_gate import RETRY_AFTER_S, Turn
+from router.errors import OpenAIError
+from router.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
+from router.request_run import Admitted, Started
+from router.responses import ChatShape, CompletionShape, ResponseShape
+from router.route_choice import ROUTE_HEADER
+from router.routes.body import read_json
+
+routes = APIRouter()
+TIMING_HEADER = "x-pdserve-timing"  # ask for the timing breakdown in a whole response
+CANCEL_GRACE_S = 5.0  # how long a cancelled relay may take to unwind
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    return await serve(request, "chat", ChatCompletionRequest, ChatShape, "chatcmpl")
+
+
+@routes.post("/v1/completions")
+async def completions(request: Request):
+    return await serve(request, "completions", CompletionRequest, CompletionShape, "cmpl")
+
+
+async def serve(
+    request: Request,
+    endpoint: str,
+    schema: type[SamplingFields],
+    shape_class: type[ResponseShape],
+    id_prefix: str,
+) -> Response:
+    """Admit, wait for a turn, start every run, then stream or collect the response; every
+    failure is answered as an OpenAI error and counted once."""
+    state = request.app.state
+    arrival = time.monotonic()
+    try:
+        admitted = state.flow.admit(
+            endpoint,
+            schema,
+            await read_json(request),
+            id_prefix,
+            request.headers.get(ROUTE_HEADER),
+            arrival,
+            request.headers.get(TIMEOUT_HEADER),
+        )
+        turn = await state.gate.enter()
+        try:
+            started = await state.flow.start_all(admitted)
+        except BaseException:
+            turn.give_back()
+            raise
+        headers = started[0].headers
+        headers["x-request-id"] = admitted.request_id
+        shape = shape_class(
+            admitted.request_id,
+            state.settings.served_model,
+            admitted.options,
+            state.tokenizer.token_text,
+        )
+        if admitted.stream:
+            events = state.flow.stream(admitted, started, shape, endpoint)
+            return StreamingResponse(
+                _giving_back(turn, events), media_type="text/event-stream", headers=headers
+            )
+        return await _whole(request, endpoint, admitted, started, shape, turn)
+    except OpenAIError as error:
+        state.flow.count_error(error, endpoint)
+        retry = {"retry-after": str(RETRY_AFTER_S)} if error.status == 429 else None
+        return JSONResponse(error.body(), status_code=error.status, headers=retry)
+
+
+async def _whole(
+    request: Request,
+    endpoint: str,
+    admitted: Admitted,
+    started: list[Started],
+    shape: ResponseShape,
+    turn: Turn,
+) -> Response:
+    """The whole response, once every run has finished (499 when the client left first)."""
+    flow = request.app.state.flow
+    try:
+        whole = await _until_disconnected(
+            request, flow.collect(admitted, started, shape, endpoint), endpoint
+        )
+    finally:
+        turn.give_back()
+    if whole is None:
+        return Response(status_code=DISCONNECTED)
+    headers = started[0].headers
+    # Prompt tokens the serving worker did not compute itself (prefix cache + KV received); on
+    # a disaggregated request it shows the decode worker's saving.
+    cached = sum(run.cached_tokens for run in admitted.runs)
+    headers["x-pdserve-decode-cached-tokens"] = str(cached)
+    if request.headers.get(TIMING_HEADER):
+        whole["pdserve_timing"] = timing_breakdown(admitted.runs[0])
+    return JSONResponse(whole, headers=headers)
+
+
+async def _until_disconnected(request: Request, work, endpoint: str):
+    """Run `work`; if the client leaves first, cancel it (which aborts the request on the
+    worker) and answer 499, which nobody reads but the metrics count."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                request.app.state.flow.count_disconnect(endpoint)
+                return None
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
+
+
+async def _giving_back(turn: Turn, events):
+    """The SSE events; the request's turn goes back when they end, however they end."""
+    try:
+        async for event in events:
+            yield event
+    finally:
+        turn.give_back()

@@ -1,0 +1,48 @@
+"""vLLM's /tokenize and /detokenize, answered by the router's own tokenizer."""
+
+from fastapi import APIRouter, Request
+
+from router.errors import check_model
+from router.openai_types import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    parse_request,
+)
+from router.routes.body import read_json
+
+routes = APIRouter()
+
+
+@routes.post("/tokenize")
+async def tokenize(request: Request):
+    """A prompt, or messages with the chat template applied."""
+    state = request.app.state
+    body = await read_json(request)
+    chat = isinstance(body, dict) and "messages" in body
+    parsed = parse_request(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
+    check_model(parsed.model, state.settings.served_model)
+    tokenizer = state.tokenizer
+    if chat:
+        ids = tokenizer.chat_ids(
+            parsed.messages,
+            parsed.add_generation_prompt,
+            parsed.continue_final_message,
+            parsed.add_special_tokens,
+        )
+    else:
+        ids = tokenizer.text_ids(parsed.prompt, parsed.add_special_tokens)
+    return {
+        "count": len(ids),
+        "max_model_len": state.pool.max_model_len,
+        "tokens": ids,
+        "token_strs": tokenizer.token_strs(ids) if parsed.return_token_strs else None,
+    }
+
+
+@routes.post("/detokenize")
+async def detokenize(request: Request):
+    state = request.app.state
+    parsed = parse_request(DetokenizeRequest, await read_json(request))
+    check_model(parsed.model, state.settings.served_model)
+    return {"prompt": state.tokenizer.detokenize(parsed.tokens)}

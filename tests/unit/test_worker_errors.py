@@ -1,0 +1,63 @@
+"""A request the engine ended with an error reaches the client as what it was: on a decode leg
+whose KV did not come, kv_transfer_failed; otherwise (the engine's own failure, a prefill leg's
+included) worker_error. The worker's real status choice (WorkerService) answers over gRPC on
+127.0.0.1 to the router's real WorkerClient; only the engine is left out."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
+from pdserve.worker.service import WorkerService
+from router.accounting import Accounting
+from router.errors import OpenAIError
+from router.metrics import RouterMetrics
+from router.worker_client import WorkerClient
+
+
+class EngineEndsWithError(WorkerService):
+    """A worker whose engine ends every request with finish_reason "error"."""
+
+    async def Generate(self, request, context):
+        await context.abort(*self._error_status(request))
+        yield  # a streaming call
+
+
+async def generate_error(request: worker_pb2.GenerateRequest) -> OpenAIError:
+    server = grpc.aio.server()
+    service = EngineEndsWithError("decode-a", "decode", "m", kv_failure_policy="fail")
+    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = WorkerClient(f"127.0.0.1:{port}")
+    try:
+        with pytest.raises(OpenAIError) as caught:
+            async for _ in client.generate(request, timeout=10):
+                pass
+        return caught.value
+    finally:
+        await client.close()
+        await server.stop(None)
+
+
+@pytest.mark.parametrize(
+    "kv, kind",
+    [
+        (worker_pb2.KvTransfer(transfer_id="t", receive_timeout_s=2), "kv_transfer_failed"),
+        (worker_pb2.KvTransfer(transfer_id="t", send_to="127.0.0.1:1"), "worker_error"),
+        (None, "worker_error"),
+    ],
+    ids=["decode-leg", "prefill-leg", "local"],
+)
+def test_an_engine_error_is_a_kv_failure_only_on_a_decode_leg(kv, kind):
+    request = worker_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1, 2])
+    if kv is not None:
+        request.kv.CopyFrom(kv)
+    error = asyncio.run(generate_error(request))
+    assert (error.status, error.kind, error.code) == (502, kind, kind)
+    metrics = RouterMetrics()
+    Accounting(metrics).error(error, "completions")
+    assert metrics.registry.get_sample_value("pdserve_errors_total", {"kind": kind}) == 1
+    if kind == "kv_transfer_failed":
+        assert "did not arrive within 2 s" in error.message and "'fail'" in error.message
