@@ -31,6 +31,11 @@ class WorkerProcess:
         return f"{self.host}:{self.port}"
 
 
+def threads_per_worker(workers: int) -> int:
+    """Workers on one host split its cores (see start_worker)."""
+    return max(1, (os.cpu_count() or 1) // max(1, workers))
+
+
 def start_worker(
     settings: WorkerSettings,
     log_dir: Path,

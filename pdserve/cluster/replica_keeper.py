@@ -30,6 +30,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.cluster import ray_launcher
 from pdserve.cluster.crash_loop import CrashLoopBackoff
+from pdserve.cluster.local_workers import threads_per_worker
 from pdserve.cluster.placement import slot_named
 from pdserve.settings.cluster_file import ClusterFile
 
@@ -183,8 +184,6 @@ class ReplicaKeeper:
     def _replace(self, name: str) -> None:
         """Old actor and placement group out, a new group and actor in (as `up` does)."""
         slot = slot_named(self.config, name)
-        from pdserve.cluster.up import threads_per_worker
-
         try:
             ray_launcher.stop_actors(self.cluster, [name], grace_s=STOP_GRACE_S)
             if ray_launcher.wait_gone(self.cluster, [name]):

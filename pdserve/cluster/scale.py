@@ -22,8 +22,9 @@ from pdserve.cluster import ray_launcher, replica_keeper
 from pdserve.cluster.cluster_state import ClusterState
 from pdserve.cluster.cluster_target import add_target_arguments, router_roles, target_state
 from pdserve.cluster.console import say
+from pdserve.cluster.local_workers import threads_per_worker
 from pdserve.cluster.placement import check_resources, worker_slots
-from pdserve.cluster.up import threads_per_worker, wait_joined
+from pdserve.cluster.up import wait_joined
 from pdserve.kinds import Role
 from pdserve.settings.base import ConfigError
 from pdserve.settings.cluster_file import load_cluster_file

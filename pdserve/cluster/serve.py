@@ -19,6 +19,7 @@ from pdserve.cluster.local_workers import (
     core_shares,
     start_worker,
     stop_worker,
+    threads_per_worker,
     wait_ready,
 )
 from pdserve.kinds import AUTO_TRANSPORT, Role, Transport
@@ -145,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     workers = []
     plan = _worker_plan(args, decode, transports)
-    threads = max(1, (os.cpu_count() or 1) // len(plan))
+    threads = threads_per_worker(len(plan))
     binds = [{}] * len(plan)
     sizes = [settings.engine.tensor_parallel_size for settings in plan]
     cores = sorted(os.sched_getaffinity(0))

@@ -23,6 +23,7 @@ from pathlib import Path
 from pdserve.cluster import local_services, ray_launcher, replica_keeper
 from pdserve.cluster.cluster_state import ClusterState, load_state, save_state, state_dir
 from pdserve.cluster.console import say
+from pdserve.cluster.local_workers import threads_per_worker
 from pdserve.cluster.placement import (
     WorkerSlot,
     check_layout,
@@ -195,11 +196,6 @@ def start_services(config: ClusterFile, args, nodes) -> ClusterState:
     state = replace(state, loopback=len(ray_launcher.node_resources()) == 1)
     save_state(state)
     return state
-
-
-def threads_per_worker(workers: int) -> int:
-    """Workers on one host split its cores (see pdserve/cluster/local_workers.start_worker)."""
-    return max(1, (os.cpu_count() or 1) // max(1, workers))
 
 
 def wait_joined(config: ClusterFile, state: ClusterState, slots: list[WorkerSlot]) -> None:
