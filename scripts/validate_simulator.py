@@ -8,8 +8,9 @@ side with the error.
 
 Without --rates the three rates are 30%, 70% and 120% of the throughput the calibrated model
 says 1P1D can sustain without contention: one at ease, one loaded, one past capacity. Every
-request goes disaggregated (--route-policy length --disaggregate-min-tokens 0), as the simulator
-is told. The calibration (also what `pdserve plan --calibration` reads) includes how much the
+request goes disaggregated (--route-policy length --disaggregate-min-tokens 0) on both the real
+cluster and the simulated one (whose router otherwise models the runtime's default, the
+estimate). The calibration (also what `pdserve plan --calibration` reads) includes how much the
 two workers, sharing this host's cores, slow each other. Takes a few minutes and every core.
 """
 
@@ -226,14 +227,16 @@ async def calibrate(
 
 
 def cpu_cluster(calibration: Calibration) -> SimCluster:
-    """1P1D of SmolLM2-135M on this machine, as the simulator sees it."""
+    """1P1D of SmolLM2-135M on this machine, as the simulator sees it, its router told what the
+    measured one runs with (every prompt disaggregated)."""
     hardware = CalibratedHardware(
         calibration,
         kv_bytes_per_token(MODEL_PRESETS["smollm2-135m"]),
         KV_BANDWIDTH_BYTES_PER_S,
         KV_LATENCY_S,
     )
-    return hardware.cluster(Candidate(1, 1, 1, 1))
+    cluster = hardware.cluster(Candidate(1, 1, 1, 1))
+    return replace(cluster, route_policy="length", disaggregate_min_tokens=0)
 
 
 def comparison_table(rows: list[tuple[float, Summary, Summary]], slo: str) -> str:

@@ -38,7 +38,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 OVERLAYS = DEPLOY / "k8s" / "overlays"
 BASE = DEPLOY / "k8s" / "base"
 
-# Pod sizes. CPU: a SmolLM2-class worker used 1.3 GiB beside its KV cache (README); GPU: host
+# Pod sizes. CPU: a SmolLM2-class worker used 1.3 GiB beside its KV cache (measured); GPU: host
 # memory for loading weights and the pinned KV send buffers.
 CPU_WORKER_OVERHEAD_GIB = 3
 CPUS_PER_GPU = 8
