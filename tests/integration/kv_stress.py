@@ -3,10 +3,10 @@ mid-transfer, and fifty requests aborted at random stages. Never a hang, never a
 never a leaked block or shared-memory segment."""
 
 import asyncio
+import json
 import os
 import random
 import signal
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -14,10 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import psutil
 
-from router.route_choice import DISAGGREGATED, LOCAL
+from pdserve.kinds import RoutePath
 from tests.integration.conftest import SERVED_MODEL
 from tests.integration.processes import children, command_line
 from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS, long_prompt
+from tests.waiting import wait_for
 
 
 def prefill_worker_pids(server) -> list[int]:
@@ -26,32 +27,53 @@ def prefill_worker_pids(server) -> list[int]:
 
 def kill_prefill_workers_mid_transfer(server) -> None:
     """As many long prompts at once as there are prefill workers (round-robin gives each
-    one), every prefill worker killed 0.5 s in: each prompt, its prefill worker lost before its
-    KV was complete, takes the local path (no prefill worker is left), long before the 30 s KV
-    deadline, with the output the decode worker gives the same prompt on its own (asked
-    afterwards). The prompts are new to every worker's prefix cache, so each prefill is still
-    running when it is killed."""
+    one), every prefill worker killed once its Stats show its prompt computing (no first token
+    yet, so its KV is not complete): each prompt, its prefill worker lost, takes the local path
+    (no prefill worker is left), long before the 30 s KV deadline, with the output the decode
+    worker gives the same prompt on its own (asked afterwards). The prompts are new to every
+    worker's prefix cache, so each takes its prefill worker a while to compute."""
     pids = prefill_worker_pids(server)
+    ports = [worker_port(pid) for pid in pids]
     prompts = [f"Request {uuid.uuid4()}. {DISAGGREGATED_PROMPTS[-1]}" for _ in pids]
     before = metric_value(server, LOST_TO_LOCAL)
-    killers = [threading.Timer(0.5, os.killpg, args=(pid, signal.SIGKILL)) for pid in pids]
     started = time.monotonic()
-    for killer in killers:
-        killer.start()
-    try:
-        with ThreadPoolExecutor(len(pids)) as pool:
-            responses = list(pool.map(lambda p: complete(server, p, DISAGGREGATED), prompts))
-    finally:
-        for killer in killers:
-            killer.join()
+    with ThreadPoolExecutor(len(pids)) as pool:
+        sent = [
+            pool.submit(complete, server, prompt, RoutePath.DISAGGREGATED) for prompt in prompts
+        ]
+        wait_for(
+            lambda: all(computing_a_prompt(server, port) for port in ports),
+            20,
+            f"a prompt computing on every prefill worker ({ports})",
+            poll_s=0.02,
+        )
+        for pid in pids:
+            os.killpg(pid, signal.SIGKILL)
+        responses = [future.result() for future in sent]
     assert time.monotonic() - started < 30, "a cancelled transfer waited for its deadline"
     for prompt, response in zip(prompts, responses, strict=True):
         assert response.status_code == 200, response.text
-        local = complete(server, prompt, LOCAL)
+        local = complete(server, prompt, RoutePath.LOCAL)
         assert response.json()["choices"][0]["text"] == local.json()["choices"][0]["text"]
     assert metric_value(server, LOST_TO_LOCAL) - before == len(pids)
     decode = server.worker("decode", fresh=True)
     assert (decode["running_requests"], decode["kv_blocks_used"]) == (0, 0)
+
+
+def worker_port(pid: int) -> int:
+    """A worker's gRPC port, from the settings on its command line."""
+    return json.loads(command_line(pid)[-1])["port"]
+
+
+def worker_row(server, port: int) -> dict:
+    """The router's row (the worker's live Stats) for the worker at `port`."""
+    (row,) = [w for w in server.workers() if w["address"].endswith(f":{port}")]
+    return row
+
+
+def computing_a_prompt(server, port: int) -> bool:
+    """Whether the worker at `port` has a prompt with no first token yet (its Stats)."""
+    return worker_row(server, port)["outstanding_prefill_tokens"] > 0
 
 
 def complete(server, prompt: str, route: str) -> httpx.Response:

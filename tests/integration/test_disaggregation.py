@@ -69,24 +69,35 @@ def test_disaggregated_output_equals_colocated_and_skips_the_prompt(
     assert timing["kv_transport"] == "shm"  # what `auto` picks for two CPU workers on one host
 
 
-def test_an_unforced_request_takes_the_path_its_estimate_prices_cheapest(server):
+def test_an_unforced_request_takes_the_path_its_estimate_names(server):
     """The default route policy prices every path from the workers' live state and learned
-    step costs (router/route_choice.py); the decision and its prices come back in the timing
-    breakdown and are counted by path and reason."""
+    step costs (which path is cheapest for given prices: tests/unit/test_route_choice.py); the
+    decision comes back in the timing breakdown, the request was served the way it names (a
+    prefill worker's KV fills the decode worker's prompt, or the decode worker computes it all),
+    and decisions are counted by path and reason."""
     for prompt, floor_bars_disaggregation in (
         ("Hi", True),
         (DISAGGREGATED_PROMPTS[4] + " Again?", False),
     ):
         response = complete(server, prompt, route="")
         assert response.status_code == 200, response.text
-        decision = response.json()["pdserve_timing"]["decision"]
+        body = response.json()
+        decision = body["pdserve_timing"]["decision"]
         assert decision["reason"] == "estimate"
         costs = decision["costs"]
         assert ("disaggregated" not in costs) == floor_bars_disaggregation
         assert "local" in costs and "stay-on-prefill" not in costs  # the decode worker has room
-        cheapest = min(costs, key=lambda route: costs[route]["total_s"])
-        assert response.headers["x-pdserve-route"] == decision["route"] == cheapest
         assert all(cost["ttft_s"] > 0 and cost["decode_s"] > 0 for cost in costs.values())
+        assert response.headers["x-pdserve-route"] == decision["route"]
+        assert response.headers["x-pdserve-worker"].startswith("decode@")
+        prompt_tokens = body["usage"]["prompt_tokens"]
+        received = int(response.headers["x-pdserve-decode-cached-tokens"])
+        if decision["route"] == "disaggregated":
+            assert response.headers["x-pdserve-prefill-worker"].startswith("prefill@")
+            assert received == prompt_tokens
+        else:
+            assert "x-pdserve-prefill-worker" not in response.headers
+            assert received < prompt_tokens  # the decode worker computed the prompt's tail
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
     assert 'pdserve_route_decisions_total{path="' in metrics and 'reason="estimate"' in metrics
 

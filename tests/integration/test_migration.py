@@ -1,7 +1,7 @@
-"""Workers killed (SIGKILL, the worker process alone) under a steady stream of requests, on one
-2 prefill + 2 decode cluster: round-robin first spreads disaggregated requests over all four;
-then a decode worker dies (its requests migrate to the other one), then a prefill worker (2P+1D
-left: its prompts go to the other prefill worker). Every request still succeeds, its stream
+"""Workers killed (SIGKILL, the worker process alone) under a steady stream of requests, on a
+2 prefill + 2 decode cluster: round-robin spreads disaggregated requests over all four; a
+decode worker dies (its requests migrate to the other one); a prefill worker dies (its prompts
+go to the other prefill worker). Every request still succeeds, its stream
 uninterrupted, with the greedy output an undisturbed run gives, and each killed worker's vLLM
 engine processes die with it (no orphan)."""
 
@@ -16,14 +16,18 @@ import httpx
 import pytest
 
 from tests.integration.conftest import SERVED_MODEL, _stop_and_check, start_server
-from tests.integration.kv_stress import metric_value
-from tests.integration.processes import children, command_line, group_members
+from tests.integration.kv_stress import computing_a_prompt, metric_value, worker_port, worker_row
+from tests.integration.processes import alive, children, command_line, group_members
 from tests.integration.prompts import PROMPTS, long_prompt
+from tests.waiting import wait_for
 
 MAX_TOKENS = 48
 REQUESTS = 30
 CONCURRENCY = 6
-KILL_AFTER_S = 4.0
+MIGRATIONS, MIGRATION_GAP = "pdserve_migrations_total", "pdserve_migration_gap_seconds_sum"
+RETRIED = 'pdserve_prefill_lost_total{next="another_prefill"}'
+LOST_TO_LOCAL = 'pdserve_prefill_lost_total{next="local"}'
+RECOMPUTED = 'pdserve_kv_fallbacks_total{policy="recompute"}'
 # Short prompts (local path) and long ones (prefill worker, KV to the decode worker).
 CASES = [(prompt, "local") for prompt in PROMPTS] + [
     (long_prompt(n) + f" Entry {n}.", "disaggregated") for n in (300, 500, 700)
@@ -31,31 +35,49 @@ CASES = [(prompt, "local") for prompt in PROMPTS] + [
 
 
 @pytest.fixture(scope="module")
-def two_prefill_two_decode(smollm2_dir, tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("migration"), "--prefill", "2", "--decode", "2")
-    yield server
-    _stop_and_check(server)
+def cluster_with(smollm2_dir, tmp_path_factory):
+    """`cluster_with(prefill, decode)`: the module's 2 prefill + 2 decode cluster, with at least
+    that many workers of each role alive; started again when a test before this one killed too
+    many, so each test passes alone and in any order."""
+    servers = []
+
+    def with_alive(prefill: int, decode: int):
+        if servers and (
+            len(worker_pids(servers[-1], "prefill")) < prefill
+            or len(worker_pids(servers[-1], "decode")) < decode
+        ):
+            _stop_and_check(servers.pop())
+        if not servers:
+            servers.append(
+                start_server(
+                    tmp_path_factory.mktemp("migration"), "--prefill", "2", "--decode", "2"
+                )
+            )
+        return servers[-1]
+
+    yield with_alive
+    for server in servers:
+        _stop_and_check(server)
 
 
 @pytest.fixture(scope="module")
-def undisturbed(two_prefill_two_decode) -> list[tuple[str, int]]:
+def undisturbed(cluster_with) -> list[tuple[str, int]]:
     """Each case's streamed text and token count with every worker up."""
+    server = cluster_with(2, 2)
 
     async def run_all():
         async with httpx.AsyncClient(timeout=300) as http:
-            return [
-                await streamed(http, two_prefill_two_decode, prompt, route)
-                for prompt, route in CASES
-            ]
+            return [await streamed(http, server, prompt, route) for prompt, route in CASES]
 
     return asyncio.run(run_all())
 
 
 def worker_pids(server, role: str) -> list[int]:
+    """The live workers of `role` that `server` started."""
     return [
         child
         for child in children(server.process.pid)
-        if any(f'"role":"{role}"' in part for part in command_line(child))
+        if alive(child) and any(f'"role":"{role}"' in part for part in command_line(child))
     ]
 
 
@@ -85,14 +107,13 @@ async def streamed(http: httpx.AsyncClient, server, prompt: str, route: str) -> 
     return "".join(text), tokens
 
 
-def test_round_robin_spreads_disaggregated_requests_over_all_four_workers(
-    two_prefill_two_decode, undisturbed
-):
+def test_round_robin_spreads_disaggregated_requests_over_all_four_workers(cluster_with):
+    server = cluster_with(2, 2)
     body = {"model": SERVED_MODEL, "prompt": CASES[-1][0], "max_tokens": 2, "temperature": 0}
     pairs = set()
     for _ in range(4):
         reply = httpx.post(
-            f"{two_prefill_two_decode.base_url}/completions",
+            f"{server.base_url}/completions",
             json=body,
             headers={"x-pdserve-route": "disaggregated"},
             timeout=120,
@@ -105,9 +126,9 @@ def test_round_robin_spreads_disaggregated_requests_over_all_four_workers(
     assert len(prefill) == 2 and len(decode) == 2
 
 
-def kill_under_fire(server, victim: int, cases, when=lambda: True) -> tuple[list, float]:
+def kill_under_fire(server, victim: int, cases, when) -> tuple[list, float]:
     """One streamed request per (prompt, route) of `cases`, CONCURRENCY at a time, SIGKILL of
-    `victim` KILL_AFTER_S in, at the first moment `when()` says (polled; at most 60 s later).
+    `victim` at the first moment `when()` says (polled; failing if it never does within 60 s).
     Returns each request's (text, tokens) and the seconds it all took; checks that the killed
     worker's engine processes died with it."""
 
@@ -120,10 +141,7 @@ def kill_under_fire(server, victim: int, cases, when=lambda: True) -> tuple[list
                     return await streamed(http, server, prompt, route)
 
             async def kill():
-                await asyncio.sleep(KILL_AFTER_S)
-                deadline = time.monotonic() + 60
-                while not await asyncio.to_thread(when) and time.monotonic() < deadline:
-                    await asyncio.sleep(0.02)
+                await asyncio.to_thread(wait_for, when, 60, "the moment to kill", 0.02)
                 os.kill(victim, signal.SIGKILL)  # not its group: the engine is its own
 
             killer = asyncio.create_task(kill())
@@ -135,34 +153,30 @@ def kill_under_fire(server, victim: int, cases, when=lambda: True) -> tuple[list
     results = asyncio.run(asyncio.wait_for(under_fire(), timeout=900))
     seconds = time.monotonic() - started
     # The worker led its own process group, its engine processes in it: none outlives it.
-    deadline = time.monotonic() + 10
-    while group_members(victim) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert group_members(victim) == [], "the killed worker's engine processes live on"
+    wait_for(lambda: not group_members(victim), 10, "the killed worker's engine processes gone")
     return results, seconds
 
 
-def test_a_decode_worker_killed_mid_stream_fails_no_request(two_prefill_two_decode, undisturbed):
-    server = two_prefill_two_decode
+def test_a_decode_worker_killed_mid_stream_fails_no_request(cluster_with, undisturbed):
+    server = cluster_with(1, 2)
     victim = worker_pids(server, "decode")[0]
     assert len(group_members(victim)) >= 3  # the worker, its engine core, its reaper
-    port = json.loads(command_line(victim)[-1])["port"]
+    port = worker_port(victim)
 
     def decoding() -> bool:
         """Killed while it streams a request's tokens (its Stats: a request in its engine past
         its first token), which must then migrate; a request killed before its first token is
         only retried (seen in CI: a kill at a fixed time caught none decoding)."""
-        for worker in server.workers():
-            if worker["address"].endswith(f":{port}"):
-                return worker["running_requests"] > worker["prefilling_requests"]
-        return False
+        worker = worker_row(server, port)
+        return worker["running_requests"] > worker["prefilling_requests"]
 
     cases = [CASES[i % len(CASES)] for i in range(REQUESTS)]
+    before = {name: metric_value(server, name) for name in (MIGRATIONS, MIGRATION_GAP)}
     results, seconds = kill_under_fire(server, victim, cases, when=decoding)
     for i, result in enumerate(results):
         assert result == undisturbed[i % len(CASES)], f"request {i} differs from undisturbed"
-    migrations = metric_value(server, "pdserve_migrations_total")
-    gap = metric_value(server, "pdserve_migration_gap_seconds_sum") / max(migrations, 1)
+    migrations = metric_value(server, MIGRATIONS) - before[MIGRATIONS]
+    gap = (metric_value(server, MIGRATION_GAP) - before[MIGRATION_GAP]) / max(migrations, 1)
     print(
         f"{REQUESTS} requests, 0 failed, one decode worker killed: {seconds:.1f} s; "
         f"migrated requests: {migrations:.0f}, mean pause {gap:.3f} s"
@@ -170,18 +184,11 @@ def test_a_decode_worker_killed_mid_stream_fails_no_request(two_prefill_two_deco
     assert migrations >= 1, "the killed worker was decoding nothing: the test proved nothing"
 
 
-def test_a_prefill_worker_killed_under_load_fails_no_request(two_prefill_two_decode, undisturbed):
-    """Runs after the decode worker's death: 2 prefill + 1 decode workers."""
-    server = two_prefill_two_decode
+def test_a_prefill_worker_killed_under_load_fails_no_request(cluster_with, undisturbed):
+    """With one decode worker or two (whether the decode test ran before)."""
+    server = cluster_with(2, 1)
     victim = worker_pids(server, "prefill")[0]
-    port = json.loads(command_line(victim)[-1])["port"]
-
-    def computing_a_prompt() -> bool:
-        """Killed while a prompt computes there: its KV is never complete."""
-        for worker in server.workers():
-            if worker["address"].endswith(f":{port}"):
-                return worker["outstanding_prefill_tokens"] > 0
-        return False
+    port = worker_port(victim)
 
     # Prompts new to the prefix caches: each still computes when the worker dies.
     nonce = uuid.uuid4().hex
@@ -191,7 +198,10 @@ def test_a_prefill_worker_killed_under_load_fails_no_request(two_prefill_two_dec
         if route == "disaggregated":
             prompt = f"Request {i} {nonce}. {prompt}"
         cases.append((prompt, route))
-    results, seconds = kill_under_fire(server, victim, cases, when=computing_a_prompt)
+    before = {name: metric_value(server, name) for name in (RETRIED, LOST_TO_LOCAL, RECOMPUTED)}
+    results, seconds = kill_under_fire(
+        server, victim, cases, when=lambda: computing_a_prompt(server, port)
+    )
 
     async def as_if_undisturbed(i: int, prompt: str, route: str):
         if route == "local":
@@ -201,9 +211,9 @@ def test_a_prefill_worker_killed_under_load_fails_no_request(two_prefill_two_dec
 
     for i, (case, result) in enumerate(zip(cases, results, strict=True)):
         assert result == asyncio.run(as_if_undisturbed(i, *case)), f"request {i} differs"
-    retried = metric_value(server, 'pdserve_prefill_lost_total{next="another_prefill"}')
-    local = metric_value(server, 'pdserve_prefill_lost_total{next="local"}')
-    recomputed = metric_value(server, 'pdserve_kv_fallbacks_total{policy="recompute"}')
+    retried, local, recomputed = (
+        metric_value(server, name) - before[name] for name in (RETRIED, LOST_TO_LOCAL, RECOMPUTED)
+    )
     print(
         f"{REQUESTS} requests, 0 failed, one prefill worker killed: {seconds:.1f} s; prompts "
         f"moved to the other prefill worker: {retried:.0f}, to the local path: {local:.0f}, "

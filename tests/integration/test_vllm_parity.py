@@ -14,7 +14,8 @@ import jsonschema
 import openai
 import pytest
 
-from router.route_choice import DISAGGREGATED, LOCAL, ROUTE_HEADER
+from pdserve.kinds import RoutePath
+from router.route_choice import ROUTE_HEADER
 from tests.integration.conftest import SERVED_MODEL
 from tests.integration.prompts import CHATS, PROMPTS
 from tests.integration.vllm_parity import ask, assert_same
@@ -151,7 +152,7 @@ CASES = [
         True,
     ),
 ]
-ROUTES = (LOCAL, DISAGGREGATED)
+ROUTES = (RoutePath.LOCAL, RoutePath.DISAGGREGATED)
 
 
 @functools.cache
@@ -227,7 +228,7 @@ def test_structured_output_parses_and_validates_against_its_schema(server):
             "type": "json_schema",
             "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA},
         },
-        extra_headers={ROUTE_HEADER: DISAGGREGATED},
+        extra_headers={ROUTE_HEADER: RoutePath.DISAGGREGATED},
     )
     import json
 
