@@ -1,9 +1,10 @@
 """`pdserve up/status/scale/down` on a real Ray cluster with 4 fake GPUs and a real Redis
 server, both started here; real vLLM workers (SmolLM2 on CPU) and the real router.
 
-One cluster goes through the whole story, in order: 2P2D up; 2P2D -> 1P1D -> 2P1D -> 1P2D under
-a steady stream of requests; a killed worker actor and a killed worker process, both replaced by
-the replica keeper under that stream; down.
+One cluster for the module: 1P2D up; 1P1D -> 2P1D -> 1P2D under a steady stream of requests
+(each role's pool shrinks and grows); a killed worker actor and a killed worker process, both
+replaced by the replica keeper under that stream; down. Each test first scales the cluster to
+the layout it starts from (a no-op in file order), so each passes alone and in any order.
 """
 
 import json
@@ -32,6 +33,7 @@ from tests.integration.processes import (
     pids_with_environment,
 )
 from tests.integration.prompts import MAX_TOKENS, PROMPTS
+from tests.waiting import wait_for
 
 CLUSTER = "pdtest"
 HEARTBEAT_S = 1.0
@@ -92,7 +94,7 @@ def cluster(ray_and_redis, smollm2_dir, tmp_path_factory):
     ray.init(address=address, namespace=f"pdserve-{CLUSTER}", log_to_driver=False)
     try:
         assert up.returncode == 0, up.stderr[-6000:]
-        print(f"pdserve up (2P2D) took {up_seconds:.1f} s")
+        print(f"pdserve up (1P2D) took {up_seconds:.1f} s")
         yield info
     finally:
         worker_pids = [
@@ -117,14 +119,16 @@ def cluster(ray_and_redis, smollm2_dir, tmp_path_factory):
             ray.shutdown()
 
 
+# route_policy length: every prompt of the stream (over 4 tokens) has a prefill worker compute
+# it, so both pools serve it (the estimate could keep short prompts on the decode workers).
 CLUSTER_FILE = """
 name: {name}
 model: {{path: smollm2, dtype: float32}}
 engine: {{kv_cache_gib: 1}}
-prefill: {{replicas: 2, tensor_parallel_size: 1, gpu_type: H100-SXM}}
+prefill: {{replicas: 1, tensor_parallel_size: 1, gpu_type: H100-SXM}}
 decode: {{replicas: 2, tensor_parallel_size: 1, gpu_type: H100-SXM}}
 transport: {{kind: grpc, kv_timeout_s: 30}}
-router: {{port: {port}, disaggregate_min_tokens: 4}}
+router: {{port: {port}, route_policy: length, disaggregate_min_tokens: 4}}
 registry: {{url: "{redis}", heartbeat_s: {heartbeat}}}
 """
 
@@ -144,37 +148,40 @@ def _client(cluster) -> OpenAI:
     )
 
 
+def _layout(cluster, prefill: int, decode: int) -> list[dict]:
+    """The status' workers, once the cluster runs `prefill` and `decode` workers (scaled there
+    when a test before left another layout)."""
+    workers = _status(cluster)["workers"]
+    roles = [w["role"] for w in workers if w["state"] == "in pool"]
+    if (roles.count("prefill"), roles.count("decode")) == (prefill, decode):
+        return workers
+    _scale(cluster, prefill, decode)
+    return _status(cluster)["workers"]
+
+
 def test_up_gives_each_worker_its_own_placement_group_and_gpu(cluster, offline_reference):
+    workers = _layout(cluster, 1, 2)  # as the cluster file has it
+    names = sorted(w["worker"] for w in workers)
     groups = [
         g
         for g in ray.util.placement_group_table().values()
         if g["name"].startswith(f"pdserve-{CLUSTER}-") and g["state"] == "CREATED"
     ]
-    assert sorted(g["name"] for g in groups) == [
-        f"pdserve-{CLUSTER}-{w}" for w in ("decode-0", "decode-1", "prefill-0", "prefill-1")
-    ]
+    assert sorted(g["name"] for g in groups) == [f"pdserve-{CLUSTER}-{name}" for name in names]
     for group in groups:
         assert group["strategy"] == "STRICT_PACK"
         assert list(group["bundles"].values()) == [{"GPU": 1.0}]
 
-    status = _status(cluster)
-    workers = status["workers"]
-    assert sorted(w["worker"] for w in workers) == [
-        "decode-0",
-        "decode-1",
-        "prefill-0",
-        "prefill-1",
-    ]
     assert all(w["state"] == "in pool" for w in workers)
     gpu_ids = [tuple(w["gpu_ids"]) for w in workers]
     assert all(len(ids) == 1 for ids in gpu_ids), gpu_ids
-    assert len(set(gpu_ids)) == 4, f"two workers share a GPU: {gpu_ids}"
+    assert len(set(gpu_ids)) == len(workers), f"two workers share a GPU: {gpu_ids}"
     for worker in workers:  # the worker process itself was given exactly that GPU
         environment = Path(f"/proc/{worker['pid']}/environ").read_bytes().split(b"\0")
         assert f"CUDA_VISIBLE_DEVICES={worker['gpu_ids'][0]}".encode() in environment
 
     health = httpx.get(f"{cluster['state']['router_url']}/health", timeout=10).json()
-    assert sorted(health["workers"]) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
+    assert sorted(health["workers"]) == names
     reply = _client(cluster).completions.create(
         model="smollm2", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0
     )
@@ -182,16 +189,19 @@ def test_up_gives_each_worker_its_own_placement_group_and_gpu(cluster, offline_r
 
 
 class SteadyStream:
-    """Requests one after another (two at a time) until stopped; each answer is checked
-    against vLLM's offline output."""
+    """Requests one after another (`threads` at a time) until stopped; each answer is checked
+    against vLLM's offline output, and when it ended and which workers served it are kept."""
 
-    def __init__(self, cluster, reference: dict) -> None:
+    def __init__(self, cluster, reference: dict, threads: int = 2) -> None:
         self.client = _client(cluster)
         self.reference = reference
         self.sent = 0
         self.failures: list[str] = []
+        self.served: list[tuple[float, set[str]]] = []  # (when it ended, its workers)
         self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(2)]
+        self.threads = [
+            threading.Thread(target=self._run, args=(i, threads)) for i in range(threads)
+        ]
 
     def __enter__(self):
         for thread in self.threads:
@@ -204,23 +214,32 @@ class SteadyStream:
             thread.join(timeout=180)
         assert not any(t.is_alive() for t in self.threads), "a request hung"
 
-    def _run(self, offset: int) -> None:
+    def served_by_each(self, workers: set[str], since: float) -> bool:
+        """Whether every one of `workers` served a request that ended after `since`."""
+        return workers <= {w for ended, names in self.served if ended > since for w in names}
+
+    def _run(self, offset: int, step: int) -> None:
         i = offset
         while not self.stop.is_set():
             index = i % len(PROMPTS)
             self.sent += 1
             try:
-                reply = self.client.completions.create(
+                raw = self.client.completions.with_raw_response.create(
                     model="smollm2", prompt=PROMPTS[index], max_tokens=MAX_TOKENS, temperature=0
                 )
+                reply = raw.parse()
                 expected = self.reference["prompts"][index]["text"]
                 if reply.choices[0].text != expected:
                     self.failures.append(
                         f"prompt {index}: {reply.choices[0].text!r} != {expected!r}"
                     )
+                names = {
+                    raw.headers.get(h) for h in ("x-pdserve-worker", "x-pdserve-prefill-worker")
+                }
+                self.served.append((time.monotonic(), names - {None}))
             except Exception as error:
                 self.failures.append(f"prompt {index}: {type(error).__name__}: {error}")
-            i += 2
+            i += step
 
 
 def _scale(cluster, prefill: int, decode: int) -> float:
@@ -247,7 +266,8 @@ def test_ratio_changes_under_a_steady_stream_fail_no_request(cluster, offline_re
     with SteadyStream(cluster, offline_reference) as stream:
         for prefill, decode in ((1, 1), (2, 1), (1, 2)):
             timings[f"{prefill}P{decode}D"] = _scale(cluster, prefill, decode)
-        time.sleep(2)  # requests on the final layout too
+        final, scaled = _in_pools(cluster), time.monotonic()
+        wait_for(lambda: stream.served_by_each(final, scaled), 120, f"requests on each of {final}")
     print(
         f"scale timings (s): {timings}; requests sent {stream.sent}, failed {len(stream.failures)}"
     )
@@ -264,6 +284,21 @@ def _group_id(worker: str) -> str:
     return group
 
 
+def _running_everywhere(cluster, workers: set[str]) -> bool:
+    """Whether the router's view of the workers' Stats shows a request in each of `workers`."""
+    rows = httpx.get(f"{cluster['state']['router_url']}/pdserve/workers", timeout=10).json()
+    running = {row["worker_id"] for row in rows["workers"] if row.get("running_requests", 0) > 0}
+    return workers <= running
+
+
+def _sample(metrics: str, series: str) -> float:
+    """A series' value in a Prometheus scrape (0 before its first increment)."""
+    for line in metrics.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def _in_pools(cluster) -> set[str]:
     return set(httpx.get(f"{cluster['state']['router_url']}/health", timeout=5).json()["workers"])
 
@@ -276,9 +311,11 @@ def test_killed_workers_leave_the_pools_and_are_replaced_with_no_failed_request(
     the SIGKILLed one outlives it by 10 s (the worker leads its process group, so its group
     reaper applies), the other stops gracefully, and the replica keeper brings the count back
     (new placement groups, counted in its metric) while no request fails."""
-    rows = {row["worker"]: row for row in _status(cluster)["workers"]}
-    assert sorted(rows) == ["decode-0", "decode-1", "prefill-0"]  # 1P2D after the scale test
-    actor_victim, process_victim = "decode-1", "prefill-0"
+    rows = {row["worker"]: row for row in _layout(cluster, 1, 2)}
+    keeper_before = _status(cluster)["keeper"]
+    metrics_before = httpx.get(keeper_before["metrics_url"], timeout=5).text
+    (process_victim,) = [name for name, row in rows.items() if row["role"] == "prefill"]
+    actor_victim = max(name for name, row in rows.items() if row["role"] == "decode")
     old_processes = {  # the process keeper, the worker, its engine processes
         name: [rows[name]["pid"], *descendants(rows[name]["pid"])]
         for name in (actor_victim, process_victim)
@@ -287,8 +324,8 @@ def test_killed_workers_leave_the_pools_and_are_replaced_with_no_failed_request(
     (worker_process,) = children(rows[process_victim]["pid"])
     assert os.getpgid(worker_process) == worker_process
     old_groups = {name: _group_id(name) for name in (actor_victim, process_victim)}
-    with SteadyStream(cluster, offline_reference) as stream:
-        time.sleep(2)  # requests in flight on every worker
+    with SteadyStream(cluster, offline_reference, threads=4) as stream:
+        wait_for(lambda: _running_everywhere(cluster, set(rows)), 60, "a request on every worker")
         ray.kill(ray.get_actor(actor_victim), no_restart=True)
         os.kill(worker_process, signal.SIGKILL)
         killed = time.monotonic()
@@ -314,7 +351,12 @@ def test_killed_workers_leave_the_pools_and_are_replaced_with_no_failed_request(
             )
             time.sleep(0.5)
         back_after = time.monotonic() - killed
-        time.sleep(2)  # requests on the replacements too
+        replaced = {actor_victim, process_victim}
+        wait_for(
+            lambda: stream.served_by_each(replaced, killed + back_after),
+            120,
+            "requests on the replacements",
+        )
     print(
         f"killed {actor_victim} (ray.kill) and {process_victim} (SIGKILL of its process): out of "
         f"the pools after {left_after:.2f} s, their processes gone after {gone_after} s, "
@@ -325,11 +367,15 @@ def test_killed_workers_leave_the_pools_and_are_replaced_with_no_failed_request(
     status = _status(cluster)
     assert sorted(w["worker"] for w in status["workers"] if w["state"] == "in pool") == sorted(rows)
     keeper = status["keeper"]
-    assert keeper["replacements"] == {"prefill": 1, "decode": 1}, keeper
-    assert keeper["failed_starts"] == {"prefill": 0, "decode": 0}, keeper
+    for role in ("prefill", "decode"):
+        replaced_before = keeper_before["replacements"].get(role, 0)
+        assert keeper["replacements"][role] == replaced_before + 1, keeper
+        failed_before = keeper_before["failed_starts"].get(role, 0)
+        assert keeper["failed_starts"].get(role, 0) == failed_before, keeper
     metrics = httpx.get(keeper["metrics_url"], timeout=5).text
     for role in ("prefill", "decode"):
-        assert f'pdserve_worker_replacements_total{{role="{role}"}} 1.0' in metrics, metrics
+        series = f'pdserve_worker_replacements_total{{role="{role}"}}'
+        assert _sample(metrics, series) == _sample(metrics_before, series) + 1, metrics
     for name, group in old_groups.items():  # a new placement group; the old one removed
         assert _group_id(name) != group
         assert ray.util.placement_group_table()[group]["state"] == "REMOVED"
