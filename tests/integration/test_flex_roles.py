@@ -17,19 +17,27 @@ from tests.integration.conftest import (
 )
 from tests.integration.kv_stress import kv_baseline, wait_for_kv_baseline
 from tests.integration.prompts import MAX_TOKENS, PROMPTS, long_prompt
+from tests.waiting import until, wait_for
 
 SPLITS = [2, 1, 2]  # prefill workers after each change (the cluster starts at 1 prefill, 2 decode)
-CHANGE_EVERY_S = 3.0
 CONCURRENCY = 3
 LONG_MAX_TOKENS = 128  # seconds of decoding on this machine
 BURST = 6  # long prompts at once: seconds of backlog for one prefill worker
 
 
 @pytest.fixture(scope="module")
-def flex_cluster(smollm2_dir, tmp_path_factory):
+def flex_server(smollm2_dir, tmp_path_factory):
     server = start_server(tmp_path_factory.mktemp("flex"), "--flex", "3")
     yield server
     _stop_and_check(server)
+
+
+@pytest.fixture
+def flex_cluster(flex_server):
+    """The module's cluster, put back to its starting split (1 prefill, 2 decode) after each
+    test, so the next one finds it as started."""
+    yield flex_server
+    set_split(flex_server, 1)
 
 
 def roles(server) -> dict[str, str]:
@@ -79,27 +87,36 @@ def test_roles_change_under_load_with_no_failure_and_vllms_output(flex_cluster, 
 
     async def scenario():
         stop = asyncio.Event()
+        done: list[dict] = []  # every request so far, as it completes
         async with httpx.AsyncClient(timeout=300) as http:
 
-            async def stream_of_requests(offset: int) -> list[dict]:
-                results, i = [], offset
+            async def stream_of_requests(offset: int) -> None:
+                i = offset
                 while not stop.is_set():
-                    results.append(await complete(http, flex_cluster, i % len(PROMPTS)))
+                    done.append(await complete(http, flex_cluster, i % len(PROMPTS)))
                     i += 1
-                return results
+
+            async def requests_since(moment: float) -> None:
+                """Until CONCURRENCY requests sent after `moment` have completed."""
+                await until(
+                    lambda: sum(r["started_at"] > moment for r in done) >= CONCURRENCY,
+                    120,
+                    f"{CONCURRENCY} requests under the roles of that moment",
+                )
 
             loops = [asyncio.create_task(stream_of_requests(i)) for i in range(CONCURRENCY)]
+            await requests_since(0.0)
             for prefill in SPLITS:
-                await asyncio.sleep(CHANGE_EVERY_S)
                 started = time.monotonic()
                 reply = await asyncio.to_thread(set_split, flex_cluster, prefill)
                 assert time.monotonic() - started < 2.0 and reply["seconds"] < 2.0
                 assert reply["flex"] == {"prefill": prefill, "decode": 3 - prefill, "standby": 0}
                 now = await asyncio.to_thread(roles, flex_cluster)
                 changes.append((started, time.monotonic(), now))
-            await asyncio.sleep(CHANGE_EVERY_S)
+                await requests_since(changes[-1][1])
             stop.set()
-            return [result for loop in loops for result in await loop]
+            await asyncio.gather(*loops)
+            return done
 
     results = asyncio.run(scenario())
     print(f"{len(results)} requests over {len(SPLITS)} role changes")
@@ -117,7 +134,13 @@ def test_roles_change_under_load_with_no_failure_and_vllms_output(flex_cluster, 
 
 
 def test_a_worker_moved_to_prefill_finishes_its_decodes(flex_cluster):
-    set_split(flex_cluster, 1)  # two decode workers: round-robin gives each one request
+    """Two decode workers: round-robin gives each one request."""
+
+    def both_decoding() -> bool:
+        rows = [w for w in flex_cluster.workers() if w["role"] == "decode"]
+        return len(rows) == 2 and all(
+            w["running_requests"] > w["prefilling_requests"] for w in rows
+        )
 
     async def scenario():
         async with httpx.AsyncClient(timeout=300) as http:
@@ -125,11 +148,13 @@ def test_a_worker_moved_to_prefill_finishes_its_decodes(flex_cluster):
                 asyncio.create_task(complete(http, flex_cluster, i, LONG_MAX_TOKENS))
                 for i in range(2)
             ]
-            await asyncio.sleep(1.5)  # both decoding
+            await asyncio.to_thread(wait_for, both_decoding, 60, "both decode workers decoding")
             assert not any(task.done() for task in running)
             moved = (await asyncio.to_thread(set_split, flex_cluster, 2))["changes"]
             results = [await task for task in running]
-            undisturbed = [await complete(http, flex_cluster, i, LONG_MAX_TOKENS) for i in range(2)]
+            undisturbed = await asyncio.gather(
+                *(complete(http, flex_cluster, i, LONG_MAX_TOKENS) for i in range(2))
+            )
             return moved, results, undisturbed
 
     moved, results, undisturbed = asyncio.run(scenario())
