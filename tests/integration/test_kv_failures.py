@@ -1,5 +1,7 @@
-"""KV transfer failures: a mismatched pair, KV that never comes, a prefill worker killed while
-its KV is in flight, and requests aborted at every stage. Never a hang, never a leaked block."""
+"""KV transfer failures at a decode worker whose policy is `fail`: KV that never comes, a
+mismatched pair, a sender without the cluster's secret. Never a hang, never a leaked block.
+(Prefill workers killed while their KV is in flight, and requests aborted at every stage, on
+every transport: test_kv_transports.py.)"""
 
 import time
 from dataclasses import replace
@@ -18,9 +20,8 @@ from pdserve.settings.cluster_secret import SECRET_ENV, secret_metadata
 from pdserve.settings.engine import EngineSettings
 from pdserve.settings.worker import WorkerSettings
 from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
-from tests.integration.conftest import _stop_and_check, start_server
-from tests.integration.kv_stress import abort_fifty_requests, kill_prefill_workers_mid_transfer
 from tests.integration.prompts import DISAGGREGATED_PROMPTS
+from tests.waiting import wait_for
 
 CONSUMER = Compatibility(
     model="smollm2",
@@ -61,6 +62,21 @@ def waiting_request(model_dir, request_id: str, transfer_id: str, timeout_s: flo
     )
 
 
+def waiting_for_kv(stub, count: int) -> None:
+    """Until the decode worker's engine holds `count` requests (its Stats after an engine step,
+    which has put them in its KV receiver's wait)."""
+    wait_for(
+        lambda: (
+            stub.Stats(
+                worker_pb2.StatsRequest(fresh=True), timeout=30, metadata=secret_metadata()
+            ).running_requests
+            == count
+        ),
+        30,
+        f"{count} request(s) waiting for their KV on the decode worker",
+    )
+
+
 def test_kv_that_never_comes_fails_within_the_deadline_and_frees_its_blocks(
     fail_policy_decoder, smollm2_dir
 ):
@@ -95,7 +111,7 @@ def test_a_refused_handshake_fails_the_waiting_request_at_once_not_at_the_deadli
             worker_pb2.HealthRequest(), timeout=10, metadata=secret_metadata()
         ).kv_address
         call = stub.Generate(request, timeout=60, metadata=secret_metadata())
-        time.sleep(1.0)  # the request waits for its KV
+        waiting_for_kv(stub, 1)
         sender = kv_sender(replace(CONSUMER, dtype="bfloat16"), "127.0.0.1", torch.device("cpu"))
         payload = torch.zeros(8, dtype=torch.uint8)
         piece = LayerSlice(transfer_id, 0, 0, 1, 0, 3, Staged(payload, 8), True)
@@ -140,7 +156,7 @@ def test_without_the_cluster_secret_no_call_is_served_and_no_kv_is_written(
             )
             for transfer_id in transfer_ids
         ]
-        time.sleep(1.0)  # the requests wait for their KV
+        waiting_for_kv(stub, len(calls))
         monkeypatch.setenv(SECRET_ENV, "not this cluster's")  # what the intruder's hello carries
         intruder = kv_sender(CONSUMER, "127.0.0.1", torch.device("cpu"))
         for transfer_id, transport in zip(transfer_ids, TRANSPORTS, strict=True):
@@ -159,20 +175,3 @@ def test_without_the_cluster_secret_no_call_is_served_and_no_kv_is_written(
     log = fail_policy_decoder.log_path.read_text()
     # 4 refused calls, one refused hello per transport (and the intruder's refused cancels)
     assert log.count("this cluster's secret") >= 4 + len(TRANSPORTS)
-
-
-@pytest.fixture(scope="module")
-def recompute_cluster(smollm2_dir, tmp_path_factory):
-    """A 1P1D cluster of its own: its prefill worker gets killed."""
-    server = start_server(tmp_path_factory.mktemp("kill-prefill"), "--kv-timeout", "30")
-    yield server
-    _stop_and_check(server)
-
-
-def test_killing_the_prefill_worker_mid_transfer_recomputes_correctly(recompute_cluster):
-    """On the default transport of one host (shm)."""
-    kill_prefill_workers_mid_transfer(recompute_cluster)
-
-
-def test_fifty_requests_aborted_at_random_stages_leave_no_kv_behind(server):
-    abort_fifty_requests(server)

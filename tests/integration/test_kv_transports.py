@@ -1,8 +1,8 @@
-"""A mixed pool: two prefill workers forced onto grpc and nccl (gloo on CPU), one decode worker
-on auto, so each pair uses its own transport (the session's default cluster covers shm, the
-one `auto` picks on one host). Greedy outputs equal vLLM's own on both transports, each transfer
-labelled with what carried it; fifty aborts leave no KV behind and open no new process group per
-transfer; both prefill workers killed mid-transfer are recomputed correctly at once."""
+"""A mixed pool: three prefill workers forced onto grpc, nccl (gloo on CPU) and shm, one decode
+worker on auto, so each pair uses its own transport. Greedy outputs equal vLLM's own on every
+transport, each transfer labelled with what carried it; fifty aborts leave no KV behind and open
+no new process group per transfer; every prefill worker killed mid-transfer is recomputed
+correctly at once."""
 
 import httpx
 import pytest
@@ -11,7 +11,7 @@ from tests.integration.conftest import SERVED_MODEL, _stop_and_check, start_serv
 from tests.integration.kv_stress import abort_fifty_requests, kill_prefill_workers_mid_transfer
 from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS
 
-FORCED = ("grpc", "nccl")
+FORCED = ("grpc", "nccl", "shm")
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def mixed_cluster(smollm2_dir, tmp_path_factory):
     server = start_server(
         tmp_path_factory.mktemp("mixed-transports"),
         "--prefill",
-        "2",
+        str(len(FORCED)),
         "--prefill-kv-transports",
         ",".join(FORCED),
         "--kv-timeout",
@@ -52,7 +52,7 @@ def test_each_pair_uses_its_transport_and_the_output_equals_vllms(mixed_cluster,
         ), "the decode worker prefilled: the KV did not arrive"
         worker = response.headers["x-pdserve-prefill-worker"]
         carried.setdefault(worker, set()).add(body["pdserve_timing"]["kv_transport"])
-    assert sorted(kinds for kinds in map(tuple, carried.values())) == [("grpc",), ("nccl",)]
+    assert sorted(kinds for kinds in map(tuple, carried.values())) == [(k,) for k in FORCED]
     metrics = httpx.get(f"{mixed_cluster.url}/metrics", timeout=10).text
     for kind in FORCED:
         assert f'pdserve_kv_transfers_total{{outcome="loaded",transport="{kind}"}}' in metrics
@@ -66,5 +66,5 @@ def test_fifty_aborts_leave_no_kv_behind_and_reuse_the_process_groups(mixed_clus
     assert 1 <= decode_log.count("KV gloo group with") <= 2, decode_log.count("KV gloo group with")
 
 
-def test_both_prefill_workers_killed_mid_transfer_are_recomputed(mixed_cluster):
+def test_every_prefill_worker_killed_mid_transfer_is_recomputed(mixed_cluster):
     kill_prefill_workers_mid_transfer(mixed_cluster)
