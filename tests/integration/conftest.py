@@ -153,10 +153,11 @@ def offline_reference(smollm2_dir, tmp_path_factory) -> dict:
     }
 
 
-def tiny_completion(server: Server, prompt: str, route: str) -> httpx.Response:
-    """A greedy completion from the tiny model on `route`, with the timing breakdown."""
+def tiny_completion(url: str, prompt: str, route: str) -> httpx.Response:
+    """A greedy completion from the tiny model on `route` of the router at `url`, with the
+    timing breakdown."""
     return httpx.post(
-        f"{server.base_url}/completions",
+        f"{url}/v1/completions",
         timeout=120,
         headers={"x-pdserve-route": route, "x-pdserve-timing": "1"},
         json={"model": "tiny", "prompt": prompt, "max_tokens": TINY_MAX_TOKENS, "temperature": 0},
@@ -229,13 +230,22 @@ def _kill(pid: int) -> None:
 @contextlib.contextmanager
 def router_in_front_of(server: Server, folder: Path, **settings):
     """A second router (`pdserve router`) over `server`'s workers, with `settings`; yields its
-    URL, and stops it by process group."""
+    URL."""
+    with router_over([w["address"] for w in server.workers()], folder, **settings) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def router_over(addresses: list[str], folder: Path, **settings):
+    """A router (`pdserve router`) over the workers at `addresses` (of one cluster or several:
+    they share the session's secret), with `settings` (SmolLM2 unless they name a model);
+    yields its URL, and stops it by process group."""
     port = free_port()
     document = {
         "port": port,
         "model": "smollm2",
         "served_model_name": SERVED_MODEL,
-        "worker_addresses": [w["address"] for w in server.workers()],
+        "worker_addresses": addresses,
         **settings,
     }
     log = folder / "router.log"

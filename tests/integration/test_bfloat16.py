@@ -25,8 +25,8 @@ def tiny_bf16(tmp_path_factory):
 
 @pytest.mark.parametrize("index", range(len(PROMPTS)))
 def test_bfloat16_disaggregated_output_equals_local(tiny_bf16, index):
-    disaggregated = tiny_completion(tiny_bf16, PROMPTS[index], "disaggregated")
-    local = tiny_completion(tiny_bf16, PROMPTS[index], "local")
+    disaggregated = tiny_completion(tiny_bf16.url, PROMPTS[index], "disaggregated")
+    local = tiny_completion(tiny_bf16.url, PROMPTS[index], "local")
     assert disaggregated.status_code == local.status_code == 200, disaggregated.text
     body = disaggregated.json()
     tokens = body["usage"]["prompt_tokens"]

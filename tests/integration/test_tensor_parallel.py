@@ -1,37 +1,84 @@
-"""Tensor parallelism on CPU: 1 prefill + 1 decode worker at tensor_parallel_size=2 (vLLM's
-multiprocessing executor; its CPU backend has no Ray executor) with the tiny random-weight
-Llama (4 heads, 2 KV heads). Rank r of the prefill worker sends its KV heads to rank r of the
-decode worker. Greedy output must equal vLLM's offline engine at TP=1 on the same weights."""
+"""Tensor parallelism on CPU (vLLM's multiprocessing executor; its CPU backend has no Ray
+executor) with the tiny random-weight Llama (4 heads, 2 KV heads), in every pairing of the KV
+path: prefill TP=2 -> decode TP=1 (each decode rank merges the heads of two prefill ranks),
+prefill TP=1 -> decode TP=2 (the prefill rank splits its heads over two decode ranks), and
+TP=2 -> TP=2 (rank r sends its KV heads to rank r), plus the local path at TP=2. Greedy output
+must equal vLLM's offline engine at TP=1 on the same weights, and on a disaggregated request the
+decode worker must have computed no prompt token: every head of every layer arrived.
+
+Two clusters give the four workers: the first's prefill worker is TP=2, the second's decode
+worker; a router over those two serves the TP=2 -> TP=2 pairing (workers of two clusters share
+the session's secret)."""
 
 import pytest
 
 from pdserve.model_store.store import ensure_model
-from tests.integration.conftest import _stop_and_check, start_server, tiny_completion
+from tests.integration.conftest import _stop_and_check, router_over, start_server, tiny_completion
 from tests.integration.prompts import TINY_PROMPTS as PROMPTS
 
 
-@pytest.fixture(scope="module")
-def tiny_tp2(tmp_path_factory):
+def tiny_cluster(tmp_path_factory, prefill_tp: int, decode_tp: int):
     ensure_model("tiny")
-    server = start_server(
-        tmp_path_factory.mktemp("tp2"), "--model", "tiny", "--tensor-parallel-size", "2"
+    return start_server(
+        tmp_path_factory.mktemp(f"tp{prefill_tp}to{decode_tp}"),
+        "--model",
+        "tiny",
+        "--prefill-tensor-parallel-size",
+        str(prefill_tp),
+        "--tensor-parallel-size",
+        str(decode_tp),
     )
+
+
+@pytest.fixture(scope="module")
+def prefill_tp2(tmp_path_factory):
+    server = tiny_cluster(tmp_path_factory, 2, 1)
     yield server
     _stop_and_check(server)
 
 
-@pytest.mark.parametrize("route", ["local", "disaggregated"])
+@pytest.fixture(scope="module")
+def decode_tp2(tmp_path_factory):
+    server = tiny_cluster(tmp_path_factory, 1, 2)
+    yield server
+    _stop_and_check(server)
+
+
+@pytest.fixture(scope="module")
+def both_tp2(prefill_tp2, decode_tp2, tmp_path_factory):
+    """A router over the TP=2 prefill worker and the TP=2 decode worker; yields its URL."""
+    addresses = [prefill_tp2.worker("prefill")["address"], decode_tp2.worker("decode")["address"]]
+    folder = tmp_path_factory.mktemp("tp2to2")
+    with router_over(addresses, folder, model="tiny", served_model_name="tiny") as url:
+        yield url
+
+
+ROUTERS = {
+    "prefill2-decode1": lambda request: request.getfixturevalue("prefill_tp2").url,
+    "prefill1-decode2": lambda request: request.getfixturevalue("decode_tp2").url,
+    "prefill2-decode2": lambda request: request.getfixturevalue("both_tp2"),
+}
+CASES = [
+    ("prefill2-decode1", "disaggregated"),
+    ("prefill1-decode2", "disaggregated"),
+    ("prefill2-decode2", "disaggregated"),
+    ("prefill2-decode2", "local"),  # the TP=2 decode worker alone
+]
+
+
 @pytest.mark.parametrize("index", range(len(PROMPTS)))
-def test_tp2_output_equals_tp1_offline(tiny_tp2, tiny_reference, route, index):
-    response = tiny_completion(tiny_tp2, PROMPTS[index], route)
+@pytest.mark.parametrize("pairing, route", CASES)
+def test_tp_output_equals_tp1_offline(request, tiny_reference, pairing, route, index):
+    response = tiny_completion(ROUTERS[pairing](request), PROMPTS[index], route)
     assert response.status_code == 200, response.text
     assert response.headers["x-pdserve-route"] == route
     body = response.json()
     expected = tiny_reference["prompts"][index]
     assert len(set(expected["token_ids"])) > 1, "the reference repeats one token: a weak check"
     assert body["choices"][0]["text"] == expected["text"]
-    if route == "disaggregated":  # both ranks' KV arrived: the decode worker computed no prompt
+    if route == "disaggregated":
         assert (
             int(response.headers["x-pdserve-decode-cached-tokens"])
             == body["usage"]["prompt_tokens"]
         )
+        assert body["pdserve_timing"]["kv_bytes"] > 0
