@@ -320,11 +320,14 @@ class _Simulation:
         self._start_step(worker, step, lambda: self._end_decode(worker))
 
     def _end_decode(self, worker: _DecodeWorker) -> None:
-        for job in worker.running:
+        still_running = []
+        for job in worker.running:  # the simulator's innermost loop: kept plain
             job.token_times.append(self.now)
-            if job.done:
+            if len(job.token_times) >= job.request.output_tokens:
                 worker.free_blocks += job.blocks
-        worker.running = [job for job in worker.running if not job.done]
+            else:
+                still_running.append(job)
+        worker.running = still_running
         self._step_decode(worker)
 
 

@@ -46,7 +46,7 @@ def test_candidates_include_colocated_replicas_of_every_tp():
 
 def _searched(workload: WorkloadSpec, slo: Slo) -> list:
     hardware = RooflineHardware(LLAMA_8B, H100, kv_bandwidth_bytes_per_s=25 * GB, kv_latency_s=1e-3)
-    evaluations = search(hardware, Scenario(workload, slo, num_requests=60), gpus=4)
+    evaluations = search(hardware, Scenario(workload, slo, num_requests=40), gpus=4)
     assert evaluations == sorted(evaluations, key=lambda e: -e.goodput_per_gpu)
     return evaluations
 
