@@ -62,6 +62,9 @@ def waiting_request(model_dir, request_id: str, transfer_id: str, timeout_s: flo
     )
 
 
+INTRUDER_WAIT_S = 10.0  # the KV deadline of the requests an intruder pushes KV for
+
+
 def waiting_for_kv(stub, count: int) -> None:
     """Until the decode worker's engine holds `count` requests (its Stats after an engine step,
     which has put them in its KV receiver's wait)."""
@@ -150,7 +153,9 @@ def test_without_the_cluster_secret_no_call_is_served_and_no_kv_is_written(
         transfer_ids = [f"intruder-{transport}" for transport in TRANSPORTS]
         calls = [
             stub.Generate(
-                waiting_request(smollm2_dir, transfer_id, transfer_id, timeout_s=3.0),
+                # Long enough for all three to be waiting before the intruder sends (seen: a
+                # 3 s deadline passed on a loaded machine before the third was admitted).
+                waiting_request(smollm2_dir, transfer_id, transfer_id, timeout_s=INTRUDER_WAIT_S),
                 timeout=60,
                 metadata=secret_metadata(),
             )
@@ -170,7 +175,7 @@ def test_without_the_cluster_secret_no_call_is_served_and_no_kv_is_written(
             with pytest.raises(grpc.RpcError) as caught:
                 list(call)
             assert caught.value.code() == grpc.StatusCode.ABORTED
-            assert "did not arrive within 3 s" in caught.value.details()
+            assert f"did not arrive within {INTRUDER_WAIT_S:g} s" in caught.value.details()
         intruder.close()
     log = fail_policy_decoder.log_path.read_text()
     # 4 refused calls, one refused hello per transport (and the intruder's refused cancels)
