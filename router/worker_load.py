@@ -8,10 +8,9 @@ on the worker that looked idlest. `least-loaded` ranks by `busyness`; admission 
 """
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
-from pdserve.costs.path_prices import RATE_WINDOW_S
+from pdserve.costs.path_prices import Arrivals
 from pdserve.kinds import Role
 from pdserve.worker.protocol import worker_pb2
 
@@ -24,22 +23,17 @@ class WorkerLoad:
     report: worker_pb2.StatsReply | None = None  # the worker's last Stats
     requests_since: int = 0  # requests this router sent it since that report
     prompt_tokens_since: int = 0  # their prompt tokens
-    sent_at: deque = field(default_factory=deque)  # (monotonic time, prompt tokens) per send
-    tokens_in_window: int = 0  # the prompt tokens of `sent_at`
+    arrivals: Arrivals = field(default_factory=Arrivals)  # what this router sent, timed
 
     def sent(self, prompt_tokens: int) -> None:
         self.requests_since += 1
         self.prompt_tokens_since += prompt_tokens
-        self.sent_at.append((time.monotonic(), prompt_tokens))
-        self.tokens_in_window += prompt_tokens
+        self.arrivals.sent(time.monotonic(), prompt_tokens)
 
     def arrival_rates(self) -> tuple[float, float]:
         """Requests and prompt tokens per second this router sent the worker over the last
         RATE_WINDOW_S."""
-        since = time.monotonic() - RATE_WINDOW_S
-        while self.sent_at and self.sent_at[0][0] < since:
-            self.tokens_in_window -= self.sent_at.popleft()[1]
-        return len(self.sent_at) / RATE_WINDOW_S, self.tokens_in_window / RATE_WINDOW_S
+        return self.arrivals.rates(time.monotonic())
 
     def reported(self, report: worker_pb2.StatsReply) -> None:
         self.report = report

@@ -25,7 +25,8 @@ Prompts below the floor (--disaggregate-min-tokens) never take the disaggregated
 is not worth a transfer.
 """
 
-from dataclasses import asdict, dataclass
+from collections import deque
+from dataclasses import asdict, dataclass, field
 
 from pdserve.costs.step_costs import StepCosts
 from pdserve.kinds import RoutePath, RouteReason
@@ -33,6 +34,25 @@ from pdserve.kinds import RoutePath, RouteReason
 MAX_EXPECTED_OUTPUT_TOKENS = 256  # a request's max_tokens is a bound, rarely all used
 MAX_PREFILL_SHARE = 0.9  # a worker past this share of its time prefilling is taken as at it
 RATE_WINDOW_S = 30.0  # a worker's arrival rates count what it was sent this long ago at most
+
+
+@dataclass
+class Arrivals:
+    """What a worker was sent over the last RATE_WINDOW_S, as rates; times are whatever clock
+    the caller keeps (the router's monotonic seconds, the simulator's)."""
+
+    sent_at: deque = field(default_factory=deque)  # (time, prompt tokens) per send
+    tokens: int = 0  # the prompt tokens of `sent_at`
+
+    def sent(self, now: float, prompt_tokens: int) -> None:
+        self.sent_at.append((now, prompt_tokens))
+        self.tokens += prompt_tokens
+
+    def rates(self, now: float) -> tuple[float, float]:
+        """Requests and prompt tokens per second."""
+        while self.sent_at and self.sent_at[0][0] < now - RATE_WINDOW_S:
+            self.tokens -= self.sent_at.popleft()[1]
+        return len(self.sent_at) / RATE_WINDOW_S, self.tokens / RATE_WINDOW_S
 
 
 @dataclass(frozen=True)

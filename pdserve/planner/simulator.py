@@ -42,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.bench.records import RequestRecord
-from pdserve.costs.path_prices import RATE_WINDOW_S, WorkerState, by_length, estimate
+from pdserve.costs.path_prices import Arrivals, WorkerState, by_length, estimate
 from pdserve.costs.step_costs import StepCosts
 from pdserve.kinds import RoutePath
 from pdserve.planner.cost_model import StepCost, linearized
@@ -113,14 +113,11 @@ class _Worker:
     pace: float = 1.0
     version: int = 0
     on_end: Callable[[], None] | None = None
-    sent: deque = field(default_factory=deque)  # (time, prompt tokens) of what it was sent
+    arrivals: Arrivals = field(default_factory=Arrivals)  # what the router sent it
 
     def state(self, now: float, queued_tokens: int, decoding: int) -> WorkerState:
         """What the router's estimate would know of this worker now."""
-        while self.sent and self.sent[0][0] < now - RATE_WINDOW_S:
-            self.sent.popleft()
-        tokens = sum(prompt for _, prompt in self.sent)
-        rates = len(self.sent) / RATE_WINDOW_S, tokens / RATE_WINDOW_S
+        rates = self.arrivals.rates(now)
         return WorkerState(queued_tokens, decoding, *rates, self.costs)
 
 
@@ -239,11 +236,11 @@ class _Simulation:
         job.decode = next(self.next_decode)
         prefill = next(self.next_prefill) if self.prefills else None
         job.local = prefill is None or self._route(job, prefill) == RoutePath.LOCAL
-        job.decode.sent.append((self.now, job.request.prompt_tokens))
+        job.decode.arrivals.sent(self.now, job.request.prompt_tokens)
         if job.local:
             self._enqueue_decode(job.decode, job)
         else:
-            prefill.sent.append((self.now, job.request.prompt_tokens))
+            prefill.arrivals.sent(self.now, job.request.prompt_tokens)
             prefill.queue.append(job)
             self._step_prefill(prefill)
 
