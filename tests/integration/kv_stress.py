@@ -11,10 +11,13 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import httpx
 import psutil
 
 from pdserve.kinds import RoutePath
+from pdserve.settings.cluster_secret import secret_metadata
+from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 from tests.integration.conftest import SERVED_MODEL
 from tests.integration.processes import children, command_line
 from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS, long_prompt
@@ -42,7 +45,7 @@ def kill_prefill_workers_mid_transfer(server) -> None:
             pool.submit(complete, server, prompt, RoutePath.DISAGGREGATED) for prompt in prompts
         ]
         wait_for(
-            lambda: all(computing_a_prompt(server, port) for port in ports),
+            lambda: all(computing_a_prompt(port) for port in ports),
             20,
             f"a prompt computing on every prefill worker ({ports})",
             poll_s=0.02,
@@ -71,9 +74,15 @@ def worker_row(server, port: int) -> dict:
     return row
 
 
-def computing_a_prompt(server, port: int) -> bool:
-    """Whether the worker at `port` has a prompt with no first token yet (its Stats)."""
-    return worker_row(server, port)["outstanding_prefill_tokens"] > 0
+def computing_a_prompt(port: int) -> bool:
+    """Whether the worker at `port` has a prompt with no first token yet, from its own Stats
+    (over gRPC, not through the router, whose reading adds a round trip to every worker: time
+    enough for a short prompt to finish before the kill that the answer triggers)."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stats = worker_pb2_grpc.WorkerStub(channel).Stats(
+            worker_pb2.StatsRequest(), timeout=10, metadata=secret_metadata()
+        )
+    return stats.outstanding_prefill_tokens > 0
 
 
 def complete(server, prompt: str, route: str) -> httpx.Response:

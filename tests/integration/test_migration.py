@@ -199,9 +199,7 @@ def test_a_prefill_worker_killed_under_load_fails_no_request(cluster_with, undis
             prompt = f"Request {i} {nonce}. {prompt}"
         cases.append((prompt, route))
     before = {name: metric_value(server, name) for name in (RETRIED, LOST_TO_LOCAL, RECOMPUTED)}
-    results, seconds = kill_under_fire(
-        server, victim, cases, when=lambda: computing_a_prompt(server, port)
-    )
+    results, seconds = kill_under_fire(server, victim, cases, when=lambda: computing_a_prompt(port))
 
     async def as_if_undisturbed(i: int, prompt: str, route: str):
         if route == "local":
