@@ -41,6 +41,7 @@ ORPHAN_TIMEOUT_S = 10.0  # a SIGKILLed worker's engine processes are gone by the
 STOP_TIMEOUT_S = 30.0  # a worker whose actor was killed stops gracefully (SIGTERM) by then
 REPLACE_TIMEOUT_S = 300.0  # a replacement is placed in ~1 s; its engine loads in ~30-90 s here
 COMMAND_TIMEOUT_S = 600
+PAUSE_S = 0.5  # between a stream thread's requests
 
 
 def pdserve(
@@ -189,11 +190,15 @@ def test_up_gives_each_worker_its_own_placement_group_and_gpu(cluster, offline_r
 
 
 class SteadyStream:
-    """Requests one after another (`threads` at a time) until stopped; each answer is checked
-    against vLLM's offline output, and when it ended and which workers served it are kept."""
+    """Requests one after another (`threads` at a time, each thread pausing `pause_s` between
+    two) until stopped; each answer is checked against vLLM's offline output, and when it ended
+    and which workers served it are kept. The pause leaves the host's two cores to the engines
+    that start meanwhile (back-to-back requests took one of them); with none, requests are in
+    flight on every worker at once."""
 
-    def __init__(self, cluster, reference: dict, threads: int = 2) -> None:
+    def __init__(self, cluster, reference: dict, threads: int = 2, pause_s: float = PAUSE_S):
         self.client = _client(cluster)
+        self.pause_s = pause_s
         self.reference = reference
         self.sent = 0
         self.failures: list[str] = []
@@ -240,6 +245,7 @@ class SteadyStream:
             except Exception as error:
                 self.failures.append(f"prompt {index}: {type(error).__name__}: {error}")
             i += step
+            self.stop.wait(self.pause_s)
 
 
 def _scale(cluster, prefill: int, decode: int) -> float:
@@ -324,11 +330,12 @@ def test_killed_workers_leave_the_pools_and_are_replaced_with_no_failed_request(
     (worker_process,) = children(rows[process_victim]["pid"])
     assert os.getpgid(worker_process) == worker_process
     old_groups = {name: _group_id(name) for name in (actor_victim, process_victim)}
-    with SteadyStream(cluster, offline_reference, threads=4) as stream:
+    with SteadyStream(cluster, offline_reference, threads=4, pause_s=0) as stream:
         wait_for(lambda: _running_everywhere(cluster, set(rows)), 60, "a request on every worker")
         ray.kill(ray.get_actor(actor_victim), no_restart=True)
         os.kill(worker_process, signal.SIGKILL)
         killed = time.monotonic()
+        stream.pause_s = PAUSE_S  # while the replacements start
         while _in_pools(cluster) & {actor_victim, process_victim}:
             assert time.monotonic() - killed < 2 * HEARTBEAT_S + 0.5, (
                 f"still in the router's pools {time.monotonic() - killed:.1f} s after the kill"
