@@ -21,7 +21,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from decode_workers.kv_loader import KvLoader
 from decode_workers.load_plan import LoadPlan
-from kv_transfer.connector_base import PdserveConnectorBase, compatibility_of
+from kv_transfer.compatibility import compatibility_of
+from kv_transfer.connector_base import PdserveConnectorBase
 from kv_transfer.kv_receiver import KvReceiver
 from kv_transfer.metadata import PdserveMetadata
 

@@ -1,25 +1,36 @@
 """The compatibility handshake: raw KV blocks only mean the same thing to two engines whose
-model, dtype, block size, layers, KV heads, head size, wire layout and vLLM version all match.
-Tensor parallelism need not: each side re-shards the heads (kv_transfer/head_shards.py), and
-the cache layouts need not either: KV travels in one wire order (kv_transfer/kv_layout.py)."""
+model, KV-cache dtype (not the model's: an fp8 cache and a bf16 cache hold different bytes for
+the same model), bytes per head-token, scale mode of a quantized cache, block size, layers, KV
+heads, head size, wire layout and vLLM version all match. A mismatch refuses the pair twice:
+the router pairs only equal fingerprints (published in each worker's Health), and a receiver
+refuses the hello (the transfer fails at once and the decode worker's policy applies).
+Tensor parallelism need not match: each side re-shards the heads (kv_transfer/head_shards.py),
+and the cache layouts need not either: KV travels in one wire order (kv_transfer/kv_layout.py).
+"""
 
 import hashlib
 import json
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
+import torch
+
+from kv_transfer.kv_layout import WIRE_LAYOUT
 from pdserve.settings.cluster_secret import secret_matches
 
 
 @dataclass(frozen=True)
 class Compatibility:
     model: str
-    dtype: str
+    dtype: str  # the KV cache's: vLLM's cache_dtype, "auto" resolved to the model's dtype
     block_size: int
     num_layers: int
     total_kv_heads: int  # over all tensor-parallel ranks
     head_size: int
     kv_layout: str  # the wire order, kv_layout.WIRE_LAYOUT
     vllm_version: str
+    bytes_per_head_token: int  # K and V (or one MLA latent) of one head for one token
+    kv_scale_mode: str  # "none" for an unquantized cache (see kv_scale_mode below)
 
     @classmethod
     def from_message(cls, message) -> "Compatibility":
@@ -29,10 +40,76 @@ class Compatibility:
         return asdict(self)
 
     def fingerprint(self) -> str:
-        """Short and equal exactly when every field is: what workers publish in Health, so the
-        router pairs only workers whose handshake would succeed."""
+        """What workers publish in Health, so the router pairs only workers whose handshake
+        would succeed: equal exactly when every field is (the hash), and readable, so that a
+        refusal can say what each side has."""
         text = json.dumps(self.to_dict(), sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+        return (
+            f"{self.model} KV {self.dtype} ({self.kv_scale_mode} scales, "
+            f"{self.bytes_per_head_token} B per head-token), {self.total_kv_heads} KV heads x "
+            f"{self.head_size}, block {self.block_size}, {self.num_layers} layers, vLLM "
+            f"{self.vllm_version} #{digest}"
+        )
+
+
+def kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype) -> str:
+    """vLLM's cache_dtype as the handshake names it: "auto" is the model's dtype, and "fp8" is
+    fp8_e4m3 (vLLM: "fp8 (=fp8_e4m3)"), so two names for the same bytes compare equal."""
+    if cache_dtype == "auto":
+        return str(model_dtype).removeprefix("torch.")
+    return "fp8_e4m3" if cache_dtype == "fp8" else cache_dtype
+
+
+def kv_scale_mode(cache_dtype: str, kv_cache_scheme: dict | None, skip_layers: list) -> str:
+    """How a quantized cache's bytes are scaled, which two workers must agree on to read each
+    other's blocks: vLLM's KVQuantMode for the dtype ("none", "fp8_per_tensor",
+    "fp8_per_token_head", ...), per-head checkpoint scales when the checkpoint's KV scheme
+    says so, and the layers vLLM leaves unquantized (`kv_cache_dtype_skip_layers`)."""
+    from vllm.v1.kv_cache_interface import KVQuantMode, get_kv_quant_mode
+
+    quant_mode = get_kv_quant_mode(cache_dtype)
+    mode = quant_mode.name.lower()
+    if (
+        quant_mode == KVQuantMode.FP8_PER_TENSOR
+        and (kv_cache_scheme or {}).get("strategy") == "attn_head"
+    ):
+        mode = "fp8_per_head"
+    if quant_mode != KVQuantMode.NONE and skip_layers:
+        mode += " except layers " + ",".join(str(layer) for layer in skip_layers)
+    return mode
+
+
+def compatibility_of(vllm_config) -> Compatibility:
+    """This engine's side of the handshake, read where vLLM 0.32 keeps it: the KV cache's dtype
+    in `cache_config.cache_dtype` (already resolved from the checkpoint's KV scheme by
+    EngineArgs), its element size from vLLM's own map (fp8 caches are uint8 storage)."""
+    import vllm
+    from vllm.utils.torch_utils import get_kv_cache_torch_dtype
+
+    model, parallel, cache = (
+        vllm_config.model_config,
+        vllm_config.parallel_config,
+        vllm_config.cache_config,
+    )
+    element = get_kv_cache_torch_dtype(cache.cache_dtype, model.dtype)
+    head_size = model.get_head_size()
+    return Compatibility(
+        model=Path(model.model).name,
+        dtype=kv_cache_dtype(cache.cache_dtype, model.dtype),
+        block_size=cache.block_size,
+        num_layers=model.get_num_layers(parallel),
+        total_kv_heads=model.get_total_num_kv_heads(),
+        head_size=head_size,
+        kv_layout=WIRE_LAYOUT,
+        vllm_version=vllm.__version__,
+        bytes_per_head_token=(1 if model.use_mla else 2) * head_size * element.itemsize,
+        kv_scale_mode=kv_scale_mode(
+            cache.cache_dtype,
+            getattr(vllm_config.quant_config, "kv_cache_scheme", None),
+            cache.kv_cache_dtype_skip_layers,
+        ),
+    )
 
 
 def mismatches(producer: Compatibility, consumer: Compatibility) -> list[str]:

@@ -8,7 +8,6 @@ and this base answers the rest with "nothing to do".
 """
 
 import logging
-from pathlib import Path
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -16,7 +15,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from kv_transfer.compatibility import Compatibility
 from kv_transfer.kv_layout import WIRE_LAYOUT, LayerLayout, find_layout, memory_order
 from kv_transfer.metadata import PdserveMetadata
 from kv_transfer.stats import PdserveKvStats
@@ -33,22 +31,6 @@ def _log_to_stderr() -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
         root.addHandler(handler)
         root.setLevel(logging.INFO)
-
-
-def compatibility_of(vllm_config) -> Compatibility:
-    import vllm
-
-    model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    return Compatibility(
-        model=Path(model.model).name,
-        dtype=str(model.dtype).removeprefix("torch."),
-        block_size=vllm_config.cache_config.block_size,
-        num_layers=model.get_num_layers(parallel),
-        total_kv_heads=model.get_total_num_kv_heads(),
-        head_size=model.get_head_size(),
-        kv_layout=WIRE_LAYOUT,
-        vllm_version=vllm.__version__,
-    )
 
 
 class PdserveConnectorBase(KVConnectorBase_V1):

@@ -96,12 +96,13 @@ class WorkerPool:
             raise worker_unavailable(f"no {' or '.join(roles)} worker is available; retry later")
         if pairs_with is not None:
             fingerprint = pairs_with.kv_compatibility
+            others = candidates
             candidates = [w for w in candidates if w.kv_compatibility == fingerprint]
             if not candidates:
+                theirs = "; ".join(f"{w.worker_id} has {w.kv_compatibility}" for w in others)
                 raise worker_unavailable(
                     f"no {' or '.join(roles)} worker's KV is compatible with worker "
-                    f"{pairs_with.worker_id}'s (model, dtype, block size, layers, KV heads, head "
-                    f"size or vLLM version differ)"
+                    f"{pairs_with.worker_id}'s ({fingerprint}): {theirs}"
                 )
         return self.policy.choose(candidates, prompt)
 

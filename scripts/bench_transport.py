@@ -38,7 +38,7 @@ from kv_transfer.kv_layout import WIRE_LAYOUT  # noqa: E402
 from kv_transfer.kv_receiver import KvReceiver  # noqa: E402
 from kv_transfer.transport import TRANSPORTS  # noqa: E402
 
-COMPATIBILITY = Compatibility("bench", "float32", 128, 30, 3, 64, WIRE_LAYOUT, "bench")
+COMPATIBILITY = Compatibility("bench", "float32", 128, 30, 3, 64, WIRE_LAYOUT, "bench", 512, "none")
 MIB = 1 << 20
 PROMPT_TOKENS = 1536
 SMOLLM2_LAYER_BYTES = PROMPT_TOKENS * 3 * 64 * 2 * 4  # tokens x KV heads x head x (K,V) x fp32

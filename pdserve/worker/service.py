@@ -89,7 +89,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.leave_pools = _nothing_to_leave  # set when the worker is in a registry
 
     def engine_ready(self, engine) -> None:
-        from kv_transfer.connector_base import compatibility_of
+        from kv_transfer.compatibility import compatibility_of
 
         self.engine = engine
         self.max_model_len = engine.vllm_config.model_config.max_model_len

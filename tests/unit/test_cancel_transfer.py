@@ -18,7 +18,7 @@ from pdserve.worker.protocol import worker_pb2_grpc
 from pdserve.worker.service import WorkerService
 from router.worker_client import WorkerClient
 
-CONSUMER = Compatibility("m", "float32", 16, 2, 2, 4, WIRE_LAYOUT, "0.32.0")
+CONSUMER = Compatibility("m", "float32", 16, 2, 2, 4, WIRE_LAYOUT, "0.32.0", 32, "none")
 
 
 @pytest.fixture

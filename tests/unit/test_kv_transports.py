@@ -24,7 +24,7 @@ from kv_transfer.kv_receiver import KvReceiver
 from kv_transfer.transport import TRANSPORTS, LayerSlice
 from pdserve.settings.cluster_secret import SECRET_ENV
 
-CONSUMER = Compatibility("m", "float32", 16, 2, 2, 4, WIRE_LAYOUT, "0.32.0")
+CONSUMER = Compatibility("m", "float32", 16, 2, 2, 4, WIRE_LAYOUT, "0.32.0", 32, "none")
 CPU = torch.device("cpu")
 DEADLINE_S = 15.0
 ROOT = Path(__file__).resolve().parents[2]
@@ -186,7 +186,7 @@ SENDER_PROCESS = textwrap.dedent(
     from kv_transfer.kv_layout import WIRE_LAYOUT
     from kv_transfer.transport import LayerSlice
 
-    compatibility = Compatibility("m", "float32", 16, 2, 2, 4, WIRE_LAYOUT, "0.32.0")
+    compatibility = Compatibility("m", "float32", 16, 2, 2, 4, WIRE_LAYOUT, "0.32.0", 32, "none")
     channel = channel_opener(compatibility, "127.0.0.1", torch.device("cpu"))(
         sys.argv[2], sys.argv[1]
     )

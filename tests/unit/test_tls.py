@@ -25,7 +25,7 @@ from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 from pdserve.worker.service import WorkerService
 
 SCRIPT = Path(__file__).parents[2] / "scripts" / "make_tls_dir.py"
-CONSUMER = Compatibility("m", "float32", 16, 2, 2, 4, WIRE_LAYOUT, "0.32.0")
+CONSUMER = Compatibility("m", "float32", 16, 2, 2, 4, WIRE_LAYOUT, "0.32.0", 32, "none")
 
 
 @pytest.fixture(scope="module")

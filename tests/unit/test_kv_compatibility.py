@@ -1,0 +1,132 @@
+"""The compatibility handshake compares the KV cache, not the model (kv_transfer/compatibility.py):
+an fp8-KV prefill worker and a bf16-KV decode worker of the same bf16 model are refused at
+pairing (the router's real WorkerPool.pick over fake worker rows) and at the hello; workers
+alike in everything pair. The engine's side is read from vLLM's real CacheConfig; the model
+config is a fake with the four answers compatibility_of asks of it. No engine, no network."""
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm.config import CacheConfig
+
+from kv_transfer.compatibility import (
+    REFUSAL_PREFIX,
+    Compatibility,
+    check_hello,
+    compatibility_of,
+)
+from kv_transfer.grpc_transport import hello
+from pdserve.kinds import Role
+from pdserve.settings.cluster_secret import SECRET_ENV
+from router.errors import OpenAIError
+from router.policies import RoundRobin
+from router.worker_pool import WorkerPool
+
+
+@dataclass
+class FakeModelConfig:
+    """Stands in for vLLM's ModelConfig: a bf16 Llama-like model, 8 KV heads of 128."""
+
+    model: str = "/models/llama-8b"
+    dtype: torch.dtype = torch.bfloat16
+    use_mla: bool = False
+
+    def get_head_size(self) -> int:
+        return 128
+
+    def get_num_layers(self, parallel) -> int:
+        return 32
+
+    def get_total_num_kv_heads(self) -> int:
+        return 8
+
+
+def engine(cache_dtype: str = "auto", block_size: int = 16, **model) -> Compatibility:
+    """compatibility_of an engine with vLLM's real CacheConfig and a fake model config."""
+    return compatibility_of(
+        SimpleNamespace(
+            model_config=FakeModelConfig(**model),
+            parallel_config=SimpleNamespace(tensor_parallel_size=1),
+            cache_config=CacheConfig(block_size=block_size, cache_dtype=cache_dtype),
+            quant_config=None,
+        )
+    )
+
+
+def test_the_kv_cache_dtype_is_compared_not_the_models():
+    bf16, fp8 = engine("auto"), engine("fp8")
+    assert (bf16.dtype, bf16.bytes_per_head_token, bf16.kv_scale_mode) == ("bfloat16", 512, "none")
+    assert (fp8.dtype, fp8.bytes_per_head_token, fp8.kv_scale_mode) == (
+        "fp8_e4m3",
+        256,
+        "fp8_per_tensor",
+    )
+    assert engine("fp8_e4m3") == fp8  # vLLM: fp8 is fp8_e4m3, the same bytes
+    assert engine("fp8_e5m2").dtype == "fp8_e5m2" != fp8.dtype
+    assert engine("bfloat16") == bf16  # "auto" is the model's dtype
+    assert engine("auto", dtype=torch.float16).dtype == "float16"
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"cache_dtype": "fp8"},
+        {"cache_dtype": "fp8_e5m2"},
+        {"block_size": 32},
+        {"use_mla": True},
+        {"dtype": torch.float16},
+    ],
+)
+def test_the_fingerprint_changes_with_what_the_kv_bytes_mean(other):
+    assert engine(**other).fingerprint() != engine().fingerprint()
+
+
+@dataclass
+class FakeWorkerRow:
+    """Stands in for router.worker_client.WorkerClient as WorkerPool.pick reads it."""
+
+    worker_id: str
+    role: str
+    kv_compatibility: str
+
+    @property
+    def address(self) -> str:
+        return f"{self.worker_id}:50051"
+
+
+def pool_of(*rows: FakeWorkerRow) -> WorkerPool:
+    pool = WorkerPool([], RoundRobin())
+    pool.workers = list(rows)
+    return pool
+
+
+def test_an_fp8_kv_prefill_is_refused_for_a_bf16_kv_decode_at_pairing_naming_both():
+    prefill = FakeWorkerRow("prefill-fp8", Role.PREFILL, engine("fp8").fingerprint())
+    decode = FakeWorkerRow("decode-bf16", Role.DECODE, engine("auto").fingerprint())
+    with pytest.raises(OpenAIError) as refused:
+        pool_of(prefill, decode).pick((Role.PREFILL,), pairs_with=decode)
+    message = refused.value.message
+    assert "decode-bf16's (llama-8b KV bfloat16 (none scales, 512 B per head-token)" in message
+    assert "prefill-fp8 has llama-8b KV fp8_e4m3 (fp8_per_tensor scales, 256 B" in message
+
+
+def test_workers_alike_in_everything_pair():
+    decode = FakeWorkerRow("decode-a", Role.DECODE, engine("fp8").fingerprint())
+    alike = FakeWorkerRow("prefill-a", Role.PREFILL, engine("fp8_e4m3").fingerprint())
+    other = FakeWorkerRow("prefill-b", Role.PREFILL, engine("auto").fingerprint())
+    pool = pool_of(other, alike, decode)
+    assert {pool.pick((Role.PREFILL,), pairs_with=decode).worker_id for _ in range(4)} == {
+        "prefill-a"
+    }
+
+
+def test_the_hello_of_an_fp8_kv_producer_is_refused_by_a_bf16_kv_consumer(monkeypatch):
+    monkeypatch.setenv(SECRET_ENV, "s3cret")
+    refusal = check_hello(hello(engine("fp8")), engine("auto"), "s3cret")
+    assert refusal.startswith(REFUSAL_PREFIX)
+    assert "dtype: producer 'fp8_e4m3' != consumer 'bfloat16'" in refusal
+    assert "bytes_per_head_token: producer 256 != consumer 512" in refusal
+    assert "kv_scale_mode: producer 'fp8_per_tensor' != consumer 'none'" in refusal
+    assert check_hello(hello(engine("fp8")), engine("fp8_e4m3"), "s3cret") == ""
