@@ -6,6 +6,8 @@ A wire tensor is [blocks, heads, block_size, 2, head_size], contiguous; `heads` 
 range of this rank's heads being sent (all of them when both pools run at the same TP).
 """
 
+import ctypes
+
 import torch
 
 # Copies move bits: an integer view of the same width works for every dtype (index_copy_ has no
@@ -32,8 +34,12 @@ def scatter(
 
 
 def as_bytes(tensor: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor of any dtype, without a copy."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    """The raw bytes of a contiguous CPU tensor of any dtype, without a copy (through ctypes,
+    not numpy: a torch-only machine has no numpy). The view keeps the tensor alive."""
+    flat = tensor.reshape(-1).view(torch.uint8)
+    memory = (ctypes.c_uint8 * flat.numel()).from_address(flat.data_ptr())
+    memory.tensor = flat  # the memory's owner lives as long as the view
+    return memoryview(memory).cast("B")
 
 
 def from_bytes(data, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
