@@ -386,7 +386,7 @@ def pool_resources(config: ClusterFile, pool: PoolSection) -> dict:
             "requests": {"cpu": str(CPUS_PER_GPU * tp), "memory": memory, "nvidia.com/gpu": tp},
             "limits": {"memory": memory, "nvidia.com/gpu": tp},
         }
-    memory = f"{math.ceil(config.engine.kv_cache_gib) + CPU_WORKER_OVERHEAD_GIB}Gi"
+    memory = f"{math.ceil(config.kv_cache_gib(pool)) + CPU_WORKER_OVERHEAD_GIB}Gi"
     return {"requests": {"cpu": str(tp), "memory": memory}, "limits": {"memory": memory}}
 
 

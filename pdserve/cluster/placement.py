@@ -2,16 +2,26 @@
 
 One placement group per worker: `tensor_parallel_size` bundles of one GPU each (one CPU each for
 a `gpu_type: cpu` pool), STRICT_PACK so a tensor-parallel group stays on one node. The checks
-need no engine: the head layout comes from the model's config.json or a planner preset, the
-resources from Ray's nodes (or this host's for a local cluster).
+need no engine and download nothing: the model's shape and size come from a planner preset, a
+known Hugging Face id, or the model folder's config.json; the resources from Ray's nodes (or
+this host's for a local cluster); each GPU pool's memory from its GPU type's datasheet.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kv_transfer.head_shards import check_shardable
+from pdserve.gpu_spec import GPU_PRESETS
 from pdserve.model_store.store import ModelError, resolve_model
-from pdserve.planner.model_spec import MODEL_PRESETS, ModelSpec, from_hf_config
+from pdserve.planner.capacity import GIB
+from pdserve.planner.memory_fit import GpuMemoryUse, gpu_memory_use, misfits
+from pdserve.planner.model_spec import (
+    HUB_CHECKPOINTS,
+    MODEL_PRESETS,
+    ModelSpec,
+    from_hf_config,
+    hub_checkpoint,
+)
 from pdserve.settings.base import ConfigError
 from pdserve.settings.cluster_file import ClusterFile, PoolSection
 
@@ -62,17 +72,23 @@ def slot_named(config: ClusterFile, name: str) -> WorkerSlot:
 
 
 def model_shape(config: ClusterFile) -> ModelSpec:
-    """The head layout to check TP against: a planner preset, or the model folder's config."""
+    """The model as the checks see it (head layout, parameters, how its checkpoint stores them):
+    a planner preset, a known Hugging Face id (HUB_CHECKPOINTS; the preset, when given, still
+    names the shape), or the model folder's config."""
+    known = hub_checkpoint(config.model.path)
     if config.model.preset:
         if config.model.preset not in MODEL_PRESETS:
             raise ConfigError(
                 f"model.preset: must be one of {', '.join(MODEL_PRESETS)}, got "
                 f"{config.model.preset!r}"
             )
-        return MODEL_PRESETS[config.model.preset]
+        quantization = known.quantization if known else None
+        return replace(MODEL_PRESETS[config.model.preset], quantization=quantization)
+    if known is not None:
+        return known
     hint = (
         f"for a model not on this host, set model.preset ({', '.join(MODEL_PRESETS)}) so its "
-        "layout can be checked"
+        f"layout can be checked (known ids need none: {', '.join(HUB_CHECKPOINTS)})"
     )
     try:
         folder = Path(resolve_model(config.model.path))
@@ -80,7 +96,10 @@ def model_shape(config: ClusterFile) -> ModelSpec:
         raise ConfigError(f"model.path: {error}; {hint}") from None
     if not (folder / "config.json").is_file():  # a hub id: vLLM fetches it on the workers
         raise ConfigError(f"model.path: {config.model.path!r} is not a folder here; {hint}")
-    return from_hf_config(folder)
+    try:
+        return from_hf_config(folder)
+    except ValueError as error:
+        raise ConfigError(f"model.path: {error}") from None
 
 
 def check_layout(config: ClusterFile, model: ModelSpec) -> None:
@@ -103,6 +122,53 @@ def check_layout(config: ClusterFile, model: ModelSpec) -> None:
                 f"{role}.tensor_parallel_size: {tp} neither divides nor is a multiple of the "
                 f"model's {model.num_kv_heads} KV heads ({model.name})"
             ) from None
+
+
+def served_weights(config: ClusterFile, model: ModelSpec) -> ModelSpec:
+    """`model` as the workers load it: in the file's dtype (unless `auto`: the model's own), and
+    quantized as its checkpoint is, else as `model.quantization` asks vLLM to do online."""
+    try:
+        if config.model.dtype != "auto":
+            model = model.with_dtype(config.model.dtype)
+    except ValueError as error:
+        raise ConfigError(f"model.dtype: {error}") from None
+    return replace(model, quantization=model.quantization or config.model.quantization)
+
+
+def memory_use(config: ClusterFile, model: ModelSpec) -> list[GpuMemoryUse]:
+    """Per GPU of each GPU pool with workers: weights, KV cache, activations and pdserve's KV
+    buffers (pdserve/planner/memory_fit.py). CPU pools are not checked."""
+    pools = {
+        role: pool for role, pool in config.pools().items() if pool.replicas and pool.uses_gpus
+    }
+    if pools:
+        model = served_weights(config, model)
+    uses = []
+    for role, pool in pools.items():
+        try:
+            uses.append(
+                gpu_memory_use(
+                    role,
+                    model,
+                    GPU_PRESETS[pool.gpu_type],
+                    pool.tensor_parallel_size,
+                    config.kv_cache_gib(pool) * GIB,
+                    getattr(pool, "kv_send_buffer_mib", 0),  # a decode pool sends nothing
+                )
+            )
+        except ValueError as error:
+            raise ConfigError(f"model: {error}") from None
+    return uses
+
+
+def check_memory(uses: list[GpuMemoryUse]) -> None:
+    """Each GPU pool's weights, KV cache, activations and buffers must fit its card."""
+    refusal = misfits(uses)
+    if refusal is not None:
+        raise ConfigError(
+            f"{refusal} (lower <pool>.kv_cache_gib, raise the pool's tensor_parallel_size, or "
+            "use a quantized checkpoint)"
+        )
 
 
 def check_resources(slots: list[WorkerSlot], nodes: list[dict[str, float]]) -> None:

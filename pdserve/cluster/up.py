@@ -1,12 +1,12 @@
 """`pdserve up -f cluster.yaml`: the cluster on Ray, its pools in Redis, the router in front.
 
-Order: check everything (file, head layout, resources) before anything starts; start what the
-file asks for that is not there (a local Ray head without --address, a Redis server for an
-`embedded` registry); one placement group and actor per worker; wait until every worker has
-joined the registry; start the router; start the replica keeper, which from then on replaces a
-worker that dies (pdserve/cluster/replica_keeper.py); print the endpoint. A failure on the way
-removes
-what was started. `--dry-run` stops after the checks and prints the plan.
+Order: check everything (file, head layout, each GPU pool's memory, resources) before anything
+starts; start what the file asks for that is not there (a local Ray head without --address, a
+Redis server for an `embedded` registry); one placement group and actor per worker; wait until
+every worker has joined the registry; start the router; start the replica keeper, which from
+then on replaces a worker that dies (pdserve/cluster/replica_keeper.py); print the endpoint. A
+failure on the way removes what was started. `--dry-run` stops after the checks and prints the
+plan and each GPU pool's memory per GPU.
 
 A `flex:` pool's workers (`flex-0`, ...) start like any other; the router gives each its role as
 it joins (half prefill, rounded down), and `pdserve scale` changes the roles, not the workers.
@@ -27,8 +27,10 @@ from pdserve.cluster.local_workers import threads_per_worker
 from pdserve.cluster.placement import (
     WorkerSlot,
     check_layout,
+    check_memory,
     check_resources,
     describe_plan,
+    memory_use,
     model_shape,
     worker_slots,
 )
@@ -81,7 +83,10 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         config = load_cluster_file(args.file)
-        check_layout(config, model_shape(config))
+        model = model_shape(config)
+        check_layout(config, model)
+        memory = memory_use(config, model)
+        check_memory(memory)
         slots = worker_slots(config)
         if args.address:
             ray_launcher.connect(args.address, config.name)
@@ -99,8 +104,12 @@ def run(args: argparse.Namespace) -> int:
         say(f"pdserve up: {error}")
         return 1
     say(describe_plan(slots))
+    for use in memory:
+        say(f"memory: {use.describe()}")
     say(
-        f"checks passed: head layout, {len(nodes)} node(s) with "
+        "checks passed: head layout, "
+        + ("GPU memory, " if memory else "")
+        + f"{len(nodes)} node(s) with "
         + ", ".join(f"{k} {v:g}" for k, v in sorted(_totals(nodes).items()))
     )
     if args.dry_run:

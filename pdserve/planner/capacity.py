@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 
 from pdserve.gpu_spec import GpuSpec
-from pdserve.planner.model_spec import ModelSpec
+from pdserve.planner.model_spec import QUANTIZED_BYTES, ModelSpec
 
 GIB = 2**30
 
@@ -19,7 +19,18 @@ vLLM's default gpu_memory_utilization of 0.9 leaves."""
 
 
 def weight_bytes(model: ModelSpec) -> int:
-    return model.num_params * model.bytes_per_param
+    """Every parameter in the model's dtype, or, quantized, the decoder layers' linear weights in
+    the quantized size and the rest (embeddings, LM head, norms) in the model's dtype."""
+    if model.quantization is None:
+        return model.num_params * model.bytes_per_param
+    if model.quantization not in QUANTIZED_BYTES:
+        raise ValueError(
+            f"{model.name}: cannot size weights quantized with {model.quantization!r}; "
+            f"known: {', '.join(QUANTIZED_BYTES)} (or none)"
+        )
+    kept = model.unquantized_params
+    quantized = model.num_params - kept
+    return quantized * QUANTIZED_BYTES[model.quantization] + kept * model.bytes_per_param
 
 
 def kv_bytes_per_token(model: ModelSpec) -> int:

@@ -9,11 +9,20 @@ from pdserve.planner.model_spec import MODEL_PRESETS
 from pdserve.planner.search import Candidate
 
 
-def cluster_document(candidate: Candidate, model: str, dtype: str, gpu_type: str) -> dict:
+def cluster_document(
+    candidate: Candidate,
+    model: str,
+    dtype: str,
+    gpu_type: str,
+    kv_cache_gib: dict[str, int] | None = None,
+) -> dict:
     """`model` is a planner preset or a config.json path: a preset stays as `model.preset` (the
     head layout `up` checks) and as a placeholder `model.path` to replace with the weights'
     location; a config.json's folder is the path. `dtype` "auto" means the model's own.
-    Colocated is a decode pool with no prefill replica: its workers prefill their own prompts."""
+    `kv_cache_gib` (role -> GiB per GPU) sizes each pool's KV cache; a pool not in it takes the
+    engine's default. Colocated is a decode pool with no prefill replica: its workers prefill
+    their own prompts."""
+    kv = kv_cache_gib or {}
     is_preset = model in MODEL_PRESETS
     folder = model if is_preset or Path(model).is_dir() else str(Path(model).parent)
     return {
@@ -24,11 +33,13 @@ def cluster_document(candidate: Candidate, model: str, dtype: str, gpu_type: str
             "replicas": candidate.prefill_replicas,
             "tensor_parallel_size": candidate.prefill_tp,
             "gpu_type": gpu_type,
+            **({"kv_cache_gib": kv["prefill"]} if "prefill" in kv else {}),
         },
         "decode": {
             "replicas": candidate.decode_replicas,
             "tensor_parallel_size": candidate.decode_tp,
             "gpu_type": gpu_type,
+            **({"kv_cache_gib": kv["decode"]} if "decode" in kv else {}),
         },
         "transport": {"kind": "auto"},
         "router": {"port": 8000},

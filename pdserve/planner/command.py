@@ -15,17 +15,26 @@ from dataclasses import asdict
 from pdserve.bench.metrics import Slo
 from pdserve.bench.workload import DEFAULT_INPUT_LEN, Length
 from pdserve.gpu_spec import GB, GPU_PRESETS, GpuSpec, gpu_preset
+from pdserve.kinds import Role
 from pdserve.planner.calibration import Calibration
 from pdserve.planner.capacity import (
     DEFAULT_RESERVE_FRACTION,
+    GIB,
     CapacityPlan,
     kv_bytes_per_token,
     plan_capacity,
 )
 from pdserve.planner.cluster_file import cluster_document, write_cluster_file
-from pdserve.planner.model_spec import DTYPE_BYTES, MODEL_PRESETS, load_model_spec
+from pdserve.planner.memory_fit import (
+    DEFAULT_SEND_BUFFER_MIB,
+    GpuMemoryUse,
+    gpu_memory_use,
+    kv_cache_gib_that_fits,
+)
+from pdserve.planner.model_spec import DTYPE_BYTES, MODEL_PRESETS, ModelSpec, load_model_spec
 from pdserve.planner.search import (
     CalibratedHardware,
+    Candidate,
     Evaluation,
     RooflineHardware,
     Scenario,
@@ -284,17 +293,44 @@ def _run_search(args: argparse.Namespace) -> int:
         f"recommended: {best.candidate.label}, {best.goodput_per_gpu:.3f} req/s per GPU "
         f"({best.goodput:.2f} req/s on {best.candidate.gpus} GPU(s))"
     )
+    memory = {} if args.calibration else pool_memory(best.candidate, model, hardware.gpu)
+    for use in memory.values():
+        print(f"memory: {use.describe()}")
     if args.write_cluster:
         if args.calibration:
             gpu_type = args.gpu or "cpu"
         else:
             gpu_type = args.gpu or (DEFAULT_GPU if args.gpu_memory_gb is None else "custom")
+        kv_cache_gib = {
+            role: round(use.kv_cache / GIB) for role, use in memory.items() if use.kv_cache
+        }
         write_cluster_file(
             args.write_cluster,
-            cluster_document(best.candidate, args.model, args.dtype or "auto", gpu_type),
+            cluster_document(
+                best.candidate, args.model, args.dtype or "auto", gpu_type, kv_cache_gib
+            ),
         )
         print(f"wrote {args.write_cluster}")
     return 0
+
+
+def pool_memory(candidate: Candidate, model: ModelSpec, gpu: GpuSpec) -> dict[str, GpuMemoryUse]:
+    """Each pool's GPU memory as `pdserve up` checks it (its default reserve and KV buffers),
+    with the most whole GiB of KV cache per GPU that fit: what --write-cluster writes."""
+    pools = {Role.DECODE.value: candidate.decode_tp}
+    if not candidate.colocated:
+        pools = {Role.PREFILL.value: candidate.prefill_tp, **pools}
+    return {
+        role: gpu_memory_use(
+            role,
+            model,
+            gpu,
+            tp,
+            kv_cache_gib_that_fits(role, model, gpu, tp) * GIB,
+            DEFAULT_SEND_BUFFER_MIB,
+        )
+        for role, tp in pools.items()
+    }
 
 
 def _workload(args: argparse.Namespace) -> WorkloadSpec:

@@ -1,6 +1,8 @@
 """What the capacity math needs to know about a model: its shape, parameter count and dtypes.
 
-A model comes from a built-in preset or from any Hugging Face config.json.
+A model comes from a built-in preset, a known Hugging Face checkpoint id (a preset's shape and
+how its weights are stored, so nothing is downloaded to size it), or any Hugging Face
+config.json.
 """
 
 import json
@@ -9,6 +11,11 @@ from pathlib import Path
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
+QUANTIZED_BYTES = {"fp8": 1, "fp8_per_tensor": 1, "fp8_per_channel": 1, "fp8_per_block": 1}
+"""Bytes per weight of the decoder layers' linear matrices in a quantized model, by vLLM method
+("fp8": an fp8 checkpoint; the others quantize a 16-bit one online, each TP shard on its own);
+embeddings, the LM head and the norms stay in the model's dtype."""
+
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 """Config keys of mixture-of-experts models, whose parameters the Llama-like count gets wrong."""
 
@@ -16,7 +23,9 @@ MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 @dataclass(frozen=True)
 class ModelSpec:
     """A decoder-only transformer. Shapes are counts; `bytes_per_param` and
-    `kv_bytes_per_element` are the storage sizes of a weight and of one KV-cache element."""
+    `kv_bytes_per_element` are the storage sizes of a weight and of one KV-cache element.
+    `quantization` ("fp8", a QUANTIZED_BYTES key) stores the decoder layers' linear weights in
+    fewer bytes; `tied_embeddings`: the LM head shares the embedding matrix."""
 
     name: str
     num_layers: int
@@ -29,6 +38,15 @@ class ModelSpec:
     num_params: int
     bytes_per_param: int
     kv_bytes_per_element: int
+    tied_embeddings: bool = False
+    quantization: str | None = None
+
+    @property
+    def unquantized_params(self) -> int:
+        """What quantization leaves in the model's dtype: the embeddings, the LM head unless it is
+        tied, and the norms (two per layer and the final one)."""
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
+        return embeddings + (2 * self.num_layers + 1) * self.hidden_size
 
     def with_dtype(self, dtype: str) -> "ModelSpec":
         """The same model with weights and KV cache in `dtype` (vLLM keeps the KV cache in the
@@ -53,9 +71,29 @@ MODEL_PRESETS = {
         ModelSpec("llama-3.1-8b", 32, 8, 32, 128, 4096, 14336, 128256, 8_030_261_248, 2, 2),
         ModelSpec("llama-3.1-70b", 80, 8, 64, 128, 8192, 28672, 128256, 70_553_706_496, 2, 2),
         # Tied embeddings; float32, as it runs on the CPU test machines.
-        ModelSpec("smollm2-135m", 30, 3, 9, 64, 576, 1536, 49152, 134_515_008, 4, 4),
+        ModelSpec(
+            "smollm2-135m", 30, 3, 9, 64, 576, 1536, 49152, 134_515_008, 4, 4, tied_embeddings=True
+        ),
     )
 }
+
+HUB_CHECKPOINTS = {
+    "meta-llama/Llama-3.1-8B-Instruct": ("llama-3.1-8b", None),
+    "meta-llama/Llama-3.1-70B-Instruct": ("llama-3.1-70b", None),
+    # Neural Magic's FP8 checkpoint (compressed-tensors): the linear weights of the decoder
+    # layers in FP8, embeddings and LM head in bfloat16.
+    "RedHatAI/Meta-Llama-3.1-70B-Instruct-FP8": ("llama-3.1-70b", "fp8"),
+}
+"""Hugging Face ids whose size is known here without downloading them: id -> (preset, how its
+weights are quantized)."""
+
+
+def hub_checkpoint(model_id: str) -> ModelSpec | None:
+    """The spec of a known Hugging Face id (HUB_CHECKPOINTS), or None."""
+    if model_id not in HUB_CHECKPOINTS:
+        return None
+    preset, quantization = HUB_CHECKPOINTS[model_id]
+    return replace(MODEL_PRESETS[preset], name=model_id, quantization=quantization)
 
 
 def load_model_spec(preset_or_path: str, dtype: str | None = None) -> ModelSpec:
@@ -81,7 +119,8 @@ def from_hf_config(
     `num_key_value_heads` to num_attention_heads (no grouped-query attention). `dtype` defaults to
     the config's `torch_dtype` (or `dtype`), else float16. `num_params`, when not given, is
     counted from the shape for a dense Llama-like architecture (see `count_llama_params`), with
-    untied embeddings unless `tie_word_embeddings` says otherwise (Llama's default).
+    untied embeddings unless `tie_word_embeddings` says otherwise (Llama's default). A
+    `quantization_config` sets `quantization` (see `checkpoint_quantization`).
     """
     if isinstance(config, dict):
         name = config.get("_name_or_path") or "hf-config"
@@ -114,9 +153,25 @@ def from_hf_config(
         num_params=0,
         bytes_per_param=size,
         kv_bytes_per_element=size,
+        tied_embeddings=config.get("tie_word_embeddings", False),
+        quantization=checkpoint_quantization(config),
     )
-    tied = config.get("tie_word_embeddings", False)
-    return replace(model, num_params=num_params or count_llama_params(model, tied))
+    return replace(model, num_params=num_params or count_llama_params(model, model.tied_embeddings))
+
+
+def checkpoint_quantization(config: dict) -> str | None:
+    """How a checkpoint's weights are stored, from its config's `quantization_config`: None
+    (unquantized), "fp8" (vLLM's fp8 format, or compressed-tensors with 8-bit float weights), or
+    the method's own name, which sizing then refuses (`capacity.weight_bytes`)."""
+    quantization = config.get("quantization_config")
+    if not quantization:
+        return None
+    method = quantization.get("quant_method", "unknown")
+    if method == "compressed-tensors":
+        weights = [g.get("weights") or {} for g in quantization.get("config_groups", {}).values()]
+        if weights and all(w.get("num_bits") == 8 and w.get("type") == "float" for w in weights):
+            return "fp8"
+    return method
 
 
 def count_llama_params(model: ModelSpec, tie_word_embeddings: bool) -> int:

@@ -14,9 +14,11 @@ from dataclasses import dataclass, replace
 
 from pdserve.bench.metrics import Slo, Summary, summarize
 from pdserve.gpu_spec import GpuSpec
+from pdserve.kinds import Role
 from pdserve.planner.calibration import Calibration
-from pdserve.planner.capacity import DEFAULT_RESERVE_FRACTION, kv_budget_bytes, kv_bytes_per_token
+from pdserve.planner.capacity import DEFAULT_RESERVE_FRACTION, GIB, kv_bytes_per_token
 from pdserve.planner.cost_model import RooflineCost
+from pdserve.planner.memory_fit import kv_cache_gib_that_fits
 from pdserve.planner.model_spec import ModelSpec
 from pdserve.planner.sim_workload import WorkloadSpec
 from pdserve.planner.simulator import SimCluster, SimRequest, simulate
@@ -85,23 +87,33 @@ class RooflineHardware:
         return head_splits(self.model, gpus)
 
     def cluster(self, candidate: Candidate) -> SimCluster | None:
-        """None when the weights leave no room for KV cache in either pool."""
-        prefill_room = kv_budget_bytes(
-            self.model, self.gpu, candidate.prefill_tp, self.reserve_fraction
+        """None when a pool's GPUs have not 1 GiB left for KV cache beside its share of the
+        weights, the reserve and pdserve's KV buffers (pdserve/planner/memory_fit.py)."""
+        prefill_gib = kv_cache_gib_that_fits(
+            Role.PREFILL,
+            self.model,
+            self.gpu,
+            candidate.prefill_tp,
+            reserve_fraction=self.reserve_fraction,
         )
-        decode_room = kv_budget_bytes(
-            self.model, self.gpu, candidate.decode_tp, self.reserve_fraction
+        decode_gib = kv_cache_gib_that_fits(
+            Role.DECODE,
+            self.model,
+            self.gpu,
+            candidate.decode_tp,
+            reserve_fraction=self.reserve_fraction,
         )
-        if prefill_room <= 0 or decode_room <= 0:
+        if (candidate.prefill_replicas and not prefill_gib) or not decode_gib:
             return None
         return SimCluster(
             prefill_replicas=candidate.prefill_replicas,
             decode_replicas=candidate.decode_replicas,
             prefill_cost=RooflineCost(self.model, self.gpu, candidate.prefill_tp),
             decode_cost=RooflineCost(self.model, self.gpu, candidate.decode_tp),
-            kv_capacity_tokens=int(
-                decode_room * candidate.decode_tp // kv_bytes_per_token(self.model)
-            ),
+            kv_capacity_tokens=decode_gib
+            * GIB
+            * candidate.decode_tp
+            // kv_bytes_per_token(self.model),
             kv_bytes_per_token=kv_bytes_per_token(self.model),
             kv_bandwidth_bytes_per_s=self.kv_bandwidth_bytes_per_s,
             kv_latency_s=self.kv_latency_s,

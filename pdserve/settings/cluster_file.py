@@ -63,7 +63,7 @@ class ModelSection(Settings):
 
 
 class EngineSection(Settings):
-    kv_cache_gib: KvCacheGib
+    kv_cache_gib: KvCacheGib  # every pool's, per GPU, unless the pool sets its own
     seed: Seed
     enforce_eager: EnforceEager
 
@@ -73,6 +73,7 @@ class PoolSection(Settings):
     tensor_parallel_size: TensorParallelSize
     gpu_type: GpuType
 
+    kv_cache_gib: float | None = Field(None, gt=0)  # per GPU; None: engine.kv_cache_gib
     @property
     def uses_gpus(self) -> bool:
         return self.gpu_type != CPU
@@ -168,12 +169,17 @@ class ClusterFile(Settings):
 
     def worker_settings(self, role: str, registry_url: str) -> WorkerSettings:
         """What a worker of pool `role` starts with (its launcher sets id, host and port)."""
+    def kv_cache_gib(self, pool: PoolSection) -> float:
+        """The pool's KV cache per GPU: its own `kv_cache_gib`, else the cluster-wide
+        `engine.kv_cache_gib` (what files before per-pool sizes set)."""
+        return pool.kv_cache_gib or self.engine.kv_cache_gib
+
         pool = self.pool(role)
         engine = EngineSettings(
             model=self.model.path,
             dtype=self.model.dtype,
             max_model_len=self.model.max_model_len,
-            kv_cache_gib=self.engine.kv_cache_gib,
+            kv_cache_gib=self.kv_cache_gib(pool),
             seed=self.engine.seed,
             tensor_parallel_size=pool.tensor_parallel_size,
             quantization=self.model.quantization,

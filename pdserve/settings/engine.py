@@ -26,7 +26,13 @@ MaxModelLen = Annotated[
     Field(default=None, ge=1, description="context length in tokens (default: the model's own)"),
 ]
 KvCacheGib = Annotated[
-    float, Field(default=2.0, gt=0, description="KV cache size per worker in GiB")
+    float,
+    Field(
+        default=2.0,
+        gt=0,
+        description="KV cache per GPU (per tensor-parallel rank) in GiB: vLLM reserves it on "
+        "each rank, so a worker at TP N holds N times this",
+    ),
 ]
 Seed = Annotated[int, Field(default=0, description="engine random seed")]
 TensorParallelSize = Annotated[

@@ -1,6 +1,7 @@
-"""Cluster files: schema validation, head-layout and resource checks, and `pdserve up`
-refusing a bad file before anything starts. No engine, no Ray."""
+"""Cluster files: schema validation, head-layout, GPU-memory and resource checks, and `pdserve
+up` refusing a bad file before anything starts. No engine, no Ray."""
 
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +11,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdserve.cluster.placement import check_layout, check_resources, model_shape, worker_slots
+from pdserve.cluster.placement import (
+    check_layout,
+    check_memory,
+    check_resources,
+    memory_use,
+    model_shape,
+    worker_slots,
+)
+from pdserve.planner.capacity import GIB
 from pdserve.planner.model_spec import MODEL_PRESETS
 from pdserve.settings.base import ConfigError
 from pdserve.settings.cluster_file import load_cluster_file, parse_cluster
@@ -62,6 +71,104 @@ def test_a_bad_field_is_refused_by_name(document, message):
 
 def test_numbers_are_accepted_where_floats_are_expected():
     assert parse_cluster({"engine": {"kv_cache_gib": 1}}).engine.kv_cache_gib == 1.0
+
+
+def kv_cache_gib_by_role(config) -> dict[str, float]:
+    return {role: config.worker_settings(role, "").engine.kv_cache_gib for role in config.pools()}
+
+
+def test_kv_cache_gib_is_set_per_pool_and_engine_kv_cache_gib_stays_the_default_of_both():
+    assert kv_cache_gib_by_role(parse_cluster({"engine": {"kv_cache_gib": 8}})) == {
+        "prefill": 8.0,
+        "decode": 8.0,
+    }
+    per_pool = parse_cluster(
+        {"engine": {"kv_cache_gib": 8}, "prefill": {"kv_cache_gib": 16}, "decode": {}}
+    )
+    assert kv_cache_gib_by_role(per_pool) == {"prefill": 16.0, "decode": 8.0}
+    assert kv_cache_gib_by_role(parse_cluster({"decode": {"kv_cache_gib": 30}})) == {
+        "prefill": 2.0,  # the engine's default
+        "decode": 30.0,
+    }
+    flex = parse_cluster({"flex": {"replicas": 2, "kv_cache_gib": 4}})
+    assert kv_cache_gib_by_role(flex) == {"flex": 4.0}
+    assert "decode.kv_cache_gib: must be > 0" in refused({"decode": {"kv_cache_gib": 0}})
+
+
+H100_70B = {"path": "meta-llama/Llama-3.1-70B-Instruct", "dtype": "bfloat16"}
+
+
+def test_each_gpu_pool_is_sized_per_gpu_from_its_tp_and_kv_cache():
+    config = parse_cluster(
+        {
+            "model": H100_70B,
+            "prefill": {"tensor_parallel_size": 4, "gpu_type": "H100-SXM", "kv_cache_gib": 16},
+            "decode": {"tensor_parallel_size": 4, "gpu_type": "H100-SXM", "kv_cache_gib": 30},
+        }
+    )
+    prefill, decode = memory_use(config, model_shape(config))
+    # 70.55e9 bfloat16 parameters over 4 GPUs; 10% of 80 GB; a 256 MiB send budget per prefill
+    # rank, a 1 GiB inbox per decode rank.
+    assert prefill.weights == decode.weights == 70_553_706_496 * 2 / 4
+    assert (prefill.kv_cache, decode.kv_cache) == (16 * GIB, 30 * GIB)
+    assert prefill.activations == decode.activations == 8e9
+    assert (prefill.buffers, decode.buffers) == (256 << 20, 1 << 30)
+    check_memory([prefill, decode])
+    assert decode.describe() == (
+        "decode TP 4 on H100-SXM: weights 32.85 + KV 30.00 + activations 7.45 + KV buffers "
+        "1.00 = 71.30 GiB per GPU of 74.51 GiB (80 GB)"
+    )
+
+
+def test_a_pool_that_does_not_fit_its_gpus_is_refused_naming_the_numbers():
+    config = parse_cluster(
+        {
+            "model": H100_70B,
+            "prefill": {"replicas": 0},
+            "decode": {"tensor_parallel_size": 2, "gpu_type": "H100-SXM", "kv_cache_gib": 4},
+        }
+    )
+    with pytest.raises(ConfigError) as caught:
+        check_memory(memory_use(config, model_shape(config)))
+    assert str(caught.value).startswith(
+        "does not fit in GPU memory: decode TP 2 on H100-SXM: weights 65.71 + KV 4.00 + "
+        "activations 7.45 + KV buffers 1.00 = 78.16 GiB per GPU of 74.51 GiB (80 GB), 3.65 GiB "
+        "over"
+    )
+
+
+def test_cpu_pools_have_no_gpu_memory_to_check():
+    config = parse_cluster({"engine": {"kv_cache_gib": 1000}})
+    assert memory_use(config, MODEL_PRESETS["smollm2-135m"]) == []
+
+
+def test_weights_are_sized_at_the_checkpoint_quantization_or_the_online_one():
+    fp8_checkpoint = parse_cluster(
+        {
+            "model": {"path": "RedHatAI/Meta-Llama-3.1-70B-Instruct-FP8", "dtype": "bfloat16"},
+            "decode": {"gpu_type": "H100-SXM"},
+            "prefill": {"replicas": 0},
+        }
+    )
+    (decode,) = memory_use(fp8_checkpoint, model_shape(fp8_checkpoint))
+    assert round(decode.weights / GIB, 2) == 67.67  # FP8 layers, bfloat16 embeddings and head
+    online = parse_cluster(
+        {
+            "model": {**H100_70B, "quantization": "fp8_per_tensor"},
+            "decode": {"gpu_type": "H100-SXM"},
+            "prefill": {"replicas": 0},
+        }
+    )
+    assert memory_use(online, model_shape(online))[0].weights == decode.weights
+    unknown = parse_cluster(
+        {
+            "model": {**H100_70B, "quantization": "awq"},
+            "decode": {"gpu_type": "H100-SXM"},
+            "prefill": {"replicas": 0},
+        }
+    )
+    with pytest.raises(ConfigError, match="cannot size weights quantized with 'awq'"):
+        memory_use(unknown, model_shape(unknown))
 
 
 def test_tensor_parallelism_must_divide_the_heads():
@@ -125,11 +232,15 @@ def test_the_shipped_cluster_files_are_valid(path):
     check_layout(config, model_shape(config))
 
 
-def test_the_70b_files_use_eight_gpus():
-    for name in ("llama-3.1-70b-tp4-1p1d.yaml", "llama-3.1-70b-fp8-4p1d.yaml"):
+SEVENTY_B_FILES = {"llama-3.1-70b-tp4-1p1d.yaml": 8, "llama-3.1-70b-fp8-4p1d.yaml": 12}
+
+
+def test_the_70b_files_gpu_counts():
+    """TP=4 prefill and decode on 8 GPUs; four TP=2 FP8 prefill workers (67.7 GiB of FP8
+    weights leave too little of one 80 GB card) and a TP=4 decode worker on 12."""
+    for name, gpus in SEVENTY_B_FILES.items():
         config = load_cluster_file(DEPLOY / name)
-        gpus = sum(s.tensor_parallel_size for s in worker_slots(config))
-        assert gpus == 8, name
+        assert sum(s.tensor_parallel_size for s in worker_slots(config)) == gpus, name
 
 
 def run_up(tmp_path, document, *extra) -> subprocess.CompletedProcess:
@@ -177,8 +288,30 @@ def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path):
     assert not (tmp_path / "state").exists()
 
 
-@pytest.mark.parametrize("name", ["llama-3.1-70b-tp4-1p1d.yaml", "llama-3.1-70b-fp8-4p1d.yaml"])
-def test_a_dry_run_plans_a_70b_file_against_the_gpus_it_asks_for(tmp_path, name):
+@pytest.mark.parametrize(
+    "name, memory",
+    [
+        (
+            "llama-3.1-70b-tp4-1p1d.yaml",
+            [
+                "prefill TP 4 on H100-SXM: weights 32.85 + KV 16.00 + activations 7.45 + KV "
+                "buffers 0.25 = 56.55 GiB per GPU of 74.51 GiB (80 GB)",
+                "decode TP 4 on H100-SXM: weights 32.85 + KV 30.00 + activations 7.45 + KV "
+                "buffers 1.00 = 71.30 GiB per GPU of 74.51 GiB (80 GB)",
+            ],
+        ),
+        (
+            "llama-3.1-70b-fp8-4p1d.yaml",
+            [
+                "prefill TP 2 on H100-SXM: weights 33.83 + KV 16.00 + activations 7.45 + KV "
+                "buffers 0.25 = 57.53 GiB per GPU of 74.51 GiB (80 GB)",
+                "decode TP 4 on H100-SXM: weights 16.92 + KV 40.00 + activations 7.45 + KV "
+                "buffers 1.00 = 65.37 GiB per GPU of 74.51 GiB (80 GB)",
+            ],
+        ),
+    ],
+)
+def test_a_dry_run_plans_a_70b_file_against_the_gpus_it_asks_for(tmp_path, name, memory):
     env = {**os.environ, "PDSERVE_STATE_DIR": str(tmp_path / "state")}
     done = subprocess.run(
         [sys.executable, "-m", "pdserve.cluster.cli", "up", "-f", str(DEPLOY / name), "--dry-run"],
@@ -189,7 +322,34 @@ def test_a_dry_run_plans_a_70b_file_against_the_gpus_it_asks_for(tmp_path, name)
     )
     assert done.returncode == 0, done.stderr
     assert "decode-0     decode     4  {GPU: 1} {GPU: 1} {GPU: 1} {GPU: 1}" in done.stderr
-    assert "GPU 8" in done.stderr and "dry run: nothing started" in done.stderr
+    for line in memory:  # each pool's GPU memory, per GPU, against the card's
+        assert f"memory: {line}\n" in done.stderr
+    assert "checks passed: head layout, GPU memory, 1 node(s)" in done.stderr
+    assert f"GPU {SEVENTY_B_FILES[name]}\n" in done.stderr
+    assert "dry run: nothing started" in done.stderr
+    assert not (tmp_path / "state").exists()
+
+
+def test_up_refuses_the_old_70b_fp8_layout_naming_the_numbers(tmp_path):
+    """One TP=1 prefill worker holding all 67.7 GiB of FP8 weights, as the 70B FP8 file had it:
+    refused before anything starts, with each term per GPU and the card's memory."""
+    done = run_up(
+        tmp_path,
+        {
+            "model": {"path": "RedHatAI/Meta-Llama-3.1-70B-Instruct-FP8", "dtype": "bfloat16"},
+            "engine": {"kv_cache_gib": 8},
+            "prefill": {"replicas": 4, "tensor_parallel_size": 1, "gpu_type": "H100-SXM"},
+            "decode": {"replicas": 1, "tensor_parallel_size": 4, "gpu_type": "H100-SXM"},
+        },
+        "--dry-run",
+    )
+    assert done.returncode == 2
+    assert (
+        "refused: does not fit in GPU memory: prefill TP 1 on H100-SXM: weights 67.67 + KV 8.00 "
+        "+ activations 7.45 + KV buffers 0.25 = 83.37 GiB per GPU of 74.51 GiB (80 GB), 8.86 "
+        "GiB over (lower <pool>.kv_cache_gib"
+    ) in done.stderr
+    assert "decode TP 4" not in done.stderr  # the decode pool fits: only the prefill is named
     assert not (tmp_path / "state").exists()
 
 
@@ -197,7 +357,7 @@ def test_a_dry_run_on_assumed_nodes_checks_that_each_tp_group_fits_one(tmp_path)
     done = run_up(
         tmp_path,
         {
-            "model": {"path": "meta-llama/Llama-3.1-70B-Instruct", "preset": "llama-3.1-70b"},
+            "model": {**H100_70B, "preset": "llama-3.1-70b"},
             "prefill": {"replicas": 1, "tensor_parallel_size": 4, "gpu_type": "H100-SXM"},
             "decode": {"replicas": 1, "tensor_parallel_size": 4, "gpu_type": "H100-SXM"},
         },
@@ -209,3 +369,35 @@ def test_a_dry_run_on_assumed_nodes_checks_that_each_tp_group_fits_one(tmp_path)
     )
     assert done.returncode == 2
     assert "needs 4 GPU on one node" in done.stderr
+
+
+def test_a_local_folder_is_sized_from_its_config_and_its_quantization_config(tmp_path):
+    """No hub: the shape, parameter count and FP8 layers come from the folder's config.json."""
+    config_json = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_attention_heads": 64,
+        "num_hidden_layers": 80,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "torch_dtype": "bfloat16",
+        "quantization_config": {
+            "quant_method": "compressed-tensors",
+            "config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "float"}}},
+        },
+    }
+    folder = tmp_path / "llama-70b-fp8"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config_json))
+    config = parse_cluster(
+        {
+            "model": {"path": str(folder), "dtype": "bfloat16"},
+            "prefill": {"replicas": 0},
+            "decode": {"tensor_parallel_size": 2, "gpu_type": "H100-SXM"},
+        }
+    )
+    model = model_shape(config)
+    assert (model.num_params, model.quantization) == (70_553_706_496, "fp8")
+    (decode,) = memory_use(config, model)
+    assert round(decode.weights / GIB, 2) == 33.83  # half of 67.67 GiB

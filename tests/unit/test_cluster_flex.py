@@ -83,7 +83,11 @@ def test_the_flex_pool_tensor_parallelism_must_divide_the_heads():
 def test_a_dry_run_plans_flex_workers(tmp_path):
     path = tmp_path / "flex.yaml"
     document = {
-        "model": {"path": "meta-llama/Llama-3.1-70B-Instruct", "preset": "llama-3.1-70b"},
+        "model": {
+            "path": "meta-llama/Llama-3.1-70B-Instruct",
+            "preset": "llama-3.1-70b",
+            "dtype": "bfloat16",  # float32, the default, does not fit 80 GB at TP 4
+        },
         "flex": {"replicas": 2, "tensor_parallel_size": 4, "gpu_type": "H100-SXM"},
     }
     path.write_text(yaml.safe_dump(document))

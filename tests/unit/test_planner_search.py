@@ -8,7 +8,14 @@ import yaml
 
 from pdserve.bench.metrics import Slo
 from pdserve.bench.workload import Length
-from pdserve.cluster.placement import check_layout, check_resources, model_shape, worker_slots
+from pdserve.cluster.placement import (
+    check_layout,
+    check_memory,
+    check_resources,
+    memory_use,
+    model_shape,
+    worker_slots,
+)
 from pdserve.gpu_spec import GB, GPU_PRESETS
 from pdserve.planner.command import add_parser
 from pdserve.planner.model_spec import MODEL_PRESETS
@@ -132,11 +139,22 @@ def test_plan_prints_the_searched_table_and_writes_the_recommended_cluster(tmp_p
     (one_gpu,) = [line for line in colocated if "colocated 1×TP1" in line]
     assert not one_gpu.endswith("100%") and out.splitlines().index(one_gpu) > 3
     cluster = yaml.safe_load(path.read_text())
-    assert cluster["prefill"] == {"replicas": 1, "tensor_parallel_size": 1, "gpu_type": "H100-SXM"}
+    # Each pool's KV cache: the whole GiB per GPU that 80 GB (74.51 GiB) leaves beside 14.96 GiB
+    # of weights, 7.45 GiB of activations and pdserve's buffers (prefill 0.25, decode 1 GiB).
+    assert cluster["prefill"] == {
+        "replicas": 1,
+        "tensor_parallel_size": 1,
+        "gpu_type": "H100-SXM",
+        "kv_cache_gib": 51,
+    }
+    assert cluster["decode"]["kv_cache_gib"] == 51
     assert cluster["decode"]["replicas"] == 1 and cluster["model"]["preset"] == "llama-3.1-8b"
-    # `pdserve up` accepts the file: schema, head layout, and its 2 GPUs on one 8-GPU node.
+    assert "memory: decode TP 1 on H100-SXM: weights 14.96 + KV 51.00" in out
+    # `pdserve up` accepts the file: schema, head layout, GPU memory, and its 2 GPUs on one
+    # 8-GPU node.
     config = load_cluster_file(path)
     check_layout(config, model_shape(config))
+    check_memory(memory_use(config, model_shape(config)))
     check_resources(worker_slots(config), [{"GPU": 8}])
 
 
