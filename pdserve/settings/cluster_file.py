@@ -72,8 +72,8 @@ class PoolSection(Settings):
     replicas: int = Field(1, ge=0)
     tensor_parallel_size: TensorParallelSize
     gpu_type: GpuType
-
     kv_cache_gib: float | None = Field(None, gt=0)  # per GPU; None: engine.kv_cache_gib
+
     @property
     def uses_gpus(self) -> bool:
         return self.gpu_type != CPU
@@ -167,13 +167,13 @@ class ClusterFile(Settings):
     def pool(self, role: str) -> PoolSection:
         return self.pools()[role]
 
-    def worker_settings(self, role: str, registry_url: str) -> WorkerSettings:
-        """What a worker of pool `role` starts with (its launcher sets id, host and port)."""
     def kv_cache_gib(self, pool: PoolSection) -> float:
         """The pool's KV cache per GPU: its own `kv_cache_gib`, else the cluster-wide
         `engine.kv_cache_gib` (what files before per-pool sizes set)."""
         return pool.kv_cache_gib or self.engine.kv_cache_gib
 
+    def worker_settings(self, role: str, registry_url: str) -> WorkerSettings:
+        """What a worker of pool `role` starts with (its launcher sets id, host and port)."""
         pool = self.pool(role)
         engine = EngineSettings(
             model=self.model.path,
