@@ -58,9 +58,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--dry-run",
         action="store_true",
-        help="print the placement plan and the checks, start nothing; without --address the "
-        "plan is made against the GPUs the file asks for (or --assume-gpus/--assume-nodes), "
-        "not this host's",
+        help="print the placement plan, each GPU pool's memory per GPU and the checks, start "
+        "nothing; without --address the plan is made against the GPUs the file asks for (or "
+        "--assume-gpus/--assume-nodes), not this host's",
     )
     parser.add_argument(
         "--assume-gpus",
