@@ -51,6 +51,20 @@ def test_candidates_include_colocated_replicas_of_every_tp():
     assert Candidate(0, 2, 4, 2).label == "colocated 4×TP2" and Candidate(0, 2, 4, 2).gpus == 8
 
 
+def test_a_configuration_whose_pool_does_not_fit_its_gpus_is_not_simulated():
+    """70B bfloat16 on 80 GB (74.51 GiB) cards: 131.4 GiB of weights fit none at TP 1; at TP 2,
+    65.71 GiB per GPU beside the 7.45 GiB reserve leave 1.1 GiB for a prefill rank (its 0.25 GiB
+    send budget counted) but 0.35 GiB for a decode rank (its 1 GiB inbox): below the 1 GiB of
+    KV a pool needs. At TP 4 the decode ranks have 33 whole GiB each."""
+    llama_70b = MODEL_PRESETS["llama-3.1-70b"]
+    hardware = RooflineHardware(llama_70b, H100, 25 * GB, 1e-3)
+    assert hardware.cluster(Candidate(1, 1, 1, 4)) is None
+    assert hardware.cluster(Candidate(1, 2, 1, 2)) is None
+    cluster = hardware.cluster(Candidate(1, 2, 1, 4))
+    per_token = 2 * 80 * 8 * 128 * 2  # K and V, 80 layers, 8 KV heads of 128, bfloat16
+    assert cluster.kv_capacity_tokens == 33 * 2**30 * 4 // per_token
+
+
 def _searched(workload: WorkloadSpec, slo: Slo) -> list:
     hardware = RooflineHardware(LLAMA_8B, H100, kv_bandwidth_bytes_per_s=25 * GB, kv_latency_s=1e-3)
     evaluations = search(hardware, Scenario(workload, slo, num_requests=40), gpus=4)
