@@ -1,175 +1,610 @@
-"""Check the KV data plane on a real device, with plain torch (no vLLM needed), in under a minute.
+"""Check pdserve's KV data plane on a real device in one short run: the real classes, torch only.
 
-    python scripts/gpu_check.py                 # CUDA when present, else CPU
-    python scripts/gpu_check.py --device cpu
+    python scripts/gpu_check.py                          # CUDA when present, else CPU
+    python scripts/gpu_check.py --device cpu --json report.json
+    python scripts/gpu_check.py --quick                  # a representative subset (unit test)
 
-1. Round trip, byte-exact: gather a request's blocks from a layer cache -> stage to the host
-   (pinned buffer, side stream, event) -> bytes -> back to the device -> scatter into another
-   cache, for each layout (vLLM 0.32's view over HND / NHD memory, the older FlashAttention and
-   FlashInfer caches) and dtype (bfloat16, float16, float32, fp8 as bytes).
-2. Tensor-parallel re-sharding across simulated ranks (2->1, 1->2, 4->2, 1->4 and replicated KV
-   heads): every decode rank's cache equals the full cache sliced at its heads.
-3. Stream ordering (CUDA): staging sees what the forward stream wrote before it, and a load
-   lands after what the forward stream queued before it.
-4. The nccl transport's path: KV staged and loaded without leaving the device.
-5. Bandwidth: device->pinned and pinned->device copies through the staging code, beside the
-   device's own device->device copy, in GB/s (median of repeats).
-Exits 1 if any check fails.
+Every check runs pdserve's own sender -> transport -> receiver -> loader classes
+(prefill_workers.kv_sender.LayerSender, kv_transfer.transport.KvSender and its channels,
+kv_transfer.kv_receiver.KvReceiver, decode_workers.kv_loader.KvLoader), with the blocks the
+prefill's real SendPlan picks, on device tensors laid out as vLLM 0.32 allocates them: one
+int8 buffer per layer group viewed as [layers, blocks, heads, tokens, content bytes] in one of
+its six KVCacheLayout stride orders, each layer a [blocks, heads, tokens, 2 * head_size] view
+(vllm/v1/kv_cache_interface.create_kv_cache_views), plus the older layouts the code still
+reads; bfloat16, float16 and fp8 (which vLLM stores as uint8). Byte-exact, on every decode rank.
+
+Checks are isolated: each prints its own PASS, FAIL or SKIP line (a failure never stops the
+others); `--json PATH` writes them all. A SKIP says why: a CUDA-only check on CPU, nccl with one
+GPU (NCCL needs a GPU per rank), or a part another change has "not built yet". Exits 1 if any
+check failed.
+
+Dependencies: torch and pdserve's own (grpcio, protobuf, pydantic); no numpy, no vLLM, no
+network (everything on 127.0.0.1). pdserve's connector metadata subclasses vLLM's empty
+`KVConnectorMetadata` marker: this script provides that one class itself (`_without_vllm`), so
+the data plane's classes import where vLLM is not installed.
 """
 
 import argparse
+import dataclasses
+import importlib.util
+import json
+import logging
 import statistics
+import subprocess
 import sys
+import textwrap
 import time
+import traceback
+import types
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-from kv_transfer.head_shards import head_routes, rank_heads
-from kv_transfer.host_staging import DeviceToHost, HostToDevice
-from kv_transfer.kv_copy import as_bytes, from_bytes, gather, scatter, wire_shape
-from kv_transfer.kv_layout import (
-    BLOCK,
-    CONTENT,
-    DIM,
-    HEAD,
-    KV,
-    TOKEN,
-    LayerLayout,
-    find_layout,
-    memory_order,
-)
-
-# A Llama-70B-like layer shard: 8 KV heads of 128, blocks of 16 tokens (GPU) on 256 blocks.
-NUM_BLOCKS, HEADS, BLOCK_TOKENS, HEAD_SIZE = 256, 8, 16, 128
-POOL_BYTES = 1 << 30  # pinned host memory for staging: room for the bandwidth buffer
-DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "fp8_e4m3": torch.float8_e4m3fn,
+LAYERS, BLOCKS, BLOCK_TOKENS, HEAD_SIZE = 3, 48, 16, 128  # a Llama-8B-like layer shard
+KV_HEADS = 8
+SEND_BUFFER_BYTES = 256 << 20
+DEADLINE_S = 30.0  # longest a transfer may take to be reported by every decode rank
+PEER_TIMEOUT_S = 3.0  # the group deadline in the peer-never-joins check
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "fp8 (uint8)": torch.uint8}
+# vLLM 0.32's KVCacheLayout: the stride order over the logical [L, B, H, N, C] axes.
+VLLM_LAYOUTS = {
+    "LBHNC": (0, 1, 2, 3, 4),
+    "LBNHC": (0, 1, 3, 2, 4),
+    "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4),
+    "BLNHC": (1, 0, 3, 2, 4),
+    "BHLNC": (1, 2, 0, 3, 4),
 }
-# (name, logical dims, memory order of those dims)
-LAYOUTS = [
-    ("vllm-0.32 HND (CPU, FlashInfer)", (BLOCK, HEAD, TOKEN, CONTENT), (0, 1, 2, 3)),
-    ("vllm-0.32 NHD (FlashAttention)", (BLOCK, HEAD, TOKEN, CONTENT), (0, 2, 1, 3)),
-    ("old FlashAttention", (KV, BLOCK, TOKEN, HEAD, DIM), (0, 1, 2, 3, 4)),
-    ("old FlashInfer HND", (KV, BLOCK, HEAD, TOKEN, DIM), (0, 1, 2, 3, 4)),
+OLD_LAYOUTS = {  # per-layer tensors of older vLLM backends (kv_layout.KNOWN_LAYOUTS)
+    "old kv,block,token,head,dim": ("kv", "block", "token", "head", "dim"),
+    "old kv,block,head,token,dim": ("kv", "block", "head", "token", "dim"),
+    "old block,kv,token,head,dim": ("block", "kv", "token", "head", "dim"),
+    "old block,kv,head,token,dim": ("block", "kv", "head", "token", "dim"),
+}
+LAYOUTS = [*VLLM_LAYOUTS, *OLD_LAYOUTS]
+# (total KV heads, prefill TP, decode TP): both ways, and 2 heads replicated over 4 ranks
+TP_PAIRS = [
+    (8, 1, 2),
+    (8, 2, 1),
+    (8, 1, 4),
+    (8, 4, 1),
+    (8, 2, 4),
+    (8, 4, 2),
+    (2, 1, 4),
+    (2, 4, 1),
+    (2, 2, 4),
+    (2, 4, 2),
 ]
+FAULT_DAMAGE = {  # --kv-fault kind -> what the decode worker must find (None: loads fine)
+    "corrupt": "digest",
+    "truncate": "length",
+    "duplicate": "duplicate",
+    "reorder": "order",
+    "stale": "stale",
+    "delay": None,
+}
 
 
-def sizes(dims, heads=HEADS):
-    table = {BLOCK: NUM_BLOCKS, HEAD: heads, TOKEN: BLOCK_TOKENS, KV: 2, DIM: HEAD_SIZE}
-    table[CONTENT] = 2 * HEAD_SIZE
-    return [table[d] for d in dims]
+class Skip(Exception):
+    """The check cannot run here; the message says why."""
 
 
-def make_cache(dims, memory, dtype, device, heads=HEADS, fill=True):
-    """A cache allocated in `memory` order, viewed in `dims` order, as vLLM hands it out."""
-    logical = sizes(dims, heads)
-    physical = torch.empty([logical[d] for d in memory], dtype=torch.float32, device=device)
-    if fill:
-        physical.copy_(torch.randn(physical.shape, device=device))
-    else:
-        physical.zero_()
-    physical = physical.to(dtype)
-    return physical.permute(*[memory.index(d) for d in range(len(dims))])
+def _without_vllm() -> None:
+    """Give pdserve's metadata module vLLM's empty marker base class without importing vLLM."""
+    base = "vllm.distributed.kv_transfer.kv_connector.v1.base"
+    parts = base.split(".")
+    for depth in range(1, len(parts) + 1):
+        name = ".".join(parts[:depth])
+        sys.modules[name] = types.ModuleType(name)
+    sys.modules[base].KVConnectorMetadata = type("KVConnectorMetadata", (), {})
 
 
-def bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.contiguous().reshape(-1).view(torch.uint8)
+def built(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
 
 
-def round_trip(device, dims, memory, dtype) -> bool:
-    source = make_cache(dims, memory, dtype, device)
-    layout = find_layout(tuple(source.shape), NUM_BLOCKS, HEADS, BLOCK_TOKENS, HEAD_SIZE)
-    target_layout = LayerLayout((BLOCK, HEAD, TOKEN, CONTENT))  # a decode worker of another kind
-    target = make_cache(target_layout.dims, (0, 2, 1, 3), dtype, device, fill=False)
-    src_ids = torch.tensor([17, 3, 250, 99, 42], device=device)
-    dst_ids = torch.tensor([5, 6, 7, 200, 1], device=device)
-    canonical = layout.canonical(source, HEAD_SIZE)
-    staged = DeviceToHost(device, POOL_BYTES).stage(lambda: gather(canonical, src_ids, slice(None)))
-    data = bytearray(as_bytes(staged.ready()))
-    staged.release()
-    host = from_bytes(data, dtype, wire_shape(len(src_ids), HEADS, BLOCK_TOKENS, HEAD_SIZE))
-    loader = HostToDevice(device)
-    target_canonical = target_layout.canonical(target, HEAD_SIZE)
-    loader.load(host, dst_ids.cpu(), lambda w, i: scatter(w, target_canonical, i, slice(None)))
-    loader.wait()
-    moved = torch.equal(bytes_of(target_canonical[dst_ids]), bytes_of(canonical[src_ids]))
-    untouched = [b for b in range(NUM_BLOCKS) if b not in dst_ids.tolist()]
-    clean = bool((bytes_of(target_canonical[untouched]) == 0).all())
-    return moved and clean and memory_order(source, layout) != ""
+# Caches as vLLM allocates them ---------------------------------------------------------------
 
 
-def device_resident(device, dtype=torch.bfloat16) -> bool:
-    """The nccl transport's path: the wire tensor stays on the device (staged on the side
-    stream, ready once its event fires) and is loaded from the device (no host copy)."""
-    source = make_cache((BLOCK, HEAD, TOKEN, CONTENT), (0, 2, 1, 3), dtype, device)
-    layout = LayerLayout((BLOCK, HEAD, TOKEN, CONTENT))
-    target = make_cache(layout.dims, (0, 2, 1, 3), dtype, device, fill=False)
-    src_ids = torch.tensor([4, 90, 11], device=device)
-    dst_ids = torch.tensor([7, 8, 200], device=device)
-    canonical, target_canonical = (layout.canonical(t, HEAD_SIZE) for t in (source, target))
-    staging = DeviceToHost(device, POOL_BYTES)
-    staged = staging.stage(lambda: gather(canonical, src_ids, slice(None)), to_host=False)
-    received = staged.ready().clone()  # what a receiving rank's group would hand over
-    staged.release()
-    wire = from_bytes(received, dtype, wire_shape(len(src_ids), HEADS, BLOCK_TOKENS, HEAD_SIZE))
-    loader = HostToDevice(device)
-    loader.load(wire, dst_ids.cpu(), lambda w, i: scatter(w, target_canonical, i, slice(None)))
-    loader.wait()
-    moved = torch.equal(bytes_of(target_canonical[dst_ids]), bytes_of(canonical[src_ids]))
-    return moved and received.device == device and staging.budget.in_use == 0
+def vllm_caches(layout: str, heads: int, dtype: torch.dtype, device) -> list[torch.Tensor]:
+    """One layer group's caches, as vLLM 0.32's create_kv_cache_views makes them: an int8
+    buffer, strided by the layout's order over [L, B, H, N, C bytes], one view per layer."""
+    content = 2 * HEAD_SIZE * torch.empty(0, dtype=dtype).element_size()
+    if layout in OLD_LAYOUTS:
+        size = {"kv": 2, "block": BLOCKS, "token": BLOCK_TOKENS, "head": heads, "dim": HEAD_SIZE}
+        shape = [size[d] for d in OLD_LAYOUTS[layout]]
+        return [random_bytes(shape, dtype, device) for _ in range(LAYERS)]
+    shape = (LAYERS, BLOCKS, heads, BLOCK_TOKENS, content)
+    strides, step = [0] * 5, 1
+    for dim in reversed(VLLM_LAYOUTS[layout]):
+        strides[dim], step = step, step * shape[dim]
+    raw = torch.randint(0, 256, (step,), dtype=torch.uint8, device=device)
+    grouped = torch.as_strided(raw, shape, strides)
+    return [grouped[layer].view(dtype) for layer in range(LAYERS)]
 
 
-def reshard(device, total_heads, prefill_tp, decode_tp, dtype=torch.bfloat16) -> bool:
-    layout = LayerLayout((BLOCK, HEAD, TOKEN, CONTENT))
-    full = make_cache(layout.dims, (0, 2, 1, 3), dtype, device, heads=total_heads)
-    full_canonical = layout.canonical(full, HEAD_SIZE)
-    prefill = [
-        full_canonical[:, rank_heads(total_heads, prefill_tp, r).start :][
-            :, : len(rank_heads(total_heads, prefill_tp, r))
-        ]
-        for r in range(prefill_tp)
-    ]
-    decode = [
-        torch.zeros_like(full_canonical[:, : len(rank_heads(total_heads, decode_tp, r))])
-        for r in range(decode_tp)
-    ]
-    ids = torch.tensor([0, 9, 31], device=device)
-    for route in head_routes(total_heads, prefill_tp, decode_tp):
-        source = route.first_head - rank_heads(total_heads, prefill_tp, route.prefill_rank).start
-        target = route.first_head - rank_heads(total_heads, decode_tp, route.decode_rank).start
-        wire = gather(prefill[route.prefill_rank], ids, slice(source, source + route.num_heads))
-        scatter(wire, decode[route.decode_rank], ids, slice(target, target + route.num_heads))
-    return all(
-        torch.equal(
-            bytes_of(decode[r][ids]),
-            bytes_of(
-                full_canonical[ids][:, rank_heads(total_heads, decode_tp, r).start :][
-                    :, : len(rank_heads(total_heads, decode_tp, r))
-                ]
-            ),
+def random_bytes(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    width = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * width), dtype=torch.uint8, device=device)
+    return raw.view(dtype)
+
+
+def layer_layout(cache: torch.Tensor, heads: int):
+    from kv_transfer.kv_layout import find_layout
+
+    return find_layout(tuple(cache.shape), BLOCKS, heads, BLOCK_TOKENS, HEAD_SIZE)
+
+
+def as_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of any tensor (a copy on the host), for byte-exact comparisons."""
+    return tensor.contiguous().view(torch.uint8).cpu()
+
+
+# One transfer through the real classes ---------------------------------------------------
+
+
+@dataclasses.dataclass
+class Outcome:
+    loaded: bool  # every decode rank reported the transfer, none failed
+    exact: bool  # every sent block on every decode rank equals the prefill's
+    untouched: bool  # skipped and unsent blocks kept the decode worker's own bytes
+    failures: list[str]  # per decode rank: the loader's failure kind ("" when loaded)
+    damage: list[str]  # per decode rank: the integrity damage it found
+    hold_s: float  # longest time one decode rank's loader held its caller, all steps summed
+
+
+class FakeSchedulerOutput:
+    """What SendPlan reads from vLLM's SchedulerOutput, for one request being prefilled."""
+
+    def __init__(self, req_id, scheduled, block_ids, new_request=None) -> None:
+        self.num_scheduled_tokens = {req_id: scheduled}
+        self.kv_connector_block_state = types.SimpleNamespace(
+            get_block_ids=lambda asked: (block_ids,) if asked == req_id else None
         )
+        self.scheduled_new_reqs = [new_request] if new_request else []
+
+
+def start_receivers(compatibility, ranks: int, device):
+    """Decode ranks r = 0.. listen on consecutive ports (rank r on the worker's port + r)."""
+    from kv_transfer.kv_receiver import KvReceiver
+
+    for _ in range(20):
+        receivers = [KvReceiver(compatibility)]
+        base = receivers[0].start("127.0.0.1", 0)
+        try:
+            for rank in range(1, ranks):
+                receivers.append(KvReceiver(compatibility))
+                receivers[-1].start("127.0.0.1", base + rank)
+        except Exception:  # that port is taken: try another base
+            for receiver in receivers:
+                receiver.stop()
+            continue
+        for receiver in receivers:
+            receiver.device = device  # where nccl receives: the cache's device
+        return base, receivers
+    raise RuntimeError("no run of free ports for the decode ranks")
+
+
+def transfer(
+    device,
+    dtype: torch.dtype = torch.bfloat16,
+    source: str = "LBNHC",
+    target: str = "LBHNC",
+    transport: str = "grpc",
+    total_heads: int = KV_HEADS,
+    prefill_tp: int = 1,
+    decode_tp: int = 1,
+    prompt_tokens: int = 5 * BLOCK_TOKENS,
+    chunk_tokens: int | None = None,
+    skip_blocks: int = 0,
+    faults: tuple[str, ...] = ("",),
+    decode_device: torch.device | None = None,
+) -> list[Outcome]:
+    """Prefill one prompt per entry of `faults` (each its own transfer, one after the other on
+    the same channels, the fault its sender injects) on `prefill_tp` ranks with `source`
+    caches, in chunks of `chunk_tokens` (the real SendPlan picks each step's blocks), and load
+    it on `decode_tp` ranks with `target` caches (on `decode_device`, default `device`);
+    `skip_blocks` are the decode worker's own prefix-cache hit. Returns each transfer's
+    outcome."""
+    from decode_workers.kv_loader import KvLoader
+    from kv_transfer.channels import kv_sender
+    from kv_transfer.compatibility import Compatibility
+    from kv_transfer.head_shards import rank_heads
+    from kv_transfer.kv_layout import WIRE_LAYOUT
+    from kv_transfer.metadata import Expected
+    from kv_transfer.params import SendKv, to_extra_args
+    from prefill_workers.kv_sender import LayerSender
+    from prefill_workers.send_plan import SendPlan
+
+    width = torch.empty(0, dtype=dtype).element_size()
+    compatibility = Compatibility(
+        "gpu-check",
+        str(dtype),
+        BLOCK_TOKENS,
+        LAYERS,
+        total_heads,
+        HEAD_SIZE,
+        WIRE_LAYOUT,
+        "0.32.0",
+        2 * HEAD_SIZE * width,
+        "none",
+    )
+    prefill_heads = [rank_heads(total_heads, prefill_tp, r) for r in range(prefill_tp)]
+    decode_heads = [rank_heads(total_heads, decode_tp, r) for r in range(decode_tp)]
+    prefill = [vllm_caches(source, len(h), dtype, device) for h in prefill_heads]
+    decode_device = decode_device or device
+    decode = [vllm_caches(target, len(h), dtype, decode_device) for h in decode_heads]
+    prefill_layout = layer_layout(prefill[0][0], len(prefill_heads[0]))
+    decode_layout = layer_layout(decode[0][0], len(decode_heads[0]))
+    canonical = [[prefill_layout.canonical(c, HEAD_SIZE) for c in rank] for rank in prefill]
+    decode_canonical = [[decode_layout.canonical(c, HEAD_SIZE) for c in rank] for rank in decode]
+    before = [[as_bits(c) for c in rank] for rank in decode_canonical]
+    base, receivers = start_receivers(compatibility, decode_tp, decode_device)
+    senders = [
+        LayerSender(
+            kv_sender(compatibility, "127.0.0.1", device),
+            prefill_layout,
+            HEAD_SIZE,
+            total_heads,
+            prefill_tp,
+            rank,
+            device,
+            SEND_BUFFER_BYTES,
+        )
+        for rank in range(prefill_tp)
+    ]
+    loaders = [
+        KvLoader(receivers[r], decode[r], decode_layout, HEAD_SIZE, total_heads, decode_tp, r)
         for r in range(decode_tp)
+    ]
+    blocks = -(-prompt_tokens // BLOCK_TOKENS)
+    outcomes = []
+    try:
+        for index, fault in enumerate(faults):
+            # Distinct blocks per transfer, scattered over the cache, in request order.
+            src_ids = [(7 + 5 * (b + index * blocks)) % BLOCKS for b in range(blocks)]
+            dst_ids = [(3 + 11 * (b + index * blocks)) % BLOCKS for b in range(blocks)]
+            transfer_id = f"check-{index}"
+            # What the forward will write: the prompt's KV over every head, per layer (a
+            # replicated head holds the same KV on each of its ranks).
+            truth = [
+                random_bytes((blocks, total_heads, BLOCK_TOKENS, 2, HEAD_SIZE), dtype, device)
+                for _ in range(LAYERS)
+            ]
+            fields = {"fault": fault} if fault else {}
+            params = SendKv(transfer_id, f"127.0.0.1:{base}", decode_tp, transport, **fields)
+            request = types.SimpleNamespace(
+                req_id="prefill-req",
+                prompt_token_ids=list(range(prompt_tokens)),
+                sampling_params=types.SimpleNamespace(extra_args=to_extra_args(params)),
+                num_computed_tokens=0,
+            )
+            plan, done = SendPlan(BLOCK_TOKENS), 0
+            while done < prompt_tokens:
+                step = min(chunk_tokens or prompt_tokens, prompt_tokens - done)
+                sends = plan.sends(
+                    FakeSchedulerOutput("prefill-req", step, src_ids, request if not done else None)
+                )
+                for rank, sender in enumerate(senders):
+                    sender.new_step(sends)
+                    for layer in range(LAYERS):
+                        forward_writes(
+                            canonical[rank][layer],
+                            truth[layer][:, as_slice(prefill_heads[rank])],
+                            src_ids,
+                            done,
+                            done + step,
+                        )
+                        sender.save_layer(layer, prefill[rank][layer], sends)
+                    sender.fence()
+                done += step
+            expected = Expected(
+                "decode-req", transfer_id, dst_ids, skip_blocks, DEADLINE_S, prefill_tp
+            )
+            reports = [wait_reported(loader, expected) for loader in loaders]
+            stats = [loader.take_stats() for loader in loaders]
+            kept = [dst_ids[i] for i in range(blocks) if i >= skip_blocks]
+            exact = all(  # the prompt's tokens of every sent block (a last block's tail is unused)
+                torch.equal(
+                    as_bits(decode_canonical[r][layer][dst_ids[i], :, :valid]),
+                    as_bits(truth[layer][i, as_slice(decode_heads[r]), :valid]),
+                )
+                for r in range(decode_tp)
+                for layer in range(LAYERS)
+                for i in range(skip_blocks, blocks)
+                for valid in [min(BLOCK_TOKENS, prompt_tokens - i * BLOCK_TOKENS)]
+            )
+            others = [b for b in range(BLOCKS) if b not in kept]
+            untouched = all(
+                torch.equal(as_bits(decode_canonical[r][layer])[others], before[r][layer][others])
+                for r in range(decode_tp)
+                for layer in range(LAYERS)
+            )
+            for r in range(decode_tp):  # the next transfer compares against this one's result
+                before[r] = [as_bits(c) for c in decode_canonical[r]]
+            failures = [report[1] for report in reports]
+            outcomes.append(
+                Outcome(
+                    loaded=all(not failure for failure in failures),
+                    exact=exact,
+                    untouched=untouched,
+                    failures=failures,
+                    damage=[str(s[-1].get("integrity", "")) if s else "" for s in stats],
+                    hold_s=max(report[2] for report in reports),
+                )
+            )
+    finally:
+        for sender in senders:
+            sender.close()
+        for receiver in receivers:
+            receiver.stop()
+    return outcomes
+
+
+def forward_writes(cache, truth, block_ids, first_token, end_token) -> None:
+    """The forward pass of tokens [first_token, end_token) writes their KV into the cache."""
+    bits = {1: torch.uint8, 2: torch.int16}[cache.element_size()]  # a copy of bits, not values
+    cache, truth = cache.view(bits), truth.view(bits)
+    for token in range(first_token, end_token):
+        block, offset = divmod(token, BLOCK_TOKENS)
+        cache[block_ids[block], :, offset] = truth[block, :, offset]
+
+
+def as_slice(heads: range) -> slice:
+    return slice(heads.start, heads.stop)
+
+
+def wait_reported(loader, expected) -> tuple[bool, str, float]:
+    """Step the loader as vLLM's thread would until it reports the transfer: (reported,
+    failure kind or "", seconds its calls held the caller)."""
+    held, first = 0.0, [expected]
+    deadline = time.monotonic() + DEADLINE_S + 5
+    while time.monotonic() < deadline:
+        started = time.perf_counter()
+        finished, failed = loader.transfer_results(first, set())
+        held += time.perf_counter() - started
+        first = []
+        if expected.req_id in finished:
+            if expected.req_id not in failed:
+                return True, "", held
+            return True, loader.finished[-1]["failure"] if loader.finished else "failed", held
+        time.sleep(0.002)
+    return False, "not reported", held
+
+
+def exact_outcome(outcome: Outcome) -> str:
+    problems = [
+        what
+        for what, bad in [
+            (f"not loaded ({outcome.failures})", not outcome.loaded),
+            ("bytes differ", not outcome.exact),
+            ("other blocks were written", not outcome.untouched),
+        ]
+        if bad
+    ]
+    if problems:
+        raise AssertionError("; ".join(problems))
+    return f"loader held its caller {outcome.hold_s * 1e3:.1f} ms"
+
+
+# Checks ------------------------------------------------------------------------------------
+
+
+def check_layout(device, source: str, dtype: torch.dtype) -> str:
+    target = LAYOUTS[(LAYOUTS.index(source) + 1) % len(LAYOUTS)]  # into another layout
+    (outcome,) = transfer(device, dtype, source, target)
+    return f"into {target}: " + exact_outcome(outcome)
+
+
+def check_transport(device, transport: str) -> str:
+    decode_device = device
+    if transport == "nccl" and device.type == "cuda":
+        if torch.cuda.device_count() < 2:
+            raise Skip("NCCL needs a GPU per rank: one GPU here")
+        decode_device = torch.device("cuda", (device.index or 0) + 1)
+    (outcome,) = transfer(device, transport=transport, decode_device=decode_device)
+    return exact_outcome(outcome)
+
+
+def check_chunked_prefill(device) -> str:
+    """Chunks of 1.5 blocks: every step ends mid-block, the partial block is sent again."""
+    (outcome,) = transfer(
+        device, prompt_tokens=5 * BLOCK_TOKENS + 3, chunk_tokens=BLOCK_TOKENS + BLOCK_TOKENS // 2
+    )
+    return exact_outcome(outcome)
+
+
+def check_prefix_skip(device) -> str:
+    (outcome,) = transfer(device, skip_blocks=2)
+    return exact_outcome(outcome)
+
+
+def check_tp(device, heads: int, prefill_tp: int, decode_tp: int) -> str:
+    (outcome,) = transfer(device, total_heads=heads, prefill_tp=prefill_tp, decode_tp=decode_tp)
+    return exact_outcome(outcome)
+
+
+def check_digest_on_device(device) -> str:
+    if not built("kv_transfer.integrity"):
+        raise Skip("not built yet: kv_transfer/integrity.py")
+    from kv_transfer.integrity import slice_digest
+
+    data = torch.randint(0, 256, ((3 << 20) + 5,), dtype=torch.uint8, device=device)
+    here, on_host = slice_digest(data), slice_digest(data.cpu())
+    flipped = data.clone()
+    flipped[12345] ^= 4
+    if here != on_host:
+        raise AssertionError(f"{device.type} digest {here:#x} != CPU digest {on_host:#x}")
+    if slice_digest(flipped) == here:
+        raise AssertionError("a flipped bit left the digest unchanged")
+    started = time.perf_counter()
+    for _ in range(5):
+        slice_digest(data)
+    rate = 5 * data.numel() / (time.perf_counter() - started) / 1e9
+    return f"equal to the CPU's, a flipped bit caught, {rate:.1f} GB/s"
+
+
+def check_fault(device, kind: str) -> str:
+    from kv_transfer.params import SendKv
+
+    if "fault" not in {f.name for f in dataclasses.fields(SendKv)}:
+        raise Skip("not built yet: fault injection (SendKv.fault)")
+    # A stale slice is one kept from the transfer before (its sender marked for the fault too).
+    first = f"{kind}:1" if kind == "stale" else ""
+    clean, faulty = transfer(device, faults=(first, f"{kind}:1"))
+    exact_outcome(clean)
+    want = FAULT_DAMAGE[kind]
+    if want is None:
+        return exact_outcome(faulty)
+    if faulty.loaded or want not in faulty.damage:
+        raise AssertionError(f"expected an integrity failure ({want}), got {faulty}")
+    return f"refused as {want} on every rank, nothing loaded"
+
+
+def check_lifetime_race(device) -> str:
+    """The nccl receive path on CUDA: a received slice's device buffer (and the copy of its kept
+    blocks, `wire[keep]`, after a prefix-cache skip) is freed to the caching allocator once the
+    loader has queued its scatter on the loader's side stream; unless something holds it until
+    that stream has read it, the next allocation can overwrite it first. Made deterministic:
+    the side stream sleeps before each scatter, and the freed memory is filled with 0xFF."""
+    if device.type != "cuda":
+        raise Skip("CUDA only (on CPU the scatter happens at once)")
+    bad = {skip: _race(device, skip) for skip in (0, 1)}
+    if any(bad.values()):
+        raise AssertionError(
+            "blocks overwritten before their scatter read them: "
+            + "; ".join(f"skip {skip}: layers {layers}" for skip, layers in bad.items() if layers)
+        )
+    return "every layer's blocks intact, with and without a prefix-cache skip"
+
+
+def _race(device, skip: int) -> list[int]:
+    """The layers whose loaded blocks differ from what was received."""
+    from decode_workers.kv_loader import KvLoader
+    from kv_transfer.metadata import Expected
+    from kv_transfer.transport import Inbox
+
+    caches = vllm_caches("LBNHC", KV_HEADS, torch.bfloat16, device)
+    layout = layer_layout(caches[0], KV_HEADS)
+    inbox = Inbox()
+    loader = KvLoader(inbox, caches, layout, HEAD_SIZE, KV_HEADS)
+    ids = [4, 9, 30]
+    loader.transfer_results([Expected("req", "race", ids, skip, DEADLINE_S)], set())
+    shape = (len(ids), KV_HEADS, BLOCK_TOKENS, 2, HEAD_SIZE)
+    wires = [
+        random_bytes(shape, torch.bfloat16, device).view(torch.uint8).reshape(-1)
+        for _ in range(LAYERS)
+    ]
+    received = [as_bits(w.view(torch.bfloat16).view(shape)[skip:]) for w in wires]
+    torch.cuda.synchronize(device)
+    for layer in range(LAYERS - 1):  # loaded, not complete: nothing waits for the side stream
+        inbox.put(_device_slice("race", layer, wires[layer], len(ids)))
+        with torch.cuda.stream(loader.staging.stream):
+            torch.cuda._sleep(100_000_000)  # the scatter queued next waits behind this
+        loader.transfer_results([], set())
+    del wires[: LAYERS - 1]  # the receiver's references: gone once the slice is released
+    junk = [torch.empty_like(wires[0]).fill_(0xFF) for _ in range(2 * LAYERS)]  # next receives
+    inbox.put(_device_slice("race", LAYERS - 1, wires[0], len(ids)))
+    deadline = time.monotonic() + DEADLINE_S
+    while "req" not in loader.transfer_results([], set())[0] and time.monotonic() < deadline:
+        time.sleep(0.001)
+    del junk
+    torch.cuda.synchronize(device)
+    canonical = [layout.canonical(c, HEAD_SIZE) for c in caches]
+    return [
+        layer
+        for layer in range(LAYERS)
+        if not torch.equal(as_bits(canonical[layer][ids[skip:]]), received[layer])
+    ]
+
+
+def _device_slice(transfer_id: str, layer: int, wire: torch.Tensor, blocks: int):
+    """A received slice as the nccl transport hands it over: a uint8 tensor on the device,
+    with its integrity fields where the receiver checks them."""
+    from kv_transfer.transport import LayerSlice
+
+    fields = {}
+    if built("kv_transfer.integrity"):
+        from kv_transfer.integrity import slice_digest, transfer_epoch
+
+        fields = {"epoch": transfer_epoch(transfer_id), "seq": layer, "digest": slice_digest(wire)}
+    return LayerSlice(
+        transfer_id, layer, 0, blocks, 0, KV_HEADS, wire, True, time.monotonic(), "nccl", **fields
     )
 
 
-def stream_ordering(device) -> bool:
-    """On CUDA, with the forward stream busy (a sleep kernel) before it writes the cache: the
-    staged copy must see the write (the side stream waits for the forward stream), and a load
-    must land after a forward-stream write to the same blocks (the load stream waits too)."""
-    layout = LayerLayout((BLOCK, HEAD, TOKEN, CONTENT))
-    cache = make_cache(layout.dims, (0, 2, 1, 3), torch.bfloat16, device, fill=False)
-    canonical = layout.canonical(cache, HEAD_SIZE)
+PEER_NEVER_JOINS = textwrap.dedent(
+    """
+    import sys, time, torch
+    from datetime import timedelta
+    from torch.distributed import TCPStore
+    from kv_transfer.nccl_transport import _wait, pair_group
+
+    backend, timeout_s = sys.argv[1], float(sys.argv[2])
+    device = torch.device("cuda" if backend == "nccl" else "cpu")
+    started = time.monotonic()
+    try:
+        store = TCPStore("127.0.0.1", 0, world_size=2, is_master=True,
+                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        group = pair_group(store, backend, 0, "127.0.0.1", timeout_s)
+        _wait(group.send([torch.ones(1024, device=device)], 1, 0), "KV send", timeout_s)
+        print("no error: the send completed with no peer")
+    except Exception as error:
+        print(f"raised after {time.monotonic() - started:.1f} s: {type(error).__name__}: {error}")
+    """
+)
+
+
+def check_peer_never_joins(device) -> str:
+    """A pairwise group (kv_transfer/nccl_transport.py) whose receiver never joins must raise
+    within its deadline, in a process of its own: not hang, not abort the process."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    limit = 4 * PEER_TIMEOUT_S + 20  # the process start and imports included
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", PEER_NEVER_JOINS, backend, str(PEER_TIMEOUT_S)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=limit,
+        )
+    except subprocess.TimeoutExpired:
+        raise AssertionError(
+            f"{backend}: hung past {limit:g} s (deadline {PEER_TIMEOUT_S:g} s)"
+        ) from None
+    said = done.stdout.strip().splitlines()[-1:] or [done.stderr.strip()[-300:]]
+    if done.returncode != 0:
+        raise AssertionError(f"{backend}: the process died (exit {done.returncode}): {said[0]}")
+    if not said[0].startswith("raised after"):
+        raise AssertionError(f"{backend}: {said[0]}")
+    seconds = float(said[0].split()[2])
+    if seconds > 2 * PEER_TIMEOUT_S + 5:
+        raise AssertionError(f"{backend}: raised only after {seconds:g} s: {said[0]}")
+    return f"{backend}, deadline {PEER_TIMEOUT_S:g} s: {said[0][:160]}"
+
+
+def check_stream_ordering(device) -> str:
+    """With the forward stream busy before it writes the cache: the staged copy must see the
+    write (the side stream waits for the forward stream), and a load must land after a
+    forward-stream write to the same blocks (the load stream waits too)."""
+    if device.type != "cuda":
+        raise Skip("CUDA only (one stream on CPU)")
+    from kv_transfer.host_staging import DeviceToHost, HostToDevice
+    from kv_transfer.kv_copy import gather, scatter
+
+    cache = vllm_caches("LBNHC", KV_HEADS, torch.bfloat16, device)[0]
+    canonical = layer_layout(cache, KV_HEADS).canonical(cache, HEAD_SIZE)
     ids = torch.tensor([3, 4], device=device)
     torch.cuda.synchronize(device)
-    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the forward stream
-    canonical[ids] = 1.0  # the "layer's forward" writes its KV after that
-    staged = DeviceToHost(device, POOL_BYTES).stage(lambda: gather(canonical, ids, slice(None)))
+    torch.cuda._sleep(200_000_000)
+    canonical[ids] = 1.0  # the layer's forward writes its KV after that
+    staged = DeviceToHost(device, SEND_BUFFER_BYTES).stage(
+        lambda: gather(canonical, ids, slice(None))
+    )
     seen_write = bool((staged.ready().view(torch.bfloat16) == 1.0).all())
     staged.release()
     incoming = torch.full_like(canonical[ids], 2.0).cpu()
@@ -179,85 +614,146 @@ def stream_ordering(device) -> bool:
     loader.load(incoming, ids.cpu(), lambda w, i: scatter(w, canonical, i, slice(None)))
     loader.wait()
     torch.cuda.synchronize(device)
-    landed_last = bool((canonical[ids] == 2.0).all())
-    return seen_write and landed_last
+    if not seen_write:
+        raise AssertionError("the staged copy ran before the forward stream's write")
+    if not bool((canonical[ids] == 2.0).all()):
+        raise AssertionError("the load landed before the forward stream's write")
+    return "staging after the forward write, load after it"
 
 
-def bandwidth(device, megabytes: int, repeats: int) -> dict[str, float]:
-    """GB/s of device->pinned (staging) and pinned->device (loading), and device->device."""
+def check_bandwidth(device, megabytes: int, repeats: int) -> str:
+    """GB/s of device->pinned (staging) and pinned->device (loading) through the real staging
+    classes, beside the device's own device->device copy (median of repeats)."""
+    from kv_transfer.host_staging import DeviceToHost, HostToDevice
+
     nbytes = megabytes << 20
-    source = torch.randn(nbytes // 2, device=device).to(torch.bfloat16)
-    staging, loader = DeviceToHost(device, max(POOL_BYTES, 2 * nbytes)), HostToDevice(device)
-    results: dict[str, list[float]] = {"device->host": [], "host->device": [], "device->device": []}
+    source = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
+    staging = DeviceToHost(device, 2 * nbytes + (1 << 20))
+    loader = HostToDevice(device)
+    rates: dict[str, list[float]] = {"D2H": [], "H2D": [], "D2D": []}
+
+    def timed(name: str, run: Callable[[], object], moved: int = nbytes) -> object:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        result = run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        rates[name].append(moved / (time.perf_counter() - started) / 1e9)
+        return result
+
+    index = torch.zeros(1, dtype=torch.long)
     for _ in range(repeats):
-        started = time.perf_counter()
-        staged = staging.stage(lambda: source)
+        staged = timed("D2H", lambda: staging.stage(lambda: source))  # the copy, synced
         host = staged.ready()
-        results["device->host"].append(nbytes / (time.perf_counter() - started) / 1e9)
-        wire = host.view(torch.bfloat16)
-        started = time.perf_counter()
-        loader.load(wire, torch.zeros(1, dtype=torch.long), lambda w, i: target.copy_(w))
-        loader.wait()
-        results["host->device"].append(nbytes / (time.perf_counter() - started) / 1e9)
+        timed(
+            "H2D",
+            lambda host=host: (
+                loader.load(host, index, lambda w, i: target.copy_(w)),
+                loader.wait(),
+            ),
+        )
         staged.release()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        target.copy_(source)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        results["device->device"].append(2 * nbytes / (time.perf_counter() - started) / 1e9)
-    return {name: statistics.median(values) for name, values in results.items()}
+        timed("D2D", lambda: target.copy_(source), 2 * nbytes)
+    if not torch.equal(target, source):
+        raise AssertionError("the bytes loaded back differ from those staged")
+    if device.type == "cpu":  # the wire tensor is the host tensor: nothing is staged
+        del rates["D2H"]
+    medians = {name: statistics.median(values) for name, values in rates.items()}
+    return f"{megabytes} MiB, median of {repeats}: " + ", ".join(
+        f"{name} {rate:.1f} GB/s" for name, rate in medians.items()
+    )
+
+
+def checks(device, quick: bool, megabytes: int, repeats: int) -> list[tuple[str, Callable]]:
+    """Every check, by name: (name, run() -> detail)."""
+    layouts = ["LBHNC", "BHLNC", "old kv,block,token,head,dim"] if quick else LAYOUTS
+    found = []
+    for layout in layouts:
+        for dtype_name, dtype in DTYPES.items():
+            found.append(
+                (
+                    f"layout {layout} {dtype_name}",
+                    lambda name=layout, d=dtype: check_layout(device, name, d),
+                )
+            )
+    for transport in ("grpc", "shm", "nccl"):
+        found.append((f"transport {transport}", lambda t=transport: check_transport(device, t)))
+    found.append(("chunked prefill, mid-block boundary", lambda: check_chunked_prefill(device)))
+    found.append(("prefix-cache skip", lambda: check_prefix_skip(device)))
+    for heads, p, d in TP_PAIRS[:4] + TP_PAIRS[6:8] if quick else TP_PAIRS:
+        found.append(
+            (
+                f"tp {heads} KV heads, prefill TP {p} -> decode TP {d}",
+                lambda h=heads, p=p, d=d: check_tp(device, h, p, d),
+            )
+        )
+    found.append(("integrity digest on the device", lambda: check_digest_on_device(device)))
+    for kind in FAULT_DAMAGE:
+        found.append((f"fault {kind}", lambda k=kind: check_fault(device, k)))
+    found.append(("nccl receive buffer lifetime race", lambda: check_lifetime_race(device)))
+    found.append(("group whose peer never joins", lambda: check_peer_never_joins(device)))
+    found.append(("stream ordering", lambda: check_stream_ordering(device)))
+    found.append(("bandwidth", lambda: check_bandwidth(device, megabytes, repeats)))
+    return found
+
+
+def run_check(name: str, run: Callable[[], str]) -> dict:
+    started = time.perf_counter()
+    try:
+        status, detail = "PASS", run()
+    except Skip as why:
+        status, detail = "SKIP", str(why)
+    except Exception as error:
+        status = "FAIL"
+        detail = f"{type(error).__name__}: {error}"
+        last = traceback.extract_tb(error.__traceback__)[-1]
+        detail += f" (at {Path(last.filename).name}:{last.lineno})"
+    seconds = time.perf_counter() - started
+    print(f"{status:<4}  {name:<44} {seconds:6.2f} s  {detail}", flush=True)
+    return {"name": name, "status": status, "seconds": round(seconds, 3), "detail": detail}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--megabytes", type=int, default=256, help="bandwidth buffer size")
+    parser.add_argument("--json", type=Path, help="write every check's result here")
+    parser.add_argument("--quick", action="store_true", help="a representative subset")
+    parser.add_argument("--megabytes", type=int, help="bandwidth buffer (default 256, CPU 64)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--verbose", action="store_true", help="show pdserve's own logs")
     args = parser.parse_args()
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO)
+    else:  # the fault checks make pdserve log every injected fault and refusal
+        logging.getLogger("pdserve").addHandler(logging.NullHandler())
+        logging.getLogger("pdserve").propagate = False
+    _without_vllm()
     device = torch.device(args.device)
+    megabytes = args.megabytes or (256 if device.type == "cuda" else 64)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"device {device} ({name}), torch {torch.__version__}")
-    failures = 0
-    for layout_name, dims, memory in LAYOUTS:
-        for dtype_name, dtype in DTYPES.items():
-            ok = round_trip(device, dims, memory, dtype)
-            failures += not ok
-            print(f"round trip  {layout_name:<32} {dtype_name:<9} {'ok' if ok else 'FAILED'}")
-    for total, p, d in [
-        (8, 2, 1),
-        (8, 1, 2),
-        (8, 4, 2),
-        (8, 1, 4),
-        (8, 2, 4),
-        (2, 1, 4),
-        (2, 4, 1),
-    ]:
-        ok = reshard(device, total, p, d)
-        failures += not ok
-        print(
-            f"re-shard    {total} KV heads, prefill TP {p} -> decode TP {d:<10} "
-            f"{'ok' if ok else 'FAILED'}"
-        )
-    ok = device_resident(device)
-    failures += not ok
-    print(f"device-resident send and load (the nccl path)               {'ok' if ok else 'FAILED'}")
-    if device.type == "cuda":
-        ok = stream_ordering(device)
-        failures += not ok
-        verdict = "ok" if ok else "FAILED"
-        print(f"streams     staging after the forward write, load after it  {verdict}")
-    rates = bandwidth(device, args.megabytes, args.repeats)
-    if device.type == "cpu":  # the wire tensor is the host tensor: nothing is staged
-        rates["device->host"] = float("nan")
+    print(f"device {device} ({name}), torch {torch.__version__}", flush=True)
+    started = time.perf_counter()
+    results = [run_check(n, run) for n, run in checks(device, args.quick, megabytes, args.repeats)]
+    counts = {s: sum(r["status"] == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
+    total = time.perf_counter() - started
     print(
-        f"bandwidth   {args.megabytes} MiB bfloat16, median of {args.repeats}: "
-        + ", ".join(f"{k} {v:.1f} GB/s" for k, v in rates.items())
+        f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped "
+        f"in {total:.1f} s"
     )
-    print("all checks passed" if not failures else f"{failures} check(s) FAILED")
-    return 1 if failures else 0
+    if args.json:
+        report = {
+            "device": str(device),
+            "device_name": name,
+            "torch": torch.__version__,
+            "quick": args.quick,
+            "seconds": round(total, 1),
+            "counts": counts,
+            "checks": results,
+        }
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 1 if counts["FAIL"] else 0
 
 
 if __name__ == "__main__":
