@@ -1,8 +1,9 @@
 """The compatibility handshake compares the KV cache, not the model (kv_transfer/compatibility.py):
 an fp8-KV prefill worker and a bf16-KV decode worker of the same bf16 model are refused at
 pairing (the router's real WorkerPool.pick over fake worker rows) and at the hello; workers
-alike in everything pair. The engine's side is read from vLLM's real CacheConfig; the model
-config is a fake with the four answers compatibility_of asks of it. No engine, no network."""
+alike in everything pair. The engine's side is read from vLLM's real CacheConfig with a fake
+model config (the four answers compatibility_of asks of it), and from vLLM's real engine
+config for SmolLM2 (EngineArgs, no engine started). No network."""
 
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -53,6 +54,28 @@ def engine(cache_dtype: str = "auto", block_size: int = 16, **model) -> Compatib
             quant_config=None,
         )
     )
+
+
+def test_a_real_engine_config_states_its_kv_cache_not_its_models_dtype(smollm2_dir):
+    from vllm.engine.arg_utils import EngineArgs
+
+    def of(kv_cache_dtype: str) -> Compatibility:
+        args = EngineArgs(
+            model=str(smollm2_dir),
+            dtype="float32",
+            kv_cache_dtype=kv_cache_dtype,
+            enforce_eager=True,
+        )
+        return compatibility_of(args.create_engine_config())
+
+    auto, fp8 = of("auto"), of("fp8")
+    assert (auto.dtype, auto.bytes_per_head_token, auto.kv_scale_mode) == ("float32", 512, "none")
+    assert (fp8.dtype, fp8.bytes_per_head_token, fp8.kv_scale_mode) == (
+        "fp8_e4m3",
+        128,
+        "fp8_per_tensor",
+    )
+    assert (auto.total_kv_heads, auto.head_size, auto.block_size) == (3, 64, 128)
 
 
 def test_the_kv_cache_dtype_is_compared_not_the_models():
