@@ -5,7 +5,8 @@
                           "kv_role": "kv_consumer",
                           "kv_load_failure_policy": "recompute" | "fail",
                           "kv_connector_extra_config": {"receiver_host": ..., "receiver_port": ...,
-                                                        "advertised_host": ...}}
+                                                        "advertised_host": ...,
+                                                        "integrity": true}}
 
 Scheduler side: the load plan admits requests with `ReceiveKv` params as loading
 asynchronously and reserves their blocks. Worker side: the KV receiver takes KV from every
@@ -41,7 +42,8 @@ class DecodeConnector(PdserveConnectorBase):
         transfer = vllm_config.kv_transfer_config
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         rank = self.worker_rank()
-        self.receiver = KvReceiver(compatibility_of(vllm_config))
+        self.integrity = bool(transfer.get_from_extra_config("integrity", True))
+        self.receiver = KvReceiver(compatibility_of(vllm_config), integrity=self.integrity)
         host = transfer.get_from_extra_config("receiver_host", "127.0.0.1")
         port = int(transfer.get_from_extra_config("receiver_port", 0))
         advertised = transfer.get_from_extra_config("advertised_host", host)
@@ -63,6 +65,7 @@ class DecodeConnector(PdserveConnectorBase):
             self.total_kv_heads,
             self.tp,
             self.rank,
+            integrity=self.integrity,
         )
 
     def get_transfer_results(self, finished_req_ids):

@@ -9,6 +9,13 @@ every layer is in; failed when it passed its deadline or was cancelled, or its s
 handshake was refused (vLLM then recomputes or fails the request, per `kv_load_failure_policy`);
 loaded too when its request was aborted, so vLLM frees the blocks. Slices or cancels that come
 before their request are kept as orphans for ORPHAN_TTL_S, then dropped.
+
+Integrity (kv_transfer/integrity.py): before a slice is copied into the cache it must belong to
+this reservation (its epoch), come after every slice its sender sent before it (its sequence
+number: no duplicate, no reordering), have the size its blocks and heads need, and its bytes
+must have matched their digest where they landed (the receiving thread checked that). A slice
+that fails any of these is not loaded and fails its whole transfer (reported as an `integrity`
+failure, so vLLM applies the policy): never a token computed from wrong KV.
 """
 
 import logging
@@ -20,6 +27,7 @@ import torch
 from kv_transfer.compatibility import REFUSAL_PREFIX
 from kv_transfer.head_shards import head_routes, rank_heads
 from kv_transfer.host_staging import HostToDevice
+from kv_transfer.integrity import Damage, transfer_epoch
 from kv_transfer.kv_copy import from_bytes, scatter, wire_shape
 from kv_transfer.kv_layout import LayerLayout
 from kv_transfer.metadata import Expected
@@ -39,6 +47,8 @@ class Incoming:
     transports: set[str] = field(default_factory=set)  # what carried its slices
     first_slice_at: float | None = None
     last_slice_at: float = 0.0
+    last_seq: dict[int, int] = field(default_factory=dict)  # first head -> sequence number
+    damage: str = ""  # the integrity.Damage that failed it, once one was found
 
 
 class KvLoader:
@@ -52,8 +62,10 @@ class KvLoader:
         tp: int = 1,
         rank: int = 0,
         clock=time.monotonic,
+        integrity: bool = True,
     ) -> None:
         self.receiver = receiver  # take() -> (complete slices, {transfer id: cancel reason})
+        self.integrity = integrity  # check each slice's epoch and sequence number
         self.clock = clock
         self.caches = [layout.canonical(cache, head_size) for cache in kv_caches]  # by layer
         self.head_size = head_size
@@ -91,6 +103,7 @@ class KvLoader:
             else:
                 self.orphans.setdefault(piece.transfer_id, []).append(piece)
         self._drop_old_orphans(now)
+        self.staging.collect()  # slices whose copies the side stream has passed
 
         loaded, failed = set(), set()
         for transfer_id, state in list(self.incoming.items()):
@@ -98,6 +111,9 @@ class KvLoader:
             failure = ""
             if req_id in finished_req_ids:  # aborted while loading
                 loaded.add(req_id)
+            elif state.damage:
+                failure = "integrity"
+                failed.add(req_id)
             elif self._complete(state):
                 loaded.add(req_id)
             elif transfer_id in self.cancelled or now > state.deadline:
@@ -146,6 +162,7 @@ class KvLoader:
                 "seconds": ended - started,
                 "failed": bool(failure),
                 "failure": failure,
+                "integrity": state.damage,
                 "transport": ",".join(sorted(state.transports)),
             }
         )
@@ -155,15 +172,38 @@ class KvLoader:
         return finished
 
     def _load(self, piece: LayerSlice) -> None:
-        """Copy the slice into the cache, then free its room in the receiver's inbox (on CUDA
-        the copy from pageable host memory has read it when `load` returns)."""
+        """Copy the slice into the cache, then free its room in the receiver's inbox once the
+        copy has read it (on CUDA: once the side stream has passed it)."""
         try:
             self._copy(piece)
         finally:
-            piece.release()
+            self.staging.release_after(piece.release)
 
     def _copy(self, piece: LayerSlice) -> None:
         state = self.incoming[piece.transfer_id]
+        if state.damage:  # failed already: nothing more of it is loaded
+            return
+        cache = self.caches[piece.layer] if piece.layer < len(self.caches) else None
+        damage = self._damage(piece, state, cache)
+        if damage:
+            state.damage = damage
+            state.transports.add(piece.transport)
+            log.error(
+                "KV transfer %s (request %s) failed its integrity check: %s slice (layer %d, "
+                "blocks %d+%d, heads %d+%d, seq %d, via %s): the transfer fails and the "
+                "worker's kv_failure_policy applies",
+                piece.transfer_id,
+                state.expected.req_id,
+                damage,
+                piece.layer,
+                piece.first_block,
+                piece.num_blocks,
+                piece.first_head,
+                piece.num_heads,
+                piece.seq,
+                piece.transport,
+            )
+            return
         if state.first_slice_at is None:
             state.first_slice_at = piece.received_at
         state.last_slice_at = max(state.last_slice_at, piece.received_at)
@@ -179,7 +219,6 @@ class KvLoader:
                 self.own_heads,
             )
             return
-        cache = self.caches[piece.layer]
         block_size = cache.shape[2]
         wire = from_bytes(
             piece.data,
@@ -197,6 +236,21 @@ class KvLoader:
             self.staging.load(rows, index, lambda rows, index: scatter(rows, cache, index, heads))
         if piece.last:
             state.last_slices[piece.layer] = state.last_slices.get(piece.layer, 0) + 1
+
+    def _damage(self, piece: LayerSlice, state: Incoming, cache) -> str:
+        """What is wrong with the slice for this reservation, or ""."""
+        if self.integrity:
+            if piece.epoch != transfer_epoch(piece.transfer_id):
+                return Damage.STALE
+            last = state.last_seq.get(piece.first_head, -1)
+            if piece.seq <= last:
+                return Damage.DUPLICATE if piece.seq == last else Damage.ORDER
+            state.last_seq[piece.first_head] = piece.seq
+        if cache is None or nbytes(piece.data) != (
+            piece.num_blocks * piece.num_heads * cache[0, 0].numel() * cache.element_size()
+        ):
+            return Damage.LENGTH
+        return piece.damage
 
     def _drop_old_orphans(self, now: float) -> None:
         """Slices and cancels for transfers no request here expects (any more) are kept a

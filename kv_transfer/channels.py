@@ -26,5 +26,10 @@ def channel_opener(compatibility: Compatibility, host: str, device: torch.device
     return open_channel
 
 
-def kv_sender(compatibility: Compatibility, host: str, device: torch.device) -> KvSender:
-    return KvSender(channel_opener(compatibility, host, device), cancel_transfer)
+def kv_sender(
+    compatibility: Compatibility, host: str, device: torch.device, integrity: bool = True
+) -> KvSender:
+    """`integrity`: every slice sent carries its digest (kv_transfer/integrity.py)."""
+    return KvSender(
+        channel_opener(compatibility, host, device), cancel_transfer, integrity=integrity
+    )

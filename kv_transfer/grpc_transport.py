@@ -57,6 +57,9 @@ def slice_chunk(piece: LayerSlice, offset: int, length: int, data: bytes = b"") 
         first_head=piece.first_head,
         num_heads=piece.num_heads,
         length=length,
+        epoch=piece.epoch,
+        seq=piece.seq,
+        digest=piece.digest,
     )
 
 

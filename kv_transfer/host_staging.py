@@ -12,7 +12,8 @@ the forward pass waits for the sender, up to POOL_WAIT_S, then the slice is give
 
 Receive (`HostToDevice`): on CUDA the host->device copies and scatters run on a side stream;
 `wait()` synchronises it before the transfer is reported loaded, i.e. before vLLM schedules the
-request. On CPU the scatter happens at once.
+request; every tensor a queued scatter reads is held until an event after it has passed. On CPU
+the scatter happens at once.
 
 Plain torch: no vLLM import.
 """
@@ -158,11 +159,54 @@ class DeviceToHost:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
 
-class HostToDevice:
+class CudaSideStream:
+    """A CUDA stream of its own for the decode side's copies and scatters (what HostToDevice
+    drives; a test drives a fake with the same four calls)."""
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.stream = torch.cuda.Stream(device)
+
+    def follow_forward(self) -> None:
+        """Later work here waits (on the GPU) for what the forward stream has queued."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def submit(self, work: Callable[[], object]) -> None:
+        """Queue `work`'s kernels on this stream."""
+        with torch.cuda.stream(self.stream):
+            work()
+
+    def record(self):
+        """An event this stream passes once everything queued so far has run."""
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+
+class HostToDevice:
+    """The decode side's loads: copy a wire tensor and its block index to the device and scatter
+    them into the cache, on a side stream on CUDA (at once on CPU).
+
+    Lifetimes: a kernel queued on the side stream reads its tensors later, and a tensor freed
+    meanwhile goes back to the caching allocator, which hands it to the next allocation of its
+    stream (the next layer's receive, the forward pass): that one could overwrite it before the
+    scatter reads it, a silent corruption. So every tensor a load reads (the received buffer, a
+    prefix-cache skip's `wire[keep]`, the index, their device copies) and the slice's release
+    (which lends its buffer to the next receive) are held until an event recorded after the
+    load has passed: `release_after(release)` once per slice, `collect()` each engine step
+    (event queries, no wait), `wait()` before reporting a transfer loaded."""
+
+    def __init__(self, device: torch.device, side_stream=None) -> None:
+        self.device = device
+        if side_stream is None and device.type == "cuda":
+            side_stream = CudaSideStream(device)
+        self.side = side_stream  # None on CPU: loads run at once
+        self.stream = getattr(side_stream, "stream", None)  # its torch.cuda.Stream, on CUDA
+        self.held: list = []  # tensors read by loads submitted since the last release_after
+        self.in_flight: list[tuple[object, list, Callable[[], None]]] = []  # (event, held, release)
 
     def load(
         self,
@@ -172,19 +216,42 @@ class HostToDevice:
     ) -> None:
         """Bring the wire tensor and its block index to the device and `write(wire, index)`
         them into the cache."""
-        if not self.cuda:
+        if self.side is None:
             write(host_wire, host_index)
             return
         # After what the forward stream has queued: vLLM may zero newly allocated blocks, or a
         # finished request's last step may still write into a block just handed to this one.
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            write(
-                host_wire.to(self.device, non_blocking=True),
-                host_index.to(self.device, non_blocking=True),
-            )
+        self.side.follow_forward()
+        held = [host_wire, host_index]
+
+        def work() -> None:
+            wire = host_wire.to(self.device, non_blocking=True)
+            index = host_index.to(self.device, non_blocking=True)
+            held.extend((wire, index))
+            write(wire, index)
+
+        self.side.submit(work)
+        self.held.extend(held)
+
+    def release_after(self, release: Callable[[], None]) -> None:
+        """Run `release` once the loads submitted so far have passed (at once on CPU)."""
+        if self.side is None:
+            release()
+            return
+        self.in_flight.append((self.side.record(), self.held, release))
+        self.held = []
+
+    def collect(self) -> None:
+        """Release what the side stream is done with (its events are in stream order)."""
+        while self.in_flight and self.in_flight[0][0].query():
+            _, _, release = self.in_flight.pop(0)
+            release()
 
     def wait(self) -> None:
         """Every load so far has landed (call before reporting a transfer loaded)."""
-        if self.cuda:
-            self.stream.synchronize()
+        if self.side is None:
+            return
+        self.side.synchronize()
+        in_flight, self.in_flight = self.in_flight, []
+        for _, _, release in in_flight:
+            release()

@@ -32,10 +32,12 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
         compatibility: Compatibility,
         inbox_bytes: int = INBOX_BYTES,
         inbox_wait_s: float = INBOX_WAIT_S,
+        integrity: bool = True,
     ) -> None:
+        """`integrity`: check every slice's digest where it lands (kv_transfer/integrity.py)."""
         self.compatibility = compatibility
         self.secret = cluster_secret()  # what every stream and cancel must carry
-        self.inbox = Inbox(inbox_bytes, inbox_wait_s)
+        self.inbox = Inbox(inbox_bytes, inbox_wait_s, verify=integrity)
         self.device = torch.device("cpu")  # where nccl receives: the rank's cache device
         self.host = "127.0.0.1"
         self.server = None

@@ -32,7 +32,7 @@ class Compatibility(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., total_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., kv_layout: _Optional[str] = ..., vllm_version: _Optional[str] = ..., cluster_secret: _Optional[str] = ..., bytes_per_head_token: _Optional[int] = ..., kv_scale_mode: _Optional[str] = ...) -> None: ...
 
 class KvChunk(_message.Message):
-    __slots__ = ("transfer_id", "layer", "first_block", "num_blocks", "offset", "slice_bytes", "data", "last", "first_head", "num_heads", "segment", "length")
+    __slots__ = ("transfer_id", "layer", "first_block", "num_blocks", "offset", "slice_bytes", "data", "last", "first_head", "num_heads", "segment", "length", "epoch", "seq", "digest")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,9 @@ class KvChunk(_message.Message):
     NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     layer: int
     first_block: int
@@ -57,7 +60,10 @@ class KvChunk(_message.Message):
     num_heads: int
     segment: int
     length: int
-    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., offset: _Optional[int] = ..., slice_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., first_head: _Optional[int] = ..., num_heads: _Optional[int] = ..., segment: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    epoch: int
+    seq: int
+    digest: int
+    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., offset: _Optional[int] = ..., slice_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., first_head: _Optional[int] = ..., num_heads: _Optional[int] = ..., segment: _Optional[int] = ..., length: _Optional[int] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., digest: _Optional[int] = ...) -> None: ...
 
 class NcclOpen(_message.Message):
     __slots__ = ("host", "port", "backend", "timeout_s")

@@ -10,7 +10,11 @@ its channel: made on the first slice, reused, torn down when the channel closes 
 peer failed).
 
 On CUDA the tensor is the gathered wire tensor on the device (no host copy); each side works on
-a stream of its own and synchronises it before the buffer is released or handed on.
+a stream of its own and synchronises it before the buffer is released or handed on. A received
+tensor was allocated on the receiver's stream: the KV loader holds it (and anything made from
+it) until its own side stream has passed an event recorded after the scatter that reads it
+(kv_transfer/host_staging.HostToDevice), so the allocator never lends it to the next receive
+while a queued scatter still has to read it.
 """
 
 from collections.abc import Callable

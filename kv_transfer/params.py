@@ -20,6 +20,7 @@ class SendKv:
     destination: str  # host:port of the decode worker's KV receiver (rank r: port + r)
     decode_tp: int = 1  # the decode worker's tensor-parallel size
     transport: str = Transport.GRPC  # a pdserve.kinds.Transport (a string on the wire)
+    fault: str = ""  # tests only: "KIND:RATE" the sender injects (kv_transfer/faults.py)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 The worker half returns these each engine step; vLLM merges them into its scheduler stats,
 which reach the stat logger in the worker's AsyncLLM process (see pdserve/worker/engine.py).
 Each entry: {"transfer_id", "bytes", "seconds" (first slice received -> last slice received),
-"failed"}.
+"failed", "failure" (why: timeout, cancelled, refused, integrity), "integrity" (the
+kv_transfer/integrity.Damage that failed it, or ""), "transport"}.
 """
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats

@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from kv_transfer.faults import FaultInjector
+from kv_transfer.integrity import Damage, as_tensor, slice_digest
 from pdserve.kinds import Transport
 
 log = logging.getLogger("pdserve.kv")
@@ -38,6 +40,7 @@ IDLE_CLOSE_S = 60.0  # a channel with nothing to send this long is closed (its p
 INBOX_BYTES = 1 << 30  # KV received and not yet loaded into the cache, per decode rank
 INBOX_WAIT_S = 10.0  # longest a receiver waits for room in the inbox before failing the stream
 SPARE_BYTES = 256 << 20  # receive buffers kept for reuse (a new one costs its page faults)
+REORDER_WAIT_S = 1.0  # a reorder fault's longest wait for the slice it sends first (tests)
 _CLOSE = object()
 
 
@@ -60,6 +63,11 @@ class LayerSlice:
     received_at: float = 0.0  # receiver's monotonic clock, when the slice was complete
     transport: str = ""  # receiver side: what carried it
     on_release: Callable[[], None] | None = field(default=None, compare=False, repr=False)
+    epoch: int = 0  # its transfer's identity (kv_transfer/integrity.transfer_epoch)
+    seq: int = 0  # its place among its sender's slices of the transfer to this rank: 0, 1, ...
+    digest: int = 0  # of its bytes (integrity.slice_digest), set by the sending thread
+    fault: str = ""  # sender side: the fault to inject, "KIND:RATE" (kv_transfer/faults.py)
+    damage: str = ""  # receiver side: an integrity.Damage its bytes were found with, or ""
 
     def release(self) -> None:
         if self.on_release is not None:
@@ -97,11 +105,13 @@ OpenChannel = Callable[[Transport, str], Channel]
 
 class KvSender:
     """Sends layer slices from one background thread per (destination, transport), so the
-    forward pass never waits on the network. The thread opens its channel (handshake included)
-    on the first slice and closes it after IDLE_CLOSE_S without slices. When a channel fails or
-    is refused, every slice still queued for it is released and each transfer it carried is
-    cancelled on the receiver with the reason, so the decode worker applies its policy at once
-    rather than at its deadline. The next slice opens a new channel.
+    forward pass never waits on the network. That thread computes each slice's digest as it
+    sends it (`integrity`), and applies the slice's injected fault, if any (tests only). It
+    opens its channel (handshake included) on the first slice and closes it after IDLE_CLOSE_S
+    without slices. When a channel fails or is refused, every slice still queued for it is
+    released and each transfer it carried is cancelled on the receiver with the reason, so the
+    decode worker applies its policy at once rather than at its deadline. The next slice opens
+    a new channel.
 
     `open_channel(kind, destination)` makes the channel; `cancel(destination, transfer_id,
     reason)` reaches the receiver's control service (gRPC for every transport)."""
@@ -111,8 +121,10 @@ class KvSender:
         open_channel: OpenChannel,
         cancel: Callable[[str, str, str], None],
         idle_close_s: float = IDLE_CLOSE_S,
+        integrity: bool = True,
     ) -> None:
         self.open_channel = open_channel
+        self.integrity = integrity
         self.cancel_on_receiver = cancel
         self.idle_close_s = idle_close_s
         self.queues: dict[tuple[str, str], queue.Queue] = {}
@@ -140,15 +152,32 @@ class KvSender:
         carried: set[str] = set()
         failure = None
         channel = None
+        faults = FaultInjector()
         log.info("KV channel (%s) to %s opening", kind, destination)
+
+        def take_next():
+            """The next slice already queued, sealed (what a reorder fault sends first)."""
+            try:
+                piece = pending.get(timeout=REORDER_WAIT_S)
+            except queue.Empty:
+                return None
+            if piece is _CLOSE:
+                pending.put(piece)
+                return None
+            taken.append(piece)
+            return self._sealed(piece)
+
         try:
             channel = self.open_channel(kind, destination)
             while (piece := self._next(key, pending)) is not _CLOSE:
-                carried.add(piece.transfer_id)
+                taken = [piece]
                 try:
-                    channel.send(piece)
+                    for out in faults.pieces(self._sealed(piece), take_next):
+                        carried.add(out.transfer_id)
+                        channel.send(out)
                 finally:
-                    piece.data.release()
+                    for done in taken:
+                        done.data.release()
             closing, channel = channel, None
             closing.close()  # says what the stream ended with, if it failed
         except Refused as error:
@@ -174,6 +203,9 @@ class KvSender:
                 self.cancel(destination, transfer_id, failure)
         else:
             log.info("KV channel (%s) to %s closed", kind, destination)
+
+    def _sealed(self, piece: LayerSlice) -> LayerSlice:
+        return sealed(piece) if self.integrity else piece
 
     def _next(self, key: tuple[str, str], pending: queue.Queue):
         """The next slice, or _CLOSE once the channel has been idle too long."""
@@ -207,6 +239,12 @@ class KvSender:
             thread.join(timeout=5)
 
 
+def sealed(piece: LayerSlice) -> LayerSlice:
+    """The slice with its digest, computed by the sending thread (on the device for a device
+    tensor: one number comes back)."""
+    return replace(piece, digest=slice_digest(piece.data.ready()))
+
+
 def _release_queued(pending: queue.Queue) -> set[str]:
     """Empty a dead channel's queue, releasing staged slices; their transfer ids."""
     transfer_ids = set()
@@ -225,11 +263,18 @@ class Inbox:
     receiver's `put` waits for room (so it stops reading, and the sender feels it); the loader
     `take`s them and releases each once copied into the cache. Receive buffers come from
     `buffer()`, and a released one is kept for the next slice of its size (up to SPARE_BYTES):
-    a fresh one costs a page fault per 4 KiB, which halved shared-memory throughput."""
+    a fresh one costs a page fault per 4 KiB, which halved shared-memory throughput.
 
-    def __init__(self, max_bytes: int = INBOX_BYTES, wait_s: float = INBOX_WAIT_S) -> None:
+    With `verify`, `put` checks each slice's digest against the bytes that landed, on the
+    receiving thread (never vLLM's), and marks a mismatch as its `damage`: the KV loader fails
+    the slice's transfer instead of loading it."""
+
+    def __init__(
+        self, max_bytes: int = INBOX_BYTES, wait_s: float = INBOX_WAIT_S, verify: bool = True
+    ) -> None:
         self.max_bytes = max_bytes
         self.wait_s = wait_s
+        self.verify = verify
         self.held = 0
         self.spare: dict[int, list[bytearray]] = {}
         self.spare_bytes = 0
@@ -240,6 +285,8 @@ class Inbox:
     def put(self, piece: LayerSlice) -> None:
         """Hold `piece` (its release frees the room); ChannelError when no room came in time."""
         size = nbytes(piece.data)
+        if self.verify and slice_digest(as_tensor(piece.data)) != piece.digest:
+            piece = replace(piece, damage=Damage.DIGEST)
         timeout_s = self.wait_s
         deadline = time.monotonic() + timeout_s
         with self.lock:
@@ -337,6 +384,9 @@ class SliceAssembler:
                 time.monotonic(),
                 self.transport,
                 on_release,
+                epoch=chunk.epoch,
+                seq=chunk.seq,
+                digest=chunk.digest,
             )
         )
 

@@ -6,15 +6,21 @@ is never synchronised) and queues them for the transport's sender thread, so the
 layer i overlaps the compute of layers i+1... With the decode pool at another tensor-parallel
 size, each decode rank gets from this rank the heads the head routes give it (split or merged
 on the head dimension).
+
+Each slice carries its transfer's epoch and its sequence number among the slices this rank sends
+that decode rank for the transfer (0, 1, ... in sending order: step by step, layer by layer), so
+the receiver refuses a duplicated, reordered or stale one (kv_transfer/integrity.py).
 """
 
 import logging
+from collections import OrderedDict
 
 import torch
 
 from kv_transfer.grpc_transport import rank_address
 from kv_transfer.head_shards import head_routes, rank_heads
 from kv_transfer.host_staging import DeviceToHost, StagingError
+from kv_transfer.integrity import transfer_epoch
 from kv_transfer.kv_copy import gather
 from kv_transfer.kv_layout import LayerLayout
 from kv_transfer.metadata import SendSlice
@@ -22,6 +28,7 @@ from kv_transfer.transport import KvSender, LayerSlice
 from pdserve.kinds import Transport
 
 log = logging.getLogger("pdserve.kv")
+MAX_SEQUENCES = 4096  # transfers whose sequence numbers are kept (a finished one is dropped)
 
 
 class LayerSender:
@@ -47,12 +54,18 @@ class LayerSender:
         self.staging = DeviceToHost(device, send_buffer_bytes)
         self.indexes: dict[int, torch.Tensor] = {}  # id(SendSlice) -> block ids on the device
         self.given_up: set[str] = set()  # transfers cancelled: not staged again
+        # (transfer id, decode rank) -> the next slice's sequence number
+        self.sequences: OrderedDict[tuple[str, int], int] = OrderedDict()
+        self.finishing: set[str] = set()  # transfers whose last step was sent
 
     def new_step(self, sends: list[SendSlice]) -> None:
         """The block-id tensors of the last step are not needed any more; a given-up transfer
         is forgotten once no step sends it (its request finished)."""
         self.indexes.clear()
         self.given_up &= {piece.transfer_id for piece in sends}
+        for key in [key for key in self.sequences if key[0] in self.finishing]:
+            del self.sequences[key]
+        self.finishing = {piece.transfer_id for piece in sends if piece.last}
 
     def save_layer(self, layer: int, kv_layer: torch.Tensor, sends: list[SendSlice]) -> None:
         canonical = self.layout.canonical(kv_layer, self.head_size)
@@ -93,8 +106,19 @@ class LayerSender:
                         route.num_heads,
                         staged,
                         piece.last,
+                        epoch=transfer_epoch(piece.transfer_id),
+                        seq=self._next_seq(piece.transfer_id, route.decode_rank),
+                        fault=piece.fault,
                     ),
                 )
+
+    def _next_seq(self, transfer_id: str, decode_rank: int) -> int:
+        key = (transfer_id, decode_rank)
+        seq = self.sequences.pop(key, 0)
+        self.sequences[key] = seq + 1
+        while len(self.sequences) > MAX_SEQUENCES:  # their requests were aborted
+            self.sequences.popitem(last=False)
+        return seq
 
     def _index(self, piece: SendSlice) -> torch.Tensor:
         """The slice's block ids on the cache's device, made once per step (every layer uses

@@ -48,6 +48,7 @@ class SendPlan:
                     finished,
                     state.params.decode_tp,
                     state.params.transport,
+                    state.params.fault,
                 )
             )
             if finished:

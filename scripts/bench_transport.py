@@ -5,7 +5,9 @@ Part 1 (no engine): the receiver (this process, the decode side's real KvReceive
 process (the prefill side's real channel) move, per transport, a 64 MiB slice and one 1536-token
 SmolLM2 prompt's KV (30 layer slices of 2.25 MiB in float32), N times each over an open channel
 (as between workers that already talk); the clock runs from the sender's start to the last byte
-received. memcpy of the same bytes is measured in the same run; the ratio is printed.
+received. memcpy of the same bytes is measured in the same run; the ratio is printed. Each is
+measured with KV integrity on (the sender's thread digests every slice, the receiving thread
+checks it: kv_transfer/integrity.py) and off (`--integrity on,off`), side by side.
 
 Part 2 (`--cluster`): `pdserve serve` with one prefill worker per transport and one decode
 worker; fresh 1536-token prompts go round-robin over the prefill workers, and the router's
@@ -56,14 +58,19 @@ def main() -> int:
     parser.add_argument(
         "--transports", default=",".join(TRANSPORTS), help="which to measure (default: all)"
     )
+    parser.add_argument(
+        "--integrity", default="on,off", help="KV integrity settings to measure (default: both)"
+    )
     parser.add_argument("--cluster", action="store_true", help="also measure through serve")
     parser.add_argument("--cluster-repeats", type=int, default=3, help="prompts per transport")
-    parser.add_argument("--sender", nargs=2, metavar=("KIND", "ADDRESS"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--sender", nargs=3, metavar=("KIND", "ADDRESS", "INTEGRITY"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.sender:
         return run_sender(*args.sender)
     kinds = args.transports.split(",")
-    throughput(kinds, args.repeats)
+    throughput(kinds, args.repeats, args.integrity.split(","))
     if args.cluster:
         through_cluster(kinds, args.cluster_repeats)
     return 0
@@ -72,11 +79,12 @@ def main() -> int:
 # Part 1 -------------------------------------------------------------------------------------
 
 
-def run_sender(kind: str, address: str) -> int:
-    """The prefill side: on each line "PAYLOAD REPEAT" from stdin, send that payload."""
+def run_sender(kind: str, address: str, integrity: str) -> int:
+    """The prefill side: on each line "PAYLOAD REPEAT" from stdin, send that payload (each slice
+    digested first, as the KV sender's thread does, with integrity on)."""
     from kv_transfer.channels import channel_opener
     from kv_transfer.host_staging import Staged
-    from kv_transfer.transport import LayerSlice
+    from kv_transfer.transport import LayerSlice, sealed
 
     channel = channel_opener(COMPATIBILITY, "127.0.0.1", torch.device("cpu"))(kind, address)
     sources = {
@@ -88,7 +96,8 @@ def run_sender(kind: str, address: str) -> int:
         sizes = PAYLOADS[name]
         for layer, size in enumerate(sizes):
             staged = Staged(sources[size], size)
-            channel.send(LayerSlice(f"{name}-{repeat}", layer, 0, 1, 0, 3, staged, True))
+            piece = LayerSlice(f"{name}-{repeat}", layer, 0, 1, 0, 3, staged, True)
+            channel.send(sealed(piece) if integrity == "on" else piece)
         print("sent", flush=True)
     channel.close()
     return 0
@@ -103,49 +112,58 @@ def memcpy_seconds(nbytes: int) -> float:
     return time.perf_counter() - started
 
 
-def throughput(kinds: list[str], repeats: int) -> None:
-    from decode_workers.connector import GIL_SWITCH_INTERVAL_S
-
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as in a decode worker's process
-    receiver = KvReceiver(COMPATIBILITY, inbox_bytes=256 * MIB)
-    address = f"127.0.0.1:{receiver.start('127.0.0.1', 0)}"
-    results: dict[tuple[str, str], list[float]] = {}
+def throughput(kinds: list[str], repeats: int, integrity: list[str]) -> None:
+    results: dict[tuple[str, str, str], list[float]] = {}
     memcpy: dict[str, list[float]] = {name: [] for name in PAYLOADS}
-    try:
-        for kind in kinds:
-            sender = subprocess.Popen(
-                [sys.executable, __file__, "--sender", kind, address],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                cwd=ROOT,
-            )
-            try:
-                assert sender.stdout.readline().strip() == "ready", f"{kind} sender did not start"
-                for name, sizes in PAYLOADS.items():
-                    for repeat in range(repeats + 1):  # the first warms the channel up
-                        started = time.perf_counter()
-                        sender.stdin.write(f"{name} {repeat}\n")
-                        sender.stdin.flush()
-                        receive_all(receiver, sum(sizes), len(sizes))
-                        seconds = time.perf_counter() - started
-                        assert sender.stdout.readline().strip() == "sent"
-                        if repeat:
-                            results.setdefault((kind, name), []).append(seconds)
-                            memcpy[name].append(memcpy_seconds(sum(sizes)))
-            finally:
-                sender.stdin.close()
-                sender.wait(timeout=30)
-    finally:
-        receiver.stop()
+    for kind in kinds:  # on and off side by side for each transport
+        for setting in integrity:
+            measure(kind, setting, repeats, results, memcpy)
     print(f"\nKV transport throughput, two processes on this host (median of {repeats}):\n")
-    print("| transport | payload | GB/s | memcpy GB/s | ratio to memcpy |")
-    print("|---|---|---|---|---|")
-    for (kind, name), seconds in results.items():
+    print("| transport | payload | integrity | GB/s | memcpy GB/s | ratio to memcpy |")
+    print("|---|---|---|---|---|---|")
+    for (kind, name, setting), seconds in results.items():
         nbytes = sum(PAYLOADS[name])
         rate = nbytes / statistics.median(seconds) / 1e9
         copy_rate = nbytes / statistics.median(memcpy[name]) / 1e9
-        print(f"| {kind} | {name} | {rate:.2f} | {copy_rate:.2f} | {rate / copy_rate:.0%} |")
+        print(
+            f"| {kind} | {name} | {setting} | {rate:.2f} | {copy_rate:.2f} "
+            f"| {rate / copy_rate:.0%} |"
+        )
+
+
+def measure(kind: str, integrity: str, repeats: int, results: dict, memcpy: dict) -> None:
+    """Time each payload `repeats` times over one channel of `kind`, into `results`."""
+    from decode_workers.connector import GIL_SWITCH_INTERVAL_S
+
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as in a decode worker's process
+    receiver = KvReceiver(COMPATIBILITY, inbox_bytes=256 * MIB, integrity=integrity == "on")
+    address = f"127.0.0.1:{receiver.start('127.0.0.1', 0)}"
+    try:
+        sender = subprocess.Popen(
+            [sys.executable, __file__, "--sender", kind, address, integrity],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        try:
+            assert sender.stdout.readline().strip() == "ready", f"{kind} sender did not start"
+            for name, sizes in PAYLOADS.items():
+                for repeat in range(repeats + 1):  # the first warms the channel up
+                    started = time.perf_counter()
+                    sender.stdin.write(f"{name} {repeat}\n")
+                    sender.stdin.flush()
+                    receive_all(receiver, sum(sizes), len(sizes))
+                    seconds = time.perf_counter() - started
+                    assert sender.stdout.readline().strip() == "sent"
+                    if repeat:
+                        results.setdefault((kind, name, integrity), []).append(seconds)
+                        memcpy[name].append(memcpy_seconds(sum(sizes)))
+        finally:
+            sender.stdin.close()
+            sender.wait(timeout=30)
+    finally:
+        receiver.stop()
 
 
 def receive_all(receiver: KvReceiver, nbytes: int, slices: int) -> None:
@@ -158,6 +176,8 @@ def receive_all(receiver: KvReceiver, nbytes: int, slices: int) -> None:
         if cancelled:
             raise RuntimeError(f"transfers cancelled: {cancelled}")
         for piece in complete:
+            if piece.damage:
+                raise RuntimeError(f"a slice failed its integrity check: {piece.damage}")
             seen += len(piece.data)
             piece.release()
         got += len(complete)

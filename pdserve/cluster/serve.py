@@ -18,7 +18,7 @@ from pdserve.cluster.local_workers import (
     OMP_BIND_ENV,
     core_shares,
     start_worker,
-    stop_worker,
+    stop_workers,
     threads_per_worker,
     wait_ready,
 )
@@ -100,7 +100,15 @@ def add_parser(subparsers) -> None:
         help="where worker logs go (default: a new temporary folder)",
     )
     add_arguments(
-        parser, WorkerSettings, only=("kv_failure_policy", "kv_send_buffer_mib", "kv_transport")
+        parser,
+        WorkerSettings,
+        only=(
+            "kv_failure_policy",
+            "kv_send_buffer_mib",
+            "kv_transport",
+            "kv_integrity",
+            "kv_fault",
+        ),
     )
     add_arguments(parser, RouterSettings, exclude=("model", "registry", "cluster"))
     add_arguments(parser.add_argument_group("engine"), EngineSettings)
@@ -172,8 +180,7 @@ def run(args: argparse.Namespace) -> int:
         listener.close()
         if workers:
             say(f"stopping {len(workers)} worker(s)")
-        for worker in workers:
-            stop_worker(worker)
+        stop_workers(workers)
 
 
 def _worker_plan(args, decode: WorkerSettings, transports: list[str]) -> list[WorkerSettings]:

@@ -41,6 +41,7 @@ from pdserve.settings.router import (
 from pdserve.settings.worker import (
     HeartbeatS,
     KvFailurePolicy,
+    KvIntegrity,
     KvSendBufferMib,
     KvTransport,
     WorkerSettings,
@@ -100,6 +101,7 @@ class FlexPoolSection(PoolSection):
 class TransportSection(Settings):
     kind: KvTransport
     kv_timeout_s: KvTimeoutS
+    kv_integrity: KvIntegrity
 
 
 class RouterSection(Settings):
@@ -193,6 +195,7 @@ class ClusterFile(Settings):
             heartbeat_s=self.registry.heartbeat_s,
             engine=engine,
             kv_transport=self.transport.kind,
+            kv_integrity=self.transport.kv_integrity,
             **policy,
         )
 

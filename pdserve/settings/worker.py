@@ -1,8 +1,10 @@
 """A worker's settings: its role, where it listens, its registry, and its engine."""
 
+from dataclasses import dataclass
+from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from pdserve.kinds import AUTO_TRANSPORT, Role, Transport
 from pdserve.settings.base import Settings
@@ -50,6 +52,66 @@ KvTransport = Annotated[
         "worker's",
     ),
 ]
+KvIntegrity = Annotated[
+    Literal["on", "off"],
+    Field(
+        default="on",
+        description="every KV slice carries a digest of its bytes, checked where it lands, and "
+        "its transfer's epoch and sequence number; a slice that fails a check fails its "
+        "transfer (the kv failure policy applies). off is for measuring the cost only",
+    ),
+]
+
+
+class KvFaultKind(StrEnum):
+    """What `--kv-fault` does to a slice (kv_transfer/faults.py)."""
+
+    CORRUPT = "corrupt"
+    TRUNCATE = "truncate"
+    DUPLICATE = "duplicate"
+    REORDER = "reorder"
+    STALE = "stale"
+    DELAY = "delay"
+
+
+@dataclass(frozen=True)
+class KvFault:
+    kind: KvFaultKind
+    rate: float  # the fraction of slices it hits, in [0, 1]
+
+
+def parse_kv_fault(text: str) -> KvFault | None:
+    """ "KIND:RATE" -> a KvFault; "" -> None; ValueError saying what is wrong."""
+    if not text:
+        return None
+    kind, _, rate = text.partition(":")
+    if kind not in set(KvFaultKind):
+        raise ValueError(f"{text!r}: KIND must be one of {', '.join(KvFaultKind)}")
+    try:
+        value = float(rate)
+    except ValueError:
+        raise ValueError(f"{text!r}: RATE must be a number from 0 to 1") from None
+    if not 0 <= value <= 1:
+        raise ValueError(f"{text!r}: RATE must be from 0 to 1")
+    return KvFault(KvFaultKind(kind), value)
+
+
+def _valid_fault(text: str) -> str:
+    parse_kv_fault(text)
+    return text
+
+
+KvFaultSetting = Annotated[
+    str,
+    AfterValidator(_valid_fault),
+    Field(
+        default="",
+        description="a testing aid, never for production: the sending transport damages a "
+        "fraction RATE of the KV slices this prefill worker sends, KIND one of corrupt, "
+        "truncate, duplicate, reorder, stale, delay (docs/development.md) (default: none)",
+        json_schema_extra={"metavar": "KIND:RATE"},
+    ),
+]
 ClusterName = Annotated[
     str, Field(default="pdserve", description="the cluster's name in the registry")
 ]
@@ -90,6 +152,8 @@ class WorkerSettings(Settings):
     kv_failure_policy: KvFailurePolicy
     kv_send_buffer_mib: KvSendBufferMib
     kv_transport: KvTransport
+    kv_integrity: KvIntegrity
+    kv_fault: KvFaultSetting
     cluster_secret_file: ClusterSecretFile
     tls_dir: TlsDir
     registry: str = Field(

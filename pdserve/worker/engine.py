@@ -35,6 +35,7 @@ def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
             "kv_connector_extra_config": {
                 "send_buffer_bytes": worker.kv_send_buffer_mib << 20,
                 "advertised_host": advertised,
+                "integrity": worker.kv_integrity == "on",
             },
         }
     if worker.role == Role.FLEX:  # both halves, both configurations
@@ -59,6 +60,7 @@ def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
                 "receiver_host": worker.host,
                 "receiver_port": kv_port,
                 "advertised_host": advertised,
+                "integrity": worker.kv_integrity == "on",
             },
         }
     return None

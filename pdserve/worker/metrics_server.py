@@ -53,8 +53,16 @@ class WorkerMetrics:
         self.kv_failures = Counter(
             "pdserve_worker_kv_transfer_failures",
             "Transfers whose KV did not arrive: timeout, cancelled (its producer gave up), "
-            "refused (the compatibility handshake failed)",
+            "refused (the compatibility handshake failed), integrity (a slice failed a check)",
             ["transport", "reason"],
+            registry=registry,
+        )
+        self.kv_integrity_failures = Counter(
+            "pdserve_kv_integrity_failures",
+            "Transfers failed because a slice failed an integrity check, by the transport "
+            "that carried it and what was wrong: digest (its bytes changed), length "
+            "(truncated), stale (another transfer's), duplicate, order (reordered)",
+            ["transport", "kind"],
             registry=registry,
         )
 
@@ -73,6 +81,8 @@ class WorkerMetrics:
         self.kv_transfer_size.labels(transport).observe(transfer["bytes"])
         if transfer["failed"]:
             self.kv_failures.labels(transport, transfer["failure"] or "unknown").inc()
+        if transfer.get("integrity"):
+            self.kv_integrity_failures.labels(transport, transfer["integrity"]).inc()
 
 
 def serve_metrics(host: str, port: int) -> int:

@@ -33,8 +33,9 @@ async def _nothing_to_leave() -> None:
     """A worker outside any registry (`pdserve serve`) is in no pool to leave."""
 
 
-def kv_extra_args(request: worker_pb2.GenerateRequest) -> dict | None:
-    """The request's KV transfer, as the connector reads it from vLLM's extra_args."""
+def kv_extra_args(request: worker_pb2.GenerateRequest, kv_fault: str = "") -> dict | None:
+    """The request's KV transfer, as the connector reads it from vLLM's extra_args (a prefill
+    leg carries the fault its sender injects, `kv_fault`: tests only)."""
     from kv_transfer.params import ReceiveKv, SendKv, to_extra_args
 
     if not request.HasField("kv"):
@@ -43,7 +44,7 @@ def kv_extra_args(request: worker_pb2.GenerateRequest) -> dict | None:
     peer_tp = kv.peer_tensor_parallel_size or 1
     if kv.send_to:
         return to_extra_args(
-            SendKv(kv.transfer_id, kv.send_to, peer_tp, kv.transport or Transport.GRPC)
+            SendKv(kv.transfer_id, kv.send_to, peer_tp, kv.transport or Transport.GRPC, kv_fault)
         )
     return to_extra_args(
         ReceiveKv(
@@ -64,6 +65,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         kv_address: str = "",
         kv_failure_policy: str = "",
         kv_transport: str = AUTO_TRANSPORT,
+        kv_fault: str = "",
     ) -> None:
         from kv_transfer.transport import host_id
 
@@ -73,6 +75,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.kv_address = kv_address
         self.kv_failure_policy = kv_failure_policy
         self.kv_transport = kv_transport
+        self.kv_fault = kv_fault  # tests only: what the prefill legs started from now inject
         self.host_id = host_id()
         self.device = ""
         self.max_num_seqs = 0
@@ -124,7 +127,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.awaiting_first_token[request_id] = _tokens_to_compute(request)
         try:
             samplings = [
-                to_vllm_sampling(request.sampling, kv_extra_args(request) if i == 0 else None, i)
+                to_vllm_sampling(
+                    request.sampling, kv_extra_args(request, self.kv_fault) if i == 0 else None, i
+                )
                 for i in range(choices)
             ]
             streams = [
@@ -237,6 +242,19 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 f"{error.details()}",
             )
         return worker_pb2.CancelTransferReply()
+
+    async def SetKvFault(self, request, context):
+        """Tests only (a testing aid, as --kv-fault): the prefill legs this worker starts from
+        now on inject `request.fault`."""
+        from pdserve.settings.worker import parse_kv_fault
+
+        try:
+            parse_kv_fault(request.fault)
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        previous, self.kv_fault = self.kv_fault, request.fault
+        log.warning("KV fault injection set to %r (was %r)", request.fault, previous)
+        return worker_pb2.KvFault(fault=previous)
 
     async def Health(self, request, context):
         return worker_pb2.HealthReply(

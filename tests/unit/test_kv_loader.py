@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from decode_workers.kv_loader import ORPHAN_TTL_S, KvLoader
+from kv_transfer.integrity import transfer_epoch
 from kv_transfer.kv_layout import BLOCK, CONTENT, HEAD, TOKEN, LayerLayout
 from kv_transfer.metadata import Expected
 from kv_transfer.transport import LayerSlice
@@ -85,9 +86,27 @@ def block_values(layer: int, first_block: int, num_blocks: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def layer_slice(layer, first_block=0, num_blocks=4, last=True, transfer_id="t-1", at=0.0):
+def layer_slice(
+    layer, first_block=0, num_blocks=4, last=True, transfer_id="t-1", at=0.0, seq=None, **fields
+):
+    """A slice as a sender makes it: its transfer's epoch, and a sequence number in the order
+    a sender sends (step by step, layer by layer) unless `seq` is given."""
     data = bytearray(block_values(layer, first_block, num_blocks).numpy().tobytes())
-    return LayerSlice(transfer_id, layer, first_block, num_blocks, 0, 2, data, last, at, "shm")
+    return LayerSlice(
+        transfer_id,
+        layer,
+        first_block,
+        num_blocks,
+        0,
+        2,
+        data,
+        last,
+        at,
+        "shm",
+        epoch=transfer_epoch(transfer_id),
+        seq=first_block * NUM_LAYERS + layer if seq is None else seq,
+        **fields,
+    )
 
 
 def whole_prompt(transfer_id="t-1", num_blocks=4, at=0.0) -> list[LayerSlice]:
@@ -116,8 +135,8 @@ def test_the_kv_lands_in_the_expected_blocks_past_the_skipped_prefix(loader, rec
     receiver.feed(
         [
             layer_slice(0, first_block=0, num_blocks=2, last=False),
-            layer_slice(0, first_block=2, num_blocks=2, last=True),
             layer_slice(1, first_block=0, num_blocks=4, last=True),
+            layer_slice(0, first_block=2, num_blocks=2, last=True),
         ]
     )
     loader.transfer_results([expected(block_ids=block_ids, skip_blocks=1)], set())
@@ -257,6 +276,7 @@ def test_stats_give_bytes_and_first_to_last_slice_time_per_finished_transfer(
             "seconds": pytest.approx(0.25),
             "failed": False,
             "failure": "",
+            "integrity": "",
             "transport": "shm",
         }
     ]

@@ -64,6 +64,11 @@ class WorkerStub:
                 request_serializer=worker__pb2.CancelTransferRequest.SerializeToString,
                 response_deserializer=worker__pb2.CancelTransferReply.FromString,
                 _registered_method=True)
+        self.SetKvFault = channel.unary_unary(
+                '/pdserve.worker.v1.Worker/SetKvFault',
+                request_serializer=worker__pb2.KvFault.SerializeToString,
+                response_deserializer=worker__pb2.KvFault.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -113,6 +118,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetKvFault(self, request, context):
+        """Tests only: the KV fault this worker's sender injects in the transfers it starts from now
+        on ("KIND:RATE", kv_transfer/faults.py; "" for none), without restarting its engine.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +158,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.CancelTransfer,
                     request_deserializer=worker__pb2.CancelTransferRequest.FromString,
                     response_serializer=worker__pb2.CancelTransferReply.SerializeToString,
+            ),
+            'SetKvFault': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetKvFault,
+                    request_deserializer=worker__pb2.KvFault.FromString,
+                    response_serializer=worker__pb2.KvFault.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -309,6 +327,33 @@ class Worker:
             '/pdserve.worker.v1.Worker/CancelTransfer',
             worker__pb2.CancelTransferRequest.SerializeToString,
             worker__pb2.CancelTransferReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetKvFault(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.Worker/SetKvFault',
+            worker__pb2.KvFault.SerializeToString,
+            worker__pb2.KvFault.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,103 @@
+"""End-to-end KV integrity: a slice's digest and its transfer's epoch, and the kinds of damage a
+receiver refuses (each fails its transfer and is counted in
+`pdserve_kv_integrity_failures_total{transport,kind}`).
+
+The sender's thread computes the digest of a slice's raw bytes as it sends it (on the device for
+a CUDA tensor: only the 8-byte result comes to the host); the receiving thread recomputes it on
+the bytes that landed, before the KV loader may copy them into the cache. One function, plain
+torch integer arithmetic, gives bit-identical results on CPU and CUDA, so either side may be on
+either device. Integer sums are exact and order-free, so the device's reduction order does not
+matter.
+
+Plain torch: no vLLM, HTTP or routing here.
+"""
+
+import hashlib
+import warnings
+from enum import StrEnum
+
+import torch
+
+WORDS_PER_ROW = 512  # the digest's two-level sum: rows of this many 64-bit words (4 KiB)
+_MASK = (1 << 64) - 1
+_ODD = 0x9E3779B97F4A7C15  # odd: a change of s1 alone always changes the digest
+_EVEN = 0xC2B2AE3D27D4EB4E  # even: see slice_digest
+_LENGTH = 0x165667B19E3779F9
+
+
+class Damage(StrEnum):
+    """What a receiver found wrong with a slice (the metric's `kind` label)."""
+
+    DIGEST = "digest"  # its bytes are not those the sender sent (a flipped bit, lost bytes)
+    LENGTH = "length"  # not as many bytes as its blocks and heads need (truncated)
+    STALE = "stale"  # produced for another transfer (a cancelled, retried or migrated one)
+    DUPLICATE = "duplicate"  # a slice of this transfer that was already received
+    ORDER = "order"  # a slice came before one the sender sent earlier (reordered, or lost)
+
+
+def slice_digest(data: torch.Tensor) -> int:
+    """A 64-bit digest of the raw bytes of `data` (any dtype, any device, contiguous).
+
+    The bytes are read as n 64-bit words w_1..w_n (zero-padded), and two sums are taken in
+    wrapping 64-bit integers: s1 = sum(w_i) and s2 = sum(i * w_i). The digest is
+    s1 * ODD + s2 * EVEN + bytes * LENGTH (mod 2^64). Why it catches what a transport can do:
+    - a bit flip changes one word by +-2^b (b < 64): the digest changes by 2^b * (ODD + i *
+      EVEN), an odd number times 2^b, never 0 mod 2^64: every single flipped bit is caught
+      (several escape only if they cancel in both sums at once);
+    - reordering (words, chunks or rows swapped) leaves s1 alone but changes s2 by
+      (w_i - w_j)(j - i), times EVEN = 2 * odd: 0 mod 2^64 only if that product is divisible by
+      2^63, i.e. the two words differ by a multiple of a huge power of two;
+    - truncation or lost bytes change the byte count, mixed in on its own (and the sums).
+    It is not cryptographic: it guards against accidents, not an adversary (the cluster
+    secret keeps strangers out). s2 is computed as C * sum_r(r * rowsum_r) + sum_c((c + 1) *
+    colsum_c) over rows of C words: the data is read twice, in native 64-bit sums (~15-20 GB/s
+    per CPU core measured here), with no temporary as large as the slice."""
+    flat = data.reshape(-1).view(torch.uint8)
+    if flat.storage_offset() % 8:  # a 64-bit view needs aligned memory
+        flat = flat.clone()
+    size = flat.numel()
+    row_bytes = 8 * WORDS_PER_ROW
+    whole = size // row_bytes * row_bytes
+    rows = flat[:whole].view(torch.int64).view(-1, WORDS_PER_ROW)
+    row_sums = rows.sum(1)
+    col_sums = rows.sum(0)
+    if whole < size:  # the tail, zero-padded to one more row
+        tail = torch.zeros(row_bytes, dtype=torch.uint8, device=flat.device)
+        tail[: size - whole] = flat[whole:]
+        words = tail.view(torch.int64)
+        row_sums = torch.cat([row_sums, words.sum().reshape(1)])
+        col_sums = col_sums + words
+    device = flat.device
+    row_index = torch.arange(row_sums.numel(), dtype=torch.int64, device=device)
+    col_weight = torch.arange(1, WORDS_PER_ROW + 1, dtype=torch.int64, device=device)
+    s1 = row_sums.sum()
+    s2 = (row_sums * row_index).sum() * WORDS_PER_ROW + (col_sums * col_weight).sum()
+    mixed = s1 * _signed(_ODD) + s2 * _signed(_EVEN)  # wraps mod 2^64, as int64 does everywhere
+    return (int(mixed.item()) + size * _LENGTH) & _MASK
+
+
+def _signed(value: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def transfer_epoch(transfer_id: str) -> int:
+    """The identity every slice of a transfer carries, checked against the decode worker's
+    reservation for `transfer_id`. The router gives every attempt (a retry, a migration) a
+    transfer id of its own, so a slice left over from a cancelled or earlier attempt (or one a
+    sender put under the wrong transfer) carries another epoch and is refused. Nonzero: 0 means
+    "none" on the wire."""
+    digest = hashlib.blake2b(transfer_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") | 1
+
+
+def as_tensor(data) -> torch.Tensor:
+    """A received slice's bytes as a flat uint8 tensor, without a copy (a bytearray, a read-only
+    view of a shared-memory segment, or a tensor); only read, never written."""
+    if isinstance(data, torch.Tensor):
+        return data.reshape(-1).view(torch.uint8)
+    if not len(data):
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():  # a read-only segment view: torch warns it is not writable
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=torch.uint8)

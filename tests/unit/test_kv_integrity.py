@@ -1,0 +1,246 @@
+"""End-to-end KV integrity (kv_transfer/integrity.py) and fault injection (kv_transfer/faults.py):
+the digest catches what it claims to, and every injected fault kind, on every transport (grpc,
+nccl on gloo, shm), through the real classes from a prefill cache to a decode cache (layer
+sender -> KV sender -> transport -> receiver -> loader), fails its transfer with the right
+kind and writes nothing wrong, while a clean transfer beside it loads exactly. CPU tensors, no
+engine."""
+
+import random
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+from decode_workers.kv_loader import KvLoader
+from kv_transfer.channels import kv_sender
+from kv_transfer.integrity import Damage, as_tensor, slice_digest, transfer_epoch
+from kv_transfer.kv_layout import BLOCK, CONTENT, HEAD, TOKEN, LayerLayout
+from kv_transfer.kv_receiver import KvReceiver
+from kv_transfer.metadata import Expected, SendSlice
+from kv_transfer.transport import TRANSPORTS, LayerSlice
+from pdserve.settings.worker import KvFaultKind, parse_kv_fault
+from prefill_workers.kv_sender import LayerSender
+from tests.unit.test_kv_transports import CONSUMER
+
+CPU = torch.device("cpu")
+LAYOUT = LayerLayout((BLOCK, HEAD, TOKEN, CONTENT))
+BLOCK_SHAPE = (CONSUMER.total_kv_heads, CONSUMER.block_size, 2 * CONSUMER.head_size)
+NUM_BLOCKS = 8
+DEADLINE_S = 15.0
+CAUGHT_AS = {
+    KvFaultKind.CORRUPT: Damage.DIGEST,
+    KvFaultKind.TRUNCATE: Damage.LENGTH,
+    KvFaultKind.DUPLICATE: Damage.DUPLICATE,
+    KvFaultKind.REORDER: Damage.ORDER,
+    KvFaultKind.STALE: Damage.STALE,
+    KvFaultKind.DELAY: "",  # late, not wrong: loaded
+}
+
+
+# The digest ---------------------------------------------------------------------------------
+
+
+def test_every_single_flipped_bit_changes_the_digest():
+    data = torch.randint(0, 256, (40 * 1024 + 13,), dtype=torch.uint8)  # rows and a tail
+    clean = slice_digest(data)
+    rng = random.Random(0)
+    for at in [0, 1, 4095, 4096, data.numel() - 1, *rng.sample(range(data.numel()), 40)]:
+        for bit in range(8):
+            flipped = data.clone()
+            flipped[at] ^= 1 << bit
+            assert slice_digest(flipped) != clean, (at, bit)
+
+
+def test_reordered_words_or_rows_and_truncation_change_the_digest():
+    data = torch.randint(-(1 << 62), 1 << 62, (3 * 512 + 7,), dtype=torch.int64)
+    clean = slice_digest(data)
+    swapped = data.clone()
+    swapped[[3, 900]] = data[[900, 3]]
+    rows = data.clone()
+    rows[:512], rows[512:1024] = data[512:1024], data[:512]
+    assert slice_digest(swapped) != clean
+    assert slice_digest(rows) != clean
+    raw = data.view(torch.uint8)
+    assert slice_digest(raw[:-1]) != clean
+    zeros = torch.zeros(8, dtype=torch.uint8)
+    assert slice_digest(torch.cat([raw, zeros])) != slice_digest(raw)  # even trailing zeros
+
+
+def test_the_digest_reads_bytes_whatever_holds_them():
+    values = torch.randn(3, 5, 7)
+    raw = values.view(torch.uint8).reshape(-1)
+    expected = slice_digest(values)
+    assert slice_digest(raw) == expected
+    assert slice_digest(as_tensor(bytearray(raw.numpy().tobytes()))) == expected
+    assert slice_digest(as_tensor(memoryview(raw.numpy().tobytes()))) == expected  # read-only
+    assert slice_digest(raw[1:].clone()) != expected
+    unaligned = torch.empty(raw.numel() + 1, dtype=torch.uint8)[1:]
+    unaligned.copy_(raw)
+    assert slice_digest(unaligned) == expected
+
+
+def test_each_attempt_of_a_transfer_has_its_own_epoch():
+    epochs = {transfer_epoch(t) for t in ("req-1", "req-1-retry1", "req-1-retry2", "req-2")}
+    assert len(epochs) == 4 and 0 not in epochs
+    assert transfer_epoch("req-1") == transfer_epoch("req-1")
+
+
+def test_a_fault_setting_is_kind_colon_rate():
+    assert parse_kv_fault("") is None
+    fault = parse_kv_fault("corrupt:0.5")
+    assert (fault.kind, fault.rate) == (KvFaultKind.CORRUPT, 0.5)
+    for wrong in ("corrupt", "flip:1", "delay:x", "stale:1.5"):
+        with pytest.raises(ValueError):
+            parse_kv_fault(wrong)
+
+
+# The real classes, prefill cache to decode cache --------------------------------------------
+
+
+def prefill_caches() -> list[torch.Tensor]:
+    """A prefill rank's caches: every value names its layer, block and position."""
+    size = NUM_BLOCKS * torch.Size(BLOCK_SHAPE).numel()
+    return [
+        (torch.arange(size, dtype=torch.float32) + 1_000_000 * (layer + 1)).view(
+            NUM_BLOCKS, *BLOCK_SHAPE
+        )
+        for layer in range(CONSUMER.num_layers)
+    ]
+
+
+def send_prompt(sender: LayerSender, caches, transfer_id: str, destination: str, transport, fault):
+    """What a prefill worker's connector does for a 4-block prompt computed in two steps of two
+    blocks: each step, each layer, the blocks it computed."""
+    for first, last in ((0, False), (2, True)):
+        step = [SendSlice(transfer_id, destination, first, [first + 1, first + 2], last, 1,
+                          transport, fault)]  # fmt: skip
+        sender.new_step(step)
+        for layer, cache in enumerate(caches):
+            sender.save_layer(layer, cache, step)
+
+
+def results(loader: KvLoader, expected: list[Expected], count: int) -> tuple[set, set]:
+    """Every report of the loader until `count` requests are reported (loaded, failed)."""
+    loaded, failed = set(), set()
+    deadline = time.monotonic() + DEADLINE_S
+    while len(loaded) < count:
+        assert time.monotonic() < deadline, f"reported so far: {loaded}, failed {failed}"
+        done, bad = loader.transfer_results(expected, set())
+        expected = []
+        loaded |= done
+        failed |= bad
+        time.sleep(0.01)
+    return loaded - failed, failed
+
+
+@pytest.mark.parametrize("kind", list(KvFaultKind))
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_each_fault_fails_its_transfer_as_what_it_is_and_writes_nothing_wrong(transport, kind):
+    receiver = KvReceiver(CONSUMER)
+    port = receiver.start("127.0.0.1", 0)
+    decode = [torch.zeros(NUM_BLOCKS, *BLOCK_SHAPE) for _ in range(CONSUMER.num_layers)]
+    loader = KvLoader(receiver, decode, LAYOUT, CONSUMER.head_size, CONSUMER.total_kv_heads)
+    sender = LayerSender(
+        kv_sender(CONSUMER, "127.0.0.1", CPU),
+        LAYOUT,
+        CONSUMER.head_size,
+        CONSUMER.total_kv_heads,
+        1,
+        0,
+        CPU,
+        64 << 20,
+    )
+    prefill = prefill_caches()
+    try:
+        # A clean transfer first (rate 0: the one a stale slice is kept from), then the faulty
+        # one.
+        send_prompt(sender, prefill, "clean", f"127.0.0.1:{port}", transport, f"{kind}:0")
+        send_prompt(sender, prefill, "faulty", f"127.0.0.1:{port}", transport, f"{kind}:1")
+        expected = [
+            Expected("clean-req", "clean", [1, 2, 3, 4], 0, DEADLINE_S),
+            Expected("faulty-req", "faulty", [5, 6, 7, 0], 0, DEADLINE_S),
+        ]
+        loaded, failed = results(loader, expected, 2)
+    finally:
+        sender.close()
+        receiver.stop()
+    stats = {entry["transfer_id"]: entry for entry in loader.take_stats()}
+    assert "clean-req" in loaded
+    assert stats["clean"]["integrity"] == ""
+    for layer in range(CONSUMER.num_layers):
+        assert torch.equal(decode[layer][1:5], prefill[layer][1:5])
+    caught = CAUGHT_AS[kind]
+    assert stats["faulty"]["integrity"] == caught
+    if not caught:
+        assert "faulty-req" in loaded
+        for layer in range(CONSUMER.num_layers):
+            assert torch.equal(decode[layer][[5, 6, 7, 0]], prefill[layer][1:5])
+        return
+    assert "faulty-req" in failed and stats["faulty"]["failure"] == "integrity"
+    for layer in range(CONSUMER.num_layers):  # nothing of it differs from what was sent
+        for decode_block, prefill_block in zip([5, 6, 7, 0], range(1, 5), strict=True):
+            written = decode[layer][decode_block]
+            assert not written.any() or torch.equal(written, prefill[layer][prefill_block])
+
+
+# The loader's checks, slice by slice --------------------------------------------------------
+
+
+class FakeReceiver:
+    """Stands in for KvReceiver: hands the loader the slices the test gives it."""
+
+    def __init__(self) -> None:
+        self.slices: list[LayerSlice] = []
+
+    def take(self):
+        slices, self.slices = self.slices, []
+        return slices, {}
+
+
+def one_block(transfer_id="t", layer=0, seq=0, **fields) -> LayerSlice:
+    data = bytearray(torch.ones(BLOCK_SHAPE).numpy().tobytes())
+    fields.setdefault("epoch", transfer_epoch(transfer_id))
+    return LayerSlice(transfer_id, layer, 0, 1, 0, 2, data, True, 0.0, "grpc", seq=seq, **fields)
+
+
+@pytest.mark.parametrize(
+    ("slices", "damage"),
+    [
+        ([one_block(epoch=transfer_epoch("t-retry1"))], Damage.STALE),
+        ([one_block(), one_block(layer=1, seq=0)], Damage.DUPLICATE),
+        ([one_block(seq=1), one_block(layer=1, seq=0)], Damage.ORDER),
+        ([one_block(damage=Damage.DIGEST)], Damage.DIGEST),
+    ],
+    ids=["stale", "duplicate", "order", "digest"],
+)
+def test_a_damaged_slice_fails_its_transfer_and_is_not_loaded(slices, damage, caplog):
+    receiver = FakeReceiver()
+    cache = [torch.zeros(2, *BLOCK_SHAPE) for _ in range(CONSUMER.num_layers)]
+    loader = KvLoader(receiver, cache, LAYOUT, CONSUMER.head_size, CONSUMER.total_kv_heads)
+    receiver.slices = slices
+    assert loader.transfer_results([Expected("req-t", "t", [1], 0, 5.0)], set()) == (
+        {"req-t"},
+        {"req-t"},
+    )
+    [entry] = loader.take_stats()
+    assert (entry["failure"], entry["integrity"]) == ("integrity", damage)
+    assert "KV transfer t (request req-t) failed its integrity check" in caplog.text
+    assert not cache[1][1].any()  # the second slice came after the failure: not loaded either
+
+
+def test_with_integrity_off_only_the_size_is_checked():
+    receiver = FakeReceiver()
+    cache = [torch.zeros(2, *BLOCK_SHAPE) for _ in range(CONSUMER.num_layers)]
+    loader = KvLoader(
+        receiver, cache, LAYOUT, CONSUMER.head_size, CONSUMER.total_kv_heads, integrity=False
+    )
+    receiver.slices = [one_block(epoch=0), one_block(layer=1, epoch=0)]
+    assert loader.transfer_results([Expected("req-t", "t", [1], 0, 5.0)], set()) == (
+        {"req-t"},
+        set(),
+    )
+    short = one_block("u", epoch=0)
+    receiver.slices = [replace(short, data=short.data[:-4])]
+    assert loader.transfer_results([Expected("req-u", "u", [0], 0, 5.0)], set())[1] == {"req-u"}
+    assert loader.take_stats()[-1]["integrity"] == Damage.LENGTH

@@ -1,0 +1,145 @@
+"""The decode side's load lifetimes (kv_transfer/host_staging.HostToDevice, as the KV loader
+drives it): on CUDA a scatter queued on the side stream reads its tensors later than it is
+queued, so a received buffer, a prefix-cache skip's `wire[keep]`, the index, and the slice's
+release (which lends its buffer to the next receive) must outlive an event recorded after it.
+A fake stream that defers every submitted work until the test runs it makes that visible on CPU:
+released too early, the next receive would take the buffer and overwrite it before the scatter
+read it."""
+
+import gc
+import weakref
+
+import torch
+
+from decode_workers.kv_loader import KvLoader
+from kv_transfer.host_staging import HostToDevice
+from kv_transfer.integrity import transfer_epoch
+from kv_transfer.kv_layout import BLOCK, CONTENT, HEAD, TOKEN, LayerLayout
+from kv_transfer.metadata import Expected
+from kv_transfer.transport import Inbox, LayerSlice
+
+LAYOUT = LayerLayout((BLOCK, HEAD, TOKEN, CONTENT))
+BLOCK_SHAPE = (2, 4, 8)  # heads, block size, K|V of head size 4
+HEAD_SIZE = 4
+BLOCK_BYTES = torch.Size(BLOCK_SHAPE).numel() * 4
+
+
+class FakeDeferringStream:
+    """Stands in for a CUDA side stream: submitted work runs only when the test says the stream
+    got there (`run()`), as queued kernels run later; an event has passed once everything
+    queued before it has run."""
+
+    def __init__(self) -> None:
+        self.queued: list = []
+        self.ran = 0
+
+    def follow_forward(self) -> None:
+        pass
+
+    def submit(self, work) -> None:
+        self.queued.append(work)
+
+    def record(self):
+        return FakeEvent(self, self.ran + len(self.queued))
+
+    def run(self) -> None:
+        while self.queued:
+            self.queued.pop(0)()
+            self.ran += 1
+
+    def synchronize(self) -> None:
+        self.run()
+
+
+class FakeEvent:
+    def __init__(self, stream: FakeDeferringStream, position: int) -> None:
+        self.stream, self.position = stream, position
+
+    def query(self) -> bool:
+        return self.stream.ran >= self.position
+
+
+def loader_with_fake_stream(inbox: Inbox):
+    caches = [torch.zeros(6, *BLOCK_SHAPE) for _ in range(2)]
+    loader = KvLoader(inbox, caches, LAYOUT, HEAD_SIZE, total_heads=2)
+    stream = FakeDeferringStream()
+    loader.staging = HostToDevice(torch.device("cpu"), side_stream=stream)
+    return loader, caches, stream
+
+
+def received(inbox: Inbox, layer: int, values: torch.Tensor, last: bool = True) -> bytearray:
+    """A slice of `values` (blocks of one layer) received into a buffer from the inbox."""
+    raw = values.view(torch.uint8).reshape(-1)
+    buffer = inbox.buffer(raw.numel())
+    buffer[:] = raw.numpy().tobytes()
+    inbox.put(
+        LayerSlice(
+            "t",
+            layer,
+            0,
+            values.shape[0],
+            0,
+            2,
+            buffer,
+            last,
+            0.0,
+            "gloo",
+            epoch=transfer_epoch("t"),
+            seq=layer,
+        )  # fmt: skip
+    )
+    return buffer
+
+
+def test_a_received_buffer_is_not_lent_to_the_next_receive_before_its_scatter_ran():
+    inbox = Inbox(verify=False)
+    loader, caches, stream = loader_with_fake_stream(inbox)
+    sent = torch.full((2, *BLOCK_SHAPE), 7.0)
+    buffer = received(inbox, 0, sent)
+    assert loader.transfer_results([Expected("r", "t", [3, 4], 0, 5.0)], set()) == (set(), set())
+    # The scatter is queued, not run: the buffer is still the slice's, so the next receive gets
+    # another one and cannot overwrite what the scatter will read.
+    assert inbox.held == 2 * BLOCK_BYTES
+    other = inbox.buffer(len(buffer))
+    assert other is not buffer
+    other[:] = bytes(len(other))  # what the next receive writes
+    stream.run()
+    assert torch.equal(caches[0][3:5], sent)
+    loader.transfer_results([], set())  # the event has passed: released now
+    assert inbox.held == 0
+    assert inbox.buffer(len(buffer)) is buffer  # lent to the next receive only now
+
+
+def test_a_prefix_skip_copy_and_the_index_live_until_the_event_then_go():
+    inbox = Inbox(verify=False)
+    loader, caches, stream = loader_with_fake_stream(inbox)
+    sent = torch.stack([torch.full(BLOCK_SHAPE, 1.0), torch.full(BLOCK_SHAPE, 2.0)])
+    received(inbox, 0, sent)
+    expected = Expected("r", "t", [3, 4], 1, 5.0)  # block 3 holds this worker's own prefix hit
+    loader.transfer_results([expected], set())
+    [(event, held, _)] = loader.staging.in_flight
+    assert not event.query()
+    shapes = sorted(tuple(tensor.shape) for tensor in held)
+    assert shapes == [(1,), (1, 2, 4, 2, HEAD_SIZE)]  # the index, and wire[keep] (wire order)
+    alive = [weakref.ref(tensor) for tensor in held]
+    del held, event
+    gc.collect()
+    assert all(ref() is not None for ref in alive), "freed before the stream read it"
+    stream.run()
+    loader.transfer_results([], set())
+    assert loader.staging.in_flight == []
+    gc.collect()
+    assert all(ref() is None for ref in alive), "held after the event: a leak"
+    assert torch.equal(caches[0][4], sent[1]) and not caches[0][3].any()
+
+
+def test_reporting_a_transfer_waits_for_its_scatters_and_releases_every_slice():
+    inbox = Inbox(verify=False)
+    loader, caches, stream = loader_with_fake_stream(inbox)
+    sent = torch.full((2, *BLOCK_SHAPE), 5.0)
+    received(inbox, 0, sent)
+    received(inbox, 1, sent)
+    assert loader.transfer_results([Expected("r", "t", [1, 2], 0, 5.0)], set()) == ({"r"}, set())
+    assert stream.queued == [] and loader.staging.in_flight == []
+    assert inbox.held == 0
+    assert all(torch.equal(cache[1:3], sent) for cache in caches)
