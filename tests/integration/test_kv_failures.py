@@ -32,6 +32,8 @@ CONSUMER = Compatibility(
     head_size=64,
     kv_layout=WIRE_LAYOUT,
     vllm_version="0.32.0",
+    bytes_per_head_token=512,  # K and V, 64 float32 each
+    kv_scale_mode="none",
 )
 
 
