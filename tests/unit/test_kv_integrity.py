@@ -244,3 +244,35 @@ def test_with_integrity_off_only_the_size_is_checked():
     receiver.slices = [replace(short, data=short.data[:-4])]
     assert loader.transfer_results([Expected("req-u", "u", [0], 0, 5.0)], set())[1] == {"req-u"}
     assert loader.take_stats()[-1]["integrity"] == Damage.LENGTH
+
+
+# The settings' way to the connectors ----------------------------------------------------------
+
+
+def test_integrity_is_on_by_default_and_reaches_both_connectors():
+    from pdserve.settings.cluster_file import parse_cluster
+    from pdserve.settings.worker import WorkerSettings
+    from pdserve.worker.engine import kv_transfer_config
+
+    for role in ("prefill", "decode"):
+        default = kv_transfer_config(WorkerSettings(role=role), 0)
+        off = kv_transfer_config(WorkerSettings(role=role, kv_integrity="off"), 0)
+        assert default["kv_connector_extra_config"]["integrity"] is True
+        assert off["kv_connector_extra_config"]["integrity"] is False
+    cluster = parse_cluster({"transport": {"kv_integrity": "off"}})
+    assert cluster.worker_settings("decode", "").kv_integrity == "off"
+    assert parse_cluster({}).worker_settings("prefill", "").kv_integrity == "on"
+
+
+def test_a_prefill_leg_carries_the_workers_fault_to_its_sender():
+    from kv_transfer.params import from_request
+    from pdserve.worker.protocol import worker_pb2
+    from pdserve.worker.service import kv_extra_args
+
+    request = worker_pb2.GenerateRequest(
+        prompt_token_ids=[1, 2],
+        kv=worker_pb2.KvTransfer(transfer_id="t", send_to="127.0.0.1:1", transport="shm"),
+    )
+    params = from_request(kv_extra_args(request, "corrupt:1")["kv_transfer_params"])
+    assert (params.transfer_id, params.fault) == ("t", "corrupt:1")
+    assert from_request(kv_extra_args(request)["kv_transfer_params"]).fault == ""
