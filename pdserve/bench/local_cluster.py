@@ -88,6 +88,9 @@ def vllm_server(
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        # The model in the engine-core process, as a pdserve worker at TP 1 runs it
+        # (pdserve/worker/engine.py: model_in_the_engine_core).
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CACHE_ROOT": str(log_dir / "vllm-cache"),
         "VLLM_RPC_BASE_PATH": str(log_dir / "vllm-rpc"),
     }
