@@ -157,9 +157,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         router reports each as what it is."""
         if request.HasField("kv") and not request.kv.send_to:
             return KV_TRANSFER_FAILED, (
-                f"the prompt's KV did not arrive within {request.kv.receive_timeout_s:g} s "
-                f"(transfer {request.kv.transfer_id}); this worker's kv failure policy is "
-                f"'{self.kv_failure_policy}'"
+                f"the prompt's KV did not arrive within {request.kv.receive_timeout_s:g} s, or "
+                f"failed its integrity check (transfer {request.kv.transfer_id}); this worker's "
+                f"kv failure policy is '{self.kv_failure_policy}'"
             )
         return ENGINE_FAILED, "the engine ended the request with an error"
 
