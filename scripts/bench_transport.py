@@ -10,10 +10,11 @@ measured with KV integrity on (the sender's thread digests every slice, the rece
 checks it: kv_transfer/integrity.py) and off (`--integrity on,off`), side by side.
 
 Part 2 (`--cluster`): `pdserve serve` with one prefill worker per transport and one decode
-worker; fresh 1536-token prompts go round-robin over the prefill workers, and the router's
-timing breakdown gives, per transport, the prefill time and the exposed transfer (what the
-decode worker waited for KV after the prefill ended), as a share of the prefill time. Then the
-idle CPU of every worker (connectors loaded, channels open, no traffic) over 10 s.
+worker, once per `--integrity` setting; fresh 1536-token prompts go round-robin over the prefill
+workers, and the router's timing breakdown gives, per transport, the prefill time and the
+exposed transfer (what the decode worker waited for KV after the prefill ended), as a share of
+the prefill time. Then the idle CPU of every worker (connectors loaded, channels open, no
+traffic) over 10 s.
 
     python scripts/bench_transport.py                 # part 1
     python scripts/bench_transport.py --cluster       # parts 1 and 2 (starts its own cluster)
@@ -72,7 +73,8 @@ def main() -> int:
     kinds = args.transports.split(",")
     throughput(kinds, args.repeats, args.integrity.split(","))
     if args.cluster:
-        through_cluster(kinds, args.cluster_repeats)
+        for setting in args.integrity.split(","):
+            through_cluster(kinds, args.cluster_repeats, setting)
     return 0
 
 
@@ -191,7 +193,7 @@ def receive_all(receiver: KvReceiver, nbytes: int, slices: int) -> None:
 # Part 2 -------------------------------------------------------------------------------------
 
 
-def through_cluster(kinds: list[str], repeats: int) -> None:
+def through_cluster(kinds: list[str], repeats: int, integrity: str) -> None:
     import httpx
 
     from pdserve.bench.local_cluster import local_cluster
@@ -200,10 +202,10 @@ def through_cluster(kinds: list[str], repeats: int) -> None:
 
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-bench-transport-"))
     print(
-        f"\nstarting pdserve serve ({len(kinds)}P + 1D, one prefill worker per transport; "
-        f"logs: {log_dir})"
+        f"\nstarting pdserve serve ({len(kinds)}P + 1D, one prefill worker per transport, "
+        f"KV integrity {integrity}; logs: {log_dir})"
     )
-    serve_args = ["--prefill-kv-transports", ",".join(kinds)]
+    serve_args = ["--prefill-kv-transports", ",".join(kinds), "--kv-integrity", integrity]
     ensure_cluster_secret()  # serve keeps it: this script then asks the workers directly
     rng = random.Random(0)
     rows: dict[str, list[dict]] = {kind: [] for kind in kinds}
@@ -224,7 +226,8 @@ def through_cluster(kinds: list[str], repeats: int) -> None:
         time.sleep(IDLE_SETTLE_S)  # vLLM's engine loops wind down after the last request
         idle = idle_cpu(url)
     print(
-        f"\nExposed transfer at {PROMPT_TOKENS} tokens through the cluster (median of {repeats}):\n"
+        f"\nExposed transfer at {PROMPT_TOKENS} tokens through the cluster, KV integrity "
+        f"{integrity} (median of {repeats}):\n"
     )
     print("| transport | prefill s | KV transfer s | exposed s | exposed / prefill |")
     print("|---|---|---|---|---|")
