@@ -139,7 +139,7 @@ class RouterMetrics:
         self.kv_failures = Counter(
             "pdserve_kv_transfer_failures",
             "KV transfers that did not complete, by reason "
-            "(prefill_failed, timeout, cancelled, refused)",
+            "(prefill_failed, timeout, cancelled, refused, integrity)",
             ["reason"],
             registry=self.registry,
         )

@@ -29,7 +29,7 @@ from pdserve.settings.command_line import add_arguments, add_settings_json, from
 from pdserve.settings.json_logs import configure_logging
 from pdserve.settings.worker import WorkerSettings
 from pdserve.worker import engine as engine_factory
-from pdserve.worker import group_reaper
+from pdserve.worker import group_reaper, shm_leftovers
 from pdserve.worker.grpc_health import SecretCheckButHealth, add_health
 from pdserve.worker.metrics_server import WorkerMetrics, serve_metrics
 from pdserve.worker.processes import free_port
@@ -148,7 +148,10 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
         await membership.leave()
         await membership.registry.close()
     await server.stop(grace=2)
+    engine_shm = shm_leftovers.engine_files()
     engine.shutdown()
+    if removed := shm_leftovers.remove_unmapped(engine_shm):
+        log.info("removed what the engine left in /dev/shm: %s", " ".join(p.name for p in removed))
     # Drop every reference, so AsyncLLM.__del__ does not shut down again at interpreter exit.
     service.engine = None
     del engine
