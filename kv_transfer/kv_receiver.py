@@ -16,9 +16,10 @@ from kv_transfer import kv_wire_pb2 as wire
 from kv_transfer import kv_wire_pb2_grpc as wire_grpc
 from kv_transfer.compatibility import NO_SECRET, Compatibility, check_hello
 from kv_transfer.grpc_transport import GRPC_OPTIONS
+from kv_transfer.memory_budget import INBOX_BYTES
 from kv_transfer.nccl_transport import NcclReceiving
 from kv_transfer.shm_transport import ShmListener
-from kv_transfer.transport import INBOX_BYTES, INBOX_WAIT_S, ChannelError, Inbox, SliceAssembler
+from kv_transfer.transport import INBOX_WAIT_S, ChannelError, Inbox, SliceAssembler
 from pdserve.settings import tls
 from pdserve.settings.cluster_secret import cluster_secret, secret_matches
 

@@ -31,13 +31,13 @@ from typing import Protocol
 
 from kv_transfer.faults import FaultInjector
 from kv_transfer.integrity import Damage, as_tensor, slice_digest
+from kv_transfer.memory_budget import INBOX_BYTES
 from pdserve.kinds import Transport
 
 log = logging.getLogger("pdserve.kv")
 
 TRANSPORTS = tuple(Transport)
 IDLE_CLOSE_S = 60.0  # a channel with nothing to send this long is closed (its peer may be gone)
-INBOX_BYTES = 1 << 30  # KV received and not yet loaded into the cache, per decode rank
 INBOX_WAIT_S = 10.0  # longest a receiver waits for room in the inbox before failing the stream
 SPARE_BYTES = 256 << 20  # receive buffers kept for reuse (a new one costs its page faults)
 REORDER_WAIT_S = 1.0  # a reorder fault's longest wait for the slice it sends first (tests)

@@ -11,7 +11,7 @@ KV memory), and each rank holds 1/TP of the weights.
 import math
 from dataclasses import dataclass
 
-from kv_transfer.transport import INBOX_BYTES
+from kv_transfer.memory_budget import INBOX_BYTES
 from pdserve.gpu_spec import GB, GpuSpec
 from pdserve.kinds import Role
 from pdserve.planner.capacity import DEFAULT_RESERVE_FRACTION, GIB, weight_bytes
@@ -58,7 +58,7 @@ def kv_buffer_bytes(role: str, send_buffer_mib: int) -> int:
     """pdserve's own KV buffers on each GPU of a worker, counted where the nccl transport (auto's
     choice between GPU workers) keeps them, on the device: a prefill rank's send budget
     (`kv_send_buffer_mib`: gathered slices not yet sent), a decode rank's inbox
-    (kv_transfer/transport.py INBOX_BYTES: received slices not yet loaded); a flex worker has
+    (kv_transfer/memory_budget.py INBOX_BYTES: received slices not yet loaded); a flex worker has
     both."""
     sends = send_buffer_mib * MIB if role in (Role.PREFILL, Role.FLEX) else 0
     receives = INBOX_BYTES if role in (Role.DECODE, Role.FLEX) else 0
