@@ -9,6 +9,7 @@ a deadline.
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -18,6 +19,10 @@ from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
 POLL_S = 0.2
+FIRST_CHOSEN_PORT = 20000  # free_port draws from here to the ephemeral range's start
+NODE_PORTS_START = 30000  # Kubernetes' NodePort range, caught before the socket on a host network
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+_random = random.SystemRandom()  # a seeded `random` in one process must not make two draw alike
 
 
 class ChildError(RuntimeError):
@@ -26,14 +31,29 @@ class ChildError(RuntimeError):
 
 def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
     """A port free now, with the `count - 1` ports after it free too (a tensor-parallel decode
-    worker's rank r receives KV on port + r)."""
-    for _ in range(100):
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
-        if all(_is_free(host, port + offset) for offset in range(1, count)):
+    worker's rank r receives KV on port + r). Drawn at random below the kernel's ephemeral
+    range: a port is chosen here and bound later, often by another process, and meanwhile any
+    socket bound to port 0 (vLLM's, gloo's) could be handed one from that range (seen: a TP-2
+    decode worker's second KV receiver failing to bind its port)."""
+    first, last = FIRST_CHOSEN_PORT, min(_ephemeral_ports_start(), NODE_PORTS_START) - count
+    for _ in range(200):
+        port = _random.randint(first, last) if first <= last else _kernel_port(host)
+        if all(_is_free(host, port + offset) for offset in range(count)):
             return port
     raise OSError(f"no {count} consecutive free ports on {host}")
+
+
+def _ephemeral_ports_start() -> int:
+    try:
+        return int(Path(EPHEMERAL_RANGE).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _kernel_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def _is_free(host: str, port: int) -> bool:

@@ -8,13 +8,30 @@ decode worker must have computed no prompt token: every head of every layer arri
 
 Two clusters give the four workers: the first's prefill worker is TP=2, the second's decode
 worker; a router over those two serves the TP=2 -> TP=2 pairing (workers of two clusters share
-the session's secret)."""
+the session's secret). When they have stopped, their engines have left nothing in /dev/shm."""
+
+import os
 
 import pytest
 
 from pdserve.model_store.store import ensure_model
 from tests.integration.conftest import _stop_and_check, router_over, start_server, tiny_completion
 from tests.integration.prompts import TINY_PROMPTS as PROMPTS
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_engine_files_left_in_dev_shm():
+    """At TP 2 vLLM's multiprocessing executor keeps message queues (psm_*) and its CPU
+    communicator (vllm_dist_*) in /dev/shm: once this module's clusters have stopped, none of
+    those files is left (each worker removes what its engine left)."""
+    before = set(os.listdir("/dev/shm"))
+    yield
+    left = sorted(
+        name
+        for name in set(os.listdir("/dev/shm")) - before
+        if name.startswith(("psm_", "vllm_dist_"))
+    )
+    assert not left, f"left in /dev/shm after the clusters stopped: {left}"
 
 
 def tiny_cluster(tmp_path_factory, prefill_tp: int, decode_tp: int):
