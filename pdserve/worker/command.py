@@ -148,9 +148,10 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
         await membership.leave()
         await membership.registry.close()
     await server.stop(grace=2)
-    engine_shm = shm_leftovers.engine_files()
+    engine_processes = shm_leftovers.engine_processes()
+    engine_shm = shm_leftovers.mapped_by([process.pid for process in engine_processes])
     engine.shutdown()
-    if removed := shm_leftovers.remove_unmapped(engine_shm):
+    if removed := shm_leftovers.remove_once_gone(engine_processes, engine_shm):
         log.info("removed what the engine left in /dev/shm: %s", " ".join(p.name for p in removed))
     # Drop every reference, so AsyncLLM.__del__ does not shut down again at interpreter exit.
     service.engine = None

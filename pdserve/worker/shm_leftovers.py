@@ -4,9 +4,9 @@ vLLM's multiprocessing executor (tensor parallelism, and vLLM's own server on CP
 message queues in `psm_*` segments (160 MiB each) and its CPU tensor-parallel communicator in
 `vllm_dist_*` files, and removes them only when every one of its processes exits cleanly: a stop
 of the worker left them behind, and /dev/shm is memory (in a pod, a volume that outlives the
-container). Before its engine stops, the worker notes which of them its own engine processes
-map; after, it removes those that no process maps any more. That is all it removes: what it can
-show was its engine's, never a file another live process uses.
+container). Before its engine stops, the worker notes its engine's processes and the files
+they map; once those processes have exited, it removes the files that no process maps any more.
+That is all it removes: what it can show was its engine's, never a file a live process uses.
 """
 
 import contextlib
@@ -15,6 +15,8 @@ from pathlib import Path
 import psutil
 
 SHM = "/dev/shm/"
+EXIT_WAIT_S = 5.0  # how long the engine's processes get to exit after its shutdown returned
+REAPER_MODULE = "pdserve.worker.group_reaper"
 
 
 def mapped_by(pids: list[int]) -> set[Path]:
@@ -32,13 +34,28 @@ def mapped_by(pids: list[int]) -> set[Path]:
     return files
 
 
-def engine_files() -> set[Path]:
-    """The /dev/shm files this process's descendants (its engine's processes) map now."""
-    return mapped_by([child.pid for child in psutil.Process().children(recursive=True)])
+def engine_processes() -> list[psutil.Process]:
+    """This worker's engine processes now: its descendants but its group reaper (which stays
+    until the worker itself exits)."""
+    return [
+        process
+        for process in psutil.Process().children(recursive=True)
+        if REAPER_MODULE not in " ".join(_command_line(process))
+    ]
 
 
-def remove_unmapped(files: set[Path]) -> list[Path]:
-    """Remove those of `files` that exist and that no process maps; returns them."""
+def remove_once_gone(
+    processes: list[psutil.Process], files: set[Path], timeout_s: float = EXIT_WAIT_S
+) -> list[Path]:
+    """Once `processes` (the engine's, noted before it stopped) have exited, remove those of
+    `files` that exist and that no process maps; returns them. vLLM's engine core returns from
+    its shutdown before its ranks have gone, and a rank still maps its queues: processes left
+    after `timeout_s` are killed, as the worker's group reaper would kill them anyway."""
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    for process in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(alive, timeout=timeout_s)
     still_mapped = mapped_by(psutil.pids())
     removed = []
     for path in sorted(files - still_mapped):
@@ -46,3 +63,10 @@ def remove_unmapped(files: set[Path]) -> list[Path]:
             path.unlink()
             removed.append(path)
     return removed
+
+
+def _command_line(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []

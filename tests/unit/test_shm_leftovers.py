@@ -8,8 +8,9 @@ import sys
 import uuid
 from pathlib import Path
 
-from pdserve.worker.shm_leftovers import engine_files, mapped_by, remove_unmapped
-from tests.waiting import wait_for
+import psutil
+
+from pdserve.worker.shm_leftovers import engine_processes, mapped_by, remove_once_gone
 
 # Maps a new /dev/shm file of one page, says so, then sleeps until killed; never unlinks it.
 MAPPER = """
@@ -34,19 +35,36 @@ def shm_file() -> Path:
     return Path(f"/dev/shm/pdserve-test-{uuid.uuid4().hex}")
 
 
-def test_a_file_the_engine_mapped_is_removed_once_no_process_maps_it():
+def noted(engine: subprocess.Popen):
+    """What the worker notes before its engine stops: the engine's processes, the files they
+    map."""
+    processes = engine_processes()
+    assert engine.pid in [process.pid for process in processes]
+    return processes, mapped_by([process.pid for process in processes])
+
+
+def test_a_file_the_engine_mapped_is_removed_once_its_processes_have_exited():
     path = shm_file()
     engine = mapping(path)  # a descendant of this process, as an engine is of its worker
     try:
-        noted = engine_files()
-        assert path in noted
-        assert remove_unmapped(noted) == []  # still mapped: kept
-        assert path.exists()
+        processes, files = noted(engine)
+        assert path in files
         engine.send_signal(signal.SIGKILL)  # killed: it cannot remove the file itself
-        engine.wait(timeout=10)
-        wait_for(lambda: path not in mapped_by([engine.pid]), 10, "the mapping gone")
-        assert path in remove_unmapped(noted)
+        assert path in remove_once_gone(processes, files)
         assert not path.exists()
+    finally:
+        engine.kill()
+        engine.wait(timeout=10)
+        path.unlink(missing_ok=True)
+
+
+def test_an_engine_process_still_there_after_the_wait_is_killed_and_its_file_removed():
+    path = shm_file()
+    engine = mapping(path)
+    try:
+        processes, files = noted(engine)
+        assert remove_once_gone(processes, files, timeout_s=0.5) == [path]
+        assert not psutil.pid_exists(engine.pid)  # killed (and reaped) by the wait
     finally:
         engine.kill()
         engine.wait(timeout=10)
@@ -57,7 +75,7 @@ def test_a_file_another_live_process_maps_is_never_removed():
     path = shm_file()
     other = mapping(path)
     try:
-        assert remove_unmapped({path}) == []
+        assert remove_once_gone([], {path}) == []
         assert path.exists()
     finally:
         other.kill()
@@ -65,13 +83,13 @@ def test_a_file_another_live_process_maps_is_never_removed():
         path.unlink(missing_ok=True)
 
 
-def test_files_gone_or_unlinked_already_are_skipped():
+def test_files_unlinked_already_are_skipped():
     path = shm_file()
     engine = mapping(path)
     try:
         path.unlink()  # the engine removed it itself; its mapping shows "(deleted)"
-        assert path not in engine_files()
-        assert remove_unmapped({path}) == []
+        assert path not in noted(engine)[1]
+        assert remove_once_gone([], {path}) == []
     finally:
         engine.kill()
         engine.wait(timeout=10)
