@@ -23,9 +23,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from decode_workers.kv_loader import KvLoader
 from decode_workers.load_plan import LoadPlan
 from kv_transfer.compatibility import compatibility_of
-from kv_transfer.connector_base import PdserveConnectorBase
+from kv_transfer.connector_base import PdserveConnectorBase, PdserveMetadata
 from kv_transfer.kv_receiver import KvReceiver
-from kv_transfer.metadata import PdserveMetadata
 
 log = logging.getLogger("pdserve.kv")
 # vLLM's worker loop spins in Python while a request waits for KV; with the default 5 ms GIL

@@ -8,18 +8,29 @@ and this base answers the rest with "nothing to do".
 """
 
 import logging
+from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
 )
 
 from kv_transfer.kv_layout import WIRE_LAYOUT, LayerLayout, find_layout, memory_order
-from kv_transfer.metadata import PdserveMetadata
+from kv_transfer.metadata import Expected, SendSlice
 from kv_transfer.stats import PdserveKvStats
 
 log = logging.getLogger("pdserve.kv")
+
+
+@dataclass
+class PdserveMetadata(KVConnectorMetadata):
+    """One engine step's word from the scheduler half to the worker half (vLLM pickles it from
+    the engine-core process to the worker processes): what to send, what to expect."""
+
+    sends: list[SendSlice] = field(default_factory=list)
+    expected: list[Expected] = field(default_factory=list)
 
 
 def _log_to_stderr() -> None:

@@ -1,12 +1,12 @@
-"""What the scheduler half of the connector tells its worker half each engine step.
+"""What the scheduler half of the connector tells its worker half each engine step: the slices
+to send and the transfers to expect (kv_transfer/connector_base.py's PdserveMetadata carries
+them; this module imports no vLLM, so the data plane's classes import without it).
 
 vLLM pickles this from the engine-core process to the worker process(es); request ids here are
 vLLM's internal ones, transfer ids are pdserve's (shared by the prefill and decode requests).
 """
 
-from dataclasses import dataclass, field
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from dataclasses import dataclass
 
 from pdserve.kinds import Transport
 
@@ -37,9 +37,3 @@ class Expected:
     skip_blocks: int
     timeout_s: float
     prefill_tp: int = 1  # the prefill worker's TP: which of its ranks send which heads
-
-
-@dataclass
-class PdserveMetadata(KVConnectorMetadata):
-    sends: list[SendSlice] = field(default_factory=list)
-    expected: list[Expected] = field(default_factory=list)

@@ -10,8 +10,7 @@ params. Worker side: after each layer's forward, the layer sender pushes those b
 
 from kv_transfer.channels import kv_sender
 from kv_transfer.compatibility import compatibility_of
-from kv_transfer.connector_base import PdserveConnectorBase
-from kv_transfer.metadata import PdserveMetadata
+from kv_transfer.connector_base import PdserveConnectorBase, PdserveMetadata
 from prefill_workers.kv_sender import LayerSender
 from prefill_workers.send_plan import SendPlan
 

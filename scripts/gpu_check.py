@@ -19,9 +19,8 @@ GPU (NCCL needs a GPU per rank), or a part another change has "not built yet". E
 check failed.
 
 Dependencies: torch and pdserve's own (grpcio, protobuf, pydantic); no numpy, no vLLM, no
-network (everything on 127.0.0.1). pdserve's connector metadata subclasses vLLM's empty
-`KVConnectorMetadata` marker: this script provides that one class itself (`_without_vllm`), so
-the data plane's classes import where vLLM is not installed.
+network (everything on 127.0.0.1): the data plane's classes import without vLLM (only the
+connectors, which this script does not use, subclass vLLM's).
 """
 
 import argparse
@@ -91,16 +90,6 @@ FAULT_DAMAGE = {  # --kv-fault kind -> what the decode worker must find (None: l
 
 class Skip(Exception):
     """The check cannot run here; the message says why."""
-
-
-def _without_vllm() -> None:
-    """Give pdserve's metadata module vLLM's empty marker base class without importing vLLM."""
-    base = "vllm.distributed.kv_transfer.kv_connector.v1.base"
-    parts = base.split(".")
-    for depth in range(1, len(parts) + 1):
-        name = ".".join(parts[:depth])
-        sys.modules[name] = types.ModuleType(name)
-    sys.modules[base].KVConnectorMetadata = type("KVConnectorMetadata", (), {})
 
 
 def built(module: str) -> bool:
@@ -729,7 +718,6 @@ def main() -> int:
     else:  # the fault checks make pdserve log every injected fault and refusal
         logging.getLogger("pdserve").addHandler(logging.NullHandler())
         logging.getLogger("pdserve").propagate = False
-    _without_vllm()
     device = torch.device(args.device)
     megabytes = args.megabytes or (256 if device.type == "cuda" else 64)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

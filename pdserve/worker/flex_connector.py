@@ -12,7 +12,7 @@ side; the KV receiver listens from the start.
 """
 
 from decode_workers.connector import DecodeConnector
-from kv_transfer.metadata import PdserveMetadata
+from kv_transfer.connector_base import PdserveMetadata
 from prefill_workers.connector import PrefillConnector
 
 

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from vllm.config import CacheConfig
 
 from kv_transfer.compatibility import (
     REFUSAL_PREFIX,
@@ -45,7 +44,10 @@ class FakeModelConfig:
 
 
 def engine(cache_dtype: str = "auto", block_size: int = 16, **model) -> Compatibility:
-    """compatibility_of an engine with vLLM's real CacheConfig and a fake model config."""
+    """compatibility_of an engine with vLLM's real CacheConfig and a fake model config (vLLM
+    imported here, not at collection: it takes ~10 s, which every test process paid)."""
+    from vllm.config import CacheConfig
+
     return compatibility_of(
         SimpleNamespace(
             model_config=FakeModelConfig(**model),
