@@ -2,6 +2,7 @@
 with real processes that map real /dev/shm files: a stand-in for an engine process (a child of
 this test) and one for an unrelated process."""
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -23,16 +24,21 @@ time.sleep(120)
 """
 
 
-def mapping(path: Path) -> subprocess.Popen:
+@contextlib.contextmanager
+def mapping_process():
+    """A process that maps a new /dev/shm file; yields (process, path). Killed, and the file
+    removed, on the way out."""
+    path = Path(f"/dev/shm/pdserve-test-{uuid.uuid4().hex}")
     process = subprocess.Popen(
         [sys.executable, "-c", MAPPER, str(path)], stdout=subprocess.PIPE, text=True
     )
-    assert process.stdout.readline() == "mapped\n"
-    return process
-
-
-def shm_file() -> Path:
-    return Path(f"/dev/shm/pdserve-test-{uuid.uuid4().hex}")
+    try:
+        assert process.stdout.readline() == "mapped\n"
+        yield process, path
+    finally:
+        process.kill()
+        process.wait(timeout=10)
+        path.unlink(missing_ok=True)
 
 
 def noted(engine: subprocess.Popen):
@@ -44,52 +50,29 @@ def noted(engine: subprocess.Popen):
 
 
 def test_a_file_the_engine_mapped_is_removed_once_its_processes_have_exited():
-    path = shm_file()
-    engine = mapping(path)  # a descendant of this process, as an engine is of its worker
-    try:
+    with mapping_process() as (engine, path):  # a descendant, as an engine is of its worker
         processes, files = noted(engine)
         assert path in files
         engine.send_signal(signal.SIGKILL)  # killed: it cannot remove the file itself
         assert path in remove_once_gone(processes, files)
         assert not path.exists()
-    finally:
-        engine.kill()
-        engine.wait(timeout=10)
-        path.unlink(missing_ok=True)
 
 
 def test_an_engine_process_still_there_after_the_wait_is_killed_and_its_file_removed():
-    path = shm_file()
-    engine = mapping(path)
-    try:
+    with mapping_process() as (engine, path):
         processes, files = noted(engine)
         assert remove_once_gone(processes, files, timeout_s=0.5) == [path]
         assert not psutil.pid_exists(engine.pid)  # killed (and reaped) by the wait
-    finally:
-        engine.kill()
-        engine.wait(timeout=10)
-        path.unlink(missing_ok=True)
 
 
 def test_a_file_another_live_process_maps_is_never_removed():
-    path = shm_file()
-    other = mapping(path)
-    try:
+    with mapping_process() as (_, path):
         assert remove_once_gone([], {path}) == []
         assert path.exists()
-    finally:
-        other.kill()
-        other.wait(timeout=10)
-        path.unlink(missing_ok=True)
 
 
 def test_files_unlinked_already_are_skipped():
-    path = shm_file()
-    engine = mapping(path)
-    try:
+    with mapping_process() as (engine, path):
         path.unlink()  # the engine removed it itself; its mapping shows "(deleted)"
         assert path not in noted(engine)[1]
         assert remove_once_gone([], {path}) == []
-    finally:
-        engine.kill()
-        engine.wait(timeout=10)
