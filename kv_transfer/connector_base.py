@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from kv_transfer.attention_support import check_attention
 from kv_transfer.kv_layout import WIRE_LAYOUT, LayerLayout, find_layout, memory_order
 from kv_transfer.metadata import Expected, SendSlice
 from kv_transfer.stats import PdserveKvStats
@@ -51,6 +52,7 @@ class PdserveConnectorBase(KVConnectorBase_V1):
         self.is_scheduler = role == KVConnectorRole.SCHEDULER
         self.block_size = vllm_config.cache_config.block_size
         model, parallel = vllm_config.model_config, vllm_config.parallel_config
+        check_attention(model.model, model.use_mla)  # before any layout is looked for
         self.head_size = model.get_head_size()
         self.total_kv_heads = model.get_total_num_kv_heads()
         self.rank_kv_heads = model.get_num_kv_heads(parallel)

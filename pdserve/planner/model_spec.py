@@ -9,6 +9,8 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from kv_transfer.attention_support import config_uses_mla, mla_refusal
+
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 QUANTIZED_BYTES = {"fp8": 1, "fp8_per_tensor": 1, "fp8_per_channel": 1, "fp8_per_block": 1}
@@ -133,6 +135,8 @@ def from_hf_config(
         except json.JSONDecodeError as error:
             raise ValueError(f"{path} is not valid JSON: {error}") from None
         name = config.get("_name_or_path") or path.parent.name
+    if config_uses_mla(config):  # refused by name here too, as a worker would at start
+        raise mla_refusal(name)
     if any(key in config for key in MOE_KEYS) and num_params is None:
         raise ValueError(
             f"{name}: mixture-of-experts config; parameter counting supports dense models only"
