@@ -8,6 +8,7 @@ arrived each engine step.
 
 import logging
 from concurrent import futures
+from functools import partial
 
 import grpc
 import torch
@@ -97,6 +98,8 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
                     )
                 elif body == "nccl_open":
                     nccl = NcclReceiving(message.nccl_open, self.host, self.device)
+                    # the sender gone: a receive waiting on it fails now, not at its deadline
+                    context.add_callback(partial(nccl.abort, "the KV stream ended"))
                     assembler.transport = message.nccl_open.backend  # nccl or gloo
                     log.info(
                         "KV %s group with %s joined", message.nccl_open.backend, context.peer()
