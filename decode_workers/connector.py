@@ -66,6 +66,8 @@ class DecodeConnector(PdserveConnectorBase):
             self.rank,
             integrity=self.integrity,
         )
+        # Slices land in pinned memory beside CUDA: their copies never block vLLM's thread.
+        self.receiver.inbox.new_buffer = self.loader.staging.receive_buffer
 
     def get_transfer_results(self, finished_req_ids):
         expected = self.metadata.expected if self.metadata is not None else []

@@ -1,8 +1,12 @@
 """The decode worker's KV loader (worker side, one per tensor-parallel rank).
 
 Slices arrive on the transport receiver's threads; each engine step, on vLLM's thread, they are
-copied into the KV cache blocks the scheduler reserved, into this rank's heads (on CUDA on a
-side stream, synchronised before a transfer is reported loaded). With the prefill pool at
+copied into the KV cache blocks the scheduler reserved, into this rank's heads. On CUDA those
+copies are queued on a side stream and vLLM's thread never waits for them (pinned receive
+buffers and indexes, asynchronous copies, kv_transfer/host_staging.HostToDevice): a transfer
+whose outcome is known is reported in the first engine step in which an event recorded after
+its last copy has passed (an event query), so its blocks are not scheduled, reused or
+recomputed while a copy into them is still queued. With the prefill pool at
 another tensor-parallel size a layer arrives in several slices, one per prefill rank routed to
 this rank (kv_transfer/head_shards.py). A transfer is reported once: loaded when every slice of
 every layer is in; failed when it passed its deadline or was cancelled, or its sender's
@@ -49,6 +53,8 @@ class Incoming:
     last_slice_at: float = 0.0
     last_seq: dict[int, int] = field(default_factory=dict)  # first head -> sequence number
     damage: str = ""  # the integrity.Damage that failed it, once one was found
+    outcome: str | None = None  # once known: "" loaded (or aborted), else the failure kind
+    landed: object = None  # HostToDevice.mark() taken when the outcome was known
 
 
 class KvLoader:
@@ -103,45 +109,53 @@ class KvLoader:
             else:
                 self.orphans.setdefault(piece.transfer_id, []).append(piece)
         self._drop_old_orphans(now)
-        self.staging.collect()  # slices whose copies the side stream has passed
 
         loaded, failed = set(), set()
         for transfer_id, state in list(self.incoming.items()):
-            req_id = state.expected.req_id
-            failure = ""
-            if req_id in finished_req_ids:  # aborted while loading
-                loaded.add(req_id)
-            elif state.damage:
-                failure = "integrity"
-                failed.add(req_id)
-            elif self._complete(state):
-                loaded.add(req_id)
-            elif transfer_id in self.cancelled or now > state.deadline:
-                why = self.cancelled.pop(transfer_id, (now, None))[1]
-                failure = failure_kind(why)
-                why = why or f"no KV after {state.expected.timeout_s:g} s"
-                log.warning(
-                    "KV transfer %s failed (%s): %s; rank %d had %d bytes, last slices %s of %d "
-                    "per layer, orphans %s",
-                    transfer_id,
-                    failure,
-                    why,
-                    self.rank,
-                    state.bytes,
-                    state.last_slices,
-                    state.slices_per_layer,
-                    sorted(self.orphans),
-                )
-                failed.add(req_id)
-            else:
+            if state.outcome is None:
+                state.outcome = self._outcome(transfer_id, state, finished_req_ids, now)
+                if state.outcome is None:
+                    continue
+                self._record(transfer_id, state, state.outcome, now=now)
+                state.landed = self.staging.mark()
+            if not self.staging.passed(state.landed):  # a copy into its blocks is queued
                 continue
-            self._record(transfer_id, state, failure, now=now)
+            (failed if state.outcome else loaded).add(state.expected.req_id)
             del self.incoming[transfer_id]
             self.ended[transfer_id] = now
-        if loaded or failed:  # their copies have landed before vLLM reuses or schedules them
-            self.staging.wait()
+        self.staging.collect()  # slices whose copies the side stream has passed
         # Each request is reported once: its state is gone now (vLLM asserts on repeats).
         return loaded | failed, failed
+
+    def _outcome(
+        self, transfer_id: str, state: Incoming, finished_req_ids: set[str], now: float
+    ) -> str | None:
+        """Empty when the transfer is loaded (or its request aborted: vLLM frees the blocks), the
+        failure kind when it failed, None while it is still coming."""
+        if state.expected.req_id in finished_req_ids:  # aborted while loading
+            return ""
+        if state.damage:
+            return "integrity"
+        if self._complete(state):
+            return ""
+        if transfer_id in self.cancelled or now > state.deadline:
+            why = self.cancelled.pop(transfer_id, (now, None))[1]
+            failure = failure_kind(why)
+            why = why or f"no KV after {state.expected.timeout_s:g} s"
+            log.warning(
+                "KV transfer %s failed (%s): %s; rank %d had %d bytes, last slices %s of %d "
+                "per layer, orphans %s",
+                transfer_id,
+                failure,
+                why,
+                self.rank,
+                state.bytes,
+                state.last_slices,
+                state.slices_per_layer,
+                sorted(self.orphans),
+            )
+            return failure
+        return None
 
     def _complete(self, state: Incoming) -> bool:
         return len(state.last_slices) == len(self.caches) and all(
@@ -181,7 +195,7 @@ class KvLoader:
 
     def _copy(self, piece: LayerSlice) -> None:
         state = self.incoming[piece.transfer_id]
-        if state.damage:  # failed already: nothing more of it is loaded
+        if state.damage or state.outcome is not None:  # failed or ended: nothing more loaded
             return
         cache = self.caches[piece.layer] if piece.layer < len(self.caches) else None
         damage = self._damage(piece, state, cache)
@@ -228,10 +242,10 @@ class KvLoader:
         expected = state.expected
         first, skip = piece.first_block, expected.skip_blocks
         targets = expected.block_ids[first : first + piece.num_blocks]
-        keep = [i for i in range(len(targets)) if first + i >= skip]
-        if keep:
-            rows = wire if len(keep) == len(targets) else wire[keep]
-            index = torch.tensor([targets[i] for i in keep], dtype=torch.long)
+        start = max(skip - first, 0)  # blocks before `skip` are this worker's own prefix hit
+        if start < len(targets):
+            rows = wire[start : len(targets)]  # a view: still in the (pinned) receive buffer
+            index = self.staging.index(targets[start:])
             heads = slice(local, local + piece.num_heads)
             self.staging.load(rows, index, lambda rows, index: scatter(rows, cache, index, heads))
         if piece.last:

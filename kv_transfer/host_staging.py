@@ -10,10 +10,16 @@ On CPU the gathered tensor is the host tensor: no staging, no copy beyond the ga
 Whatever is staged and not yet sent counts against one budget (`pool_bytes`): when it is spent
 the forward pass waits for the sender, up to POOL_WAIT_S, then the slice is given up.
 
-Receive (`HostToDevice`): on CUDA the host->device copies and scatters run on a side stream;
-`wait()` synchronises it before the transfer is reported loaded, i.e. before vLLM schedules the
-request; every tensor a queued scatter reads is held until an event after it has passed. On CPU
-the scatter happens at once.
+Receive (`HostToDevice`): on CUDA the host->device copies and scatters run on a side stream,
+queued from vLLM's thread without ever waiting there: receive buffers are pinned
+(`receive_buffer`, given to the receiver's inbox) and so is each block index, so every copy is
+asynchronous (a copy from pageable memory blocks the calling thread, here behind the forward
+pass the side stream waits for); a pageable slice (a lent shared-memory segment) is first
+copied into pinned memory. A transfer is reported loaded once an event recorded after its last
+scatter has passed (`mark()`, `passed()`: an event query, never a stream synchronize), i.e.
+before vLLM schedules the request; every tensor a queued scatter reads is held until an event
+after it has passed. On CPU the scatter happens at once, and nothing is pinned (there is no
+CUDA to pin for).
 
 Plain torch: no vLLM import.
 """
@@ -24,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from kv_transfer.kv_copy import as_bytes
 
 POOL_WAIT_S = 10.0  # longest a sender waits for pinned memory before giving up on a slice
 
@@ -194,10 +202,11 @@ class HostToDevice:
     meanwhile goes back to the caching allocator, which hands it to the next allocation of its
     stream (the next layer's receive, the forward pass): that one could overwrite it before the
     scatter reads it, a silent corruption. So every tensor a load reads (the received buffer, a
-    prefix-cache skip's `wire[keep]`, the index, their device copies) and the slice's release
-    (which lends its buffer to the next receive) are held until an event recorded after the
-    load has passed: `release_after(release)` once per slice, `collect()` each engine step
-    (event queries, no wait), `wait()` before reporting a transfer loaded."""
+    pinned copy of it, the index, their device copies) and the slice's release (which lends its
+    buffer to the next receive) are held until an event recorded after the load has passed:
+    `release_after(release)` once per slice, `collect()` each engine step (event queries, no
+    wait); `mark()` then `passed(mark)` before reporting a transfer loaded. vLLM's thread never
+    waits for the device here: `wait()` (a stream synchronize) is for tools, not the loader."""
 
     def __init__(self, device: torch.device, side_stream=None) -> None:
         self.device = device
@@ -205,8 +214,20 @@ class HostToDevice:
             side_stream = CudaSideStream(device)
         self.side = side_stream  # None on CPU: loads run at once
         self.stream = getattr(side_stream, "stream", None)  # its torch.cuda.Stream, on CUDA
+        self.pin = device.type == "cuda"  # pinned host memory exists only beside CUDA
         self.held: list = []  # tensors read by loads submitted since the last release_after
         self.in_flight: list[tuple[object, list, Callable[[], None]]] = []  # (event, held, release)
+
+    def receive_buffer(self, size: int):
+        """A buffer for a slice being received (the inbox's `new_buffer`): pinned host memory
+        beside CUDA, so its copy to the device needs no staging; a bytearray otherwise."""
+        if not self.pin:
+            return bytearray(size)
+        return as_bytes(torch.empty(size, dtype=torch.uint8, pin_memory=True))
+
+    def index(self, block_ids: list[int]) -> torch.Tensor:
+        """A block index on the host, pinned beside CUDA (its copy is then asynchronous)."""
+        return torch.tensor(block_ids, dtype=torch.long, pin_memory=self.pin)
 
     def load(
         self,
@@ -214,18 +235,21 @@ class HostToDevice:
         host_index: torch.Tensor,
         write: Callable[[torch.Tensor, torch.Tensor], None],
     ) -> None:
-        """Bring the wire tensor and its block index to the device and `write(wire, index)`
-        them into the cache."""
+        """Bring the wire tensor (on the host, or already on the device) and its block index
+        (from `index()`) to the device and `write(wire, index)` them into the cache."""
         if self.side is None:
             write(host_wire, host_index)
             return
         # After what the forward stream has queued: vLLM may zero newly allocated blocks, or a
         # finished request's last step may still write into a block just handed to this one.
         self.side.follow_forward()
-        held = [host_wire, host_index]
+        source, held = host_wire, [host_wire, host_index]
+        if source.device.type == "cpu" and self.pin and not source.is_pinned():
+            source = torch.empty_like(source, pin_memory=True).copy_(source)  # host memcpy
+            held.append(source)
 
         def work() -> None:
-            wire = host_wire.to(self.device, non_blocking=True)
+            wire = source.to(self.device, non_blocking=True)
             index = host_index.to(self.device, non_blocking=True)
             held.extend((wire, index))
             write(wire, index)
@@ -247,8 +271,18 @@ class HostToDevice:
             _, _, release = self.in_flight.pop(0)
             release()
 
+    def mark(self):
+        """Something `passed()` once every load submitted so far has landed (None on CPU)."""
+        return None if self.side is None else self.side.record()
+
+    @staticmethod
+    def passed(mark) -> bool:
+        """Whether the loads before `mark` have landed: an event query, never a wait."""
+        return mark is None or mark.query()
+
     def wait(self) -> None:
-        """Every load so far has landed (call before reporting a transfer loaded)."""
+        """Every load so far has landed (a stream synchronize: for tools and tests; the loader
+        polls `passed()` instead)."""
         if self.side is None:
             return
         self.side.synchronize()

@@ -276,6 +276,7 @@ class Inbox:
         self.wait_s = wait_s
         self.verify = verify
         self.held = 0
+        self.new_buffer: Callable[[int], object] = bytearray  # pinned beside CUDA (host_staging)
         self.spare: dict[int, list[bytearray]] = {}
         self.spare_bytes = 0
         self.complete: list[LayerSlice] = []
@@ -309,14 +310,15 @@ class Inbox:
 
             self.complete.append(replace(piece, on_release=release))
 
-    def buffer(self, size: int) -> bytearray:
-        """A buffer of `size` bytes for a slice being received (contents undefined)."""
+    def buffer(self, size: int):
+        """A writable buffer of `size` bytes for a slice being received (contents undefined):
+        a bytearray, or pinned memory from `new_buffer` (torch keeps those for reuse itself)."""
         with self.lock:
             spare = self.spare.get(size)
             if spare:
                 self.spare_bytes -= size
                 return spare.pop()
-        return bytearray(size)
+        return self.new_buffer(size)
 
     def _free(self, size: int, data) -> None:
         with self.lock:

@@ -4,7 +4,8 @@ queued, so a received buffer, a prefix-cache skip's `wire[keep]`, the index, and
 release (which lends its buffer to the next receive) must outlive an event recorded after it.
 A fake stream that defers every submitted work until the test runs it makes that visible on CPU:
 released too early, the next receive would take the buffer and overwrite it before the scatter
-read it."""
+read it. The same fake shows that vLLM's thread never waits for the stream: a transfer is
+reported once an event after its last scatter has passed (a query), never by a synchronize."""
 
 import gc
 import weakref
@@ -32,6 +33,7 @@ class FakeDeferringStream:
     def __init__(self) -> None:
         self.queued: list = []
         self.ran = 0
+        self.synchronized = 0  # what the loader must never do on vLLM's thread
 
     def follow_forward(self) -> None:
         pass
@@ -48,6 +50,7 @@ class FakeDeferringStream:
             self.ran += 1
 
     def synchronize(self) -> None:
+        self.synchronized += 1
         self.run()
 
 
@@ -133,13 +136,61 @@ def test_a_prefix_skip_copy_and_the_index_live_until_the_event_then_go():
     assert torch.equal(caches[0][4], sent[1]) and not caches[0][3].any()
 
 
-def test_reporting_a_transfer_waits_for_its_scatters_and_releases_every_slice():
+def test_a_transfer_is_reported_once_its_scatters_landed_without_waiting_for_the_stream():
     inbox = Inbox(verify=False)
     loader, caches, stream = loader_with_fake_stream(inbox)
     sent = torch.full((2, *BLOCK_SHAPE), 5.0)
     received(inbox, 0, sent)
     received(inbox, 1, sent)
-    assert loader.transfer_results([Expected("r", "t", [1, 2], 0, 5.0)], set()) == ({"r"}, set())
-    assert stream.queued == [] and loader.staging.in_flight == []
+    expected = Expected("r", "t", [1, 2], 0, 5.0)
+    # Every slice is in, the scatters are queued: not reported yet, and nothing waited for them.
+    assert loader.transfer_results([expected], set()) == (set(), set())
+    assert loader.transfer_results([], set()) == (set(), set())
+    assert len(stream.queued) == 2 and inbox.held == 4 * BLOCK_BYTES  # two slices held
+    stream.run()
+    assert loader.transfer_results([], set()) == ({"r"}, set())
+    assert stream.synchronized == 0
+    assert loader.staging.in_flight == [] and inbox.held == 0
+    assert all(torch.equal(cache[1:3], sent) for cache in caches)
+    assert loader.transfer_results([], set()) == (set(), set())  # reported once
+    assert [t["transfer_id"] for t in loader.take_stats()] == ["t"]
+
+
+def test_an_aborted_transfer_frees_its_blocks_only_after_its_queued_scatter_ran():
+    """vLLM hands an aborted request's blocks to the next request once it is reported: a
+    scatter still queued into them would overwrite that request's KV."""
+    inbox = Inbox(verify=False)
+    loader, caches, stream = loader_with_fake_stream(inbox)
+    received(inbox, 0, torch.full((2, *BLOCK_SHAPE), 3.0), last=True)
+    loader.transfer_results([Expected("r", "t", [1, 2], 0, 5.0)], set())
+    assert loader.transfer_results([], {"r"}) == (set(), set())  # aborted, scatter queued
+    assert loader.transfer_results([], set()) == (set(), set())  # the outcome stays aborted
+    stream.run()
+    assert loader.transfer_results([], set()) == ({"r"}, set())
+    assert stream.synchronized == 0
+
+
+def test_a_slice_after_the_outcome_is_dropped_not_loaded():
+    inbox = Inbox(verify=False)
+    loader, caches, stream = loader_with_fake_stream(inbox)
+    sent = torch.full((2, *BLOCK_SHAPE), 5.0)
+    received(inbox, 0, sent)
+    received(inbox, 1, sent)
+    loader.transfer_results([Expected("r", "t", [1, 2], 0, 5.0)], set())  # complete, queued
+    received(inbox, 1, torch.full((2, *BLOCK_SHAPE), 9.0))  # a late slice before the report
+    loader.transfer_results([], set())
+    assert len(stream.queued) == 2  # not queued: the transfer's outcome was already known
+    stream.run()
+    assert loader.transfer_results([], set()) == ({"r"}, set())
     assert inbox.held == 0
     assert all(torch.equal(cache[1:3], sent) for cache in caches)
+
+
+def test_without_cuda_nothing_is_pinned():
+    """Pinned memory exists only beside CUDA (pin_memory raises on a CPU-only torch): on CPU
+    receive buffers are bytearrays and indexes plain tensors."""
+    staging = HostToDevice(torch.device("cpu"))
+    assert type(staging.receive_buffer(16)) is bytearray
+    index = staging.index([3, 1])
+    assert index.dtype == torch.long and index.tolist() == [3, 1]
+    assert staging.mark() is None and staging.passed(None)
