@@ -610,6 +610,36 @@ def check_stream_ordering(device) -> str:
     return "staging after the forward write, load after it"
 
 
+LOADER_BUSY_MS = 50.0  # forward work queued per engine step in the loader hold check
+
+
+def check_loader_hold(device) -> str:
+    """How long the decode loader holds vLLM's thread per transfer (scripts/bench_loader_hold.py
+    drives the real KvLoader and inbox as vLLM's thread does). On CUDA, with LOADER_BUSY_MS of
+    forward work queued each step, the loader only queues its copies (pinned receive buffers
+    and indexes, completion by event query): a loader that synchronised its stream or copied
+    from pageable memory would wait behind that work in every call. Bytes exact everywhere."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_loader_hold", ROOT / "scripts" / "bench_loader_hold.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    shape = bench.Shape(LAYERS * 2, KV_HEADS, HEAD_SIZE, BLOCK_TOKENS, torch.bfloat16, 512)
+    busy_ms = LOADER_BUSY_MS if device.type == "cuda" else 0.0
+    bench.measure(device, shape, 1, 2, busy_ms)  # warm-up: pinned buffers, kernels
+    holds = bench.measure(device, shape, 5, 2, busy_ms)
+    if not holds.exact:
+        raise AssertionError("loaded bytes differ from those received")
+    worst_call_ms = max(holds.per_call_s) * 1e3
+    if busy_ms and worst_call_ms > busy_ms / 5:
+        raise AssertionError(
+            f"a loader call held vLLM's thread {worst_call_ms:.1f} ms behind {busy_ms:g} ms of "
+            f"queued forward work: it waited for the GPU ({bench.summary(holds)})"
+        )
+    return bench.summary(holds)
+
+
 def check_bandwidth(device, megabytes: int, repeats: int) -> str:
     """GB/s of device->pinned (staging) and pinned->device (loading) through the real staging
     classes, beside the device's own device->device copy (median of repeats)."""
@@ -684,6 +714,7 @@ def checks(device, quick: bool, megabytes: int, repeats: int) -> list[tuple[str,
     found.append(("nccl receive buffer lifetime race", lambda: check_lifetime_race(device)))
     found.append(("group whose peer never joins", lambda: check_peer_never_joins(device)))
     found.append(("stream ordering", lambda: check_stream_ordering(device)))
+    found.append(("decode loader hold on vLLM's thread", lambda: check_loader_hold(device)))
     found.append(("bandwidth", lambda: check_bandwidth(device, megabytes, repeats)))
     return found
 
