@@ -93,6 +93,7 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
                 if body == "chunk" and nccl is None:
                     assembler.add(message.chunk, message.chunk.data)
                 elif body == "chunk":
+                    assembler.carried.add(message.chunk.transfer_id)  # its bytes may never come
                     assembler.deliver(
                         message.chunk, nccl.receive(message.chunk.length, self.inbox.buffer)
                     )
