@@ -99,16 +99,16 @@ def _nccl_group_env(timeout_s: float):
 def _make_backend(store, backend: str, rank: int, host: str, device, timeout_s: float):
     """The backend over `store`, not registered anywhere global, its communicator made now
     (NCCL would otherwise make it lazily, unbounded, inside the first send)."""
-    timeout = timedelta(seconds=timeout_s * WATCHDOG_FACTOR)
-    if backend == "gloo":  # connects both ranks here, within the timeout
+    if backend == "gloo":  # connects both ranks here, within the timeout (gloo has no watchdog)
         options = ProcessGroupGloo._Options()
         options._devices = [ProcessGroupGloo.create_device(hostname=host)]
-        options._timeout = timeout
+        options._timeout = timedelta(seconds=timeout_s)
         return ProcessGroupGloo(store, rank, 2, options)
     from torch.distributed.distributed_c10d import ProcessGroupNCCL
 
     options = ProcessGroupNCCL.Options()
-    options._timeout = timeout  # the watchdog's: past pdserve's own deadline, never before it
+    # The watchdog's timeout: past pdserve's own deadline, never before it.
+    options._timeout = timedelta(seconds=timeout_s * WATCHDOG_FACTOR)
     options.config.blocking = 0  # non-blocking: creation and calls bounded, abortable
     with _nccl_group_env(timeout_s):
         group = ProcessGroupNCCL(store, rank, 2, options)
@@ -125,7 +125,7 @@ class PairGroup:
 
     - Creation: the store rendezvous (rendezvous()), then the communicator, made eagerly
       (NCCL: `eager_connect_single_device`, non-blocking, so TORCH_NCCL_NONBLOCKING_TIMEOUT
-      bounds it; gloo connects in its constructor, within the group timeout).
+      bounds it; gloo connects in its constructor, within the deadline).
     - Each send or receive is waited with pdserve's deadline (`work.wait(timeout)`: a CPU wait
       on NCCL too, which aborts the communicator when it expires); torch's watchdog timeout is
       WATCHDOG_FACTOR times longer, so the watchdog never sees a pdserve op time out; an error

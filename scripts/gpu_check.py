@@ -528,34 +528,49 @@ def _device_slice(transfer_id: str, layer: int, wire: torch.Tensor, blocks: int)
 
 PEER_NEVER_JOINS = textwrap.dedent(
     """
-    import sys, time, torch
+    import sys, threading, time, torch
     from datetime import timedelta
     from torch.distributed import TCPStore
-    from kv_transfer.nccl_transport import _wait, pair_group
+    from kv_transfer.nccl_transport import WATCHDOG_FACTOR, PairGroup, rendezvous
 
-    backend, timeout_s = sys.argv[1], float(sys.argv[2])
-    device = torch.device("cuda" if backend == "nccl" else "cpu")
+    backend, timeout_s, case = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+    device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+
+    def store(port=0, master=True):
+        return TCPStore("127.0.0.1", port, world_size=2, is_master=master,
+                        timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+    master = store()
+    if case == "communicator":  # the peer checks in on the store, then makes no communicator
+        peer = store(master.port, master=False)
+        threading.Thread(target=rendezvous, args=(peer, 1, timeout_s), daemon=True).start()
     started = time.monotonic()
     try:
-        store = TCPStore("127.0.0.1", 0, world_size=2, is_master=True,
-                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-        group = pair_group(store, backend, 0, "127.0.0.1", timeout_s)
-        _wait(group.send([torch.ones(1024, device=device)], 1, 0), "KV send", timeout_s)
+        group = PairGroup(master, backend, 0, "127.0.0.1", device, timeout_s)
+        group.send(torch.ones(1024, device=device))
         print("no error: the send completed with no peer")
     except Exception as error:
-        print(f"raised after {time.monotonic() - started:.1f} s: {type(error).__name__}: {error}")
+        took = time.monotonic() - started
+        alive = ""
+        if backend == "nccl":  # stay until torch's watchdog would have fired (gloo has none)
+            time.sleep(max(0.0, timeout_s * WATCHDOG_FACTOR + 2 - took))
+            alive = ", alive past the watchdog's timeout"
+        print(f"raised after {took:.1f} s{alive}: {type(error).__name__}: {error}")
     """
 )
 
 
-def check_peer_never_joins(device) -> str:
-    """A pairwise group (kv_transfer/nccl_transport.py) whose receiver never joins must raise
-    within its deadline, in a process of its own: not hang, not abort the process."""
+def check_peer_never_joins(device, case: str) -> str:
+    """A pairwise group (kv_transfer/nccl_transport.PairGroup) whose peer never joins the store
+    (`case` "store") or joins it and never makes its communicator ("communicator": on CUDA,
+    NCCL's own creation must be bounded) must raise within its deadline, in a process of its
+    own: not hang, and not be aborted by torch's watchdog afterwards (the process stays past
+    the watchdog's timeout and exits cleanly)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    limit = 4 * PEER_TIMEOUT_S + 20  # the process start and imports included
+    limit = 6 * PEER_TIMEOUT_S + 30  # the process start, imports and the watchdog wait included
     try:
         done = subprocess.run(
-            [sys.executable, "-c", PEER_NEVER_JOINS, backend, str(PEER_TIMEOUT_S)],
+            [sys.executable, "-c", PEER_NEVER_JOINS, backend, str(PEER_TIMEOUT_S), case],
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -573,7 +588,7 @@ def check_peer_never_joins(device) -> str:
     seconds = float(said[0].split()[2])
     if seconds > 2 * PEER_TIMEOUT_S + 5:
         raise AssertionError(f"{backend}: raised only after {seconds:g} s: {said[0]}")
-    return f"{backend}, deadline {PEER_TIMEOUT_S:g} s: {said[0][:160]}"
+    return f"{backend}, deadline {PEER_TIMEOUT_S:g} s: {said[0][:200]}"
 
 
 def check_stream_ordering(device) -> str:
@@ -712,7 +727,13 @@ def checks(device, quick: bool, megabytes: int, repeats: int) -> list[tuple[str,
     for kind in FAULT_DAMAGE:
         found.append((f"fault {kind}", lambda k=kind: check_fault(device, k)))
     found.append(("nccl receive buffer lifetime race", lambda: check_lifetime_race(device)))
-    found.append(("group whose peer never joins", lambda: check_peer_never_joins(device)))
+    found.append(("group whose peer never joins", lambda: check_peer_never_joins(device, "store")))
+    found.append(
+        (
+            "group whose peer never makes its communicator",
+            lambda: check_peer_never_joins(device, "communicator"),
+        )
+    )
     found.append(("stream ordering", lambda: check_stream_ordering(device)))
     found.append(("decode loader hold on vLLM's thread", lambda: check_loader_hold(device)))
     found.append(("bandwidth", lambda: check_bandwidth(device, megabytes, repeats)))
