@@ -118,6 +118,8 @@ class KvLoader:
                     continue
                 self._record(transfer_id, state, state.outcome, now=now)
                 state.landed = self.staging.mark()
+            elif state.expected.req_id in finished_req_ids:  # aborted while its copies land
+                state.outcome = ""  # reported as an aborted one is: vLLM frees the blocks
             if not self.staging.passed(state.landed):  # a copy into its blocks is queued
                 continue
             (failed if state.outcome else loaded).add(state.expected.req_id)

@@ -170,6 +170,18 @@ def test_an_aborted_transfer_frees_its_blocks_only_after_its_queued_scatter_ran(
     assert stream.synchronized == 0
 
 
+def test_a_failed_transfer_aborted_before_its_copies_landed_is_reported_as_aborted():
+    inbox = Inbox(verify=False)
+    loader, caches, stream = loader_with_fake_stream(inbox)
+    received(inbox, 0, torch.full((2, *BLOCK_SHAPE), 3.0), last=True)
+    inbox.cancel("t", "the prefill worker failed")
+    assert loader.transfer_results([Expected("r", "t", [1, 2], 0, 5.0)], set()) == (set(), set())
+    loader.transfer_results([], {"r"})  # its request is gone before the scatter ran
+    stream.run()
+    assert loader.transfer_results([], set()) == ({"r"}, set())  # not a failure: vLLM frees it
+    assert stream.synchronized == 0
+
+
 def test_a_slice_after_the_outcome_is_dropped_not_loaded():
     inbox = Inbox(verify=False)
     loader, caches, stream = loader_with_fake_stream(inbox)
