@@ -38,8 +38,6 @@ class Accounting:
             run.second_token_at = run.second_token_at or now
         run.last_token_at = now
         run.completion_tokens += len(chunk.token_ids)
-        if run.choices == 1:
-            run.token_ids.extend(chunk.token_ids)
         if not run.migrations and chunk.index == 0:  # the first worker's, first choice's
             run.cached_tokens = chunk.cached_tokens
             run.last_chunk = chunk

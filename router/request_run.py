@@ -3,7 +3,7 @@
 its way. Times are the router's monotonic seconds."""
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdserve.costs.path_prices import RouteDecision
 from pdserve.kinds import RoutePath
@@ -35,7 +35,6 @@ class RequestRun:
     completion_tokens: int = 0
     cached_tokens: int = 0
     last_chunk: worker_pb2.GenerateChunk | None = None
-    token_ids: list[int] = field(default_factory=list)  # relayed so far (one choice only)
     migrations: int = 0
     choices: int = 1  # sampled from the prompt (n, or best_of)
 

@@ -80,7 +80,7 @@ class Starter:
             if run.prefill is not None and run.prefill.error_kind == ErrorKind.WORKER_UNAVAILABLE:
                 self.pool.mark_down(prefill)
             self.metrics.routes.labels(run.route).inc()
-            chunks = migrating(run, request, chunks, self.pool, self.metrics)
+            chunks = migrating(run, request, first, chunks, self.pool, self.metrics)
             return Started(first, chunks, headers)
 
     def _workers(
