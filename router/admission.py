@@ -2,6 +2,7 @@
 a worker request per prompt, under the request's one deadline. Nothing is sent yet; a request
 that fails here is a 4xx (or a 503 before any worker has joined)."""
 
+import math
 import uuid
 
 from pdserve.costs.path_prices import RouteDecision
@@ -18,10 +19,12 @@ from router.openai_types import (
 from router.request_run import Admitted, RequestRun
 from router.responses import OutputOptions, Prompt
 from router.route_choice import forced_route
+from router.wait_forecast import Ask
 from router.worker_pool import WorkerPool
 from router.worker_request import generate_request
 
 TIMEOUT_HEADER = "x-pdserve-timeout"
+PRIORITY_HEADER = "x-pdserve-priority"  # the request's admission class, over its body's priority
 
 
 def admit(
@@ -35,12 +38,16 @@ def admit(
     route_header: str | None,
     arrival: float,
     timeout_header: str | None = None,
+    priority_header: str | None = None,
 ) -> Admitted:
     """`tokenizer`: router/tokenization.py's PromptTokenizer. `timeout_header`: the client's
-    own limit in seconds (x-pdserve-timeout), used when it is below --request-timeout."""
+    own limit in seconds (x-pdserve-timeout), used when it is below --request-timeout.
+    `priority_header`: its class in the router's queue (x-pdserve-priority), in place of the
+    body's `priority`."""
     timeout_s = settings.request_timeout_s
     if timeout_header is not None:
         timeout_s = min(timeout_s, parse_timeout(timeout_header))
+    priority = None if priority_header is None else parse_priority(priority_header)
     parsed = parse_request(schema, body)
     check_model(parsed.model, settings.served_model)
     prompts, echo_texts = _prompts(parsed, tokenizer)
@@ -74,6 +81,26 @@ def admit(
         parsed.stream,
         parsed.include_usage_in_stream(),
         returned=parsed.n,
+        priority=parsed.priority if priority is None else priority,
+    )
+
+
+def asking(admitted: Admitted, settings: RouterSettings) -> Ask:
+    """What the admission gate is told of a request: its size, its class and its limit: its
+    prompt must start computing within --max-queue-wait of its arrival, and before its own
+    deadline when it set one (x-pdserve-timeout below --request-timeout); no limit without
+    either."""
+    run = admitted.runs[0]  # every run shares the request's arrival and deadline
+    give_up_at = math.inf
+    if settings.max_queue_wait_s:
+        give_up_at = run.arrival + settings.max_queue_wait_s
+    if run.timeout_s < settings.request_timeout_s:
+        give_up_at = min(give_up_at, run.arrival + run.timeout_s)
+    return Ask(
+        prompt_tokens=sum(run.prompt_tokens for run in admitted.runs),
+        max_tokens=max(request.sampling.max_tokens for request in admitted.worker_requests),
+        priority=admitted.priority,
+        give_up_at=give_up_at,
     )
 
 
@@ -100,6 +127,16 @@ def parse_timeout(header: str) -> float:
             param=TIMEOUT_HEADER,
         )
     return seconds
+
+
+def parse_priority(header: str) -> int:
+    try:
+        return int(header)
+    except ValueError:
+        raise invalid_request(
+            f"{PRIORITY_HEADER} must be an integer (smaller is served first), not {header!r}",
+            param=PRIORITY_HEADER,
+        ) from None
 
 
 def output_options(parsed: SamplingFields) -> OutputOptions:

@@ -5,17 +5,37 @@ unbounded wait and never a 5xx for load.
 The capacity is what the workers say they can run at once (the sum of their engines'
 `max_num_seqs`, from Health), unless `--max-concurrent-requests` sets it: below it nobody is
 refused, so a user never sees a 429 below the cluster's real capacity. A request holds its
-turn from admission to its last token; turns go to waiters in arrival order.
+turn from admission to its last token.
+
+Turns go to waiters by class, then in arrival order: a request's priority (smaller first, 0 by
+default) puts it ahead of every waiter of a larger one, a full queue drops its last waiter for
+a newcomer of a smaller class, and a waiter pushed back past its limit is refused then. A
+request with a limit (`--max-queue-wait`, or its own deadline) is refused at once when the
+forecast says its prompt would start computing after it: the turns ahead of it, at the time a
+turn is held (learned from the turns given back; router/wait_forecast.py's price until then),
+plus the prompts queued on the workers (router/wait_forecast.py). Retry-After says when the
+queue ahead will have drained enough.
 """
 
 import asyncio
-import collections
+import bisect
+import itertools
+import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from router.errors import OpenAIError, too_many_requests
+from router.wait_forecast import Ask, WaitForecast
 
-RETRY_AFTER_S = 1
+HOLD_LEARNING_RATE = 0.2  # weight of the last turn given back in the time a turn is held
+
+
+@dataclass(order=True)
+class Waiter:
+    key: tuple[int, int]  # (priority, arrival number): the order turns are given in
+    ask: Ask = field(compare=False)
+    turn: asyncio.Future = field(compare=False)
 
 
 class AdmissionGate:
@@ -25,70 +45,136 @@ class AdmissionGate:
         max_queued: Callable[[], int],
         queue_timeout_s: float,
         metrics,
+        forecast: WaitForecast,
     ) -> None:
         self.capacity = capacity
         self.max_queued = max_queued
         self.queue_timeout_s = queue_timeout_s
         self.metrics = metrics
+        self.forecast = forecast
         self.running = 0
-        self.waiting: collections.deque[asyncio.Future] = collections.deque()
+        self.waiting: list[Waiter] = []  # sorted: the next turn goes to the first
+        self.unstarted_tokens = 0  # prompt tokens of the turns given, no first token yet
+        self.held_s: float | None = None  # how long a turn is held, learned as they come back
+        self._arrivals = itertools.count()
 
-    async def enter(self) -> "Turn":
-        """Take a turn, waiting for one if all are taken; a 429 when the queue is full or the
-        wait passes its deadline. With no capacity known (no worker up) the request goes on,
-        to be answered 503 by the flow."""
+    async def enter(self, ask: Ask) -> "Turn":
+        """Take a turn, waiting for one if all are taken; a 429 when the queue is full, when
+        the forecast says the turn would come too late, or when the wait passes its deadline.
+        With no capacity known (no worker up) the request goes on, to be answered 503 by the
+        flow."""
         capacity = self.capacity()
-        if capacity <= 0 or (self.running < capacity and not self.waiting):
-            self._admit()
-            return Turn(self)
+        if capacity <= 0:
+            return self._admit(ask)
+        waiter = Waiter((ask.priority, next(self._arrivals)), ask, None)
+        ahead = bisect.bisect(self.waiting, waiter)
+        if late := self._too_late(ask, ahead):
+            raise late
+        if self.running < capacity and ahead == 0:
+            return self._admit(ask)
         if len(self.waiting) >= self.max_queued():
-            raise self._reject("the router's queue is full")
-        turn = asyncio.get_running_loop().create_future()
-        self.waiting.append(turn)
+            if not self.waiting or self.waiting[-1].key[0] <= ask.priority:
+                raise self._reject("the router's queue is full", self._turn_s(ask))
+            self._refuse(self.waiting.pop(), "a request of a smaller priority took its place")
+        waiter.turn = asyncio.get_running_loop().create_future()
+        self.waiting.insert(ahead, waiter)
+        self._shed_pushed_back(ahead + 1)
         self.metrics.queue_length.set(len(self.waiting))
         started = time.monotonic()
         try:
-            await asyncio.wait_for(asyncio.shield(turn), self.queue_timeout_s)
+            await asyncio.wait_for(asyncio.shield(waiter.turn), self.queue_timeout_s)
         except TimeoutError:
-            if not turn.done():  # (a turn handed over as the wait ran out is taken after all)
-                self._forget(turn)
+            # (a turn handed over as the wait ran out is taken after all)
+            if not waiter.turn.done():
+                self._forget(waiter)
                 raise self._reject(
-                    f"no turn came within {self.queue_timeout_s:g} s in the router's queue"
+                    f"no turn came within {self.queue_timeout_s:g} s in the router's queue",
+                    self._turn_s(ask),
                 ) from None
         except asyncio.CancelledError:  # the client left while it waited
-            if turn.done():
-                self.leave()
-            else:
-                self._forget(turn)
+            if waiter.turn.done() and not waiter.turn.exception():
+                waiter.turn.result().give_back()
+            elif not waiter.turn.done():
+                self._forget(waiter)
             raise
         self.metrics.queue_wait.observe(time.monotonic() - started)
-        return Turn(self)
+        return waiter.turn.result()
 
-    def _forget(self, turn: asyncio.Future) -> None:
-        self.waiting.remove(turn)
+    def wait_s(self, ask: Ask, ahead: int) -> float:
+        """The forecast: seconds until a request with `ahead` waiters before it starts
+        computing its prompt (its turn, then the prompts queued on the workers)."""
+        capacity = self.capacity()
+        turns = ahead + 1 + self.running - capacity  # to come back before its own
+        queue_s = max(0, turns) * self._turn_s(ask)
+        return queue_s + self.forecast.backlog_s(self.unstarted_tokens)
+
+    def _turn_s(self, ask: Ask) -> float:
+        """Seconds between two turns coming back, all of them taken."""
+        capacity = max(1, self.capacity())
+        held_s = self.held_s if self.held_s is not None else self.forecast.hold_s(ask, capacity)
+        return held_s / capacity
+
+    def _too_late(self, ask: Ask, ahead: int) -> OpenAIError | None:
+        """The 429 for a request whose prompt would start past its limit; None when in time."""
+        if ask.give_up_at == math.inf:
+            return None
+        wait_s = self.wait_s(ask, ahead)
+        late_s = time.monotonic() + wait_s - ask.give_up_at
+        if late_s <= 0:
+            return None
+        return self._reject(
+            f"its prompt would start in {wait_s:.1f} s, past its limit (--max-queue-wait or "
+            f"its deadline; {ahead} waiting ahead of it)",
+            late_s,
+        )
+
+    def _shed_pushed_back(self, first: int) -> None:
+        """Refuse the waiters from `first` on that a newcomer put past their limit."""
+        kept = self.waiting[:first]
+        for waiter in self.waiting[first:]:
+            if late := self._too_late(waiter.ask, len(kept)):
+                waiter.turn.set_exception(late)
+            else:
+                kept.append(waiter)
+        self.waiting = kept
+
+    def _refuse(self, waiter: Waiter, why: str) -> None:
+        waiter.turn.set_exception(self._reject(why, self._turn_s(waiter.ask)))
+
+    def _forget(self, waiter: Waiter) -> None:
+        self.waiting.remove(waiter)
         self.metrics.queue_length.set(len(self.waiting))
 
-    def leave(self) -> None:
+    def leave(self, turn: "Turn") -> None:
         """A request ended (any way): its turn goes to the first waiter, or back to the pool."""
         self.running -= 1
-        self._hand_over()
-
-    def _hand_over(self) -> None:
+        self.started(turn)
+        held_s = time.monotonic() - turn.given_at
+        learned = self.held_s if self.held_s is not None else held_s
+        self.held_s = learned + HOLD_LEARNING_RATE * (held_s - learned)
         while self.waiting and self.running < self.capacity():
-            turn = self.waiting.popleft()
-            self._admit()
-            turn.set_result(True)
+            waiter = self.waiting.pop(0)
+            waiter.turn.set_result(self._admit(waiter.ask))
         self.metrics.queue_length.set(len(self.waiting))
 
-    def _admit(self) -> None:
-        self.running += 1
-        self.metrics.admitted.inc()
+    def started(self, turn: "Turn") -> None:
+        if not turn.started:
+            turn.started = True
+            self.unstarted_tokens -= turn.ask.prompt_tokens
 
-    def _reject(self, why: str) -> OpenAIError:
+    def _admit(self, ask: Ask) -> "Turn":
+        self.running += 1
+        self.unstarted_tokens += ask.prompt_tokens
+        self.metrics.admitted.inc()
+        return Turn(self, ask)
+
+    def _reject(self, why: str, retry_after_s: float) -> OpenAIError:
         self.metrics.rejected.inc()
+        retry_after = max(1, math.ceil(retry_after_s))
         return too_many_requests(
             f"{why} ({self.running} requests running, capacity {self.capacity()}); "
-            f"retry in {RETRY_AFTER_S} s"
+            f"retry in {retry_after} s",
+            retry_after,
         )
 
 
@@ -96,14 +182,20 @@ class Turn:
     """A request's turn, given back exactly once: when it ends, or, should the response never
     start (its stream dropped unread), when the turn is garbage."""
 
-    def __init__(self, gate: AdmissionGate) -> None:
+    def __init__(self, gate: AdmissionGate, ask: Ask) -> None:
         self.gate = gate
+        self.ask = ask
+        self.given_at = time.monotonic()
+        self.started = False  # its first token came: its prompt no longer waits on a worker
         self.held = True
+
+    def first_token(self) -> None:
+        self.gate.started(self)
 
     def give_back(self) -> None:
         if self.held:
             self.held = False
-            self.gate.leave()
+            self.gate.leave(self)
 
     def __del__(self) -> None:
         self.give_back()

@@ -19,6 +19,7 @@ from router.policies import POLICIES
 from router.request_flow import RequestFlow
 from router.routes import cluster, errors, generation, tokens
 from router.tokenization import PromptTokenizer
+from router.wait_forecast import WaitForecast
 from router.worker_pool import WorkerPool
 
 MAX_BODY_BYTES = 32 << 20  # a request body beyond this is refused (413) before it is read whole
@@ -40,6 +41,7 @@ def create_app(settings: RouterSettings, model: str) -> FastAPI:
         lambda: settings.max_queued_requests or settings.max_concurrent_requests or pool.capacity(),
         settings.queue_timeout_s,
         metrics,
+        WaitForecast(pool),
     )
     state.api_keys, state.unguarded = load_api_keys(settings), open_paths(settings)
     if state.api_keys:

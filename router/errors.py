@@ -62,6 +62,7 @@ class OpenAIError(Exception):
     type: ErrorType = ErrorType.INVALID_REQUEST
     param: str | None = None
     code: ErrorCode | None = None
+    retry_after_s: int | None = None  # a 429's Retry-After
 
     def body(self) -> dict:
         return {
@@ -158,13 +159,14 @@ def prefill_lost(message: str) -> OpenAIError:
     )
 
 
-def too_many_requests(message: str) -> OpenAIError:
+def too_many_requests(message: str, retry_after_s: int) -> OpenAIError:
     return OpenAIError(
         429,
         message,
         ErrorKind.RATE_LIMITED,
         type=ErrorType.RATE_LIMIT,
         code=ErrorCode.RATE_LIMIT_EXCEEDED,
+        retry_after_s=retry_after_s,
     )
 
 

@@ -173,7 +173,9 @@ class SamplingFields(RequestModel):
     best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
     use_beam_search: Literal[False] = False  # beam search is not supported
     length_penalty: float = 1.0  # beam search only: no effect
-    priority: Literal[0] = 0  # the workers do not schedule by priority
+    # The router's admission class (router/admission_gate.py; smaller first); not sent on: the
+    # workers do not schedule by priority.
+    priority: Annotated[int, Field(ge=-(2**63), lt=2**63)] = 0
     request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     return_tokens_as_token_ids: bool = False
     return_token_ids: bool = False

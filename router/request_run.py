@@ -59,6 +59,7 @@ class Admitted:
     stream: bool
     include_usage: bool
     returned: int = 1  # choices returned per prompt (n): the best of `run.choices`
+    priority: int = 0  # its class in the router's queue (router/admission_gate.py)
 
 
 @dataclass

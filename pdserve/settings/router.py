@@ -123,6 +123,15 @@ class RouterSettings(Settings):
         description="longest a request waits in the router's queue before its 429",
         json_schema_extra={"flag": "--queue-timeout"},
     )
+    max_queue_wait_s: float = Field(
+        0.0,
+        ge=0,
+        description="refuse a request at once (429, Retry-After from the queue) when its prompt "
+        "is predicted to start computing more than this many seconds after its arrival, from "
+        "the router's queue and the workers' queued prompts at their learned costs (0: never; "
+        "a request that sets x-pdserve-timeout is refused so against that deadline too)",
+        json_schema_extra={"flag": "--max-queue-wait", "metavar": "SECONDS"},
+    )
     api_key: list[str] = Field(
         [],
         description="a key clients must send (Authorization: Bearer KEY); repeatable; shows in "

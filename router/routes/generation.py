@@ -13,8 +13,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from router.accounting import DISCONNECTED, timing_breakdown
-from router.admission import TIMEOUT_HEADER
-from router.admission_gate import RETRY_AFTER_S, Turn
+from router.admission import PRIORITY_HEADER, TIMEOUT_HEADER, asking
+from router.admission_gate import Turn
 from router.errors import OpenAIError
 from router.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
 from router.request_run import Admitted, Started
@@ -57,13 +57,15 @@ async def serve(
             request.headers.get(ROUTE_HEADER),
             arrival,
             request.headers.get(TIMEOUT_HEADER),
+            request.headers.get(PRIORITY_HEADER),
         )
-        turn = await state.gate.enter()
+        turn = await state.gate.enter(asking(admitted, state.settings))
         try:
             started = await state.flow.start_all(admitted)
         except BaseException:
             turn.give_back()
             raise
+        turn.first_token()
         headers = started[0].headers
         headers["x-request-id"] = admitted.request_id
         shape = shape_class(
@@ -80,7 +82,7 @@ async def serve(
         return await _whole(request, endpoint, admitted, started, shape, turn)
     except OpenAIError as error:
         state.flow.count_error(error, endpoint)
-        retry = {"retry-after": str(RETRY_AFTER_S)} if error.status == 429 else None
+        retry = {"retry-after": str(error.retry_after_s)} if error.retry_after_s else None
         return JSONResponse(error.body(), status_code=error.status, headers=retry)
 
 

@@ -65,7 +65,7 @@ def test_max_completion_tokens_is_an_alias():
         ({**CHAT, "n": 129}, "n", "invalid_value"),
         ({**CHAT, "response_format": {"type": "xml"}}, "response_format.type", "invalid_value"),
         ({**CHAT, "structured_outputs": {"regexp": "a"}}, "structured_outputs.regexp", None),
-        ({**CHAT, "priority": 1}, "priority", "invalid_value"),
+        ({**CHAT, "priority": 2**63}, "priority", "invalid_value"),
     ],
 )
 def test_bad_chat_bodies_name_the_field(body, param, code):

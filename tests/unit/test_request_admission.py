@@ -25,7 +25,9 @@ def pool() -> WorkerPool:
     return pool
 
 
-def admitted(pool: WorkerPool, body: dict, route_header=None, timeout_header=None):
+def admitted(
+    pool: WorkerPool, body: dict, route_header=None, timeout_header=None, priority_header=None
+):
     return admit(
         SETTINGS,
         pool,
@@ -37,6 +39,7 @@ def admitted(pool: WorkerPool, body: dict, route_header=None, timeout_header=Non
         route_header,
         100.0,
         timeout_header,
+        priority_header,
     )
 
 
