@@ -68,7 +68,11 @@ async def burst(url: str, count: int, max_tokens: int) -> list[tuple]:
 def p99(values: list[float]) -> float:
     if not values:
         return float("nan")
-    return statistics.quantiles(values, n=100)[98] if len(values) > 1 else values[0]
+    return (
+        statistics.quantiles(values, n=100, method="inclusive")[98]
+        if len(values) > 1
+        else values[0]
+    )
 
 
 def row(name: str, results: list[tuple], wall_s: float) -> str:
@@ -80,7 +84,8 @@ def row(name: str, results: list[tuple], wall_s: float) -> str:
     retry = sorted({int(r[3]) for r in refused if r[3]})
     return (
         f"| {name} | {len(results)} | {len(admitted)} | {len(refused)} ({by_class}) "
-        f"| {statistics.median(admitted):.2f} | {p99(admitted):.2f} | {refused_in:.2f} "
+        f"| {statistics.median(admitted) if admitted else float('nan'):.2f} "
+        f"| {p99(admitted):.2f} | {refused_in:.2f} "
         f"| {retry[0] if retry else '-'}-{retry[-1] if retry else '-'} | {others or '-'} "
         f"| {wall_s:.1f} |"
     )
