@@ -156,21 +156,22 @@ def _rest(
 async def _merged(streams):
     async with contextlib.aclosing(fan_out(streams)) as chunks:
         async for _, chunk in chunks:
-            yield chunk
+            if chunk is not None:
+                yield chunk
 
 
 async def _continued(
     worker, rest: worker_pb2.GenerateRequest, index: int, choice: Relayed, timeout: float
 ):
     """Choice `index`'s chunks from `worker`, numbered as the client knows it; a replay's with
-    what was relayed already passed over, and a cumulative logprob that counts every token."""
+    what was relayed already passed over (None for a chunk passed over whole: the merge starts
+    the other choices at a stream's first item, not when its replay has caught up), and a
+    cumulative logprob that counts every token."""
     replay = _Replay(choice, index) if replays(rest.sampling) else None
     async for chunk in worker.generate(rest, timeout=timeout):
         chunk.index = index
         if replay is not None:
             chunk = replay.past_relayed(chunk)
-            if chunk is None:
-                continue
         elif chunk.HasField("cumulative_logprob"):
             chunk.cumulative_logprob += choice.logprob
         yield chunk
