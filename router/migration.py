@@ -91,8 +91,9 @@ async def migrating(
                 await current.aclose()
                 current = continuation(run, request, relayed, pool, metrics)
                 log.warning(
-                    "request %s: %s after %d tokens; continuing on %s%s",
+                    "request %s (%d choices): %s after %d tokens; continuing on %s%s",
                     run.request_id,
+                    run.choices,
                     error.message,
                     sum(len(choice.token_ids) for choice in relayed),
                     run.decode_worker.worker_id,
