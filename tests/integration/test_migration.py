@@ -32,6 +32,12 @@ RECOMPUTED = 'pdserve_kv_fallbacks_total{policy="recompute"}'
 CASES = [(prompt, "local") for prompt in PROMPTS] + [
     (long_prompt(n) + f" Entry {n}.", "disaggregated") for n in (300, 500, 700)
 ]
+# Two choices each: sampled with top_k 1 (no seed: each choice continues from its own tokens)
+# and seeded (each choice is replayed with its seed): the decode-kill test's n > 1 requests.
+CHOICES_CASES = [
+    (CASES[0][0], "local", {"n": 2, "temperature": 1.0, "top_k": 1}),
+    (CASES[-1][0], "disaggregated", {"n": 2, "temperature": 0.8, "seed": 7}),
+]
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +73,7 @@ def undisturbed(cluster_with) -> list[tuple[str, int]]:
 
     async def run_all():
         async with httpx.AsyncClient(timeout=300) as http:
-            return [await streamed(http, server, prompt, route) for prompt, route in CASES]
+            return [await streamed(http, server, *case) for case in CASES + CHOICES_CASES]
 
     return asyncio.run(run_all())
 
@@ -81,8 +87,11 @@ def worker_pids(server, role: str) -> list[int]:
     ]
 
 
-async def streamed(http: httpx.AsyncClient, server, prompt: str, route: str) -> tuple[str, int]:
-    """The streamed text and its number of tokens; fails on an error event."""
+async def streamed(
+    http: httpx.AsyncClient, server, prompt: str, route: str, sampling: dict | None = None
+) -> tuple[dict, int]:
+    """Each choice's streamed text by index, and the number of tokens (greedy unless
+    `sampling` says otherwise); fails on an error event."""
     body = {
         "model": SERVED_MODEL,
         "prompt": prompt,
@@ -90,8 +99,9 @@ async def streamed(http: httpx.AsyncClient, server, prompt: str, route: str) -> 
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(sampling or {}),
     }
-    text, tokens = [], 0
+    texts, tokens = {}, 0
     async with http.stream(
         "POST", f"{server.base_url}/completions", json=body, headers={"x-pdserve-route": route}
     ) as response:
@@ -103,8 +113,9 @@ async def streamed(http: httpx.AsyncClient, server, prompt: str, route: str) -> 
             assert "error" not in event, event
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
-            text += [choice["text"] for choice in event["choices"]]
-    return "".join(text), tokens
+            for choice in event["choices"]:
+                texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    return texts, tokens
 
 
 def test_round_robin_spreads_disaggregated_requests_over_all_four_workers(cluster_with):
@@ -136,9 +147,9 @@ def kill_under_fire(server, victim: int, cases, when) -> tuple[list, float]:
         limit = asyncio.Semaphore(CONCURRENCY)
         async with httpx.AsyncClient(timeout=300) as http:
 
-            async def one(prompt: str, route: str):
+            async def one(*case):
                 async with limit:
-                    return await streamed(http, server, prompt, route)
+                    return await streamed(http, server, *case)
 
             async def kill():
                 await asyncio.to_thread(wait_for, when, 60, "the moment to kill", 0.02)
@@ -170,16 +181,21 @@ def test_a_decode_worker_killed_mid_stream_fails_no_request(cluster_with, undist
         worker = worker_row(server, port)
         return worker["running_requests"] > worker["prefilling_requests"]
 
-    cases = [CASES[i % len(CASES)] for i in range(REQUESTS)]
+    every = CASES + CHOICES_CASES
+    # The n > 1 requests first: the kill comes at the first moment the victim decodes.
+    order = [(i + len(CASES)) % len(every) for i in range(REQUESTS)]
+    cases = [every[j] for j in order]
     before = {name: metric_value(server, name) for name in (MIGRATIONS, MIGRATION_GAP)}
     results, seconds = kill_under_fire(server, victim, cases, when=decoding)
     for i, result in enumerate(results):
-        assert result == undisturbed[i % len(CASES)], f"request {i} differs from undisturbed"
+        assert result == undisturbed[order[i]], f"request {i} differs from undisturbed"
     migrations = metric_value(server, MIGRATIONS) - before[MIGRATIONS]
     gap = (metric_value(server, MIGRATION_GAP) - before[MIGRATION_GAP]) / max(migrations, 1)
+    with_choices = (server.log_dir / "serve.log").read_text().count("(2 choices)")  # the router's
     print(
         f"{REQUESTS} requests, 0 failed, one decode worker killed: {seconds:.1f} s; "
-        f"migrated requests: {migrations:.0f}, mean pause {gap:.3f} s"
+        f"migrated requests: {migrations:.0f}, mean pause {gap:.3f} s; "
+        f"with 2 choices: {with_choices} (this session)"
     )
     assert migrations >= 1, "the killed worker was decoding nothing: the test proved nothing"
 
