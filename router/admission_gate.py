@@ -12,9 +12,9 @@ default) puts it ahead of every waiter of a larger one, a full queue drops its l
 a newcomer of a smaller class, and a waiter pushed back past its limit is refused then. A
 request with a limit (`--max-queue-wait`, or its own deadline) is refused at once when the
 forecast says its prompt would start computing after it: the turns ahead of it, at the time a
-turn is held (learned from the turns given back; router/wait_forecast.py's price until then),
-plus the prompts queued on the workers (router/wait_forecast.py). Retry-After says when the
-queue ahead will have drained enough.
+turn is held (router/wait_forecast.py's price, scaled by what the turns given back took
+against theirs), plus the prompts queued on the workers (router/wait_forecast.py).
+Retry-After says when the queue ahead will have drained enough.
 """
 
 import asyncio
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from router.errors import OpenAIError, too_many_requests
 from router.wait_forecast import Ask, WaitForecast
 
-HOLD_LEARNING_RATE = 0.2  # weight of the last turn given back in the time a turn is held
+HOLD_LEARNING_RATE = 0.2  # weight of the last turn given back in the learned hold ratio
 
 
 @dataclass(order=True)
@@ -55,7 +55,7 @@ class AdmissionGate:
         self.running = 0
         self.waiting: list[Waiter] = []  # sorted: the next turn goes to the first
         self.unstarted_tokens = 0  # prompt tokens of the turns given, no first token yet
-        self.held_s: float | None = None  # how long a turn is held, learned as they come back
+        self.hold_ratio: float | None = None  # turns' held time over their price, learned
         self._arrivals = itertools.count()
 
     async def enter(self, ask: Ask) -> "Turn":
@@ -111,8 +111,8 @@ class AdmissionGate:
     def _turn_s(self, ask: Ask) -> float:
         """Seconds between two turns coming back, all of them taken."""
         capacity = max(1, self.capacity())
-        held_s = self.held_s if self.held_s is not None else self.forecast.hold_s(ask, capacity)
-        return held_s / capacity
+        ratio = 1.0 if self.hold_ratio is None else self.hold_ratio
+        return ratio * self.forecast.hold_s(ask, capacity) / capacity
 
     def _too_late(self, ask: Ask, ahead: int) -> OpenAIError | None:
         """The 429 for a request whose prompt would start past its limit; None when in time."""
@@ -149,9 +149,10 @@ class AdmissionGate:
         """A request ended (any way): its turn goes to the first waiter, or back to the pool."""
         self.running -= 1
         self.started(turn)
-        held_s = time.monotonic() - turn.given_at
-        learned = self.held_s if self.held_s is not None else held_s
-        self.held_s = learned + HOLD_LEARNING_RATE * (held_s - learned)
+        if turn.priced_s > 0:
+            ratio = (time.monotonic() - turn.given_at) / turn.priced_s
+            learned = ratio if self.hold_ratio is None else self.hold_ratio
+            self.hold_ratio = learned + HOLD_LEARNING_RATE * (ratio - learned)
         while self.waiting and self.running < self.capacity():
             waiter = self.waiting.pop(0)
             waiter.turn.set_result(self._admit(waiter.ask))
@@ -166,7 +167,7 @@ class AdmissionGate:
         self.running += 1
         self.unstarted_tokens += ask.prompt_tokens
         self.metrics.admitted.inc()
-        return Turn(self, ask)
+        return Turn(self, ask, self.forecast.hold_s(ask, max(1, self.capacity())))
 
     def _reject(self, why: str, retry_after_s: float) -> OpenAIError:
         self.metrics.rejected.inc()
@@ -182,9 +183,10 @@ class Turn:
     """A request's turn, given back exactly once: when it ends, or, should the response never
     start (its stream dropped unread), when the turn is garbage."""
 
-    def __init__(self, gate: AdmissionGate, ask: Ask) -> None:
+    def __init__(self, gate: AdmissionGate, ask: Ask, priced_s: float) -> None:
         self.gate = gate
         self.ask = ask
+        self.priced_s = priced_s  # the forecast's price of its hold
         self.given_at = time.monotonic()
         self.started = False  # its first token came: its prompt no longer waits on a worker
         self.held = True
