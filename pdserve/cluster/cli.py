@@ -9,33 +9,38 @@ import argparse
 import importlib
 import sys
 
-COMMAND_MODULES = (
-    "pdserve.model_store.command",
-    "pdserve.worker.command",
-    "pdserve.cluster.serve",
-    "router.command",
-    "pdserve.cluster.up",
-    "pdserve.cluster.down",
-    "pdserve.cluster.status",
-    "pdserve.cluster.scale",
-    "pdserve.cluster.roles",
-    "pdserve.cluster.k8s_command",
-    "pdserve.bench.command",
-    "pdserve.bench.sweep_command",
-    "pdserve.planner.command",
-)
+COMMAND_MODULES = {  # sub-command -> the module that registers it
+    "model": "pdserve.model_store.command",
+    "worker": "pdserve.worker.command",
+    "serve": "pdserve.cluster.serve",
+    "router": "router.command",
+    "up": "pdserve.cluster.up",
+    "down": "pdserve.cluster.down",
+    "status": "pdserve.cluster.status",
+    "scale": "pdserve.cluster.scale",
+    "roles": "pdserve.cluster.roles",
+    "k8s": "pdserve.cluster.k8s_command",
+    "bench": "pdserve.bench.command",
+    "sweep": "pdserve.bench.sweep_command",
+    "plan": "pdserve.planner.command",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every sub-command's parser, or only `command`'s: a worker or a router started by a
+    launcher loads no other command's module (the cluster commands load Ray, ~1 s of a core)."""
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).add_parser(subparsers)
+    for name, module in COMMAND_MODULES.items():
+        if command in (None, name):
+            importlib.import_module(module).add_parser(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = argv[0] if argv and argv[0] in COMMAND_MODULES else None
+    args = build_parser(command).parse_args(argv)
     return args.run(args)
 
 

@@ -1,10 +1,11 @@
 """`pdserve worker`: one worker process, a vLLM engine behind the worker gRPC service.
 
-The gRPC port (the worker service and grpc.health.v1) and the Prometheus endpoint open first;
-Health answers STARTING while the engine loads, so a launcher can tell "still starting" from
-"dead". SIGTERM or SIGINT stops the server, then the engine and its child processes; a stop
-still running after SHUTDOWN_DEADLINE_S ends the process anyway (its group reaper then takes
-the engine processes).
+The gRPC port (the worker service and grpc.health.v1) and the Prometheus endpoint open as soon
+as the engine's process has started (a few seconds in: it must not inherit a gRPC server,
+pdserve/worker/engine_process.py), and Health answers STARTING while the engine loads, so a
+launcher can tell "still starting" from "dead". SIGTERM or SIGINT stops the server, then the
+engine and its child processes; a stop still running after SHUTDOWN_DEADLINE_S ends the process
+anyway (its group reaper then takes the engine processes).
 """
 
 import argparse
@@ -30,6 +31,7 @@ from pdserve.settings.json_logs import configure_logging
 from pdserve.settings.worker import WorkerSettings
 from pdserve.worker import engine as engine_factory
 from pdserve.worker import group_reaper, shm_leftovers
+from pdserve.worker.engine_process import EngineProcessStart
 from pdserve.worker.grpc_health import SecretCheckButHealth, add_health
 from pdserve.worker.metrics_server import WorkerMetrics, serve_metrics
 from pdserve.worker.processes import free_port
@@ -67,10 +69,7 @@ def run(args: argparse.Namespace) -> int:
 async def serve_worker(settings: WorkerSettings, model) -> int:
     from pdserve.worker.service import WorkerService
 
-    server = grpc.aio.server(
-        options=GRPC_OPTIONS, interceptors=[SecretCheckButHealth(cluster_secret())]
-    )
-    port = tls.add_port(server, f"{settings.host}:{settings.port}")
+    port = settings.port or free_port(settings.host)
     host = advertised_host(settings)
     worker_id = settings.worker_id or f"{settings.role}@{host}:{port}"
     kv_port = settings.kv_port
@@ -88,30 +87,42 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
         settings.kv_fault,
     )
     settings = settings.model_copy(update={"advertise_host": host})
-    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
-    add_health(server, service)
     metrics = WorkerMetrics()
     metrics.follow_state(service)
-    serve_metrics(settings.host, settings.metrics_port)
-    await server.start()
-    log.info("worker %s listening on %s:%d; starting the engine", worker_id, settings.host, port)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-
-    # The engine comes back through `started`, not as the thread's result: asyncio's and the
-    # thread pool's futures keep a result alive until interpreter exit, where AsyncLLM.__del__
-    # then failed ("'NoneType' object is not callable").
+    # The engine starts first: a forked engine process must inherit neither a gRPC server
+    # (pdserve/worker/engine_process.py) nor this loop's signal handling (its signals would
+    # wake this loop: SIGTERM to the engine would stop the worker). It comes back through
+    # `started`, not as the thread's result: asyncio's and the thread pool's futures keep a
+    # result alive until interpreter exit, where AsyncLLM.__del__ then failed ("'NoneType'
+    # object is not callable").
+    log.info("worker %s starting the engine", worker_id)
+    process_start = EngineProcessStart()
     started: list = []
     starting = asyncio.create_task(
         asyncio.to_thread(
             lambda: started.append(
-                engine_factory.make_engine(settings, model, kv_port, service.engine_stats, metrics)
+                engine_factory.make_engine(
+                    settings, model, kv_port, service.engine_stats, metrics, process_start
+                )
             )
         )
     )
+    await process_start.wait(starting)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server = grpc.aio.server(
+        options=GRPC_OPTIONS, interceptors=[SecretCheckButHealth(cluster_secret())]
+    )
+    tls.add_port(server, f"{settings.host}:{port}")
+    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
+    add_health(server, service)
+    serve_metrics(settings.host, settings.metrics_port)
+    await server.start()
+    log.info("worker %s listening on %s:%d while its engine loads", worker_id, settings.host, port)
+
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if stop.is_set():

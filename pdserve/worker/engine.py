@@ -10,6 +10,13 @@ from pdserve.kinds import Role
 from pdserve.settings.cluster_secret import SECRET_ENV
 from pdserve.settings.tls import TLS_DIR_ENV
 from pdserve.settings.worker import WorkerSettings
+from pdserve.worker.engine_process import (
+    OMP_BIND_ENV,
+    START_METHOD_ENV,
+    EngineProcessStart,
+    bind_openmp_threads,
+    start_method,
+)
 from pdserve.worker.step_costs import StepCostLearner
 
 GIB = 1 << 30
@@ -125,22 +132,33 @@ PLACEMENT_GROUP_ENV = (
 RAY_NAMESPACE_ENV = "PDSERVE_RAY_NAMESPACE"
 
 
-def make_engine(worker: WorkerSettings, model: str, kv_port: int, stats: EngineStats, metrics):
-    """Start vLLM's AsyncLLM (its engine core runs in child processes). vLLM's own Prometheus
-    metrics are on (its PrometheusStatLogger joins our stat logger); `disable_log_stats` only
-    silences its periodic log line."""
+def make_engine(
+    worker: WorkerSettings,
+    model: str,
+    kv_port: int,
+    stats: EngineStats,
+    metrics,
+    process_start: EngineProcessStart | None = None,
+):
+    """Start vLLM's AsyncLLM (its engine core runs in child processes; `process_start` is told
+    when none will be forked: pdserve/worker/engine_process.py). vLLM's own Prometheus metrics
+    are on (its PrometheusStatLogger joins our stat logger); `disable_log_stats` only silences
+    its periodic log line."""
     engine = worker.engine
+    chosen_start = os.environ.get(START_METHOD_ENV)  # before vLLM's CPU platform sets its own
     # A KV connector makes vLLM reserve cores for itself; a 2-core machine has none to spare.
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     # vLLM's automatic binding pinned every worker of a host (and so their KV transfer
     # threads) to the same core, which starved the transfers; let the OS place threads.
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault(OMP_BIND_ENV, "nobind")
+    bind_openmp_threads()  # before torch loads
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.platforms import current_platform
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    eager = engine.enforce_eager if engine.enforce_eager is not None else current_platform.is_cpu()
-    if current_platform.is_cpu() and engine.tensor_parallel_size == 1:
+    cpu = current_platform.is_cpu()
+    eager = engine.enforce_eager if engine.enforce_eager is not None else cpu
+    if cpu and engine.tensor_parallel_size == 1:
         model_in_the_engine_core()
 
     args = AsyncEngineArgs(
@@ -155,39 +173,35 @@ def make_engine(worker: WorkerSettings, model: str, kv_port: int, stats: EngineS
         kv_transfer_config=kv_transfer_config(worker, kv_port),
         disable_log_stats=True,
     )
-    loggers = [_stat_logger_factory(stats, metrics)]
     group = _ray_placement_group(engine.tensor_parallel_size)
-    if group is None:
-        return AsyncLLM.from_engine_args(args, stat_loggers=loggers)
-    args.distributed_executor_backend = "ray"
-    # vLLM's Ray workers (where the KV connector's ranks run) get only the variables it copies.
-    copied = os.environ.get("VLLM_RAY_EXTRA_ENV_VARS_TO_COPY", "")
-    os.environ["VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"] = ",".join(
-        filter(None, [copied, SECRET_ENV, TLS_DIR_ENV])
-    )
+    if group is not None:
+        args.distributed_executor_backend = "ray"
+        # vLLM's Ray workers (where the KV connector's ranks run) get only the variables it
+        # copies.
+        copied = os.environ.get("VLLM_RAY_EXTRA_ENV_VARS_TO_COPY", "")
+        os.environ["VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"] = ",".join(
+            filter(None, [copied, SECRET_ENV, TLS_DIR_ENV])
+        )
     config = args.create_engine_config()
-    config.parallel_config.placement_group = group
-    return AsyncLLM.from_vllm_config(config, stat_loggers=loggers)
+    if group is not None:
+        config.parallel_config.placement_group = group
+    method = start_method(cpu, engine.tensor_parallel_size, chosen_start)
+    os.environ[START_METHOD_ENV] = method
+    if method != "fork" and process_start is not None:
+        process_start.no_fork_coming()
+    return AsyncLLM.from_vllm_config(
+        config, stat_loggers=[_stat_logger_factory(stats, metrics)], disable_log_stats=True
+    )
 
 
 def model_in_the_engine_core() -> None:
     """On CPU, vLLM runs a TP-1 engine's model in a process of its own beside the engine core
-    (its multiprocessing executor; the OpenMP binding it sets needs a fresh process). Without
-    vLLM's V1 multiprocessing its CPU platform keeps the one-process executor, as a GPU worker
-    at TP 1 has it: one process and one import of vLLM (~10 s here) fewer per worker. AsyncLLM
-    still starts the engine core as a process of its own, which inherits this environment; the
-    binding vLLM gives its model's process (VLLM_CPU_OMP_THREADS_BIND, one list of cores at TP 1)
-    is therefore set here as the OpenMP variables it would set."""
+    (its multiprocessing executor). Without vLLM's V1 multiprocessing its CPU platform keeps the
+    one-process executor, as a GPU worker at TP 1 has it: one process and one import of vLLM
+    (~10 s here) fewer per worker. AsyncLLM still starts the engine core as a process of its
+    own; the OpenMP binding vLLM would give the model's process is this worker's
+    (`bind_openmp_threads`), which the engine core inherits."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    if bind in ("nobind", "auto"):
-        return
-    from vllm.utils.cpu_resource_utils import parse_id_list
-
-    cores = parse_id_list(bind)
-    os.environ["OMP_NUM_THREADS"] = str(len(cores))
-    os.environ["OMP_PLACES"] = "{" + ",".join(str(core) for core in cores) + "}"
-    os.environ["OMP_PROC_BIND"] = "true"
 
 
 def _ray_placement_group(tensor_parallel_size: int):
