@@ -1,8 +1,10 @@
 """Shared fixtures: one real `pdserve serve` (router + a prefill and a decode vLLM worker on
 CPU) for the session, and vLLM's offline engine's greedy output as the reference.
 
-A vLLM engine takes ~30 s to start and ~3 GB, so every integration test shares these.
-Teardown checks that SIGTERM stopped the router and every process it started.
+A vLLM engine takes ~30 s of both cores to start and ~2.5 GB, so the tests share clusters: a
+session's cluster stops right after the last test that uses it (not at the session's end), so
+its memory goes back to the modules after it. Teardown checks that SIGTERM stopped the router and
+every process it started.
 """
 
 import contextlib
@@ -13,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +27,7 @@ from pdserve.bench.local_cluster import router_healthy
 from pdserve.model_store.store import ensure_model
 from pdserve.settings.cluster_secret import SECRET_ENV
 from pdserve.worker.processes import ChildError, free_port, spawn, stop_group, wait_until
-from tests.integration.processes import alive, descendants
+from tests.integration.processes import alive, descendants, worker_pids
 from tests.integration.prompts import (
     CHATS,
     DISAGGREGATED_MAX_TOKENS,
@@ -39,6 +42,9 @@ from tests.integration.prompts import (
 SERVED_MODEL = "smollm2"
 START_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 60
+# Per worker: 11.6K SmolLM2 tokens (the 8,192 of one longest request, and the tests' few
+# concurrent ones); vLLM zeroes it at start, ~1 s of a core per GiB.
+KV_CACHE_GIB = "0.5"
 
 
 @dataclass
@@ -86,7 +92,7 @@ def start_server(log_dir: Path, *args: str) -> Server:
             "--port",
             str(port),
             "--kv-cache-gib",
-            "1",
+            KV_CACHE_GIB,
             "--log-dir",
             str(log_dir),
             *args,
@@ -111,12 +117,85 @@ def start_server(log_dir: Path, *args: str) -> Server:
     return server
 
 
+_LAST_USERS: dict[str, pytest.Item] = {}  # session cluster fixture -> the last test using it
+_EARLY_STOPS: dict[str, Callable[[], None]] = {}  # the same -> how it stops, while it runs
+
+
+def pytest_collection_finish(session):
+    for item in session.items:
+        for name in item.fixturenames:
+            _LAST_USERS[name] = item
+
+
+@contextlib.contextmanager
+def stopped_after_last_use(name: str, stop: Callable[[], None]):
+    """Calls `stop` (of the session fixture `name`'s clusters) once the last test that uses it
+    has finished, or at the session's end, whichever comes first."""
+    _EARLY_STOPS[name] = stop
+    try:
+        yield
+    finally:
+        if stop := _EARLY_STOPS.pop(name, None):
+            stop()
+
+
+@pytest.fixture(autouse=True)
+def _session_clusters_stop_after_their_last_test(request):
+    yield
+    for name in [n for n, item in _LAST_USERS.items() if item is request.node]:
+        if stop := _EARLY_STOPS.pop(name, None):
+            stop()
+
+
 @pytest.fixture(scope="session")
 def server(smollm2_dir, tmp_path_factory) -> Server:
     """The default cluster: 1 prefill + 1 decode worker."""
-    server = start_server(tmp_path_factory.mktemp("serve-logs"))
-    yield server
-    _stop_and_check(server)
+    cluster = start_server(tmp_path_factory.mktemp("serve-logs"))
+    with stopped_after_last_use("server", lambda: _stop_and_check(cluster)):
+        yield cluster
+
+
+FORCED_TRANSPORTS = ("grpc", "nccl", "shm")
+
+
+@pytest.fixture(scope="session")
+def mixed_pool(smollm2_dir, tmp_path_factory):
+    """`mixed_pool(prefill, decode)`: three prefill workers forced onto grpc, nccl (gloo on CPU)
+    and shm, two decode workers on auto (policy recompute), round-robin, with at least `prefill`
+    and `decode` of them alive (started again when a test before killed more, so each test
+    passes alone and in any order). The transport tests and the kill tests share it."""
+    servers = []
+
+    def with_alive(prefill: int = len(FORCED_TRANSPORTS), decode: int = 2) -> Server:
+        if servers and (
+            len(worker_pids(servers[-1], "prefill")) < prefill
+            or len(worker_pids(servers[-1], "decode")) < decode
+        ):
+            _stop_and_check(servers.pop())
+        if not servers:
+            servers.append(
+                start_server(
+                    tmp_path_factory.mktemp("mixed-pool"),
+                    "--prefill",
+                    str(len(FORCED_TRANSPORTS)),
+                    "--prefill-kv-transports",
+                    ",".join(FORCED_TRANSPORTS),
+                    "--decode",
+                    "2",
+                    "--policy",
+                    "round-robin",
+                    "--kv-timeout",
+                    "30",
+                )
+            )
+        return servers[-1]
+
+    def stop_all():
+        while servers:
+            _stop_and_check(servers.pop())
+
+    with stopped_after_last_use("mixed_pool", stop_all):
+        yield with_alive
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +208,7 @@ def vllm_server(smollm2_dir, tmp_path_factory) -> str:
         tmp_path_factory.mktemp("vllm-serve"),
         START_TIMEOUT_S,
         SERVED_MODEL,
-        1 << 30,
+        int(float(KV_CACHE_GIB) * (1 << 30)),
         free_port(),
     ) as url:
         yield url

@@ -61,3 +61,12 @@ def pids_with_environment(variable: str) -> list[int]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return found
+
+
+def worker_pids(server, role: str) -> list[int]:
+    """The live workers of `role` that `server` (a `pdserve serve`) started."""
+    return [
+        child
+        for child in children(server.process.pid)
+        if alive(child) and any(f'"role":"{role}"' in part for part in command_line(child))
+    ]

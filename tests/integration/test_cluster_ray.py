@@ -23,6 +23,7 @@ from openai import OpenAI
 
 from pdserve.cluster import local_services
 from pdserve.worker.processes import free_port, stop_group
+from tests.integration.conftest import KV_CACHE_GIB
 from tests.integration.processes import (
     alive,
     children,
@@ -83,7 +84,13 @@ def cluster(ray_and_redis, smollm2_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("cluster")
     config = folder / "cluster.yaml"
     config.write_text(
-        CLUSTER_FILE.format(name=CLUSTER, port=free_port(), redis=redis_url, heartbeat=HEARTBEAT_S)
+        CLUSTER_FILE.format(
+            name=CLUSTER,
+            port=free_port(),
+            redis=redis_url,
+            heartbeat=HEARTBEAT_S,
+            kv_cache_gib=KV_CACHE_GIB,
+        )
     )
     env = {**os.environ, "PDSERVE_STATE_DIR": str(folder / "state"), "RAY_AUTH_MODE": "disabled"}
     started = time.monotonic()
@@ -125,7 +132,7 @@ def cluster(ray_and_redis, smollm2_dir, tmp_path_factory):
 CLUSTER_FILE = """
 name: {name}
 model: {{path: smollm2, dtype: float32}}
-engine: {{kv_cache_gib: 1}}
+engine: {{kv_cache_gib: {kv_cache_gib}}}
 prefill: {{replicas: 1, tensor_parallel_size: 1, gpu_type: H100-SXM}}
 decode: {{replicas: 2, tensor_parallel_size: 1, gpu_type: H100-SXM}}
 transport: {{kind: grpc, kv_timeout_s: 30}}

@@ -20,6 +20,7 @@ from pdserve.settings.cluster_secret import SECRET_ENV, secret_metadata
 from pdserve.settings.engine import EngineSettings
 from pdserve.settings.worker import WorkerSettings
 from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
+from tests.integration.conftest import KV_CACHE_GIB
 from tests.integration.prompts import DISAGGREGATED_PROMPTS
 from tests.waiting import wait_for
 
@@ -41,7 +42,10 @@ CONSUMER = Compatibility(
 def fail_policy_decoder(smollm2_dir, tmp_path_factory):
     """A decode worker whose policy is `fail`, with no prefill worker anywhere."""
     settings = WorkerSettings(
-        role="decode", port=0, kv_failure_policy="fail", engine=EngineSettings(kv_cache_gib=1)
+        role="decode",
+        port=0,
+        kv_failure_policy="fail",
+        engine=EngineSettings(kv_cache_gib=float(KV_CACHE_GIB)),
     )
     worker = start_worker(settings, tmp_path_factory.mktemp("fail-decoder"), threads=1)
     try:

@@ -1,9 +1,11 @@
-"""Workers killed (SIGKILL, the worker process alone) under a steady stream of requests, on a
-2 prefill + 2 decode cluster: round-robin spreads disaggregated requests over all four; a
-decode worker dies (its requests migrate to the other one); a prefill worker dies (its prompts
-go to the other prefill worker). Every request still succeeds, its stream
-uninterrupted, with the greedy output an undisturbed run gives, and each killed worker's vLLM
-engine processes die with it (no orphan)."""
+"""Workers killed (SIGKILL) under load, on the session's mixed pool (3 prefill workers, one per
+KV transport, and 2 decode workers, round-robin): round-robin spreads disaggregated requests
+over every worker; a decode worker dies (its requests migrate to the other one); a prefill
+worker dies (its prompts go to another prefill worker). Every request still succeeds, its
+stream uninterrupted, with the greedy output an undisturbed run gives, and each killed
+worker's vLLM engine processes die with it (no orphan). Last, every prefill worker is killed
+mid-transfer: each prompt is recomputed correctly at once (in file order the pool needs no
+restart; run alone, a test starts the pool again when too few workers are alive)."""
 
 import asyncio
 import json
@@ -15,9 +17,15 @@ import uuid
 import httpx
 import pytest
 
-from tests.integration.conftest import SERVED_MODEL, _stop_and_check, start_server
-from tests.integration.kv_stress import computing_a_prompt, metric_value, worker_port, worker_row
-from tests.integration.processes import alive, children, command_line, group_members
+from tests.integration.conftest import FORCED_TRANSPORTS, SERVED_MODEL
+from tests.integration.kv_stress import (
+    computing_a_prompt,
+    kill_prefill_workers_mid_transfer,
+    metric_value,
+    worker_port,
+    worker_row,
+)
+from tests.integration.processes import group_members, worker_pids
 from tests.integration.prompts import PROMPTS, long_prompt
 from tests.waiting import wait_for
 
@@ -41,50 +49,15 @@ CHOICES_CASES = [
 
 
 @pytest.fixture(scope="module")
-def cluster_with(smollm2_dir, tmp_path_factory):
-    """`cluster_with(prefill, decode)`: the module's 2 prefill + 2 decode cluster, with at least
-    that many workers of each role alive; started again when a test before this one killed too
-    many, so each test passes alone and in any order."""
-    servers = []
-
-    def with_alive(prefill: int, decode: int):
-        if servers and (
-            len(worker_pids(servers[-1], "prefill")) < prefill
-            or len(worker_pids(servers[-1], "decode")) < decode
-        ):
-            _stop_and_check(servers.pop())
-        if not servers:
-            servers.append(
-                start_server(
-                    tmp_path_factory.mktemp("migration"), "--prefill", "2", "--decode", "2"
-                )
-            )
-        return servers[-1]
-
-    yield with_alive
-    for server in servers:
-        _stop_and_check(server)
-
-
-@pytest.fixture(scope="module")
-def undisturbed(cluster_with) -> list[tuple[str, int]]:
+def undisturbed(mixed_pool) -> list[tuple[str, int]]:
     """Each case's streamed text and token count with every worker up."""
-    server = cluster_with(2, 2)
+    server = mixed_pool()
 
     async def run_all():
         async with httpx.AsyncClient(timeout=300) as http:
             return [await streamed(http, server, *case) for case in CASES + CHOICES_CASES]
 
     return asyncio.run(run_all())
-
-
-def worker_pids(server, role: str) -> list[int]:
-    """The live workers of `role` that `server` started."""
-    return [
-        child
-        for child in children(server.process.pid)
-        if alive(child) and any(f'"role":"{role}"' in part for part in command_line(child))
-    ]
 
 
 async def streamed(
@@ -118,11 +91,11 @@ async def streamed(
     return texts, tokens
 
 
-def test_round_robin_spreads_disaggregated_requests_over_all_four_workers(cluster_with):
-    server = cluster_with(2, 2)
+def test_round_robin_spreads_disaggregated_requests_over_every_worker(mixed_pool):
+    server = mixed_pool()
     body = {"model": SERVED_MODEL, "prompt": CASES[-1][0], "max_tokens": 2, "temperature": 0}
     pairs = set()
-    for _ in range(4):
+    for _ in range(2 * len(FORCED_TRANSPORTS)):
         reply = httpx.post(
             f"{server.base_url}/completions",
             json=body,
@@ -133,8 +106,8 @@ def test_round_robin_spreads_disaggregated_requests_over_all_four_workers(cluste
         pairs.add((reply.headers["x-pdserve-prefill-worker"], reply.headers["x-pdserve-worker"]))
     prefill = {p for p, _ in pairs}
     decode = {d for _, d in pairs}
-    print(f"4 disaggregated requests went to {sorted(pairs)}")
-    assert len(prefill) == 2 and len(decode) == 2
+    print(f"{2 * len(FORCED_TRANSPORTS)} disaggregated requests went to {sorted(pairs)}")
+    assert len(prefill) == len(FORCED_TRANSPORTS) and len(decode) == 2
 
 
 def kill_under_fire(server, victim: int, cases, when) -> tuple[list, float]:
@@ -168,8 +141,8 @@ def kill_under_fire(server, victim: int, cases, when) -> tuple[list, float]:
     return results, seconds
 
 
-def test_a_decode_worker_killed_mid_stream_fails_no_request(cluster_with, undisturbed):
-    server = cluster_with(1, 2)
+def test_a_decode_worker_killed_mid_stream_fails_no_request(mixed_pool, undisturbed):
+    server = mixed_pool(1, 2)
     victim = worker_pids(server, "decode")[0]
     assert len(group_members(victim)) >= 3  # the worker, its engine core, its reaper
     port = worker_port(victim)
@@ -200,9 +173,9 @@ def test_a_decode_worker_killed_mid_stream_fails_no_request(cluster_with, undist
     assert migrations >= 1, "the killed worker was decoding nothing: the test proved nothing"
 
 
-def test_a_prefill_worker_killed_under_load_fails_no_request(cluster_with, undisturbed):
+def test_a_prefill_worker_killed_under_load_fails_no_request(mixed_pool, undisturbed):
     """With one decode worker or two (whether the decode test ran before)."""
-    server = cluster_with(2, 1)
+    server = mixed_pool(2, 1)
     victim = worker_pids(server, "prefill")[0]
     port = worker_port(victim)
 
@@ -235,3 +208,8 @@ def test_a_prefill_worker_killed_under_load_fails_no_request(cluster_with, undis
     )
     assert retried + recomputed >= 1, "the killed worker had no prompt: the test proved nothing"
     assert local == 0  # the other prefill worker was there to take them
+
+
+def test_every_prefill_worker_killed_mid_transfer_is_recomputed(mixed_pool):
+    """Every prefill worker alive (one or more, whether the tests before killed some)."""
+    kill_prefill_workers_mid_transfer(mixed_pool(1, 1))

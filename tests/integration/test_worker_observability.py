@@ -17,7 +17,7 @@ from pdserve.settings.cluster_secret import secret_metadata
 from pdserve.worker.grpc_health import LIVENESS, READINESS
 from pdserve.worker.processes import free_port, spawn, stop_group, wait_until
 from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
-from tests.integration.conftest import SERVED_MODEL
+from tests.integration.conftest import KV_CACHE_GIB, SERVED_MODEL
 from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy/grafana/pdserve-dashboard.json"
@@ -84,7 +84,7 @@ def test_a_loading_worker_is_alive_but_not_serving(smollm2_dir, tmp_path):
     log_path = tmp_path / "worker.log"
     process = spawn(
         [sys.executable, "-m", "pdserve.cluster.cli", "worker", "--port", str(port),
-         "--metrics-port", str(metrics_port), "--kv-cache-gib", "1"],
+         "--metrics-port", str(metrics_port), "--kv-cache-gib", KV_CACHE_GIB],
         log_path,
     )  # fmt: skip
     address = f"127.0.0.1:{port}"
