@@ -1,7 +1,9 @@
 """The compatibility handshake: raw KV blocks only mean the same thing to two engines whose
 model, KV-cache dtype (not the model's: an fp8 cache and a bf16 cache hold different bytes for
 the same model), bytes per head-token, scale mode of a quantized cache, block size, layers, KV
-heads, head size, wire layout and vLLM version all match. A mismatch refuses the pair twice:
+heads, head size, wire layout and vLLM version all match, and whose integrity checks agree (a
+receiver that checks nothing would load a checking sender's KV unverified; one that checks
+would refuse every slice of a sender that digests none). A mismatch refuses the pair twice:
 the router pairs only equal fingerprints (published in each worker's Health), and a receiver
 refuses the hello (the transfer fails at once and the decode worker's policy applies).
 Tensor parallelism need not match: each side re-shards the heads (kv_transfer/head_shards.py),
@@ -31,6 +33,7 @@ class Compatibility:
     vllm_version: str
     bytes_per_head_token: int  # K and V (or one MLA latent) of one head for one token
     kv_scale_mode: str  # "none" for an unquantized cache (see kv_scale_mode below)
+    integrity: bool = True  # slices carry digests and epochs (kv_transfer/integrity.py)
 
     @classmethod
     def from_message(cls, message) -> "Compatibility":
@@ -49,7 +52,7 @@ class Compatibility:
             f"{self.model} KV {self.dtype} ({self.kv_scale_mode} scales, "
             f"{self.bytes_per_head_token} B per head-token), {self.total_kv_heads} KV heads x "
             f"{self.head_size}, block {self.block_size}, {self.num_layers} layers, vLLM "
-            f"{self.vllm_version} #{digest}"
+            f"{self.vllm_version}, integrity {'on' if self.integrity else 'off'} #{digest}"
         )
 
 
@@ -83,7 +86,8 @@ def kv_scale_mode(cache_dtype: str, kv_cache_scheme: dict | None, skip_layers: l
 def compatibility_of(vllm_config) -> Compatibility:
     """This engine's side of the handshake, read where vLLM 0.32 keeps it: the KV cache's dtype
     in `cache_config.cache_dtype` (already resolved from the checkpoint's KV scheme by
-    EngineArgs), its element size from vLLM's own map (fp8 caches are uint8 storage)."""
+    EngineArgs), its element size from vLLM's own map (fp8 caches are uint8 storage); the
+    integrity setting from the connector's configuration (pdserve/worker/engine.py)."""
     import vllm
     from vllm.utils.torch_utils import get_kv_cache_torch_dtype
 
@@ -109,7 +113,14 @@ def compatibility_of(vllm_config) -> Compatibility:
             getattr(vllm_config.quant_config, "kv_cache_scheme", None),
             cache.kv_cache_dtype_skip_layers,
         ),
+        integrity=integrity_of(vllm_config),
     )
+
+
+def integrity_of(vllm_config) -> bool:
+    """Whether this engine's connector digests (a sender) or checks (a receiver) its KV."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    return bool(transfer.get_from_extra_config("integrity", True)) if transfer else True
 
 
 def mismatches(producer: Compatibility, consumer: Compatibility) -> list[str]:

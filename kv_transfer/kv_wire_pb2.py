@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rkv_wire.proto\x12\rpdserve.kv.v1\"\xfc\x01\n\rCompatibility\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x16\n\x0etotal_kv_heads\x18\x05 \x01(\r\x12\x11\n\thead_size\x18\x06 \x01(\r\x12\x11\n\tkv_layout\x18\x07 \x01(\t\x12\x14\n\x0cvllm_version\x18\x08 \x01(\t\x12\x16\n\x0e\x63luster_secret\x18\n \x01(\t\x12\x1c\n\x14\x62ytes_per_head_token\x18\x0b \x01(\r\x12\x15\n\rkv_scale_mode\x18\x0c \x01(\tJ\x04\x08\t\x10\n\"\x8b\x02\n\x07KvChunk\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x13\n\x0bslice_bytes\x18\x06 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12\x0c\n\x04last\x18\x08 \x01(\x08\x12\x12\n\nfirst_head\x18\t \x01(\r\x12\x11\n\tnum_heads\x18\n \x01(\r\x12\x0f\n\x07segment\x18\x0b \x01(\r\x12\x0e\n\x06length\x18\x0c \x01(\x04\x12\r\n\x05\x65poch\x18\r \x01(\x04\x12\x0b\n\x03seq\x18\x0e \x01(\r\x12\x0e\n\x06\x64igest\x18\x0f \x01(\x04\"J\n\x08NcclOpen\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"[\n\x08ShmReply\x12/\n\thandshake\x18\x01 \x01(\x0b\x32\x1a.pdserve.kv.v1.PushKvReplyH\x00\x12\x16\n\x0c\x66ree_segment\x18\x02 \x01(\rH\x00\x42\x06\n\x04\x62ody\"\xa8\x01\n\tKvMessage\x12-\n\x05hello\x18\x01 \x01(\x0b\x32\x1c.pdserve.kv.v1.CompatibilityH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.pdserve.kv.v1.KvChunkH\x00\x12,\n\tnccl_open\x18\x03 \x01(\x0b\x32\x17.pdserve.kv.v1.NcclOpenH\x00\x12\r\n\x03\x62ye\x18\x04 \x01(\x08H\x00\x42\x06\n\x04\x62ody\".\n\x0bPushKvReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"T\n\x15\x43\x61ncelTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x16\n\x0e\x63luster_secret\x18\x03 \x01(\t\"$\n\x13\x43\x61ncelTransferReply\x12\r\n\x05known\x18\x01 \x01(\x08\x32\xf1\x01\n\nKvReceiver\x12@\n\x06PushKv\x12\x18.pdserve.kv.v1.KvMessage\x1a\x1a.pdserve.kv.v1.PushKvReply(\x01\x12Z\n\x0e\x43\x61ncelTransfer\x12$.pdserve.kv.v1.CancelTransferRequest\x1a\".pdserve.kv.v1.CancelTransferReply\x12\x45\n\tHandshake\x12\x1c.pdserve.kv.v1.Compatibility\x1a\x1a.pdserve.kv.v1.PushKvReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rkv_wire.proto\x12\rpdserve.kv.v1\"\x8f\x02\n\rCompatibility\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x16\n\x0etotal_kv_heads\x18\x05 \x01(\r\x12\x11\n\thead_size\x18\x06 \x01(\r\x12\x11\n\tkv_layout\x18\x07 \x01(\t\x12\x14\n\x0cvllm_version\x18\x08 \x01(\t\x12\x16\n\x0e\x63luster_secret\x18\n \x01(\t\x12\x1c\n\x14\x62ytes_per_head_token\x18\x0b \x01(\r\x12\x15\n\rkv_scale_mode\x18\x0c \x01(\t\x12\x11\n\tintegrity\x18\r \x01(\x08J\x04\x08\t\x10\n\"\x8b\x02\n\x07KvChunk\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x13\n\x0bslice_bytes\x18\x06 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12\x0c\n\x04last\x18\x08 \x01(\x08\x12\x12\n\nfirst_head\x18\t \x01(\r\x12\x11\n\tnum_heads\x18\n \x01(\r\x12\x0f\n\x07segment\x18\x0b \x01(\r\x12\x0e\n\x06length\x18\x0c \x01(\x04\x12\r\n\x05\x65poch\x18\r \x01(\x04\x12\x0b\n\x03seq\x18\x0e \x01(\r\x12\x0e\n\x06\x64igest\x18\x0f \x01(\x04\"J\n\x08NcclOpen\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"[\n\x08ShmReply\x12/\n\thandshake\x18\x01 \x01(\x0b\x32\x1a.pdserve.kv.v1.PushKvReplyH\x00\x12\x16\n\x0c\x66ree_segment\x18\x02 \x01(\rH\x00\x42\x06\n\x04\x62ody\"\xa8\x01\n\tKvMessage\x12-\n\x05hello\x18\x01 \x01(\x0b\x32\x1c.pdserve.kv.v1.CompatibilityH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.pdserve.kv.v1.KvChunkH\x00\x12,\n\tnccl_open\x18\x03 \x01(\x0b\x32\x17.pdserve.kv.v1.NcclOpenH\x00\x12\r\n\x03\x62ye\x18\x04 \x01(\x08H\x00\x42\x06\n\x04\x62ody\".\n\x0bPushKvReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"T\n\x15\x43\x61ncelTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x16\n\x0e\x63luster_secret\x18\x03 \x01(\t\"$\n\x13\x43\x61ncelTransferReply\x12\r\n\x05known\x18\x01 \x01(\x08\x32\xf1\x01\n\nKvReceiver\x12@\n\x06PushKv\x12\x18.pdserve.kv.v1.KvMessage\x1a\x1a.pdserve.kv.v1.PushKvReply(\x01\x12Z\n\x0e\x43\x61ncelTransfer\x12$.pdserve.kv.v1.CancelTransferRequest\x1a\".pdserve.kv.v1.CancelTransferReply\x12\x45\n\tHandshake\x12\x1c.pdserve.kv.v1.Compatibility\x1a\x1a.pdserve.kv.v1.PushKvReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,21 +32,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kv_wire_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_COMPATIBILITY']._serialized_start=33
-  _globals['_COMPATIBILITY']._serialized_end=285
-  _globals['_KVCHUNK']._serialized_start=288
-  _globals['_KVCHUNK']._serialized_end=555
-  _globals['_NCCLOPEN']._serialized_start=557
-  _globals['_NCCLOPEN']._serialized_end=631
-  _globals['_SHMREPLY']._serialized_start=633
-  _globals['_SHMREPLY']._serialized_end=724
-  _globals['_KVMESSAGE']._serialized_start=727
-  _globals['_KVMESSAGE']._serialized_end=895
-  _globals['_PUSHKVREPLY']._serialized_start=897
-  _globals['_PUSHKVREPLY']._serialized_end=943
-  _globals['_CANCELTRANSFERREQUEST']._serialized_start=945
-  _globals['_CANCELTRANSFERREQUEST']._serialized_end=1029
-  _globals['_CANCELTRANSFERREPLY']._serialized_start=1031
-  _globals['_CANCELTRANSFERREPLY']._serialized_end=1067
-  _globals['_KVRECEIVER']._serialized_start=1070
-  _globals['_KVRECEIVER']._serialized_end=1311
+  _globals['_COMPATIBILITY']._serialized_end=304
+  _globals['_KVCHUNK']._serialized_start=307
+  _globals['_KVCHUNK']._serialized_end=574
+  _globals['_NCCLOPEN']._serialized_start=576
+  _globals['_NCCLOPEN']._serialized_end=650
+  _globals['_SHMREPLY']._serialized_start=652
+  _globals['_SHMREPLY']._serialized_end=743
+  _globals['_KVMESSAGE']._serialized_start=746
+  _globals['_KVMESSAGE']._serialized_end=914
+  _globals['_PUSHKVREPLY']._serialized_start=916
+  _globals['_PUSHKVREPLY']._serialized_end=962
+  _globals['_CANCELTRANSFERREQUEST']._serialized_start=964
+  _globals['_CANCELTRANSFERREQUEST']._serialized_end=1048
+  _globals['_CANCELTRANSFERREPLY']._serialized_start=1050
+  _globals['_CANCELTRANSFERREPLY']._serialized_end=1086
+  _globals['_KVRECEIVER']._serialized_start=1089
+  _globals['_KVRECEIVER']._serialized_end=1330
 # @@protoc_insertion_point(module_scope)

@@ -6,7 +6,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Compatibility(_message.Message):
-    __slots__ = ("model", "dtype", "block_size", "num_layers", "total_kv_heads", "head_size", "kv_layout", "vllm_version", "cluster_secret", "bytes_per_head_token", "kv_scale_mode")
+    __slots__ = ("model", "dtype", "block_size", "num_layers", "total_kv_heads", "head_size", "kv_layout", "vllm_version", "cluster_secret", "bytes_per_head_token", "kv_scale_mode", "integrity")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class Compatibility(_message.Message):
     CLUSTER_SECRET_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_HEAD_TOKEN_FIELD_NUMBER: _ClassVar[int]
     KV_SCALE_MODE_FIELD_NUMBER: _ClassVar[int]
+    INTEGRITY_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     block_size: int
@@ -29,7 +30,8 @@ class Compatibility(_message.Message):
     cluster_secret: str
     bytes_per_head_token: int
     kv_scale_mode: str
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., total_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., kv_layout: _Optional[str] = ..., vllm_version: _Optional[str] = ..., cluster_secret: _Optional[str] = ..., bytes_per_head_token: _Optional[int] = ..., kv_scale_mode: _Optional[str] = ...) -> None: ...
+    integrity: bool
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., total_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., kv_layout: _Optional[str] = ..., vllm_version: _Optional[str] = ..., cluster_secret: _Optional[str] = ..., bytes_per_head_token: _Optional[int] = ..., kv_scale_mode: _Optional[str] = ..., integrity: _Optional[bool] = ...) -> None: ...
 
 class KvChunk(_message.Message):
     __slots__ = ("transfer_id", "layer", "first_block", "num_blocks", "offset", "slice_bytes", "data", "last", "first_head", "num_heads", "segment", "length", "epoch", "seq", "digest")

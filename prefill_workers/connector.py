@@ -33,7 +33,7 @@ class PrefillConnector(PdserveConnectorBase):
             extra = vllm_config.kv_transfer_config
             self.send_buffer_bytes = int(extra.kv_connector_extra_config["send_buffer_bytes"])
             self.advertised_host = extra.get_from_extra_config("advertised_host", "127.0.0.1")
-            self.integrity = bool(extra.get_from_extra_config("integrity", True))
+            self.integrity = self.compatibility.integrity
 
     def register_kv_caches(self, kv_caches):
         super().register_kv_caches(kv_caches)

@@ -43,10 +43,13 @@ class FakeModelConfig:
         return 8
 
 
-def engine(cache_dtype: str = "auto", block_size: int = 16, **model) -> Compatibility:
-    """compatibility_of an engine with vLLM's real CacheConfig and a fake model config (vLLM
-    imported here, not at collection: it takes ~10 s, which every test process paid)."""
-    from vllm.config import CacheConfig
+def engine(
+    cache_dtype: str = "auto", block_size: int = 16, integrity: bool = True, **model
+) -> Compatibility:
+    """compatibility_of an engine with vLLM's real CacheConfig and KVTransferConfig and a fake
+    model config (vLLM imported here, not at collection: it takes ~10 s, which every test
+    process paid)."""
+    from vllm.config import CacheConfig, KVTransferConfig
 
     return compatibility_of(
         SimpleNamespace(
@@ -54,6 +57,11 @@ def engine(cache_dtype: str = "auto", block_size: int = 16, **model) -> Compatib
             parallel_config=SimpleNamespace(tensor_parallel_size=1),
             cache_config=CacheConfig(block_size=block_size, cache_dtype=cache_dtype),
             quant_config=None,
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="DecodeConnector",
+                kv_role="kv_consumer",
+                kv_connector_extra_config={"integrity": integrity},
+            ),
         )
     )
 
@@ -102,6 +110,7 @@ def test_the_kv_cache_dtype_is_compared_not_the_models():
         {"block_size": 32},
         {"use_mla": True},
         {"dtype": torch.float16},
+        {"integrity": False},
     ],
 )
 def test_the_fingerprint_changes_with_what_the_kv_bytes_mean(other):
@@ -155,3 +164,14 @@ def test_the_hello_of_an_fp8_kv_producer_is_refused_by_a_bf16_kv_consumer(monkey
     assert "bytes_per_head_token: producer 256 != consumer 512" in refusal
     assert "kv_scale_mode: producer 'fp8_per_tensor' != consumer 'none'" in refusal
     assert check_hello(hello(engine("fp8")), engine("fp8_e4m3"), "s3cret") == ""
+
+
+def test_a_sender_without_integrity_is_refused_by_a_receiver_that_checks(monkeypatch):
+    """Else the receiver would refuse each of its slices (no digest), or, the other way round,
+    load a checking sender's KV unchecked."""
+    monkeypatch.setenv(SECRET_ENV, "s3cret")
+    assert "integrity off" in engine(integrity=False).fingerprint()
+    refusal = check_hello(hello(engine(integrity=False)), engine(), "s3cret")
+    assert "integrity: producer False != consumer True" in refusal
+    refusal = check_hello(hello(engine()), engine(integrity=False), "s3cret")
+    assert "integrity: producer True != consumer False" in refusal
