@@ -20,7 +20,11 @@ async def lifespan(app: FastAPI):
     settings, pool, roles = state.settings, state.pool, state.roles
     tasks = [
         asyncio.create_task(_watch_down_workers(pool)),
-        asyncio.create_task(follow_load(pool)),
+        asyncio.create_task(
+            follow_load(
+                pool, unresponsive_s=settings.worker_unresponsive_timeout_s, metrics=state.metrics
+            )
+        ),
     ]
     registry = None
     if settings.registry:

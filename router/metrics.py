@@ -183,6 +183,18 @@ class RouterMetrics:
             ["next"],
             registry=self.registry,
         )
+        self.unresponsive = Counter(
+            "pdserve_worker_unresponsive",
+            "Times a worker was taken out of the pools for answering nothing (its Stats and "
+            "Health) for --worker-unresponsive-timeout, by its role",
+            ["role"],
+            registry=self.registry,
+        )
+        self.unresponsive_now = Gauge(
+            "pdserve_unresponsive_workers",
+            "Workers out of the pools now for answering nothing (back once they answer again)",
+            registry=self.registry,
+        )
         self.kv_fallbacks = Counter(
             "pdserve_kv_fallbacks",
             "Disaggregated requests whose decode worker prefilled the prompt itself after all",

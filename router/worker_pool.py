@@ -8,19 +8,24 @@ finish, and its channel closes once none is left.
 
 Each worker says its role in Health. Decode and colocated workers take whole requests (and
 the decode leg of disaggregated ones); prefill workers take prefill legs. A worker that answered
-UNAVAILABLE is skipped until its Health says READY again; with no worker left for a leg the
-router answers 503 instead of waiting.
+UNAVAILABLE is skipped until its Health says READY again; one that stops answering at all (hung:
+its calls neither answered nor refused) leaves the pools after `--worker-unresponsive-timeout`
+and returns once it answers again (router/worker_liveness.py). With no worker left for a leg
+the router answers 503 instead of waiting.
 """
 
 import asyncio
 import logging
+import time
 
 import grpc
 
 from pdserve.kinds import Role
+from pdserve.settings.router import UNRESPONSIVE_TIMEOUT_S
 from pdserve.worker.protocol import worker_pb2
 from router.errors import worker_unavailable
 from router.worker_client import WorkerClient
+from router.worker_liveness import Liveness
 from router.worker_load import LOAD_POLL_S
 
 log = logging.getLogger("pdserve.router")
@@ -30,7 +35,9 @@ TAKES_REQUESTS = (Role.DECODE, Role.COLOCATED)  # whole requests, and disaggrega
 class WorkerPool:
     def __init__(self, addresses: list[str], policy) -> None:
         self.workers = [WorkerClient(address) for address in addresses]
-        self.down: set[str] = set()
+        self.down: set[str] = set()  # answered UNAVAILABLE: back when Health says READY
+        now = time.monotonic()
+        self.liveness = {address: Liveness(now) for address in addresses}  # by address
         self.policy = policy
         self.leaving: list[WorkerClient] = []  # out of membership, requests still in flight
         self._max_model_len = 0
@@ -53,12 +60,58 @@ class WorkerPool:
 
     async def _is_ready(self, worker: WorkerClient) -> bool:
         try:
-            return (await worker.health(timeout=2.0)).state == worker_pb2.HealthReply.READY
+            state = (await worker.health(timeout=2.0)).state
         except grpc.aio.AioRpcError:  # not listening yet, or gone
+            self.heard(worker, answered=False)
             return False
+        self.heard(worker, answered=True)
+        return state == worker_pb2.HealthReply.READY
+
+    def heard(self, worker: WorkerClient, answered: bool) -> None:
+        """A member's call was answered, or failed (refused, timed out): for its liveness."""
+        if worker not in self.workers:  # a joining worker: its liveness starts when it joins
+            return
+        if answered:
+            self._liveness(worker).answered(time.monotonic())
+        else:
+            self._liveness(worker).missed()
+
+    def _liveness(self, worker: WorkerClient) -> Liveness:
+        return self.liveness.setdefault(worker.address, Liveness(time.monotonic()))
+
+    def serving(self, worker: WorkerClient) -> bool:
+        """Neither marked down nor taken out for not answering."""
+        return worker.address not in self.down and self._liveness(worker).serving
 
     def live(self, roles: tuple[Role, ...]) -> list[WorkerClient]:
-        return [w for w in self.workers if w.role in roles and w.address not in self.down]
+        return [w for w in self.workers if w.role in roles and self.serving(w)]
+
+    def unresponsive(self) -> list[WorkerClient]:
+        """Members out of the pools for not answering."""
+        return [w for w in self.workers if not self._liveness(w).serving]
+
+    def judge(self, now: float, deadline_s: float) -> tuple[list, list]:
+        """(taken out, back): members silent past `deadline_s` leave the pools, members taken
+        out that answered long enough return. A worker marked down is Health's to bring back."""
+        out, back = [], []
+        for worker in self.workers:
+            liveness = self._liveness(worker)
+            if worker.address not in self.down and liveness.goes_out(now, deadline_s):
+                log.warning(
+                    "worker %s (%s) answered nothing for %.1f s: out of the pools until it "
+                    "answers for %.0f s",
+                    worker.worker_id,
+                    worker.role,
+                    now - liveness.last_answer,
+                    liveness.back_after(now),
+                )
+                out.append(worker)
+            elif liveness.comes_back(now):
+                log.info(
+                    "worker %s (%s) answers again: back in the pools", worker.worker_id, worker.role
+                )
+                back.append(worker)
+        return out, back
 
     def capacity(self) -> int:
         """Requests the live decode and colocated workers run at once: their engines'
@@ -68,7 +121,7 @@ class WorkerPool:
     def health(self) -> tuple[bool, dict]:
         """Whether the cluster can serve a request (a decode or colocated worker is up; prefill
         workers are optional), and what is up, by pool."""
-        live = [w for w in self.workers if w.address not in self.down]
+        live = [w for w in self.workers if self.serving(w)]
         pools = {
             role: sum(w.role == role for w in live)
             for role in (Role.PREFILL, Role.DECODE, Role.COLOCATED)
@@ -79,6 +132,7 @@ class WorkerPool:
             "workers": [w.worker_id for w in live],
             "pools": pools,
             "down": sorted(w.worker_id for w in self.workers if w.address in self.down),
+            "unresponsive": sorted(w.worker_id for w in self.unresponsive()),
         }
 
     def pick(
@@ -135,12 +189,14 @@ class WorkerPool:
                 if await self._is_ready(joining):
                     log.info("worker %s (%s) joined", joining.worker_id, joining.role)
                     self.workers.append(joining)
+                    self.liveness[address] = Liveness(time.monotonic())
                 else:
                     await joining.close()
         for worker in [w for w in self.workers if w.address not in addresses]:
             log.info("worker %s left", worker.worker_id)
             self.workers.remove(worker)
             self.down.discard(worker.address)
+            self.liveness.pop(worker.address, None)
             self.leaving.append(worker)
         for worker in [w for w in self.leaving if w.users == 0]:
             self.leaving.remove(worker)
@@ -158,25 +214,49 @@ class WorkerPool:
             await worker.close()
 
 
-async def follow_load(pool: WorkerPool, interval_s: float = LOAD_POLL_S) -> None:
-    """Forever (cancel to stop): every live worker's Stats into its `load`. A worker that no
-    longer answers at all (UNAVAILABLE: its process is gone) is marked down at once, before a
-    request finds out; a slow answer (a busy host) is not held against it."""
-    while True:
-        workers = [w for w in pool.workers if w.address not in pool.down]
-        replies = await asyncio.gather(
-            *(w.stats(timeout=interval_s * 4) for w in workers), return_exceptions=True
-        )
-        for worker, reply in zip(workers, replies, strict=True):
-            if isinstance(reply, worker_pb2.StatsReply):
-                worker.load.reported(reply)
-            elif (
-                isinstance(reply, grpc.aio.AioRpcError)
-                and reply.code() == grpc.StatusCode.UNAVAILABLE
-                and worker in pool.workers
-            ):
-                pool.mark_down(worker)
-        await asyncio.sleep(interval_s)
+async def follow_load(
+    pool: WorkerPool,
+    interval_s: float = LOAD_POLL_S,
+    unresponsive_s: float = UNRESPONSIVE_TIMEOUT_S,
+    metrics=None,
+) -> None:
+    """Forever (cancel to stop): every worker's Stats into its `load`, one call in flight per
+    worker, so a hung one delays no other's. A worker that no longer answers at all
+    (UNAVAILABLE: its process is gone) is marked down at once, before a request finds out; one
+    whose calls go unanswered is taken out once it has been silent `unresponsive_s` (a slow
+    answer from a busy host is only late, not held against it), and counted in `metrics`
+    (RouterMetrics)."""
+    polls: dict[WorkerClient, asyncio.Task] = {}
+    try:
+        while True:
+            for worker in pool.workers:
+                if worker.address not in pool.down and worker not in polls:
+                    polls[worker] = asyncio.create_task(worker.stats(timeout=unresponsive_s))
+            await asyncio.sleep(interval_s)
+            for worker, poll in list(polls.items()):
+                if worker not in pool.workers:  # it left the pools
+                    poll.cancel()
+                    del polls[worker]
+                elif poll.done():
+                    del polls[worker]
+                    _take_stats(pool, worker, poll)
+            out, back = pool.judge(time.monotonic(), unresponsive_s)
+            if metrics is not None:
+                for worker in out:
+                    metrics.unresponsive.labels(worker.role).inc()
+                metrics.unresponsive_now.set(len(pool.unresponsive()))
+    finally:
+        for poll in polls.values():
+            poll.cancel()
+
+
+def _take_stats(pool: WorkerPool, worker: WorkerClient, poll: asyncio.Task) -> None:
+    error = poll.exception()
+    pool.heard(worker, answered=error is None)
+    if error is None:
+        worker.load.reported(poll.result())
+    elif isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE:
+        pool.mark_down(worker)
 
 
 async def follow_registry(pool: WorkerPool, registry, interval_s: float, joined=None) -> None:

@@ -16,6 +16,7 @@ ROUTE_POLICIES = (ESTIMATE, LENGTH)
 # When the decode worker of a disaggregated request hears of it (router/disaggregation.py).
 WITH_PREFILL, AFTER_PREFILL = "with-prefill", "after-prefill"
 ADMISSIONS = (WITH_PREFILL, AFTER_PREFILL)
+UNRESPONSIVE_TIMEOUT_S = 10.0  # a worker answering nothing this long leaves the pools
 
 Host = Annotated[str, Field(default="127.0.0.1", description="router bind address")]
 Port = Annotated[int, Field(default=8000, ge=0, description="router port")]
@@ -154,6 +155,14 @@ class RouterSettings(Settings):
         gt=0,
         description="seconds to wait for workers to load the model",
         json_schema_extra={"flag": "--worker-ready-timeout"},
+    )
+    worker_unresponsive_timeout_s: float = Field(
+        UNRESPONSIVE_TIMEOUT_S,
+        gt=0,
+        description="seconds a worker may answer nothing (its Stats, polled every 0.5 s, and "
+        "Health) before it leaves the pools; it returns once it answers again for 2 s "
+        "(longer each time it was taken out in the last 5 minutes)",
+        json_schema_extra={"flag": "--worker-unresponsive-timeout", "metavar": "SECONDS"},
     )
     flex_auto: bool = Field(
         False,

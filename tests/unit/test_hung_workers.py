@@ -1,0 +1,155 @@
+"""Hung and flapping workers, router side: a worker whose calls go unanswered (its process
+alive, its port open: SIGSTOP, a blocked event loop) leaves the pools after the deadline and
+returns once it answers again, later each time it flaps (router/worker_liveness.py,
+router/worker_pool.py).
+
+The pool's rule is tested with times passed in; the whole loop with the router's real
+WorkerClient against fake gRPC workers on 127.0.0.1 whose handlers can be made to hang."""
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
+from router.metrics import RouterMetrics
+from router.policies import RoundRobin
+from router.worker_liveness import BACK_AFTER_S, FLAP_WINDOW_S, MAX_BACK_AFTER_S, Liveness
+from router.worker_pool import WorkerPool, follow_load
+
+DEADLINE_S = 10.0
+
+
+def test_a_worker_silent_past_the_deadline_goes_out_once():
+    liveness = Liveness(last_answer=0.0)
+    assert not liveness.goes_out(DEADLINE_S, DEADLINE_S)  # exactly at the deadline: still in
+    assert liveness.goes_out(DEADLINE_S + 0.1, DEADLINE_S)
+    assert not liveness.serving
+    assert not liveness.goes_out(DEADLINE_S + 5, DEADLINE_S)  # counted once per out
+
+
+def test_a_worker_taken_out_returns_only_after_answering_unbroken():
+    liveness = Liveness(last_answer=0.0)
+    liveness.goes_out(11.0, DEADLINE_S)
+    liveness.answered(12.0)
+    assert not liveness.comes_back(12.0 + BACK_AFTER_S / 2)  # not long enough yet
+    liveness.missed()  # a call timed out: the run starts over
+    liveness.answered(13.0)
+    assert not liveness.comes_back(13.0 + BACK_AFTER_S - 0.1)
+    liveness.answered(13.0 + BACK_AFTER_S)
+    assert liveness.comes_back(13.0 + BACK_AFTER_S)
+    assert liveness.serving
+
+
+def test_a_stale_answer_does_not_bring_it_back():
+    liveness = Liveness(last_answer=0.0)
+    liveness.goes_out(11.0, DEADLINE_S)
+    liveness.answered(12.0)  # one answer, then its next call hangs (no miss yet)
+    assert not liveness.comes_back(30.0)
+
+
+def test_each_flap_doubles_the_time_out_up_to_a_cap():
+    liveness, now, waits = Liveness(last_answer=0.0), 0.0, []
+    for _ in range(8):
+        now += DEADLINE_S + 1
+        assert liveness.goes_out(now, DEADLINE_S)
+        waits.append(liveness.back_after(now))
+        liveness.answered(now)
+        now += waits[-1]
+        liveness.answered(now)
+        assert liveness.comes_back(now)
+    assert waits[:4] == [BACK_AFTER_S, 2 * BACK_AFTER_S, 4 * BACK_AFTER_S, 8 * BACK_AFTER_S]
+    assert waits[-1] == MAX_BACK_AFTER_S
+    now += FLAP_WINDOW_S + DEADLINE_S + 1  # quiet for a window: the old outs no longer count
+    assert liveness.goes_out(now, DEADLINE_S) and liveness.back_after(now) == BACK_AFTER_S
+
+
+class FakeHangingWorker(worker_pb2_grpc.WorkerServicer):
+    """A fake worker (Health and Stats only) whose handlers, while `hung` is set, wait until it
+    is cleared, as a SIGSTOPped process would leave its callers waiting."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.running = asyncio.Event()
+        self.running.set()
+        self.stats_served = 0
+
+    def hang(self) -> None:
+        self.running.clear()
+
+    def resume(self) -> None:
+        self.running.set()
+
+    async def Health(self, request, context):
+        await self.running.wait()
+        return worker_pb2.HealthReply(
+            state=worker_pb2.HealthReply.READY,
+            worker_id=self.worker_id,
+            role="decode",
+            max_model_len=4096,
+            max_num_seqs=4,
+        )
+
+    async def Stats(self, request, context):
+        await self.running.wait()
+        self.stats_served += 1
+        return worker_pb2.StatsReply(worker_id=self.worker_id, running_requests=1)
+
+
+async def serve(worker: FakeHangingWorker) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(worker, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+async def until(condition, timeout_s: float) -> float:
+    """Seconds until `condition()` held; fails the test past `timeout_s`."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > timeout_s:
+            pytest.fail(f"not within {timeout_s} s")
+        await asyncio.sleep(0.02)
+    return time.monotonic() - started
+
+
+def test_a_hung_worker_leaves_the_pools_and_returns_when_it_answers_again():
+    deadline_s, interval_s = 0.6, 0.05
+
+    async def scenario():
+        hung, healthy = FakeHangingWorker("decode-hung"), FakeHangingWorker("decode-ok")
+        servers = [await serve(hung), await serve(healthy)]
+        pool = WorkerPool([address for _, address in servers], RoundRobin())
+        metrics = RouterMetrics()
+        following = asyncio.create_task(follow_load(pool, interval_s, deadline_s, metrics))
+        try:
+            await pool.wait_ready(5.0)
+            assert len(pool.live(("decode",))) == 2
+            hung.hang()
+            took = await until(lambda: len(pool.live(("decode",))) == 1, deadline_s + 3)
+            assert took >= deadline_s - 2 * interval_s  # not before its deadline
+            (left,) = pool.live(("decode",))
+            assert left.worker_id == "decode-ok"
+            sample = metrics.registry.get_sample_value
+            assert sample("pdserve_worker_unresponsive_total", {"role": "decode"}) == 1
+            assert sample("pdserve_unresponsive_workers") == 1
+            assert pool.health()[1]["unresponsive"] == ["decode-hung"]
+            served = healthy.stats_served  # the hung one's pending call delays no other poll
+            await asyncio.sleep(10 * interval_s)
+            assert healthy.stats_served >= served + 5
+            hung.resume()
+            back = await until(lambda: len(pool.live(("decode",))) == 2, BACK_AFTER_S + 3)
+            assert back >= BACK_AFTER_S - 0.1  # hysteresis: it had to keep answering first
+            assert sample("pdserve_unresponsive_workers") == 0
+            assert sample("pdserve_worker_unresponsive_total", {"role": "decode"}) == 1
+        finally:
+            following.cancel()
+            await asyncio.gather(following, return_exceptions=True)
+            hung.resume()
+            await pool.close()
+            for server, _ in servers:
+                await server.stop(None)
+
+    asyncio.run(scenario())
