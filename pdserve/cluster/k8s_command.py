@@ -5,7 +5,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from pdserve.kinds import Role
 from pdserve.settings.base import ConfigError
 from pdserve.settings.cluster_file import load_cluster_file
 
@@ -21,7 +20,9 @@ def add_parser(subparsers) -> None:
         "render",
         help="write a cluster file's kustomize overlay",
         description="Write the kustomize overlay (kustomization.yaml, pdserve.yaml) of a "
-        "cluster file on top of deploy/k8s/base.",
+        "cluster file on top of deploy/k8s/base, with gateway/ (InferencePool, HTTPRoute, "
+        "endpoint picker) and, in deployments mode, autoscaling/ (a KEDA ScaledObject per pool) "
+        "beside it.",
     )
     render.add_argument("-f", "--file", required=True, type=Path, help="the cluster file (YAML)")
     render.add_argument(
@@ -48,13 +49,6 @@ def run(args: argparse.Namespace) -> int:
         config = load_cluster_file(args.file)
     except ConfigError as error:
         print(f"pdserve k8s render: refused: {error}", file=sys.stderr)
-        return 2
-    if Role.FLEX in config.pools():
-        print(
-            "pdserve k8s render: refused: a cluster of flex workers has no Kubernetes overlay "
-            "yet; use prefill: and decode: pools (or `pdserve up` on KubeRay)",
-            file=sys.stderr,
-        )
         return 2
     out = (args.out or OVERLAYS / args.file.stem / args.mode).resolve()
     write(render(config, args.mode, out), out)

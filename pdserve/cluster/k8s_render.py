@@ -11,6 +11,10 @@ Two modes, the same pools:
   through `ray job submit`, so Ray places TP groups exactly as on bare metal; the router runs on
   the head (behind the base's router Service).
 
+Beside the overlay, kustomizations of their own for objects whose CRDs a cluster may lack:
+gateway/ (pdserve/cluster/k8s_gateway.py) and, in deployments mode, autoscaling/
+(pdserve/cluster/k8s_autoscaling.py). A flex cluster file renders one pool, `flex`.
+
 Every number in the output comes from the cluster file or a constant here, so the committed
 overlays are this module's output (a test renders them again and compares).
 """
@@ -23,10 +27,12 @@ from pathlib import Path
 
 import yaml
 
+from pdserve.cluster.k8s_autoscaling import scaled_object
+from pdserve.cluster.k8s_gateway import gateway_objects
+from pdserve.cluster.k8s_objects import NAMESPACE, NO_ESCALATION, NON_ROOT, labels, metadata
 from pdserve.kinds import Role
 from pdserve.settings.cluster_file import ClusterFile, PoolSection
 
-NAMESPACE = "pdserve"
 REDIS_URL = f"redis://redis.{NAMESPACE}.svc:6379/0"  # deploy/k8s/base/redis.yaml
 ROUTER_PORT = 8000
 GRPC_PORT = 50051
@@ -46,7 +52,6 @@ HOST_GIB_PER_GPU = 64
 SHM = {"cpu": "1Gi", "gpu": "16Gi"}  # vLLM's TP message queues and NCCL use /dev/shm
 DRAIN_MARGIN_S = 30  # beyond the longest request, for the drain's grace and the stop itself
 
-PART_OF = {"app.kubernetes.io/part-of": "pdserve"}
 SECRET_ENV = [
     {
         "name": "PDSERVE_CLUSTER_SECRET",
@@ -71,8 +76,6 @@ POD_ENV = [
     {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
 ]
 GPU_TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
-NON_ROOT = {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000}
-NO_ESCALATION = {"allowPrivilegeEscalation": False}
 
 
 def render(config: ClusterFile, mode: str, out: Path) -> dict[str, str]:
@@ -91,15 +94,32 @@ def render(config: ClusterFile, mode: str, out: Path) -> dict[str, str]:
         f"# Rendered by `pdserve k8s render --mode {mode}` from the cluster file {config.name!r}:"
         "\n# edit the cluster file and render again rather than this file.\n"
     )
-    return {
+    files = {
         "kustomization.yaml": header + _yaml(kustomization),
-        "pdserve.yaml": header + "---\n".join(_yaml(item) for item in objects),
+        "pdserve.yaml": header + _yaml_stream(objects),
     }
+    # Objects of CRDs a cluster may lack: kustomizations of their own, applied once the CRDs are.
+    extras = {"gateway": gateway_objects(ROUTER_PORT)}
+    if mode == "deployments":
+        extras["autoscaling"] = [
+            scaled_object(role, pool.replicas) for role, pool in _pools(config).items()
+        ]
+    for folder, extra in extras.items():
+        files[f"{folder}/kustomization.yaml"] = header + _yaml(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "namespace": NAMESPACE,
+                "resources": [f"{folder}.yaml"],
+            }
+        )
+        files[f"{folder}/{folder}.yaml"] = header + _yaml_stream(extra)
+    return files
 
 
 def write(files: dict[str, str], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text(text)
 
 
@@ -119,14 +139,14 @@ def worker_deployment(config: ClusterFile, role: str, pool: PoolSection) -> dict
             "host": "0.0.0.0",
             "port": GRPC_PORT,
             "metrics_port": METRICS_PORT,
-            "kv_port": KV_PORT if role == Role.DECODE else 0,
+            "kv_port": KV_PORT if _receives_kv(role) else 0,
         }
     )
     ports = [
         {"name": "grpc", "containerPort": GRPC_PORT},
         {"name": "metrics", "containerPort": METRICS_PORT},
     ]
-    if role == Role.DECODE:
+    if _receives_kv(role):
         ports += [
             {"name": f"kv-{rank}", "containerPort": KV_PORT + rank}
             for rank in range(pool.tensor_parallel_size)
@@ -243,7 +263,7 @@ def kuberay(config: ClusterFile) -> list[dict]:
     head = {
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
         "template": {
-            "metadata": {"labels": _labels("router")},
+            "metadata": {"labels": labels("router")},
             "spec": {
                 "securityContext": NON_ROOT,
                 "containers": [
@@ -305,13 +325,13 @@ def kuberay(config: ClusterFile) -> list[dict]:
                 "maxReplicas": pool.replicas,
                 # One pdserve worker per pod: the pod offers exactly its TP group.
                 "rayStartParams": {resource: str(pool.tensor_parallel_size)},
-                "template": {"metadata": {"labels": _labels(f"{role}-node")}, "spec": spec},
+                "template": {"metadata": {"labels": labels(f"{role}-node")}, "spec": spec},
             }
         )
     cluster = {
         "apiVersion": "ray.io/v1",
         "kind": "RayCluster",
-        "metadata": _metadata(RAY_CLUSTER, "ray"),
+        "metadata": metadata(RAY_CLUSTER, "ray"),
         "spec": {
             "rayVersion": importlib.metadata.version("ray"),
             "headGroupSpec": head,
@@ -335,7 +355,7 @@ def _cluster_file_map(config: ClusterFile) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata("pdserve-cluster-file", "ray"),
+        "metadata": metadata("pdserve-cluster-file", "ray"),
         "data": {"cluster.yaml": _yaml(document)},
     }
 
@@ -348,11 +368,11 @@ def _up_job(config: ClusterFile, gpus: bool) -> dict:
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": _metadata("pdserve-up", "up"),
+        "metadata": metadata("pdserve-up", "up"),
         "spec": {
             "backoffLimit": 3,
             "template": {
-                "metadata": {"labels": _labels("up")},
+                "metadata": {"labels": labels("up")},
                 "spec": {
                     "restartPolicy": "Never",
                     "securityContext": NON_ROOT,
@@ -391,11 +411,12 @@ def pool_resources(config: ClusterFile, pool: PoolSection) -> dict:
 
 
 def _pools(config: ClusterFile) -> dict[str, PoolSection]:
-    return {
-        role: config.pool(role)
-        for role in (Role.PREFILL.value, Role.DECODE.value)
-        if config.pool(role).replicas
-    }
+    return {role: pool for role, pool in config.pools().items() if pool.replicas}
+
+
+def _receives_kv(role: str) -> bool:
+    """Decode workers, and flex workers (any of them may be given decode)."""
+    return role in (Role.DECODE, Role.FLEX)
 
 
 def _registry_url(config: ClusterFile) -> str:
@@ -414,24 +435,16 @@ def _image(gpu: bool) -> str:
     return f"pdserve:{importlib.metadata.version('pdserve')}-{'gpu' if gpu else 'cpu'}"
 
 
-def _labels(component: str) -> dict:
-    return {**PART_OF, "app.kubernetes.io/component": component}
-
-
-def _metadata(name: str, component: str) -> dict:
-    return {"name": name, "namespace": NAMESPACE, "labels": _labels(component)}
-
-
 def _deployment(component: str, replicas: int, pod_spec: dict, strategy: dict) -> dict:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(f"pdserve-{component}", component),
+        "metadata": metadata(f"pdserve-{component}", component),
         "spec": {
             "replicas": replicas,
             "strategy": strategy,
-            "selector": {"matchLabels": _labels(component)},
-            "template": {"metadata": {"labels": _labels(component)}, "spec": pod_spec},
+            "selector": {"matchLabels": labels(component)},
+            "template": {"metadata": {"labels": labels(component)}, "spec": pod_spec},
         },
     }
 
@@ -441,10 +454,10 @@ def _pdb(component: str, max_unavailable: int) -> dict:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(f"pdserve-{component}", component),
+        "metadata": metadata(f"pdserve-{component}", component),
         "spec": {
             "maxUnavailable": max_unavailable,
-            "selector": {"matchLabels": _labels(component)},
+            "selector": {"matchLabels": labels(component)},
         },
     }
 
@@ -493,6 +506,10 @@ _Dumper.add_representer(
         "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None
     ),
 )
+
+
+def _yaml_stream(documents: list) -> str:
+    return "---\n".join(_yaml(document) for document in documents)
 
 
 def _yaml(document) -> str:

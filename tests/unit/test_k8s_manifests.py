@@ -1,9 +1,10 @@
 """The Kubernetes tree, offline (no cluster here): the committed overlays are what `pdserve k8s
 render` makes of deploy/clusters; `kubectl kustomize` builds each; every object validates (core
-kinds with kubernetes-validate, strictly; KubeRay's RayCluster against its CRD schema); and the
+kinds with kubernetes-validate, strictly; custom resources against their CRD schemas); and the
 pods ask for what the cluster file says (GPUs per worker = its tensor parallelism, replicas,
 probes, drain)."""
 
+import functools
 import json
 import subprocess
 from pathlib import Path
@@ -26,13 +27,13 @@ from pdserve.cluster.k8s_render import (
 from pdserve.settings.cluster_file import load_cluster_file, parse_cluster
 
 DEPLOY = OVERLAYS.parents[1]
-CRD = Path(__file__).resolve().parents[3] / "shared/schemas/ray.io_rayclusters.yaml"
+SCHEMAS = Path(__file__).resolve().parents[3] / "shared/schemas"
 # Cluster files with an embedded registry run on one host (`pdserve up` starts Redis there).
 CLUSTER_FILES = sorted(
     path for path in (DEPLOY / "clusters").glob("*.yaml") if load_cluster_file(path).registry.url
 )
 OVERLAY_DIRS = [(path, mode) for path in CLUSTER_FILES for mode in MODES]
-PROMETHEUS_OPERATOR = "monitoring.coreos.com/v1"  # no schema offline: checked by shape below
+PROMETHEUS_OPERATOR = "monitoring.coreos.com/v1"
 
 
 def build(folder: Path) -> list[dict]:
@@ -47,15 +48,29 @@ def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
     return {obj["metadata"]["name"]: obj for obj in objects if obj["kind"] == kind}
 
 
+@functools.cache
+def crd_validator(file: str, version: str) -> jsonschema.Draft7Validator:
+    """A custom resource's schema from ../shared/schemas (its README says where each is from)."""
+    path = SCHEMAS / file
+    if not path.is_file():
+        pytest.skip(f"the CRD schema is not at {path}")
+    crd = yaml.load(path.read_text(), Loader=yaml.CSafeLoader)
+    (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    return jsonschema.Draft7Validator(served["schema"]["openAPIV3Schema"])
+
+
+def validate_custom(obj: dict, file: str) -> None:
+    """Valid against its CRD, and no field the CRD lacks (the API server would drop it)."""
+    validator = crd_validator(file, obj["apiVersion"].rsplit("/", 1)[1])
+    validator.validate(obj)
+    assert not unknown_fields(obj, validator.schema), obj["metadata"]["name"]
+
+
 @pytest.fixture(scope="module")
 def raycluster_schema() -> jsonschema.Draft7Validator:
-    if not CRD.is_file():
-        pytest.skip(f"KubeRay's CRD schema is not at {CRD}")
-    crd = yaml.load(CRD.read_text(), Loader=yaml.CSafeLoader)
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
-    schema = version["schema"]["openAPIV3Schema"]
-    jsonschema.Draft7Validator.check_schema(schema)  # once: it is the slow part
-    return jsonschema.Draft7Validator(schema)
+    validator = crd_validator("ray.io_rayclusters.yaml", "v1")
+    jsonschema.Draft7Validator.check_schema(validator.schema)  # once: it is the slow part
+    return validator
 
 
 def test_the_kubernetes_cluster_files_are_the_four_layouts():
@@ -85,7 +100,8 @@ def test_render_command_writes_what_the_tree_holds(tmp_path):
         main(["k8s", "render", "-f", str(path), "--mode", "kuberay", "--out", str(tmp_path)]) == 0
     )
     expected = render(load_cluster_file(path), "kuberay", tmp_path)
-    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == expected
+    written = {str(p.relative_to(tmp_path)): p.read_text() for p in tmp_path.rglob("*.yaml")}
+    assert written == expected
     assert build(tmp_path) == build(OVERLAYS / "cpu-smoke/kuberay")
 
 
@@ -189,7 +205,13 @@ def test_monitoring_builds_with_a_monitor_per_component_and_the_dashboard():
     assert {(o["apiVersion"], o["kind"]) for o in objects if o["kind"] != "ConfigMap"} == {
         (PROMETHEUS_OPERATOR, "ServiceMonitor"),
         (PROMETHEUS_OPERATOR, "PodMonitor"),
+        (PROMETHEUS_OPERATOR, "PrometheusRule"),
     }
+    for kind in ("ServiceMonitor", "PodMonitor", "PrometheusRule"):
+        (obj,) = by_kind(objects, kind).values()
+        validate_custom(obj, f"monitoring.coreos.com_{kind.lower()}s.yaml")
+        # A default kube-prometheus-stack selects monitors and rules by its release's name.
+        assert obj["metadata"]["labels"]["release"] == "kube-prometheus-stack", kind
     (service_monitor,) = by_kind(objects, "ServiceMonitor").values()
     assert service_monitor["spec"]["endpoints"][0]["port"] == "http"
     (pod_monitor,) = by_kind(objects, "PodMonitor").values()

@@ -1,0 +1,92 @@
+"""Per-pool autoscaling: a KEDA ScaledObject per worker Deployment, on the Prometheus series that
+means pressure in that pool (the workers' vLLM metrics, labelled with `pool` by the PodMonitor in
+deploy/k8s/monitoring).
+
+- prefill: prompts waiting in the prefill engines (`vllm:num_requests_waiting`): every one of them
+  adds its wait to some request's TTFT. No worker exports its outstanding prompt tokens yet.
+- decode: requests waiting in the decode engines (a full batch or a full KV cache) and the mean
+  KV cache usage: a decode pool near full KV preempts, or refuses new leases.
+- flex: a flex worker plays both roles, so both signals.
+
+Scale-in is a pod deletion: the pod's preStop drain (pdserve/worker/drain.py) leaves the pools
+and finishes what it holds, and one pod goes at a time (the pool's PodDisruptionBudget allows one).
+"""
+
+from pdserve.cluster.k8s_objects import NAMESPACE, metadata
+from pdserve.kinds import Role
+
+# kube-prometheus-stack's Prometheus, installed as release `kube-prometheus-stack` in namespace
+# `monitoring`; another install changes this address.
+PROMETHEUS = "http://kube-prometheus-stack-prometheus.monitoring.svc:9090"
+MAX_REPLICAS_FACTOR = 2  # up to twice the cluster file's replicas: a GPU budget, not a guess
+WAITING_PER_PREFILL_WORKER = 2
+WAITING_PER_DECODE_WORKER = 1
+KV_USAGE_TARGET = 0.8  # mean fraction of the decode pool's KV cache in use
+SCALE_DOWN_WINDOW_S = 300  # a burst's end is not a trend: wait before giving GPUs back
+SCALE_DOWN_STEP_S = 120  # then one pod per step, each drained before the next goes
+
+
+def scaled_object(role: str, replicas: int) -> dict:
+    triggers = []
+    if role in (Role.PREFILL, Role.FLEX):
+        triggers.append(_waiting(role, WAITING_PER_PREFILL_WORKER))
+    if role in (Role.DECODE, Role.FLEX):
+        triggers += [_waiting(role, WAITING_PER_DECODE_WORKER), _kv_usage(role)]
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": metadata(f"pdserve-{role}", role),
+        "spec": {
+            "scaleTargetRef": {"name": f"pdserve-{role}"},
+            "minReplicaCount": replicas,
+            "maxReplicaCount": replicas * MAX_REPLICAS_FACTOR,
+            "pollingInterval": 15,
+            "advanced": {
+                "horizontalPodAutoscalerConfig": {
+                    "behavior": {
+                        "scaleUp": {"stabilizationWindowSeconds": 0},
+                        "scaleDown": {
+                            "stabilizationWindowSeconds": SCALE_DOWN_WINDOW_S,
+                            "policies": [
+                                {"type": "Pods", "value": 1, "periodSeconds": SCALE_DOWN_STEP_S}
+                            ],
+                        },
+                    }
+                }
+            },
+            "triggers": triggers,
+        },
+    }
+
+
+def _selector(role: str) -> str:
+    return f'{{namespace="{NAMESPACE}",pool="{role}"}}'
+
+
+def _waiting(role: str, per_worker: int) -> dict:
+    """The pool's waiting requests, spread over its workers (HPA's AverageValue)."""
+    return _prometheus(
+        f"{role}-waiting",
+        f"sum(vllm:num_requests_waiting{_selector(role)})",
+        "AverageValue",
+        per_worker,
+    )
+
+
+def _kv_usage(role: str) -> dict:
+    """The pool's mean KV usage against a target (HPA's Value: replicas x usage / target)."""
+    return _prometheus(
+        f"{role}-kv-usage",
+        f"avg(vllm:kv_cache_usage_perc{_selector(role)})",
+        "Value",
+        KV_USAGE_TARGET,
+    )
+
+
+def _prometheus(name: str, query: str, metric_type: str, threshold: float) -> dict:
+    return {
+        "type": "prometheus",
+        "name": name,
+        "metricType": metric_type,
+        "metadata": {"serverAddress": PROMETHEUS, "query": query, "threshold": str(threshold)},
+    }

@@ -1,0 +1,148 @@
+"""The Gateway API Inference Extension's objects for a pdserve cluster: an InferencePool whose
+endpoints are the router pods, the endpoint picker (EPP) the pool names, and an HTTPRoute from a
+Gateway the platform team runs to the pool.
+
+Why the routers are the pool's endpoints and not the workers: the model-server protocol asks an
+endpoint to serve OpenAI's Completions and Chat APIs, and a pdserve worker serves the worker gRPC
+protocol (under the cluster secret) only; and a disaggregated request needs two picks (a prefill
+and a decode worker) and a KV handoff between them, where an EPP picks one endpoint per request.
+So the gateway balances between routers and each router picks P and D. Why the upstream EPP and
+not pdserve's router as the picker: an EPP is an Envoy ext_proc server that answers with one
+`ip:port`; the router would have to become that server and still proxy the stream itself.
+"""
+
+from pdserve.cluster.k8s_objects import NAMESPACE, NO_ESCALATION, NON_ROOT, labels, metadata
+
+POOL = "pdserve"
+EPP = f"{POOL}-epp"
+EPP_IMAGE = "registry.k8s.io/gateway-api-inference-extension/epp:v1.0.1"
+EPP_GRPC_PORT = 9002  # ext_proc, what the gateway calls
+EPP_HEALTH_PORT = 9003
+GATEWAY = "inference-gateway"  # the platform's Gateway (its class is the implementation's)
+INFERENCE_GROUP = "inference.networking.k8s.io"
+
+
+def gateway_objects(router_port: int) -> list[dict]:
+    return [
+        inference_pool(router_port),
+        http_route(),
+        *endpoint_picker(),
+    ]
+
+
+def inference_pool(router_port: int) -> dict:
+    return {
+        "apiVersion": f"{INFERENCE_GROUP}/v1",
+        "kind": "InferencePool",
+        "metadata": metadata(POOL, "router"),
+        "spec": {
+            "selector": {"matchLabels": labels("router")},
+            "targetPorts": [{"number": router_port}],
+            # The routers are interchangeable front doors: with the picker down, any router is
+            # a right answer, so the gateway keeps sending rather than failing every request.
+            "endpointPickerRef": {
+                "name": EPP,
+                "port": {"number": EPP_GRPC_PORT},
+                "failureMode": "FailOpen",
+            },
+        },
+    }
+
+
+def http_route() -> dict:
+    return {
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "HTTPRoute",
+        "metadata": metadata(POOL, "router"),
+        "spec": {
+            "parentRefs": [{"name": GATEWAY}],
+            "rules": [
+                {
+                    "matches": [{"path": {"type": "PathPrefix", "value": "/v1"}}],
+                    "backendRefs": [
+                        {"group": INFERENCE_GROUP, "kind": "InferencePool", "name": POOL}
+                    ],
+                    # A long generation streams for minutes: the route must not cut it.
+                    "timeouts": {"request": "0s"},
+                }
+            ],
+        },
+    }
+
+
+def endpoint_picker() -> list[dict]:
+    """The upstream reference EPP, watching this namespace's pool and the pods it selects."""
+    account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": metadata(EPP, "epp")}
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": metadata(EPP, "epp"),
+        "rules": [
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+            {
+                "apiGroups": [INFERENCE_GROUP],
+                "resources": ["inferencepools"],
+                "verbs": ["get", "list", "watch"],
+            },
+            {
+                "apiGroups": ["inference.networking.x-k8s.io"],
+                "resources": ["inferenceobjectives"],
+                "verbs": ["get", "list", "watch"],
+            },
+        ],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": metadata(EPP, "epp"),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": EPP},
+        "subjects": [{"kind": "ServiceAccount", "name": EPP, "namespace": NAMESPACE}],
+    }
+    health = {"grpc": {"port": EPP_HEALTH_PORT, "service": "inference-extension"}}
+    container = {
+        "name": "epp",
+        "image": EPP_IMAGE,
+        "args": ["--pool-name", POOL, "--pool-namespace", NAMESPACE, "--zap-encoder", "json"],
+        "ports": [
+            {"name": "grpc", "containerPort": EPP_GRPC_PORT},
+            {"name": "grpc-health", "containerPort": EPP_HEALTH_PORT},
+        ],
+        "readinessProbe": {**health, "periodSeconds": 5},
+        "livenessProbe": {**health, "periodSeconds": 10},
+        "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}},
+        "securityContext": NO_ESCALATION,
+    }
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(EPP, "epp"),
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": labels("epp")},
+            "template": {
+                "metadata": {"labels": labels("epp")},
+                "spec": {
+                    "serviceAccountName": EPP,
+                    "securityContext": NON_ROOT,
+                    "containers": [container],
+                },
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(EPP, "epp"),
+        "spec": {
+            "selector": labels("epp"),
+            "ports": [
+                {
+                    "name": "grpc",
+                    "port": EPP_GRPC_PORT,
+                    "targetPort": "grpc",
+                    "appProtocol": "http2",
+                }
+            ],
+        },
+    }
+    return [account, role, binding, deployment, service]
