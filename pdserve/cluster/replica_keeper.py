@@ -3,14 +3,19 @@ running, so a dead worker is replaced without anyone running a command.
 
 It is a detached, named Ray actor (`replica-keeper`, no CPU) in the cluster's namespace, on the
 node `up` runs on. Every POLL_S it asks each kept worker's actor to describe itself; a worker
-whose actor is gone (killed, crashed, its node lost) or whose process has exited is replaced
-through the path `up` uses: the old actor is killed and its placement group removed, then a new
-group and actor of the same name start the worker, which joins the pools once its engine is
-ready. Each slot waits out a crash-loop back-off first (pdserve/cluster/crash_loop.py). It
-replaces; it
-never adds or removes: `scale` tells it what to keep (`keep`) after its new workers joined and
-before its surplus workers drain, and `down` kills it first, so neither is fought. A replaced
-flex worker joins with no role, and the router gives it one as to any new flex worker.
+whose actor is gone (killed, crashed, its node lost) or whose process has exited, and one whose
+process runs but that never became ready or stopped answering (it is not in the registry:
+pdserve/cluster/hung_workers.py), is replaced through the path `up` uses: the old actor is
+killed and its placement group removed, then a new group and actor of the same name start the
+worker, which joins the pools once its engine is ready. Each slot waits out a crash-loop
+back-off first (pdserve/cluster/crash_loop.py). It replaces; it never adds or removes: `scale`
+tells it what to keep (`keep`) after its new workers joined and before its surplus workers
+drain, and `down` kills it first, so neither is fought. A replaced flex worker joins with no
+role, and the router gives it the role the split lacks (router/flex_roles.py).
+
+Ray restarts the keeper itself when its process dies (`max_restarts=-1`; `down` kills it with
+no restart); a restarted keeper keeps the workers whose actors live then, which is what it kept
+unless one was mid-replacement.
 
 Replacements are counted in `pdserve_worker_replacements_total{role}` (and failed starts in
 `pdserve_worker_replacement_failures_total{role}`) on its own Prometheus endpoint, whose URL
@@ -30,9 +35,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.cluster import ray_launcher
 from pdserve.cluster.crash_loop import CrashLoopBackoff
+from pdserve.cluster.hung_workers import why_hung
 from pdserve.cluster.local_workers import threads_per_worker
 from pdserve.cluster.placement import slot_named
 from pdserve.settings.cluster_file import ClusterFile
+from pdserve.worker.registry import read_members
 
 KEEPER = "replica-keeper"
 POLL_S = 1.0
@@ -44,7 +51,7 @@ EVENTS_KEPT = 20
 log = logging.getLogger("pdserve.replica_keeper")
 
 
-@ray.remote(num_cpus=0, max_restarts=0)
+@ray.remote(num_cpus=0, max_restarts=-1)
 class ReplicaKeeper:
     """See the module docstring. Its loop runs in a thread; `keep` and `report` are Ray calls."""
 
@@ -67,13 +74,18 @@ class ReplicaKeeper:
         self.log_dir = log_dir
         self.loopback = loopback
         self.lock = threading.Lock()  # one replacement pass or one `keep` at a time
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        if restarted:  # `keep` may have changed the list since `up`: the live workers are it
+            names = [name for name in ray_launcher.actor_names(cluster) if _is_worker(config, name)]
         now = time.monotonic()
         self.kept = {name: CrashLoopBackoff(started_at=now) for name in names}
+        self.last_listed: dict[str, float] = {}  # when each was last seen in the registry
         self.events: deque[str] = deque(maxlen=EVENTS_KEPT)
         self.metrics = metrics = CollectorRegistry()
         self.replacements = Counter(
             "pdserve_worker_replacements",
-            "workers replaced after their actor or process died",
+            "workers replaced after their actor or process died, or they never became ready or "
+            "stopped answering",
             ["role"],
             registry=metrics,
         )
@@ -92,7 +104,10 @@ class ReplicaKeeper:
         port = free_port(host)
         start_http_server(port, addr=host, registry=metrics)
         self.metrics_url = f"http://{host}:{port}/metrics"
-        self._event(f"keeping {', '.join(sorted(names))}; metrics at {self.metrics_url}")
+        self._event(
+            f"{'restarted; ' if restarted else ''}keeping {', '.join(sorted(names))}; "
+            f"metrics at {self.metrics_url}"
+        )
         threading.Thread(target=self._run, name="replica-keeper", daemon=True).start()
 
     def keep(self, names: list[str]) -> None:
@@ -158,11 +173,13 @@ class ReplicaKeeper:
                     )
             for name, backoff in due:
                 backoff.replaced(time.monotonic())
+                self.last_listed.pop(name, None)
                 self._replace(name)
 
     def _dead(self, names: list[str]) -> dict[str, str]:
-        """{name: why} of the kept workers whose actor is gone or whose process has exited."""
-        replies, dead = {}, {}
+        """{name: why} of the kept workers whose actor is gone or whose process has exited, or
+        whose process runs but never became ready or stopped answering."""
+        replies, dead, running = {}, {}, []
         for name in names:
             try:
                 replies[name] = ray.get_actor(name).describe.remote()
@@ -179,7 +196,29 @@ class ReplicaKeeper:
                 continue
             if info.get("exit_code") is not None:
                 dead[name] = f"its process exited ({info['exit_code']})"
-        return dead
+            else:
+                running.append(name)
+        return {**dead, **self._hung(running)}
+
+    def _hung(self, names: list[str]) -> dict[str, str]:
+        """{name: why} of these workers (their process running) that never became ready or
+        stopped answering; none when the registry cannot be read."""
+        try:
+            listed = {record.worker_id for record in read_members(self.registry_url, self.cluster)}
+        except Exception as error:  # Redis away: no one is judged on this pass
+            log.warning("cannot read the registry: %s", error)
+            return {}
+        now, hung = time.monotonic(), {}
+        for name in names:
+            backoff = self.kept.get(name)
+            if backoff is None:
+                continue
+            if name in listed:
+                self.last_listed[name] = now
+            why = why_hung(backoff.started_at, self.last_listed.get(name), now)
+            if why is not None:
+                hung[name] = why
+        return hung
 
     def _replace(self, name: str) -> None:
         """Old actor and placement group out, a new group and actor in (as `up` does)."""
@@ -210,6 +249,15 @@ class ReplicaKeeper:
     def _event(self, message: str) -> None:
         log.info("%s", message)
         self.events.append(f"{time.strftime('%H:%M:%S')} {message}")
+
+
+def _is_worker(config: ClusterFile, name: str) -> bool:
+    """Whether the actor `name` is one of the cluster's workers (not its router, nor a keeper)."""
+    try:
+        slot_named(config, name)
+    except ValueError:
+        return False
+    return True
 
 
 def start(

@@ -1,10 +1,11 @@
-"""Hung and flapping workers, router side: a worker whose calls go unanswered (its process
+"""Hung and flapping workers. Router side: a worker whose calls go unanswered (its process
 alive, its port open: SIGSTOP, a blocked event loop) leaves the pools after the deadline and
 returns once it answers again, later each time it flaps (router/worker_liveness.py,
-router/worker_pool.py).
+router/worker_pool.py). Keeper side: which workers whose process runs the replica keeper
+replaces anyway (pdserve/cluster/hung_workers.py).
 
-The pool's rule is tested with times passed in; the whole loop with the router's real
-WorkerClient against fake gRPC workers on 127.0.0.1 whose handlers can be made to hang."""
+The rules are tested with times passed in; the router's whole loop with its real WorkerClient
+against fake gRPC workers on 127.0.0.1 whose handlers can be made to hang."""
 
 import asyncio
 import time
@@ -12,6 +13,7 @@ import time
 import grpc
 import pytest
 
+from pdserve.cluster.hung_workers import READY_DEADLINE_S, SILENT_S, why_hung
 from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 from router.metrics import RouterMetrics
 from router.policies import RoundRobin
@@ -153,3 +155,19 @@ def test_a_hung_worker_leaves_the_pools_and_returns_when_it_answers_again():
                 await server.stop(None)
 
     asyncio.run(scenario())
+
+
+def test_the_keeper_replaces_a_worker_never_ready_within_its_start_deadline():
+    assert why_hung(started_at=100.0, last_listed=None, now=100.0 + READY_DEADLINE_S) is None
+    why = why_hung(started_at=100.0, last_listed=None, now=101.0 + READY_DEADLINE_S)
+    assert why is not None and "not ready" in why
+
+
+def test_the_keeper_replaces_a_worker_out_of_the_registry_too_long_but_not_a_late_heartbeat():
+    assert why_hung(started_at=0.0, last_listed=50.0, now=50.0 + SILENT_S) is None
+    why = why_hung(started_at=0.0, last_listed=50.0, now=51.0 + SILENT_S)
+    assert why is not None and "hung" in why
+    # One seen recently is judged by its last sighting, however long ago it started.
+    assert (
+        why_hung(started_at=0.0, last_listed=2 * READY_DEADLINE_S, now=2 * READY_DEADLINE_S) is None
+    )
