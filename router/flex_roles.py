@@ -7,7 +7,9 @@ worker already runs it finishes (a new prefill worker completes the decodes it h
 decode worker the prompts it was computing): nothing is drained to idle, no engine restarts.
 
 The split is set by hand (`POST /pdserve/roles`, `pdserve roles`) or, with `--flex-auto`, by
-`AutoRatio` from the queues the workers report.
+`AutoRatio` from the queues the workers report. The router remembers it: a flex worker that
+joins takes the role a worker that left held (a replacement comes back where its predecessor
+was), and only when no role lacks one does it get the initial split's.
 """
 
 import asyncio
@@ -71,6 +73,7 @@ class FlexRoles:
     def __init__(self, pool, metrics: RoleMetrics) -> None:
         self.pool = pool
         self.metrics = metrics
+        self.wanted = dict.fromkeys(FLEX_ROLES + (STANDBY,), 0)  # flex workers per role, as set
 
     def flex(self) -> list[WorkerClient]:
         return [w for w in self.pool.workers if w.flex]
@@ -80,8 +83,13 @@ class FlexRoles:
         flex = self.flex()
         for worker in flex:
             if not worker.role:
-                prefill = sum(w.role == Role.PREFILL for w in flex)
-                worker.role = initial_role(len(flex), prefill)
+                lacking = [r for r in self.wanted if self._count(r) < self.wanted[r]]
+                if lacking:  # a worker in that role left: this one takes its place
+                    worker.role = lacking[0]
+                else:
+                    prefill = sum(w.role == Role.PREFILL for w in flex)
+                    worker.role = initial_role(len(flex), prefill)
+                    self.wanted[worker.role] += 1
                 log.info("flex worker %s joins the %s pool", worker.worker_id, worker.role)
         self.metrics.count(flex)
 
@@ -137,6 +145,9 @@ class FlexRoles:
         for worker in workers:
             change = RoleChange(worker.worker_id, worker.role, role, reason)
             worker.role = role
+            if change.before in self.wanted:
+                self.wanted[change.before] = max(0, self.wanted[change.before] - 1)
+            self.wanted[role] += 1
             self.metrics.changes.labels(role, by).inc()
             log.info(
                 "flex worker %s: %s -> %s (%s: %s)",

@@ -135,3 +135,17 @@ def test_at_most_max_changes_per_minute():
         if auto.check(float(second)) is not None:
             moved_at.append(second)
     assert len(moved_at) == 3 and moved_at[2] - moved_at[0] >= 60, moved_at
+
+
+def test_a_replaced_flex_worker_comes_back_in_the_role_its_predecessor_held():
+    roles = flex_roles(4)  # 2 prefill, 2 decode
+    roles.set_split(3, None, by="manual")
+    pool = roles.pool
+    lost = next(w for w in roles.flex() if w.role == "prefill")
+    pool.workers.remove(lost)  # it died and left the pools
+    pool.workers.append(FakeFlexWorker("w-replacement"))  # the keeper's replacement joins
+    roles.place_new()
+    assert sorted(split(roles)) == ["decode", "prefill", "prefill", "prefill"]
+    pool.workers.append(FakeFlexWorker("w-new"))  # no role lacks one: the initial split's
+    roles.place_new()
+    assert split(roles)[-1] == "decode"
