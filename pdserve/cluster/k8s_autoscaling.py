@@ -26,7 +26,8 @@ SCALE_DOWN_WINDOW_S = 300  # a burst's end is not a trend: wait before giving GP
 SCALE_DOWN_STEP_S = 120  # then one pod per step, each drained before the next goes
 
 
-def scaled_object(role: str, replicas: int) -> dict:
+def scaled_object(role: str, replicas: int, leader_worker_set: bool) -> dict:
+    """Scales the pool's Deployment, or its LeaderWorkerSet (a group of pods per worker)."""
     triggers = []
     if role in (Role.PREFILL, Role.FLEX):
         triggers.append(_waiting(role, WAITING_PER_PREFILL_WORKER))
@@ -37,7 +38,15 @@ def scaled_object(role: str, replicas: int) -> dict:
         "kind": "ScaledObject",
         "metadata": metadata(f"pdserve-{role}", role),
         "spec": {
-            "scaleTargetRef": {"name": f"pdserve-{role}"},
+            "scaleTargetRef": (
+                {
+                    "apiVersion": "leaderworkerset.x-k8s.io/v1",
+                    "kind": "LeaderWorkerSet",
+                    "name": f"pdserve-{role}",
+                }
+                if leader_worker_set
+                else {"name": f"pdserve-{role}"}
+            ),
             "minReplicaCount": replicas,
             "maxReplicaCount": replicas * MAX_REPLICAS_FACTOR,
             "pollingInterval": 15,

@@ -10,7 +10,7 @@ from pdserve.settings.cluster_file import load_cluster_file
 
 
 def add_parser(subparsers) -> None:
-    from pdserve.cluster.k8s_render import MODES
+    from pdserve.cluster.k8s_render import GPUS_PER_NODE, MODES
 
     parser = subparsers.add_parser(
         "k8s", help="Kubernetes manifests from a cluster file", description=__doc__.splitlines()[0]
@@ -33,6 +33,14 @@ def add_parser(subparsers) -> None:
         "running `pdserve up` on it (default: deployments)",
     )
     render.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=GPUS_PER_NODE,
+        metavar="N",
+        help="GPUs of a node: a prefill pool whose TP group needs more renders as a "
+        f"LeaderWorkerSet of TP/N pods per worker (default: {GPUS_PER_NODE})",
+    )
+    render.add_argument(
         "--out",
         type=Path,
         default=None,
@@ -45,12 +53,12 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from pdserve.cluster.k8s_render import OVERLAYS, render, write
 
+    out = (args.out or OVERLAYS / args.file.stem / args.mode).resolve()
     try:
-        config = load_cluster_file(args.file)
+        files = render(load_cluster_file(args.file), args.mode, out, args.gpus_per_node)
     except ConfigError as error:
         print(f"pdserve k8s render: refused: {error}", file=sys.stderr)
         return 2
-    out = (args.out or OVERLAYS / args.file.stem / args.mode).resolve()
-    write(render(config, args.mode, out), out)
+    write(files, out)
     print(f"wrote {out}: kubectl apply -k {out}", file=sys.stderr)
     return 0

@@ -29,8 +29,10 @@ import yaml
 
 from pdserve.cluster.k8s_autoscaling import scaled_object
 from pdserve.cluster.k8s_gateway import gateway_objects
+from pdserve.cluster.k8s_leader_worker import leader_worker_set, ray_follower_container
 from pdserve.cluster.k8s_objects import NAMESPACE, NO_ESCALATION, NON_ROOT, labels, metadata
 from pdserve.kinds import Role
+from pdserve.settings.base import ConfigError
 from pdserve.settings.cluster_file import ClusterFile, PoolSection
 
 REDIS_URL = f"redis://redis.{NAMESPACE}.svc:6379/0"  # deploy/k8s/base/redis.yaml
@@ -40,6 +42,7 @@ METRICS_PORT = 9400
 KV_PORT = 50100  # decode: tensor-parallel rank r receives on KV_PORT + r
 RAY_CLUSTER = "pdserve"  # KubeRay names the head's Service <name>-head-svc
 MODES = ("deployments", "kuberay")
+GPUS_PER_NODE = 8  # the usual GPU node; a TP group beyond it renders as a LeaderWorkerSet
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 OVERLAYS = DEPLOY / "k8s" / "overlays"
 BASE = DEPLOY / "k8s" / "base"
@@ -78,10 +81,24 @@ POD_ENV = [
 GPU_TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
 
 
-def render(config: ClusterFile, mode: str, out: Path) -> dict[str, str]:
-    """The overlay's files (name -> text) for `config` in `mode`, written to `out`."""
+def render(
+    config: ClusterFile, mode: str, out: Path, gpus_per_node: int = GPUS_PER_NODE
+) -> dict[str, str]:
+    """The overlay's files (name -> text) for `config` in `mode`, written to `out`; a pool whose
+    TP group needs more than `gpus_per_node` GPUs spans nodes (deployments mode only)."""
+    for role, pool in _pools(config).items():
+        if _spans_nodes(pool, gpus_per_node) and (
+            mode != "deployments"
+            or role != Role.PREFILL
+            or pool.tensor_parallel_size % gpus_per_node
+        ):
+            raise ConfigError(
+                f"{role}.tensor_parallel_size: {pool.tensor_parallel_size} GPUs span nodes of "
+                f"{gpus_per_node}: only a prefill pool may (its KV receivers stay on one host "
+                "otherwise), in deployments mode, on whole nodes"
+            )
     base = os.path.relpath(BASE, out)
-    objects = deployments(config) if mode == "deployments" else kuberay(config)
+    objects = deployments(config, gpus_per_node) if mode == "deployments" else kuberay(config)
     kustomization = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
@@ -102,7 +119,8 @@ def render(config: ClusterFile, mode: str, out: Path) -> dict[str, str]:
     extras = {"gateway": gateway_objects(ROUTER_PORT)}
     if mode == "deployments":
         extras["autoscaling"] = [
-            scaled_object(role, pool.replicas) for role, pool in _pools(config).items()
+            scaled_object(role, pool.replicas, _spans_nodes(pool, gpus_per_node))
+            for role, pool in _pools(config).items()
         ]
     for folder, extra in extras.items():
         files[f"{folder}/kustomization.yaml"] = header + _yaml(
@@ -126,14 +144,49 @@ def write(files: dict[str, str], out: Path) -> None:
 # Deployments mode ----------------------------------------------------------------------------
 
 
-def deployments(config: ClusterFile) -> list[dict]:
+def deployments(config: ClusterFile, gpus_per_node: int) -> list[dict]:
     objects = [router_deployment(config), _pdb("router", 1)]
     for role, pool in _pools(config).items():
-        objects += [worker_deployment(config, role, pool), _pdb(role, 1)]
+        if _spans_nodes(pool, gpus_per_node):
+            workers = multi_node_workers(config, role, pool, gpus_per_node)
+        else:
+            workers = worker_deployment(config, role, pool)
+        objects += [workers, _pdb(role, 1)]
     return objects
 
 
 def worker_deployment(config: ClusterFile, role: str, pool: PoolSection) -> dict:
+    spec = worker_pod_spec(config, role, pool, pool_resources(config, pool))
+    # Without spare GPUs a rolling update replaces one pod at a time; on CPU it adds one first.
+    surge = (
+        {"maxSurge": 0, "maxUnavailable": 1}
+        if pool.uses_gpus
+        else {
+            "maxSurge": 1,
+            "maxUnavailable": 0,
+        }
+    )
+    return _deployment(role, pool.replicas, spec, {"type": "RollingUpdate", "rollingUpdate": surge})
+
+
+def multi_node_workers(config: ClusterFile, role: str, pool: PoolSection, gpus_per_node: int):
+    """A pool whose TP group is larger than a node: a LeaderWorkerSet of groups, one pod per
+    node; the leader runs the pdserve worker on a Ray head, the others lend it their GPUs."""
+    resources = _gpu_resources(gpus_per_node)
+    leader = worker_pod_spec(config, role, pool, resources)
+    follower = {
+        "securityContext": NON_ROOT,
+        "containers": [
+            ray_follower_container(_image(True), SECRET_ENV + CACHE_ENV, resources, gpus_per_node)
+        ],
+        "volumes": _volumes(True),
+        "tolerations": GPU_TOLERATIONS,
+    }
+    nodes = pool.tensor_parallel_size // gpus_per_node
+    return leader_worker_set(role, pool.replicas, nodes, leader, follower)
+
+
+def worker_pod_spec(config: ClusterFile, role: str, pool: PoolSection, resources: dict) -> dict:
     settings = config.worker_settings(role, _registry_url(config)).model_copy(
         update={
             "host": "0.0.0.0",
@@ -167,7 +220,7 @@ def worker_deployment(config: ClusterFile, role: str, pool: PoolSection) -> dict
         ],
         "env": POD_ENV + SECRET_ENV + CACHE_ENV,
         "ports": ports,
-        "resources": pool_resources(config, pool),
+        "resources": resources,
         # Readiness: SERVING only with the engine READY; liveness: the process answers and its
         # engine has not failed (pdserve/worker/grpc_health.py). The start-up probe covers a model
         # download before the port opens.
@@ -201,16 +254,7 @@ def worker_deployment(config: ClusterFile, role: str, pool: PoolSection) -> dict
     }
     if pool.uses_gpus:
         spec["tolerations"] = GPU_TOLERATIONS
-    # Without spare GPUs a rolling update replaces one pod at a time; on CPU it adds one first.
-    surge = (
-        {"maxSurge": 0, "maxUnavailable": 1}
-        if pool.uses_gpus
-        else {
-            "maxSurge": 1,
-            "maxUnavailable": 0,
-        }
-    )
-    return _deployment(role, pool.replicas, spec, {"type": "RollingUpdate", "rollingUpdate": surge})
+    return spec
 
 
 def router_deployment(config: ClusterFile) -> dict:
@@ -401,13 +445,21 @@ def pool_resources(config: ClusterFile, pool: PoolSection) -> dict:
     """A worker pod's requests and limits: its TP group's GPUs (or CPU ranks), and memory."""
     tp = pool.tensor_parallel_size
     if pool.uses_gpus:
-        memory = f"{HOST_GIB_PER_GPU * tp}Gi"
-        return {
-            "requests": {"cpu": str(CPUS_PER_GPU * tp), "memory": memory, "nvidia.com/gpu": tp},
-            "limits": {"memory": memory, "nvidia.com/gpu": tp},
-        }
+        return _gpu_resources(tp)
     memory = f"{math.ceil(config.kv_cache_gib(pool)) + CPU_WORKER_OVERHEAD_GIB}Gi"
     return {"requests": {"cpu": str(tp), "memory": memory}, "limits": {"memory": memory}}
+
+
+def _gpu_resources(gpus: int) -> dict:
+    memory = f"{HOST_GIB_PER_GPU * gpus}Gi"
+    return {
+        "requests": {"cpu": str(CPUS_PER_GPU * gpus), "memory": memory, "nvidia.com/gpu": gpus},
+        "limits": {"memory": memory, "nvidia.com/gpu": gpus},
+    }
+
+
+def _spans_nodes(pool: PoolSection, gpus_per_node: int) -> bool:
+    return pool.uses_gpus and pool.tensor_parallel_size > gpus_per_node
 
 
 def _pools(config: ClusterFile) -> dict[str, PoolSection]:

@@ -174,7 +174,11 @@ def make_engine(
         disable_log_stats=True,
     )
     group = _ray_placement_group(engine.tensor_parallel_size)
-    if group is not None:
+    # A TP group larger than this host's GPUs (a LeaderWorkerSet's leader, its Ray cluster made
+    # of the group's pods: pdserve/cluster/k8s_leader_worker.py) runs on Ray's executor too.
+    if group is not None or (
+        not cpu and current_platform.device_count() < args.tensor_parallel_size
+    ):
         args.distributed_executor_backend = "ray"
         # vLLM's Ray workers (where the KV connector's ranks run) get only the variables it
         # copies.

@@ -14,12 +14,13 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.cluster.cli import main
 from pdserve.cluster.k8s_gateway import EPP
-from pdserve.cluster.k8s_render import OVERLAYS, ROUTER_PORT, render, write
+from pdserve.cluster.k8s_render import BASE, OVERLAYS, ROUTER_PORT, render, write
 from pdserve.settings.cluster_file import parse_cluster
 from pdserve.worker.metrics_server import WorkerMetrics
 from router.metrics import RouterMetrics
 from tests.unit.test_k8s_manifests import DEPLOY, OVERLAY_DIRS, build, by_kind, validate_custom
 
+LWS = "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
 CRDS = {
     "InferencePool": "inference.networking.k8s.io_inferencepools.yaml",
     "HTTPRoute": "gateway.networking.k8s.io_httproutes.yaml",
@@ -84,6 +85,8 @@ def test_workers_export_the_metric_names_of_the_model_server_protocol():
 
 
 def test_the_inference_pool_fronts_the_routers_through_its_endpoint_picker():
+    # The pool's pods are the ones the router Service sends to, on the router's port.
+    router_service = by_kind(build(BASE), "Service")["pdserve-router"]
     for path, mode in OVERLAY_DIRS:
         overlay = OVERLAYS / path.stem / mode
         objects = build(overlay / "gateway")
@@ -98,8 +101,6 @@ def test_the_inference_pool_fronts_the_routers_through_its_endpoint_picker():
         assert service["spec"]["ports"][0]["port"] == picker["port"]["number"]
         (epp,) = by_kind(objects, "Deployment").values()
         assert epp["spec"]["template"]["metadata"]["labels"] == service["spec"]["selector"]
-        # The pool's pods are the ones the router Service sends to, on the router's port.
-        router_service = by_kind(build(overlay), "Service")["pdserve-router"]
         assert pool["spec"]["selector"]["matchLabels"] == router_service["spec"]["selector"]
         assert pool["spec"]["targetPorts"] == [{"number": ROUTER_PORT}]
 
@@ -172,3 +173,42 @@ def test_render_command_takes_a_flex_cluster_file(tmp_path):
     assert main(["k8s", "render", "-f", str(path), "--mode", "kuberay", "--out", str(out)]) == 0
     (cluster,) = by_kind(build(out), "RayCluster").values()
     assert [group["groupName"] for group in cluster["spec"]["workerGroupSpecs"]] == ["flex"]
+
+
+def seventy_b(prefill_tp: int, decode_tp: int) -> dict:
+    document = yaml.safe_load((DEPLOY / "clusters/llama-3.1-70b-tp4-1p1d.yaml").read_text())
+    document["prefill"]["tensor_parallel_size"] = prefill_tp
+    document["decode"]["tensor_parallel_size"] = decode_tp
+    return document
+
+
+def test_a_prefill_group_larger_than_a_node_is_a_leader_worker_set(tmp_path):
+    out = tmp_path / "deployments"
+    write(render(parse_cluster(seventy_b(8, 4)), "deployments", out, gpus_per_node=4), out)
+    objects = build(out)
+    validate_custom(by_kind(objects, "LeaderWorkerSet")["pdserve-prefill"], LWS)
+    validate([obj for obj in objects if obj["kind"] != "LeaderWorkerSet"])
+    assert set(by_kind(objects, "Deployment")) == {"pdserve-router", "pdserve-decode"}
+    group = by_kind(objects, "LeaderWorkerSet")["pdserve-prefill"]["spec"]
+    assert group["replicas"] == 1 and group["leaderWorkerTemplate"]["size"] == 2
+    (leader,) = group["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"]
+    (rank,) = group["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"]
+    for container in (leader, rank):
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
+    start_head, run_worker = leader["command"][2].split(" && ")
+    assert start_head.startswith("ray start --head") and run_worker.startswith(
+        "exec pdserve worker"
+    )
+    assert "--role prefill" in run_worker and "$(POD_IP)" in run_worker
+    assert "--address=$(LWS_LEADER_ADDRESS):6379" in rank["command"]
+    (scaler,) = [s for s in by_kind(build(out / "autoscaling"), "ScaledObject").values()
+                 if s["spec"]["scaleTargetRef"].get("kind") == "LeaderWorkerSet"]  # fmt: skip
+    assert scaler["spec"]["scaleTargetRef"]["name"] == "pdserve-prefill"
+
+
+def test_a_decode_group_larger_than_a_node_is_refused_by_name(tmp_path):
+    path = tmp_path / "big.yaml"
+    path.write_text(yaml.safe_dump(seventy_b(4, 8)))
+    command = ["k8s", "render", "-f", str(path), "--gpus-per-node", "4", "--out", str(tmp_path)]
+    assert main(command) == 2
+    assert not (tmp_path / "pdserve.yaml").exists()
