@@ -145,4 +145,16 @@ def endpoint_picker() -> list[dict]:
             ],
         },
     }
-    return [account, role, binding, deployment, service]
+    # The Gateway's proxy (in its own namespace) calls the picker; base/network-policy.yaml
+    # admits only pdserve pods otherwise.
+    reachable = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata(EPP, "epp"),
+        "spec": {
+            "podSelector": {"matchLabels": labels("epp")},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"ports": [{"port": EPP_GRPC_PORT, "protocol": "TCP"}]}],
+        },
+    }
+    return [account, role, binding, deployment, service, reachable]
