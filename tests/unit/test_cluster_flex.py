@@ -229,13 +229,3 @@ def test_the_router_key_is_the_clients_own_else_the_routers_first(monkeypatch):
     assert router_api_key() == "k1"
     monkeypatch.setenv("PDSERVE_API_KEY", "mine")
     assert router_api_key() == "mine"
-
-
-def test_k8s_render_refuses_a_flex_cluster_file_by_name(tmp_path, capsys):
-    from pdserve.cluster.cli import main
-
-    path = tmp_path / "flexy.yaml"
-    path.write_text(yaml.safe_dump(FLEX_3))
-    assert main(["k8s", "render", "-f", str(path), "--out", str(tmp_path / "out")]) == 2
-    assert "flex workers has no Kubernetes overlay" in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()
