@@ -2,15 +2,13 @@
 up` refusing a bad file before anything starts. No engine, no Ray."""
 
 import json
-import os
-import subprocess
-import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 import yaml
 
+from pdserve.cluster import cli
 from pdserve.cluster.placement import (
     check_layout,
     check_memory,
@@ -243,17 +241,36 @@ def test_the_70b_files_gpu_counts():
         assert sum(s.tensor_parallel_size for s in worker_slots(config)) == gpus, name
 
 
-def run_up(tmp_path, document, *extra) -> subprocess.CompletedProcess:
-    path = tmp_path / "cluster.yaml"
-    path.write_text(document if isinstance(document, str) else yaml.safe_dump(document))
-    env = {**os.environ, "PDSERVE_STATE_DIR": str(tmp_path / "state")}
-    return subprocess.run(
-        [sys.executable, "-m", "pdserve.cluster.cli", "up", "-f", str(path), *extra],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+@dataclass
+class UpDone:
+    returncode: int
+    stderr: str
+
+
+@pytest.fixture
+def up(tmp_path, monkeypatch, capsys):
+    """`up(cluster_file, *arguments)`: `pdserve up`'s exit code and what it said, run here (as
+    `pdserve` runs it, from its command line; in this process: each run is ~3 s less)."""
+    monkeypatch.setenv("PDSERVE_STATE_DIR", str(tmp_path / "state"))
+
+    def run(cluster_file: Path, *extra: str) -> UpDone:
+        capsys.readouterr()
+        code = cli.main(["up", "-f", str(cluster_file), *extra])
+        return UpDone(code, capsys.readouterr().err)
+
+    return run
+
+
+@pytest.fixture
+def run_up(tmp_path, up):
+    """`run_up(document, *arguments)`: `up` on a cluster file holding `document`."""
+
+    def run(document, *extra: str) -> UpDone:
+        path = tmp_path / "cluster.yaml"
+        path.write_text(document if isinstance(document, str) else yaml.safe_dump(document))
+        return up(path, *extra)
+
+    return run
 
 
 @pytest.mark.parametrize(
@@ -271,16 +288,16 @@ def run_up(tmp_path, document, *extra) -> subprocess.CompletedProcess:
         ),
     ],
 )
-def test_up_refuses_a_bad_cluster_before_starting_anything(tmp_path, document, message):
-    done = run_up(tmp_path, document)
+def test_up_refuses_a_bad_cluster_before_starting_anything(tmp_path, run_up, document, message):
+    done = run_up(document)
     assert done.returncode == 2
     assert message in done.stderr
     assert "refused" in done.stderr or "not valid YAML" in done.stderr
     assert not (tmp_path / "state").exists(), "up started something"
 
 
-def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path):
-    done = run_up(tmp_path, {"prefill": {"replicas": 2}, "decode": {"replicas": 1}}, "--dry-run")
+def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path, run_up):
+    done = run_up({"prefill": {"replicas": 2}, "decode": {"replicas": 1}}, "--dry-run")
     assert done.returncode == 0, done.stderr
     for worker in ("prefill-0", "prefill-1", "decode-0"):
         assert worker in done.stderr
@@ -311,15 +328,8 @@ def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path):
         ),
     ],
 )
-def test_a_dry_run_plans_a_70b_file_against_the_gpus_it_asks_for(tmp_path, name, memory):
-    env = {**os.environ, "PDSERVE_STATE_DIR": str(tmp_path / "state")}
-    done = subprocess.run(
-        [sys.executable, "-m", "pdserve.cluster.cli", "up", "-f", str(DEPLOY / name), "--dry-run"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+def test_a_dry_run_plans_a_70b_file_against_the_gpus_it_asks_for(tmp_path, up, name, memory):
+    done = up(DEPLOY / name, "--dry-run")
     assert done.returncode == 0, done.stderr
     assert "decode-0     decode     4  {GPU: 1} {GPU: 1} {GPU: 1} {GPU: 1}" in done.stderr
     for line in memory:  # each pool's GPU memory, per GPU, against the card's
@@ -330,11 +340,10 @@ def test_a_dry_run_plans_a_70b_file_against_the_gpus_it_asks_for(tmp_path, name,
     assert not (tmp_path / "state").exists()
 
 
-def test_up_refuses_the_old_70b_fp8_layout_naming_the_numbers(tmp_path):
+def test_up_refuses_the_old_70b_fp8_layout_naming_the_numbers(tmp_path, run_up):
     """One TP=1 prefill worker holding all 67.7 GiB of FP8 weights, as the 70B FP8 file had it:
     refused before anything starts, with each term per GPU and the card's memory."""
     done = run_up(
-        tmp_path,
         {
             "model": {"path": "RedHatAI/Meta-Llama-3.1-70B-Instruct-FP8", "dtype": "bfloat16"},
             "engine": {"kv_cache_gib": 8},
@@ -353,9 +362,8 @@ def test_up_refuses_the_old_70b_fp8_layout_naming_the_numbers(tmp_path):
     assert not (tmp_path / "state").exists()
 
 
-def test_a_dry_run_on_assumed_nodes_checks_that_each_tp_group_fits_one(tmp_path):
+def test_a_dry_run_on_assumed_nodes_checks_that_each_tp_group_fits_one(tmp_path, run_up):
     done = run_up(
-        tmp_path,
         {
             "model": {**H100_70B, "preset": "llama-3.1-70b"},
             "prefill": {"replicas": 1, "tensor_parallel_size": 4, "gpu_type": "H100-SXM"},
