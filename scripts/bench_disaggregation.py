@@ -10,6 +10,10 @@ received) and its exposed part (what the decode worker waited for KV after the p
     python scripts/bench_disaggregation.py                # starts `pdserve serve` (1P + 1D)
     python scripts/bench_disaggregation.py --url http://127.0.0.1:8000
     python scripts/bench_disaggregation.py --lengths 1536 --serve-args '--dtype bfloat16'
+    python scripts/bench_disaggregation.py --integrity on,off   # two clusters, side by side
+
+With `--integrity on,off` it starts one cluster per setting of `--kv-integrity` and sends each
+request to both in turn, so the integrity check's cost shows against the same noise.
 """
 
 import argparse
@@ -38,47 +42,81 @@ def main() -> int:
         default="",
         help="more `pdserve serve` arguments for the cluster it starts, e.g. '--dtype bfloat16'",
     )
+    parser.add_argument(
+        "--integrity",
+        default="",
+        help="settings of --kv-integrity to compare, one cluster each, e.g. on,off "
+        "(default: one cluster, as --serve-args has it)",
+    )
     args = parser.parse_args()
-    if args.url:
-        cluster = contextlib.nullcontext(args.url)
-    else:
-        log_dir = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
-        print(f"starting pdserve serve (1P + 1D; logs: {log_dir})", file=sys.stderr)
-        cluster = local_cluster(1, 1, free_port(), log_dir, shlex.split(args.serve_args))
-    with cluster as url:
+    settings = [s for s in args.integrity.split(",") if s] or [None]
+    if args.url and settings != [None]:
+        parser.error("--integrity compares clusters it starts: not with --url")
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for setting in settings:
+            if args.url:
+                urls[setting] = args.url
+                continue
+            serve_args = shlex.split(args.serve_args)
+            if setting is not None:
+                serve_args += ["--kv-integrity", setting]
+            log_dir = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
+            print(
+                f"starting pdserve serve (1P + 1D {serve_args}; logs: {log_dir})", file=sys.stderr
+            )
+            urls[setting] = stack.enter_context(
+                local_cluster(1, 1, free_port(), log_dir, serve_args)
+            )
         rows = [
-            measure(url, int(n), args.repeats, random.Random(args.seed + int(n)))
+            row
             for n in args.lengths.split(",")
+            for row in measure(urls, int(n), args.repeats, random.Random(args.seed + int(n)))
         ]
     print_table(rows, args.repeats)
     return 0
 
 
-def measure(url: str, length: int, repeats: int, rng: random.Random) -> dict:
-    model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-    samples = {"local": [], "disaggregated": []}
+def measure(urls: dict, length: int, repeats: int, rng: random.Random) -> list[dict]:
+    """Each cluster's medians at `length`: every prompt goes to every cluster, on both paths."""
+    samples = {(setting, route): [] for setting in urls for route in ("local", "disaggregated")}
+    models = {
+        s: httpx.get(f"{u}/v1/models", timeout=10).json()["data"][0]["id"] for s, u in urls.items()
+    }
     for i in range(repeats):
         for route in ("local", "disaggregated"):
             prompt = [rng.randrange(100, 40000) for _ in range(length)]
-            response = httpx.post(
-                f"{url}/v1/completions",
-                timeout=300,
-                headers={"x-pdserve-route": route, "x-pdserve-timing": "1"},
-                json={"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0},
-            )
-            response.raise_for_status()
-            samples[route].append(response.json()["pdserve_timing"])
-            print(
-                f"{length} tokens, {route} {i + 1}/{repeats}: "
-                f"TTFT {samples[route][-1]['ttft']:.3f} s",
-                file=sys.stderr,
-            )
-    local, disagg = samples["local"], samples["disaggregated"]
+            for setting, url in urls.items():
+                response = httpx.post(
+                    f"{url}/v1/completions",
+                    timeout=300,
+                    headers={"x-pdserve-route": route, "x-pdserve-timing": "1"},
+                    json={
+                        "model": models[setting],
+                        "prompt": prompt,
+                        "max_tokens": 2,
+                        "temperature": 0,
+                    },
+                )
+                response.raise_for_status()
+                samples[setting, route].append(response.json()["pdserve_timing"])
+                print(
+                    f"{length} tokens, {route} {i + 1}/{repeats} (integrity {setting or '-'}): "
+                    f"TTFT {samples[setting, route][-1]['ttft']:.3f} s",
+                    file=sys.stderr,
+                )
+    return [
+        summary(setting, length, samples[setting, "local"], samples[setting, "disaggregated"])
+        for setting in urls
+    ]
 
+
+def summary(setting, length: int, local: list[dict], disagg: list[dict]) -> dict:
     def median(rows, key):
         return statistics.median(row[key] for row in rows)
 
     return {
+        "integrity": setting or "-",
         "length": length,
         "ttft_local": median(local, "ttft"),
         "ttft_disagg": median(disagg, "ttft"),
@@ -92,16 +130,19 @@ def measure(url: str, length: int, repeats: int, rng: random.Random) -> dict:
 def print_table(rows: list[dict], repeats: int) -> None:
     print(f"medians of {repeats} requests per path; TTFT measured at the router")
     header = (
-        f"{'tokens':>6} {'TTFT local':>11} {'TTFT disagg':>12} {'ratio':>6} {'KV MiB':>7} "
-        f"{'transfer s':>11} {'prefill s':>10} {'exposed s':>10} {'exposed/prefill':>16}"
+        f"{'integrity':>9} {'tokens':>6} {'TTFT local':>11} {'TTFT disagg':>12} {'ratio':>6} "
+        f"{'KV MiB':>7} "
+        f"{'transfer s':>11} {'prefill s':>10} {'exposed s':>10} {'exposed/prefill':>16} "
+        f"{'exposed/TTFT':>13}"
     )
     print(header)
     for row in rows:
         print(
-            f"{row['length']:>6} {row['ttft_local']:>11.3f} {row['ttft_disagg']:>12.3f} "
+            f"{row['integrity']:>9} {row['length']:>6} {row['ttft_local']:>11.3f} "
+            f"{row['ttft_disagg']:>12.3f} "
             f"{row['ttft_disagg'] / row['ttft_local']:>6.2f} {row['kv_bytes'] / 2**20:>7.1f} "
             f"{row['kv_seconds']:>11.3f} {row['prefill']:>10.3f} {row['exposed']:>10.3f} "
-            f"{row['exposed'] / row['prefill']:>15.1%}"
+            f"{row['exposed'] / row['prefill']:>15.1%} {row['exposed'] / row['ttft_disagg']:>13.2%}"
         )
 
 
