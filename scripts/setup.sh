@@ -49,7 +49,7 @@ install_packages() {
     done
     [ -n "${PIP_CERT:-}" ] && uv_env+=("SSL_CERT_FILE=$PIP_CERT")
     env "${uv_env[@]}" .venv/bin/uv pip install --quiet --python .venv/bin/python \
-      --index-strategy unsafe-best-match "${extra_index[@]}" -e ".[$EXTRAS]"
+      --index-strategy unsafe-best-match --compile-bytecode "${extra_index[@]}" -e ".[$EXTRAS]"
   else
     .venv/bin/python -m pip install --quiet "${extra_index[@]}" -e ".[$EXTRAS]"
   fi
