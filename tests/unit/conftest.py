@@ -11,3 +11,15 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+@pytest.fixture
+def receiver():
+    """A real KV receiver on 127.0.0.1 (the transport tests' peer) and its address."""
+    from kv_transfer.kv_receiver import KvReceiver
+    from tests.unit.test_kv_transports import CONSUMER
+
+    kv_receiver = KvReceiver(CONSUMER)
+    port = kv_receiver.start("127.0.0.1", 0)
+    yield kv_receiver, f"127.0.0.1:{port}"
+    kv_receiver.stop()

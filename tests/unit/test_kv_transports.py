@@ -47,14 +47,6 @@ def piece(transfer_id: str, nbytes: int = 64, layer: int = 0, last: bool = True)
     return LayerSlice(transfer_id, layer, 0, 1, 0, 2, CountedStaged(data), last)
 
 
-@pytest.fixture
-def receiver():
-    kv_receiver = KvReceiver(CONSUMER)
-    port = kv_receiver.start("127.0.0.1", 0)
-    yield kv_receiver, f"127.0.0.1:{port}"
-    kv_receiver.stop()
-
-
 def wait_for(receiver: KvReceiver, slices: int = 0, cancels: set[str] = frozenset()):
     got, cancelled = [], {}
     deadline = time.monotonic() + DEADLINE_S

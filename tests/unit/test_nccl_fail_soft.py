@@ -19,7 +19,6 @@ from torch.distributed import TCPStore
 
 from kv_transfer import nccl_transport
 from kv_transfer.channels import channel_opener
-from kv_transfer.kv_receiver import KvReceiver
 from kv_transfer.nccl_transport import NcclChannel, PairGroup, rendezvous
 from kv_transfer.transport import ChannelError, KvSender
 from tests.unit.test_kv_transports import CONSUMER, ROOT, piece, wait_for
@@ -118,14 +117,6 @@ RECEIVER_PROCESS = textwrap.dedent(
     time.sleep(120)  # killed here, with a sender blocked on it
     """
 )
-
-
-@pytest.fixture
-def receiver():
-    kv_receiver = KvReceiver(CONSUMER)
-    port = kv_receiver.start("127.0.0.1", 0)
-    yield kv_receiver, f"127.0.0.1:{port}"
-    kv_receiver.stop()
 
 
 def test_a_receiver_killed_mid_send_fails_the_channel_at_once_and_the_sender_serves_the_next(
