@@ -3,8 +3,9 @@
 Keys come from `--api-key` (repeatable; visible in the process list, so prefer the others), a
 file (`--api-key-file`, one key per line, `#` comments) and the PDSERVE_API_KEYS environment
 variable (comma-separated). With none, the router is open. Keys are compared in constant time
-and never logged. `/health` is always open (probes carry no key); `/metrics` is open unless
-`--no-public-metrics`.
+and never logged; one revoked with `pdserve revoke-key` is refused by every router of the
+cluster within a second (router/shared_state.py). `/health` is always open (probes carry no
+key); `/metrics` is open unless `--no-public-metrics`.
 """
 
 import hmac
@@ -14,6 +15,7 @@ from pathlib import Path
 from pdserve.settings.base import ConfigError
 from pdserve.settings.router import RouterSettings
 from router.errors import OpenAIError, invalid_api_key
+from router.shared_state import key_digest
 
 ENV = "PDSERVE_API_KEYS"
 ALWAYS_OPEN = ("/health",)
@@ -35,13 +37,17 @@ def open_paths(settings: RouterSettings) -> tuple[str, ...]:
     return ALWAYS_OPEN + (("/metrics",) if settings.public_metrics else ())
 
 
-def is_authorized(header: str | None, keys: tuple[str, ...]) -> bool:
+def is_authorized(
+    header: str | None, keys: tuple[str, ...], revoked: frozenset[str] = frozenset()
+) -> bool:
+    """`revoked`: SHA-256 digests of keys revoked cluster-wide (`pdserve revoke-key`)."""
     scheme, _, key = (header or "").partition(" ")
     if scheme.lower() != "bearer" or not key:
         return False
     given = key.strip().encode()
     # Every key is compared, whatever matches: the time taken says nothing about the keys.
-    return sum(hmac.compare_digest(given, k.encode()) for k in keys) > 0
+    known = sum(hmac.compare_digest(given, k.encode()) for k in keys) > 0
+    return known and key_digest(key.strip()) not in revoked
 
 
 def unauthorized(header: str | None) -> OpenAIError:

@@ -18,6 +18,7 @@ from router.metrics import RouterMetrics
 from router.policies import POLICIES
 from router.request_flow import RequestFlow
 from router.routes import cluster, errors, generation, tokens
+from router.shared_state import Peers
 from router.tokenization import PromptTokenizer
 from router.wait_forecast import WaitForecast
 from router.worker_pool import WorkerPool
@@ -36,9 +37,14 @@ def create_app(settings: RouterSettings, model: str) -> FastAPI:
     state.tokenizer = PromptTokenizer(model)
     state.flow = RequestFlow(settings, pool, state.tokenizer, metrics)
     state.roles = FlexRoles(pool, RoleMetrics(metrics.registry))
+    # Several routers (router/state_sync.py) split the cluster-wide bounds between them.
+    state.peers = peers = Peers()
+    state.sync = None  # router/state_sync.py's StateSync, with a registry
     state.gate = AdmissionGate(
-        lambda: settings.max_concurrent_requests or pool.capacity(),
-        lambda: settings.max_queued_requests or settings.max_concurrent_requests or pool.capacity(),
+        lambda: peers.share(settings.max_concurrent_requests or pool.capacity()),
+        lambda: peers.share(
+            settings.max_queued_requests or settings.max_concurrent_requests or pool.capacity()
+        ),
         settings.queue_timeout_s,
         metrics,
         WaitForecast(pool),

@@ -9,7 +9,9 @@ decode worker the prompts it was computing): nothing is drained to idle, no engi
 The split is set by hand (`POST /pdserve/roles`, `pdserve roles`) or, with `--flex-auto`, by
 `AutoRatio` from the queues the workers report. The router remembers it: a flex worker that
 joins takes the role a worker that left held (a replacement comes back where its predecessor
-was), and only when no role lacks one does it get the initial split's.
+was), and only when no role lacks one does it get the initial split's. Several routers share
+the split through Redis (router/state_sync.py): what one changes, `changes()` hands over to be
+written, and what the others changed comes back through `take_shared`.
 """
 
 import asyncio
@@ -74,6 +76,12 @@ class FlexRoles:
         self.pool = pool
         self.metrics = metrics
         self.wanted = dict.fromkeys(FLEX_ROLES + (STANDBY,), 0)  # flex workers per role, as set
+        self.moved: dict[str, str] = {}  # worker id -> role moved here, not yet shared
+        # worker id -> (first role given here, whether that added to `wanted`), not yet shared
+        self.placed: dict[str, tuple[str, bool]] = {}
+        self.split_changed = False  # a move here changed `wanted`, not yet shared
+        self.shared: dict[str, str] = {}  # worker id -> role, as the routers last shared it
+        self.leads_ratio = True  # --flex-auto decides here (one router of several does)
 
     def flex(self) -> list[WorkerClient]:
         return [w for w in self.pool.workers if w.flex]
@@ -82,7 +90,11 @@ class FlexRoles:
         """Give every flex worker without a role (just joined) its initial one."""
         flex = self.flex()
         for worker in flex:
-            if not worker.role:
+            if worker.role:
+                continue
+            if worker.worker_id in self.shared:  # another router placed it first
+                worker.role = self.shared[worker.worker_id]
+            else:
                 lacking = [r for r in self.wanted if self._count(r) < self.wanted[r]]
                 if lacking:  # a worker in that role left: this one takes its place
                     worker.role = lacking[0]
@@ -90,8 +102,48 @@ class FlexRoles:
                     prefill = sum(w.role == Role.PREFILL for w in flex)
                     worker.role = initial_role(len(flex), prefill)
                     self.wanted[worker.role] += 1
-                log.info("flex worker %s joins the %s pool", worker.worker_id, worker.role)
+                self.placed[worker.worker_id] = (worker.role, not lacking)
+            log.info("flex worker %s joins the %s pool", worker.worker_id, worker.role)
         self.metrics.count(flex)
+
+    def changes(self) -> tuple[dict[str, str], dict[str, tuple[str, bool]], dict[str, int]]:
+        """(moved, placed, the split if a move set it) since the last call, to share; cleared
+        here."""
+        moved, placed = self.moved, self.placed
+        split = dict(self.wanted) if self.split_changed else {}
+        self.moved, self.placed, self.split_changed = {}, {}, False
+        return moved, placed, split
+
+    def unshared(self, moved: dict, placed: dict, split: dict) -> None:
+        """Changes that could not be shared (Redis away): kept for the next try, behind any
+        made since."""
+        self.moved = {**moved, **self.moved}
+        self.placed = {**placed, **self.placed}
+        self.split_changed = self.split_changed or bool(split)
+
+    def take_shared(self, roles: dict[str, str], split: dict[str, int]) -> None:
+        """The split as the routers share it: another router's moves take effect here (those
+        made here since are shared next, and win). What the shared state lacks (Redis
+        restarted empty) this router's view puts back at the next round."""
+        self.shared = roles
+        for worker in self.flex():
+            role = roles.get(worker.worker_id)
+            mine = worker.worker_id in self.moved or worker.worker_id in self.placed
+            if not role and worker.role and not mine:
+                self.placed[worker.worker_id] = (worker.role, False)
+            elif role and not mine and worker.role and role != worker.role:
+                log.info(
+                    "flex worker %s: %s -> %s (by another router)",
+                    worker.worker_id,
+                    worker.role,
+                    role,
+                )
+                worker.role = role
+        if split and not self.split_changed:
+            self.wanted.update(split)
+        elif not split and any(self.wanted.values()):
+            self.split_changed = True
+        self.metrics.count(self.flex())
 
     def view(self) -> dict:
         flex = self.flex()
@@ -145,6 +197,8 @@ class FlexRoles:
         for worker in workers:
             change = RoleChange(worker.worker_id, worker.role, role, reason)
             worker.role = role
+            self.moved[worker.worker_id] = role
+            self.split_changed = True
             if change.before in self.wanted:
                 self.wanted[change.before] = max(0, self.wanted[change.before] - 1)
             self.wanted[role] += 1
@@ -258,7 +312,8 @@ async def follow_ratio(auto: AutoRatio) -> None:
     await asyncio.sleep(LOAD_POLL_S * 2)  # a first load report from every worker
     while True:
         try:
-            auto.check(time.monotonic())
+            if auto.roles.leads_ratio:
+                auto.check(time.monotonic())
         except Exception:  # a decision gone wrong must not stop the router's other work
             log.exception("automatic ratio check failed")
         await asyncio.sleep(auto.settings.interval_s)

@@ -1,6 +1,7 @@
 """What runs beside the routes for the app's lifetime: workers marked down asked whether they
-are back, every worker's load polled, membership followed in the registry (or, without one, the
-fixed workers waited for), and the flex workers' split kept to the backlog when asked."""
+are back, every worker's load polled, membership followed in the registry (or the fixed
+workers waited for), the state the routers share kept in step (with a registry), and the flex
+workers' split kept to the backlog when asked."""
 
 import asyncio
 import contextlib
@@ -9,6 +10,8 @@ from fastapi import FastAPI
 
 from pdserve.worker.registry import Registry
 from router.flex_roles import AutoRatio, AutoRatioSettings, follow_ratio
+from router.shared_state import SharedState, router_id
+from router.state_sync import StateSync
 from router.worker_pool import WorkerPool, follow_load, follow_registry
 
 DOWN_WORKER_CHECK_S = 2.0  # how often workers marked down are asked whether they are back
@@ -26,14 +29,19 @@ async def lifespan(app: FastAPI):
             )
         ),
     ]
-    registry = None
-    if settings.registry:
+    registry = shared = None
+    if settings.registry and not settings.worker_addresses:
         registry = Registry(settings.registry, settings.cluster)
         following = follow_registry(pool, registry, settings.registry_refresh_s, roles.place_new)
         tasks.append(asyncio.create_task(following))
     else:
         await pool.wait_ready(settings.worker_ready_timeout_s)
         roles.place_new()
+    if settings.registry:
+        shared = SharedState(settings.registry, settings.cluster, router_id(settings.port))
+        index = getattr(pool.policy, "index", None)  # cache-aware's
+        state.sync = StateSync(shared, roles, index, state.peers, settings.flex_auto, state.metrics)
+        tasks.append(asyncio.create_task(state.sync.follow(settings.registry_refresh_s)))
     if settings.flex_auto:
         auto = AutoRatioSettings(
             prefill_backlog_tokens=settings.flex_auto_backlog,
@@ -44,8 +52,9 @@ async def lifespan(app: FastAPI):
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    if registry is not None:
-        await registry.close()
+    for client in (registry, shared):
+        if client is not None:
+            await client.close()
     await pool.close()
 
 

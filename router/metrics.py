@@ -195,6 +195,18 @@ class RouterMetrics:
             "Workers out of the pools now for answering nothing (back once they answer again)",
             registry=self.registry,
         )
+        self.routers = Gauge(
+            "pdserve_routers",
+            "Routers sharing this cluster's state (this one included; 1 without a registry)",
+            registry=self.registry,
+        )
+        self.routers.set(1)
+        self.shared_state_failures = Counter(
+            "pdserve_shared_state_failures",
+            "Rounds of the shared state's sync that could not reach Redis (served from the "
+            "last view meanwhile)",
+            registry=self.registry,
+        )
         self.kv_fallbacks = Counter(
             "pdserve_kv_fallbacks",
             "Disaggregated requests whose decode worker prefilled the prompt itself after all",

@@ -5,6 +5,8 @@ token up to its end (so a chunk matches only after the same prefix, as vLLM's bl
 do). A worker's entry holds the chunk hashes of the prompts the router sent it, least recently
 used first out, bounded like the cache it estimates. The estimate is the router's own view: it
 does not see evictions, so it overestimates an old entry, and the bound keeps that short-lived.
+Several routers share what they sent (router/shared_state.py): each one's additions go out
+through `outbox` and come in to the others through `learn`.
 """
 
 import hashlib
@@ -29,6 +31,7 @@ class PrefixIndex:
     def __init__(self, max_chunks: int = MAX_CHUNKS_PER_WORKER) -> None:
         self.max_chunks = max_chunks
         self._chunks: dict[str, OrderedDict[bytes, None]] = {}  # worker address -> chunks
+        self.outbox: list[tuple[str, list[bytes]]] | None = None  # shared: what to publish
 
     def cached_tokens(self, address: str, hashes: list[bytes]) -> int:
         """Leading prompt tokens the worker likely has in its prefix cache."""
@@ -40,6 +43,12 @@ class PrefixIndex:
 
     def sent(self, address: str, hashes: list[bytes]) -> None:
         """The worker computes (or receives) these chunks now."""
+        if self.outbox is not None and hashes:
+            self.outbox.append((address, hashes))
+        self.learn(address, hashes)
+
+    def learn(self, address: str, hashes: list[bytes]) -> None:
+        """The worker has these chunks (another router sent them)."""
         chunks = self._chunks.setdefault(address, OrderedDict())
         for digest in hashes:
             chunks[digest] = None

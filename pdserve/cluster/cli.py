@@ -14,6 +14,7 @@ COMMAND_MODULES = {  # sub-command -> the module that registers it
     "worker": "pdserve.worker.command",
     "serve": "pdserve.cluster.serve",
     "router": "router.command",
+    "revoke-key": "router.revoke_command",
     "up": "pdserve.cluster.up",
     "down": "pdserve.cluster.down",
     "status": "pdserve.cluster.status",

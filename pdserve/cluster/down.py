@@ -11,6 +11,7 @@ from pdserve.cluster.cluster_state import ClusterState, forget_state
 from pdserve.cluster.cluster_target import add_target_arguments, target_state
 from pdserve.cluster.console import say
 from pdserve.settings.base import ConfigError
+from pdserve.settings.redis_url import masked
 from pdserve.worker.processes import stop_group
 from pdserve.worker.registry import clear_members
 
@@ -56,7 +57,7 @@ def tear_down(state: ClusterState) -> None:
             removed = clear_members(state.registry_url, state.name)
             say(f"removed {removed} registry entr{'y' if removed == 1 else 'ies'}")
         except Exception as error:
-            say(f"registry at {state.registry_url}: {error}")
+            say(f"registry at {masked(state.registry_url)}: {error}")
     for group, what in ((state.ray_group, "ray head"), (state.redis_group, "redis-server")):
         if group:
             say(f"stopping the {what} (process group {group})")

@@ -69,6 +69,12 @@ API_KEYS_ENV = [
         },
     }
 ]
+REDIS_ENV = [  # router/shared_state.py and the registry authenticate with it
+    {
+        "name": "PDSERVE_REDIS_PASSWORD",
+        "valueFrom": {"secretKeyRef": {"name": "pdserve-redis", "key": "password"}},
+    }
+]
 CACHE_ENV = [
     {"name": "PDSERVE_CACHE", "value": "/models/pdserve"},
     {"name": "HF_HOME", "value": "/models/huggingface"},
@@ -177,7 +183,9 @@ def multi_node_workers(config: ClusterFile, role: str, pool: PoolSection, gpus_p
     follower = {
         "securityContext": NON_ROOT,
         "containers": [
-            ray_follower_container(_image(True), SECRET_ENV + CACHE_ENV, resources, gpus_per_node)
+            ray_follower_container(
+                _image(True), SECRET_ENV + REDIS_ENV + CACHE_ENV, resources, gpus_per_node
+            )
         ],
         "volumes": _volumes(True),
         "tolerations": GPU_TOLERATIONS,
@@ -218,7 +226,7 @@ def worker_pod_spec(config: ClusterFile, role: str, pool: PoolSection, resources
             "--advertise-host",
             "$(POD_IP)",
         ],
-        "env": POD_ENV + SECRET_ENV + CACHE_ENV,
+        "env": POD_ENV + SECRET_ENV + REDIS_ENV + CACHE_ENV,
         "ports": ports,
         "resources": resources,
         # Readiness: SERVING only with the engine READY; liveness: the process answers and its
@@ -269,7 +277,7 @@ def router_deployment(config: ClusterFile) -> dict:
             "--settings-json",
             json.dumps(settings.model_dump(mode="json", exclude_defaults=True)),
         ],
-        "env": SECRET_ENV + API_KEYS_ENV + CACHE_ENV,
+        "env": SECRET_ENV + REDIS_ENV + API_KEYS_ENV + CACHE_ENV,
         "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
         "resources": {
             "requests": {"cpu": "1", "memory": "2Gi"},
@@ -293,10 +301,18 @@ def router_deployment(config: ClusterFile) -> dict:
         "securityContext": NON_ROOT,
         "containers": [container],
         "volumes": [_models_volume()],
+        # Routers on different nodes where there are several: a node lost leaves one serving.
+        "topologySpreadConstraints": [
+            {
+                "maxSkew": 1,
+                "topologyKey": "kubernetes.io/hostname",
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": labels("router")},
+            }
+        ],
     }
-    return _deployment(
-        "router", 1, spec, {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0}}
-    )
+    strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0}}
+    return _deployment("router", config.router.replicas, spec, strategy)
 
 
 # KubeRay mode --------------------------------------------------------------------------------
@@ -314,7 +330,7 @@ def kuberay(config: ClusterFile) -> list[dict]:
                     {
                         "name": "ray-head",
                         "image": _image(gpus),
-                        "env": SECRET_ENV + API_KEYS_ENV + CACHE_ENV,
+                        "env": SECRET_ENV + REDIS_ENV + API_KEYS_ENV + CACHE_ENV,
                         "ports": [
                             {"name": "gcs", "containerPort": 6379},
                             {"name": "dashboard", "containerPort": 8265},
@@ -348,7 +364,7 @@ def kuberay(config: ClusterFile) -> list[dict]:
                 {
                     "name": "ray-worker",
                     "image": _image(pool.uses_gpus),
-                    "env": SECRET_ENV + CACHE_ENV,
+                    "env": SECRET_ENV + REDIS_ENV + CACHE_ENV,
                     "resources": pool_resources(config, pool),
                     "securityContext": NO_ESCALATION,
                     "volumeMounts": [

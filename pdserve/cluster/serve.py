@@ -1,18 +1,24 @@
-"""`pdserve serve`: the whole cluster on one host, with no Redis and no Ray.
+"""`pdserve serve`: the whole cluster on one host, with no Ray (and no Redis, unless several
+routers share it).
 
 Starts the workers as child processes, waits until their engines are ready, then runs the
-router in this process. Ctrl-C or SIGTERM stops the router and every child it started.
+router in this process. With `--routers N`, N-1 more routers run as child processes on the
+next ports, sharing the flex split, the prefix index, the admission capacity and revoked keys
+through a Redis server started here with a password (router/shared_state.py). Ctrl-C or
+SIGTERM stops the routers and every child it started.
 """
 
 import argparse
 import asyncio
 import os
+import secrets
 import signal
 import socket
 import sys
 import tempfile
 from pathlib import Path
 
+from pdserve.cluster import local_services
 from pdserve.cluster.console import say
 from pdserve.cluster.local_workers import (
     OMP_BIND_ENV,
@@ -29,8 +35,17 @@ from pdserve.settings.cluster_secret import ensure_cluster_secret
 from pdserve.settings.command_line import add_arguments, from_arguments
 from pdserve.settings.engine import EngineSettings
 from pdserve.settings.json_logs import configure_logging
+from pdserve.settings.redis_url import PASSWORD_ENV
 from pdserve.settings.router import RouterSettings
 from pdserve.settings.worker import WorkerSettings
+from pdserve.worker.processes import (
+    ChildError,
+    free_port,
+    is_listening,
+    spawn,
+    stop_group,
+    wait_until,
+)
 from router.command import check_files, run_router
 
 CPU_BINDINGS = ("auto", "none", "split")
@@ -71,6 +86,15 @@ def add_parser(subparsers) -> None:
         help="N flex workers instead of --prefill/--decode: each can prefill or decode, the "
         "router gives half of them (rounded down) the prefill role and changes roles live "
         "(`pdserve roles`, --flex-auto) (default: 0)",
+    )
+    parser.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="routers over the same workers: router i listens on --port + i (on free ports "
+        "with --port 0) and they share the cluster's state through a Redis server started "
+        "here; any of them may stop and the others keep serving (default: 1)",
     )
     parser.add_argument(
         "--colocated",
@@ -119,6 +143,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.colocated and (args.decode < 1 or args.prefill < 0):
         print("pdserve serve: need --decode >= 1 and --prefill >= 0", file=sys.stderr)
         return 2
+    if args.routers < 1:
+        print("pdserve serve: --routers: must be >= 1", file=sys.stderr)
+        return 2
     if (args.prefill_tensor_parallel_size or 1) < 1:
         print("pdserve serve: --prefill-tensor-parallel-size: must be >= 1", file=sys.stderr)
         return 2
@@ -163,24 +190,60 @@ def run(args: argparse.Namespace) -> int:
         binds = [{OMP_BIND_ENV: share} for share in shares]
         pairs = zip(plan, shares, strict=True)
         say("cores per worker: " + ", ".join(f"{w.role} {share}" for w, share in pairs))
+    others, redis_group = [], 0
     try:
+        if args.routers > 1:
+            os.environ[PASSWORD_ENV] = secrets.token_urlsafe(24)  # the children inherit it
+            url, redis_group = local_services.start_redis(
+                log_dir / "redis.log", os.environ[PASSWORD_ENV], dies_with_parent=True
+            )
+            router = router.model_copy(update={"registry": url})
+            say(f"shared state: redis-server at {url} (password in ${PASSWORD_ENV})")
         for settings, bind in zip(plan, binds, strict=True):
             workers.append(start_worker(settings, log_dir, threads, env=bind))
         wait_ready(workers, router.worker_ready_timeout_s, progress=say)
         addresses = [worker.address for worker in workers]
         serving = router.model_copy(update={"worker_addresses": addresses})
+        others = _start_other_routers(serving, args.routers - 1, args.port == 0, log_dir)
         asyncio.run(run_router(serving, model, listener))
         return 0
-    except RuntimeError as error:
+    except (RuntimeError, ChildError) as error:
         say(f"pdserve serve: {error}")
         return 1
     except KeyboardInterrupt:
         return 0
     finally:
         listener.close()
+        for process in others:
+            stop_group(process.pid, process=process)
         if workers:
             say(f"stopping {len(workers)} worker(s)")
         stop_workers(workers)
+        if redis_group:
+            stop_group(redis_group)
+
+
+def _start_other_routers(
+    serving: RouterSettings, count: int, free_ports: bool, log_dir: Path
+) -> list:
+    """`count` more routers (`pdserve router`) over the same workers and shared state, on the
+    ports after the first router's (or free ones), each listening before this returns."""
+    started = []
+    try:
+        for i in range(1, count + 1):
+            port = free_port() if free_ports else serving.port + i
+            log = log_dir / f"router-{i}.log"
+            settings = serving.model_copy(update={"port": port}).model_dump_json()
+            command = [sys.executable, "-m", "pdserve.cluster.cli", "router"]
+            process = spawn([*command, "--settings-json", settings], log)
+            started.append(process)
+            wait_until(lambda p=port: is_listening(p), process, 120, f"router {i}", log)
+            say(f"router {i} at http://{serving.host}:{port}/v1")
+    except BaseException:
+        for process in started:
+            stop_group(process.pid, process=process)
+        raise
+    return started
 
 
 def _worker_plan(args, decode: WorkerSettings, transports: list[str]) -> list[WorkerSettings]:

@@ -13,6 +13,7 @@ from pdserve.cluster.cluster_state import ClusterState
 from pdserve.cluster.cluster_target import add_target_arguments, router_roles, target_state
 from pdserve.kinds import Role
 from pdserve.settings.base import ConfigError
+from pdserve.settings.redis_url import masked
 from pdserve.worker.registry import read_members
 
 
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         "name": state.name,
         "router": state.router_url,
         "ray": state.ray_address,
-        "registry": state.registry_url,
+        "registry": masked(state.registry_url),
         "workers": rows,
         "keeper": keeper,
     }

@@ -107,6 +107,13 @@ class TransportSection(Settings):
 class RouterSection(Settings):
     host: Host
     port: Port
+    replicas: int = Field(
+        2,
+        ge=1,
+        description="the Kubernetes router Deployment's replicas: they share the cluster's "
+        "state in its Redis and any of them may stop (`pdserve up` starts one; more with "
+        "`pdserve router --registry`)",
+    )
     policy: Policy
     route_policy: RoutePolicy
     disaggregate_min_tokens: DisaggregateMinTokens

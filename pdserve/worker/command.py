@@ -193,8 +193,8 @@ async def _join_registry(settings: WorkerSettings, service, address: str, engine
     try:
         await membership.join()
     except Exception as error:
-        log.error("cannot join the registry at %s: %s", settings.registry, error)
-        service.engine_failed(f"cannot join the registry at {settings.registry}: {error}")
+        log.error("cannot join the registry at %s: %s", registry.url, error)
+        service.engine_failed(f"cannot join the registry at {registry.url}: {error}")
         await registry.close()
         return None
     service.leave_pools = membership.leave

@@ -11,6 +11,8 @@ import asyncio
 import json
 from dataclasses import asdict, dataclass, field
 
+from pdserve.settings.redis_url import connect, masked
+
 TTL_HEARTBEATS = 2
 
 
@@ -57,11 +59,9 @@ class Registry:
     """The membership records of one cluster in one Redis database (asyncio client)."""
 
     def __init__(self, url: str, cluster: str) -> None:
-        import redis.asyncio as redis
-
-        self.url = url
+        self.url = masked(url)  # for messages
         self.prefix = f"pdserve:{cluster}:worker:"
-        self.redis = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+        self.redis = connect(url)
 
     async def put(self, record: WorkerRecord, ttl_s: float) -> None:
         await self.redis.set(

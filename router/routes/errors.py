@@ -45,7 +45,8 @@ async def authenticate(request: Request, call_next):
     """Middleware: every path but the app's open ones needs one of its API keys."""
     state = request.app.state
     header = request.headers.get("authorization")
-    if request.url.path in state.unguarded or is_authorized(header, state.api_keys):
+    revoked = state.sync.revoked if state.sync is not None else frozenset()
+    if request.url.path in state.unguarded or is_authorized(header, state.api_keys, revoked):
         return await call_next(request)
     error = unauthorized(header)
     state.metrics.errors.labels(error.kind).inc()

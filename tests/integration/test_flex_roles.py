@@ -1,21 +1,31 @@
-"""Flex workers on one real cluster (`pdserve serve --flex 3`): roles change under a steady
-stream of greedy requests with no engine restart, every request succeeds with vLLM's offline
-output, a worker moved to the prefill pool finishes the decodes it had, and no KV block leaks.
+"""Flex workers on one real cluster (`pdserve serve --flex 3 --routers 2`): roles change under a
+steady stream of greedy requests with no engine restart, every request succeeds with vLLM's
+offline output, a worker moved to the prefill pool finishes the decodes it had, and no KV block
+leaks. Its two routers share the split through the Redis `serve` started: a change through one
+is in effect at the other within a second, and a third router joining that state, killed under
+load, leaves the others serving the retries of its clients.
 """
 
 import asyncio
+import os
+import re
+import signal
 import time
 
 import httpx
+import psutil
 import pytest
 
+from pdserve.settings.redis_url import PASSWORD_ENV
 from tests.integration.conftest import (
     SERVED_MODEL,
     _stop_and_check,
     router_in_front_of,
+    router_over,
     start_server,
 )
 from tests.integration.kv_stress import kv_baseline, wait_for_kv_baseline
+from tests.integration.processes import children, command_line
 from tests.integration.prompts import MAX_TOKENS, PROMPTS, long_prompt
 from tests.waiting import until, wait_for
 
@@ -27,7 +37,7 @@ BURST = 6  # long prompts at once: seconds of backlog for one prefill worker
 
 @pytest.fixture(scope="module")
 def flex_server(smollm2_dir, tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("flex"), "--flex", "3")
+    server = start_server(tmp_path_factory.mktemp("flex"), "--flex", "3", "--routers", "2")
     yield server
     _stop_and_check(server)
 
@@ -41,8 +51,23 @@ def flex_cluster(flex_server):
 
 
 def roles(server) -> dict[str, str]:
-    view = httpx.get(f"{server.url}/pdserve/roles", timeout=10).json()
+    return roles_at(server.url)
+
+
+def roles_at(url: str) -> dict[str, str]:
+    view = httpx.get(f"{url}/pdserve/roles", timeout=10).json()
     return {row["worker"]: row["role"] for row in view["workers"]}
+
+
+def second_router(server) -> str:
+    """`serve --routers 2`'s other router: on the first one's port + 1."""
+    host, port = server.url.rsplit(":", 1)
+    return f"{host}:{int(port) + 1}"
+
+
+def routers_counted(url: str) -> float:
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    return float(re.search(r"^pdserve_routers (\S+)$", metrics, re.M).group(1))
 
 
 def set_split(server, prefill: int) -> dict:
@@ -209,3 +234,91 @@ def test_the_automatic_ratio_follows_a_burst_of_long_prompts(flex_cluster, tmp_p
         ]
         print("\n".join(moves))
         assert len(moves) == 2 and "prefill_backlog_per_worker=" in moves[0]
+
+
+def test_a_split_set_through_one_router_is_in_effect_at_the_other_within_a_second(flex_cluster):
+    other = second_router(flex_cluster)
+    assert roles_at(other) == roles(flex_cluster)
+    assert routers_counted(flex_cluster.url) == routers_counted(other) == 2
+    set_split(flex_cluster, 2)
+    changed_at = time.monotonic()
+    wanted = roles(flex_cluster)
+    wait_for(lambda: roles_at(other) == wanted, 5, "the other router to take the split")
+    seconds = time.monotonic() - changed_at
+    print(f"a split set through one router in effect at the other after {seconds:.2f} s")
+    assert seconds < 1.0
+    prefill = {worker for worker, role in wanted.items() if role == "prefill"}
+    for index in range(2):  # each of the new prefill pool's workers may be picked
+        reply = httpx.post(
+            f"{other}/v1/completions",
+            json={"model": SERVED_MODEL, "prompt": PROMPTS[index], "max_tokens": 4},
+            headers={"x-pdserve-route": "disaggregated"},
+            timeout=60,
+        )
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["x-pdserve-prefill-worker"] in prefill
+
+
+STREAMS = 3
+STREAM_TOKENS = 64  # seconds of decoding: the streams are running when their router dies
+
+
+def test_a_router_killed_under_load_leaves_the_others_serving_its_clients_retries(
+    flex_cluster, tmp_path, monkeypatch
+):
+    """A third router joins the shared state (its URL from serve's log, the password from
+    serve's environment, as an operator's would come from a Secret), serves streams, and is
+    SIGKILLed once every stream has its first token; each client retries at the first router."""
+    url = re.search(r"shared state: redis-server at (\S+)", flex_cluster.log()).group(1)
+    password = psutil.Process(flex_cluster.process.pid).environ()[PASSWORD_ENV]
+    monkeypatch.setenv(PASSWORD_ENV, password)  # the third router inherits it
+    addresses = [worker["address"] for worker in flex_cluster.workers()]
+    with router_over(addresses, tmp_path, registry=url) as third:
+        wait_for(lambda: routers_counted(flex_cluster.url) == 3, 10, "three routers counted")
+        assert roles_at(third) == roles(flex_cluster)  # it took the shared split
+        port = int(third.rsplit(":", 1)[1])
+        (pid,) = [
+            child
+            for child in children(os.getpid())
+            if any(f'"port": {port}' in part for part in command_line(child))
+        ]
+        body = {
+            "model": SERVED_MODEL,
+            "max_tokens": STREAM_TOKENS,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+
+        async def client(http: httpx.AsyncClient, index: int, streaming: asyncio.Event, n: list):
+            request = {**body, "prompt": PROMPTS[index], "stream": True}
+            try:
+                async with http.stream("POST", f"{third}/v1/completions", json=request) as reply:
+                    async for line in reply.aiter_lines():
+                        if line.startswith("data: {"):
+                            n.append(index)
+                            if len(set(n)) == STREAMS:
+                                streaming.set()
+                return "finished at the third router"
+            except httpx.TransportError:  # its router died mid-stream: retry at another
+                retry = await http.post(
+                    f"{flex_cluster.base_url}/completions", json={**body, "prompt": PROMPTS[index]}
+                )
+                assert retry.status_code == 200, retry.text
+                assert retry.json()["usage"]["completion_tokens"] == STREAM_TOKENS
+                return "retried at the first router"
+
+        async def scenario():
+            streaming, started = asyncio.Event(), []
+            async with httpx.AsyncClient(timeout=120) as http:
+                clients = [
+                    asyncio.create_task(client(http, i, streaming, started)) for i in range(STREAMS)
+                ]
+                await asyncio.wait_for(streaming.wait(), 60)
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
+                return await asyncio.gather(*clients)
+
+        outcomes = asyncio.run(scenario())
+    print(f"{STREAMS} streams at a router killed mid-stream: {outcomes}")
+    assert "retried at the first router" in outcomes
+    wait_for(lambda: routers_counted(flex_cluster.url) == 2, 10, "the dead router uncounted")
+    assert routers_counted(second_router(flex_cluster)) == 2

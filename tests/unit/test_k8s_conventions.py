@@ -292,3 +292,28 @@ def test_only_pdserve_pods_reach_redis_and_the_workers():
     gateway = ("gateway-system", {"app": "envoy"})
     assert admitted(policies, gateway, epp, 9002)
     assert not admitted(policies, gateway, prefill, GRPC_PORT)
+
+
+def test_several_routers_share_an_authenticated_redis_and_one_may_be_drained():
+    objects = build(OVERLAYS / "gpu-8b/deployments")
+    router = by_kind(objects, "Deployment")["pdserve-router"]
+    assert router["spec"]["replicas"] >= 2
+    (budget,) = [
+        pdb
+        for pdb in by_kind(objects, "PodDisruptionBudget").values()
+        if pdb["spec"]["selector"]["matchLabels"] == router["spec"]["selector"]["matchLabels"]
+    ]
+    assert budget["spec"]["maxUnavailable"] < router["spec"]["replicas"]  # a drain leaves one
+    (redis,) = by_kind(objects, "StatefulSet")["redis"]["spec"]["template"]["spec"]["containers"]
+    password = {"secretKeyRef": {"name": "pdserve-redis", "key": "password"}}
+    assert "--requirepass" in redis["args"] and "--protected-mode" not in redis["args"]
+    assert {"name": "REDISCLI_AUTH", "valueFrom": password} in redis["env"]
+    pdserve_containers = [
+        container
+        for obj in by_kind(objects, "Deployment").values()
+        if obj["metadata"]["name"].startswith("pdserve-")
+        for container in obj["spec"]["template"]["spec"]["containers"]
+    ]
+    assert len(pdserve_containers) >= 3  # the router and both pools
+    for container in pdserve_containers:
+        assert {"name": "PDSERVE_REDIS_PASSWORD", "valueFrom": password} in container["env"]

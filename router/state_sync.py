@@ -1,0 +1,114 @@
+"""The loop that keeps this router's view equal to what the cluster's routers share in Redis
+(router/shared_state.py): every `interval_s`, the flex split (this router's changes out, the
+others' in), the prefix index's additions both ways, the lease on --flex-auto's decisions;
+every PRESENCE_EVERY_S, its presence (so the others count it) and the revoked API keys.
+
+A role changed through one router is in effect at every other within two intervals (0.2 s by
+default). While Redis is away each router serves from its last view and says so in its log
+once per outage; what it changed meanwhile is shared when Redis answers again.
+"""
+
+import asyncio
+import logging
+import time
+
+from router.flex_roles import FlexRoles
+from router.prefix_index import PrefixIndex
+from router.shared_state import PRESENCE_EVERY_S, Peers, PrefixEntry, SharedState
+
+log = logging.getLogger("pdserve.router")
+
+
+class StateSync:
+    def __init__(
+        self,
+        shared: SharedState,
+        roles: FlexRoles,
+        index: PrefixIndex | None,
+        peers: Peers,
+        flex_auto: bool,
+        metrics=None,
+    ) -> None:
+        """`metrics`: router/metrics.py's RouterMetrics, for the router count and failures."""
+        self.shared = shared
+        self.roles = roles
+        self.index = index
+        self.peers = peers
+        self.flex_auto = flex_auto
+        self.metrics = metrics
+        self.revoked: frozenset[str] = frozenset()  # SHA-256 digests of revoked API keys
+        self.prefix_after: str | None = None  # the last prefix-stream entry read
+        self.presence_at = -PRESENCE_EVERY_S
+        self.failing = False
+        if index is not None:
+            index.outbox = []
+        if flex_auto:
+            roles.leads_ratio = False  # until the lease is held
+
+    async def once(self) -> None:
+        """One round; raises when Redis does not answer (the caller logs and retries)."""
+        now = time.monotonic()
+        if now - self.presence_at >= PRESENCE_EVERY_S:
+            self.peers.routers = await self.shared.announce()
+            self.revoked = await self.shared.revoked_keys()
+            if self.metrics is not None:
+                self.metrics.routers.set(self.peers.routers)
+            self.presence_at = now
+        await self.push_roles()
+        self.roles.take_shared(*await self.shared.roles())
+        if self.flex_auto:
+            self.roles.leads_ratio = await self.shared.hold_ratio_lease()
+        if self.index is not None:
+            await self.sync_prefixes()
+
+    async def push_roles(self) -> None:
+        changes = self.roles.changes()
+        if not any(changes[:3]):
+            return
+        try:
+            await self.shared.set_roles(*changes)
+        except BaseException:
+            self.roles.unshared(*changes)
+            raise
+
+    async def sync_prefixes(self) -> None:
+        if self.prefix_after is None:
+            self.prefix_after = await self.shared.prefix_position()
+        outbox, self.index.outbox = self.index.outbox, []
+        mine = [PrefixEntry(self.shared.me, address, tuple(h)) for address, h in outbox]
+        try:
+            if mine:
+                await self.shared.publish_prefixes(mine)
+        except BaseException:
+            self.index.outbox = outbox + self.index.outbox
+            raise
+        entries, self.prefix_after = await self.shared.read_prefixes(self.prefix_after)
+        for entry in entries:
+            if entry.router != self.shared.me:
+                self.index.learn(entry.address, list(entry.hashes))
+
+    async def follow(self, interval_s: float) -> None:
+        """Forever (cancel to stop); leaves the shared presence when cancelled."""
+        try:
+            while True:
+                try:
+                    await self.once()
+                    if self.failing:
+                        log.info("shared state at %s answers again", self.shared.url)
+                    self.failing = False
+                except Exception as error:  # Redis away: serve from the last view
+                    if self.metrics is not None:
+                        self.metrics.shared_state_failures.inc()
+                    if not self.failing:
+                        log.warning(
+                            "cannot reach the shared state at %s (serving from the last view): %s",
+                            self.shared.url,
+                            error,
+                        )
+                    self.failing = True
+                await asyncio.sleep(interval_s)
+        finally:
+            try:
+                await asyncio.wait_for(self.shared.leave(), 2.0)
+            except Exception:  # gone anyway once its presence expires
+                pass
