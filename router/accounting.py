@@ -9,6 +9,9 @@ import json
 import logging
 import time
 
+from opentelemetry import trace
+
+from pdserve import tracing
 from pdserve.kinds import RoutePath
 from pdserve.settings.router import WITH_PREFILL
 from pdserve.worker.protocol import worker_pb2
@@ -67,6 +70,7 @@ class Accounting:
             carrier = decode.kv.transport or run.prefill.transport  # gloo for nccl on CPUs
             metrics.kv_bytes.labels(carrier).observe(decode.kv.bytes)
             metrics.kv_seconds.labels(carrier).observe(decode.kv.seconds)
+            _kv_transfer_span(run, decode.kv, carrier)
             if decode.kv.failed:
                 metrics.kv_failures.labels(decode.kv.failure or "timeout").inc()
         failed = run.prefill.error is not None or (decode is not None and decode.kv.failed)
@@ -154,3 +158,24 @@ def _disaggregated_timing(run: RequestRun, decode: worker_pb2.RequestTiming) -> 
         exposed_transfer=max(0.0, decode.queued_seconds - waited_during_prefill),
         first_decode_step=decode.prefill_seconds,
     )
+
+
+def _kv_transfer_span(run: RequestRun, kv, carrier: str) -> None:
+    """The KV transfer as the decode worker measured it, ending when its first token came."""
+    if not tracing.tracing() or run.trace is None:
+        return
+    loaded_at = run.second_token_at or run.first_token_at or time.monotonic()
+    end_ns = time.time_ns() - round((time.monotonic() - loaded_at) * 1e9)
+    span = tracing.tracer().start_span(
+        "pdserve.kv_transfer",
+        context=run.trace,
+        start_time=end_ns - round(kv.seconds * 1e9),
+        attributes={
+            "pdserve.transport": carrier,
+            "pdserve.kv_bytes": kv.bytes,
+            "pdserve.failed": kv.failed,
+        },
+    )
+    if kv.failed:
+        span.set_status(trace.StatusCode.ERROR, kv.failure or "timeout")
+    span.end(end_time=end_ns)

@@ -57,8 +57,10 @@ async def run_router(settings: RouterSettings, model: str, listener=None) -> Non
     """Serve until stopped; on `listener` (a bound, listening socket) when given."""
     import uvicorn
 
+    from pdserve import tracing
     from router.app import create_app
 
+    tracing.export_to(settings.otlp_endpoint, "pdserve-router")
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(settings, model),
@@ -72,6 +74,7 @@ async def run_router(settings: RouterSettings, model: str, listener=None) -> Non
         await server.serve(sockets=[listener] if listener is not None else None)
     finally:
         announce.cancel()
+        tracing.flush()
 
 
 async def _announce_when_started(server, settings: RouterSettings) -> None:

@@ -28,6 +28,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from opentelemetry import trace
+
 from pdserve.worker.fan_out import fan_out
 from pdserve.worker.protocol import worker_pb2
 from router.errors import ErrorKind, OpenAIError, worker_failed
@@ -120,7 +122,11 @@ def continuation(
     the prompt, and the relayed tokens, itself), within the request's remaining time."""
     run.migrations += 1
     metrics.migrations.inc()
+    lost = run.decode_worker.worker_id if run.decode_worker is not None else ""
     worker = run.decode_worker = pool.pick(TAKES_REQUESTS)
+    trace.get_current_span().add_event(
+        "pdserve.migration", {"pdserve.from": lost, "pdserve.to": worker.worker_id}
+    )
     timeout = run.time_left()
     streams = [
         functools.partial(

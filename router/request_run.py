@@ -37,6 +37,7 @@ class RequestRun:
     last_chunk: worker_pb2.GenerateChunk | None = None
     migrations: int = 0
     choices: int = 1  # sampled from the prompt (n, or best_of)
+    trace: object = None  # the OpenTelemetry context of the request's span (pdserve/tracing.py)
 
     def time_left(self) -> float:
         """Seconds until the request's deadline; a 504 once it has passed."""

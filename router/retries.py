@@ -12,6 +12,9 @@ compatible are paired.
 import asyncio
 import logging
 
+from opentelemetry import trace
+
+from pdserve import tracing
 from pdserve.costs.path_prices import RouteDecision, by_length, estimate
 from pdserve.kinds import Role, RoutePath, RouteReason
 from pdserve.settings.router import LENGTH, RouterSettings
@@ -61,7 +64,16 @@ class Starter:
         tried: set[str] = set()
         tried_prefill: set[str] = set()
         while True:
-            worker, prefill = self._workers(run, request, tried, tried_prefill)
+            with tracing.tracer().start_as_current_span("pdserve.route") as span:
+                worker, prefill = self._workers(run, request, tried, tried_prefill)
+                span.set_attributes(
+                    {
+                        "pdserve.path": str(run.route),
+                        "pdserve.reason": str(run.decision.reason) if run.decision else "",
+                        "pdserve.worker": worker.worker_id,
+                        "pdserve.prefill_worker": prefill.worker_id if prefill else "",
+                    }
+                )
             chunks, headers = self._send(run, request, worker, prefill, len(tried_prefill))
             try:
                 first = await anext(chunks)
@@ -73,6 +85,9 @@ class Starter:
                     raise
                 self.pool.mark_down(worker)
                 tried.add(worker.address)
+                trace.get_current_span().add_event(
+                    "pdserve.retry", {"pdserve.worker": worker.worker_id, "why": error.message}
+                )
                 if len(tried) >= MAX_ATTEMPTS:
                     raise
                 log.warning("request %s: %s; trying another worker", run.request_id, error.message)
@@ -194,6 +209,9 @@ class Starter:
         the local path when none is left or MAX_ATTEMPTS were tried."""
         self.pool.mark_down(prefill)
         tried.add(prefill.address)
+        trace.get_current_span().add_event(
+            "pdserve.retry", {"pdserve.prefill_worker": prefill.worker_id, "why": error.message}
+        )
         others = [w for w in self.pool.live((Role.PREFILL,)) if w.address not in tried]
         if others and len(tried) < MAX_ATTEMPTS:
             self.metrics.prefill_lost.labels("another_prefill").inc()

@@ -13,7 +13,9 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 
+from pdserve import tracing
 from pdserve.kinds import Role
 from pdserve.settings import tls
 from pdserve.settings.cluster_secret import secret_metadata
@@ -122,7 +124,13 @@ class WorkerClient:
         worker: the call is cancelled and an explicit Abort follows."""
         if self._closed:  # it left the pools while the request waited for it (never a 500)
             raise worker_unavailable(f"worker {self.worker_id} left the pools")
-        call = self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
+        span = tracing.tracer().start_span(
+            _call_name(request),
+            kind=trace.SpanKind.CLIENT,
+            attributes={"pdserve.worker": self.worker_id, "pdserve.request_id": request.request_id},
+        )
+        metadata = self.metadata + tuple(tracing.trace_headers(span).items())
+        call = self.stub.Generate(request, timeout=timeout, metadata=metadata)
         finished = False
         self.users += 1
         self.load.sent(len(request.prompt_token_ids))
@@ -131,8 +139,10 @@ class WorkerClient:
                 finished = bool(chunk.finish_reason)
                 yield chunk
         except grpc.aio.AioRpcError as error:
+            span.set_status(trace.StatusCode.ERROR, f"{error.code().name}: {error.details()}")
             raise self._to_openai_error(error, timeout) from None
         finally:
+            span.end()
             self.users -= 1
             if not finished:
                 call.cancel()
@@ -168,3 +178,10 @@ class WorkerClient:
         self._closed = True
         if self._channel is not None:
             await self._channel.close()
+
+
+def _call_name(request: worker_pb2.GenerateRequest) -> str:
+    """The span of a call: a prefill leg sends the prompt's KV, a decode leg receives it."""
+    if not request.HasField("kv"):
+        return "pdserve.generate"
+    return "pdserve.prefill_leg" if request.kv.send_to else "pdserve.decode_leg"

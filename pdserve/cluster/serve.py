@@ -132,9 +132,10 @@ def add_parser(subparsers) -> None:
             "kv_transport",
             "kv_integrity",
             "kv_fault",
+            "otlp_endpoint",
         ),
     )
-    add_arguments(parser, RouterSettings, exclude=("model", "registry", "cluster"))
+    add_arguments(parser, RouterSettings, exclude=("model", "registry", "cluster", "otlp_endpoint"))
     add_arguments(parser.add_argument_group("engine"), EngineSettings)
     parser.set_defaults(run=run)
 
@@ -165,7 +166,9 @@ def run(args: argparse.Namespace) -> int:
         decode = from_arguments(
             WorkerSettings, args, role=Role.DECODE, engine=engine, host="127.0.0.1", port=0
         )
-        router = from_arguments(RouterSettings, args, model=engine.model)
+        router = from_arguments(
+            RouterSettings, args, model=engine.model, otlp_endpoint=decode.otlp_endpoint
+        )
         check_files(router)  # before any worker; the workers inherit the TLS folder
         ensure_cluster_secret()  # the workers inherit it; the router calls them with it
         model = resolve_model(engine.model)

@@ -44,6 +44,7 @@ from pdserve.settings.worker import (
     KvIntegrity,
     KvSendBufferMib,
     KvTransport,
+    OtlpEndpoint,
     WorkerSettings,
 )
 
@@ -150,6 +151,7 @@ class ClusterFile(Settings):
     flex: FlexPoolSection = Field(default_factory=FlexPoolSection)
     transport: TransportSection = Field(default_factory=TransportSection)
     router: RouterSection = Field(default_factory=RouterSection)
+    otlp_endpoint: OtlpEndpoint  # the router's and every worker's
     registry: RegistrySection = Field(default_factory=RegistrySection)
 
     @field_validator("name")
@@ -203,6 +205,7 @@ class ClusterFile(Settings):
             engine=engine,
             kv_transport=self.transport.kind,
             kv_integrity=self.transport.kv_integrity,
+            otlp_endpoint=self.otlp_endpoint,
             **policy,
         )
 
@@ -222,6 +225,7 @@ class ClusterFile(Settings):
             kv_timeout_s=self.transport.kv_timeout_s,
             default_max_tokens=router.default_max_tokens,
             request_timeout_s=router.request_timeout_s,
+            otlp_endpoint=self.otlp_endpoint,
         )
 
 

@@ -8,7 +8,7 @@ from pdserve.settings.base import Settings
 from pdserve.settings.cluster_secret import ClusterSecretFile
 from pdserve.settings.engine import Model
 from pdserve.settings.tls import TlsDir
-from pdserve.settings.worker import ClusterName
+from pdserve.settings.worker import ClusterName, OtlpEndpoint
 
 POLICIES = ("least-loaded", "round-robin", "cache-aware")
 ESTIMATE, LENGTH = "estimate", "length"  # how a request's path is chosen (router/route_choice.py)
@@ -97,6 +97,7 @@ class RouterSettings(Settings):
         description="a fixed list of workers instead of a registry",
         json_schema_extra={"cli": False},
     )
+    otlp_endpoint: OtlpEndpoint
     policy: Policy
     route_policy: RoutePolicy
     disaggregate_min_tokens: DisaggregateMinTokens

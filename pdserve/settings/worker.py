@@ -112,6 +112,16 @@ KvFaultSetting = Annotated[
         json_schema_extra={"metavar": "KIND:RATE"},
     ),
 ]
+OtlpEndpoint = Annotated[
+    str,
+    Field(
+        default="",
+        description="export OpenTelemetry traces over OTLP/gRPC to this collector "
+        "(http://HOST:4317: plain; https://: TLS): one trace per request across the router and "
+        "its workers, vLLM's request spans included (default: none, and no cost)",
+        json_schema_extra={"metavar": "URL"},
+    ),
+]
 ClusterName = Annotated[
     str, Field(default="pdserve", description="the cluster's name in the registry")
 ]
@@ -154,6 +164,7 @@ class WorkerSettings(Settings):
     kv_transport: KvTransport
     kv_integrity: KvIntegrity
     kv_fault: KvFaultSetting
+    otlp_endpoint: OtlpEndpoint
     cluster_secret_file: ClusterSecretFile
     tls_dir: TlsDir
     registry: str = Field(

@@ -6,6 +6,7 @@ between a prefill and a decode worker (dtype, block size, max length) come from 
 
 import os
 
+from pdserve import tracing
 from pdserve.kinds import Role
 from pdserve.settings.cluster_secret import SECRET_ENV
 from pdserve.settings.tls import TLS_DIR_ENV
@@ -172,7 +173,10 @@ def make_engine(
         quantization=engine.quantization,
         kv_transfer_config=kv_transfer_config(worker, kv_port),
         disable_log_stats=True,
+        otlp_traces_endpoint=worker.otlp_endpoint or None,  # vLLM's request spans
     )
+    if worker.otlp_endpoint:
+        tracing.engine_exports(f"pdserve-{worker.role}")
     group = _ray_placement_group(engine.tensor_parallel_size)
     # A TP group larger than this host's GPUs (a LeaderWorkerSet's leader, its Ray cluster made
     # of the group's pods: pdserve/cluster/k8s_leader_worker.py) runs on Ray's executor too.

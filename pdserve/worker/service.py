@@ -12,7 +12,9 @@ import logging
 import time
 
 import grpc
+from opentelemetry import trace
 
+from pdserve import tracing
 from pdserve.kinds import AUTO_TRANSPORT, Transport
 from pdserve.settings import json_logs
 from pdserve.worker.chunks import to_chunk
@@ -119,6 +121,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         await self._validate(request, context)
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
         request_id = request.request_id
+        span = tracing.tracer().start_span(
+            "pdserve.worker.generate",
+            context=tracing.joined(dict(context.invocation_metadata() or ())),
+            kind=trace.SpanKind.SERVER,
+            attributes={"pdserve.worker": self.worker_id, "pdserve.leg": _leg(request)},
+        )
+        trace_headers = tracing.trace_headers(span) or None  # vLLM's request span: a child
         choices = choice_count(request.sampling)
         engine_ids = [request_id]  # one engine request per choice
         if choices > 1:
@@ -133,7 +142,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 for i in range(choices)
             ]
             streams = [
-                functools.partial(self.engine.generate, prompt, sampling, engine_id)
+                functools.partial(
+                    self.engine.generate, prompt, sampling, engine_id, trace_headers=trace_headers
+                )
                 for sampling, engine_id in zip(samplings, engine_ids, strict=True)
             ]
             async with contextlib.aclosing(fan_out(streams)) as outputs:
@@ -150,6 +161,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         finally:
             self.active.pop(request_id, None)
             self.awaiting_first_token.pop(request_id, None)
+            span.end()
 
     def _error_status(self, request) -> tuple[grpc.StatusCode, str]:
         """Why the engine ended a request with an error: on a decode leg, its KV did not come
@@ -330,3 +342,11 @@ def _tokens_to_compute(request: worker_pb2.GenerateRequest) -> int:
     if request.HasField("kv") and not request.kv.send_to:
         return prompt - request.kv.kv_tokens if request.kv.kv_tokens else 0
     return prompt
+
+
+def _leg(request) -> str:
+    """Which part of a request this call is: a prefill leg sends its KV, a decode leg receives
+    it, a whole request does neither."""
+    if not request.HasField("kv"):
+        return "whole"
+    return "prefill" if request.kv.send_to else "decode"

@@ -11,7 +11,10 @@ import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 
+from pdserve import tracing
 from router.accounting import DISCONNECTED, timing_breakdown
 from router.admission import PRIORITY_HEADER, TIMEOUT_HEADER, asking
 from router.admission_gate import Turn
@@ -45,9 +48,16 @@ async def serve(
     id_prefix: str,
 ) -> Response:
     """Admit, wait for a turn, start every run, then stream or collect the response; every
-    failure is answered as an OpenAI error and counted once."""
+    failure is answered as an OpenAI error and counted once. The request's span (its trace's
+    root, or a child of the client's `traceparent`) ends with its response."""
     state = request.app.state
     arrival = time.monotonic()
+    span = tracing.tracer().start_span(
+        f"pdserve {endpoint}", context=tracing.joined(request.headers), kind=trace.SpanKind.SERVER
+    )
+    trace_context = trace.set_span_in_context(span)
+    attached = otel_context.attach(trace_context)
+    streaming = False
     try:
         admitted = state.flow.admit(
             endpoint,
@@ -59,7 +69,11 @@ async def serve(
             request.headers.get(TIMEOUT_HEADER),
             request.headers.get(PRIORITY_HEADER),
         )
-        turn = await state.gate.enter(asking(admitted, state.settings))
+        span.set_attribute("pdserve.request_id", admitted.request_id)
+        for run in admitted.runs:
+            run.trace = trace_context
+        with tracing.tracer().start_as_current_span("pdserve.admission"):  # the queue's wait
+            turn = await state.gate.enter(asking(admitted, state.settings))
         try:
             started = await state.flow.start_all(admitted)
         except BaseException:
@@ -76,14 +90,23 @@ async def serve(
         )
         if admitted.stream:
             events = state.flow.stream(admitted, started, shape, endpoint)
+            streaming = True  # the span ends with the stream
             return StreamingResponse(
-                _giving_back(turn, events), media_type="text/event-stream", headers=headers
+                _giving_back(turn, events, span, trace_context),
+                media_type="text/event-stream",
+                headers=headers,
             )
         return await _whole(request, endpoint, admitted, started, shape, turn)
     except OpenAIError as error:
         state.flow.count_error(error, endpoint)
+        span.set_status(trace.StatusCode.ERROR, error.message)
+        span.set_attribute("http.response.status_code", error.status)
         retry = {"retry-after": str(error.retry_after_s)} if error.retry_after_s else None
         return JSONResponse(error.body(), status_code=error.status, headers=retry)
+    finally:
+        otel_context.detach(attached)
+        if not streaming:
+            span.end()
 
 
 async def _whole(
@@ -131,10 +154,19 @@ async def _until_disconnected(request: Request, work, endpoint: str):
             await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
 
 
-async def _giving_back(turn: Turn, events):
-    """The SSE events; the request's turn goes back when they end, however they end."""
+async def _giving_back(turn: Turn, events, span, trace_context):
+    """The SSE events, made in the request's trace context (a migration's calls join its
+    trace); its turn goes back and its span ends when they end, however they end."""
     try:
-        async for event in events:
+        while True:
+            attached = otel_context.attach(trace_context)
+            try:
+                event = await anext(events)
+            except StopAsyncIteration:
+                return
+            finally:
+                otel_context.detach(attached)
             yield event
     finally:
         turn.give_back()
+        span.end()

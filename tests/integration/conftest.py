@@ -38,6 +38,7 @@ from tests.integration.prompts import (
     TINY_MAX_TOKENS,
     TINY_PROMPTS,
 )
+from tests.integration.trace_collector import TraceCollector
 
 SERVED_MODEL = "smollm2"
 START_TIMEOUT_S = 600
@@ -148,9 +149,19 @@ def _session_clusters_stop_after_their_last_test(request):
 
 
 @pytest.fixture(scope="session")
-def server(smollm2_dir, tmp_path_factory) -> Server:
-    """The default cluster: 1 prefill + 1 decode worker."""
-    cluster = start_server(tmp_path_factory.mktemp("serve-logs"))
+def trace_collector():
+    """An OTLP collector the default cluster exports its traces to."""
+    collector = TraceCollector()
+    yield collector
+    collector.stop()
+
+
+@pytest.fixture(scope="session")
+def server(smollm2_dir, tmp_path_factory, trace_collector) -> Server:
+    """The default cluster: 1 prefill + 1 decode worker, exporting traces to `trace_collector`."""
+    cluster = start_server(
+        tmp_path_factory.mktemp("serve-logs"), "--otlp-endpoint", trace_collector.endpoint
+    )
     with stopped_after_last_use("server", lambda: _stop_and_check(cluster)):
         yield cluster
 
