@@ -17,6 +17,7 @@ from router.prefix_index import PrefixIndex
 from router.shared_state import PRESENCE_EVERY_S, Peers, PrefixEntry, SharedState
 
 log = logging.getLogger("pdserve.router")
+SHARE_NOW_TIMEOUT_S = 1.0
 
 
 class StateSync:
@@ -70,6 +71,14 @@ class StateSync:
         except BaseException:
             self.roles.unshared(*changes)
             raise
+
+    async def share_roles_now(self) -> None:
+        """A change asked of this router, shared before it answers; should Redis not answer,
+        the next round shares it."""
+        try:
+            await asyncio.wait_for(self.push_roles(), SHARE_NOW_TIMEOUT_S)
+        except Exception as error:
+            log.warning("role change not shared yet (%s); the next round shares it", error)
 
     async def sync_prefixes(self) -> None:
         if self.prefix_after is None:

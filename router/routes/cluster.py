@@ -107,6 +107,8 @@ async def change_roles(request: Request):
     started = time.monotonic()
     flex = request.app.state.roles
     changes = flex.set_split(counts[Role.PREFILL], counts[Role.DECODE], by="manual")
+    if request.app.state.sync is not None:  # the other routers' next round takes it
+        await request.app.state.sync.share_roles_now()
     return {
         "changes": [change.body() for change in changes],
         "seconds": time.monotonic() - started,

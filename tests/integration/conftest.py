@@ -73,6 +73,24 @@ class Server:
         )
 
 
+SHM = Path("/dev/shm")
+SHM_SETTLE_S = 15.0  # how long the last cluster's processes get to exit and clean up
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shm_left_as_found():
+    """The suite leaves /dev/shm as it found it: every engine's message queues, communicator
+    files and semaphores are gone once the last cluster has stopped (set up first, so it is
+    checked last)."""
+    before = set(SHM.iterdir())
+    yield
+    deadline = time.monotonic() + SHM_SETTLE_S
+    while (left := set(SHM.iterdir()) - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    sizes = {path.name: path.stat().st_size for path in left if path.exists()}
+    assert not sizes, f"the test suite left files in /dev/shm (name: bytes): {sizes}"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def one_cluster_secret():
     """Every cluster the tests start inherits this secret (`serve` keeps one it is given), so
