@@ -240,7 +240,8 @@ def test_a_split_set_through_one_router_is_in_effect_at_the_other_within_a_secon
     other = second_router(flex_cluster)
     started = roles(flex_cluster)  # the split the last test put back, shared within a round
     wait_for(lambda: roles_at(other) == started, 5, "both routers to agree")
-    assert routers_counted(flex_cluster.url) == routers_counted(other) == 2
+    counted = lambda: routers_counted(flex_cluster.url) == routers_counted(other) == 2  # noqa: E731
+    wait_for(counted, 5, "each router counting both")
     set_split(flex_cluster, 2)
     changed_at = time.monotonic()
     wanted = roles(flex_cluster)
@@ -268,10 +269,14 @@ def test_a_router_killed_under_load_leaves_the_others_serving_its_clients_retrie
     flex_cluster, tmp_path, monkeypatch
 ):
     """A third router joins the shared state (its URL from serve's log, the password from
-    serve's environment, as an operator's would come from a Secret), serves streams, and is
+    another router's environment, as an operator's would come from a Secret), serves streams, and is
     SIGKILLed once every stream has its first token; each client retries at the first router."""
-    url = re.search(r"shared state: redis-server at (\S+)", flex_cluster.log()).group(1)
-    password = psutil.Process(flex_cluster.process.pid).environ()[PASSWORD_ENV]
+    serve_log = (flex_cluster.log_dir / "serve.log").read_text()
+    url = re.search(r"shared state: redis-server at (\S+)", serve_log).group(1)
+    (router_1,) = [  # serve set the password after it started: its children have it
+        child for child in children(flex_cluster.process.pid) if "router" in command_line(child)
+    ]
+    password = psutil.Process(router_1).environ()[PASSWORD_ENV]
     monkeypatch.setenv(PASSWORD_ENV, password)  # the third router inherits it
     addresses = [worker["address"] for worker in flex_cluster.workers()]
     with router_over(addresses, tmp_path, registry=url) as third:

@@ -42,14 +42,16 @@ class TraceCollector(trace_service_pb2_grpc.TraceServiceServicer):
         with self.lock:
             return [(service, span) for service, span in self.spans if span.trace_id == trace_id]
 
-    def wait_for_spans(self, trace_id: bytes, names: set[str], timeout_s: float = 30):
-        """The trace's spans once every one of `names` has arrived (exports are batched)."""
+    def wait_for_spans(self, trace_id: bytes, counts: dict[str, int], timeout_s: float = 30):
+        """The trace's spans once at least `counts[name]` of each name have arrived (each
+        process exports in batches, every few seconds)."""
 
         def arrived():
             spans = self.trace(trace_id)
-            return spans if names <= {span.name for _, span in spans} else None
+            names = [span.name for _, span in spans]
+            return spans if all(names.count(n) >= c for n, c in counts.items()) else None
 
-        return wait_for(arrived, timeout_s, f"spans {sorted(names)} of the trace")
+        return wait_for(arrived, timeout_s, f"spans {counts} of the trace")
 
     def stop(self) -> None:
         self.server.stop(grace=1).wait(5)
