@@ -32,7 +32,9 @@ async def lifespan(app: FastAPI):
     registry = shared = None
     if settings.registry and not settings.worker_addresses:
         registry = Registry(settings.registry, settings.cluster)
-        following = follow_registry(pool, registry, settings.registry_refresh_s, roles.place_new)
+        following = follow_registry(
+            pool, registry, settings.registry_refresh_s, roles.place_new, state.metrics
+        )
         tasks.append(asyncio.create_task(following))
     else:
         await pool.wait_ready(settings.worker_ready_timeout_s)

@@ -207,6 +207,12 @@ class RouterMetrics:
             "last view meanwhile)",
             registry=self.registry,
         )
+        self.registry_refused = Counter(
+            "pdserve_registry_records_refused",
+            "Registry records ignored for want of a valid cluster-secret signature (a process "
+            "that can write to Redis but is not part of the cluster)",
+            registry=self.registry,
+        )
         self.kv_fallbacks = Counter(
             "pdserve_kv_fallbacks",
             "Disaggregated requests whose decode worker prefilled the prompt itself after all",

@@ -259,12 +259,19 @@ def _take_stats(pool: WorkerPool, worker: WorkerClient, poll: asyncio.Task) -> N
         pool.mark_down(worker)
 
 
-async def follow_registry(pool: WorkerPool, registry, interval_s: float, joined=None) -> None:
+async def follow_registry(
+    pool: WorkerPool, registry, interval_s: float, joined=None, metrics=None
+) -> None:
     """Keep `pool` equal to the registry's membership, forever (cancel to stop); `joined()`
-    after each sync (flex workers that joined get their role)."""
+    after each sync (flex workers that joined get their role); records ignored for want of a
+    valid signature are counted in `metrics` (RouterMetrics)."""
+    counted = 0
     while True:
         try:
             await pool.sync([record.address for record in await registry.members()])
+            if metrics is not None and registry.refused > counted:
+                metrics.registry_refused.inc(registry.refused - counted)
+                counted = registry.refused
             if joined is not None:
                 joined()
         except Exception as error:  # Redis away for a moment: keep the last membership

@@ -5,14 +5,23 @@ Each worker writes its own record under `pdserve:<cluster>:worker:<id>` with a t
 stops writing, and its record expires: it leaves the pools within two heartbeats without anyone
 having to notice the death. A draining worker deletes its record first. The router reads the
 records every 0.1 s (`follow_registry` in router/worker_pool.py).
+
+A record is signed with the cluster secret (HMAC-SHA256 over its JSON): a reader that has the
+secret ignores, and counts in `refused`, a record without a valid signature, so a process that
+can write to Redis but is not part of the cluster cannot register a worker and receive prompts.
 """
 
 import asyncio
+import hashlib
+import hmac
 import json
+import logging
 from dataclasses import asdict, dataclass, field
 
+from pdserve.settings.cluster_secret import cluster_secret
 from pdserve.settings.redis_url import connect, masked
 
+log = logging.getLogger("pdserve.registry")
 TTL_HEARTBEATS = 2
 
 
@@ -62,11 +71,13 @@ class Registry:
         self.url = masked(url)  # for messages
         self.prefix = f"pdserve:{cluster}:worker:"
         self.redis = connect(url)
+        self.refused = 0  # records read without a valid signature, ignored
+        self._refused_keys: set[bytes] = set()  # logged once each
 
     async def put(self, record: WorkerRecord, ttl_s: float) -> None:
-        await self.redis.set(
-            self.prefix + record.worker_id, record.to_json(), px=max(1, round(ttl_s * 1000))
-        )
+        text = record.to_json()
+        signed = json.dumps({"record": text, "mac": _mac(text)})
+        await self.redis.set(self.prefix + record.worker_id, signed, px=max(1, round(ttl_s * 1000)))
 
     async def remove(self, worker_id: str) -> None:
         await self.redis.delete(self.prefix + worker_id)
@@ -77,10 +88,25 @@ class Registry:
             return []
         values = await self.redis.mget(keys)
         # A record can expire between SCAN and MGET: it is simply gone.
-        return sorted(
-            (WorkerRecord.from_json(v) for v in values if v is not None),
-            key=lambda record: record.worker_id,
-        )
+        records = [self._verified(k, v) for k, v in zip(keys, values, strict=True) if v]
+        return sorted((r for r in records if r is not None), key=lambda r: r.worker_id)
+
+    def _verified(self, key: bytes, value: bytes) -> WorkerRecord | None:
+        try:
+            signed = json.loads(value)
+            text, mac = signed["record"], signed["mac"]
+        except (ValueError, KeyError, TypeError):
+            text, mac = "", ""
+        if text and (not cluster_secret() or hmac.compare_digest(mac, _mac(text))):
+            return WorkerRecord.from_json(text)
+        self.refused += 1
+        if key not in self._refused_keys and len(self._refused_keys) < 1000:
+            self._refused_keys.add(key)
+            log.warning(
+                "ignored registry record %s: not signed with the cluster secret",
+                key.decode(errors="replace"),
+            )
+        return None
 
     async def clear(self) -> int:
         """Delete every record of this cluster (`pdserve down`); returns how many there were."""
@@ -89,6 +115,14 @@ class Registry:
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+
+def _mac(text: str) -> str:
+    """The record's signature ('' in an open cluster: no secret)."""
+    secret = cluster_secret()
+    if not secret:
+        return ""
+    return hmac.new(secret.encode(), text.encode(), hashlib.sha256).hexdigest()
 
 
 def read_members(url: str, cluster: str) -> list[WorkerRecord]:

@@ -1,11 +1,14 @@
-"""The Redis registry against a real redis-server started here: records, expiry, clearing."""
+"""The Redis registry against a real redis-server started here: records, expiry, clearing, and
+records not signed with the cluster secret ignored."""
 
 import asyncio
+import json
 import time
 
 import pytest
 
 from pdserve.cluster import local_services
+from pdserve.settings.cluster_secret import SECRET_ENV
 from pdserve.worker.processes import stop_group
 from pdserve.worker.registry import RecordedLoad, Registry, WorkerRecord
 from tests.integration.processes import group_members
@@ -69,5 +72,26 @@ def test_clusters_do_not_see_each_other_and_clear_removes_only_its_own(redis_url
             await one.clear()
             await one.close()
             await two.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_record_not_signed_with_the_cluster_secret_is_ignored_and_counted(redis_url, monkeypatch):
+    monkeypatch.setenv(SECRET_ENV, "the-cluster-secret")
+
+    async def scenario():
+        registry = Registry(redis_url, "signed")
+        try:
+            await registry.put(record("decode-0"), ttl_s=30)
+            forged = json.dumps({"record": record("decode-9").to_json(), "mac": "0" * 64})
+            await registry.redis.set(registry.prefix + "decode-9", forged)
+            await registry.redis.set(registry.prefix + "decode-8", record("decode-8").to_json())
+            assert [m.worker_id for m in await registry.members()] == ["decode-0"]
+            assert registry.refused == 2
+            monkeypatch.setenv(SECRET_ENV, "another-clusters-secret")
+            assert await registry.members() == []  # signed, but not with this secret
+        finally:
+            await registry.clear()
+            await registry.close()
 
     asyncio.run(scenario())
