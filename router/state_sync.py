@@ -18,6 +18,7 @@ from router.shared_state import PRESENCE_EVERY_S, Peers, PrefixEntry, SharedStat
 
 log = logging.getLogger("pdserve.router")
 SHARE_NOW_TIMEOUT_S = 1.0
+MAX_UNSHARED_PREFIXES = 10_000  # kept while Redis is away (the newest; older ones age out)
 
 
 class StateSync:
@@ -89,7 +90,7 @@ class StateSync:
             if mine:
                 await self.shared.publish_prefixes(mine)
         except BaseException:
-            self.index.outbox = outbox + self.index.outbox
+            self.index.outbox = (outbox + self.index.outbox)[-MAX_UNSHARED_PREFIXES:]
             raise
         entries, self.prefix_after = await self.shared.read_prefixes(self.prefix_after)
         for entry in entries:
