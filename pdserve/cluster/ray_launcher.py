@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import (
 
 from pdserve.cluster.placement import WorkerSlot
 from pdserve.settings.cluster_secret import SECRET_ENV
+from pdserve.settings.redis_url import PASSWORD_ENV
 from pdserve.settings.router import RouterSettings
 from pdserve.settings.tls import TLS_DIR_ENV
 from pdserve.settings.worker import WorkerSettings
@@ -57,10 +58,11 @@ def connect(address: str, cluster: str) -> None:
 
 
 def member_env() -> dict:
-    """Ray options giving an actor this process's cluster secret and TLS folder (the keeper's
-    replacements get what `up`'s workers got): the actor checks its worker's health with them,
-    and the worker it starts inherits them. Never on a command line."""
-    names = (SECRET_ENV, TLS_DIR_ENV)
+    """Ray options giving an actor this process's cluster secret, Redis password and TLS
+    folder (the keeper's replacements get what `up`'s workers got): the actor checks its
+    worker's health with them, and the worker it starts inherits them. Never on a command
+    line."""
+    names = (SECRET_ENV, PASSWORD_ENV, TLS_DIR_ENV)
     env_vars = {name: os.environ[name] for name in names if os.environ.get(name)}
     return {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
 

@@ -106,17 +106,27 @@ def test_serve_and_up_generate_a_secret_when_none_is_given(monkeypatch):
     assert len(first) >= 40 and cluster_secret() != first
 
 
-def test_ray_actors_get_the_secret_and_tls_folder_through_their_runtime_env(monkeypatch):
+def test_ray_actors_get_the_secret_redis_password_and_tls_folder_through_their_runtime_env(
+    monkeypatch,
+):
     from pdserve.cluster.ray_launcher import member_env
+    from pdserve.settings.redis_url import PASSWORD_ENV
     from pdserve.settings.tls import TLS_DIR_ENV
 
-    monkeypatch.delenv(SECRET_ENV, raising=False)
-    monkeypatch.delenv(TLS_DIR_ENV, raising=False)
+    for name in (SECRET_ENV, PASSWORD_ENV, TLS_DIR_ENV):
+        monkeypatch.delenv(name, raising=False)
     assert member_env() == {}
     monkeypatch.setenv(SECRET_ENV, SECRET)
+    monkeypatch.setenv(PASSWORD_ENV, "redis-password")
     monkeypatch.setenv(TLS_DIR_ENV, "/etc/pdserve/tls")
     assert member_env() == {
-        "runtime_env": {"env_vars": {SECRET_ENV: SECRET, TLS_DIR_ENV: "/etc/pdserve/tls"}}
+        "runtime_env": {
+            "env_vars": {
+                SECRET_ENV: SECRET,
+                PASSWORD_ENV: "redis-password",
+                TLS_DIR_ENV: "/etc/pdserve/tls",
+            }
+        }
     }
 
 
