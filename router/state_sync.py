@@ -42,6 +42,9 @@ class StateSync:
         self.prefix_after: str | None = None  # the last prefix-stream entry read
         self.presence_at = -PRESENCE_EVERY_S
         self.failing = False
+        # A read of the shared split and the taking of it are not interleaved with a write of
+        # this router's changes: a read begun before a write would undo it here.
+        self.roles_lock = asyncio.Lock()
         if index is not None:
             index.outbox = []
         if flex_auto:
@@ -56,8 +59,9 @@ class StateSync:
             if self.metrics is not None:
                 self.metrics.routers.set(self.peers.routers)
             self.presence_at = now
-        await self.push_roles()
-        self.roles.take_shared(*await self.shared.roles())
+        async with self.roles_lock:
+            await self.push_roles()
+            self.roles.take_shared(*await self.shared.roles())
         if self.flex_auto:
             self.roles.leads_ratio = await self.shared.hold_ratio_lease()
         if self.index is not None:
@@ -77,7 +81,8 @@ class StateSync:
         """A change asked of this router, shared before it answers; should Redis not answer,
         the next round shares it."""
         try:
-            await asyncio.wait_for(self.push_roles(), SHARE_NOW_TIMEOUT_S)
+            async with asyncio.timeout(SHARE_NOW_TIMEOUT_S), self.roles_lock:
+                await self.push_roles()
         except Exception as error:
             log.warning("role change not shared yet (%s); the next round shares it", error)
 

@@ -228,3 +228,40 @@ def test_changes_made_while_redis_is_away_are_shared_once_it_answers(redis_url):
         await other.close()
 
     asyncio.run(scenario())
+
+
+def test_a_read_begun_before_a_change_is_shared_does_not_undo_it(redis_url):
+    """The race a clean-clone CI run hit: a round read the split, a role change was asked and
+    shared meanwhile, and the round then put the old split back."""
+
+    async def scenario():
+        one = Router(redis_url, "race", "one", ["w0", "w1", "w2"])
+        await one.sync.once()
+        read_roles = one.sync.shared.roles
+        read, release = asyncio.Event(), asyncio.Event()
+
+        async def slow_read():
+            roles = await read_roles()
+            read.set()
+            await release.wait()
+            return roles
+
+        one.sync.shared.roles = slow_read
+        round_before = asyncio.create_task(one.sync.once())
+        await read.wait()  # the round holds the split as it was
+        one.roles.set_split(2, None, by="manual")
+        wanted = one.split()
+        shared = asyncio.create_task(one.sync.share_roles_now())
+        await asyncio.sleep(0.05)
+        release.set()
+        await asyncio.gather(round_before, shared)
+        assert one.split() == wanted
+        one.sync.shared.roles = read_roles
+        await one.sync.once()
+        other = Router(redis_url, "race", "other", ["w0", "w1", "w2"])
+        await other.sync.once()
+        assert one.split() == wanted == other.split()
+        await one.close()
+        await other.close()
+
+    asyncio.run(scenario())
