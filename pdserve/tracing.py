@@ -27,9 +27,11 @@ _EXPORTING = False  # set once this process exports spans
 
 def export_to(endpoint: str, service: str) -> None:
     """Export this process's spans to `endpoint` (http://HOST:PORT: plain gRPC; https: TLS)
-    as `service` (the router; in a worker vLLM's engine installs the exporter: `engine_exports`).
-    """
+    as `service` (the router; in a worker vLLM's engine installs the exporter: `engine_exports`);
+    with no endpoint, nothing."""
     global _EXPORTING
+    if not endpoint:
+        return
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
