@@ -69,11 +69,15 @@ def pdserve(*args: str, env: dict, timeout: float = 900) -> subprocess.Completed
 
 
 def worker_pids(role: str) -> list[int]:
+    """The cluster's live worker processes of `role` (not their keepers)."""
     found = []
-    for process in psutil.process_iter(["cmdline"]):
-        line = " ".join(process.info["cmdline"] or ())
-        if "worker --settings-json" in line and f'"cluster":"{NAME}"' in line:
-            if f'"role":"{role}"' in line and process.status() != psutil.STATUS_ZOMBIE:
+    for process in psutil.process_iter(["cmdline", "status"]):
+        args = process.info["cmdline"] or []
+        if "worker" not in args or "pdserve.cluster.process_keeper" in args:
+            continue
+        line = " ".join(args)
+        if f'"cluster":"{NAME}"' in line and f'"role":"{role}"' in line:
+            if process.info["status"] != psutil.STATUS_ZOMBIE:
                 found.append(process.pid)
     return found
 
