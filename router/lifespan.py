@@ -15,6 +15,7 @@ from router.state_sync import StateSync
 from router.worker_pool import WorkerPool, follow_load, follow_registry
 
 DOWN_WORKER_CHECK_S = 2.0  # how often workers marked down are asked whether they are back
+STOP_TIMEOUT_S = 3.0  # for each step of the router's stop
 
 
 @contextlib.asynccontextmanager
@@ -43,7 +44,8 @@ async def lifespan(app: FastAPI):
         shared = SharedState(settings.registry, settings.cluster, router_id(settings.port))
         index = getattr(pool.policy, "index", None)  # cache-aware's
         state.sync = StateSync(shared, roles, index, state.peers, settings.flex_auto, state.metrics)
-        tasks.append(asyncio.create_task(state.sync.follow(settings.registry_refresh_s)))
+        syncing = asyncio.create_task(state.sync.follow(settings.registry_refresh_s))
+        tasks.append(syncing)
     if settings.flex_auto:
         auto = AutoRatioSettings(
             prefill_backlog_tokens=settings.flex_auto_backlog,
@@ -51,12 +53,17 @@ async def lifespan(app: FastAPI):
         )
         tasks.append(asyncio.create_task(follow_ratio(AutoRatio(roles, auto))))
     yield
+    if state.sync is not None:  # ends between rounds, never inside a Redis command
+        state.sync.stop()
+        await asyncio.wait([syncing], timeout=STOP_TIMEOUT_S)
     for task in tasks:
         task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.wait(tasks, timeout=STOP_TIMEOUT_S)
     for client in (registry, shared):
         if client is not None:
-            await client.close()
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(STOP_TIMEOUT_S):
+                    await client.close()
     await pool.close()
 
 

@@ -9,6 +9,7 @@ once per outage; what it changed meanwhile is shared when Redis answers again.
 """
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -19,6 +20,7 @@ from router.shared_state import PRESENCE_EVERY_S, Peers, PrefixEntry, SharedStat
 log = logging.getLogger("pdserve.router")
 SHARE_NOW_TIMEOUT_S = 1.0
 MAX_UNSHARED_PREFIXES = 10_000  # kept while Redis is away (the newest; older ones age out)
+LEAVE_TIMEOUT_S = 2.0
 
 
 class StateSync:
@@ -45,6 +47,7 @@ class StateSync:
         # A read of the shared split and the taking of it are not interleaved with a write of
         # this router's changes: a read begun before a write would undo it here.
         self.roles_lock = asyncio.Lock()
+        self.stopping = asyncio.Event()  # `stop`: the loop ends between two rounds
         if index is not None:
             index.outbox = []
         if flex_auto:
@@ -102,10 +105,15 @@ class StateSync:
             if entry.router != self.shared.me:
                 self.index.learn(entry.address, list(entry.hashes))
 
+    def stop(self) -> None:
+        """End `follow` after its round: a Redis command cancelled midway can leave the
+        client's connection pool locked (redis-py), and the next command then waits forever."""
+        self.stopping.set()
+
     async def follow(self, interval_s: float) -> None:
-        """Forever (cancel to stop); leaves the shared presence when cancelled."""
+        """Until `stop` (or cancel); leaves the shared presence at the end."""
         try:
-            while True:
+            while not self.stopping.is_set():
                 try:
                     await self.once()
                     if self.failing:
@@ -121,9 +129,11 @@ class StateSync:
                             error,
                         )
                     self.failing = True
-                await asyncio.sleep(interval_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stopping.wait(), interval_s)
         finally:
             try:
-                await asyncio.wait_for(self.shared.leave(), 2.0)
+                async with asyncio.timeout(LEAVE_TIMEOUT_S):
+                    await self.shared.leave()
             except Exception:  # gone anyway once its presence expires
                 pass
