@@ -14,11 +14,12 @@ from collections import OrderedDict
 
 CHUNK_TOKENS = 64  # a divisor of vLLM's block sizes (16 on GPU, 128 on CPU): chunk ends align
 MAX_CHUNKS_PER_WORKER = 65536  # 4M tokens: more than a CPU worker's KV cache holds
+DIGEST_BYTES = 16  # per chunk hash
 
 
 def chunk_hashes(prompt_ids: list[int]) -> list[bytes]:
     """One hash per whole chunk of the prompt, each covering all tokens before its end."""
-    hashes, running = [], hashlib.blake2b(digest_size=16)
+    hashes, running = [], hashlib.blake2b(digest_size=DIGEST_BYTES)
     for end in range(CHUNK_TOKENS, len(prompt_ids) + 1, CHUNK_TOKENS):
         running.update(
             b"".join(t.to_bytes(4, "little") for t in prompt_ids[end - CHUNK_TOKENS : end])

@@ -23,12 +23,12 @@ import socket
 from dataclasses import dataclass
 
 from pdserve.settings.redis_url import connect, masked
+from router.prefix_index import DIGEST_BYTES
 
 ROUTER_TTL_S = 3.0
 PRESENCE_EVERY_S = 1.0
 LEASE_TTL_S = 3.0
 PREFIX_STREAM_LENGTH = 100_000  # about 100 MiB of chunk hashes at most
-HASH_BYTES = 16  # router/prefix_index.py's chunk digests
 
 
 def key_digest(key: str) -> str:
@@ -156,7 +156,7 @@ class SharedState:
                         router=fields[b"router"].decode(),
                         address=fields[b"address"].decode(),
                         hashes=tuple(
-                            raw[i : i + HASH_BYTES] for i in range(0, len(raw), HASH_BYTES)
+                            raw[i : i + DIGEST_BYTES] for i in range(0, len(raw), DIGEST_BYTES)
                         ),
                     )
                 )
