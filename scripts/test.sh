@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (idempotent), check style with ruff, then run the test suite: the unit tier on every core
-# (pytest-xdist: a file per process, the files importing vLLM on one: tests/unit/conftest.py),
-# then the integration tier in one process (its engines share the machine).
+# (pytest-xdist: a file per process, the files importing vLLM on one: tests/xdist_groups.py),
+# then the integration tier as two streams side by side (tests/integration/conftest.py: STREAMS).
 # Arguments go to a single pytest run instead (`tests/unit` for the unit tier alone).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,5 +13,5 @@ docs=$(NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir .cache/d
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
-.venv/bin/python -m pytest tests/unit -n auto --dist loadgroup
-exec .venv/bin/python -m pytest tests/integration
+.venv/bin/python -m pytest tests/unit -n auto
+exec .venv/bin/python -m pytest tests/integration -n 2

@@ -5,9 +5,16 @@ A vLLM engine takes ~30 s of both cores to start and ~2.5 GB, so the tests share
 session's cluster stops right after the last test that uses it (not at the session's end), so
 its memory goes back to the modules after it. Teardown checks that SIGTERM stopped the router and
 every process it started.
+
+The tier runs as two streams side by side (`pytest -n 2`, scripts/test.sh): a stream is one
+pytest-xdist process (tests/xdist_groups.py) running its modules in the order of `STREAMS`, so one
+stream's engines start while the other's tests wait on theirs. The streams together keep at
+most eight SmolLM2 engines alive (the host's 24 GiB hold about nine), and a session cluster
+belongs to one stream only. Without xdist the same order runs in one process.
 """
 
 import contextlib
+import fcntl
 import json
 import os
 import secrets
@@ -39,6 +46,7 @@ from tests.integration.prompts import (
     TINY_PROMPTS,
 )
 from tests.integration.trace_collector import TraceCollector
+from tests.xdist_groups import ModuleGroups
 
 SERVED_MODEL = "smollm2"
 START_TIMEOUT_S = 600
@@ -73,22 +81,97 @@ class Server:
         )
 
 
+# The two streams, each a list of modules in the order they run. The two largest clusters (the
+# mixed pool: 5 engines, ~12 GB; Ray: up to 4 engines and its head, ~10 GB) run one after the
+# other in stream a; stream b holds at most three SmolLM2 engines at a time (~7 GB): the default
+# cluster (stopped after its last user) beside vLLM's own server, the flex cluster, then the
+# tiny model's clusters.
+STREAMS = {
+    "a": [
+        "test_kv_transports",
+        "test_migration",
+        "test_kv_failures",
+        "test_cluster_ray",
+        "test_gpu_check",
+    ],
+    "b": [
+        "test_admission_control",
+        "test_api_keys",
+        "test_bench_real_router",
+        "test_disaggregation",
+        "test_fuzz",
+        "test_http_errors",
+        "test_openai_api",
+        "test_streaming_load",
+        "test_tracing",
+        "test_vllm_parity",
+        "test_worker_observability",
+        "test_flex_roles",
+        "test_flex_sweep",
+        "test_bfloat16",
+        "test_tensor_parallel",
+    ],
+}
+_PLACES = {
+    module: (stream, position)
+    for stream, modules in STREAMS.items()
+    for position, module in enumerate(modules)
+}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    return ModuleGroups(config, log, lambda module: _PLACES[module][0])
+
+
+def pytest_collection_modifyitems(config, items):
+    """Integration tests run in their streams' order, after any other tier's tests."""
+    ours = [item for item in items if item.module.__name__.startswith(f"{__package__}.")]
+    unplaced = {item.module.__name__ for item in ours} - {
+        f"{__package__}.{module}" for module in _PLACES
+    }
+    if unplaced:
+        raise pytest.UsageError(f"add {sorted(unplaced)} to STREAMS in {__file__}")
+    others = [item for item in items if item not in set(ours)]
+    items[:] = others + sorted(ours, key=_place)  # stable: a module's tests keep their order
+
+
+def _place(item: pytest.Item) -> tuple[str, int]:
+    return _PLACES[item.module.__name__.rpartition(".")[2]]
+
+
 SHM = Path("/dev/shm")
 SHM_SETTLE_S = 15.0  # how long the last cluster's processes get to exit and clean up
 
 
-@pytest.fixture(scope="session", autouse=True)
-def shm_left_as_found():
+def _runs_the_session(config) -> bool:
+    """This process is the run itself, not one of its xdist streams."""
+    return not hasattr(config, "workerinput")
+
+
+def pytest_configure(config):
+    if _runs_the_session(config):
+        config.stash[_SHM_BEFORE] = set(SHM.iterdir())
+
+
+_SHM_BEFORE = pytest.StashKey[set]()
+
+
+def pytest_sessionfinish(session, exitstatus):
     """The suite leaves /dev/shm as it found it: every engine's message queues, communicator
-    files and semaphores are gone once the last cluster has stopped (set up first, so it is
-    checked last)."""
-    before = set(SHM.iterdir())
-    yield
+    files and semaphores are gone once the last cluster of both streams has stopped (checked
+    where the run started, once every stream has ended)."""
+    before = session.config.stash.get(_SHM_BEFORE, None)
+    if before is None or exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
+        return
     deadline = time.monotonic() + SHM_SETTLE_S
     while (left := set(SHM.iterdir()) - before) and time.monotonic() < deadline:
         time.sleep(0.2)
     sizes = {path.name: path.stat().st_size for path in left if path.exists()}
-    assert not sizes, f"the test suite left files in /dev/shm (name: bytes): {sizes}"
+    if sizes:
+        session.config.get_terminal_writer().line(
+            f"FAILED: the test suite left files in /dev/shm (name: bytes): {sizes}", red=True
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -245,13 +328,18 @@ def vllm_server(smollm2_dir, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def offline_reference(smollm2_dir, tmp_path_factory) -> dict:
-    """Greedy outputs of vLLM's offline engine for tests/prompts.py."""
+    """Greedy outputs of vLLM's offline engine for tests/prompts.py (made once per run: both
+    streams use them)."""
     prompts = [{"prompt": p, "max_tokens": MAX_TOKENS} for p in PROMPTS]
     prompts += [{"prompt": p, "max_tokens": MAX_TOKENS, "sampling": s} for p, s in SAMPLING_CASES]
     prompts += [
         {"prompt": p, "max_tokens": DISAGGREGATED_MAX_TOKENS} for p in DISAGGREGATED_PROMPTS
     ]
-    outputs = offline_outputs(smollm2_dir, tmp_path_factory.mktemp("offline"), prompts, CHATS)
+    outputs = made_once_per_run(
+        tmp_path_factory,
+        "offline-reference",
+        lambda folder: offline_outputs(smollm2_dir, folder, prompts, CHATS),
+    )
     count, sampling = len(PROMPTS), len(SAMPLING_CASES)
     return {
         "prompts": outputs["prompts"][:count],
@@ -274,13 +362,41 @@ def tiny_completion(url: str, prompt: str, route: str) -> httpx.Response:
 
 @pytest.fixture(scope="session")
 def tiny_reference(tmp_path_factory) -> dict:
-    """Greedy outputs of vLLM's offline engine at TP=1 for the tiny model's prompts."""
-    return offline_outputs(
-        ensure_model("tiny"),
-        tmp_path_factory.mktemp("tiny-offline"),
-        [{"prompt": p, "max_tokens": TINY_MAX_TOKENS} for p in TINY_PROMPTS],
-        [],
+    """Greedy outputs of vLLM's offline engine at TP=1 for the tiny model's prompts (made once
+    per run: both streams use them)."""
+    prompts = [{"prompt": p, "max_tokens": TINY_MAX_TOKENS} for p in TINY_PROMPTS]
+    return made_once_per_run(
+        tmp_path_factory,
+        "tiny-reference",
+        lambda folder: offline_outputs(ensure_model("tiny"), folder, prompts, []),
     )
+
+
+ONCE_PER_RUN_TIMEOUT_S = 900
+
+
+def made_once_per_run(tmp_path_factory, name: str, make: Callable[[Path], dict]) -> dict:
+    """`make(folder)`'s result, made by the first stream that asks for it and read by the
+    other, which waits for it (xdist's streams share the parent of their temporary folders)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    done = root / f"{name}.json"
+    with open(root / f"{name}.lock", "w") as lock:
+        deadline = time.monotonic() + ONCE_PER_RUN_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{name}: the other stream did not make it within the deadline")
+                time.sleep(0.5)
+        if not done.exists():
+            folder = root / name
+            folder.mkdir(exist_ok=True)
+            done.write_text(json.dumps(make(folder)))
+    return json.loads(done.read_text())
 
 
 def offline_outputs(

@@ -1,5 +1,7 @@
 """`pdserve up/status/scale/down` on a real Ray cluster with 4 fake GPUs and a real Redis
-server, both started here; real vLLM workers (SmolLM2 on CPU) and the real router.
+server, both started here; real vLLM workers (the tiny random-weight Llama on CPU: Ray, the
+launcher and the keeper are under test here, and its requests leave the cores to the engines
+that start under the stream) and the real router.
 
 One cluster for the module: 1P2D up; 1P1D -> 2P1D -> 1P2D under a steady stream of requests
 (each role's pool shrinks and grows); a killed worker actor and a killed worker process, both
@@ -22,8 +24,8 @@ import ray
 from openai import OpenAI
 
 from pdserve.cluster import local_services
+from pdserve.model_store.store import ensure_model
 from pdserve.worker.processes import free_port, stop_group
-from tests.integration.conftest import KV_CACHE_GIB
 from tests.integration.processes import (
     alive,
     children,
@@ -33,10 +35,13 @@ from tests.integration.processes import (
     pids_running,
     pids_with_environment,
 )
-from tests.integration.prompts import MAX_TOKENS, PROMPTS
+from tests.integration.prompts import TINY_MAX_TOKENS as MAX_TOKENS
+from tests.integration.prompts import TINY_PROMPTS as PROMPTS
 from tests.waiting import wait_for
 
 CLUSTER = "pdtest"
+MODEL = "tiny"
+KV_CACHE_GIB = 0.25
 HEARTBEAT_S = 1.0
 ORPHAN_TIMEOUT_S = 10.0  # a SIGKILLed worker's engine processes are gone by then
 STOP_TIMEOUT_S = 30.0  # a worker whose actor was killed stops gracefully (SIGTERM) by then
@@ -79,8 +84,9 @@ def ray_and_redis(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_and_redis, smollm2_dir, tmp_path_factory):
+def cluster(ray_and_redis, tmp_path_factory):
     address, redis_url = ray_and_redis
+    ensure_model("tiny")
     folder = tmp_path_factory.mktemp("cluster")
     config = folder / "cluster.yaml"
     config.write_text(
@@ -131,7 +137,7 @@ def cluster(ray_and_redis, smollm2_dir, tmp_path_factory):
 # it, so both pools serve it (the estimate could keep short prompts on the decode workers).
 CLUSTER_FILE = """
 name: {name}
-model: {{path: smollm2, dtype: float32}}
+model: {{path: tiny, dtype: float32}}
 engine: {{kv_cache_gib: {kv_cache_gib}}}
 prefill: {{replicas: 1, tensor_parallel_size: 1, gpu_type: H100-SXM}}
 decode: {{replicas: 2, tensor_parallel_size: 1, gpu_type: H100-SXM}}
@@ -167,7 +173,7 @@ def _layout(cluster, prefill: int, decode: int) -> list[dict]:
     return _status(cluster)["workers"]
 
 
-def test_up_gives_each_worker_its_own_placement_group_and_gpu(cluster, offline_reference):
+def test_up_gives_each_worker_its_own_placement_group_and_gpu(cluster, tiny_reference):
     workers = _layout(cluster, 1, 2)  # as the cluster file has it
     names = sorted(w["worker"] for w in workers)
     groups = [
@@ -191,9 +197,9 @@ def test_up_gives_each_worker_its_own_placement_group_and_gpu(cluster, offline_r
     health = httpx.get(f"{cluster['state']['router_url']}/health", timeout=10).json()
     assert sorted(health["workers"]) == names
     reply = _client(cluster).completions.create(
-        model="smollm2", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0
+        model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0
     )
-    assert reply.choices[0].text == offline_reference["prompts"][0]["text"]
+    assert reply.choices[0].text == tiny_reference["prompts"][0]["text"]
 
 
 class SteadyStream:
@@ -237,7 +243,7 @@ class SteadyStream:
             self.sent += 1
             try:
                 raw = self.client.completions.with_raw_response.create(
-                    model="smollm2", prompt=PROMPTS[index], max_tokens=MAX_TOKENS, temperature=0
+                    model=MODEL, prompt=PROMPTS[index], max_tokens=MAX_TOKENS, temperature=0
                 )
                 reply = raw.parse()
                 expected = self.reference["prompts"][index]["text"]
@@ -274,9 +280,9 @@ def _scale(cluster, prefill: int, decode: int) -> float:
     return seconds
 
 
-def test_ratio_changes_under_a_steady_stream_fail_no_request(cluster, offline_reference):
+def test_ratio_changes_under_a_steady_stream_fail_no_request(cluster, tiny_reference):
     timings = {}
-    with SteadyStream(cluster, offline_reference) as stream:
+    with SteadyStream(cluster, tiny_reference) as stream:
         for prefill, decode in ((1, 1), (2, 1), (1, 2)):
             timings[f"{prefill}P{decode}D"] = _scale(cluster, prefill, decode)
         final, scaled = _in_pools(cluster), time.monotonic()
@@ -317,7 +323,7 @@ def _in_pools(cluster) -> set[str]:
 
 
 def test_killed_workers_leave_the_pools_and_are_replaced_with_no_failed_request(
-    cluster, offline_reference
+    cluster, tiny_reference
 ):
     """Under a steady stream, a decode worker's actor is killed (ray.kill) and the prefill
     worker's process SIGKILLed: both leave the pools within two heartbeats, no engine process of
@@ -337,7 +343,7 @@ def test_killed_workers_leave_the_pools_and_are_replaced_with_no_failed_request(
     (worker_process,) = children(rows[process_victim]["pid"])
     assert os.getpgid(worker_process) == worker_process
     old_groups = {name: _group_id(name) for name in (actor_victim, process_victim)}
-    with SteadyStream(cluster, offline_reference, threads=4, pause_s=0) as stream:
+    with SteadyStream(cluster, tiny_reference, threads=4, pause_s=0) as stream:
         wait_for(lambda: _running_everywhere(cluster, set(rows)), 60, "a request on every worker")
         ray.kill(ray.get_actor(actor_victim), no_restart=True)
         os.kill(worker_process, signal.SIGKILL)

@@ -1,16 +1,21 @@
-"""The unit tier runs on every core (pytest-xdist, `--dist loadgroup`): each file's tests stay on
-one worker process (its module fixtures are made once), and the files that import vLLM (~10 s
-of a core per process) share one, marked `VLLM_GROUP`, so vLLM is imported once per run."""
+"""The unit tier runs on every core (pytest-xdist, tests/xdist_groups.py): each file's tests stay
+on one worker process (its module fixtures are made once), and the files that import vLLM (~10 s
+of a core per process), `VLLM_MODULES`, share one, so vLLM is imported once per run."""
 
 import pytest
 
-VLLM_GROUP = pytest.mark.xdist_group("imports-vllm")
+from tests.xdist_groups import ModuleGroups
+
+VLLM_MODULES = {
+    "test_attention_support",
+    "test_bench_metrics",
+    "test_kv_compatibility",
+    "test_route_choice",
+}
 
 
-def pytest_collection_modifyitems(items):
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+def pytest_xdist_make_scheduler(config, log):
+    return ModuleGroups(config, log, lambda module: "vllm" if module in VLLM_MODULES else module)
 
 
 @pytest.fixture

@@ -7,9 +7,6 @@ import pytest
 from kv_transfer.attention_support import UnsupportedAttention, check_attention, config_uses_mla
 from kv_transfer.kv_layout import LayoutError, find_layout
 from pdserve.planner.model_spec import from_hf_config
-from tests.unit.conftest import VLLM_GROUP
-
-pytestmark = VLLM_GROUP  # imports vLLM: tests/unit/conftest.py
 
 # DeepSeek-V2-Lite's attention: a 512-wide latent and a 64-wide rope key per token.
 DEEPSEEK_V2_LITE = {

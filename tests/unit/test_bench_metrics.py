@@ -9,9 +9,8 @@ import pytest
 from pdserve.bench.arrivals import arrival_times
 from pdserve.bench.metrics import Slo, distribution, summarize
 from pdserve.bench.records import RequestRecord
-from tests.unit.conftest import VLLM_GROUP
 
-pytestmark = [pytest.mark.timeout(60), VLLM_GROUP]
+pytestmark = pytest.mark.timeout(60)
 
 DURATION = 2.0
 

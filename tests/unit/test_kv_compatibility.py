@@ -23,9 +23,6 @@ from pdserve.settings.cluster_secret import SECRET_ENV
 from router.errors import OpenAIError
 from router.policies import RoundRobin
 from router.worker_pool import WorkerPool
-from tests.unit.conftest import VLLM_GROUP
-
-pytestmark = VLLM_GROUP  # imports vLLM: tests/unit/conftest.py
 
 
 @dataclass

@@ -13,9 +13,6 @@ from pdserve.worker.protocol import worker_pb2
 from pdserve.worker.step_costs import DEFAULT_SEQUENCE_SHARE, MIN_PREFILL_TOKENS, StepCostLearner
 from router.route_choice import cluster_costs, worker_state
 from router.worker_load import WorkerLoad
-from tests.unit.conftest import VLLM_GROUP
-
-pytestmark = VLLM_GROUP  # imports vLLM: tests/unit/conftest.py
 
 FLOOR = 256
 LONG, SHORT = 1500, 100
