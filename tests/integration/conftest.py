@@ -81,17 +81,19 @@ class Server:
         )
 
 
-# The two streams, each a list of modules in the order they run. The two largest clusters (the
-# mixed pool: 5 engines, ~12 GB; Ray: up to 4 engines and its head, ~10 GB) run one after the
-# other in stream a; stream b holds at most three SmolLM2 engines at a time (~7 GB): the default
-# cluster (stopped after its last user) beside vLLM's own server, the flex cluster, then the
-# tiny model's clusters.
+# The two streams, each a list of modules in the order they run, of about equal length. Stream a
+# holds the largest cluster (the mixed pool: 5 SmolLM2 engines, ~12 GB), then the tiny model's
+# (Ray's, ~6 GB with its head; the flex sweep's; bfloat16). Stream b holds at most three SmolLM2
+# engines at a time (~7 GB): the default cluster (stopped after its last user) beside vLLM's own
+# server, the flex cluster, then the tiny model at TP 2 (~9 GB).
 STREAMS = {
     "a": [
         "test_kv_transports",
         "test_migration",
         "test_kv_failures",
         "test_cluster_ray",
+        "test_flex_sweep",
+        "test_bfloat16",
         "test_gpu_check",
     ],
     "b": [
@@ -107,8 +109,6 @@ STREAMS = {
         "test_vllm_parity",
         "test_worker_observability",
         "test_flex_roles",
-        "test_flex_sweep",
-        "test_bfloat16",
         "test_tensor_parallel",
     ],
 }
