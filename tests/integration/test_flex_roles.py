@@ -134,7 +134,10 @@ def test_roles_change_under_load_with_no_failure_and_vllms_output(flex_cluster, 
             for prefill in SPLITS:
                 started = time.monotonic()
                 reply = await asyncio.to_thread(set_split, flex_cluster, prefill)
-                assert time.monotonic() - started < 2.0 and reply["seconds"] < 2.0
+                # The change itself, as the router timed it, is quick; the round trip also
+                # queues behind the streams on a busy host, yet stays far from an engine's
+                # restart (~25 s here).
+                assert reply["seconds"] < 2.0 and time.monotonic() - started < 10.0
                 assert reply["flex"] == {"prefill": prefill, "decode": 3 - prefill, "standby": 0}
                 now = await asyncio.to_thread(roles, flex_cluster)
                 changes.append((started, time.monotonic(), now))
