@@ -148,12 +148,12 @@ def _runs_the_session(config) -> bool:
     return not hasattr(config, "workerinput")
 
 
+_SHM_BEFORE = pytest.StashKey[set]()
+
+
 def pytest_configure(config):
     if _runs_the_session(config):
         config.stash[_SHM_BEFORE] = set(SHM.iterdir())
-
-
-_SHM_BEFORE = pytest.StashKey[set]()
 
 
 def pytest_sessionfinish(session, exitstatus):
