@@ -131,7 +131,8 @@ def pytest_collection_modifyitems(config, items):
     }
     if unplaced:
         raise pytest.UsageError(f"add {sorted(unplaced)} to STREAMS in {__file__}")
-    others = [item for item in items if item not in set(ours)]
+    placed = set(ours)
+    others = [item for item in items if item not in placed]
     items[:] = others + sorted(ours, key=_place)  # stable: a module's tests keep their order
 
 

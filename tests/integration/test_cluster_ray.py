@@ -86,12 +86,13 @@ def ray_and_redis(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(ray_and_redis, tmp_path_factory):
     address, redis_url = ray_and_redis
-    ensure_model("tiny")
+    ensure_model(MODEL)
     folder = tmp_path_factory.mktemp("cluster")
     config = folder / "cluster.yaml"
     config.write_text(
         CLUSTER_FILE.format(
             name=CLUSTER,
+            model=MODEL,
             port=free_port(),
             redis=redis_url,
             heartbeat=HEARTBEAT_S,
@@ -137,7 +138,7 @@ def cluster(ray_and_redis, tmp_path_factory):
 # it, so both pools serve it (the estimate could keep short prompts on the decode workers).
 CLUSTER_FILE = """
 name: {name}
-model: {{path: tiny, dtype: float32}}
+model: {{path: {model}, dtype: float32}}
 engine: {{kv_cache_gib: {kv_cache_gib}}}
 prefill: {{replicas: 1, tensor_parallel_size: 1, gpu_type: H100-SXM}}
 decode: {{replicas: 2, tensor_parallel_size: 1, gpu_type: H100-SXM}}
