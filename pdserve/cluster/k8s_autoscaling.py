@@ -12,12 +12,11 @@ Scale-in is a pod deletion: the pod's preStop drain (pdserve/worker/drain.py) le
 and finishes what it holds, and one pod goes at a time (the pool's PodDisruptionBudget allows one).
 """
 
-from pdserve.cluster.k8s_objects import NAMESPACE, metadata
+from dataclasses import dataclass
+
+from pdserve.cluster.k8s_objects import metadata
 from pdserve.kinds import Role
 
-# kube-prometheus-stack's Prometheus, installed as release `kube-prometheus-stack` in namespace
-# `monitoring`; another install changes this address.
-PROMETHEUS = "http://kube-prometheus-stack-prometheus.monitoring.svc:9090"
 MAX_REPLICAS_FACTOR = 2  # up to twice the cluster file's replicas: a GPU budget, not a guess
 WAITING_PER_PREFILL_WORKER = 2
 WAITING_PER_DECODE_WORKER = 1
@@ -26,13 +25,17 @@ SCALE_DOWN_WINDOW_S = 300  # a burst's end is not a trend: wait before giving GP
 SCALE_DOWN_STEP_S = 120  # then one pod per step, each drained before the next goes
 
 
-def scaled_object(role: str, replicas: int, leader_worker_set: bool) -> dict:
-    """Scales the pool's Deployment, or its LeaderWorkerSet (a group of pods per worker)."""
+def scaled_object(
+    role: str, replicas: int, leader_worker_set: bool, namespace: str, prometheus: str
+) -> dict:
+    """Scales the pool's Deployment, or its LeaderWorkerSet (a group of pods per worker), on
+    `prometheus` (a URL) queried for the pool's pods in `namespace`."""
+    pool = Pool(role, namespace, prometheus)
     triggers = []
     if role in (Role.PREFILL, Role.FLEX):
-        triggers.append(_waiting(role, WAITING_PER_PREFILL_WORKER))
+        triggers.append(pool.waiting(WAITING_PER_PREFILL_WORKER))
     if role in (Role.DECODE, Role.FLEX):
-        triggers += [_waiting(role, WAITING_PER_DECODE_WORKER), _kv_usage(role)]
+        triggers += [pool.waiting(WAITING_PER_DECODE_WORKER), pool.kv_usage()]
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",
@@ -68,34 +71,36 @@ def scaled_object(role: str, replicas: int, leader_worker_set: bool) -> dict:
     }
 
 
-def _selector(role: str) -> str:
-    return f'{{namespace="{NAMESPACE}",pool="{role}"}}'
+@dataclass(frozen=True)
+class Pool:
+    """A pool's series on one Prometheus."""
 
+    role: str
+    namespace: str
+    prometheus: str
 
-def _waiting(role: str, per_worker: int) -> dict:
-    """The pool's waiting requests, spread over its workers (HPA's AverageValue)."""
-    return _prometheus(
-        f"{role}-waiting",
-        f"sum(vllm:num_requests_waiting{_selector(role)})",
-        "AverageValue",
-        per_worker,
-    )
+    @property
+    def selector(self) -> str:
+        return f'{{namespace="{self.namespace}",pool="{self.role}"}}'
 
+    def waiting(self, per_worker: int) -> dict:
+        """The pool's waiting requests, spread over its workers (HPA's AverageValue)."""
+        query = f"sum(vllm:num_requests_waiting{self.selector})"
+        return self._trigger(f"{self.role}-waiting", query, "AverageValue", per_worker)
 
-def _kv_usage(role: str) -> dict:
-    """The pool's mean KV usage against a target (HPA's Value: replicas x usage / target)."""
-    return _prometheus(
-        f"{role}-kv-usage",
-        f"avg(vllm:kv_cache_usage_perc{_selector(role)})",
-        "Value",
-        KV_USAGE_TARGET,
-    )
+    def kv_usage(self) -> dict:
+        """The pool's mean KV usage against a target (HPA's Value: replicas x usage / target)."""
+        query = f"avg(vllm:kv_cache_usage_perc{self.selector})"
+        return self._trigger(f"{self.role}-kv-usage", query, "Value", KV_USAGE_TARGET)
 
-
-def _prometheus(name: str, query: str, metric_type: str, threshold: float) -> dict:
-    return {
-        "type": "prometheus",
-        "name": name,
-        "metricType": metric_type,
-        "metadata": {"serverAddress": PROMETHEUS, "query": query, "threshold": str(threshold)},
-    }
+    def _trigger(self, name: str, query: str, metric_type: str, threshold: float) -> dict:
+        return {
+            "type": "prometheus",
+            "name": name,
+            "metricType": metric_type,
+            "metadata": {
+                "serverAddress": self.prometheus,
+                "query": query,
+                "threshold": str(threshold),
+            },
+        }

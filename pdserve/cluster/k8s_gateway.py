@@ -11,7 +11,7 @@ not pdserve's router as the picker: an EPP is an Envoy ext_proc server that answ
 `ip:port`; the router would have to become that server and still proxy the stream itself.
 """
 
-from pdserve.cluster.k8s_objects import NAMESPACE, NO_ESCALATION, NON_ROOT, labels, metadata
+from pdserve.cluster.k8s_objects import NO_ESCALATION, NON_ROOT, labels, metadata
 
 POOL = "pdserve"
 EPP = f"{POOL}-epp"
@@ -22,11 +22,11 @@ GATEWAY = "inference-gateway"  # the platform's Gateway (its class is the implem
 INFERENCE_GROUP = "inference.networking.k8s.io"
 
 
-def gateway_objects(router_port: int) -> list[dict]:
+def gateway_objects(router_port: int, namespace: str) -> list[dict]:
     return [
         inference_pool(router_port),
         http_route(),
-        *endpoint_picker(),
+        *endpoint_picker(namespace),
     ]
 
 
@@ -70,7 +70,7 @@ def http_route() -> dict:
     }
 
 
-def endpoint_picker() -> list[dict]:
+def endpoint_picker(namespace: str) -> list[dict]:
     """The upstream reference EPP, watching this namespace's pool and the pods it selects."""
     account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": metadata(EPP, "epp")}
     role = {
@@ -96,13 +96,13 @@ def endpoint_picker() -> list[dict]:
         "kind": "RoleBinding",
         "metadata": metadata(EPP, "epp"),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": EPP},
-        "subjects": [{"kind": "ServiceAccount", "name": EPP, "namespace": NAMESPACE}],
+        "subjects": [{"kind": "ServiceAccount", "name": EPP, "namespace": namespace}],
     }
     health = {"grpc": {"port": EPP_HEALTH_PORT, "service": "inference-extension"}}
     container = {
         "name": "epp",
         "image": EPP_IMAGE,
-        "args": ["--pool-name", POOL, "--pool-namespace", NAMESPACE, "--zap-encoder", "json"],
+        "args": ["--pool-name", POOL, "--pool-namespace", namespace, "--zap-encoder", "json"],
         "ports": [
             {"name": "grpc", "containerPort": EPP_GRPC_PORT},
             {"name": "grpc-health", "containerPort": EPP_HEALTH_PORT},

@@ -1,10 +1,17 @@
-"""What every pdserve Kubernetes object shares, whichever module renders it: the namespace, the
-labels that select pdserve's pods, and the pod security settings."""
+"""What every pdserve Kubernetes object shares, whichever module renders it: the labels that
+select pdserve's pods, and the pod security settings (Pod Security "restricted": non-root, no
+privilege escalation, no capabilities, the runtime's seccomp profile). The namespace is set on
+every object once, where the render assembles them (pdserve/cluster/k8s_render.py)."""
 
-NAMESPACE = "pdserve"
 PART_OF = {"app.kubernetes.io/part-of": "pdserve"}
-NON_ROOT = {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000}
-NO_ESCALATION = {"allowPrivilegeEscalation": False}
+NON_ROOT = {
+    "runAsNonRoot": True,
+    "runAsUser": 1000,
+    "runAsGroup": 1000,
+    "fsGroup": 1000,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+NO_ESCALATION = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
 
 def labels(component: str) -> dict:
@@ -12,4 +19,4 @@ def labels(component: str) -> dict:
 
 
 def metadata(name: str, component: str) -> dict:
-    return {"name": name, "namespace": NAMESPACE, "labels": labels(component)}
+    return {"name": name, "labels": labels(component)}

@@ -1,59 +1,71 @@
-"""Kubernetes manifests from a cluster file: the overlay `pdserve k8s render` writes, on top of
-deploy/k8s/base (namespace, Redis registry, router Service, model cache).
+"""Kubernetes manifests from a cluster file and the deployment's options: what `pdserve k8s
+render` writes. The output stands alone (a GitOps repository can hold it as it is): pdserve.yaml
+holds the namespace, Redis, the router Service and the NetworkPolicies (k8s_base.py), the model
+cache and the Job that fills it (k8s_model_cache.py), and the mode's objects; `kubectl apply -k
+DIR`, or `kubectl apply -f DIR/pdserve.yaml`, applies it.
 
 Two modes, the same pools:
 - deployments: one Deployment per pool running `pdserve worker --role ROLE --registry ...`, and
   a router Deployment following the registry. Changing the P:D ratio is `kubectl scale
   deployment/pdserve-decode --replicas=N`. A worker pod drains in its preStop hook
   (pdserve/worker/drain.py) before SIGTERM, within terminationGracePeriodSeconds.
-- kuberay: a RayCluster whose worker groups are the pools (one pdserve worker per pod: a
-  pod offers its tensor-parallel group's GPUs) and a Job that runs `pdserve up` on the head
-  through `ray job submit`, so Ray places TP groups exactly as on bare metal; the router runs on
-  the head (behind the base's router Service).
+- kuberay: a RayJob whose cluster's worker groups are the pools (one pdserve worker per pod: a
+  pod offers its tensor-parallel group's GPUs) and whose entrypoint is `pdserve up`, so Ray places
+  TP groups exactly as on bare metal; the router runs on the head (behind the router Service).
+  KubeRay submits the job only once its cluster is ready, and the entrypoint keeps running while
+  the cluster serves: a lost head fails the job, and KubeRay retries it on a new cluster.
 
-Beside the overlay, kustomizations of their own for objects whose CRDs a cluster may lack:
-gateway/ (pdserve/cluster/k8s_gateway.py) and, in deployments mode, autoscaling/
-(pdserve/cluster/k8s_autoscaling.py). A flex cluster file renders one pool, `flex`.
+Beside it, kustomizations of their own for objects whose CRDs a cluster may lack: gateway/
+(k8s_gateway.py), monitoring/ (k8s_monitoring.py) and, in deployments mode, autoscaling/
+(k8s_autoscaling.py). A flex cluster file renders one pool, `flex`.
 
-Every number in the output comes from the cluster file or a constant here, so the committed
-overlays are this module's output (a test renders them again and compares).
+Every number in the output comes from the cluster file, the options or a constant here, so the
+committed overlays are this module's output with the default options (a test compares).
 """
 
 import importlib.metadata
 import json
 import math
-import os
+import shlex
 from pathlib import Path
 
 import yaml
 
 from pdserve.cluster.k8s_autoscaling import scaled_object
+from pdserve.cluster.k8s_base import base_objects, network_policy
 from pdserve.cluster.k8s_gateway import gateway_objects
 from pdserve.cluster.k8s_leader_worker import leader_worker_set, ray_follower_container
-from pdserve.cluster.k8s_objects import NAMESPACE, NO_ESCALATION, NON_ROOT, labels, metadata
+from pdserve.cluster.k8s_model_cache import (
+    PROBE_PERIOD_S,
+    cache_env,
+    fetch_job,
+    model_cache_claim,
+    models_mount,
+    models_volume,
+    start_budget,
+    wait_for_model,
+)
+from pdserve.cluster.k8s_monitoring import monitoring_objects
+from pdserve.cluster.k8s_objects import NO_ESCALATION, NON_ROOT, labels, metadata
+from pdserve.cluster.k8s_options import RenderOptions
+from pdserve.cluster.k8s_scheduling import gpu_placement
 from pdserve.kinds import Role
 from pdserve.settings.base import ConfigError
 from pdserve.settings.cluster_file import ClusterFile, PoolSection
 
-REDIS_URL = f"redis://redis.{NAMESPACE}.svc:6379/0"  # deploy/k8s/base/redis.yaml
 ROUTER_PORT = 8000
 GRPC_PORT = 50051
 METRICS_PORT = 9400
 KV_PORT = 50100  # decode: tensor-parallel rank r receives on KV_PORT + r
-RAY_CLUSTER = "pdserve"  # KubeRay names the head's Service <name>-head-svc
 MODES = ("deployments", "kuberay")
-GPUS_PER_NODE = 8  # the usual GPU node; a TP group beyond it renders as a LeaderWorkerSet
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-OVERLAYS = DEPLOY / "k8s" / "overlays"
-BASE = DEPLOY / "k8s" / "base"
+RAY_DASHBOARD_PORT = 8265
+RAY_JOB_RETRIES = 3  # new clusters after a failed `pdserve up` or a lost head
 
-# Pod sizes. CPU: a SmolLM2-class worker used 1.3 GiB beside its KV cache (measured); GPU: host
-# memory for loading weights and the pinned KV send buffers.
+# Pod sizes. CPU: a SmolLM2-class worker used 1.3 GiB beside its KV cache (measured).
 CPU_WORKER_OVERHEAD_GIB = 3
-CPUS_PER_GPU = 8
-HOST_GIB_PER_GPU = 64
 SHM = {"cpu": "1Gi", "gpu": "16Gi"}  # vLLM's TP message queues and NCCL use /dev/shm
 DRAIN_MARGIN_S = 30  # beyond the longest request, for the drain's grace and the stop itself
+ROUTER_START_S = 600  # the router reads the tokenizer from the filled cache
 
 SECRET_ENV = [
     {
@@ -75,23 +87,18 @@ REDIS_ENV = [  # router/shared_state.py and the registry authenticate with it
         "valueFrom": {"secretKeyRef": {"name": "pdserve-redis", "key": "password"}},
     }
 ]
-CACHE_ENV = [
-    {"name": "PDSERVE_CACHE", "value": "/models/pdserve"},
-    {"name": "HF_HOME", "value": "/models/huggingface"},
-    {"name": "PDSERVE_LOG_FORMAT", "value": "json"},
-]
+LOG_ENV = [{"name": "PDSERVE_LOG_FORMAT", "value": "json"}]
 POD_ENV = [
     {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
 ]
-GPU_TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
 
 
-def render(
-    config: ClusterFile, mode: str, out: Path, gpus_per_node: int = GPUS_PER_NODE
-) -> dict[str, str]:
-    """The overlay's files (name -> text) for `config` in `mode`, written to `out`; a pool whose
-    TP group needs more than `gpus_per_node` GPUs spans nodes (deployments mode only)."""
+def render(config: ClusterFile, mode: str, options: RenderOptions | None = None) -> dict[str, str]:
+    """The output's files (path -> text) for `config` in `mode`; a pool whose TP group needs
+    more than `options.gpus_per_node` GPUs spans nodes (deployments mode only)."""
+    options = options or RenderOptions()
+    gpus_per_node = options.gpus_per_node
     for role, pool in _pools(config).items():
         if _spans_nodes(pool, gpus_per_node) and (
             mode != "deployments"
@@ -103,42 +110,55 @@ def render(
                 f"{gpus_per_node}: only a prefill pool may (its KV receivers stay on one host "
                 "otherwise), in deployments mode, on whole nodes"
             )
-    base = os.path.relpath(BASE, out)
-    objects = deployments(config, gpus_per_node) if mode == "deployments" else kuberay(config)
-    kustomization = {
-        "apiVersion": "kustomize.config.k8s.io/v1beta1",
-        "kind": "Kustomization",
-        "namespace": NAMESPACE,
-        "resources": [base, "pdserve.yaml"],
+    gpus = any(pool.uses_gpus for pool in _pools(config).values())
+    # KubeRay adds containers of its own to the Ray pods: the namespace warns of what is not
+    # "restricted" there rather than refusing the pods.
+    enforced = "restricted" if mode == "deployments" else ""
+    objects = base_objects(options.namespace, enforced, ROUTER_PORT, METRICS_PORT)
+    objects.append(model_cache_claim(config, options, gpus))
+    objects += [job for job in (fetch_job(config, options),) if job]
+    if mode == "deployments":
+        objects += deployments(config, options)
+    else:
+        objects += kuberay(config, options)
+    folders = {
+        "": objects,
+        "gateway": gateway_objects(ROUTER_PORT, options.namespace),
+        "monitoring": monitoring_objects(options.release_label),
     }
-    if not any(pool.uses_gpus for pool in _pools(config).values()):
-        kustomization["patches"] = [_one_node_model_cache()]
+    if mode == "deployments":
+        folders["autoscaling"] = [
+            scaled_object(
+                role,
+                pool.replicas,
+                _spans_nodes(pool, gpus_per_node),
+                options.namespace,
+                options.prometheus_url,
+            )
+            for role, pool in _pools(config).items()
+        ]
     header = (
         f"# Rendered by `pdserve k8s render --mode {mode}` from the cluster file {config.name!r}:"
         "\n# edit the cluster file and render again rather than this file.\n"
     )
-    files = {
-        "kustomization.yaml": header + _yaml(kustomization),
-        "pdserve.yaml": header + _yaml_stream(objects),
-    }
-    # Objects of CRDs a cluster may lack: kustomizations of their own, applied once the CRDs are.
-    extras = {"gateway": gateway_objects(ROUTER_PORT)}
-    if mode == "deployments":
-        extras["autoscaling"] = [
-            scaled_object(role, pool.replicas, _spans_nodes(pool, gpus_per_node))
-            for role, pool in _pools(config).items()
-        ]
-    for folder, extra in extras.items():
-        files[f"{folder}/kustomization.yaml"] = header + _yaml(
-            {
-                "apiVersion": "kustomize.config.k8s.io/v1beta1",
-                "kind": "Kustomization",
-                "namespace": NAMESPACE,
-                "resources": [f"{folder}.yaml"],
-            }
-        )
-        files[f"{folder}/{folder}.yaml"] = header + _yaml_stream(extra)
+    files = {}
+    for folder, contents in folders.items():
+        name = f"{folder or 'pdserve'}.yaml"
+        prefix = f"{folder}/" if folder else ""
+        kustomization = {
+            "apiVersion": "kustomize.config.k8s.io/v1beta1",
+            "kind": "Kustomization",
+            "resources": [name],
+        }
+        files[f"{prefix}kustomization.yaml"] = header + _yaml(kustomization)
+        files[prefix + name] = header + _yaml_stream(_namespaced(contents, options.namespace))
     return files
+
+
+def default_out(cluster_file: Path, mode: str) -> Path:
+    """k8s/overlays/<file name>/<mode> beside the cluster file's folder: deploy/k8s/overlays/...
+    for deploy/clusters/<file>."""
+    return cluster_file.resolve().parent.parent / "k8s" / "overlays" / cluster_file.stem / mode
 
 
 def write(files: dict[str, str], out: Path) -> None:
@@ -147,55 +167,65 @@ def write(files: dict[str, str], out: Path) -> None:
         (out / name).write_text(text)
 
 
+def _namespaced(objects: list[dict], namespace: str) -> list[dict]:
+    for obj in objects:
+        if obj["kind"] != "Namespace":
+            name = obj["metadata"].pop("name")
+            obj["metadata"] = {"name": name, "namespace": namespace, **obj["metadata"]}
+    return objects
+
+
 # Deployments mode ----------------------------------------------------------------------------
 
 
-def deployments(config: ClusterFile, gpus_per_node: int) -> list[dict]:
-    objects = [router_deployment(config), _pdb("router", 1)]
+def deployments(config: ClusterFile, options: RenderOptions) -> list[dict]:
+    objects = [router_deployment(config, options), _pdb("router", 1)]
     for role, pool in _pools(config).items():
-        if _spans_nodes(pool, gpus_per_node):
-            workers = multi_node_workers(config, role, pool, gpus_per_node)
+        if _spans_nodes(pool, options.gpus_per_node):
+            workers = multi_node_workers(config, role, pool, options)
         else:
-            workers = worker_deployment(config, role, pool)
+            workers = worker_deployment(config, role, pool, options)
         objects += [workers, _pdb(role, 1)]
     return objects
 
 
-def worker_deployment(config: ClusterFile, role: str, pool: PoolSection) -> dict:
-    spec = worker_pod_spec(config, role, pool, pool_resources(config, pool))
+def worker_deployment(
+    config: ClusterFile, role: str, pool: PoolSection, options: RenderOptions
+) -> dict:
+    spec = worker_pod_spec(config, role, pool, pool_resources(config, pool, options), options)
     # Without spare GPUs a rolling update replaces one pod at a time; on CPU it adds one first.
     surge = (
         {"maxSurge": 0, "maxUnavailable": 1}
         if pool.uses_gpus
-        else {
-            "maxSurge": 1,
-            "maxUnavailable": 0,
-        }
+        else {"maxSurge": 1, "maxUnavailable": 0}
     )
-    return _deployment(role, pool.replicas, spec, {"type": "RollingUpdate", "rollingUpdate": surge})
+    strategy = {"type": "RollingUpdate", "rollingUpdate": surge}
+    return _deployment(role, pool.replicas, spec, strategy, config)
 
 
-def multi_node_workers(config: ClusterFile, role: str, pool: PoolSection, gpus_per_node: int):
+def multi_node_workers(
+    config: ClusterFile, role: str, pool: PoolSection, options: RenderOptions
+) -> dict:
     """A pool whose TP group is larger than a node: a LeaderWorkerSet of groups, one pod per
     node; the leader runs the pdserve worker on a Ray head, the others lend it their GPUs."""
-    resources = _gpu_resources(gpus_per_node)
-    leader = worker_pod_spec(config, role, pool, resources)
+    gpus_per_node = options.gpus_per_node
+    resources = _gpu_resources(gpus_per_node, options)
+    leader = worker_pod_spec(config, role, pool, resources, options)
+    env = SECRET_ENV + REDIS_ENV + cache_env(options) + LOG_ENV
     follower = {
         "securityContext": NON_ROOT,
-        "containers": [
-            ray_follower_container(
-                _image(True), SECRET_ENV + REDIS_ENV + CACHE_ENV, resources, gpus_per_node
-            )
-        ],
+        "containers": [ray_follower_container(options.image(True), env, resources, gpus_per_node)],
         "volumes": _volumes(True),
-        "tolerations": GPU_TOLERATIONS,
+        **gpu_placement(pool.gpu_type, options.node_selector, options.tolerations),
     }
     nodes = pool.tensor_parallel_size // gpus_per_node
     return leader_worker_set(role, pool.replicas, nodes, leader, follower)
 
 
-def worker_pod_spec(config: ClusterFile, role: str, pool: PoolSection, resources: dict) -> dict:
-    settings = config.worker_settings(role, _registry_url(config)).model_copy(
+def worker_pod_spec(
+    config: ClusterFile, role: str, pool: PoolSection, resources: dict, options: RenderOptions
+) -> dict:
+    settings = config.worker_settings(role, options.redis_url).model_copy(
         update={
             "host": "0.0.0.0",
             "port": GRPC_PORT,
@@ -212,9 +242,10 @@ def worker_pod_spec(config: ClusterFile, role: str, pool: PoolSection, resources
             {"name": f"kv-{rank}", "containerPort": KV_PORT + rank}
             for rank in range(pool.tensor_parallel_size)
         ]
+    image = options.image(pool.uses_gpus)
     container = {
         "name": "worker",
-        "image": _image(pool.uses_gpus),
+        "image": image,
         "args": [
             "worker",
             "--role",
@@ -226,13 +257,15 @@ def worker_pod_spec(config: ClusterFile, role: str, pool: PoolSection, resources
             "--advertise-host",
             "$(POD_IP)",
         ],
-        "env": POD_ENV + SECRET_ENV + REDIS_ENV + CACHE_ENV,
+        "env": POD_ENV + SECRET_ENV + REDIS_ENV + cache_env(options) + LOG_ENV,
         "ports": ports,
         "resources": resources,
         # Readiness: SERVING only with the engine READY; liveness: the process answers and its
-        # engine has not failed (pdserve/worker/grpc_health.py). The start-up probe covers a model
-        # download before the port opens.
-        "startupProbe": _grpc_probe("liveness", period_s=10, failures=60),
+        # engine has not failed (pdserve/worker/grpc_health.py). The start-up probe covers
+        # reading the weights and the engine's start, sized from the model.
+        "startupProbe": _grpc_probe(
+            "liveness", PROBE_PERIOD_S, start_budget(config).startup_failures
+        ),
         "readinessProbe": _grpc_probe("", period_s=5, failures=2),
         "livenessProbe": _grpc_probe("liveness", period_s=10, failures=6),
         "lifecycle": {
@@ -249,42 +282,41 @@ def worker_pod_spec(config: ClusterFile, role: str, pool: PoolSection, resources
             }
         },
         "securityContext": NO_ESCALATION,
-        "volumeMounts": [
-            {"name": "models", "mountPath": "/models"},
-            {"name": "dshm", "mountPath": "/dev/shm"},
-        ],
+        "volumeMounts": [models_mount(), {"name": "dshm", "mountPath": "/dev/shm"}],
     }
     spec = {
         "terminationGracePeriodSeconds": _grace_s(config),
         "securityContext": NON_ROOT,
+        "initContainers": wait_for_model(config, image),
         "containers": [container],
         "volumes": _volumes(pool.uses_gpus),
     }
     if pool.uses_gpus:
-        spec["tolerations"] = GPU_TOLERATIONS
-    return spec
+        spec.update(gpu_placement(pool.gpu_type, options.node_selector, options.tolerations))
+    return _without_empty(spec)
 
 
-def router_deployment(config: ClusterFile) -> dict:
-    settings = config.router_settings(_registry_url(config)).model_copy(
+def router_deployment(config: ClusterFile, options: RenderOptions) -> dict:
+    settings = config.router_settings(options.redis_url).model_copy(
         update={"host": "0.0.0.0", "port": ROUTER_PORT}
     )
+    image = options.image(False)
     container = {
         "name": "router",
-        "image": _image(False),
+        "image": image,
         "args": [
             "router",
             "--settings-json",
             json.dumps(settings.model_dump(mode="json", exclude_defaults=True)),
         ],
-        "env": SECRET_ENV + REDIS_ENV + API_KEYS_ENV + CACHE_ENV,
+        "env": SECRET_ENV + REDIS_ENV + API_KEYS_ENV + cache_env(options) + LOG_ENV,
         "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
         "resources": {
-            "requests": {"cpu": "1", "memory": "2Gi"},
-            "limits": {"memory": "4Gi"},
+            "requests": {"cpu": options.router_cpu, "memory": options.router_memory},
+            "limits": {"memory": options.router_memory},
         },
         # /health is 503 while no decode worker is up: it gates traffic, never restarts.
-        "startupProbe": _tcp_probe(period_s=10, failures=60),
+        "startupProbe": _tcp_probe(PROBE_PERIOD_S, math.ceil(ROUTER_START_S / PROBE_PERIOD_S)),
         "readinessProbe": {
             "httpGet": {"path": "/health", "port": "http"},
             "periodSeconds": 5,
@@ -294,13 +326,14 @@ def router_deployment(config: ClusterFile) -> dict:
         # The Service stops sending new requests before the router is told to stop.
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}},
         "securityContext": NO_ESCALATION,
-        "volumeMounts": [{"name": "models", "mountPath": "/models"}],
+        "volumeMounts": [models_mount()],
     }
     spec = {
         "terminationGracePeriodSeconds": _grace_s(config),
         "securityContext": NON_ROOT,
+        "initContainers": wait_for_model(config, image),
         "containers": [container],
-        "volumes": [_models_volume()],
+        "volumes": [models_volume()],
         # Routers on different nodes where there are several: a node lost leaves one serving.
         "topologySpreadConstraints": [
             {
@@ -312,47 +345,53 @@ def router_deployment(config: ClusterFile) -> dict:
         ],
     }
     strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0}}
-    return _deployment("router", config.router.replicas, spec, strategy)
+    return _deployment("router", config.router.replicas, _without_empty(spec), strategy, config)
 
 
 # KubeRay mode --------------------------------------------------------------------------------
 
 
-def kuberay(config: ClusterFile) -> list[dict]:
+def kuberay(config: ClusterFile, options: RenderOptions) -> list[dict]:
     gpus = any(pool.uses_gpus for pool in _pools(config).values())
+    image = options.image(gpus)
+    env = SECRET_ENV + REDIS_ENV + cache_env(options) + LOG_ENV
     head = {
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
         "template": {
             "metadata": {"labels": labels("router")},
-            "spec": {
-                "securityContext": NON_ROOT,
-                "containers": [
-                    {
-                        "name": "ray-head",
-                        "image": _image(gpus),
-                        "env": SECRET_ENV + REDIS_ENV + API_KEYS_ENV + CACHE_ENV,
-                        "ports": [
-                            {"name": "gcs", "containerPort": 6379},
-                            {"name": "dashboard", "containerPort": 8265},
-                            {"name": "client", "containerPort": 10001},
-                            {"name": "http", "containerPort": ROUTER_PORT},
-                        ],
-                        "resources": {
-                            "requests": {"cpu": "2", "memory": "8Gi"},
-                            "limits": {"memory": "8Gi"},
-                        },
-                        "securityContext": NO_ESCALATION,
-                        "volumeMounts": [
-                            {"name": "models", "mountPath": "/models"},
-                            {"name": "cluster-file", "mountPath": "/etc/pdserve"},
-                        ],
-                    }
-                ],
-                "volumes": [
-                    _models_volume(),
-                    {"name": "cluster-file", "configMap": {"name": "pdserve-cluster-file"}},
-                ],
-            },
+            "spec": _without_empty(
+                {
+                    "securityContext": NON_ROOT,
+                    # The router and `pdserve up` run here: the model must be in the cache.
+                    "initContainers": wait_for_model(config, image),
+                    "containers": [
+                        {
+                            "name": "ray-head",
+                            "image": image,
+                            "env": env + API_KEYS_ENV,
+                            "ports": [
+                                {"name": "gcs", "containerPort": 6379},
+                                {"name": "dashboard", "containerPort": RAY_DASHBOARD_PORT},
+                                {"name": "client", "containerPort": 10001},
+                                {"name": "http", "containerPort": ROUTER_PORT},
+                            ],
+                            "resources": {
+                                "requests": {"cpu": "2", "memory": "8Gi"},
+                                "limits": {"memory": "8Gi"},
+                            },
+                            "securityContext": NO_ESCALATION,
+                            "volumeMounts": [
+                                models_mount(),
+                                {"name": "cluster-file", "mountPath": "/etc/pdserve"},
+                            ],
+                        }
+                    ],
+                    "volumes": [
+                        models_volume(),
+                        {"name": "cluster-file", "configMap": {"name": "pdserve-cluster-file"}},
+                    ],
+                }
+            ),
         },
     }
     groups = []
@@ -363,20 +402,17 @@ def kuberay(config: ClusterFile) -> list[dict]:
             "containers": [
                 {
                     "name": "ray-worker",
-                    "image": _image(pool.uses_gpus),
-                    "env": SECRET_ENV + REDIS_ENV + CACHE_ENV,
-                    "resources": pool_resources(config, pool),
+                    "image": options.image(pool.uses_gpus),
+                    "env": env,
+                    "resources": pool_resources(config, pool, options),
                     "securityContext": NO_ESCALATION,
-                    "volumeMounts": [
-                        {"name": "models", "mountPath": "/models"},
-                        {"name": "dshm", "mountPath": "/dev/shm"},
-                    ],
+                    "volumeMounts": [models_mount(), {"name": "dshm", "mountPath": "/dev/shm"}],
                 }
             ],
             "volumes": _volumes(pool.uses_gpus),
         }
         if pool.uses_gpus:
-            spec["tolerations"] = GPU_TOLERATIONS
+            spec.update(gpu_placement(pool.gpu_type, options.node_selector, options.tolerations))
         groups.append(
             {
                 "groupName": role,
@@ -388,26 +424,74 @@ def kuberay(config: ClusterFile) -> list[dict]:
                 "template": {"metadata": {"labels": labels(f"{role}-node")}, "spec": spec},
             }
         )
-    cluster = {
-        "apiVersion": "ray.io/v1",
-        "kind": "RayCluster",
-        "metadata": metadata(RAY_CLUSTER, "ray"),
+    up = ["pdserve", "up", "-f", "/etc/pdserve/cluster.yaml", "--address", "auto"]
+    up += ["--join-timeout", str(start_budget(config).start_s)]
+    # KubeRay's submitter pod (it runs `ray job submit` once the cluster is ready): ours, so that
+    # it is a pdserve pod (the NetworkPolicies admit it to the dashboard) and non-root.
+    submitter = {
+        "metadata": {"labels": labels("ray-submitter")},
         "spec": {
-            "rayVersion": importlib.metadata.version("ray"),
-            "headGroupSpec": head,
-            "workerGroupSpecs": groups,
+            "restartPolicy": "Never",
+            "securityContext": NON_ROOT,
+            "containers": [
+                {
+                    "name": "submitter",
+                    "image": image,
+                    "resources": {
+                        "requests": {"cpu": "100m", "memory": "512Mi"},
+                        "limits": {"memory": "1Gi"},
+                    },
+                    "securityContext": NO_ESCALATION,
+                }
+            ],
         },
     }
-    return [_cluster_file_map(config), cluster, _up_job(config, gpus)]
+    job = {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayJob",
+        "metadata": metadata("pdserve", "ray"),
+        "spec": {
+            # The driver stays while the cluster serves; it ends only with the head.
+            "entrypoint": f"{shlex.join(up)} && exec sleep infinity",
+            "submissionMode": "K8sJobMode",
+            "submitterPodTemplate": submitter,
+            "backoffLimit": RAY_JOB_RETRIES,
+            # A failed job's cluster goes, GPUs and all; a retry starts a new one.
+            "shutdownAfterJobFinishes": True,
+            "rayClusterSpec": {
+                "rayVersion": importlib.metadata.version("ray"),
+                # The dashboard (job submission) asks for a token KubeRay makes and hands out.
+                "authOptions": {"mode": "token"},
+                "headGroupSpec": head,
+                "workerGroupSpecs": groups,
+            },
+        },
+    }
+    # The KubeRay operator (any namespace) asks the head's dashboard how the job goes.
+    operator = {
+        "namespaceSelector": {},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}},
+    }
+    dashboard = network_policy(
+        "pdserve-ray-dashboard",
+        {
+            "podSelector": {"matchLabels": labels("router")},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [operator], "ports": [{"port": RAY_DASHBOARD_PORT, "protocol": "TCP"}]}
+            ],
+        },
+    )
+    return [_cluster_file_map(config, options), job, dashboard]
 
 
-def _cluster_file_map(config: ClusterFile) -> dict:
-    """The cluster file `pdserve up` reads on the head: the registry is the base's Redis, the
+def _cluster_file_map(config: ClusterFile, options: RenderOptions) -> dict:
+    """The cluster file `pdserve up` reads on the head: the registry is the rendered Redis, the
     router listens on every address of the head pod."""
     document = config.model_copy(
         update={
             "registry": config.registry.model_copy(
-                update={"url": _registry_url(config), "embedded": False}
+                update={"url": options.redis_url, "embedded": False}
             ),
             "router": config.router.model_copy(update={"host": "0.0.0.0", "port": ROUTER_PORT}),
         }
@@ -420,56 +504,26 @@ def _cluster_file_map(config: ClusterFile) -> dict:
     }
 
 
-def _up_job(config: ClusterFile, gpus: bool) -> dict:
-    """`pdserve up` as a Ray job: its driver runs on the head, where the cluster file is
-    mounted, and the router actor it starts stays there (the router Service's pod)."""
-    command = ["ray", "job", "submit", "--address", f"http://{RAY_CLUSTER}-head-svc:8265", "--"]
-    command += ["pdserve", "up", "-f", "/etc/pdserve/cluster.yaml", "--address", "auto"]
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": metadata("pdserve-up", "up"),
-        "spec": {
-            "backoffLimit": 3,
-            "template": {
-                "metadata": {"labels": labels("up")},
-                "spec": {
-                    "restartPolicy": "Never",
-                    "securityContext": NON_ROOT,
-                    "containers": [
-                        {
-                            "name": "up",
-                            "image": _image(gpus),
-                            "command": command,
-                            "resources": {
-                                "requests": {"cpu": "100m", "memory": "512Mi"},
-                                "limits": {"memory": "1Gi"},
-                            },
-                            "securityContext": NO_ESCALATION,
-                        }
-                    ],
-                },
-            },
-        },
-    }
-
-
 # Shared pieces -------------------------------------------------------------------------------
 
 
-def pool_resources(config: ClusterFile, pool: PoolSection) -> dict:
+def pool_resources(config: ClusterFile, pool: PoolSection, options: RenderOptions) -> dict:
     """A worker pod's requests and limits: its TP group's GPUs (or CPU ranks), and memory."""
     tp = pool.tensor_parallel_size
     if pool.uses_gpus:
-        return _gpu_resources(tp)
+        return _gpu_resources(tp, options)
     memory = f"{math.ceil(config.kv_cache_gib(pool)) + CPU_WORKER_OVERHEAD_GIB}Gi"
     return {"requests": {"cpu": str(tp), "memory": memory}, "limits": {"memory": memory}}
 
 
-def _gpu_resources(gpus: int) -> dict:
-    memory = f"{HOST_GIB_PER_GPU * gpus}Gi"
+def _gpu_resources(gpus: int, options: RenderOptions) -> dict:
+    memory = f"{options.memory_per_gpu_gib * gpus}Gi"
     return {
-        "requests": {"cpu": str(CPUS_PER_GPU * gpus), "memory": memory, "nvidia.com/gpu": gpus},
+        "requests": {
+            "cpu": str(options.cpus_per_gpu * gpus),
+            "memory": memory,
+            "nvidia.com/gpu": gpus,
+        },
         "limits": {"memory": memory, "nvidia.com/gpu": gpus},
     }
 
@@ -487,29 +541,22 @@ def _receives_kv(role: str) -> bool:
     return role in (Role.DECODE, Role.FLEX)
 
 
-def _registry_url(config: ClusterFile) -> str:
-    """The file's Redis, or the base's when it asks for an embedded one (one host only)."""
-    return config.registry.url or REDIS_URL
-
-
 def _grace_s(config: ClusterFile) -> int:
     """No request outlives its deadline, so draining never needs longer than that."""
     return math.ceil(config.router.request_timeout_s) + DRAIN_MARGIN_S
 
 
-def _image(gpu: bool) -> str:
-    """The image of deploy/docker/Dockerfile's target; `images:` in a kustomization (or
-    `kustomize edit set image pdserve=REGISTRY/pdserve`) points it at your registry."""
-    return f"pdserve:{importlib.metadata.version('pdserve')}-{'gpu' if gpu else 'cpu'}"
-
-
-def _deployment(component: str, replicas: int, pod_spec: dict, strategy: dict) -> dict:
+def _deployment(
+    component: str, replicas: int, pod_spec: dict, strategy: dict, config: ClusterFile
+) -> dict:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": metadata(f"pdserve-{component}", component),
         "spec": {
             "replicas": replicas,
+            # Its pods wait for the model's download, then load it: neither is a stalled rollout.
+            "progressDeadlineSeconds": start_budget(config).progress_deadline_s,
             "strategy": strategy,
             "selector": {"matchLabels": labels(component)},
             "template": {"metadata": {"labels": labels(component)}, "spec": pod_spec},
@@ -542,30 +589,23 @@ def _tcp_probe(period_s: int, failures: int) -> dict:
     return {"tcpSocket": {"port": "http"}, "periodSeconds": period_s, "failureThreshold": failures}
 
 
-def _models_volume() -> dict:
-    return {"name": "models", "persistentVolumeClaim": {"claimName": "pdserve-models"}}
-
-
 def _volumes(gpu: bool) -> list[dict]:
     """The model cache, and /dev/shm as memory (the container default is 64 MiB)."""
     shm = {"medium": "Memory", "sizeLimit": SHM["gpu" if gpu else "cpu"]}
-    return [_models_volume(), {"name": "dshm", "emptyDir": shm}]
+    return [models_volume(), {"name": "dshm", "emptyDir": shm}]
 
 
-def _one_node_model_cache() -> dict:
-    """A CPU cluster (a smoke test on one node) takes the model cache ReadWriteOnce."""
-    patch = [
-        {"op": "replace", "path": "/spec/accessModes", "value": ["ReadWriteOnce"]},
-        {"op": "replace", "path": "/spec/resources/requests/storage", "value": "10Gi"},
-    ]
-    return {
-        "target": {"kind": "PersistentVolumeClaim", "name": "pdserve-models"},
-        "patch": _yaml(patch),
-    }
+def _without_empty(spec: dict) -> dict:
+    """A pod spec without the lists that came out empty (no init container for a folder)."""
+    return {key: value for key, value in spec.items() if value != []}
 
 
 class _Dumper(yaml.SafeDumper):
-    """Multi-line strings (a patch, the cluster file) as readable literal blocks."""
+    """Multi-line strings (the cluster file) as readable literal blocks; a part shared by several
+    objects (a security context) written out in each, not as an alias."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
 
 
 _Dumper.add_representer(

@@ -56,6 +56,15 @@ def add_parser(subparsers) -> None:
         "head, which `pdserve down` stops)",
     )
     parser.add_argument(
+        "--join-timeout",
+        type=float,
+        default=JOIN_TIMEOUT_S,
+        metavar="S",
+        help="how long the workers may take to load the model and join the registry before "
+        f"`up` gives up and removes what it started (default: {JOIN_TIMEOUT_S:.0f}; a cold "
+        "70B start takes longer)",
+    )
+    parser.add_argument(
         "--dry-run",
         action="store_true",
         help="print the placement plan, each GPU pool's memory per GPU and the checks, start "
@@ -134,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
                 threads_per_worker(len(slots)),
                 state.loopback,
             )
-        wait_joined(config, state, slots)
+        wait_joined(config, state, slots, args.join_timeout)
         router = ray_launcher.start_router(
             config.router_settings(state.registry_url), state.log_dir
         )
@@ -207,7 +216,12 @@ def start_services(config: ClusterFile, args, nodes) -> ClusterState:
     return state
 
 
-def wait_joined(config: ClusterFile, state: ClusterState, slots: list[WorkerSlot]) -> None:
+def wait_joined(
+    config: ClusterFile,
+    state: ClusterState,
+    slots: list[WorkerSlot],
+    timeout_s: float = JOIN_TIMEOUT_S,
+) -> None:
     """Until every worker is in the registry (it joins once its engine is ready); fail fast with
     its log tail when one exits."""
     names = {slot.name for slot in slots}
@@ -225,9 +239,9 @@ def wait_joined(config: ClusterFile, state: ClusterState, slots: list[WorkerSlot
                     f"worker {name} stopped ({info}):\n"
                     + (ray_launcher.ray.get(tail, timeout=10) if tail else "")
                 )
-        if time.monotonic() - started > JOIN_TIMEOUT_S:
+        if time.monotonic() - started > timeout_s:
             raise TimeoutError(
-                f"workers not in the registry after {JOIN_TIMEOUT_S:.0f} s: "
+                f"workers not in the registry after {timeout_s:.0f} s: "
                 + ", ".join(sorted(names - joined))
             )
         if time.monotonic() - last_report >= 10:

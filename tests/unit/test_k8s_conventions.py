@@ -14,20 +14,19 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.cluster.cli import main
 from pdserve.cluster.k8s_gateway import EPP
-from pdserve.cluster.k8s_render import (
-    BASE,
-    GRPC_PORT,
-    KV_PORT,
-    METRICS_PORT,
-    OVERLAYS,
-    ROUTER_PORT,
-    render,
-    write,
-)
+from pdserve.cluster.k8s_options import RenderOptions
+from pdserve.cluster.k8s_render import GRPC_PORT, KV_PORT, METRICS_PORT, ROUTER_PORT, render, write
 from pdserve.settings.cluster_file import parse_cluster
 from pdserve.worker.metrics_server import WorkerMetrics
 from router.metrics import RouterMetrics
-from tests.unit.test_k8s_manifests import DEPLOY, OVERLAY_DIRS, build, by_kind, validate_custom
+from tests.unit.test_k8s_manifests import (
+    DEPLOY,
+    OVERLAY_DIRS,
+    OVERLAYS,
+    build,
+    by_kind,
+    validate_custom,
+)
 
 LWS = "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
 CRDS = {
@@ -111,7 +110,7 @@ def test_the_inference_pool_fronts_the_routers_through_its_endpoint_picker():
     (epp,) = by_kind(objects, "Deployment").values()
     assert epp["spec"]["template"]["metadata"]["labels"] == service["spec"]["selector"]
     # The pool's pods are the ones the router Service sends to, on the router's port.
-    router_service = by_kind(build(BASE), "Service")["pdserve-router"]
+    router_service = by_kind(build(min(folders).parent), "Service")["pdserve-router"]
     assert pool["spec"]["selector"]["matchLabels"] == router_service["spec"]["selector"]
     assert pool["spec"]["targetPorts"] == [{"number": ROUTER_PORT}]
 
@@ -148,7 +147,7 @@ def test_each_pool_scales_on_its_own_pressure_signal():
 
 
 def test_every_alert_names_a_metric_the_code_exports():
-    (rule,) = by_kind(build(DEPLOY / "k8s/monitoring"), "PrometheusRule").values()
+    (rule,) = by_kind(build(OVERLAYS / "gpu-8b/deployments/monitoring"), "PrometheusRule").values()
     alerts = [alert for group in rule["spec"]["groups"] for alert in group["rules"]]
     names = exported()
     for alert in alerts:
@@ -167,7 +166,7 @@ def test_every_alert_names_a_metric_the_code_exports():
 def test_a_flex_cluster_renders_one_pool_that_receives_kv_and_scales_on_both_signals(tmp_path):
     config = parse_cluster(FLEX)
     out = tmp_path / "deployments"
-    write(render(config, "deployments", out), out)
+    write(render(config, "deployments"), out)
     objects = build(out)
     validate(objects)
     deployments = by_kind(objects, "Deployment")
@@ -186,8 +185,9 @@ def test_render_command_takes_a_flex_cluster_file(tmp_path):
     path.write_text(yaml.safe_dump(FLEX))
     out = tmp_path / "kuberay"
     assert main(["k8s", "render", "-f", str(path), "--mode", "kuberay", "--out", str(out)]) == 0
-    (cluster,) = by_kind(build(out), "RayCluster").values()
-    assert [group["groupName"] for group in cluster["spec"]["workerGroupSpecs"]] == ["flex"]
+    (job,) = by_kind(build(out), "RayJob").values()
+    groups = job["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    assert [group["groupName"] for group in groups] == ["flex"]
 
 
 def seventy_b(prefill_tp: int, decode_tp: int) -> dict:
@@ -199,7 +199,8 @@ def seventy_b(prefill_tp: int, decode_tp: int) -> dict:
 
 def test_a_prefill_group_larger_than_a_node_is_a_leader_worker_set(tmp_path):
     out = tmp_path / "deployments"
-    write(render(parse_cluster(seventy_b(8, 4)), "deployments", out, gpus_per_node=4), out)
+    options = RenderOptions(gpus_per_node=4)
+    write(render(parse_cluster(seventy_b(8, 4)), "deployments", options), out)
     objects = build(out)
     validate_custom(by_kind(objects, "LeaderWorkerSet")["pdserve-prefill"], LWS)
     validate([obj for obj in objects if obj["kind"] != "LeaderWorkerSet"])

@@ -15,19 +15,14 @@ import pytest
 import yaml
 
 from pdserve.cluster.cli import main
-from pdserve.cluster.k8s_render import (
-    GRPC_PORT,
-    KV_PORT,
-    METRICS_PORT,
-    MODES,
-    OVERLAYS,
-    REDIS_URL,
-    render,
-)
+from pdserve.cluster.k8s_options import RenderOptions
+from pdserve.cluster.k8s_render import GRPC_PORT, KV_PORT, METRICS_PORT, MODES, render
 from pdserve.settings.cluster_file import load_cluster_file, parse_cluster
 
-DEPLOY = OVERLAYS.parents[1]
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+OVERLAYS = DEPLOY / "k8s/overlays"
 SCHEMAS = Path(__file__).resolve().parents[3] / "shared/schemas"
+REDIS_URL = RenderOptions().redis_url
 # Cluster files with an embedded registry run on one host (`pdserve up` starts Redis there).
 CLUSTER_FILES = sorted(
     path for path in (DEPLOY / "clusters").glob("*.yaml") if load_cluster_file(path).registry.url
@@ -67,8 +62,8 @@ def validate_custom(obj: dict, file: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def raycluster_schema() -> jsonschema.Draft7Validator:
-    validator = crd_validator("ray.io_rayclusters.yaml", "v1")
+def rayjob_schema() -> jsonschema.Draft7Validator:
+    validator = crd_validator("ray.io_rayjobs.yaml", "v1")
     jsonschema.Draft7Validator.check_schema(validator.schema)  # once: it is the slow part
     return validator
 
@@ -86,7 +81,7 @@ def test_committed_overlays_are_the_rendered_cluster_files():
     """Edit a cluster file, forget to render: this fails. No overlay without its file either."""
     for path, mode in OVERLAY_DIRS:
         out = OVERLAYS / path.stem / mode
-        for name, text in render(load_cluster_file(path), mode, out).items():
+        for name, text in render(load_cluster_file(path), mode).items():
             assert (out / name).read_text() == text, (
                 f"{out / name} is stale: pdserve k8s render -f {path} --mode {mode}"
             )
@@ -99,20 +94,20 @@ def test_render_command_writes_what_the_tree_holds(tmp_path):
     assert (
         main(["k8s", "render", "-f", str(path), "--mode", "kuberay", "--out", str(tmp_path)]) == 0
     )
-    expected = render(load_cluster_file(path), "kuberay", tmp_path)
+    expected = render(load_cluster_file(path), "kuberay")
     written = {str(p.relative_to(tmp_path)): p.read_text() for p in tmp_path.rglob("*.yaml")}
     assert written == expected
     assert build(tmp_path) == build(OVERLAYS / "cpu-smoke/kuberay")
 
 
 @pytest.mark.parametrize(("path", "mode"), OVERLAY_DIRS, ids=lambda v: getattr(v, "stem", v))
-def test_overlay_builds_and_every_object_validates(path, mode, raycluster_schema):
+def test_overlay_builds_and_every_object_validates(path, mode, rayjob_schema):
     objects = build(OVERLAYS / path.stem / mode)
     for obj in objects:
         assert obj["metadata"].get("namespace", "pdserve") == "pdserve", obj
-        if obj["kind"] == "RayCluster":
-            raycluster_schema.validate(obj)
-            assert not unknown_fields(obj, raycluster_schema.schema)
+        if obj["kind"] == "RayJob":
+            rayjob_schema.validate(obj)
+            assert not unknown_fields(obj, rayjob_schema.schema)
         else:
             kubernetes_validate.validate(obj, kubernetes_validate.latest_version(), strict=True)
     config = load_cluster_file(path)
@@ -159,8 +154,9 @@ def check_deployments(config, objects: list[dict]) -> None:
 
 
 def check_kuberay(config, objects: list[dict]) -> None:
-    (cluster,) = by_kind(objects, "RayCluster").values()
-    groups = {group["groupName"]: group for group in cluster["spec"]["workerGroupSpecs"]}
+    (job,) = by_kind(objects, "RayJob").values()
+    cluster = job["spec"]["rayClusterSpec"]
+    groups = {group["groupName"]: group for group in cluster["workerGroupSpecs"]}
     assert set(groups) == {role for role in ("prefill", "decode") if config.pool(role).replicas}
     for role, group in groups.items():
         pool = config.pool(role)
@@ -175,9 +171,14 @@ def check_kuberay(config, objects: list[dict]) -> None:
         by_kind(objects, "ConfigMap")["pdserve-cluster-file"]["data"]["cluster.yaml"]
     )
     assert parse_cluster(file).registry.url == REDIS_URL
-    (job,) = by_kind(objects, "Job").values()
-    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert command[-6:] == ["pdserve", "up", "-f", "/etc/pdserve/cluster.yaml", "--address", "auto"]
+    # KubeRay submits once the cluster is ready; the driver stays while the cluster serves, so a
+    # lost head fails the job and KubeRay retries it on a new cluster.
+    assert job["spec"]["submissionMode"] == "K8sJobMode"
+    assert job["spec"]["backoffLimit"] > 0 and job["spec"]["shutdownAfterJobFinishes"]
+    up, stay = job["spec"]["entrypoint"].split(" && ")
+    assert up.startswith("pdserve up -f /etc/pdserve/cluster.yaml --address auto --join-timeout")
+    assert stay == "exec sleep infinity"
+    assert not by_kind(objects, "RayCluster")
 
 
 def unknown_fields(obj, schema: dict, path: str = "") -> list[str]:
@@ -201,8 +202,8 @@ def unknown_fields(obj, schema: dict, path: str = "") -> list[str]:
 
 
 def test_monitoring_builds_with_a_monitor_per_component_and_the_dashboard():
-    objects = build(DEPLOY / "k8s/monitoring")
-    assert {(o["apiVersion"], o["kind"]) for o in objects if o["kind"] != "ConfigMap"} == {
+    objects = build(OVERLAYS / "gpu-8b/deployments/monitoring")
+    assert {(o["apiVersion"], o["kind"]) for o in objects} == {
         (PROMETHEUS_OPERATOR, "ServiceMonitor"),
         (PROMETHEUS_OPERATOR, "PodMonitor"),
         (PROMETHEUS_OPERATOR, "PrometheusRule"),
@@ -216,7 +217,7 @@ def test_monitoring_builds_with_a_monitor_per_component_and_the_dashboard():
     assert service_monitor["spec"]["endpoints"][0]["port"] == "http"
     (pod_monitor,) = by_kind(objects, "PodMonitor").values()
     assert pod_monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
-    dashboard = by_kind(objects, "ConfigMap")["pdserve-dashboard"]
+    dashboard = by_kind(build(DEPLOY / "grafana"), "ConfigMap")["pdserve-dashboard"]
     kubernetes_validate.validate(dashboard, kubernetes_validate.latest_version(), strict=True)
     panels = json.loads(dashboard["data"]["pdserve-dashboard.json"])["panels"]
     assert all(panel["targets"] and all(t["expr"] for t in panel["targets"]) for panel in panels)

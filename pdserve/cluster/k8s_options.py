@@ -1,0 +1,44 @@
+"""What a deployment decides beside its cluster file when it renders (`pdserve k8s render`
+flags): the namespace, where the images come from, the model cache's storage and the Hugging Face
+token, where GPU pods go, pod sizes, and what finds the monitors. The defaults render the overlays
+committed under deploy/k8s/overlays."""
+
+import importlib.metadata
+from dataclasses import dataclass
+
+from pdserve.cluster.k8s_scheduling import Toleration
+
+# kube-prometheus-stack installed as release `kube-prometheus-stack` in namespace `monitoring`.
+RELEASE = "kube-prometheus-stack"
+PROMETHEUS = "http://kube-prometheus-stack-prometheus.monitoring.svc:9090"
+GPUS_PER_NODE = 8  # the usual GPU node; a TP group beyond it renders as a LeaderWorkerSet
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    namespace: str = "pdserve"
+    image_registry: str = ""  # "": the names `docker build` gives locally (docs/kubernetes.md)
+    image_tag: str = ""  # "": the installed pdserve's version
+    storage_class: str = ""  # "": the cluster's default StorageClass
+    model_cache_size: str = ""  # "": sized from the model's weights
+    hf_token_secret: str = ""  # a Secret whose key `token` is HF_TOKEN; "": none
+    node_selector: dict[str, str] | None = None  # GPU pods; None: their gpu_type's product
+    tolerations: tuple[Toleration, ...] | None = None  # GPU pods; None: the nvidia.com/gpu taint
+    gpus_per_node: int = GPUS_PER_NODE
+    router_cpu: str = "1"
+    router_memory: str = "4Gi"  # request and limit: the tokenizer, the pool view, the streams
+    cpus_per_gpu: int = 8
+    memory_per_gpu_gib: int = 64  # host memory: loading weights, the pinned KV send buffers
+    release_label: str = RELEASE  # what Prometheus selects monitors and rules by
+    prometheus_url: str = PROMETHEUS  # what the autoscalers query
+
+    def image(self, gpu: bool) -> str:
+        """deploy/docker/Dockerfile's `cpu` or `gpu` target, pushed to `image_registry`."""
+        tag = self.image_tag or importlib.metadata.version("pdserve")
+        name = f"{self.image_registry.rstrip('/')}/pdserve" if self.image_registry else "pdserve"
+        return f"{name}:{tag}-{'gpu' if gpu else 'cpu'}"
+
+    @property
+    def redis_url(self) -> str:
+        """The rendered Redis (k8s_base.py), which every pod reaches by its Service's name."""
+        return f"redis://redis.{self.namespace}.svc:6379/0"
