@@ -1,6 +1,6 @@
 """Per-pool autoscaling: a KEDA ScaledObject per worker Deployment, on the Prometheus series that
 means pressure in that pool (the workers' vLLM metrics, labelled with `pool` by the PodMonitor in
-deploy/k8s/monitoring).
+pdserve/cluster/k8s_monitoring.py).
 
 - prefill: prompts waiting in the prefill engines (`vllm:num_requests_waiting`): every one of them
   adds its wait to some request's TTFT. No worker exports its outstanding prompt tokens yet.
