@@ -83,7 +83,11 @@ async def send(
 ) -> RequestRecord:
     """Stream one request, giving up after `timeout` seconds, and return its record; never
     raises."""
-    record = RequestRecord(prompt_tokens=request.prompt_tokens, max_tokens=request.max_tokens)
+    record = RequestRecord(
+        prompt_tokens=request.prompt_tokens,
+        max_tokens=request.max_tokens,
+        cacheable_tokens=request.cacheable_tokens,
+    )
     url = target.url.rstrip("/") + ENDPOINT_PATHS[target.endpoint]
     try:
         async with asyncio.timeout(timeout):
@@ -122,6 +126,7 @@ async def _read_stream(response: httpx.Response, record: RequestRecord) -> None:
                 record.itl.append(now - last)
             last = now
             record.output_chunks += 1
+            record.output_text += _content(chunk["choices"][0])
     else:
         raise StreamError("stream ended without [DONE]")
     if record.ttft is None:
@@ -145,9 +150,12 @@ def _parse(data: str) -> dict:
 
 def _generated_text(chunk: dict) -> str:
     choice = chunk["choices"][0]
+    delta = choice.get("delta") or {}
+    return _content(choice) or delta.get("reasoning_content") or delta.get("reasoning") or ""
+
+
+def _content(choice: dict) -> str:
+    """The reply's text in one chunk (a reasoning model's reasoning is not part of it)."""
     if "delta" in choice:  # chat completions
-        delta = choice["delta"] or {}
-        return (
-            delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
-        )
+        return (choice["delta"] or {}).get("content") or ""
     return choice.get("text") or ""

@@ -7,14 +7,20 @@ import math
 import sys
 from pathlib import Path
 
-from pdserve.bench import workload
+from pdserve.bench import conversation
 from pdserve.bench.arrivals import arrival_times
 from pdserve.bench.client import Target, first_model, make_http_client
 from pdserve.bench.metrics import Slo, summarize
-from pdserve.bench.options import add_benchmark_arguments, build_requests, check_arguments
+from pdserve.bench.options import (
+    add_benchmark_arguments,
+    build_conversations,
+    build_requests,
+    check_arguments,
+)
 from pdserve.bench.report import plot_cdfs, table, write_json
 from pdserve.bench.runner import run as run_benchmark
 from pdserve.bench.runner import warm_up
+from pdserve.bench.workload import BenchRequest
 
 
 def add_parser(subparsers) -> None:
@@ -28,11 +34,14 @@ def add_parser(subparsers) -> None:
         "--request-rate",
         type=float,
         metavar="RATE",
-        help="open loop: mean requests/s, 'inf' sends all at once (default: inf, "
-        "or a trace's own timestamps when it has them)",
+        help="open loop: mean requests/s (conversation: conversations started/s), 'inf' sends "
+        "all at once (default: inf, or a trace's own timestamps when it has them)",
     )
     mode.add_argument(
-        "--concurrency", type=int, metavar="N", help="closed loop: keep N requests in flight"
+        "--concurrency",
+        type=int,
+        metavar="N",
+        help="closed loop: keep N requests (conversation: conversations) in flight",
     )
     load.add_argument(
         "--max-duration",
@@ -63,25 +72,39 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_arguments(args)
         slo = Slo.parse(args.slo) if args.slo else None
-        requests = build_requests(args)
-        offsets = _offsets(args, requests)
+        if args.workload == "conversation":
+            talks, requests = build_conversations(args)  # requests: the warm-up's only
+            offsets = _offsets(args, len(talks), None)
+        else:
+            talks, requests = None, build_requests(args)
+            timestamps = [r.timestamp for r in requests]
+            offsets = _offsets(args, len(requests), None if None in timestamps else timestamps)
     except (ValueError, OSError) as error:
         print(f"pdserve bench: error: {error}", file=sys.stderr)
         return 2
-    return asyncio.run(_bench(args, requests, offsets, slo))
+    return asyncio.run(_bench(args, requests, talks, offsets, slo))
 
 
-def _offsets(args: argparse.Namespace, requests: list[workload.BenchRequest]) -> list[float] | None:
-    """Send times for the open loop; None for the closed loop."""
+def _offsets(
+    args: argparse.Namespace, count: int, timestamps: list[float] | None
+) -> list[float] | None:
+    """Start times of the `count` requests (or conversations) for the open loop; None for the
+    closed loop."""
     if args.concurrency is not None:
         return None
-    if args.request_rate is None and requests[0].timestamp is not None:
-        return [r.timestamp for r in requests]  # a trace with timestamps replays its own timing
+    if args.request_rate is None and timestamps is not None:
+        return timestamps  # a trace with timestamps replays its own timing
     rate = math.inf if args.request_rate is None else args.request_rate
-    return arrival_times(len(requests), rate, args.burstiness, args.seed)
+    return arrival_times(count, rate, args.burstiness, args.seed)
 
 
-async def _bench(args, requests, offsets, slo) -> int:
+async def _bench(
+    args,
+    requests: list[BenchRequest],
+    talks: list[conversation.Conversation] | None,
+    offsets: list[float] | None,
+    slo: Slo | None,
+) -> int:
     model = args.model
     if model is None:
         try:
@@ -95,15 +118,17 @@ async def _bench(args, requests, offsets, slo) -> int:
             return 1
     target = Target(args.url, model, args.endpoint, args.ignore_eos)
     await warm_up(requests, target, args.warmup, args.timeout)
-    records, duration = await run_benchmark(
-        requests,
-        target,
-        offsets=offsets,
-        concurrency=args.concurrency,
-        timeout=args.timeout,
-        max_duration=args.max_duration,
-        progress=not args.no_progress,
-    )
+    schedule = {
+        "offsets": offsets,
+        "concurrency": args.concurrency,
+        "timeout": args.timeout,
+        "max_duration": args.max_duration,
+        "progress": not args.no_progress,
+    }
+    if talks is None:
+        records, duration = await run_benchmark(requests, target, **schedule)
+    else:
+        records, duration = await conversation.run(talks, target, **schedule)
     summary = summarize(records, duration, slo)
     print(table(summary, records))
     if args.output_json:

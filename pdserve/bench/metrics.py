@@ -9,10 +9,16 @@ Definitions follow `vllm bench serve` (vllm/benchmarks/serve.py `calculate_metri
 - goodput = requests meeting every SLO / duration; a 1-token output counts TPOT as 0 there.
 Differences: a statistic with no samples is None here (vLLM reports 0), and `slo_attainment`
 (good requests / all requests, failed ones included) is added.
+
+Prefix hit rates are over successful requests: measured, the server's cached prompt tokens
+(`usage.prompt_tokens_details.cached_tokens`) / prompt tokens, None when the server does not
+report them; the bound, what an infinite prefix cache would hold of the same prompts
+(bench.infinite_cache), None where the workload cannot compute it. A workload with turns (the
+conversation workload) also gets both, and TTFT, per turn number.
 """
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -80,6 +86,18 @@ class Slo:
 
 
 @dataclass
+class TurnSummary:
+    """The requests of one turn number (0: every conversation's first)."""
+
+    turn: int
+    requests: int
+    failed: int
+    ttft: Distribution
+    prefix_hit_rate: float | None
+    infinite_cache_hit_rate: float | None
+
+
+@dataclass
 class Summary:
     num_requests: int
     completed: int
@@ -90,7 +108,8 @@ class Summary:
     request_throughput: float  # successful requests / s
     output_throughput: float  # output tokens of successful requests / s
     total_token_throughput: float  # (input + output) tokens of successful requests / s
-    prefix_hit_rate: float  # prompt tokens served from a prefix cache / all prompt tokens
+    prefix_hit_rate: float | None  # prompt tokens served from a prefix cache / all prompt tokens
+    infinite_cache_hit_rate: float | None  # the same, from an infinite prefix cache
     ttft: Distribution
     tpot: Distribution
     itl: Distribution
@@ -99,6 +118,7 @@ class Summary:
     good_requests: int | None = None
     goodput: float | None = None  # requests meeting the SLO / s
     slo_attainment: float | None = None  # requests meeting the SLO / all requests
+    turns: list[TurnSummary] = field(default_factory=list)  # per turn number, when there are turns
 
 
 def latency_samples(records: list[RequestRecord]) -> dict[str, list[float]]:
@@ -111,6 +131,40 @@ def latency_samples(records: list[RequestRecord]) -> dict[str, list[float]]:
         "itl": [gap for r in done for gap in r.itl],
         "e2e": [r.e2e for r in done],
     }
+
+
+def prefix_hit_rate(records: list[RequestRecord]) -> float | None:
+    """Cached prompt tokens / prompt tokens of the successful requests whose server said."""
+    reported = [r for r in records if r.ok and r.cached_tokens is not None]
+    tokens = sum(r.input_tokens for r in reported)
+    return sum(r.cached_tokens for r in reported) / tokens if tokens else None
+
+
+def infinite_cache_hit_rate(records: list[RequestRecord]) -> float | None:
+    """What an infinite prefix cache would hold / prompt tokens, over the successful requests;
+    None unless the workload computed it for each of them."""
+    done = [r for r in records if r.ok]
+    tokens = sum(r.input_tokens for r in done)
+    if not tokens or any(r.cacheable_tokens is None for r in done):
+        return None
+    return sum(min(r.cacheable_tokens, r.input_tokens) for r in done) / tokens
+
+
+def per_turn(records: list[RequestRecord]) -> list[TurnSummary]:
+    summaries = []
+    for turn in sorted({r.turn for r in records if r.turn is not None}):
+        these = [r for r in records if r.turn == turn]
+        summaries.append(
+            TurnSummary(
+                turn=turn,
+                requests=len(these),
+                failed=sum(not r.ok for r in these),
+                ttft=distribution(latency_samples(these)["ttft"]),
+                prefix_hit_rate=prefix_hit_rate(these),
+                infinite_cache_hit_rate=infinite_cache_hit_rate(these),
+            )
+        )
+    return summaries
 
 
 def summarize(records: list[RequestRecord], duration_s: float, slo: Slo | None = None) -> Summary:
@@ -130,11 +184,13 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: Slo | None =
         request_throughput=len(done) / duration_s,
         output_throughput=output_tokens / duration_s,
         total_token_throughput=(input_tokens + output_tokens) / duration_s,
-        prefix_hit_rate=sum(r.cached_tokens for r in done) / input_tokens if input_tokens else 0.0,
+        prefix_hit_rate=prefix_hit_rate(records),
+        infinite_cache_hit_rate=infinite_cache_hit_rate(records),
         ttft=distribution(samples["ttft"]),
         tpot=distribution(samples["tpot"]),
         itl=distribution(samples["itl"]),
         e2e=distribution(samples["e2e"]),
+        turns=per_turn(records),
     )
     if slo is not None:
         good = sum(slo.met_by(r) for r in records)

@@ -1,10 +1,13 @@
 """Options shared by `pdserve bench` and `pdserve sweep`: what to send (model, endpoint, workload),
-how to judge it (SLO, timeout), and turning them into the list of requests."""
+how to judge it (SLO, timeout), and turning them into the list of requests (or conversations)."""
 
 import argparse
 from pathlib import Path
 
-from pdserve.bench import workload
+from pdserve.bench import mooncake_trace, workload
+from pdserve.bench.conversation import Conversation, conversations
+from pdserve.bench.infinite_cache import mark_cacheable
+from pdserve.bench.mooncake_trace import DEFAULT_BLOCK_SIZE
 from pdserve.bench.workload import DEFAULT_INPUT_LEN
 
 DEFAULT_NUM_REQUESTS = 100
@@ -20,16 +23,15 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse._Argume
     parser.add_argument(
         "--endpoint",
         choices=("completions", "chat"),
-        default="completions",
         help="/v1/completions with a prompt, or /v1/chat/completions with messages "
-        "(default: %(default)s)",
+        "(default: chat for the conversation workload, else completions)",
     )
     parser.add_argument(
         "--num-requests",
         type=int,
         metavar="N",
         help=f"requests to send (default: {DEFAULT_NUM_REQUESTS}; for a trace, all its lines, "
-        "or its first N)",
+        "or its first N; a conversation workload sends --conversations x --turns)",
     )
     parser.add_argument(
         "--warmup",
@@ -50,18 +52,18 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse._Argume
     work = parser.add_argument_group("workload")
     work.add_argument(
         "--workload",
-        choices=("synthetic", "shared-prefix", "mixed", "trace"),
+        choices=("synthetic", "shared-prefix", "mixed", "conversation", "trace"),
         default="synthetic",
         help="synthetic lengths; shared prefixes + own suffixes; a fraction of long prompts among "
-        "short ones; or replay of a JSONL trace (default: %(default)s)",
+        "short ones; multi-turn chats resending their history; or replay of a trace "
+        "(default: %(default)s)",
     )
     work.add_argument(
         "--input-len",
         metavar="DIST",
         help="prompt tokens: N, LOW-HIGH (uniform) or normal:MEAN,STD; for shared-prefix the "
-        "suffix, for mixed the short prompts (default: "
-        + ", ".join(f"{k} {v}" for k, v in DEFAULT_INPUT_LEN.items())
-        + ")",
+        "suffix, for mixed the short prompts, for conversation each turn's new user message "
+        "(default: " + ", ".join(f"{k} {v}" for k, v in DEFAULT_INPUT_LEN.items()) + ")",
     )
     work.add_argument(
         "--output-len",
@@ -97,11 +99,49 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse._Argume
         help="mixed: tokens of a long prompt (default: %(default)s)",
     )
     work.add_argument(
+        "--conversations",
+        type=int,
+        default=8,
+        metavar="N",
+        help="conversation: conversations, held side by side (default: %(default)s)",
+    )
+    work.add_argument(
+        "--turns",
+        type=int,
+        default=4,
+        metavar="T",
+        help="conversation: turns per conversation, each resending the history and the model's "
+        "replies plus a new user message (default: %(default)s)",
+    )
+    work.add_argument(
+        "--think-time",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="conversation: mean pause between a reply and the next turn, uniform in 0.5-1.5 "
+        "times it (default: %(default)s)",
+    )
+    work.add_argument(
         "--trace",
         type=Path,
         metavar="FILE",
-        help='with --workload trace: JSONL, one {"prompt" or "messages", "max_tokens", optional '
-        '"timestamp" (send offset, s)} per line',
+        help="with --workload trace: the trace file (see --trace-format)",
+    )
+    work.add_argument(
+        "--trace-format",
+        choices=("jsonl", "mooncake"),
+        default="jsonl",
+        help='jsonl: one {"prompt" or "messages", "max_tokens", optional "timestamp" (send '
+        'offset, s)} per line; mooncake: one {"timestamp" (ms), "input_length", '
+        '"output_length", "hash_ids"} per line, equal hash ids being equal token blocks '
+        "(default: %(default)s)",
+    )
+    work.add_argument(
+        "--trace-block-size",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE,
+        metavar="TOKENS",
+        help="mooncake: tokens per hash id (default: %(default)s, as in Mooncake's traces)",
     )
     work.add_argument(
         "--tokenizer",
@@ -140,22 +180,71 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse._Argume
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    """Refuse option values argparse lets through; options a command lacks are skipped."""
-    for name in ("num_requests", "concurrency", "num_prefixes", "prefix_len"):
+    """Refuse option values argparse lets through (options a command lacks are skipped), and set
+    the endpoint's per-workload default."""
+    for name in (
+        "num_requests",
+        "concurrency",
+        "num_prefixes",
+        "prefix_len",
+        "conversations",
+        "turns",
+        "trace_block_size",
+    ):
         if getattr(args, name, None) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     for name in ("request_rate", "burstiness", "max_duration", "timeout"):
         if getattr(args, name, None) is not None and not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
-    if args.warmup < 0:
-        raise ValueError("--warmup must be 0 or more")
+    for name in ("warmup", "think_time"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be 0 or more")
     if (args.workload == "trace") != (args.trace is not None):
         raise ValueError("--trace FILE goes with --workload trace, and only with it")
+    if args.trace_format != "jsonl" and args.workload != "trace":
+        raise ValueError("--trace-format goes with --workload trace")
+    if args.workload == "conversation":
+        if args.endpoint == "completions":
+            raise ValueError(
+                "--workload conversation sends chat messages: use --endpoint chat (its default)"
+            )
+        if args.num_requests is not None:
+            raise ValueError(
+                "--workload conversation sends --conversations x --turns requests: "
+                "leave out --num-requests"
+            )
+    args.endpoint = args.endpoint or ("chat" if args.workload == "conversation" else "completions")
+
+
+def _prompt_text(args: argparse.Namespace) -> workload.PromptText:
+    tokenizer = workload.load_tokenizer(args.tokenizer) if args.tokenizer else None
+    return workload.PromptText(args.seed, tokenizer)
 
 
 def build_requests(args: argparse.Namespace) -> list[workload.BenchRequest]:
-    tokenizer = workload.load_tokenizer(args.tokenizer) if args.tokenizer else None
-    text = workload.PromptText(args.seed, tokenizer)
+    """The requests, with their infinite-cache bound where the workload knows it (assuming the
+    first --warmup of them were sent once before, as `pdserve bench` does)."""
+    requests = _requests(args, _prompt_text(args))
+    mark_cacheable(requests, args.warmup)
+    return requests
+
+
+def build_conversations(
+    args: argparse.Namespace,
+) -> tuple[list[Conversation], list[workload.BenchRequest]]:
+    """The conversations, and warm-up requests that share no text with them."""
+    text = _prompt_text(args)
+    message_len = workload.Length.parse(args.input_len or DEFAULT_INPUT_LEN[args.workload])
+    output_len = workload.Length.parse(args.output_len)
+    talks = conversations(
+        args.conversations, args.turns, message_len, output_len, args.think_time, text
+    )
+    return talks, workload.synthetic(args.warmup, message_len, output_len, text)
+
+
+def _requests(args: argparse.Namespace, text: workload.PromptText) -> list[workload.BenchRequest]:
+    if args.workload == "trace" and args.trace_format == "mooncake":
+        return mooncake_trace.trace(args.trace, args.trace_block_size, text)[: args.num_requests]
     if args.workload == "trace":
         requests = workload.trace(args.trace, text)[: args.num_requests]
         if args.endpoint == "completions" and any(r.messages is not None for r in requests):

@@ -7,9 +7,12 @@ from dataclasses import dataclass, field
 class RequestRecord:
     """One streamed request. Times are seconds; `ttft` and `e2e` count from `send_time`.
 
-    `output_chunks` counts the streamed token chunks (see bench.client); `usage` is the server's
-    `usage` object from the final chunk, when it sent one. A failed request has an `error` and
-    keeps whatever timings it got before failing.
+    `output_chunks` counts the streamed token chunks (see bench.client) and `output_text` is their
+    text (the reply a conversation sends back in its next turn); `usage` is the server's `usage`
+    object from the final chunk, when it sent one. A failed request has an `error` and keeps
+    whatever timings it got before failing. `conversation` and `turn` (0 for the first) are set by
+    the conversation workload; `cacheable_tokens` (the prompt tokens an infinite prefix cache
+    would hold, see bench.infinite_cache) by workloads where it is computable.
     """
 
     prompt_tokens: int  # the workload's count (exact with a tokenizer, else approximate)
@@ -21,6 +24,10 @@ class RequestRecord:
     output_chunks: int = 0
     error: str | None = None
     usage: dict | None = None
+    output_text: str = ""
+    conversation: int | None = None
+    turn: int | None = None
+    cacheable_tokens: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -34,10 +41,12 @@ class RequestRecord:
         return self.output_chunks
 
     @property
-    def cached_tokens(self) -> int:
-        """Prompt tokens the server served from its prefix cache (its usage says; else 0)."""
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens the server served from its prefix cache; None when its usage does not
+        say (`usage.prompt_tokens_details.cached_tokens` absent)."""
         details = (self.usage or {}).get("prompt_tokens_details") or {}
-        return int(details.get("cached_tokens") or 0)
+        cached = details.get("cached_tokens")
+        return None if cached is None else int(cached)
 
     @property
     def input_tokens(self) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.bench.metrics import Summary, latency_samples
+from pdserve.bench.metrics import Summary, TurnSummary, latency_samples
 from pdserve.bench.records import RequestRecord
 from pdserve.bench.sweep import SweepPoint, best_ratio, series
 
@@ -29,7 +29,7 @@ def table(summary: Summary, records: list[RequestRecord]) -> str:
         f"{'Request throughput (req/s):':<36} {summary.request_throughput:.2f}",
         f"{'Output token throughput (tok/s):':<36} {summary.output_throughput:.2f}",
         f"{'Total token throughput (tok/s):':<36} {summary.total_token_throughput:.2f}",
-        f"{'Prefix cache hit rate:':<36} {summary.prefix_hit_rate:.1%}",
+        *_hit_rate_lines(summary),
     ]
     if summary.slo is not None:
         limits = ", ".join(
@@ -49,6 +49,8 @@ def table(summary: Summary, records: list[RequestRecord]) -> str:
             f"{label:<12}{d.count:>8}{_ms(d.mean):>10}{_ms(d.p50):>10}"
             f"{_ms(d.p90):>10}{_ms(d.p95):>10}{_ms(d.p99):>10}"
         )
+    if summary.turns:
+        lines.extend(_turn_lines(summary.turns))
     errors = Counter(r.error for r in records if r.error is not None)
     for error, count in errors.most_common(5):
         lines.append(f"error x{count}: {error}")
@@ -57,8 +59,41 @@ def table(summary: Summary, records: list[RequestRecord]) -> str:
     return "\n".join(lines)
 
 
+def _percent(rate: float | None, missing: str = "-") -> str:
+    return missing if rate is None else f"{rate:.1%}"
+
+
+def _hit_rate_lines(summary: Summary) -> list[str]:
+    """The measured prefix hit rate, and, where the workload computes it, the infinite-cache
+    bound and how much of it was reached (the KV pool's goal is at least 80%)."""
+    measured, bound = summary.prefix_hit_rate, summary.infinite_cache_hit_rate
+    lines = [f"{'Prefix cache hit rate:':<36} {_percent(measured, 'not reported by the server')}"]
+    if bound is not None:
+        reached = (
+            f" (measured: {measured / bound:.0%} of it)" if measured is not None and bound else ""
+        )
+        lines.append(f"{'Infinite-cache hit rate (bound):':<36} {bound:.1%}{reached}")
+    return lines
+
+
+def _turn_lines(turns: list[TurnSummary]) -> list[str]:
+    lines = [
+        f"{'turn':<6}{'requests':>9}{'failed':>8}{'TTFT p50 (ms)':>15}{'TTFT p90 (ms)':>15}"
+        f"{'hit rate':>10}{'infinite':>10}"
+    ]
+    for t in turns:
+        lines.append(
+            f"{t.turn:<6}{t.requests:>9}{t.failed:>8}{_ms(t.ttft.p50):>15}{_ms(t.ttft.p90):>15}"
+            f"{_percent(t.prefix_hit_rate):>10}{_percent(t.infinite_cache_hit_rate):>10}"
+        )
+    return lines
+
+
 def record_json(record: RequestRecord, start: float) -> dict:
-    return asdict(record) | {
+    """The record but its reply text (the file keeps no prompt text either)."""
+    fields = asdict(record)
+    del fields["output_text"]
+    return fields | {
         "send_time": record.send_time - start,  # seconds from the first send
         "input_tokens": record.input_tokens,
         "output_tokens": record.output_tokens,

@@ -4,18 +4,107 @@ number in flight), with an optional deadline and a progress bar on stderr.
 The benchmark duration runs, as in `vllm bench serve`, from just before the first request is
 scheduled until the last one has finished. At the deadline no new request is sent (those are
 left out of the records) and requests still in flight are cut off by their timeout, so they
-count as failed.
+count as failed. A `Session` is one such run; the unit it schedules is a job, which sends one
+request here and a whole conversation in bench.conversation.
 """
 
 import asyncio
 import math
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
+import httpx
 from tqdm import tqdm
 
 from pdserve.bench.client import Target, make_http_client, send
 from pdserve.bench.records import RequestRecord
 from pdserve.bench.workload import BenchRequest
+
+
+@dataclass
+class Session:
+    """One benchmark run: its HTTP client, clock, deadline and progress bar."""
+
+    http: httpx.AsyncClient
+    target: Target
+    timeout: float
+    bar: tqdm
+    start: float
+    deadline: float
+    failed: int = 0
+    duration: float = 0.0  # set when the session closes
+
+    def past_deadline(self) -> bool:
+        return time.perf_counter() >= self.deadline
+
+    async def send(self, request: BenchRequest) -> RequestRecord:
+        """Send one request, cut off at the deadline, and count it on the progress bar."""
+        remaining = self.deadline - time.perf_counter()
+        record = await send(self.http, self.target, request, min(self.timeout, remaining))
+        self.bar.update(1)
+        if not record.ok:
+            self.failed += 1
+            self.bar.set_postfix(failed=self.failed)
+        return record
+
+    async def run_jobs(
+        self,
+        count: int,
+        job: Callable[[int], Awaitable[None]],
+        offsets: list[float] | None,
+        concurrency: int | None,
+    ) -> None:
+        """Run job(0) ... job(count - 1): each at its offset from the start (open loop), or
+        `concurrency` at a time, each finished job replaced by the next (closed loop); none is
+        started after the deadline."""
+        if (offsets is None) == (concurrency is None):
+            raise ValueError("give exactly one of offsets (open loop) or concurrency (closed loop)")
+        if offsets is not None and len(offsets) != count:
+            raise ValueError(f"{len(offsets)} send times for {count} jobs")
+        if concurrency is not None and concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+        if offsets is not None:
+            tasks = []
+            for i, offset in enumerate(offsets):
+                if self.start + offset >= self.deadline:
+                    break
+                await asyncio.sleep(self.start + offset - time.perf_counter())  # no-op if late
+                tasks.append(asyncio.create_task(job(i)))
+            await asyncio.gather(*tasks)
+        else:
+            indices = iter(range(count))
+
+            async def worker() -> None:
+                for i in indices:  # shared iterator: each free worker takes the next job
+                    if self.past_deadline():
+                        return
+                    await job(i)
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+
+@asynccontextmanager
+async def session(
+    target: Target,
+    total: int,
+    timeout: float = 600.0,
+    max_duration: float | None = None,
+    progress: bool = True,
+) -> AsyncIterator[Session]:
+    """A session whose clock starts now; its `duration` is set on leaving. `total` is the number
+    of requests the progress bar expects."""
+    bar = tqdm(total=total, unit="req", disable=not progress)
+    try:
+        async with make_http_client() as http:
+            start = time.perf_counter()
+            deadline = start + max_duration if max_duration else math.inf
+            running = Session(http, target, timeout, bar, start, deadline)
+            yield running
+            running.duration = time.perf_counter() - start
+    finally:
+        bar.close()
 
 
 async def run(
@@ -33,50 +122,14 @@ async def run(
     Give exactly one of `offsets` (open loop: send times in seconds from the start, one per
     request) or `concurrency` (closed loop: each finished request is replaced by the next).
     """
-    if (offsets is None) == (concurrency is None):
-        raise ValueError("give exactly one of offsets (open loop) or concurrency (closed loop)")
-    if offsets is not None and len(offsets) != len(requests):
-        raise ValueError(f"{len(offsets)} send times for {len(requests)} requests")
-    if concurrency is not None and concurrency < 1:
-        raise ValueError(f"concurrency must be at least 1, got {concurrency}")
-
     records: list[RequestRecord | None] = [None] * len(requests)
-    failed = 0
-    bar = tqdm(total=len(requests), unit="req", disable=not progress)
-    async with make_http_client() as http:
-        start = time.perf_counter()
-        deadline = start + max_duration if max_duration else math.inf
+    async with session(target, len(requests), timeout, max_duration, progress) as running:
 
         async def send_one(i: int) -> None:
-            nonlocal failed
-            remaining = deadline - time.perf_counter()
-            records[i] = record = await send(http, target, requests[i], min(timeout, remaining))
-            bar.update(1)
-            if not record.ok:
-                failed += 1
-                bar.set_postfix(failed=failed)
+            records[i] = await running.send(requests[i])
 
-        if offsets is not None:
-            tasks = []
-            for i, offset in enumerate(offsets):
-                if start + offset >= deadline:
-                    break
-                await asyncio.sleep(start + offset - time.perf_counter())  # no-op if already late
-                tasks.append(asyncio.create_task(send_one(i)))
-            await asyncio.gather(*tasks)
-        else:
-            indices = iter(range(len(requests)))
-
-            async def worker() -> None:
-                for i in indices:  # shared iterator: each free worker takes the next request
-                    if time.perf_counter() >= deadline:
-                        return
-                    await send_one(i)
-
-            await asyncio.gather(*(worker() for _ in range(concurrency)))
-        duration = time.perf_counter() - start
-    bar.close()
-    return [r for r in records if r is not None], duration
+        await running.run_jobs(len(requests), send_one, offsets, concurrency)
+    return [r for r in records if r is not None], running.duration
 
 
 async def warm_up(

@@ -88,6 +88,11 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(
                 "--slo is required: the sweep compares goodput, e.g. --slo ttft=2s,tpot=200ms"
             )
+        if args.workload == "conversation":
+            raise ValueError(
+                "--workload conversation runs in pdserve bench: a sweep sends one list of "
+                "requests at each rate"
+            )
         slo = Slo.parse(args.slo)
         ratios = Ratio.parse_list(args.ratios)
         rates = [_rate(text) for text in args.rates.split(",")]

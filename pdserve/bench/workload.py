@@ -4,7 +4,9 @@
 - shared-prefix: each prompt is one of N shared prefixes followed by its own suffix;
 - mixed: a fraction of long prompts among short ones (e.g. 10% ~1.5K-token documents
   among ~100-token chats);
-- trace: replay of a JSONL file, one request per line:
+- conversation: multi-turn chats, each turn resending the history (bench.conversation);
+- trace: replay of a Mooncake-format trace (bench.mooncake_trace), or of a JSONL file, one
+  request per line:
 
       {"prompt": "Once upon a time", "max_tokens": 64, "timestamp": 0.0}
       {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16, "timestamp": 0.25}
@@ -20,6 +22,7 @@ to the exact token count; without one, one word counts as one token, which is ap
 
 import json
 import re
+from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,20 +39,32 @@ WORDS = (
 ).split()
 
 
-DEFAULT_INPUT_LEN = {"synthetic": "1024", "shared-prefix": "128", "mixed": "normal:100,20"}
+DEFAULT_INPUT_LEN = {
+    "synthetic": "1024",
+    "shared-prefix": "128",
+    "mixed": "normal:100,20",
+    "conversation": "128",
+}
 """Prompt tokens when --input-len is not given: per workload, the prompt (synthetic), the
-suffix after the shared prefix, or the short prompts among the long ones (mixed)."""
+suffix after the shared prefix, the short prompts among the long ones (mixed), or the new user
+message of each turn (conversation)."""
 
 
 @dataclass
 class BenchRequest:
-    """One request to send: a prompt (or chat messages), its token count and `max_tokens`."""
+    """One request to send: a prompt (or chat messages), its token count and `max_tokens`.
+
+    `prefix_blocks`, where the workload knows it, is the prompt as a chain of (key, tokens)
+    blocks, equal keys being equal text, from which bench.infinite_cache sets
+    `cacheable_tokens`."""
 
     prompt_tokens: int
     max_tokens: int
     prompt: str | None = None
     messages: list[dict] | None = None
     timestamp: float | None = None  # send offset in seconds (trace replay only)
+    prefix_blocks: list[tuple[Hashable, int]] | None = None
+    cacheable_tokens: int | None = None
 
 
 _UNIFORM = re.compile(r"^(\d+)-(\d+)$")
@@ -164,9 +179,17 @@ def shared_prefix(
     suffix_lens = suffix_len.sample(text.rng, n)
     output_lens = output_len.sample(text.rng, n)
     requests = []
-    for choice, suffix, output in zip(choices, suffix_lens, output_lens, strict=True):
+    prefix_tokens = [text.count(prefix) for prefix in prefixes]
+    for i, (choice, suffix, output) in enumerate(
+        zip(choices, suffix_lens, output_lens, strict=True)
+    ):
         prompt = prefixes[choice] + " " + text.make(suffix)
-        requests.append(BenchRequest(text.count(prompt), output, prompt=prompt))
+        tokens = text.count(prompt)
+        blocks = [
+            (("prefix", int(choice)), prefix_tokens[choice]),
+            (("own", i), tokens - prefix_tokens[choice]),
+        ]
+        requests.append(BenchRequest(tokens, output, prompt=prompt, prefix_blocks=blocks))
     return requests
 
 
