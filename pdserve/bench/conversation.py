@@ -101,9 +101,9 @@ async def _hold(
     prompt_tokens = 0  # the workload's count, for a server that reports no usage
     previous: RequestRecord | None = None
     for number, turn in enumerate(talk.turns):
-        await asyncio.sleep(turn.think_s)
-        if running.past_deadline():
+        if running.past_deadline(after=turn.think_s):
             return
+        await asyncio.sleep(turn.think_s)
         history.append({"role": "user", "content": turn.message})
         prompt_tokens += turn.message_tokens
         request = BenchRequest(prompt_tokens, turn.max_tokens, messages=list(history))

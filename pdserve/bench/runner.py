@@ -36,8 +36,9 @@ class Session:
     failed: int = 0
     duration: float = 0.0  # set when the session closes
 
-    def past_deadline(self) -> bool:
-        return time.perf_counter() >= self.deadline
+    def past_deadline(self, after: float = 0.0) -> bool:
+        """Whether the deadline is passed, or will be `after` seconds from now."""
+        return time.perf_counter() + after >= self.deadline
 
     async def send(self, request: BenchRequest) -> RequestRecord:
         """Send one request, cut off at the deadline, and count it on the progress bar."""

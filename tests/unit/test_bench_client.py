@@ -4,13 +4,19 @@ pdserve router) that streams OpenAI SSE chunks with known delays and fails on re
 The prompt picks the fake's behaviour: "http-error" (503), "stream-error" (an error object after
 two tokens), "malformed" (bad JSON), "truncate" (closes without [DONE]), "hang" (never answers),
 "eos" (the last token has empty text, as EOS does in vLLM); anything else streams max_tokens
-tokens, the first after TTFT_S and the rest ITL_S apart.
+tokens, the first after TTFT_S and the rest ITL_S apart, each with a text of its own (" r{n}t{i}",
+n counting the fake's requests). Its usage counts one token per word of the prompt (of every chat
+message), and, unless made with report_cached=False, reports as cached the longest prefix (in
+words) this prompt shares with an earlier one: a prefix cache that holds prompts, not replies.
+Every request it answers is logged (arrival, body, reply text, finish).
 """
 
 import argparse
 import asyncio
 import json
 import threading
+import time
+from dataclasses import dataclass
 
 import pytest
 from aiohttp import web
@@ -28,12 +34,25 @@ TTFT_S = 0.2
 ITL_S = 0.05
 
 
+@dataclass
+class Received:
+    """One request the fake answered: perf_counter times, the JSON body, the text it streamed."""
+
+    arrived: float
+    body: dict
+    reply: str = ""
+    finished: float | None = None
+
+
 class FakeOpenAIServer:
     """A fake OpenAI-compatible streaming server on 127.0.0.1 (ephemeral port), in a thread."""
 
-    def __init__(self):
+    def __init__(self, report_cached: bool = True):
+        self.report_cached = report_cached
         self.in_flight = 0
         self.max_in_flight = 0
+        self.log: list[Received] = []
+        self._prompts: list[list[str]] = []  # the fake prefix cache, in words
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
@@ -64,20 +83,33 @@ class FakeOpenAIServer:
         )
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
+        received = Received(time.perf_counter(), await request.json())
+        body = received.body
         chat = "messages" in body
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
         if "http-error" in prompt:
             return web.json_response({"error": {"message": "fake overload"}}, status=503)
+        self.log.append(received)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
-            return await self._stream(request, chat, prompt, body["max_tokens"])
+            return await self._stream(request, chat, prompt, body["max_tokens"], received)
         finally:
             self.in_flight -= 1
+            received.finished = time.perf_counter()
 
-    async def _stream(self, request, chat, prompt, max_tokens) -> web.StreamResponse:
+    def _usage(self, body: dict, completion_tokens: int) -> dict:
+        texts = [m["content"] for m in body["messages"]] if "messages" in body else [body["prompt"]]
+        words = " ".join(texts).split()
+        usage = {"prompt_tokens": len(words), "completion_tokens": completion_tokens}
+        if self.report_cached:
+            cached = max((_common_prefix(words, seen) for seen in self._prompts), default=0)
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        self._prompts.append(words)
+        return usage
+
+    async def _stream(self, request, chat, prompt, max_tokens, received) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
 
@@ -110,7 +142,9 @@ class FakeOpenAIServer:
             if last and "eos" in prompt:  # like vLLM: EOS is a token with empty text
                 await event(token_chunk("", "stop"))
             else:
-                await event(token_chunk(f" tok{i}", "length" if last else None))
+                text = f" r{len(self.log)}t{i}"
+                received.reply += text
+                await event(token_chunk(text, "length" if last else None))
             if i == 1 and "stream-error" in prompt:
                 await event({"error": {"message": "fake engine died", "code": 500}})
                 return response
@@ -119,15 +153,17 @@ class FakeOpenAIServer:
                 return response
             if i == 1 and "truncate" in prompt:
                 return response
-        await event(
-            {
-                "object": "chunk",
-                "choices": [],
-                "usage": {"prompt_tokens": 7, "completion_tokens": max_tokens},
-            }
-        )
+        usage = self._usage(received.body, max_tokens)
+        await event({"object": "chunk", "choices": [], "usage": usage})
         await event("[DONE]")
         return response
+
+
+def _common_prefix(a: list[str], b: list[str]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +190,9 @@ def test_timings_match_injected_delays(fake_server, endpoint, prompt):
     assert TTFT_S <= record.ttft < TTFT_S + 1.0
     # The chat stream's leading empty role chunk is not a token; a later empty one (EOS) is.
     assert record.output_chunks == 5 and len(record.itl) == 4
-    assert record.output_tokens == 5 and record.input_tokens == 7  # from the server's usage
+    # From the server's usage (the workload said 3 prompt tokens), and the streamed text.
+    assert record.output_tokens == 5 and record.input_tokens == len(prompt.split())
+    assert record.output_text == fake_server.log[-1].reply
     assert 0.6 * ITL_S <= sum(record.itl) / 4 < ITL_S + 0.5
     assert record.e2e == pytest.approx(record.ttft + sum(record.itl))
     assert record.tpot == pytest.approx((record.e2e - record.ttft) / 4)

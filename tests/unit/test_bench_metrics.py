@@ -90,6 +90,48 @@ def test_empty_statistics_are_none():
     assert distribution([1.0, 2.0, 3.0, 4.0]).p50 == pytest.approx(2.5)
 
 
+def turn_record(turn, prompt, cached, cacheable, ttft=0.1, error=None) -> RequestRecord:
+    """A conversation turn; `cached` None: the server did not report cached tokens."""
+    usage = {"prompt_tokens": prompt, "completion_tokens": 2}
+    if cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return RequestRecord(
+        prompt, 2, ttft=ttft, e2e=ttft + 0.1, output_chunks=2, usage=usage, error=error,
+        turn=turn, cacheable_tokens=cacheable,
+    )  # fmt: skip
+
+
+def test_prefix_hit_rates_overall_and_per_turn():
+    records = [
+        turn_record(0, 100, 0, 0, ttft=0.4),
+        turn_record(0, 100, 50, 0, ttft=0.6),
+        turn_record(1, 200, 150, 180, ttft=0.1),
+        turn_record(1, 300, 0, 250, ttft=0.2),
+        turn_record(1, 999, 999, 999, error="HTTP 500: boom"),  # failed: out of the rates
+        turn_record(2, 400, None, 350),  # not reported: out of the measured rate only
+    ]
+    s = summarize(records, DURATION)
+    assert s.prefix_hit_rate == pytest.approx((50 + 150) / (100 + 100 + 200 + 300))
+    assert s.infinite_cache_hit_rate == pytest.approx((180 + 250 + 350) / 1100)
+    assert [(t.turn, t.requests, t.failed, t.ttft.count) for t in s.turns] == [
+        (0, 2, 0, 2),
+        (1, 3, 1, 2),
+        (2, 1, 0, 1),
+    ]
+    assert s.turns[0].ttft.p50 == pytest.approx(0.5) and s.turns[0].ttft.p90 == pytest.approx(0.58)
+    assert [t.prefix_hit_rate for t in s.turns] == pytest.approx([0.25, 0.3, None])
+    assert [t.infinite_cache_hit_rate for t in s.turns] == pytest.approx([0.0, 0.86, 0.875])
+
+
+def test_hit_rates_that_cannot_be_known_are_none():
+    s = summarize([turn_record(0, 10, None, 5), turn_record(0, 10, None, None)], DURATION)
+    assert s.prefix_hit_rate is None  # no server said
+    assert s.infinite_cache_hit_rate is None  # the workload did not compute it for each request
+    assert summarize(hand_built_records(), DURATION).turns == []  # no turns: no per-turn rows
+    # A cache cannot hold more than the prompt: the bound is capped at the prompt's tokens.
+    assert summarize([turn_record(1, 10, 10, 11)], DURATION).infinite_cache_hit_rate == 1.0
+
+
 def test_agrees_with_vllm_calculate_metrics():
     serve = pytest.importorskip("vllm.benchmarks.serve")
     from vllm.benchmarks.lib.endpoint_request_func import RequestFuncOutput
