@@ -15,6 +15,7 @@ import grpc
 from pdserve.settings import tls
 from pdserve.settings.cluster_secret import secret_metadata
 from pdserve.settings.worker import WorkerSettings
+from pdserve.worker.fork_server import ForkedProcess, ForkServer
 from pdserve.worker.processes import ChildError, free_port, log_tail, spawn, stop_group, wait_until
 from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 
@@ -25,7 +26,7 @@ class WorkerProcess:
     host: str
     port: int
     log_path: Path
-    process: subprocess.Popen
+    process: subprocess.Popen | ForkedProcess
 
     @property
     def address(self) -> str:
@@ -43,6 +44,7 @@ def start_worker(
     threads: int,
     env: dict[str, str] | None = None,
     keeper: bool = False,
+    fork_server: ForkServer | None = None,
 ) -> WorkerProcess:
     """Start a worker with `settings` (a free port when its port is 0), whose engine computes
     with `threads` threads: workers sharing a host's cores split them, or their spinning OpenMP
@@ -65,9 +67,13 @@ def start_worker(
     ]
     if keeper:
         command = [sys.executable, "-m", "pdserve.cluster.process_keeper", *command]
-    return WorkerProcess(
-        settings.role, settings.host, settings.port, log_path, spawn(command, log_path, env)
-    )
+    if fork_server is not None:
+        if keeper:
+            raise ValueError("a worker behind a process keeper is started afresh, not forked")
+        process = fork_server.spawn(command, log_path, env)
+    else:
+        process = spawn(command, log_path, env)
+    return WorkerProcess(settings.role, settings.host, settings.port, log_path, process)
 
 
 OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM on CPU: its compute threads' cores

@@ -38,6 +38,7 @@ from pdserve.settings.json_logs import configure_logging
 from pdserve.settings.redis_url import PASSWORD_ENV
 from pdserve.settings.router import RouterSettings
 from pdserve.settings.worker import WorkerSettings
+from pdserve.worker.fork_server import ForkServer
 from pdserve.worker.processes import (
     ChildError,
     free_port,
@@ -193,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
         binds = [{OMP_BIND_ENV: share} for share in shares]
         pairs = zip(plan, shares, strict=True)
         say("cores per worker: " + ", ".join(f"{w.role} {share}" for w, share in pairs))
-    others, redis_group = [], 0
+    others, redis_group, fork_server = [], 0, None
     try:
         if args.routers > 1:
             os.environ[PASSWORD_ENV] = secrets.token_urlsafe(24)  # the children inherit it
@@ -202,15 +203,17 @@ def run(args: argparse.Namespace) -> int:
             )
             router = router.model_copy(update={"registry": url})
             say(f"shared state: redis-server at {url} (password in ${PASSWORD_ENV})")
+        say("importing vLLM once for all workers (pdserve/worker/fork_server.py)")
+        fork_server = ForkServer(log_dir / "fork-server.log")
         for settings, bind in zip(plan, binds, strict=True):
-            workers.append(start_worker(settings, log_dir, threads, env=bind))
+            workers.append(start_worker(settings, log_dir, threads, bind, fork_server=fork_server))
         wait_ready(workers, router.worker_ready_timeout_s, progress=say)
         addresses = [worker.address for worker in workers]
         serving = router.model_copy(update={"worker_addresses": addresses})
         others = _start_other_routers(serving, args.routers - 1, args.port == 0, log_dir)
         asyncio.run(run_router(serving, model, listener))
         return 0
-    except (RuntimeError, ChildError) as error:
+    except (RuntimeError, ChildError) as error:  # ForkServerError included
         say(f"pdserve serve: {error}")
         return 1
     except KeyboardInterrupt:
@@ -222,6 +225,8 @@ def run(args: argparse.Namespace) -> int:
         if workers:
             say(f"stopping {len(workers)} worker(s)")
         stop_workers(workers)
+        if fork_server is not None:
+            fork_server.close()
         if redis_group:
             stop_group(redis_group)
 

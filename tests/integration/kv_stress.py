@@ -19,7 +19,7 @@ from pdserve.kinds import RoutePath
 from pdserve.settings.cluster_secret import secret_metadata
 from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 from tests.integration.conftest import SERVED_MODEL
-from tests.integration.processes import children, command_line, worker_pids
+from tests.integration.processes import command_line, worker_pids
 from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS, long_prompt
 from tests.waiting import wait_for
 
@@ -151,7 +151,7 @@ def abort_fifty_requests(server) -> None:
     assert sum(aborted) >= 45  # each request could run ~10 s: nearly all were cut short
     wait_for_kv_baseline(server, before)
     assert set(os.listdir("/dev/shm")) <= shm_before, "a KV transfer left files in /dev/shm"
-    for pid in children(server.process.pid):
+    for pid in worker_pids(server):
         segments = shared_memory_segments(pid)
         assert segments <= 8 * len(worker_pids(server, "prefill") or [1]), (pid, segments)
 

@@ -63,10 +63,13 @@ def pids_with_environment(variable: str) -> list[int]:
     return found
 
 
-def worker_pids(server, role: str) -> list[int]:
-    """The live workers of `role` that `server` (a `pdserve serve`) started."""
+def worker_pids(server, role: str | None = None) -> list[int]:
+    """The live workers (of `role`, or all) that `server` (a `pdserve serve`) started: children
+    of its fork server (pdserve/worker/fork_server.py)."""
     return [
-        child
-        for child in children(server.process.pid)
-        if alive(child) and any(f'"role":"{role}"' in part for part in command_line(child))
+        pid
+        for pid in descendants(server.process.pid)
+        if alive(pid)
+        and "--settings-json" in (words := command_line(pid))
+        and (role is None or any(f'"role":"{role}"' in word for word in words))
     ]
