@@ -73,11 +73,16 @@ class BlockText:
         return "".join(pieces[:input_length])
 
 
-def trace(path: str | Path, block_size: int, text: PromptText) -> list[BenchRequest]:
-    """Load a Mooncake trace; errors name the file and line."""
+def trace(
+    path: str | Path, block_size: int, text: PromptText, limit: int | None = None
+) -> list[BenchRequest]:
+    """Load a Mooncake trace, or its first `limit` requests (a whole trace's prompts can be
+    gigabytes of text); errors name the file and line."""
     blocks = BlockText(block_size, text)
     lines: list[tuple[float, BenchRequest]] = []
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if len(lines) == limit:
+            break
         if not line.strip():
             continue
         try:

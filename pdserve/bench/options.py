@@ -244,7 +244,7 @@ def build_conversations(
 
 def _requests(args: argparse.Namespace, text: workload.PromptText) -> list[workload.BenchRequest]:
     if args.workload == "trace" and args.trace_format == "mooncake":
-        return mooncake_trace.trace(args.trace, args.trace_block_size, text)[: args.num_requests]
+        return mooncake_trace.trace(args.trace, args.trace_block_size, text, args.num_requests)
     if args.workload == "trace":
         requests = workload.trace(args.trace, text)[: args.num_requests]
         if args.endpoint == "completions" and any(r.messages is not None for r in requests):

@@ -96,9 +96,8 @@ def test_a_tokenizer_without_single_token_words_is_refused(tmp_path):
 
 
 def test_timestamps_become_offsets_from_the_first_line(tmp_path):
-    requests = mooncake_trace.trace(
-        write(tmp_path, *[line(t, 4, [1]) for t in (1000, 1250, 1250, 3000)]), 8, PromptText(0)
-    )
+    path = write(tmp_path, *[line(t, 4, [1]) for t in (1000, 1250, 1250, 3000)], "{not json")
+    requests = mooncake_trace.trace(path, 8, PromptText(0), limit=4)  # the bad line: not read
     assert [r.timestamp for r in requests] == [0.0, 0.25, 0.25, 2.0]
 
 
@@ -168,7 +167,8 @@ def test_bench_replays_a_mooncake_trace_at_its_timestamps(tmp_path, capsys):
     finally:
         server.stop()
     assert len(arrived) == 3
-    assert 0.3 <= arrived[1] < 0.5 and 0.6 <= arrived[2] < 0.8
+    # At 0, 0.3 and 0.6 s (the first request's connection set-up may delay it by a few ms).
+    assert 0.27 <= arrived[1] < 0.5 and 0.57 <= arrived[2] < 0.8
     # Without a tokenizer a block is 8 words; the fake counts words and caches prompts.
     document = json.loads((tmp_path / "bench.json").read_text())
     assert [r["cacheable_tokens"] for r in document["requests"]] == [0, 16, 20]
