@@ -34,6 +34,7 @@ from pdserve.bench.local_cluster import router_healthy
 from pdserve.model_store.store import ensure_model
 from pdserve.settings.cluster_secret import SECRET_ENV
 from pdserve.worker.processes import ChildError, free_port, spawn, stop_group, wait_until
+from tests.integration.http_client import HTTP
 from tests.integration.processes import alive, descendants, worker_pids
 from tests.integration.prompts import (
     CHATS,
@@ -67,7 +68,7 @@ class Server:
         return f"{self.url}/v1"
 
     def workers(self, fresh: bool = False) -> list[dict]:
-        return httpx.get(f"{self.url}/pdserve/workers", params={"fresh": fresh}, timeout=30).json()[
+        return HTTP.get(f"{self.url}/pdserve/workers", params={"fresh": fresh}, timeout=30).json()[
             "workers"
         ]
 
@@ -260,11 +261,17 @@ def trace_collector():
 
 @pytest.fixture(scope="session")
 def server(smollm2_dir, tmp_path_factory, trace_collector) -> Server:
-    """The default cluster: 1 prefill + 1 decode worker, exporting traces to `trace_collector`."""
+    """The default cluster: 1 prefill + 1 decode worker, exporting traces to `trace_collector`
+    (stopped with it: its gRPC server's polling costs a few percent of a core)."""
     cluster = start_server(
         tmp_path_factory.mktemp("serve-logs"), "--otlp-endpoint", trace_collector.endpoint
     )
-    with stopped_after_last_use("server", lambda: _stop_and_check(cluster)):
+
+    def stop() -> None:
+        _stop_and_check(cluster)
+        trace_collector.stop()
+
+    with stopped_after_last_use("server", stop):
         yield cluster
 
 
@@ -353,7 +360,7 @@ def offline_reference(smollm2_dir, tmp_path_factory) -> dict:
 def tiny_completion(url: str, prompt: str, route: str) -> httpx.Response:
     """A greedy completion from the tiny model on `route` of the router at `url`, with the
     timing breakdown."""
-    return httpx.post(
+    return HTTP.post(
         f"{url}/v1/completions",
         timeout=120,
         headers={"x-pdserve-route": route, "x-pdserve-timing": "1"},

@@ -19,6 +19,7 @@ from pdserve.kinds import RoutePath
 from pdserve.settings.cluster_secret import secret_metadata
 from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 from tests.integration.conftest import SERVED_MODEL
+from tests.integration.http_client import HTTP
 from tests.integration.processes import command_line, worker_pids
 from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS, long_prompt
 from tests.waiting import wait_for
@@ -85,7 +86,7 @@ def computing_a_prompt(port: int) -> bool:
 
 
 def complete(server, prompt: str, route: str) -> httpx.Response:
-    return httpx.post(
+    return HTTP.post(
         f"{server.base_url}/completions",
         timeout=120,
         headers={"x-pdserve-route": route},
@@ -103,7 +104,7 @@ LOST_TO_LOCAL = 'pdserve_prefill_lost_total{next="local"}'
 
 def metric_value(server, sample: str) -> float:
     """One sample of the router's metrics (0 when it has not been counted yet)."""
-    for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
+    for line in HTTP.get(f"{server.url}/metrics", timeout=10).text.splitlines():
         if line.startswith(sample + " "):
             return float(line.split()[-1])
     return 0.0

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from tests.integration.conftest import SERVED_MODEL, router_in_front_of
+from tests.integration.http_client import HTTP
 
 RUNNING, QUEUED = 2, 2
 REQUESTS = 3 * (RUNNING + QUEUED)
@@ -64,13 +65,13 @@ def test_three_times_capacity_gets_only_200_and_429(small_router):
         f"{len(admitted)} x 200, {len(refused)} x 429, admitted p99 {p99:.2f} s"
     )
     assert p99 < 60
-    after = httpx.post(
+    after = HTTP.post(
         f"{small_router}/v1/completions",
         json={"model": SERVED_MODEL, "prompt": "Still there?", "max_tokens": 2},
         timeout=60,
     )
     assert after.status_code == 200
-    metrics = httpx.get(f"{small_router}/metrics", timeout=10).text
+    metrics = HTTP.get(f"{small_router}/metrics", timeout=10).text
     assert f"pdserve_rejected_total {float(len(refused))}" in metrics
 
 
@@ -96,7 +97,7 @@ def limited_router(server, tmp_path_factory):
     that about TURNS_IN_LIMIT turns fit in it however fast the machine is: a fixed limit
     refused all or nothing on machines slower or faster than this one's."""
     started = time.monotonic()
-    response = httpx.post(f"{server.url}/v1/completions", json=completion(-1), timeout=120)
+    response = HTTP.post(f"{server.url}/v1/completions", json=completion(-1), timeout=120)
     assert response.status_code == 200, response.text
     limit_s = TURNS_IN_LIMIT * (time.monotonic() - started) / RUNNING
     with router_in_front_of(

@@ -3,11 +3,11 @@ the real `openai` client: no key or a wrong one is a 401 with OpenAI's body (whi
 raises as AuthenticationError), a right one is served, /health stays open for probes, and
 /metrics is closed when asked."""
 
-import httpx
 import openai
 import pytest
 
 from tests.integration.conftest import SERVED_MODEL, router_in_front_of
+from tests.integration.http_client import HTTP
 
 KEYS = ("sk-pdserve-test-1", "sk-pdserve-test-2")
 
@@ -46,20 +46,20 @@ def test_a_wrong_key_is_a_401_with_the_openai_body(guarded_router, key):
 
 
 def test_no_key_is_a_401_naming_the_header(guarded_router):
-    response = httpx.post(
+    response = HTTP.post(
         f"{guarded_router}/v1/completions",
         json={"model": SERVED_MODEL, "prompt": "Hi", "max_tokens": 2},
         timeout=30,
     )
     assert response.status_code == 401
     assert "Authorization" in response.json()["error"]["message"]
-    assert httpx.get(f"{guarded_router}/v1/models", timeout=10).status_code == 401
+    assert HTTP.get(f"{guarded_router}/v1/models", timeout=10).status_code == 401
 
 
 def test_health_stays_open_and_metrics_needs_a_key_when_not_public(guarded_router):
-    assert httpx.get(f"{guarded_router}/health", timeout=10).status_code == 200
-    assert httpx.get(f"{guarded_router}/metrics", timeout=10).status_code == 401
-    metrics = httpx.get(
+    assert HTTP.get(f"{guarded_router}/health", timeout=10).status_code == 200
+    assert HTTP.get(f"{guarded_router}/metrics", timeout=10).status_code == 401
+    metrics = HTTP.get(
         f"{guarded_router}/metrics", headers={"authorization": f"Bearer {KEYS[0]}"}, timeout=10
     )
     assert metrics.status_code == 200

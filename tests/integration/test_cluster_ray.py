@@ -18,7 +18,6 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 import ray
 from openai import OpenAI
@@ -26,6 +25,7 @@ from openai import OpenAI
 from pdserve.cluster import local_services
 from pdserve.model_store.store import ensure_model
 from pdserve.worker.processes import free_port, stop_group
+from tests.integration.http_client import HTTP
 from tests.integration.processes import (
     alive,
     children,
@@ -195,7 +195,7 @@ def test_up_gives_each_worker_its_own_placement_group_and_gpu(cluster, tiny_refe
         environment = Path(f"/proc/{worker['pid']}/environ").read_bytes().split(b"\0")
         assert f"CUDA_VISIBLE_DEVICES={worker['gpu_ids'][0]}".encode() in environment
 
-    health = httpx.get(f"{cluster['state']['router_url']}/health", timeout=10).json()
+    health = HTTP.get(f"{cluster['state']['router_url']}/health", timeout=10).json()
     assert sorted(health["workers"]) == names
     reply = _client(cluster).completions.create(
         model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0
@@ -306,7 +306,7 @@ def _group_id(worker: str) -> str:
 
 def _running_everywhere(cluster, workers: set[str]) -> bool:
     """Whether the router's view of the workers' Stats shows a request in each of `workers`."""
-    rows = httpx.get(f"{cluster['state']['router_url']}/pdserve/workers", timeout=10).json()
+    rows = HTTP.get(f"{cluster['state']['router_url']}/pdserve/workers", timeout=10).json()
     running = {row["worker_id"] for row in rows["workers"] if row.get("running_requests", 0) > 0}
     return workers <= running
 
@@ -320,7 +320,7 @@ def _sample(metrics: str, series: str) -> float:
 
 
 def _in_pools(cluster) -> set[str]:
-    return set(httpx.get(f"{cluster['state']['router_url']}/health", timeout=5).json()["workers"])
+    return set(HTTP.get(f"{cluster['state']['router_url']}/health", timeout=5).json()["workers"])
 
 
 def test_killed_workers_leave_the_pools_and_are_replaced_with_no_failed_request(
@@ -333,7 +333,7 @@ def test_killed_workers_leave_the_pools_and_are_replaced_with_no_failed_request(
     (new placement groups, counted in its metric) while no request fails."""
     rows = {row["worker"]: row for row in _layout(cluster, 1, 2)}
     keeper_before = _status(cluster)["keeper"]
-    metrics_before = httpx.get(keeper_before["metrics_url"], timeout=5).text
+    metrics_before = HTTP.get(keeper_before["metrics_url"], timeout=5).text
     (process_victim,) = [name for name, row in rows.items() if row["role"] == "prefill"]
     actor_victim = max(name for name, row in rows.items() if row["role"] == "decode")
     old_processes = {  # the process keeper, the worker, its engine processes
@@ -393,7 +393,7 @@ def test_killed_workers_leave_the_pools_and_are_replaced_with_no_failed_request(
         assert keeper["replacements"][role] == replaced_before + 1, keeper
         failed_before = keeper_before["failed_starts"].get(role, 0)
         assert keeper["failed_starts"].get(role, 0) == failed_before, keeper
-    metrics = httpx.get(keeper["metrics_url"], timeout=5).text
+    metrics = HTTP.get(keeper["metrics_url"], timeout=5).text
     for role in ("prefill", "decode"):
         series = f'pdserve_worker_replacements_total{{role="{role}"}}'
         assert _sample(metrics, series) == _sample(metrics_before, series) + 1, metrics

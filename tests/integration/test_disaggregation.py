@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from tests.integration.conftest import SERVED_MODEL
+from tests.integration.http_client import HTTP
 from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS, long_prompt
 
 
@@ -21,7 +22,7 @@ def complete(server, prompt: str, route: str, **extra) -> httpx.Response:
         "max_tokens": DISAGGREGATED_MAX_TOKENS,
         **extra,
     }
-    return httpx.post(
+    return HTTP.post(
         f"{server.base_url}/completions",
         json=body,
         timeout=300,
@@ -30,7 +31,7 @@ def complete(server, prompt: str, route: str, **extra) -> httpx.Response:
 
 
 def metric(server, name: str) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    text = HTTP.get(f"{server.url}/metrics", timeout=10).text
     values = [
         float(line.split()[-1])
         for line in text.splitlines()
@@ -96,7 +97,7 @@ def test_an_unforced_request_takes_the_path_its_estimate_names(server):
         else:
             assert "x-pdserve-prefill-worker" not in response.headers
             assert received < prompt_tokens  # the decode worker computed the prompt's tail
-    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    metrics = HTTP.get(f"{server.url}/metrics", timeout=10).text
     assert 'pdserve_route_decisions_total{path="' in metrics and 'reason="estimate"' in metrics
 
 
@@ -105,7 +106,7 @@ def test_the_workers_report_the_step_costs_they_learned(server):
     learned, the figures the route estimate uses."""
     for route in ("disaggregated", "local"):
         assert complete(server, DISAGGREGATED_PROMPTS[5], route).status_code == 200
-    rows = httpx.get(f"{server.url}/pdserve/workers", timeout=10).json()["workers"]
+    rows = HTTP.get(f"{server.url}/pdserve/workers", timeout=10).json()["workers"]
     learned = {row["role"]: row for row in rows}
     assert learned["prefill"]["prefill_seconds_per_token"] > 0
     assert learned["decode"]["prefill_seconds_per_token"] > 0

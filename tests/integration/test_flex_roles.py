@@ -24,6 +24,7 @@ from tests.integration.conftest import (
     router_over,
     start_server,
 )
+from tests.integration.http_client import HTTP
 from tests.integration.kv_stress import kv_baseline, wait_for_kv_baseline
 from tests.integration.processes import children, command_line
 from tests.integration.prompts import MAX_TOKENS, PROMPTS, long_prompt
@@ -55,7 +56,7 @@ def roles(server) -> dict[str, str]:
 
 
 def roles_at(url: str) -> dict[str, str]:
-    view = httpx.get(f"{url}/pdserve/roles", timeout=10).json()
+    view = HTTP.get(f"{url}/pdserve/roles", timeout=10).json()
     return {row["worker"]: row["role"] for row in view["workers"]}
 
 
@@ -66,12 +67,12 @@ def second_router(server) -> str:
 
 
 def routers_counted(url: str) -> float:
-    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    metrics = HTTP.get(f"{url}/metrics", timeout=10).text
     return float(re.search(r"^pdserve_routers (\S+)$", metrics, re.M).group(1))
 
 
 def set_split(server, prefill: int) -> dict:
-    reply = httpx.post(f"{server.url}/pdserve/roles", json={"prefill": prefill}, timeout=10)
+    reply = HTTP.post(f"{server.url}/pdserve/roles", json={"prefill": prefill}, timeout=10)
     assert reply.status_code == 200, reply.text
     return reply.json()
 
@@ -193,7 +194,7 @@ def test_a_worker_moved_to_prefill_finishes_its_decodes(flex_cluster):
 
 
 def test_a_split_that_leaves_no_decode_worker_is_refused(flex_cluster):
-    reply = httpx.post(f"{flex_cluster.url}/pdserve/roles", json={"prefill": 3}, timeout=10)
+    reply = HTTP.post(f"{flex_cluster.url}/pdserve/roles", json={"prefill": 3}, timeout=10)
     assert reply.status_code == 400
     assert "at least one worker must decode" in reply.json()["error"]["message"]
 
@@ -203,7 +204,7 @@ def test_the_automatic_ratio_follows_a_burst_of_long_prompts(flex_cluster, tmp_p
     up its one prefill worker, so a decode worker joins the prefill pool; once the burst is over
     it goes back. Every move is logged with the figures behind it."""
     with router_in_front_of(flex_cluster, tmp_path, flex_auto=True, flex_auto_backlog=1000) as url:
-        assert httpx.get(f"{url}/pdserve/roles", timeout=10).json()["flex"]["prefill"] == 1
+        assert HTTP.get(f"{url}/pdserve/roles", timeout=10).json()["flex"]["prefill"] == 1
         seen = []
 
         async def burst():
@@ -229,7 +230,7 @@ def test_the_automatic_ratio_follows_a_burst_of_long_prompts(flex_cluster, tmp_p
         assert asyncio.run(burst()) == [200] * BURST
         assert max(seen) == 2, seen
         deadline = time.monotonic() + 60
-        while httpx.get(f"{url}/pdserve/roles", timeout=10).json()["flex"]["prefill"] != 1:
+        while HTTP.get(f"{url}/pdserve/roles", timeout=10).json()["flex"]["prefill"] != 1:
             assert time.monotonic() < deadline, "the prefill pool kept its extra worker"
             time.sleep(0.5)
         moves = [
@@ -256,7 +257,7 @@ def test_a_split_set_through_one_router_is_in_effect_at_the_other_within_a_secon
     assert seconds < 1.0
     prefill = {worker for worker, role in wanted.items() if role == "prefill"}
     for index in range(2):  # each of the new prefill pool's workers may be picked
-        reply = httpx.post(
+        reply = HTTP.post(
             f"{other}/v1/completions",
             json={"model": SERVED_MODEL, "prompt": PROMPTS[index], "max_tokens": 4},
             headers={"x-pdserve-route": "disaggregated"},

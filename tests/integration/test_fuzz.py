@@ -6,12 +6,12 @@ router's --default-max-tokens 2, small max_tokens) so a few hundred cases run in
 
 import os
 
-import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.integration.conftest import SERVED_MODEL, router_in_front_of
+from tests.integration.http_client import HTTP
 
 # CI runs the same 150 cases every time (derandomized); asking for more explores afresh.
 EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "150"))
@@ -76,14 +76,14 @@ def fuzz_router(server, tmp_path_factory):
 
 def check(url: str, endpoint: str, body) -> None:
     if isinstance(body, bytes):
-        response = httpx.post(
+        response = HTTP.post(
             f"{url}/v1/{endpoint}",
             content=body,
             timeout=60,
             headers={"content-type": "application/json"},
         )
     else:
-        response = httpx.post(f"{url}/v1/{endpoint}", json=body, timeout=60)
+        response = HTTP.post(f"{url}/v1/{endpoint}", json=body, timeout=60)
     assert response.status_code < 500, (body, response.status_code, response.text)
     if response.status_code >= 400:
         error = response.json()["error"]

@@ -1,10 +1,10 @@
 """Bad input against the real router: an OpenAI-style error body, a 4xx status, never a 5xx,
 and the server keeps serving afterwards."""
 
-import httpx
 import pytest
 
 from tests.integration.conftest import SERVED_MODEL
+from tests.integration.http_client import HTTP
 
 CHAT = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"model": SERVED_MODEL, "prompt": "hi", "max_tokens": 2}
@@ -48,7 +48,7 @@ BAD_REQUESTS = [
 @pytest.mark.parametrize("endpoint, body, status, code", BAD_REQUESTS)
 def test_bad_input_gets_an_openai_error(server, endpoint, body, status, code):
     content = body if isinstance(body, bytes) else None
-    response = httpx.post(
+    response = HTTP.post(
         f"{server.base_url}/{endpoint}",
         content=content,
         json=None if content is not None else body,
@@ -62,7 +62,7 @@ def test_bad_input_gets_an_openai_error(server, endpoint, body, status, code):
 
 
 def test_a_field_neither_openai_nor_vllm_knows_is_ignored_as_vllm_does(server):
-    response = httpx.post(
+    response = HTTP.post(
         f"{server.base_url}/chat/completions", json={**CHAT, "bogus": 1}, timeout=60
     )
     assert response.status_code == 200, response.text
@@ -73,7 +73,7 @@ def test_a_body_beyond_the_limit_is_a_413_without_reading_it_whole(server):
     from router.app import MAX_BODY_BYTES
 
     huge = b'{"prompt": "' + b"x" * MAX_BODY_BYTES + b'"}'
-    response = httpx.post(
+    response = HTTP.post(
         f"{server.base_url}/completions",
         content=huge,
         headers={"content-type": "application/json"},
@@ -88,7 +88,7 @@ def test_a_body_beyond_the_limit_is_a_413_without_reading_it_whole(server):
             yield b"x" * (1 << 20)
         yield b'"}'
 
-    response = httpx.post(
+    response = HTTP.post(
         f"{server.base_url}/completions",
         content=chunked(),
         headers={"content-type": "application/json"},
@@ -100,19 +100,19 @@ def test_a_body_beyond_the_limit_is_a_413_without_reading_it_whole(server):
 def test_the_server_still_serves_after_bad_input(server):
     for endpoint, body, _, _ in BAD_REQUESTS:
         if isinstance(body, dict):
-            httpx.post(f"{server.base_url}/{endpoint}", json=body, timeout=30)
-    response = httpx.post(f"{server.base_url}/chat/completions", json=CHAT, timeout=60)
+            HTTP.post(f"{server.base_url}/{endpoint}", json=body, timeout=30)
+    response = HTTP.post(f"{server.base_url}/chat/completions", json=CHAT, timeout=60)
     assert response.status_code == 200
     assert response.json()["usage"]["completion_tokens"] >= 1
 
 
 def test_unknown_routes_get_an_openai_error(server):
-    response = httpx.get(f"{server.base_url}/nothing-here", timeout=10)
+    response = HTTP.get(f"{server.base_url}/nothing-here", timeout=10)
     assert response.status_code == 404 and "error" in response.json()
 
 
 def test_errors_are_counted_in_metrics(server):
-    httpx.post(f"{server.base_url}/chat/completions", json={**CHAT, "model": "x"}, timeout=10)
-    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    HTTP.post(f"{server.base_url}/chat/completions", json={**CHAT, "model": "x"}, timeout=10)
+    metrics = HTTP.get(f"{server.url}/metrics", timeout=10).text
     assert 'pdserve_errors_total{kind="model_not_found"}' in metrics
     assert 'pdserve_requests_total{endpoint="chat",status="404"}' in metrics

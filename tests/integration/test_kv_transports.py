@@ -17,6 +17,7 @@ from pdserve.settings.cluster_secret import secret_metadata
 from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 from tests.integration.conftest import FORCED_TRANSPORTS as FORCED
 from tests.integration.conftest import SERVED_MODEL
+from tests.integration.http_client import HTTP
 from tests.integration.kv_stress import abort_fifty_requests, metric_value
 from tests.integration.processes import worker_pids
 from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS, long_prompt
@@ -41,7 +42,7 @@ CAUGHT_AS = {
 
 
 def complete(server, prompt: str, route: str, max_tokens: int) -> httpx.Response:
-    return httpx.post(
+    return HTTP.post(
         f"{server.base_url}/completions",
         json={"model": SERVED_MODEL, "prompt": prompt, "temperature": 0, "max_tokens": max_tokens},
         headers={"x-pdserve-route": route, "x-pdserve-timing": "1"},
@@ -75,7 +76,7 @@ def test_each_pair_uses_its_transport_and_the_output_equals_vllms(mixed_pool, of
         worker = response.headers["x-pdserve-prefill-worker"]
         carried.setdefault(worker, set()).add(body["pdserve_timing"]["kv_transport"])
     assert sorted(kinds for kinds in map(tuple, carried.values())) == [(k,) for k in FORCED]
-    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    metrics = HTTP.get(f"{server.url}/metrics", timeout=10).text
     for kind in FORCED:
         assert f'pdserve_kv_transfers_total{{outcome="loaded",transport="{kind}"}}' in metrics
     assert failed_transfers(server) == failed_before

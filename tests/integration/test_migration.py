@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.integration.conftest import FORCED_TRANSPORTS, SERVED_MODEL
+from tests.integration.http_client import HTTP
 from tests.integration.kv_stress import (
     computing_a_prompt,
     kill_prefill_workers_mid_transfer,
@@ -96,7 +97,7 @@ def test_round_robin_spreads_disaggregated_requests_over_every_worker(mixed_pool
     body = {"model": SERVED_MODEL, "prompt": CASES[-1][0], "max_tokens": 2, "temperature": 0}
     pairs = set()
     for _ in range(2 * len(FORCED_TRANSPORTS)):
-        reply = httpx.post(
+        reply = HTTP.post(
             f"{server.base_url}/completions",
             json=body,
             headers={"x-pdserve-route": "disaggregated"},

@@ -4,12 +4,12 @@ Greedy output through pdserve must equal vLLM's offline `LLM` on the same model:
 reference runs in its own process (it needs its own engine), once per session.
 """
 
-import httpx
 import openai
 import pytest
 from transformers import AutoTokenizer
 
 from tests.integration.conftest import SERVED_MODEL
+from tests.integration.http_client import HTTP
 from tests.integration.prompts import CHATS, MAX_TOKENS, PROMPTS, SAMPLING_CASES
 
 
@@ -172,21 +172,21 @@ def test_the_sampling_cases_change_the_output(offline_reference):
 def test_tokenize_and_detokenize_as_vllms_server_has_them(server, client, tokenizer):
     base = server.url
     prompt = PROMPTS[1]
-    reply = httpx.post(f"{base}/tokenize", json={"prompt": prompt, "return_token_strs": True})
+    reply = HTTP.post(f"{base}/tokenize", json={"prompt": prompt, "return_token_strs": True})
     assert reply.status_code == 200, reply.text
     body = reply.json()
     assert body["tokens"] == tokenizer.encode(prompt) and body["count"] == len(body["tokens"])
     assert body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"])
     assert body["max_model_len"] == client.models.list().data[0].max_model_len
     # Messages: what the chat endpoint counts as its prompt.
-    chat = httpx.post(f"{base}/tokenize", json={"model": SERVED_MODEL, "messages": CHATS[1]})
+    chat = HTTP.post(f"{base}/tokenize", json={"model": SERVED_MODEL, "messages": CHATS[1]})
     used = client.chat.completions.create(
         model=SERVED_MODEL, messages=CHATS[1], max_tokens=1, temperature=0
     ).usage.prompt_tokens
     assert chat.json()["count"] == used and chat.json()["token_strs"] is None
-    back = httpx.post(f"{base}/detokenize", json={"tokens": body["tokens"]})
+    back = HTTP.post(f"{base}/detokenize", json={"tokens": body["tokens"]})
     assert back.json() == {"prompt": tokenizer.decode(body["tokens"])}
-    version = httpx.get(f"{base}/version").json()["version"]
+    version = HTTP.get(f"{base}/version").json()["version"]
     assert version.startswith("0.32")
 
 
@@ -201,7 +201,7 @@ def test_tokenize_and_detokenize_as_vllms_server_has_them(server, client, tokeni
     ],
 )
 def test_bad_tokenize_bodies_are_openai_errors(server, path, body, status, param):
-    reply = httpx.post(f"{server.url}{path}", json=body)
+    reply = HTTP.post(f"{server.url}{path}", json=body)
     assert reply.status_code == status, reply.text
     error = reply.json()["error"]
     assert error["message"] and (param is None or error["param"] == param)

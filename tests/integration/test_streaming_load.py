@@ -8,6 +8,7 @@ import openai
 import pytest
 
 from tests.integration.conftest import SERVED_MODEL
+from tests.integration.http_client import HTTP
 from tests.integration.kv_stress import kv_baseline, wait_for_kv_baseline
 
 
@@ -35,7 +36,7 @@ def test_client_disconnect_aborts_the_request_on_the_worker(server):
     while server.worker("decode")["running_requests"] != 0:
         assert time.monotonic() < deadline, "the worker still runs the abandoned request"
         time.sleep(0.05)
-    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    metrics = HTTP.get(f"{server.url}/metrics", timeout=10).text
     assert 'pdserve_errors_total{kind="client_disconnect"}' in metrics
 
 
@@ -49,7 +50,7 @@ def test_client_leaving_a_whole_response_aborts_it_too(server):
     }
     with pytest.raises(httpx.ReadTimeout):
         # The client gives up after 3 s, closing its connection.
-        httpx.post(f"{server.base_url}/completions", json=body, timeout=3)
+        HTTP.post(f"{server.base_url}/completions", json=body, timeout=3)
     deadline = time.monotonic() + 2.0
     while server.worker("decode")["running_requests"] != 0:
         assert time.monotonic() < deadline, "the worker still runs the abandoned request"

@@ -5,9 +5,8 @@ both workers' calls down to vLLM's own request spans."""
 
 import secrets
 
-import httpx
-
 from tests.integration.conftest import SERVED_MODEL
+from tests.integration.http_client import HTTP
 from tests.integration.prompts import PROMPTS
 
 ROUTER_SPANS = {
@@ -32,7 +31,7 @@ def test_a_disaggregated_request_is_one_trace_from_the_router_to_vllm_on_both_wo
     server, trace_collector
 ):
     trace_id, client_span = secrets.token_bytes(16), secrets.token_bytes(8)
-    reply = httpx.post(
+    reply = HTTP.post(
         f"{server.base_url}/completions",
         json={"model": SERVED_MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0},
         headers={

@@ -9,7 +9,6 @@ settings; the comparison (tests/integration/vllm_parity.py) is exact but for log
 
 import functools
 
-import httpx
 import jsonschema
 import openai
 import pytest
@@ -17,6 +16,7 @@ import pytest
 from pdserve.kinds import RoutePath
 from router.route_choice import ROUTE_HEADER
 from tests.integration.conftest import SERVED_MODEL
+from tests.integration.http_client import HTTP
 from tests.integration.prompts import CHATS, PROMPTS
 from tests.integration.vllm_parity import ask, assert_same
 
@@ -302,12 +302,12 @@ def test_requests_vllm_refuses_are_400s_and_the_router_keeps_serving(
     body.update({"prompt": PROMPTS[0]} if endpoint == "completions" else {"messages": CHATS[0]})
     body.update(extra)
     for route in ROUTES:
-        refused = httpx.post(
+        refused = HTTP.post(
             f"{server.base_url}/{endpoint}", json=body, headers={ROUTE_HEADER: route}, timeout=60
         )
         assert refused.status_code == 400, refused.text
         assert words in refused.json()["error"]["message"].lower()
-    after = httpx.post(
+    after = HTTP.post(
         f"{server.base_url}/completions",
         json={"model": SERVED_MODEL, "prompt": PROMPTS[0], "max_tokens": 2},
         timeout=60,

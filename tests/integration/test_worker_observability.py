@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import grpc
-import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -18,6 +17,7 @@ from pdserve.worker.grpc_health import LIVENESS, READINESS
 from pdserve.worker.processes import free_port, spawn, stop_group, wait_until
 from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 from tests.integration.conftest import KV_CACHE_GIB, SERVED_MODEL
+from tests.integration.http_client import HTTP
 from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy/grafana/pdserve-dashboard.json"
@@ -48,7 +48,7 @@ def metrics_url(server, role: str, address: str) -> str:
 def scrape(url: str) -> dict[str, float]:
     """Every sample of a Prometheus text scrape: 'name{labels}' -> value."""
     samples = {}
-    for line in httpx.get(url, timeout=10).text.splitlines():
+    for line in HTTP.get(url, timeout=10).text.splitlines():
         if line and not line.startswith("#"):
             series, value = line.rsplit(" ", 1)
             samples[series] = float(value)
@@ -60,7 +60,7 @@ def exported(url: str) -> set[str]:
     counter appears at its first increment): each TYPE line's name, with a histogram's
     _bucket, _count and _sum."""
     found = set()
-    for line in httpx.get(url, timeout=10).text.splitlines():
+    for line in HTTP.get(url, timeout=10).text.splitlines():
         if line.startswith("# TYPE "):
             _, _, name, kind = line.split(" ")
             found |= {name} | ({f"{name}{s}" for s in SUFFIXES} if kind == "histogram" else set())
@@ -122,7 +122,7 @@ def test_ready_workers_serve_health_and_metrics_and_the_dashboard_names_them(ser
         health(workers["decode"], "no-such-service")
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
 
-    response = httpx.post(
+    response = HTTP.post(
         f"{server.base_url}/completions",
         headers={"x-pdserve-route": "disaggregated"},
         json={

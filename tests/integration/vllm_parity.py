@@ -6,7 +6,7 @@ disaggregated path computes the same values in other batches); everything else i
 import json
 import math
 
-import httpx
+from tests.integration.http_client import HTTP
 
 LOGPROB_TOLERANCE = 1e-4
 TIMEOUT_S = 120
@@ -14,7 +14,7 @@ TIMEOUT_S = 120
 
 def ask(base_url: str, endpoint: str, body: dict, headers: dict | None = None) -> dict:
     """One request; the reduced answer (the raw body of a non-200 answer)."""
-    response = httpx.post(
+    response = HTTP.post(
         f"{base_url}/v1/{endpoint}", json=body, headers=headers or {}, timeout=TIMEOUT_S
     )
     assert response.status_code == 200, response.text
