@@ -193,7 +193,7 @@ def make_engine(
     config = args.create_engine_config()
     if group is not None:
         config.parallel_config.placement_group = group
-    method = start_method(cpu, engine.tensor_parallel_size, chosen_start)
+    method = start_method(cpu, engine.tensor_parallel_size, chosen_start, os.environ[OMP_BIND_ENV])
     os.environ[START_METHOD_ENV] = method
     if method != "fork" and process_start is not None:
         process_start.no_fork_coming()

@@ -2,7 +2,9 @@
 
 AsyncLLM runs its engine core in a child process, forked where it can be (vLLM's default, so on
 a GPU host) and spawned where it must be: vLLM's CPU platform asks for spawn because it binds
-each tensor-parallel rank's OpenMP threads through the environment a fresh process reads. A
+each tensor-parallel rank's OpenMP threads through the environment a fresh process reads (with
+no binding, as `serve` gives TP workers that the host's cores cannot each give a share, the
+ranks are forked too). A
 forked child inherits what the worker holds, and a gRPC server's threads and polling state do
 not survive a fork (the engine core then serves and dials KV over gRPC of its own). So a worker
 whose engine forks opens its gRPC port only once the fork has happened (`EngineProcessStart`),
@@ -23,14 +25,16 @@ START_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"  # vLLM's: fork or spawn
 OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM's on CPU: each rank's cores ("0-3|4-7")
 
 
-def start_method(cpu: bool, tensor_parallel_size: int, chosen: str | None) -> str:
+def start_method(cpu: bool, tensor_parallel_size: int, chosen: str | None, bind: str) -> str:
     """How the engine's processes start: as the user chose (VLLM_WORKER_MULTIPROC_METHOD, read
-    before vLLM's CPU platform sets its own); else spawned for tensor-parallel ranks on CPU
-    (their OpenMP binding), forked otherwise. vLLM may still spawn where it must (CUDA already
-    initialised, inside a Ray actor)."""
+    before vLLM's CPU platform sets its own); else spawned for tensor-parallel ranks on CPU that
+    vLLM binds to cores (`bind`, VLLM_CPU_OMP_THREADS_BIND: "0,1|2,3" or auto), which it does
+    through the environment a fresh process reads; forked otherwise, which spares each rank an
+    import of torch and vLLM (~10 s of a core here). vLLM may still spawn where it must (CUDA
+    already initialised, inside a Ray actor)."""
     if chosen:
         return chosen
-    return "spawn" if cpu and tensor_parallel_size > 1 else "fork"
+    return "spawn" if cpu and tensor_parallel_size > 1 and bind != "nobind" else "fork"
 
 
 def bind_openmp_threads() -> None:

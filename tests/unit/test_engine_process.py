@@ -12,16 +12,18 @@ from pdserve.worker.engine_process import EngineProcessStart, core_ids, start_me
 
 
 @pytest.mark.parametrize(
-    "cpu, tp, chosen, method",
+    "cpu, tp, chosen, bind, method",
     [
-        (True, 1, None, "fork"),  # the engine core runs the model: nothing needs a fresh process
-        (True, 2, None, "spawn"),  # vLLM binds each rank's OpenMP threads at its start
-        (False, 4, None, "fork"),  # vLLM's default on a GPU host
-        (True, 1, "spawn", "spawn"),  # the user's choice wins
+        (True, 1, None, "0,1", "fork"),  # the engine core runs the model: no fresh process
+        (True, 2, None, "0|1", "spawn"),  # vLLM binds each rank's OpenMP threads at its start
+        (True, 2, None, "auto", "spawn"),  # the same, on cores vLLM chooses
+        (True, 2, None, "nobind", "fork"),  # nothing to bind: the ranks skip an import each
+        (False, 4, None, "nobind", "fork"),  # vLLM's default on a GPU host
+        (True, 1, "spawn", "nobind", "spawn"),  # the user's choice wins
     ],
 )
-def test_the_start_method(cpu, tp, chosen, method):
-    assert start_method(cpu, tp, chosen) == method
+def test_the_start_method(cpu, tp, chosen, bind, method):
+    assert start_method(cpu, tp, chosen, bind) == method
 
 
 def test_core_lists_read_as_vllm_writes_them():
