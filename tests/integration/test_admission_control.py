@@ -76,7 +76,10 @@ def test_three_times_capacity_gets_only_200_and_429(small_router):
 
 
 BURST = 8 * RUNNING
-TURNS_IN_LIMIT = 8  # turns that would come back within --max-queue-wait, all of them taken
+# Turns that would come back within --max-queue-wait, all of them taken: of the burst's 16, about
+# 2 + 6 are admitted when a request takes as long as it did when measured; some are refused
+# unless the burst's requests are 2.3 times faster than that, some admitted unless 6 times slower.
+TURNS_IN_LIMIT = 6
 
 
 def completion(i: int, priority: int = 0) -> dict:
@@ -95,11 +98,17 @@ def limited_router(server, tmp_path_factory):
     """Room in the queue for the whole burst: only the forecast refuses. The limit is set from
     a request's time on this machine (a turn comes back every half of it, two running), so
     that about TURNS_IN_LIMIT turns fit in it however fast the machine is: a fixed limit
-    refused all or nothing on machines slower or faster than this one's."""
-    started = time.monotonic()
-    response = HTTP.post(f"{server.url}/v1/completions", json=completion(-1), timeout=120)
-    assert response.status_code == 200, response.text
-    limit_s = TURNS_IN_LIMIT * (time.monotonic() - started) / RUNNING
+    refused all or nothing on machines slower or faster than this one's. A request's time is the
+    median of three after a first one, which may pay the cluster's one-time costs: measured
+    alone, that first one (taken while the other stream's engines started) once set a limit the
+    whole burst fit in."""
+    seconds = []
+    for _ in range(4):
+        started = time.monotonic()
+        response = HTTP.post(f"{server.url}/v1/completions", json=completion(-1), timeout=120)
+        assert response.status_code == 200, response.text
+        seconds.append(time.monotonic() - started)
+    limit_s = TURNS_IN_LIMIT * statistics.median(seconds[1:]) / RUNNING
     with router_in_front_of(
         server,
         tmp_path_factory.mktemp("admission-limited"),
