@@ -98,12 +98,12 @@ STREAMS = {
         "test_gpu_check",
     ],
     "b": [
-        "test_admission_control",
         "test_api_keys",
         "test_bench_real_router",
         "test_disaggregation",
         "test_fuzz",
         "test_http_errors",
+        "test_admission_control",  # not first: the other stream's engines then start
         "test_openai_api",
         "test_streaming_load",
         "test_tracing",
