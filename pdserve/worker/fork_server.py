@@ -35,7 +35,8 @@ from pathlib import Path
 
 from pdserve.worker.processes import spawn
 
-# What a worker imports before its engine starts (pdserve/worker/command.py, engine.py).
+# What a worker imports before its engine starts (pdserve/worker/command.py, engine.py), on any
+# platform: a platform's own modules (vLLM's CPU or GPU worker) load after the fork.
 PRELOAD = (
     "pdserve.cluster.cli",
     "pdserve.worker.command",
@@ -44,8 +45,6 @@ PRELOAD = (
     "vllm.engine.arg_utils",
     "vllm.v1.engine.async_llm",
     "vllm.v1.engine.core",
-    "vllm.v1.executor.uniproc_executor",
-    "vllm.v1.worker.cpu_worker",
 )
 READY_TIMEOUT_S = 300.0  # the imports take ~8 s of a core; a loaded host stretches that
 REPLY_TIMEOUT_S = 30.0  # a fork answers in milliseconds
