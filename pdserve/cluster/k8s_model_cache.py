@@ -149,7 +149,7 @@ def fetch_job(config: ClusterFile, options: RenderOptions) -> dict | None:
         "containers": [
             {
                 "name": "fetch",
-                "image": options.image(False),
+                "image": options.image("cpu"),
                 "command": ["sh", "-c", script],
                 "env": cache_env(options),
                 "resources": {

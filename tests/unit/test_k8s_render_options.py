@@ -195,7 +195,7 @@ def test_every_flag_reaches_the_output(tmp_path):
     assert claim["spec"]["resources"]["requests"]["storage"] == "900Gi"
     deployments = by_kind(objects, "Deployment")
     (router,) = deployments["pdserve-router"]["spec"]["template"]["spec"]["containers"]
-    assert router["image"] == "r.example/x/pdserve:t1-cpu"
+    assert router["image"] == "r.example/x/pdserve:t1-router"
     assert router["resources"]["requests"] == {"cpu": "3", "memory": "6Gi"}
     (decode,) = deployments["pdserve-decode"]["spec"]["template"]["spec"]["containers"]
     assert decode["resources"]["requests"]["cpu"] == "16"  # 4 GPUs
