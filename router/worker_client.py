@@ -1,10 +1,11 @@
 """The router's gRPC client for one worker, with deadlines on every call.
 
 gRPC failures become OpenAIErrors here, so the HTTP layer only ever sees one error type:
-INVALID_ARGUMENT from a worker is the client's fault (400), UNAVAILABLE means the worker is
-not there (503), a passed deadline is a timeout (504), KV_TRANSFER_FAILED (ABORTED) means the
-prompt's KV did not reach a decode worker (502 kv_transfer_failed), the rest, engine errors
-included, is a worker failure (502 worker_error).
+INVALID_ARGUMENT from a worker is the client's fault (400), UNAVAILABLE (or CANCELLED, which only
+the worker's side sends: a stopping worker's streams) means the worker is not there (503), a
+passed deadline is a timeout (504), KV_TRANSFER_FAILED (ABORTED) means the prompt's KV did not
+reach a decode worker (502 kv_transfer_failed), the rest, engine errors included, is a worker
+failure (502 worker_error).
 """
 
 import asyncio
@@ -159,7 +160,9 @@ class WorkerClient:
             return kv_transfer_failed(f"worker {self.worker_id}: {details}")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return request_timeout(timeout)
-        if code == grpc.StatusCode.UNAVAILABLE:
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            # CANCELLED here is the worker's doing (a call the router cancels raises
+            # CancelledError): a stopping worker ended it, so it is gone as UNAVAILABLE is.
             return worker_unavailable(f"worker {self.worker_id} is unavailable: {details}")
         return worker_failed(f"worker {self.worker_id} failed: {code.name}: {details}")
 

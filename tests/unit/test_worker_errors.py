@@ -61,3 +61,44 @@ def test_an_engine_error_is_a_kv_failure_only_on_a_decode_leg(kv, kind):
     assert metrics.registry.get_sample_value("pdserve_errors_total", {"kind": kind}) == 1
     if kind == "kv_transfer_failed":
         assert "did not arrive within 2 s" in error.message and "'fail'" in error.message
+
+
+class StreamsUntilStopped(WorkerService):
+    """A worker whose engine sends one token and then runs until the server stops; or, with
+    `cancels`, whose stream then ends CANCELLED (a stopping worker's, seen in a CI run)."""
+
+    cancels = False
+
+    async def Generate(self, request, context):
+        yield worker_pb2.GenerateChunk(token_ids=[7])
+        if self.cancels:
+            await context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
+        await asyncio.sleep(60)
+
+
+async def error_of_a_stream_the_worker_ends(cancels: bool) -> OpenAIError:
+    server = grpc.aio.server()
+    service = StreamsUntilStopped("decode-a", "decode", "m")
+    service.cancels = cancels
+    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = WorkerClient(f"127.0.0.1:{port}")
+    request = worker_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1, 2])
+    try:
+        with pytest.raises(OpenAIError) as caught:
+            async for _ in client.generate(request, timeout=10):
+                if not cancels:
+                    await server.stop(grace=0.1)  # the worker stops, as on SIGTERM, mid-stream
+        return caught.value
+    finally:
+        await client.close()
+        await server.stop(None)
+
+
+@pytest.mark.parametrize("cancels", [False, True], ids=["server-stopped", "stream-cancelled"])
+def test_a_stream_the_worker_ends_unasked_is_the_worker_unavailable(cancels):
+    """A stream the router did not cancel, ended by the worker (UNAVAILABLE when its server
+    stops; CANCELLED) is the worker going away: the router migrates it, never a 502."""
+    error = asyncio.run(error_of_a_stream_the_worker_ends(cancels))
+    assert (error.status, error.kind) == (503, "worker_unavailable"), error.message
