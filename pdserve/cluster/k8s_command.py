@@ -172,12 +172,31 @@ def add_parser(subparsers) -> None:
         metavar="URL",
         help=f"the Prometheus the autoscalers query (default: {defaults.prometheus_url})",
     )
+    render.add_argument(
+        "--tls-secret",
+        default=defaults.tls_secret,
+        metavar="SECRET",
+        help="mutual TLS on every gRPC channel between pods (router to workers, KV streams): a "
+        "Secret with the cluster's ca.crt, tls.crt and tls.key (cert-manager's keys; from "
+        "scripts/make_tls_dir.py, docs/kubernetes.md says how), mounted in every pdserve "
+        "container; the workers' probes then ask a plaintext health-only port (default: none, "
+        "plaintext inside the cluster)",
+    )
+    render.add_argument(
+        "--tls-issuer",
+        default=defaults.tls_issuer,
+        metavar="KIND/NAME",
+        help="cert-manager makes and renews the --tls-secret (default name pdserve-tls): a "
+        "Certificate for the name `pdserve` signed by this CA Issuer or ClusterIssuer, e.g. "
+        "ClusterIssuer/cluster-ca (default: none, you create the Secret)",
+    )
     render.set_defaults(run=run)
 
 
 def options_of(args: argparse.Namespace):
     """The RenderOptions the flags ask for."""
     from pdserve.cluster.k8s_options import RenderOptions
+    from pdserve.cluster.k8s_tls import CERTIFICATE_SECRET
 
     selector = args.node_selector
     if selector is not None:
@@ -198,6 +217,8 @@ def options_of(args: argparse.Namespace):
         memory_per_gpu_gib=args.memory_per_gpu_gib,
         release_label=args.release_label,
         prometheus_url=args.prometheus_url,
+        tls_secret=args.tls_secret or (CERTIFICATE_SECRET if args.tls_issuer else ""),
+        tls_issuer=args.tls_issuer,
     )
 
 

@@ -34,6 +34,8 @@ class RenderOptions:
     memory_per_gpu_gib: int = 64  # host memory: loading weights, the pinned KV send buffers
     release_label: str = RELEASE  # what Prometheus selects monitors and rules by
     prometheus_url: str = PROMETHEUS  # what the autoscalers query
+    tls_secret: str = ""  # a Secret with ca.crt, tls.crt, tls.key: mutual TLS (k8s_tls.py)
+    tls_issuer: str = ""  # Issuer/NAME or ClusterIssuer/NAME: cert-manager makes tls_secret
 
     def image(self, target: ImageTarget) -> str:
         """deploy/docker/Dockerfile's target, pushed to `image_registry` as pdserve:TAG-TARGET."""

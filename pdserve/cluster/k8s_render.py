@@ -49,6 +49,7 @@ from pdserve.cluster.k8s_monitoring import monitoring_objects
 from pdserve.cluster.k8s_objects import NO_ESCALATION, NON_ROOT, labels, metadata
 from pdserve.cluster.k8s_options import RenderOptions
 from pdserve.cluster.k8s_scheduling import gpu_placement
+from pdserve.cluster.k8s_tls import HEALTH_PORT, certificate, with_tls
 from pdserve.kinds import Role
 from pdserve.settings.base import ConfigError
 from pdserve.settings.cluster_file import ClusterFile, PoolSection
@@ -117,6 +118,8 @@ def render(config: ClusterFile, mode: str, options: RenderOptions | None = None)
     objects = base_objects(options.namespace, enforced, ROUTER_PORT, METRICS_PORT)
     objects.append(model_cache_claim(config, options, gpus))
     objects += [job for job in (fetch_job(config, options),) if job]
+    if options.tls_issuer:
+        objects.append(certificate(options.tls_issuer, options.tls_secret))
     if mode == "deployments":
         objects += deployments(config, options)
     else:
@@ -220,6 +223,7 @@ def multi_node_workers(
         "volumes": _volumes(True),
         **gpu_placement(pool.gpu_type, options.node_selector, options.tolerations),
     }
+    with_tls(follower, options.tls_secret)  # vLLM's ranks there send KV
     nodes = pool.tensor_parallel_size // gpus_per_node
     return leader_worker_set(role, pool.replicas, nodes, leader, follower)
 
@@ -233,12 +237,17 @@ def worker_pod_spec(
             "port": GRPC_PORT,
             "metrics_port": METRICS_PORT,
             "kv_port": KV_PORT if _receives_kv(role) else 0,
+            # Kubelet's gRPC probes speak no TLS: with it they ask a plaintext health port.
+            "health_port": HEALTH_PORT if options.tls_secret else 0,
         }
     )
     ports = [
         {"name": "grpc", "containerPort": GRPC_PORT},
         {"name": "metrics", "containerPort": METRICS_PORT},
     ]
+    if options.tls_secret:
+        ports.append({"name": "health", "containerPort": HEALTH_PORT})
+    probe_port = HEALTH_PORT if options.tls_secret else GRPC_PORT
     if _receives_kv(role):
         ports += [
             {"name": f"kv-{rank}", "containerPort": KV_PORT + rank}
@@ -266,10 +275,10 @@ def worker_pod_spec(
         # engine has not failed (pdserve/worker/grpc_health.py). The start-up probe covers
         # reading the weights and the engine's start, sized from the model.
         "startupProbe": _grpc_probe(
-            "liveness", PROBE_PERIOD_S, start_budget(config).startup_failures
+            probe_port, "liveness", PROBE_PERIOD_S, start_budget(config).startup_failures
         ),
-        "readinessProbe": _grpc_probe("", period_s=5, failures=2),
-        "livenessProbe": _grpc_probe("liveness", period_s=10, failures=6),
+        "readinessProbe": _grpc_probe(probe_port, "", period_s=5, failures=2),
+        "livenessProbe": _grpc_probe(probe_port, "liveness", period_s=10, failures=6),
         "lifecycle": {
             "preStop": {
                 "exec": {
@@ -295,7 +304,7 @@ def worker_pod_spec(
     }
     if pool.uses_gpus:
         spec.update(gpu_placement(pool.gpu_type, options.node_selector, options.tolerations))
-    return _without_empty(spec)
+    return _without_empty(with_tls(spec, options.tls_secret))
 
 
 def router_deployment(config: ClusterFile, options: RenderOptions) -> dict:
@@ -347,7 +356,8 @@ def router_deployment(config: ClusterFile, options: RenderOptions) -> dict:
         ],
     }
     strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0}}
-    return _deployment("router", config.router.replicas, _without_empty(spec), strategy, config)
+    spec = _without_empty(with_tls(spec, options.tls_secret))
+    return _deployment("router", config.router.replicas, spec, strategy, config)
 
 
 # KubeRay mode --------------------------------------------------------------------------------
@@ -362,37 +372,40 @@ def kuberay(config: ClusterFile, options: RenderOptions) -> list[dict]:
         "template": {
             "metadata": {"labels": labels("router")},
             "spec": _without_empty(
-                {
-                    "securityContext": NON_ROOT,
-                    # The router and `pdserve up` run here: the model must be in the cache.
-                    "initContainers": wait_for_model(config, image),
-                    "containers": [
-                        {
-                            "name": "ray-head",
-                            "image": image,
-                            "env": env + API_KEYS_ENV,
-                            "ports": [
-                                {"name": "gcs", "containerPort": 6379},
-                                {"name": "dashboard", "containerPort": RAY_DASHBOARD_PORT},
-                                {"name": "client", "containerPort": 10001},
-                                {"name": "http", "containerPort": ROUTER_PORT},
-                            ],
-                            "resources": {
-                                "requests": {"cpu": "2", "memory": "8Gi"},
-                                "limits": {"memory": "8Gi"},
-                            },
-                            "securityContext": NO_ESCALATION,
-                            "volumeMounts": [
-                                models_mount(),
-                                {"name": "cluster-file", "mountPath": "/etc/pdserve"},
-                            ],
-                        }
-                    ],
-                    "volumes": [
-                        models_volume(),
-                        {"name": "cluster-file", "configMap": {"name": "pdserve-cluster-file"}},
-                    ],
-                }
+                with_tls(
+                    {
+                        "securityContext": NON_ROOT,
+                        # The router and `pdserve up` run here: the model must be in the cache.
+                        "initContainers": wait_for_model(config, image),
+                        "containers": [
+                            {
+                                "name": "ray-head",
+                                "image": image,
+                                "env": env + API_KEYS_ENV,
+                                "ports": [
+                                    {"name": "gcs", "containerPort": 6379},
+                                    {"name": "dashboard", "containerPort": RAY_DASHBOARD_PORT},
+                                    {"name": "client", "containerPort": 10001},
+                                    {"name": "http", "containerPort": ROUTER_PORT},
+                                ],
+                                "resources": {
+                                    "requests": {"cpu": "2", "memory": "8Gi"},
+                                    "limits": {"memory": "8Gi"},
+                                },
+                                "securityContext": NO_ESCALATION,
+                                "volumeMounts": [
+                                    models_mount(),
+                                    {"name": "cluster-file", "mountPath": "/etc/pdserve"},
+                                ],
+                            }
+                        ],
+                        "volumes": [
+                            models_volume(),
+                            {"name": "cluster-file", "configMap": {"name": "pdserve-cluster-file"}},
+                        ],
+                    },
+                    options.tls_secret,
+                )
             ),
         },
     }
@@ -415,6 +428,7 @@ def kuberay(config: ClusterFile, options: RenderOptions) -> list[dict]:
         }
         if pool.uses_gpus:
             spec.update(gpu_placement(pool.gpu_type, options.node_selector, options.tolerations))
+        with_tls(spec, options.tls_secret)
         groups.append(
             {
                 "groupName": role,
@@ -579,9 +593,9 @@ def _pdb(component: str, max_unavailable: int) -> dict:
     }
 
 
-def _grpc_probe(service: str, period_s: int, failures: int) -> dict:
+def _grpc_probe(port: int, service: str, period_s: int, failures: int) -> dict:
     return {
-        "grpc": {"port": GRPC_PORT, "service": service},
+        "grpc": {"port": port, "service": service},
         "periodSeconds": period_s,
         "failureThreshold": failures,
     }

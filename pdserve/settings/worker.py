@@ -143,6 +143,13 @@ class WorkerSettings(Settings):
         description="HTTP port of the worker's Prometheus /metrics (vLLM's engine metrics and "
         "pdserve's), on --host (0: any free port; the worker logs the URL)",
     )
+    health_port: int = Field(
+        0,
+        ge=0,
+        description="also answer grpc.health.v1, and nothing else, in plaintext on this port: "
+        "Kubernetes' gRPC probes speak no TLS, so with --tls-dir they ask here (0: none; "
+        "the health service is on --port either way)",
+    )
     worker_id: str = Field(
         "", description="name in logs, stats and the registry (default: ROLE@HOST:PORT)"
     )

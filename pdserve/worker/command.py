@@ -32,7 +32,7 @@ from pdserve.settings.worker import WorkerSettings
 from pdserve.worker import engine as engine_factory
 from pdserve.worker import group_reaper, shm_leftovers
 from pdserve.worker.engine_process import EngineProcessStart
-from pdserve.worker.grpc_health import SecretCheckButHealth, add_health
+from pdserve.worker.grpc_health import SecretCheckButHealth, add_health, serve_health_alone
 from pdserve.worker.metrics_server import WorkerMetrics, serve_metrics
 from pdserve.worker.processes import free_port
 from pdserve.worker.protocol import GRPC_OPTIONS, worker_pb2_grpc
@@ -121,13 +121,16 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
     add_health(server, service)
     serve_metrics(settings.host, settings.metrics_port)
     await server.start()
+    health = None  # the plaintext health port, for probes when the gRPC port has TLS
+    if settings.health_port:
+        health = await serve_health_alone(service, f"{settings.host}:{settings.health_port}")
     log.info("worker %s listening on %s:%d while its engine loads", worker_id, settings.host, port)
 
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if stop.is_set():
         log.info("stop requested while the engine starts: stopping once it has started")
-        await server.stop(grace=0)
+        await stop_serving(server, health, grace=0)
         with contextlib.suppress(Exception):  # a failed start has nothing to shut down
             await starting
             started.pop().shutdown()
@@ -138,7 +141,7 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
     except Exception as error:  # the engine could not start: say why, then exit
         service.engine_failed(f"engine failed to start: {error}")
         log.exception("engine failed to start")
-        await server.stop(grace=1)
+        await stop_serving(server, health, grace=1)
         return 1
     service.engine_ready(engine)
     log.info(
@@ -158,7 +161,7 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
     if membership is not None:
         await membership.leave()
         await membership.registry.close()
-    await server.stop(grace=2)
+    await stop_serving(server, health, grace=2)
     engine_processes = shm_leftovers.engine_processes()
     engine_shm = shm_leftovers.mapped_by([process.pid for process in engine_processes])
     engine.shutdown()
@@ -168,6 +171,13 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
     service.engine = None
     del engine
     return 0
+
+
+async def stop_serving(server, health, grace: float) -> None:
+    """Stop the gRPC server (calls still running get `grace` seconds), then the health port."""
+    await server.stop(grace=grace)
+    if health is not None:
+        await health.stop(grace=None)
 
 
 async def _join_registry(settings: WorkerSettings, service, address: str, engine):

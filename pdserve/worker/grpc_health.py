@@ -1,5 +1,6 @@
 """The standard gRPC health service (grpc.health.v1) on the worker's gRPC port, so Kubernetes'
-native gRPC probes (and grpc_health_probe) can ask a worker how it is.
+native gRPC probes (and grpc_health_probe) can ask a worker how it is; with mutual TLS on that
+port (which kubelet's probes do not speak), alone in plaintext on --health-port too.
 
 Two service names, read live from the worker's state (pdserve/worker/service.py):
 - "" (readiness): SERVING only once the engine is READY; STARTING, DRAINING and FAILED answer
@@ -76,3 +77,14 @@ class SecretCheckButHealth(SecretCheck):
 
 def add_health(server, worker_service) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(WorkerHealth(worker_service), server)
+
+
+async def serve_health_alone(worker_service, address: str) -> grpc.aio.Server:
+    """A plaintext server with the health service and nothing else (no secret, no TLS): what
+    it tells is one status, what it runs is nothing."""
+    server = grpc.aio.server()
+    add_health(server, worker_service)
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"the health port {address} cannot be bound")
+    await server.start()
+    return server

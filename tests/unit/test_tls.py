@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kv_transfer.channels import kv_sender
 from kv_transfer.compatibility import Compatibility
@@ -21,6 +22,9 @@ from kv_transfer.kv_receiver import KvReceiver
 from kv_transfer.transport import LayerSlice
 from pdserve.settings import tls
 from pdserve.settings.base import ConfigError
+from pdserve.worker.command import stop_serving
+from pdserve.worker.grpc_health import add_health, serve_health_alone
+from pdserve.worker.processes import free_port
 from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 from pdserve.worker.service import WorkerService
 
@@ -108,3 +112,46 @@ def test_a_tls_dir_missing_a_file_is_a_config_error(tmp_path, folders):
     (tmp_path / "ca.pem").write_bytes((folders["client"] / "ca.pem").read_bytes())
     with pytest.raises(ConfigError, match="missing cert.pem, key.pem"):
         tls.load_tls_dir(str(tmp_path))
+
+
+async def plaintext_calls(monkeypatch, folders) -> dict[str, object]:
+    """A worker whose gRPC port has TLS, with --health-port: what a plaintext client (a kubelet
+    probe) gets from each port."""
+    as_member(monkeypatch, folders["server"])
+    service = WorkerService("w", "decode", "m")
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
+    add_health(server, service)
+    port = tls.add_port(server, "127.0.0.1:0")
+    await server.start()
+    health_port = free_port()
+    health = await serve_health_alone(service, f"127.0.0.1:{health_port}")
+    as_member(monkeypatch, None)
+    seen = {}
+    try:
+        for name, target in (("tls", port), ("health", health_port)):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{target}") as channel:
+                check = health_pb2_grpc.HealthStub(channel).Check
+                stats = worker_pb2_grpc.WorkerStub(channel).Stats
+                for call, request in (
+                    (check, health_pb2.HealthCheckRequest(service="liveness")),
+                    (stats, worker_pb2.StatsRequest()),
+                ):
+                    try:
+                        reply = await call(request, timeout=5)
+                        seen[name, call is check] = reply.status if call is check else "answered"
+                    except grpc.aio.AioRpcError as error:
+                        seen[name, call is check] = error.code()
+    finally:
+        await stop_serving(server, health, grace=0)
+    return seen
+
+
+def test_the_health_port_answers_probes_in_plaintext_and_nothing_else(monkeypatch, folders):
+    seen = asyncio.run(plaintext_calls(monkeypatch, folders))
+    assert seen == {
+        ("tls", True): grpc.StatusCode.UNAVAILABLE,  # the probe cannot speak TLS
+        ("tls", False): grpc.StatusCode.UNAVAILABLE,
+        ("health", True): health_pb2.HealthCheckResponse.SERVING,  # STARTING is alive
+        ("health", False): grpc.StatusCode.UNIMPLEMENTED,  # no worker call in plaintext
+    }
