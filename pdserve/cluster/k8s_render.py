@@ -46,7 +46,7 @@ from pdserve.cluster.k8s_model_cache import (
     wait_for_model,
 )
 from pdserve.cluster.k8s_monitoring import monitoring_objects
-from pdserve.cluster.k8s_objects import NO_ESCALATION, NON_ROOT, labels, metadata
+from pdserve.cluster.k8s_objects import NO_ESCALATION, POD_SECURITY, labels, metadata
 from pdserve.cluster.k8s_options import RenderOptions
 from pdserve.cluster.k8s_scheduling import gpu_placement
 from pdserve.cluster.k8s_tls import HEALTH_PORT, certificate, with_tls
@@ -216,7 +216,7 @@ def multi_node_workers(
     leader = worker_pod_spec(config, role, pool, resources, options)
     env = SECRET_ENV + REDIS_ENV + cache_env(options) + LOG_ENV
     follower = {
-        "securityContext": NON_ROOT,
+        **POD_SECURITY,
         "containers": [
             ray_follower_container(options.worker_image(True), env, resources, gpus_per_node)
         ],
@@ -297,7 +297,7 @@ def worker_pod_spec(
     }
     spec = {
         "terminationGracePeriodSeconds": _grace_s(config),
-        "securityContext": NON_ROOT,
+        **POD_SECURITY,
         "initContainers": wait_for_model(config, image),
         "containers": [container],
         "volumes": _volumes(pool.uses_gpus),
@@ -341,7 +341,7 @@ def router_deployment(config: ClusterFile, options: RenderOptions) -> dict:
     }
     spec = {
         "terminationGracePeriodSeconds": _grace_s(config),
-        "securityContext": NON_ROOT,
+        **POD_SECURITY,
         "initContainers": wait_for_model(config, image),
         "containers": [container],
         "volumes": [models_volume()],
@@ -374,7 +374,7 @@ def kuberay(config: ClusterFile, options: RenderOptions) -> list[dict]:
             "spec": _without_empty(
                 with_tls(
                     {
-                        "securityContext": NON_ROOT,
+                        **POD_SECURITY,
                         # The router and `pdserve up` run here: the model must be in the cache.
                         "initContainers": wait_for_model(config, image),
                         "containers": [
@@ -413,7 +413,7 @@ def kuberay(config: ClusterFile, options: RenderOptions) -> list[dict]:
     for role, pool in _pools(config).items():
         resource = "num-gpus" if pool.uses_gpus else "num-cpus"
         spec = {
-            "securityContext": NON_ROOT,
+            **POD_SECURITY,
             "containers": [
                 {
                     "name": "ray-worker",
@@ -448,7 +448,7 @@ def kuberay(config: ClusterFile, options: RenderOptions) -> list[dict]:
         "metadata": {"labels": labels("ray-submitter")},
         "spec": {
             "restartPolicy": "Never",
-            "securityContext": NON_ROOT,
+            **POD_SECURITY,
             "containers": [
                 {
                     "name": "submitter",
