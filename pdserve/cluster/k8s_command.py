@@ -17,6 +17,15 @@ def _label(text: str) -> tuple[str, str]:
     return key, value
 
 
+def _rdma(text: str):
+    from pdserve.cluster.k8s_fabric import Rdma
+
+    try:
+        return Rdma.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _toleration(text: str):
     from pdserve.cluster.k8s_scheduling import Toleration
 
@@ -190,6 +199,24 @@ def add_parser(subparsers) -> None:
         "Certificate for the name `pdserve` signed by this CA Issuer or ClusterIssuer, e.g. "
         "ClusterIssuer/cluster-ca (default: none, you create the Secret)",
     )
+    render.add_argument(
+        "--rdma",
+        type=_rdma,
+        default=None,
+        metavar="RESOURCE=N",
+        help="GPU worker pods take N of the RDMA device plugin's RESOURCE (e.g. rdma/ib=1) for "
+        "NCCL's KV between pods, with the IPC_LOCK capability its registered memory needs (the "
+        "namespace then enforces no Pod Security level: IPC_LOCK is beyond baseline) "
+        "(default: none, NCCL over TCP)",
+    )
+    render.add_argument(
+        "--fabric-key",
+        default=defaults.fabric_key,
+        metavar="LABEL",
+        help="worker pods prefer nodes whose LABEL value the pods they move KV with have: a "
+        "fabric, rail or NVLink domain label keeps a P/D pair's KV on one fabric; '' for no "
+        f"affinity (default: {defaults.fabric_key})",
+    )
     render.set_defaults(run=run)
 
 
@@ -219,6 +246,8 @@ def options_of(args: argparse.Namespace):
         prometheus_url=args.prometheus_url,
         tls_secret=args.tls_secret or (CERTIFICATE_SECRET if args.tls_issuer else ""),
         tls_issuer=args.tls_issuer,
+        rdma=args.rdma,
+        fabric_key=args.fabric_key,
     )
 
 

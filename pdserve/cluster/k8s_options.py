@@ -7,6 +7,7 @@ import importlib.metadata
 from dataclasses import dataclass
 from typing import Literal
 
+from pdserve.cluster.k8s_fabric import ZONE, Rdma
 from pdserve.cluster.k8s_scheduling import Toleration
 
 # kube-prometheus-stack installed as release `kube-prometheus-stack` in namespace `monitoring`.
@@ -36,6 +37,8 @@ class RenderOptions:
     prometheus_url: str = PROMETHEUS  # what the autoscalers query
     tls_secret: str = ""  # a Secret with ca.crt, tls.crt, tls.key: mutual TLS (k8s_tls.py)
     tls_issuer: str = ""  # Issuer/NAME or ClusterIssuer/NAME: cert-manager makes tls_secret
+    rdma: Rdma | None = None  # GPU worker pods take RDMA devices (k8s_fabric.py)
+    fabric_key: str = ZONE  # worker pods sit beside their KV peers' on this node label
 
     def image(self, target: ImageTarget) -> str:
         """deploy/docker/Dockerfile's target, pushed to `image_registry` as pdserve:TAG-TARGET."""

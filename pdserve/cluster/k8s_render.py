@@ -33,6 +33,7 @@ import yaml
 
 from pdserve.cluster.k8s_autoscaling import scaled_object
 from pdserve.cluster.k8s_base import base_objects, network_policy
+from pdserve.cluster.k8s_fabric import fabric_affinity, with_rdma
 from pdserve.cluster.k8s_gateway import gateway_objects
 from pdserve.cluster.k8s_leader_worker import leader_worker_set, ray_follower_container
 from pdserve.cluster.k8s_model_cache import (
@@ -114,7 +115,8 @@ def render(config: ClusterFile, mode: str, options: RenderOptions | None = None)
     gpus = any(pool.uses_gpus for pool in _pools(config).values())
     # KubeRay adds containers of its own to the Ray pods: the namespace warns of what is not
     # "restricted" there rather than refusing the pods.
-    enforced = "restricted" if mode == "deployments" else ""
+    # RDMA's IPC_LOCK is beyond "restricted" and "baseline" alike (k8s_fabric.py).
+    enforced = "restricted" if mode == "deployments" and options.rdma is None else ""
     objects = base_objects(options.namespace, enforced, ROUTER_PORT, METRICS_PORT)
     objects.append(model_cache_claim(config, options, gpus))
     objects += [job for job in (fetch_job(config, options),) if job]
@@ -224,6 +226,7 @@ def multi_node_workers(
         **gpu_placement(pool.gpu_type, options.node_selector, options.tolerations),
     }
     with_tls(follower, options.tls_secret)  # vLLM's ranks there send KV
+    with_rdma(follower["containers"][0], options.rdma)
     nodes = pool.tensor_parallel_size // gpus_per_node
     return leader_worker_set(role, pool.replicas, nodes, leader, follower)
 
@@ -304,6 +307,8 @@ def worker_pod_spec(
     }
     if pool.uses_gpus:
         spec.update(gpu_placement(pool.gpu_type, options.node_selector, options.tolerations))
+        with_rdma(container, options.rdma)
+    spec.update(fabric_affinity(role, options.fabric_key))
     return _without_empty(with_tls(spec, options.tls_secret))
 
 
@@ -428,6 +433,8 @@ def kuberay(config: ClusterFile, options: RenderOptions) -> list[dict]:
         }
         if pool.uses_gpus:
             spec.update(gpu_placement(pool.gpu_type, options.node_selector, options.tolerations))
+            with_rdma(spec["containers"][0], options.rdma)
+        spec.update(fabric_affinity(role, options.fabric_key, suffix="-node"))
         with_tls(spec, options.tls_secret)
         groups.append(
             {
