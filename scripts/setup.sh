@@ -16,7 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-EXTRAS=${PDSERVE_EXTRAS:-cpu,test}
+EXTRAS=${PDSERVE_EXTRAS-cpu,test}  # set but empty: no extra (the router image)
 MODEL=${PDSERVE_MODEL:-smollm2}
 INSTALL=${PDSERVE_INSTALL:-all}
 CHECKOV=checkov==3.3.30
@@ -76,7 +76,8 @@ install_packages() {
     extra_index=(--extra-index-url "$TORCH_CPU_INDEX")
   fi
   if [ "$INSTALL" = dependencies ]; then
-    what=(-r <(requirements))
+    requirements > .venv/pdserve-requirements.txt
+    what=(-r .venv/pdserve-requirements.txt)
   elif [ -n "$EXTRAS" ]; then
     what=(-e ".[$EXTRAS]")
   else

