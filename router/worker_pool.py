@@ -30,6 +30,9 @@ from router.worker_load import LOAD_POLL_S
 
 log = logging.getLogger("pdserve.router")
 TAKES_REQUESTS = (Role.DECODE, Role.COLOCATED)  # whole requests, and disaggregated decode legs
+# After a registry restart, how long its workers have to write their records again: a few
+# heartbeats (1 s by default; a cluster file's registry.heartbeat_s beyond 2 s wants more).
+RESTART_HOLD_S = 5.0
 
 
 class WorkerPool:
@@ -264,11 +267,26 @@ async def follow_registry(
 ) -> None:
     """Keep `pool` equal to the registry's membership, forever (cancel to stop); `joined()`
     after each sync (flex workers that joined get their role); records ignored for want of a
-    valid signature are counted in `metrics` (RouterMetrics)."""
-    counted = 0
+    valid signature are counted in `metrics` (RouterMetrics). After the registry's Redis
+    restarted (its run id changed) nobody leaves for RESTART_HOLD_S: the records are gone until
+    each worker's next heartbeat rewrites its own, and the workers are still there."""
+    counted, run_id, hold_until = 0, None, 0.0
     while True:
         try:
-            await pool.sync([record.address for record in await registry.members()])
+            addresses = [record.address for record in await registry.members()]
+            now_id = await registry.server_run_id()
+            if run_id is not None and now_id != run_id:
+                log.warning(
+                    "the registry at %s restarted: no worker leaves for %g s while they "
+                    "register again",
+                    registry.url,
+                    RESTART_HOLD_S,
+                )
+                hold_until = time.monotonic() + RESTART_HOLD_S
+            run_id = now_id
+            if time.monotonic() < hold_until:
+                addresses += [w.address for w in pool.workers if w.address not in addresses]
+            await pool.sync(addresses)
             if metrics is not None and registry.refused > counted:
                 metrics.registry_refused.inc(registry.refused - counted)
                 counted = registry.refused

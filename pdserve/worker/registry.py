@@ -82,6 +82,11 @@ class Registry:
     async def remove(self, worker_id: str) -> None:
         await self.redis.delete(self.prefix + worker_id)
 
+    async def server_run_id(self) -> str:
+        """The Redis server's run id: a new one means it restarted (and, without persistence,
+        lost every record until the workers' next heartbeats)."""
+        return (await self.redis.info("server"))["run_id"]
+
     async def members(self) -> list[WorkerRecord]:
         keys = [key async for key in self.redis.scan_iter(match=self.prefix + "*", count=1000)]
         if not keys:

@@ -95,3 +95,16 @@ def test_a_record_not_signed_with_the_cluster_secret_is_ignored_and_counted(redi
             await registry.close()
 
     asyncio.run(scenario())
+
+
+def test_the_server_run_id_is_the_same_until_redis_restarts(redis_url):
+    async def scenario():
+        registry = Registry(redis_url, "run-id")
+        try:
+            first, second = await registry.server_run_id(), await registry.server_run_id()
+        finally:
+            await registry.close()
+        return first, second
+
+    first, second = asyncio.run(scenario())
+    assert first == second and len(first) == 40  # Redis's run id: 40 hex characters

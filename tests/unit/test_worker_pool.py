@@ -6,6 +6,7 @@ coroutines. No worker process, no Redis, no network."""
 
 import asyncio
 import logging
+import time
 
 import grpc
 import pytest
@@ -95,13 +96,17 @@ class FakeWorkerClient:
 
 class FakeRegistry:
     """Stands in for worker.registry.Registry: `members()` returns records for `addresses`, or
-    raises while `failing` is set (Redis away); it counts its calls."""
+    raises while `failing` is set (Redis away); it counts its calls; `run_id` is its server's."""
 
     def __init__(self, addresses: list[str]) -> None:
         self.url = "redis://fake-registry:6379/0"
         self.addresses = addresses
         self.failing = False
         self.calls = 0
+        self.run_id = "first"  # another value: Redis restarted
+
+    async def server_run_id(self) -> str:
+        return self.run_id
 
     async def members(self) -> list[WorkerRecord]:
         self.calls += 1
@@ -213,6 +218,44 @@ def test_following_the_registry_keeps_the_last_membership_while_it_cannot_be_rea
         asyncio.run(scenario())
     assert "cannot read the registry at redis://fake-registry:6379/0" in caplog.text
     assert "Redis is away" in caplog.text
+
+
+def test_after_a_registry_restart_no_worker_leaves_while_they_register_again(workers, monkeypatch):
+    """A restarted Redis has lost every record until the workers' next heartbeats (a chaos soak
+    once failed 60 requests with "no decode worker" in that second): the pool holds its
+    members for RESTART_HOLD_S; one still missing after it leaves."""
+    monkeypatch.setattr(router.worker_pool, "RESTART_HOLD_S", 0.3)
+    workers.up("a:1")
+    workers.up("b:1")
+    registry = FakeRegistry(["a:1", "b:1"])
+    pool = WorkerPool([], RoundRobin())
+
+    async def until(condition, timeout_s=2.0):
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + timeout_s
+        while not condition():
+            assert loop.time() < give_up, "timed out"
+            await asyncio.sleep(0.005)
+
+    async def scenario():
+        task = asyncio.create_task(follow_registry(pool, registry, 0.01))
+        try:
+            await until(lambda: members(pool) == ["a:1", "b:1"])
+            registry.addresses, registry.run_id = [], "second"  # restarted, empty
+            restarted_at, calls = time.monotonic(), registry.calls
+            await until(lambda: registry.calls >= calls + 5)
+            assert members(pool) == ["a:1", "b:1"]
+            registry.addresses = ["a:1"]  # a registered again; b never does
+            await until(lambda: members(pool) == ["a:1"])
+            assert time.monotonic() - restarted_at >= 0.3
+            registry.addresses = []  # with no restart, a missing worker leaves at once
+            await until(lambda: members(pool) == [], timeout_s=0.2)
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(scenario())
 
 
 def test_refresh_brings_back_a_worker_marked_down_once_it_answers_ready(workers):
