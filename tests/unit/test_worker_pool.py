@@ -5,6 +5,7 @@ STARTING, or an UNAVAILABLE gRPC error), and the registry by a fake; asyncio.run
 coroutines. No worker process, no Redis, no network."""
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -126,6 +127,28 @@ def members(pool: WorkerPool) -> list[str]:
     return [worker.address for worker in pool.workers]
 
 
+@contextlib.asynccontextmanager
+async def following(pool: WorkerPool, registry: "FakeRegistry"):
+    """follow_registry keeping `pool` in step with `registry` for the block (its task), from
+    the moment every listed worker has joined; cancelled after."""
+    task = asyncio.create_task(follow_registry(pool, registry, 0.01))
+    try:
+        await until(lambda: members(pool) == sorted(registry.addresses))
+        yield task
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def until(condition, timeout_s: float = 2.0) -> None:
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < give_up, "timed out"
+        await asyncio.sleep(0.005)
+
+
 def test_a_new_address_joins_only_once_its_health_says_ready(workers):
     pool = WorkerPool([], RoundRobin())
     asyncio.run(pool.sync(["a:1"]))  # not listening yet
@@ -189,17 +212,8 @@ def test_following_the_registry_keeps_the_last_membership_while_it_cannot_be_rea
     registry = FakeRegistry(["a:1", "b:1"])
     pool = WorkerPool([], RoundRobin())
 
-    async def until(condition, timeout_s=2.0):
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + timeout_s
-        while not condition():
-            assert loop.time() < give_up, "timed out"
-            await asyncio.sleep(0.005)
-
     async def scenario():
-        task = asyncio.create_task(follow_registry(pool, registry, 0.01))
-        try:
-            await until(lambda: members(pool) == ["a:1", "b:1"])
+        async with following(pool, registry) as task:
             registry.failing = True
             failing_from = registry.calls
             await until(lambda: registry.calls >= failing_from + 3)
@@ -209,10 +223,6 @@ def test_following_the_registry_keeps_the_last_membership_while_it_cannot_be_rea
             registry.addresses = ["b:1"]
             await until(lambda: members(pool) == ["b:1"])
             assert not task.done()
-        finally:
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
 
     with caplog.at_level(logging.WARNING, logger="pdserve.router"):
         asyncio.run(scenario())
@@ -230,17 +240,8 @@ def test_after_a_registry_restart_no_worker_leaves_while_they_register_again(wor
     registry = FakeRegistry(["a:1", "b:1"])
     pool = WorkerPool([], RoundRobin())
 
-    async def until(condition, timeout_s=2.0):
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + timeout_s
-        while not condition():
-            assert loop.time() < give_up, "timed out"
-            await asyncio.sleep(0.005)
-
     async def scenario():
-        task = asyncio.create_task(follow_registry(pool, registry, 0.01))
-        try:
-            await until(lambda: members(pool) == ["a:1", "b:1"])
+        async with following(pool, registry):
             registry.addresses, registry.run_id = [], "second"  # restarted, empty
             restarted_at, calls = time.monotonic(), registry.calls
             await until(lambda: registry.calls >= calls + 5)
@@ -250,10 +251,6 @@ def test_after_a_registry_restart_no_worker_leaves_while_they_register_again(wor
             assert time.monotonic() - restarted_at >= 0.3
             registry.addresses = []  # with no restart, a missing worker leaves at once
             await until(lambda: members(pool) == [], timeout_s=0.2)
-        finally:
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
 
     asyncio.run(scenario())
 
