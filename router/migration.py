@@ -47,15 +47,16 @@ class Relayed:
     """What the client has of one choice so far."""
 
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    text_chars: int = 0  # of the relayed text: all a seeded replay compares (a count, not a
+    # string grown by += per token, which copied the whole text each time)
     logprob: float = 0.0  # the relayed tokens' own logprobs, summed (best_of ranks the total)
     finished: bool = False
 
     def add(self, chunk: worker_pb2.GenerateChunk) -> None:
         self.token_ids.extend(chunk.token_ids)
-        self.text += chunk.text
-        # Each position's own token comes first in its entries (worker protocol).
-        self.logprob += sum(p.entries[0].logprob for p in chunk.logprobs if p.entries)
+        self.text_chars += len(chunk.text)
+        if chunk.logprobs:  # each position's own token comes first in its entries (protocol)
+            self.logprob += sum(p.entries[0].logprob for p in chunk.logprobs if p.entries)
         self.finished = bool(chunk.finish_reason)
 
 
@@ -205,7 +206,7 @@ class _Replay:
                 f"after {self.tokens + same} of {len(self.relayed.token_ids)}: "
                 "the seeded sequence cannot go on on another worker"
             )
-        text_overlap = max(0, min(len(chunk.text), len(self.relayed.text) - self.chars))
+        text_overlap = max(0, min(len(chunk.text), self.relayed.text_chars - self.chars))
         self.tokens += len(chunk.token_ids)
         self.chars += len(chunk.text)
         passed = overlap == len(chunk.token_ids) and text_overlap == len(chunk.text)
