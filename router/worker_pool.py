@@ -274,8 +274,10 @@ async def follow_registry(
     while True:
         try:
             addresses = [record.address for record in await registry.members()]
-            now_id = await registry.server_run_id()
-            if run_id is not None and now_id != run_id:
+            leaving = any(w.address not in addresses for w in pool.workers)
+            # The run id is asked once, then only when someone would leave (not every poll).
+            now_id = await registry.server_run_id() if leaving or run_id is None else run_id
+            if now_id != run_id and run_id is not None:
                 log.warning(
                     "the registry at %s restarted: no worker leaves for %g s while they "
                     "register again",
