@@ -97,7 +97,8 @@ class FakeWorkerClient:
 
 class FakeRegistry:
     """Stands in for worker.registry.Registry: `members()` returns records for `addresses`, or
-    raises while `failing` is set (Redis away); it counts its calls; `run_id` is its server's."""
+    raises while `failing` is set (Redis away); it counts its calls, and those asking `run_id`
+    (its server's)."""
 
     def __init__(self, addresses: list[str]) -> None:
         self.url = "redis://fake-registry:6379/0"
@@ -105,8 +106,10 @@ class FakeRegistry:
         self.failing = False
         self.calls = 0
         self.run_id = "first"  # another value: Redis restarted
+        self.run_id_calls = 0
 
     async def server_run_id(self) -> str:
+        self.run_id_calls += 1
         return self.run_id
 
     async def members(self) -> list[WorkerRecord]:
@@ -251,6 +254,24 @@ def test_after_a_registry_restart_no_worker_leaves_while_they_register_again(wor
             assert time.monotonic() - restarted_at >= 0.3
             registry.addresses = []  # with no restart, a missing worker leaves at once
             await until(lambda: members(pool) == [], timeout_s=0.2)
+
+    asyncio.run(scenario())
+
+
+def test_the_run_id_is_asked_once_and_again_only_when_a_worker_would_leave(workers):
+    """A poll whose members are all still registered costs one Redis call, not two."""
+    workers.up("a:1")
+    registry = FakeRegistry(["a:1"])
+    pool = WorkerPool([], RoundRobin())
+
+    async def scenario():
+        async with following(pool, registry):
+            calls = registry.calls
+            await until(lambda: registry.calls >= calls + 5)
+            assert registry.run_id_calls == 1
+            registry.addresses = []  # a:1 would leave: is Redis the same one?
+            await until(lambda: members(pool) == [])
+            assert registry.run_id_calls == 2
 
     asyncio.run(scenario())
 
