@@ -62,6 +62,7 @@ class Server:
     url: str
     process: subprocess.Popen
     log_dir: Path
+    model: str = SERVED_MODEL  # the name its router serves the model under
 
     @property
     def base_url(self) -> str:
@@ -185,7 +186,9 @@ def one_cluster_secret():
     del os.environ[SECRET_ENV]
 
 
-def start_server(log_dir: Path, *args: str) -> Server:
+def start_server(log_dir: Path, *args: str, model: str = SERVED_MODEL) -> Server:
+    """`pdserve serve *args` (serving `model`, which `args` name unless it is SmolLM2), once its
+    router is healthy."""
     port = free_port()
     process = spawn(
         [
@@ -203,7 +206,7 @@ def start_server(log_dir: Path, *args: str) -> Server:
         ],
         log_dir / "serve.log",
     )
-    server = Server(f"http://127.0.0.1:{port}", process, log_dir)
+    server = Server(f"http://127.0.0.1:{port}", process, log_dir, model)
     try:
         wait_until(
             lambda: router_healthy(server.url),
@@ -279,11 +282,14 @@ FORCED_TRANSPORTS = ("grpc", "nccl", "shm")
 
 
 @pytest.fixture(scope="session")
-def mixed_pool(smollm2_dir, tmp_path_factory):
+def mixed_pool(tmp_path_factory):
     """`mixed_pool(prefill, decode)`: three prefill workers forced onto grpc, nccl (gloo on CPU)
     and shm, two decode workers on auto (policy recompute), round-robin, with at least `prefill`
     and `decode` of them alive (started again when a test before killed more, so each test
-    passes alone and in any order). The transport tests and the kill tests share it."""
+    passes alone and in any order). The transport tests and the kill tests share it. It serves
+    the tiny model: what is under test is the KV's path, not the model, and five SmolLM2
+    engines computing these tests' long prompts took a third of the tier's CPU."""
+    ensure_model("tiny")
     servers = []
 
     def with_alive(prefill: int = len(FORCED_TRANSPORTS), decode: int = 2) -> Server:
@@ -296,6 +302,8 @@ def mixed_pool(smollm2_dir, tmp_path_factory):
             servers.append(
                 start_server(
                     tmp_path_factory.mktemp("mixed-pool"),
+                    "--model",
+                    "tiny",
                     "--prefill",
                     str(len(FORCED_TRANSPORTS)),
                     "--prefill-kv-transports",
@@ -306,6 +314,7 @@ def mixed_pool(smollm2_dir, tmp_path_factory):
                     "round-robin",
                     "--kv-timeout",
                     "30",
+                    model="tiny",
                 )
             )
         return servers[-1]
@@ -370,14 +379,22 @@ def tiny_completion(url: str, prompt: str, route: str) -> httpx.Response:
 
 @pytest.fixture(scope="session")
 def tiny_reference(tmp_path_factory) -> dict:
-    """Greedy outputs of vLLM's offline engine at TP=1 for the tiny model's prompts (made once
-    per run: both streams use them)."""
+    """Greedy outputs of vLLM's offline engine at TP=1 for the tiny model's prompts, and for the
+    disaggregated prompts (made once per run: both streams use them)."""
     prompts = [{"prompt": p, "max_tokens": TINY_MAX_TOKENS} for p in TINY_PROMPTS]
-    return made_once_per_run(
+    prompts += [
+        {"prompt": p, "max_tokens": DISAGGREGATED_MAX_TOKENS} for p in DISAGGREGATED_PROMPTS
+    ]
+    outputs = made_once_per_run(
         tmp_path_factory,
         "tiny-reference",
         lambda folder: offline_outputs(ensure_model("tiny"), folder, prompts, []),
     )
+    count = len(TINY_PROMPTS)
+    return {
+        "prompts": outputs["prompts"][:count],
+        "disaggregated": outputs["prompts"][count:],
+    }
 
 
 ONCE_PER_RUN_TIMEOUT_S = 900
