@@ -9,7 +9,7 @@ every process it started.
 The tier runs as two streams side by side (`pytest -n 2`, scripts/test.sh): a stream is one
 pytest-xdist process (tests/xdist_groups.py) running its modules in the order of `STREAMS`, so one
 stream's engines start while the other's tests wait on theirs. The streams together keep at
-most eight SmolLM2 engines alive (the host's 24 GiB hold about nine), and a session cluster
+most six SmolLM2 engines alive (the host's 24 GiB hold about nine), and a session cluster
 belongs to one stream only. Without xdist the same order runs in one process.
 """
 
@@ -84,10 +84,11 @@ class Server:
 
 
 # The two streams, each a list of modules in the order they run, of about equal length. Stream a
-# holds the largest cluster (the mixed pool: 5 SmolLM2 engines, ~12 GB), then the tiny model's
-# (Ray's, ~6 GB with its head; the flex sweep's; bfloat16). Stream b holds at most three SmolLM2
-# engines at a time (~7 GB): the default cluster (stopped after its last user) beside vLLM's own
-# server, the flex cluster, then the tiny model at TP 2 (~9 GB).
+# holds the mixed pool (5 tiny engines), then the Ray cluster's (the tiny model), the flex sweep,
+# bfloat16 and the flex cluster (3 SmolLM2 engines). Stream b holds at most three SmolLM2 engines
+# at a time (~7 GB): the default cluster (stopped after its last user) beside vLLM's own server,
+# then the tiny model at TP 2 (~9 GB). (A third stream, tried: the host's cores were then the
+# limit, and the third default cluster it needed cost more than it saved.)
 STREAMS = {
     "a": [
         "test_kv_transports",
@@ -97,6 +98,7 @@ STREAMS = {
         "test_flex_sweep",
         "test_bfloat16",
         "test_gpu_check",
+        "test_flex_roles",
     ],
     "b": [
         "test_api_keys",
@@ -104,13 +106,12 @@ STREAMS = {
         "test_disaggregation",
         "test_fuzz",
         "test_http_errors",
-        "test_admission_control",  # not first: the other stream's engines then start
+        "test_admission_control",
         "test_openai_api",
         "test_streaming_load",
         "test_tracing",
         "test_vllm_parity",
         "test_worker_observability",
-        "test_flex_roles",
         "test_tensor_parallel",
     ],
 }
@@ -224,14 +225,17 @@ def start_server(log_dir: Path, *args: str, model: str = SERVED_MODEL) -> Server
     return server
 
 
-_LAST_USERS: dict[str, pytest.Item] = {}  # session cluster fixture -> the last test using it
-_EARLY_STOPS: dict[str, Callable[[], None]] = {}  # the same -> how it stops, while it runs
+# (session cluster fixture, stream) -> the last test of that stream using it: streams that
+# both use a fixture each make their own
+_LAST_USERS: dict[tuple[str, str], pytest.Item] = {}
+_EARLY_STOPS: dict[str, Callable[[], None]] = {}  # fixture -> how it stops, while it runs
 
 
 def pytest_collection_finish(session):
     for item in session.items:
-        for name in item.fixturenames:
-            _LAST_USERS[name] = item
+        if item.module.__name__.startswith(f"{__package__}."):
+            for name in item.fixturenames:
+                _LAST_USERS[name, _place(item)[0]] = item
 
 
 @contextlib.contextmanager
@@ -249,7 +253,7 @@ def stopped_after_last_use(name: str, stop: Callable[[], None]):
 @pytest.fixture(autouse=True)
 def _session_clusters_stop_after_their_last_test(request):
     yield
-    for name in [n for n, item in _LAST_USERS.items() if item is request.node]:
+    for name in [n for (n, _), item in _LAST_USERS.items() if item is request.node]:
         if stop := _EARLY_STOPS.pop(name, None):
             stop()
 
