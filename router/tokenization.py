@@ -4,15 +4,36 @@ The router tokenizes so it can check the context length before any worker is inv
 prompt tokens for routing, and send the same token ids wherever the request goes.
 """
 
+import json
+from pathlib import Path
+
 from router.errors import invalid_request
 from router.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 
+def load_tokenizer(model: str):
+    """The tokenizer AutoTokenizer gives for `model`, without its import of torch where the
+    answer is known: a local folder whose tokenizer_config.json names `TokenizersBackend` (as
+    transformers 5 saves a fast tokenizer) with no custom class (`auto_map`) and a
+    tokenizer.json is loaded by that class directly. AutoTokenizer's module imports torch
+    (~4 s of a core of the router's ~6 s start); the class alone does not. Anything else (a hub
+    id, another class, a custom or Mistral tokenizer) goes through AutoTokenizer."""
+    folder = Path(model)
+    config = folder / "tokenizer_config.json"
+    if config.is_file() and (folder / "tokenizer.json").is_file():
+        settings = json.loads(config.read_text())
+        if settings.get("tokenizer_class") == "TokenizersBackend" and "auto_map" not in settings:
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+            return TokenizersBackend.from_pretrained(model)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
 class PromptTokenizer:
     def __init__(self, model: str) -> None:
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.tokenizer = load_tokenizer(model)
         self.vocab_size = len(self.tokenizer)
 
     def chat(self, request: ChatCompletionRequest) -> list[int]:
