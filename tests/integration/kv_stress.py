@@ -26,37 +26,28 @@ from tests.waiting import wait_for
 
 def kill_prefill_workers_mid_transfer(server) -> None:
     """As many long prompts at once as there are prefill workers (round-robin gives each
-    one), each prefill worker killed the moment its own Stats show its prompt computing (no
-    first token yet, so its KV is not complete; each watched on its own: on a fast model two
-    prompts need not compute at the same time): each prompt, its prefill worker lost, takes the
-    local path (no prefill worker is left), long before the 30 s KV deadline, with the output
-    the decode workers give the same prompt on their own (asked afterwards). The prompts are
-    new to every worker's prefix cache, so each takes its prefill worker a while to compute."""
+    one), every prefill worker killed once its Stats show its prompt computing (no first token
+    yet, so its KV is not complete): each prompt, its prefill worker lost, takes the local path
+    (no prefill worker is left), long before the 30 s KV deadline, with the output the decode
+    workers give the same prompt on their own (asked afterwards). The prompts are new to every
+    worker's prefix cache, so each takes its prefill worker a while to compute."""
     pids = worker_pids(server, "prefill")
     ports = [worker_port(pid) for pid in pids]
     prompts = [f"Request {uuid.uuid4()}. {long_prompt(2000)}" for _ in pids]  # ~1.9K tokens
     before = metric_value(server, LOST_TO_LOCAL)
-
-    def kill_when_computing(pid: int, port: int) -> None:
-        wait_for(
-            lambda: computing_a_prompt(port),
-            20,
-            f"a prompt computing on the prefill worker at {port}",
-            poll_s=0.01,
-        )
-        os.killpg(pid, signal.SIGKILL)
-
     started = time.monotonic()
-    with ThreadPoolExecutor(2 * len(pids)) as pool:
-        killers = [
-            pool.submit(kill_when_computing, pid, port)
-            for pid, port in zip(pids, ports, strict=True)
-        ]
+    with ThreadPoolExecutor(len(pids)) as pool:
         sent = [
             pool.submit(complete, server, prompt, RoutePath.DISAGGREGATED) for prompt in prompts
         ]
-        for killer in killers:
-            killer.result()
+        wait_for(
+            lambda: all(computing_a_prompt(port) for port in ports),
+            20,
+            f"a prompt computing on every prefill worker ({ports})",
+            poll_s=0.02,
+        )
+        for pid in pids:
+            os.killpg(pid, signal.SIGKILL)
         responses = [future.result() for future in sent]
     assert time.monotonic() - started < 30, "a cancelled transfer waited for its deadline"
     for prompt, response in zip(prompts, responses, strict=True):
