@@ -62,7 +62,6 @@ class Server:
     url: str
     process: subprocess.Popen
     log_dir: Path
-    model: str = SERVED_MODEL  # the name its router serves the model under
 
     @property
     def base_url(self) -> str:
@@ -187,9 +186,7 @@ def one_cluster_secret():
     del os.environ[SECRET_ENV]
 
 
-def start_server(log_dir: Path, *args: str, model: str = SERVED_MODEL) -> Server:
-    """`pdserve serve *args` (serving `model`, which `args` name unless it is SmolLM2), once its
-    router is healthy."""
+def start_server(log_dir: Path, *args: str) -> Server:
     port = free_port()
     process = spawn(
         [
@@ -207,7 +204,7 @@ def start_server(log_dir: Path, *args: str, model: str = SERVED_MODEL) -> Server
         ],
         log_dir / "serve.log",
     )
-    server = Server(f"http://127.0.0.1:{port}", process, log_dir, model)
+    server = Server(f"http://127.0.0.1:{port}", process, log_dir)
     try:
         wait_until(
             lambda: router_healthy(server.url),
@@ -286,14 +283,11 @@ FORCED_TRANSPORTS = ("grpc", "nccl", "shm")
 
 
 @pytest.fixture(scope="session")
-def mixed_pool(tmp_path_factory):
+def mixed_pool(smollm2_dir, tmp_path_factory):
     """`mixed_pool(prefill, decode)`: three prefill workers forced onto grpc, nccl (gloo on CPU)
     and shm, two decode workers on auto (policy recompute), round-robin, with at least `prefill`
     and `decode` of them alive (started again when a test before killed more, so each test
-    passes alone and in any order). The transport tests and the kill tests share it. It serves
-    the tiny model: what is under test is the KV's path, not the model, and five SmolLM2
-    engines computing these tests' long prompts took a third of the tier's CPU."""
-    ensure_model("tiny")
+    passes alone and in any order). The transport tests and the kill tests share it."""
     servers = []
 
     def with_alive(prefill: int = len(FORCED_TRANSPORTS), decode: int = 2) -> Server:
@@ -306,8 +300,6 @@ def mixed_pool(tmp_path_factory):
             servers.append(
                 start_server(
                     tmp_path_factory.mktemp("mixed-pool"),
-                    "--model",
-                    "tiny",
                     "--prefill",
                     str(len(FORCED_TRANSPORTS)),
                     "--prefill-kv-transports",
@@ -318,7 +310,6 @@ def mixed_pool(tmp_path_factory):
                     "round-robin",
                     "--kv-timeout",
                     "30",
-                    model="tiny",
                 )
             )
         return servers[-1]
@@ -383,22 +374,14 @@ def tiny_completion(url: str, prompt: str, route: str) -> httpx.Response:
 
 @pytest.fixture(scope="session")
 def tiny_reference(tmp_path_factory) -> dict:
-    """Greedy outputs of vLLM's offline engine at TP=1 for the tiny model's prompts, and for the
-    disaggregated prompts (made once per run: both streams use them)."""
+    """Greedy outputs of vLLM's offline engine at TP=1 for the tiny model's prompts (made once
+    per run: both streams use them)."""
     prompts = [{"prompt": p, "max_tokens": TINY_MAX_TOKENS} for p in TINY_PROMPTS]
-    prompts += [
-        {"prompt": p, "max_tokens": DISAGGREGATED_MAX_TOKENS} for p in DISAGGREGATED_PROMPTS
-    ]
-    outputs = made_once_per_run(
+    return made_once_per_run(
         tmp_path_factory,
         "tiny-reference",
         lambda folder: offline_outputs(ensure_model("tiny"), folder, prompts, []),
     )
-    count = len(TINY_PROMPTS)
-    return {
-        "prompts": outputs["prompts"][:count],
-        "disaggregated": outputs["prompts"][count:],
-    }
 
 
 ONCE_PER_RUN_TIMEOUT_S = 900

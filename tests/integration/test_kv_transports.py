@@ -16,6 +16,7 @@ import pytest
 from pdserve.settings.cluster_secret import secret_metadata
 from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 from tests.integration.conftest import FORCED_TRANSPORTS as FORCED
+from tests.integration.conftest import SERVED_MODEL
 from tests.integration.http_client import HTTP
 from tests.integration.kv_stress import abort_fifty_requests, metric_value
 from tests.integration.processes import worker_pids
@@ -43,7 +44,7 @@ CAUGHT_AS = {
 def complete(server, prompt: str, route: str, max_tokens: int) -> httpx.Response:
     return HTTP.post(
         f"{server.base_url}/completions",
-        json={"model": server.model, "prompt": prompt, "temperature": 0, "max_tokens": max_tokens},
+        json={"model": SERVED_MODEL, "prompt": prompt, "temperature": 0, "max_tokens": max_tokens},
         headers={"x-pdserve-route": route, "x-pdserve-timing": "1"},
         timeout=300,
     )
@@ -59,7 +60,7 @@ def failed_transfers(server) -> dict[str, float]:
     }
 
 
-def test_each_pair_uses_its_transport_and_the_output_equals_vllms(mixed_pool, tiny_reference):
+def test_each_pair_uses_its_transport_and_the_output_equals_vllms(mixed_pool, offline_reference):
     server = mixed_pool()
     failed_before = failed_transfers(server)
     carried: dict[str, set[str]] = {}
@@ -67,7 +68,7 @@ def test_each_pair_uses_its_transport_and_the_output_equals_vllms(mixed_pool, ti
         response = complete(server, prompt, "disaggregated", DISAGGREGATED_MAX_TOKENS)
         assert response.status_code == 200, response.text
         body = response.json()
-        assert body["choices"][0]["text"] == tiny_reference["disaggregated"][index]["text"]
+        assert body["choices"][0]["text"] == offline_reference["disaggregated"][index]["text"]
         assert (
             int(response.headers["x-pdserve-decode-cached-tokens"])
             == (body["usage"]["prompt_tokens"])

@@ -17,7 +17,7 @@ import uuid
 import httpx
 import pytest
 
-from tests.integration.conftest import FORCED_TRANSPORTS
+from tests.integration.conftest import FORCED_TRANSPORTS, SERVED_MODEL
 from tests.integration.http_client import HTTP
 from tests.integration.kv_stress import (
     computing_a_prompt,
@@ -67,7 +67,7 @@ async def streamed(
     """Each choice's streamed text by index, and the number of tokens (greedy unless
     `sampling` says otherwise); fails on an error event."""
     body = {
-        "model": server.model,
+        "model": SERVED_MODEL,
         "prompt": prompt,
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
@@ -94,7 +94,7 @@ async def streamed(
 
 def test_round_robin_spreads_disaggregated_requests_over_every_worker(mixed_pool):
     server = mixed_pool()
-    body = {"model": server.model, "prompt": CASES[-1][0], "max_tokens": 2, "temperature": 0}
+    body = {"model": SERVED_MODEL, "prompt": CASES[-1][0], "max_tokens": 2, "temperature": 0}
     pairs = set()
     for _ in range(2 * len(FORCED_TRANSPORTS)):
         reply = HTTP.post(
