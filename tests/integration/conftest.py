@@ -9,7 +9,7 @@ every process it started.
 The tier runs as two streams side by side (`pytest -n 2`, scripts/test.sh): a stream is one
 pytest-xdist process (tests/xdist_groups.py) running its modules in the order of `STREAMS`, so one
 stream's engines start while the other's tests wait on theirs. The streams together keep at
-most six SmolLM2 engines alive (the host's 24 GiB hold about nine), and a session cluster
+most eight SmolLM2 engines alive (the host's 24 GiB hold about nine), and a session cluster
 belongs to one stream only. Without xdist the same order runs in one process.
 """
 
@@ -83,11 +83,12 @@ class Server:
 
 
 # The two streams, each a list of modules in the order they run, of about equal length. Stream a
-# holds the mixed pool (5 tiny engines), then the Ray cluster's (the tiny model), the flex sweep,
-# bfloat16 and the flex cluster (3 SmolLM2 engines). Stream b holds at most three SmolLM2 engines
-# at a time (~7 GB): the default cluster (stopped after its last user) beside vLLM's own server,
-# then the tiny model at TP 2 (~9 GB). (A third stream, tried: the host's cores were then the
-# limit, and the third default cluster it needed cost more than it saved.)
+# holds the largest cluster (the mixed pool: 5 SmolLM2 engines, ~12 GB), then the tiny model's
+# (Ray's, ~6 GB with its head; the flex sweep's; bfloat16). Stream b holds at most three SmolLM2
+# engines at a time (~7 GB): the default cluster (stopped after its last user) beside vLLM's own
+# server, the flex cluster, then the tiny model at TP 2 (~9 GB). (A third stream, tried: the
+# host's cores were then the limit, and the third default cluster it needed cost more than it
+# saved.)
 STREAMS = {
     "a": [
         "test_kv_transports",
@@ -97,7 +98,6 @@ STREAMS = {
         "test_flex_sweep",
         "test_bfloat16",
         "test_gpu_check",
-        "test_flex_roles",
     ],
     "b": [
         "test_api_keys",
@@ -105,12 +105,13 @@ STREAMS = {
         "test_disaggregation",
         "test_fuzz",
         "test_http_errors",
-        "test_admission_control",
+        "test_admission_control",  # not first: the other stream's engines then start
         "test_openai_api",
         "test_streaming_load",
         "test_tracing",
         "test_vllm_parity",
         "test_worker_observability",
+        "test_flex_roles",
         "test_tensor_parallel",
     ],
 }
