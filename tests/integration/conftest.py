@@ -223,17 +223,14 @@ def start_server(log_dir: Path, *args: str) -> Server:
     return server
 
 
-# (session cluster fixture, stream) -> the last test of that stream using it: streams that
-# both use a fixture each make their own
-_LAST_USERS: dict[tuple[str, str], pytest.Item] = {}
-_EARLY_STOPS: dict[str, Callable[[], None]] = {}  # fixture -> how it stops, while it runs
+_LAST_USERS: dict[str, pytest.Item] = {}  # session cluster fixture -> the last test using it
+_EARLY_STOPS: dict[str, Callable[[], None]] = {}  # the same -> how it stops, while it runs
 
 
 def pytest_collection_finish(session):
     for item in session.items:
-        if item.module.__name__.startswith(f"{__package__}."):
-            for name in item.fixturenames:
-                _LAST_USERS[name, _place(item)[0]] = item
+        for name in item.fixturenames:
+            _LAST_USERS[name] = item
 
 
 @contextlib.contextmanager
@@ -251,7 +248,7 @@ def stopped_after_last_use(name: str, stop: Callable[[], None]):
 @pytest.fixture(autouse=True)
 def _session_clusters_stop_after_their_last_test(request):
     yield
-    for name in [n for (n, _), item in _LAST_USERS.items() if item is request.node]:
+    for name in [n for n, item in _LAST_USERS.items() if item is request.node]:
         if stop := _EARLY_STOPS.pop(name, None):
             stop()
 
