@@ -5,6 +5,7 @@ workers' split kept to the backlog when asked."""
 
 import asyncio
 import contextlib
+import logging
 
 from fastapi import FastAPI
 
@@ -14,8 +15,14 @@ from router.shared_state import SharedState, router_id
 from router.state_sync import StateSync
 from router.worker_pool import WorkerPool, follow_load, follow_registry
 
+log = logging.getLogger("pdserve.router")
 DOWN_WORKER_CHECK_S = 2.0  # how often workers marked down are asked whether they are back
 STOP_TIMEOUT_S = 3.0  # for each step of the router's stop
+# How long a router with a registry waits, before it takes requests, for its first read of the
+# membership (each listed worker asked whether it is ready): one (re)started beside serving
+# workers would otherwise answer its first requests "no worker has joined yet". Past it (Redis
+# not answering), it starts with empty pools and fills them when the registry answers.
+FIRST_SYNC_WAIT_S = 10.0
 
 
 @contextlib.asynccontextmanager
@@ -33,10 +40,20 @@ async def lifespan(app: FastAPI):
     registry = shared = None
     if settings.registry and not settings.worker_addresses:
         registry = Registry(settings.registry, settings.cluster)
+        synced = asyncio.Event()
         following = follow_registry(
-            pool, registry, settings.registry_refresh_s, roles.place_new, state.metrics
+            pool, registry, settings.registry_refresh_s, roles.place_new, state.metrics, synced
         )
         tasks.append(asyncio.create_task(following))
+        try:
+            async with asyncio.timeout(FIRST_SYNC_WAIT_S):
+                await synced.wait()
+        except TimeoutError:
+            log.warning(
+                "no membership read from the registry at %s in %g s: starting with empty pools",
+                registry.url,
+                FIRST_SYNC_WAIT_S,
+            )
     else:
         await pool.wait_ready(settings.worker_ready_timeout_s)
         roles.place_new()

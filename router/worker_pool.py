@@ -263,13 +263,19 @@ def _take_stats(pool: WorkerPool, worker: WorkerClient, poll: asyncio.Task) -> N
 
 
 async def follow_registry(
-    pool: WorkerPool, registry, interval_s: float, joined=None, metrics=None
+    pool: WorkerPool,
+    registry,
+    interval_s: float,
+    joined=None,
+    metrics=None,
+    synced: asyncio.Event | None = None,
 ) -> None:
     """Keep `pool` equal to the registry's membership, forever (cancel to stop); `joined()`
-    after each sync (flex workers that joined get their role); records ignored for want of a
-    valid signature are counted in `metrics` (RouterMetrics). After the registry's Redis
-    restarted (its run id changed) nobody leaves for RESTART_HOLD_S: the records are gone until
-    each worker's next heartbeat rewrites its own, and the workers are still there."""
+    after each sync (flex workers that joined get their role); `synced` is set after the first
+    one; records ignored for want of a valid signature are counted in `metrics`
+    (RouterMetrics). After the registry's Redis restarted (its run id changed) nobody leaves
+    for RESTART_HOLD_S: the records are gone until each worker's next heartbeat rewrites its
+    own, and the workers are still there."""
     counted, run_id, hold_until = 0, None, 0.0
     while True:
         try:
@@ -294,6 +300,8 @@ async def follow_registry(
                 counted = registry.refused
             if joined is not None:
                 joined()
+            if synced is not None:
+                synced.set()
         except Exception as error:  # Redis away for a moment: keep the last membership
             log.warning("cannot read the registry at %s: %s", registry.url, error)
         await asyncio.sleep(interval_s)

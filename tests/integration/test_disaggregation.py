@@ -64,7 +64,9 @@ def test_disaggregated_output_equals_colocated_and_skips_the_prompt(
     blocks = -(-body["usage"]["prompt_tokens"] // 128)
     assert timing["kv_bytes"] == blocks * 30 * 3 * 128 * 2 * 64 * 4
     assert timing["prefill"] > 0 and timing["first_decode_step"] > 0
-    assert 0 < timing["first_to_second_token"] < timing["ttft"] + 5  # the hand-off, measured
+    # The hand-off, measured: after the first token and within what the client waited.
+    assert 0 < timing["first_to_second_token"]
+    assert timing["ttft"] + timing["first_to_second_token"] < response.elapsed.total_seconds()
     assert timing["kv_transport"] == "shm"  # what `auto` picks for two CPU workers on one host
 
 

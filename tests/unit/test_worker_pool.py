@@ -233,6 +233,31 @@ def test_following_the_registry_keeps_the_last_membership_while_it_cannot_be_rea
     assert "Redis is away" in caplog.text
 
 
+def test_synced_is_set_once_the_first_read_has_every_ready_member_in_the_pools(workers):
+    """The router's lifespan takes requests once `synced` is set (router/lifespan.py): a
+    router (re)started beside serving workers must not answer "no worker has joined yet"."""
+    workers.up("a:1")
+    workers.up("b:1", state=STARTING)
+    registry = FakeRegistry(["a:1", "b:1"])
+    pool = WorkerPool([], RoundRobin())
+    synced = asyncio.Event()
+
+    async def scenario():
+        registry.failing = True
+        task = asyncio.create_task(follow_registry(pool, registry, 0.01, synced=synced))
+        try:
+            await until(lambda: registry.calls >= 3)
+            assert not synced.is_set()  # Redis away: nothing read yet
+            registry.failing = False
+            await asyncio.wait_for(synced.wait(), 2.0)
+            assert members(pool) == ["a:1"]  # the ready one, already there when it is set
+            assert pool.max_model_len == 4096
+        finally:
+            task.cancel()
+
+    asyncio.run(scenario())
+
+
 def test_after_a_registry_restart_no_worker_leaves_while_they_register_again(workers, monkeypatch):
     """A restarted Redis has lost every record until the workers' next heartbeats (a chaos soak
     once failed 60 requests with "no decode worker" in that second): the pool holds its
