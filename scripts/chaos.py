@@ -8,11 +8,8 @@ processes and /dev/shm.
     python scripts/chaos.py [--duration 900] [--kill-every 60] [--prefill 2] [--decode 2]
         [--concurrency 4] [--kv-cache-gib 0.5] [--freeze-s 10]
 
-The load: each of --concurrency clients sends one request after another to the routers in
-turn, a mix of streamed and whole responses, n=1 and n=2, and aborts (a stream left after its
-first token). A request whose router died under it is retried once at the other router (as a
-load balancer would); one that fails otherwise is counted by its error code. The goal is 0
-failed but those whose client deadline (--request-timeout-s) passed. Exits 1 otherwise, or when
+The load: --concurrency clients of pdserve/bench/chaos_load.py. The goal is 0 failed but those
+whose client deadline (--request-timeout-s) passed. Exits 1 otherwise, or when
 a baseline was not restored. Starts its own Ray head (fake GPUs) and Redis (with a password).
 """
 
@@ -37,6 +34,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pdserve.bench.chaos_load import Load
 from pdserve.cluster import local_services
 from pdserve.settings.cluster_secret import SECRET_ENV
 from pdserve.settings.redis_url import PASSWORD_ENV
@@ -92,92 +90,6 @@ def node_processes() -> list[int]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return found
-
-
-class Load:
-    """The clients and what became of their requests."""
-
-    def __init__(self, routers: list[str], timeout_s: float) -> None:
-        self.routers = routers
-        self.timeout_s = timeout_s
-        self.outcomes: Counter = Counter()
-        self.failures: Counter = Counter()
-        self.latencies: dict[str, list[float]] = {"calm": [], "chaos": []}
-        self.phase = "calm"
-        self.stop = asyncio.Event()
-
-    async def client(self, number: int) -> None:
-        rng = random.Random(number)
-        async with httpx.AsyncClient(timeout=self.timeout_s) as http:
-            turn = number
-            while not self.stop.is_set():
-                turn += 1
-                kind = rng.choice(["whole", "whole", "stream", "stream", "n2", "abort"])
-                started = time.monotonic()
-                outcome = await self.one(http, kind, turn, rng)
-                self.outcomes[outcome] += 1
-                if outcome in ("succeeded", "retried") and kind == "whole":
-                    self.latencies[self.phase].append(time.monotonic() - started)
-
-    async def one(self, http, kind: str, turn: int, rng) -> str:
-        body = {
-            "model": MODEL,
-            "prompt": f"Request {turn}: the weather in city {rng.randint(1, 999)} is",
-            "max_tokens": rng.choice([8, 16, 32]),
-            "temperature": 0,
-        }
-        if kind == "n2":
-            body.update(n=2, temperature=0.8, seed=turn)
-        deadline = time.monotonic() + self.timeout_s
-        for attempt, router in enumerate([self.routers[turn % 2], self.routers[(turn + 1) % 2]]):
-            try:
-                if kind in ("stream", "abort"):
-                    await self.streamed(http, router, body, abort=kind == "abort")
-                else:
-                    reply = await http.post(f"{router}/v1/completions", json=body)
-                    if reply.status_code != 200:
-                        return self.failed(reply)
-                    choices = reply.json()["choices"]
-                    if len(choices) != body.get("n", 1) or not all(c["text"] for c in choices):
-                        self.failures["a choice missing or empty"] += 1
-                        return "failed"
-                return "aborted" if kind == "abort" else ("retried" if attempt else "succeeded")
-            except httpx.TimeoutException:
-                return "deadline passed"
-            except (httpx.TransportError, _Failed) as error:  # its router died: the other one
-                if isinstance(error, _Failed):
-                    return self.failed(error.reply)
-                if time.monotonic() > deadline:
-                    return "deadline passed"
-        self.failures["both routers unreachable"] += 1
-        return "failed"
-
-    async def streamed(self, http, router: str, body: dict, abort: bool) -> None:
-        async with http.stream(
-            "POST", f"{router}/v1/completions", json={**body, "stream": True}
-        ) as reply:
-            if reply.status_code != 200:
-                await reply.aread()
-                raise _Failed(reply)
-            async for line in reply.aiter_lines():
-                if abort and line.startswith("data: {"):
-                    return  # leaves the stream: the router aborts it on the workers
-                if line.startswith("data: {") and '"error"' in line:
-                    raise _Failed(reply, line)
-
-    def failed(self, reply) -> str:
-        try:
-            code = reply.json()["error"]["code"]
-        except Exception:
-            code = f"http {reply.status_code}"
-        self.failures[code] += 1
-        return "failed"
-
-
-class _Failed(Exception):
-    def __init__(self, reply, line: str = "") -> None:
-        super().__init__(line)
-        self.reply = reply
 
 
 def metric(url: str, name: str) -> float:
@@ -334,7 +246,7 @@ async def soak(args) -> int:
             say(f"pdserve up failed:\n{up.stderr[-4000:]}")
             return 1
         chaos = Chaos(args, services, (start_router_b, start_router_b()))
-        load = Load([router_a, f"http://127.0.0.1:{port_b}"], args.request_timeout_s)
+        load = Load([router_a, f"http://127.0.0.1:{port_b}"], MODEL, args.request_timeout_s)
         kv_baseline = kv_blocks_used(router_a)
         clients = [asyncio.create_task(load.client(i)) for i in range(args.concurrency)]
         say(f"load: {args.concurrency} clients; {args.calm_s:g} s calm, then chaos")

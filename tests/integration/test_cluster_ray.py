@@ -4,11 +4,14 @@ launcher and the keeper are under test here, and its requests leave the cores to
 that start under the stream) and the real router.
 
 One cluster for the module: 1P2D up; 1P1D -> 2P1D -> 1P2D under a steady stream of requests
-(each role's pool shrinks and grows); a killed worker actor and a killed worker process, both
-replaced by the replica keeper under that stream; down. Each test first scales the cluster to
+(each role's pool shrinks and grows); chaos under a mixed load on two routers (a killed worker
+actor and a killed worker process, both replaced by the replica keeper; a frozen worker; a
+killed router; a Redis restart), losing no request; down. Each test first scales the cluster to
 the layout it starts from (a no-op in file order), so each passes alone and in any order.
 """
 
+import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -22,9 +25,10 @@ import pytest
 import ray
 from openai import OpenAI
 
+from pdserve.bench.chaos_load import Load
 from pdserve.cluster import local_services
 from pdserve.model_store.store import ensure_model
-from pdserve.worker.processes import free_port, stop_group
+from pdserve.worker.processes import free_port, spawn, stop_group
 from tests.integration.http_client import HTTP
 from tests.integration.processes import (
     alive,
@@ -64,18 +68,26 @@ def pdserve(
 
 @pytest.fixture(scope="module")
 def ray_and_redis(tmp_path_factory):
-    """A Ray head with 4 fake GPUs and a Redis server, stopped by process group at the end."""
+    """A Ray head with 4 fake GPUs and a Redis server, stopped by process group at the end.
+    Yields Ray's address and the Redis server's {url, port, group, log} (a test that restarts
+    Redis puts its new group there)."""
     logs = tmp_path_factory.mktemp("ray-redis")
     redis_url, redis_group = local_services.start_redis(logs / "redis.log")
+    redis = {
+        "url": redis_url,
+        "port": int(redis_url.rsplit(":", 1)[1].split("/")[0]),
+        "group": redis_group,
+        "log": logs / "redis.log",
+    }
     try:
         address, ray_group = local_services.start_ray_head(8, 4, logs / "ray.log")
     except BaseException:
         stop_group(redis_group)
         raise
-    yield address, redis_url
-    for group in (ray_group, redis_group):
+    yield address, redis
+    for group in (ray_group, redis["group"]):
         stop_group(group)
-    leftovers = [pid for group in (ray_group, redis_group) for pid in group_members(group)]
+    leftovers = [pid for group in (ray_group, redis["group"]) for pid in group_members(group)]
     assert not leftovers, f"processes left after stopping Ray and Redis: {leftovers}"
     deadline = time.monotonic() + 30  # workers and their engine processes carry PDSERVE_NODE
     while (left := pids_with_environment("PDSERVE_NODE")) and time.monotonic() < deadline:
@@ -85,7 +97,7 @@ def ray_and_redis(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(ray_and_redis, tmp_path_factory):
-    address, redis_url = ray_and_redis
+    address, redis = ray_and_redis
     ensure_model(MODEL)
     folder = tmp_path_factory.mktemp("cluster")
     config = folder / "cluster.yaml"
@@ -94,7 +106,7 @@ def cluster(ray_and_redis, tmp_path_factory):
             name=CLUSTER,
             model=MODEL,
             port=free_port(),
-            redis=redis_url,
+            redis=redis["url"],
             heartbeat=HEARTBEAT_S,
             kv_cache_gib=KV_CACHE_GIB,
         )
@@ -323,72 +335,191 @@ def _in_pools(cluster) -> set[str]:
     return set(HTTP.get(f"{cluster['state']['router_url']}/health", timeout=5).json()["workers"])
 
 
-def test_killed_workers_leave_the_pools_and_are_replaced_with_no_failed_request(
-    cluster, tiny_reference
+def _kv_blocks_used(cluster) -> int:
+    rows = HTTP.get(
+        f"{cluster['state']['router_url']}/pdserve/workers", params={"fresh": True}, timeout=30
+    ).json()["workers"]
+    return sum(row.get("kv_blocks_used", 0) for row in rows)
+
+
+def _cluster_worker_processes() -> list[int]:
+    return [
+        pid
+        for pid in pids_running("worker", "--settings-json")
+        if f'"cluster":"{CLUSTER}"' in " ".join(command_line(pid))
+        and "pdserve.cluster.process_keeper" not in command_line(pid)
+    ]
+
+
+class ChaosLoad:
+    """chaos_load's clients (whole, streamed, n=2 and aborted requests, each retried once at
+    the other router when its own died) on an event loop of their own thread, until the block
+    ends."""
+
+    def __init__(self, routers: list[str], clients: int = 4):
+        self.load = Load(routers, MODEL, timeout_s=120)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(
+            target=self.loop.run_until_complete, args=(self._run(clients),)
+        )
+
+    async def _run(self, clients: int) -> None:
+        await asyncio.gather(*(self.load.client(i) for i in range(clients)))
+
+    def __enter__(self) -> Load:
+        self.thread.start()
+        return self.load
+
+    def __exit__(self, *exc):
+        self.loop.call_soon_threadsafe(self.load.stop.set)
+        self.thread.join(timeout=180)
+        assert not self.thread.is_alive(), "a request hung"
+        self.loop.close()
+
+    def served_since(self, count: int) -> bool:
+        return sum(self.load.outcomes.values()) >= count
+
+
+@contextlib.contextmanager
+def second_router(redis_url: str, folder: Path):
+    """`pdserve router` over the cluster's registry (a second front door); yields a function
+    that SIGKILLs it and starts it again on its port, and its URL."""
+    port = free_port()
+    command = [
+        sys.executable, "-m", "pdserve.cluster.cli", "router", "--registry", redis_url,
+        "--cluster", CLUSTER, "--port", str(port), "--model", MODEL,
+    ]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    processes = []
+
+    def start() -> None:
+        processes.append(spawn(command, folder / f"router-{len(processes)}.log"))
+        wait_for(lambda: _pools_at(url) == (1, 2), 120, "router b serving 1P2D")
+
+    def restart() -> None:
+        os.killpg(processes[-1].pid, signal.SIGKILL)
+        processes[-1].wait(timeout=10)
+        start()
+
+    start()
+    try:
+        yield restart, url
+    finally:
+        stop_group(processes[-1].pid, process=processes[-1])
+
+
+def _pools_at(url: str) -> tuple[int, int] | None:
+    """The router at `url`'s (prefill, decode) pool sizes; None while it does not answer."""
+    try:
+        pools = HTTP.get(f"{url}/health", timeout=5).json()["pools"]
+    except Exception:
+        return None
+    return pools["prefill"], pools["decode"]
+
+
+def test_chaos_under_a_mixed_load_fails_no_request_and_every_baseline_comes_back(
+    cluster, ray_and_redis, tmp_path
 ):
-    """Under a steady stream, a decode worker's actor is killed (ray.kill) and the prefill
-    worker's process SIGKILLed: both leave the pools within two heartbeats, no engine process of
-    the SIGKILLed one outlives it by 10 s (the worker leads its process group, so its group
-    reaper applies), the other stops gracefully, and the replica keeper brings the count back
-    (new placement groups, counted in its metric) while no request fails."""
+    """Two routers over the registry (`pdserve up`'s and a `pdserve router`) under chaos_load's
+    mixed load; each event once, each when the state it needs is observed: a decode worker's
+    actor killed (ray.kill) and the prefill worker's process SIGKILLed while every worker has a
+    request in flight; the other decode worker frozen (SIGSTOP) until it leaves the pools, then
+    thawed; the second router SIGKILLed and started again; Redis restarted on its port. No
+    request fails. The killed workers leave the pools within two heartbeats, none of their
+    processes outlives them, and the replica keeper replaces each (new placement groups,
+    counted); the frozen one comes back and is not replaced; the pools, the KV blocks in use and
+    the worker processes come back to what they were."""
+    _, redis = ray_and_redis
     rows = {row["worker"]: row for row in _layout(cluster, 1, 2)}
     keeper_before = _status(cluster)["keeper"]
     metrics_before = HTTP.get(keeper_before["metrics_url"], timeout=5).text
     (process_victim,) = [name for name, row in rows.items() if row["role"] == "prefill"]
     actor_victim = max(name for name, row in rows.items() if row["role"] == "decode")
+    frozen = min(name for name, row in rows.items() if row["role"] == "decode")
     old_processes = {  # the process keeper, the worker, its engine processes
         name: [rows[name]["pid"], *descendants(rows[name]["pid"])]
         for name in (actor_victim, process_victim)
     }
     assert all(len(pids) >= 3 for pids in old_processes.values()), old_processes
     (worker_process,) = children(rows[process_victim]["pid"])
+    (frozen_process,) = children(rows[frozen]["pid"])
     assert os.getpgid(worker_process) == worker_process
     old_groups = {name: _group_id(name) for name in (actor_victim, process_victim)}
-    with SteadyStream(cluster, tiny_reference, threads=4, pause_s=0) as stream:
-        wait_for(lambda: _running_everywhere(cluster, set(rows)), 60, "a request on every worker")
-        ray.kill(ray.get_actor(actor_victim), no_restart=True)
-        os.kill(worker_process, signal.SIGKILL)
-        killed = time.monotonic()
-        stream.pause_s = PAUSE_S  # while the replacements start
-        while _in_pools(cluster) & {actor_victim, process_victim}:
-            assert time.monotonic() - killed < 2 * HEARTBEAT_S + 0.5, (
-                f"still in the router's pools {time.monotonic() - killed:.1f} s after the kill"
+    kv_before, processes_before = _kv_blocks_used(cluster), len(_cluster_worker_processes())
+    events = {}
+    with second_router(redis["url"], tmp_path) as (restart_router, router_b):
+        chaos = ChaosLoad([cluster["state"]["router_url"], router_b])
+        with chaos as load:
+            # kill -9 a worker process and ray.kill a worker actor, with requests on each
+            wait_for(
+                lambda: _running_everywhere(cluster, set(rows)), 60, "requests on every worker"
             )
-            time.sleep(0.05)
-        left_after = time.monotonic() - killed
-        gone_after = {}
-        for name, timeout_s in ((process_victim, ORPHAN_TIMEOUT_S), (actor_victim, STOP_TIMEOUT_S)):
-            while (outliving := [p for p in old_processes[name] if alive(p)]) and (
-                time.monotonic() - killed < timeout_s
+            ray.kill(ray.get_actor(actor_victim), no_restart=True)
+            os.kill(worker_process, signal.SIGKILL)
+            killed = time.monotonic()
+            while _in_pools(cluster) & {actor_victim, process_victim}:
+                assert time.monotonic() - killed < 2 * HEARTBEAT_S + 0.5, (
+                    f"still in the router's pools {time.monotonic() - killed:.1f} s after the kill"
+                )
+                time.sleep(0.05)
+            events["killed workers out of the pools after (s)"] = round(
+                time.monotonic() - killed, 2
+            )
+            for name, timeout_s in (
+                (process_victim, ORPHAN_TIMEOUT_S),
+                (actor_victim, STOP_TIMEOUT_S),
             ):
-                time.sleep(0.1)
-            assert not outliving, f"{name}'s processes outlived it by {timeout_s} s: " + "; ".join(
-                f"{pid} {' '.join(command_line(pid))[:80]}" for pid in outliving
+                wait_for(
+                    lambda name=name: not [p for p in old_processes[name] if alive(p)],
+                    max(0.1, timeout_s - (time.monotonic() - killed)),
+                    f"{name}'s processes gone",
+                )
+            wait_for(
+                lambda: {actor_victim, process_victim} <= _in_pools(cluster),
+                REPLACE_TIMEOUT_S,
+                "the killed workers replaced",
+                poll_s=0.5,
             )
-            gone_after[name] = round(time.monotonic() - killed, 1)
-        while not {actor_victim, process_victim} <= _in_pools(cluster):
-            assert time.monotonic() - killed < REPLACE_TIMEOUT_S, (
-                f"not replaced after {REPLACE_TIMEOUT_S} s: {_status(cluster)}"
+            events["replaced after (s)"] = round(time.monotonic() - killed, 1)
+            # SIGSTOP: out of the pools while frozen, back once thawed, not replaced
+            os.kill(frozen_process, signal.SIGSTOP)
+            frozen_at = time.monotonic()
+            try:
+                wait_for(lambda: frozen not in _in_pools(cluster), 30, "the frozen worker out")
+            finally:
+                os.kill(frozen_process, signal.SIGCONT)
+            events["frozen worker out of the pools after (s)"] = round(
+                time.monotonic() - frozen_at, 2
             )
-            time.sleep(0.5)
-        back_after = time.monotonic() - killed
-        replaced = {actor_victim, process_victim}
-        wait_for(
-            lambda: stream.served_by_each(replaced, killed + back_after),
-            120,
-            "requests on the replacements",
-        )
-    print(
-        f"killed {actor_victim} (ray.kill) and {process_victim} (SIGKILL of its process): out of "
-        f"the pools after {left_after:.2f} s, their processes gone after {gone_after} s, "
-        f"replica count back after {back_after:.1f} s; requests sent {stream.sent}, failed "
-        f"{len(stream.failures)}"
-    )
-    assert stream.failures == []
+            wait_for(lambda: frozen in _in_pools(cluster), 60, "the thawed worker back")
+            # kill -9 the second router: its clients' requests retry at the first
+            sent = sum(load.outcomes.values())
+            restarted = time.monotonic()
+            restart_router()
+            events["router b serving again after (s)"] = round(time.monotonic() - restarted, 1)
+            # Redis restarts on its port: both routers serve on, the workers register again
+            restarted = time.monotonic()
+            stop_group(redis["group"])
+            _, redis["group"] = local_services.start_redis(redis["log"], port=redis["port"])
+            wait_for(
+                lambda: all(
+                    _pools_at(url) == (1, 2) for url in (cluster["state"]["router_url"], router_b)
+                ),
+                60,
+                "both routers' pools back after Redis restarted",
+            )
+            events["pools back after Redis restarted (s)"] = round(time.monotonic() - restarted, 1)
+            wait_for(lambda: chaos.served_since(sent + 12), 120, "requests after the last event")
+    print(f"chaos: {events}; outcomes {dict(load.outcomes)}, failures {dict(load.failures)}")
+    assert dict(load.failures) == {}
+    assert load.outcomes["deadline passed"] == 0
+    assert load.outcomes["retried"] + load.outcomes["succeeded"] >= 20
+    wait_for(lambda: _kv_blocks_used(cluster) == kv_before, 30, "KV blocks back to the baseline")
+    assert len(_cluster_worker_processes()) == processes_before
     status = _status(cluster)
     assert sorted(w["worker"] for w in status["workers"] if w["state"] == "in pool") == sorted(rows)
     keeper = status["keeper"]
-    for role in ("prefill", "decode"):
+    for role in ("prefill", "decode"):  # the frozen worker was not replaced
         replaced_before = keeper_before["replacements"].get(role, 0)
         assert keeper["replacements"][role] == replaced_before + 1, keeper
         failed_before = keeper_before["failed_starts"].get(role, 0)
