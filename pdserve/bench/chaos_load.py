@@ -9,6 +9,7 @@ that fails otherwise is counted by its error code (`failures`). The goal is none
 """
 
 import asyncio
+import json
 import random
 import time
 from collections import Counter
@@ -25,6 +26,7 @@ class Load:
         self.timeout_s = timeout_s
         self.outcomes: Counter = Counter()
         self.failures: Counter = Counter()
+        self.failed_at: list[tuple[float, str]] = []  # (time.monotonic(), "code: message")
         self.latencies: dict[str, list[float]] = {"calm": [], "chaos": []}
         self.phase = "calm"
         self.stop = asyncio.Event()
@@ -62,18 +64,16 @@ class Load:
                         return self.failed(reply)
                     choices = reply.json()["choices"]
                     if len(choices) != body.get("n", 1) or not all(c["text"] for c in choices):
-                        self.failures["a choice missing or empty"] += 1
-                        return "failed"
+                        return self.count("a choice missing or empty", f"{choices}")
                 return "aborted" if kind == "abort" else ("retried" if attempt else "succeeded")
             except httpx.TimeoutException:
                 return "deadline passed"
             except (httpx.TransportError, _Failed) as error:  # its router died: the other one
                 if isinstance(error, _Failed):
-                    return self.failed(error.reply)
+                    return self.failed(error.reply, error.line)
                 if time.monotonic() > deadline:
                     return "deadline passed"
-        self.failures["both routers unreachable"] += 1
-        return "failed"
+        return self.count("both routers unreachable", "")
 
     async def streamed(self, http, router: str, body: dict, abort: bool) -> None:
         async with http.stream(
@@ -88,12 +88,19 @@ class Load:
                 if line.startswith("data: {") and '"error"' in line:
                     raise _Failed(reply, line)
 
-    def failed(self, reply) -> str:
+    def failed(self, reply, line: str = "") -> str:
         try:
-            code = reply.json()["error"]["code"]
+            error = json.loads(line.removeprefix("data: ") or reply.text)["error"]
+            code, message = error["code"], error["message"]
         except Exception:
-            code = f"http {reply.status_code}"
+            code, message = f"http {reply.status_code}", line
+        return self.count(code, message)
+
+    def count(self, code: str, message: str) -> str:
+        """A failed request: counted by its code, and when it failed, for a reader to put
+        beside the events."""
         self.failures[code] += 1
+        self.failed_at.append((time.monotonic(), f"{code}: {message}"[:300]))
         return "failed"
 
 
@@ -101,3 +108,4 @@ class _Failed(Exception):
     def __init__(self, reply, line: str = "") -> None:
         super().__init__(line)
         self.reply = reply
+        self.line = line

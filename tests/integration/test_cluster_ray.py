@@ -29,6 +29,7 @@ from pdserve.bench.chaos_load import Load
 from pdserve.cluster import local_services
 from pdserve.model_store.store import ensure_model
 from pdserve.worker.processes import free_port, spawn, stop_group
+from pdserve.worker.registry import read_members
 from tests.integration.http_client import HTTP
 from tests.integration.processes import (
     alive,
@@ -417,6 +418,14 @@ def _pools_at(url: str) -> tuple[int, int] | None:
     return pools["prefill"], pools["decode"]
 
 
+def _timeline(events: dict[str, float], failures: list[tuple[float, str]]) -> str:
+    """The events and the failed requests in the order they happened, each at its time after
+    the first event: which event a failure followed."""
+    start = min(events.values())
+    rows = sorted([*((t, f"event: {name}") for name, t in events.items()), *failures])
+    return "\n".join(f"{t - start:8.2f} s  {what}" for t, what in rows)
+
+
 def test_chaos_under_a_mixed_load_fails_no_request_and_every_baseline_comes_back(
     cluster, ray_and_redis, tmp_path
 ):
@@ -446,7 +455,7 @@ def test_chaos_under_a_mixed_load_fails_no_request_and_every_baseline_comes_back
     assert os.getpgid(worker_process) == worker_process
     old_groups = {name: _group_id(name) for name in (actor_victim, process_victim)}
     kv_before, processes_before = _kv_blocks_used(cluster), len(_cluster_worker_processes())
-    events = {}
+    events, at = {}, {}  # what took how long; when each event began (time.monotonic())
     with second_router(redis["url"], tmp_path) as (restart_router, router_b):
         chaos = ChaosLoad([cluster["state"]["router_url"], router_b])
         with chaos as load:
@@ -456,7 +465,7 @@ def test_chaos_under_a_mixed_load_fails_no_request_and_every_baseline_comes_back
             )
             ray.kill(ray.get_actor(actor_victim), no_restart=True)
             os.kill(worker_process, signal.SIGKILL)
-            killed = time.monotonic()
+            killed = at["workers killed"] = time.monotonic()
             while _in_pools(cluster) & {actor_victim, process_victim}:
                 assert time.monotonic() - killed < 2 * HEARTBEAT_S + 0.5, (
                     f"still in the router's pools {time.monotonic() - killed:.1f} s after the kill"
@@ -483,7 +492,7 @@ def test_chaos_under_a_mixed_load_fails_no_request_and_every_baseline_comes_back
             events["replaced after (s)"] = round(time.monotonic() - killed, 1)
             # SIGSTOP: out of the pools while frozen, back once thawed, not replaced
             os.kill(frozen_process, signal.SIGSTOP)
-            frozen_at = time.monotonic()
+            frozen_at = at["worker frozen"] = time.monotonic()
             try:
                 wait_for(lambda: frozen not in _in_pools(cluster), 30, "the frozen worker out")
             finally:
@@ -491,27 +500,34 @@ def test_chaos_under_a_mixed_load_fails_no_request_and_every_baseline_comes_back
             events["frozen worker out of the pools after (s)"] = round(
                 time.monotonic() - frozen_at, 2
             )
+            at["worker thawed"] = time.monotonic()
             wait_for(lambda: frozen in _in_pools(cluster), 60, "the thawed worker back")
             # kill -9 the second router: its clients' requests retry at the first
             sent = sum(load.outcomes.values())
-            restarted = time.monotonic()
+            restarted = at["router b killed"] = time.monotonic()
             restart_router()
+            at["router b serving"] = time.monotonic()
             events["router b serving again after (s)"] = round(time.monotonic() - restarted, 1)
             # Redis restarts on its port: both routers serve on, the workers register again
-            restarted = time.monotonic()
+            restarted = at["Redis stopped"] = time.monotonic()
             stop_group(redis["group"])
             _, redis["group"] = local_services.start_redis(redis["log"], port=redis["port"])
+            # (the routers keep their pools a few seconds after a restart: the records count)
             wait_for(
-                lambda: all(
-                    _pools_at(url) == (1, 2) for url in (cluster["state"]["router_url"], router_b)
+                lambda: (
+                    len(read_members(redis["url"], CLUSTER)) == 3
+                    and all(
+                        _pools_at(url) == (1, 2)
+                        for url in (cluster["state"]["router_url"], router_b)
+                    )
                 ),
                 60,
-                "both routers' pools back after Redis restarted",
+                "every worker registered again and both routers' pools back after Redis restarted",
             )
             events["pools back after Redis restarted (s)"] = round(time.monotonic() - restarted, 1)
             wait_for(lambda: chaos.served_since(sent + 12), 120, "requests after the last event")
     print(f"chaos: {events}; outcomes {dict(load.outcomes)}, failures {dict(load.failures)}")
-    assert dict(load.failures) == {}
+    assert dict(load.failures) == {}, _timeline(at, load.failed_at)
     assert load.outcomes["deadline passed"] == 0
     assert load.outcomes["retried"] + load.outcomes["succeeded"] >= 20
     wait_for(lambda: _kv_blocks_used(cluster) == kv_before, 30, "KV blocks back to the baseline")
