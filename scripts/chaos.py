@@ -248,6 +248,8 @@ class ServedCluster:
         self.flex = "--flex" in extra
         self.roles = ["flex"] if self.flex else ["prefill", "decode"]
         port = free_port()
+        while is_listening(port + 1):  # serve's second router listens on --port + 1
+            port = free_port()
         self.command = [
             sys.executable, "-m", "pdserve.cluster.cli", "serve", "--port", str(port),
             "--routers", "2", "--log-dir", str(folder), *extra,
@@ -283,9 +285,11 @@ class ServedCluster:
         command, env = self.router_b.cmdline(), self.router_b.environ()
         port = int(self.routers[1].rsplit(":", 1)[1])
         os.killpg(self.router_b.pid, signal.SIGKILL)
-        self.router_b.wait(timeout=10)
         if self.restarted is not None:
             self.restarted.wait(timeout=10)  # reaped: it is this script's child
+        deadline = time.monotonic() + 10  # serve reaps its own only when it stops: the port
+        while is_listening(port) and time.monotonic() < deadline:
+            time.sleep(0.1)
         process = spawn(command, self.folder / "router-b-again.log", env)
         deadline = time.monotonic() + 120
         while not is_listening(port):
@@ -471,7 +475,7 @@ async def soak(args) -> int:
         running = asyncio.create_task(chaos.run(stop_chaos))
         started = time.monotonic()
         while time.monotonic() - started < args.duration:
-            await asyncio.sleep(min(30, args.duration))
+            await asyncio.sleep(min(30, args.duration - (time.monotonic() - started)))
             say(f"{time.monotonic() - started:.0f} s: {dict(load.outcomes)} {dict(load.failures)}")
         stop_chaos.set()
         await running

@@ -31,7 +31,7 @@ from tests.integration.prompts import PROMPTS, long_prompt
 from tests.waiting import wait_for
 
 MAX_TOKENS = 48
-REQUESTS = 30
+REQUESTS = 18  # three rounds of CONCURRENCY: the kill comes in the first
 CONCURRENCY = 6
 MIGRATIONS, MIGRATION_GAP = "pdserve_migrations_total", "pdserve_migration_gap_seconds_sum"
 RETRIED = 'pdserve_prefill_lost_total{next="another_prefill"}'
