@@ -43,8 +43,7 @@ def test_workers_that_split_the_cores_wait_passively_and_a_lone_one_spins(monkey
 
 def test_a_started_worker_gets_the_wait_policy_unless_its_user_set_one(monkeypatch, tmp_path):
     monkeypatch.setattr(local_workers.os, "cpu_count", lambda: 2)
-    for name in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS"):  # a user's own would win
-        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     spawned = FakeSpawn()
     monkeypatch.setattr(local_workers, "spawn", spawned)
     settings = WorkerSettings(role="decode", port=1)
