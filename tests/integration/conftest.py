@@ -49,10 +49,6 @@ from tests.integration.prompts import (
 from tests.integration.trace_collector import TraceCollector
 from tests.xdist_groups import ModuleGroups
 
-# Both streams' engines (and vLLM's own server, the offline references) share the host's cores:
-# every process this run starts gets OpenMP threads that sleep while they wait rather than spin
-# (what `pdserve serve` gives workers that split the cores: pdserve/cluster/local_workers.py).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 SERVED_MODEL = "smollm2"
 START_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 60
