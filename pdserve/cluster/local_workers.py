@@ -38,15 +38,6 @@ def threads_per_worker(workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, workers))
 
 
-def omp_wait_policy(threads: int) -> dict[str, str]:
-    """OpenMP's wait policy for workers of `threads` threads each: PASSIVE (sleep while waiting)
-    when workers split this host's cores, since a thread that spins (GNU OpenMP's default) takes
-    a core from the other workers; measured with 3 prefill + 2 decode workers on 2 cores: ready
-    in 100 s on 151 CPU s instead of 126 s on 182, and 48 requests in 51 s instead of 59.
-    Nothing when one worker has every core (spinning is then the fastest)."""
-    return {OMP_WAIT_ENV: "PASSIVE"} if threads < (os.cpu_count() or 1) else {}
-
-
 def start_worker(
     settings: WorkerSettings,
     log_dir: Path,
@@ -63,8 +54,6 @@ def start_worker(
     settings = settings.model_copy(update={"port": settings.port or free_port(settings.host)})
     env = {**os.environ, **(env or {})}
     env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", str(threads))
-    for name, value in omp_wait_policy(threads).items():  # the user's own wins
-        env.setdefault(name, value)
     log_path = log_dir / f"{settings.role}-{settings.port}.log"
     command = [
         sys.executable,
@@ -88,7 +77,6 @@ def start_worker(
 
 
 OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM on CPU: its compute threads' cores
-OMP_WAIT_ENV = "OMP_WAIT_POLICY"  # PASSIVE: OpenMP threads sleep, not spin, while they wait
 
 
 def core_shares(tensor_parallel_sizes: list[int], cores: list[int]) -> list[str]:

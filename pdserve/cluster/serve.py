@@ -23,7 +23,6 @@ from pdserve.cluster.console import say
 from pdserve.cluster.local_workers import (
     OMP_BIND_ENV,
     core_shares,
-    omp_wait_policy,
     start_worker,
     stop_workers,
     threads_per_worker,
@@ -187,8 +186,6 @@ def run(args: argparse.Namespace) -> int:
     workers = []
     plan = _worker_plan(args, decode, transports)
     threads = threads_per_worker(len(plan))
-    for name, value in omp_wait_policy(threads).items():  # read where torch loads: the fork server
-        os.environ.setdefault(name, value)
     binds = [{}] * len(plan)
     sizes = [settings.engine.tensor_parallel_size for settings in plan]
     cores = sorted(os.sched_getaffinity(0))
