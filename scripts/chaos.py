@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -299,9 +300,6 @@ class ServedCluster:
         self.router_b = psutil.Process(process.pid)
         self.restarted = process
 
-    def restart_redis(self) -> None:
-        raise NotImplementedError("not an event of --serve-args")
-
     def stop(self) -> None:
         if self.restarted is not None:
             stop_group(self.restarted.pid, process=self.restarted)
@@ -330,12 +328,6 @@ class AttachedCluster:
     def worker_pids(self, role: str) -> list[int]:
         return worker_pids(psutil.process_iter(), role, self.args.cluster)
 
-    def restart_router(self) -> None:
-        raise NotImplementedError("not an event of --url")
-
-    def restart_redis(self) -> None:
-        raise NotImplementedError("not an event of --url")
-
     def stop(self) -> None:
         pass
 
@@ -346,16 +338,13 @@ class Chaos:
     def __init__(self, args, cluster, events: list[str]) -> None:
         self.args = args
         self.cluster = cluster
-        self.turns = [
-            *(
-                (f"kill -9 {role}", lambda role=role: self.kill(role))
-                for role in cluster.roles
-                if "kill" in events
-            ),
-            *((("SIGSTOP worker", self.freeze),) if "freeze" in events else ()),
-            *((("kill -9 router", self.kill_router),) if "router" in events else ()),
-            *((("Redis restart", self.redis),) if "redis" in events else ()),
-        ]
+        by_event = {  # only events the cluster's kind allows get here (soak checks)
+            "kill": [(f"kill -9 {role}", partial(self.kill, role)) for role in cluster.roles],
+            "freeze": [("SIGSTOP worker", self.freeze)],
+            "router": [("kill -9 router", self.kill_router)],
+            "redis": [("Redis restart", self.redis)],
+        }
+        self.turns = [turn for event in EVENTS if event in events for turn in by_event[event]]
         self.events: Counter = Counter()
         self.migrations = 0.0
 
@@ -499,10 +488,12 @@ async def soak(args) -> int:
         return 1
     finally:
         cluster.stop()
-    deadline = time.monotonic() + 30
-    while (left := len(node_processes())) > processes_before and time.monotonic() < deadline:
-        time.sleep(0.5)
-    shm_left = sorted(p.name for p in set(SHM.iterdir()) - shm_before)
+    left, shm_left = processes_before, []  # an attached cluster keeps running: its own
+    if not args.url:
+        deadline = time.monotonic() + 30
+        while (left := len(node_processes())) > processes_before and time.monotonic() < deadline:
+            time.sleep(0.5)
+        shm_left = sorted(p.name for p in set(SHM.iterdir()) - shm_before)
     calm, busy = load.latencies["calm"], load.latencies["chaos"]
     p99 = lambda xs: statistics.quantiles(xs, n=100)[98] if len(xs) > 1 else float("nan")  # noqa: E731
     sent, retried = sum(load.outcomes.values()), load.outcomes["retried"]
@@ -520,13 +511,11 @@ async def soak(args) -> int:
         ("pools back to the layout after", f"{healed_s:.0f} s"),
         ("KV blocks in use, baseline -> end", f"{kv_baseline} -> {kv_now}"),
     ]
-    if not args.url:  # an attached cluster keeps running: its processes are its own
+    if not args.url:
         rows += [
             ("worker processes, before -> after the stop", f"{processes_before} -> {left}"),
             ("new /dev/shm files after the stop", f"{len(shm_left)} {shm_left or ''}"),
         ]
-    else:
-        left, shm_left = processes_before, []
     for when, what in load.failed_at:
         say(f"failed at {when - started:.1f} s of chaos: {what}")
     print()
