@@ -6,11 +6,15 @@ unavailable before any token (it died, or left the pools a moment ago) is marked
 next attempt goes to another one, up to MAX_ATTEMPTS workers. A prefill worker lost before the
 prompt's KV was complete is marked down too, and the prompt goes to another prefill worker, or,
 with none left, the local path (counted in pdserve_prefill_lost_total). Only workers whose KV is
-compatible are paired.
+compatible are paired. With no decode or colocated worker left to try, an attempt first waits
+up to --worker-wait (within the request's deadline) for one to join or come back: a record
+that expired on one late heartbeat is back a heartbeat later, and a 503 for that blink would
+fail a request the cluster can serve.
 """
 
 import asyncio
 import logging
+import time
 
 from opentelemetry import trace
 
@@ -30,6 +34,7 @@ from router.worker_pool import TAKES_REQUESTS, WorkerPool
 
 log = logging.getLogger("pdserve.router")
 MAX_ATTEMPTS = 3  # workers of a role a request may try when they turn out unavailable
+WORKER_POLL_S = 0.05  # how often a request waiting for a worker looks at the pools
 
 
 class Starter:
@@ -64,6 +69,7 @@ class Starter:
         tried: set[str] = set()
         tried_prefill: set[str] = set()
         while True:
+            await self._a_worker_to_try(run, tried)
             with tracing.tracer().start_as_current_span("pdserve.route") as span:
                 worker, prefill = self._workers(run, request, tried, tried_prefill)
                 span.set_attributes(
@@ -97,6 +103,16 @@ class Starter:
             self.metrics.routes.labels(run.route).inc()
             chunks = migrating(run, request, first, chunks, self.pool, self.metrics)
             return Started(first, chunks, headers)
+
+    async def _a_worker_to_try(self, run: RequestRun, tried: set[str]) -> None:
+        """Wait, bounded, until the pools hold a decode or colocated worker not yet tried (the
+        pick after it raises the 503 when none came)."""
+        deadline = time.monotonic() + min(self.settings.worker_wait_s, run.time_left())
+        while (
+            not [w for w in self.pool.live(TAKES_REQUESTS) if w.address not in tried]
+            and time.monotonic() < deadline
+        ):
+            await asyncio.sleep(WORKER_POLL_S)
 
     def _workers(
         self,

@@ -10,8 +10,8 @@ Each worker says its role in Health. Decode and colocated workers take whole req
 the decode leg of disaggregated ones); prefill workers take prefill legs. A worker that answered
 UNAVAILABLE is skipped until its Health says READY again; one that stops answering at all (hung:
 its calls neither answered nor refused) leaves the pools after `--worker-unresponsive-timeout`
-and returns once it answers again (router/worker_liveness.py). With no worker left for a leg
-the router answers 503 instead of waiting.
+and returns once it answers again (router/worker_liveness.py). A request with no decode or
+colocated worker to try waits up to --worker-wait for one, then answers 503 (router/retries.py).
 """
 
 import asyncio

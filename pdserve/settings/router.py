@@ -17,6 +17,7 @@ ROUTE_POLICIES = (ESTIMATE, LENGTH)
 WITH_PREFILL, AFTER_PREFILL = "with-prefill", "after-prefill"
 ADMISSIONS = (WITH_PREFILL, AFTER_PREFILL)
 UNRESPONSIVE_TIMEOUT_S = 10.0  # a worker answering nothing this long leaves the pools
+WORKER_WAIT_S = 10.0  # a request with no worker to try waits this long for one before its 503
 
 Host = Annotated[str, Field(default="127.0.0.1", description="router bind address")]
 Port = Annotated[int, Field(default=8000, ge=0, description="router port")]
@@ -164,6 +165,14 @@ class RouterSettings(Settings):
         "Health) before it leaves the pools; it returns once it answers again for 2 s "
         "(longer each time it was taken out in the last 5 minutes)",
         json_schema_extra={"flag": "--worker-unresponsive-timeout", "metavar": "SECONDS"},
+    )
+    worker_wait_s: float = Field(
+        WORKER_WAIT_S,
+        ge=0,
+        description="seconds a request waits for a decode or colocated worker when the pools "
+        "have none it may try (one whose registry record expired on a late heartbeat, one "
+        "restarting), within the request's deadline, before its 503 (0: the 503 at once)",
+        json_schema_extra={"flag": "--worker-wait", "metavar": "SECONDS"},
     )
     flex_auto: bool = Field(
         False,

@@ -159,13 +159,35 @@ def test_a_worker_error_other_than_unavailable_is_raised_at_once():
     assert flow.pool.down == set()
 
 
-def test_with_no_decode_worker_at_all_the_request_is_a_503():
+def test_with_no_decode_worker_at_all_the_request_is_a_503_after_the_worker_wait():
     prefill = answering("prefill-a", role="prefill")
-    flow = flow_over(prefill)
+    flow = flow_over(prefill, settings=RouterSettings(model="m", worker_wait_s=0.3))
     run, request = new_request()
+    started = time.monotonic()
     error = start_error(flow, run, request)
     assert (error.status, error.kind) == (503, "worker_unavailable")
+    assert 0.3 <= time.monotonic() - started < 5
     assert prefill.requests == []
+
+
+def test_a_decode_worker_back_within_the_worker_wait_gets_the_request():
+    """A worker whose registry record expired on one late heartbeat is back a heartbeat later:
+    a request arriving in that gap waits for it instead of failing."""
+    blinked = answering("decode-a")
+    flow = flow_over(settings=RouterSettings(model="m", worker_wait_s=10))
+    run, request = new_request()
+
+    async def go():
+        starting = asyncio.create_task(flow.start(run, request))
+        await asyncio.sleep(0.3)
+        assert not starting.done()  # it waits, no 503
+        flow.pool.workers.append(blinked)
+        started = await asyncio.wait_for(starting, 5)
+        await started.chunks.aclose()
+        return started.headers
+
+    assert asyncio.run(go())["x-pdserve-worker"] == "decode-a"
+    assert [r.request_id for r in blinked.requests] == ["cmpl-1"]
 
 
 def test_prefill_workers_never_take_the_decode_leg_of_a_local_request():
