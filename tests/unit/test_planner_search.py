@@ -92,7 +92,7 @@ def test_search_gives_long_prompts_more_prefill_and_long_outputs_more_decode():
         e.goodput_per_gpu for e in prefill_heavy if not e.candidate.colocated
     )
     decode_heavy = _searched(
-        WorkloadSpec(Length.parse("32"), Length.parse("256")), Slo(ttft=1.0, tpot=0.007)
+        WorkloadSpec(Length.parse("32"), Length.parse("64")), Slo(ttft=1.0, tpot=0.007)
     )
     decode_bound = _best_split(decode_heavy)
     assert (

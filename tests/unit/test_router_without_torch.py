@@ -6,8 +6,6 @@ import json
 import subprocess
 import sys
 
-from transformers import AutoTokenizer
-
 from pdserve.model_store.store import ensure_model
 
 WITHOUT_TORCH = """
@@ -31,6 +29,8 @@ print(json.dumps({"tokens": tokens, "models": models, "loaded": loaded}))
 
 
 def test_the_router_serves_with_no_torch_or_vllm_importable():
+    from transformers import AutoTokenizer  # here: it imports torch (~5 s), at collection too
+
     model = str(ensure_model("smollm2"))
     done = subprocess.run(
         [sys.executable, "-c", WITHOUT_TORCH, model], capture_output=True, text=True, timeout=120
