@@ -67,9 +67,11 @@ async def migrating(
     chunks,
     pool: WorkerPool,
     metrics: RouterMetrics,
+    worker_wait_s: float,
 ):
     """The request's chunks after `first`, from `chunks` and, each time its decode worker is
-    lost, from the next one (up to MAX_MIGRATIONS)."""
+    lost, from the next one (up to MAX_MIGRATIONS; with none live, waiting up to
+    `worker_wait_s` for one, within the request's deadline)."""
     relayed = [Relayed() for _ in range(run.choices)]
     relayed[first.index].add(first)
     current = chunks
@@ -92,6 +94,7 @@ async def migrating(
                 lost_at = time.monotonic()
                 pool.mark_down(run.decode_worker)
                 await current.aclose()
+                await pool.wait_for_live(TAKES_REQUESTS, min(worker_wait_s, run.time_left()))
                 current = continuation(run, request, relayed, pool, metrics)
                 log.warning(
                     "request %s (%d choices): %s after %d tokens; continuing on %s%s",

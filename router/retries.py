@@ -9,12 +9,11 @@ with none left, the local path (counted in pdserve_prefill_lost_total). Only wor
 compatible are paired. With no decode or colocated worker left to try, an attempt first waits
 up to --worker-wait (within the request's deadline) for one to join or come back: a record
 that expired on one late heartbeat is back a heartbeat later, and a 503 for that blink would
-fail a request the cluster can serve.
+fail a request the cluster can serve (a migration waits so too).
 """
 
 import asyncio
 import logging
-import time
 
 from opentelemetry import trace
 
@@ -34,7 +33,6 @@ from router.worker_pool import TAKES_REQUESTS, WorkerPool
 
 log = logging.getLogger("pdserve.router")
 MAX_ATTEMPTS = 3  # workers of a role a request may try when they turn out unavailable
-WORKER_POLL_S = 0.05  # how often a request waiting for a worker looks at the pools
 
 
 class Starter:
@@ -69,7 +67,8 @@ class Starter:
         tried: set[str] = set()
         tried_prefill: set[str] = set()
         while True:
-            await self._a_worker_to_try(run, tried)
+            wait_s = min(self.settings.worker_wait_s, run.time_left())
+            await self.pool.wait_for_live(TAKES_REQUESTS, wait_s, frozenset(tried))
             with tracing.tracer().start_as_current_span("pdserve.route") as span:
                 worker, prefill = self._workers(run, request, tried, tried_prefill)
                 span.set_attributes(
@@ -101,18 +100,10 @@ class Starter:
             if run.prefill is not None and run.prefill.error_kind == ErrorKind.WORKER_UNAVAILABLE:
                 self.pool.mark_down(prefill)
             self.metrics.routes.labels(run.route).inc()
-            chunks = migrating(run, request, first, chunks, self.pool, self.metrics)
+            chunks = migrating(
+                run, request, first, chunks, self.pool, self.metrics, self.settings.worker_wait_s
+            )
             return Started(first, chunks, headers)
-
-    async def _a_worker_to_try(self, run: RequestRun, tried: set[str]) -> None:
-        """Wait, bounded, until the pools hold a decode or colocated worker not yet tried (the
-        pick after it raises the 503 when none came)."""
-        deadline = time.monotonic() + min(self.settings.worker_wait_s, run.time_left())
-        while (
-            not [w for w in self.pool.live(TAKES_REQUESTS) if w.address not in tried]
-            and time.monotonic() < deadline
-        ):
-            await asyncio.sleep(WORKER_POLL_S)
 
     def _workers(
         self,

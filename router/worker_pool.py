@@ -33,6 +33,7 @@ TAKES_REQUESTS = (Role.DECODE, Role.COLOCATED)  # whole requests, and disaggrega
 # After a registry restart, how long its workers have to write their records again: a few
 # heartbeats (1 s by default; a cluster file's registry.heartbeat_s beyond 2 s wants more).
 RESTART_HOLD_S = 5.0
+LIVE_POLL_S = 0.05  # how often a request waiting for a live worker looks at the pools
 
 
 class WorkerPool:
@@ -88,6 +89,17 @@ class WorkerPool:
 
     def live(self, roles: tuple[Role, ...]) -> list[WorkerClient]:
         return [w for w in self.workers if w.role in roles and self.serving(w)]
+
+    async def wait_for_live(
+        self, roles: tuple[Role, ...], wait_s: float, avoid: frozenset[str] = frozenset()
+    ) -> None:
+        """Return once a worker of `roles` not in `avoid` is live, or after `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        while (
+            not [w for w in self.live(roles) if w.address not in avoid]
+            and time.monotonic() < deadline
+        ):
+            await asyncio.sleep(LIVE_POLL_S)
 
     def unresponsive(self) -> list[WorkerClient]:
         """Members out of the pools for not answering."""

@@ -5,6 +5,7 @@ canned chunks; each test drives the coroutines with asyncio.run. No engine, no n
 
 import asyncio
 import contextlib
+import threading
 import time
 
 import pytest
@@ -291,17 +292,38 @@ def test_a_decode_worker_lost_mid_stream_hands_the_rest_to_another_one():
     assert flow.metrics.registry.get_sample_value("pdserve_migration_gap_seconds_count") == 1.0
 
 
-def test_with_no_decode_worker_left_a_lost_stream_ends_in_a_503():
+def test_with_no_decode_worker_left_a_lost_stream_ends_in_a_503_after_the_worker_wait():
     dying = FakeWorker(
         "decode-a",
         chunks=[worker_pb2.GenerateChunk(token_ids=[1], text="Hello")],
         error=worker_unavailable("worker decode-a is unavailable"),
     )
-    flow = flow_over(dying)
+    flow = flow_over(dying, settings=RouterSettings(model="m", worker_wait_s=0.3))
     run, request = new_request()
+    started = time.monotonic()
     with pytest.raises(OpenAIError) as caught:
         collect(flow, run, request)
     assert (caught.value.status, caught.value.kind) == (503, "worker_unavailable")
+    assert 0.3 <= time.monotonic() - started < 5
+
+
+def test_a_lost_stream_waits_for_a_decode_worker_and_continues_on_it():
+    dying = FakeWorker(
+        "decode-a",
+        chunks=[worker_pb2.GenerateChunk(token_ids=[1], text="Hello")],
+        error=worker_unavailable("worker decode-a is unavailable"),
+    )
+    back = answering("decode-b")
+    flow = flow_over(dying, settings=RouterSettings(model="m", worker_wait_s=10))
+    run, request = new_request()
+
+    joining = threading.Timer(0.3, flow.pool.workers.append, [back])  # while it waits
+    joining.start()
+    body = collect(flow, run, request)
+    joining.join()
+    assert body["choices"][0]["text"] == "Hello" + "Hello world"
+    [continuation] = back.requests
+    assert list(continuation.prompt_token_ids) == PROMPT + [1]
 
 
 def test_every_leg_and_retry_shares_the_one_deadline_set_at_arrival():
