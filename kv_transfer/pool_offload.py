@@ -1,0 +1,240 @@
+"""The host KV pool as a vLLM offloading tier: vLLM's OffloadingConnector decides which blocks
+to store after they are computed and which to load when a prompt's prefix misses the engine's
+own cache (by vLLM's chained block hash); this module answers it from the host's pool
+(kv_transfer/pool_store.py) instead of a private CPU buffer, so every worker of the host shares
+what any of them computed.
+
+- `PoolManager` (the engine's scheduler side) asks the store: lookup, pin for a load, make room
+  for a store. The store being gone answers "miss" and "no room": the engine computes.
+- `PoolWorker` (each worker rank) copies between the engine's KV cache and the pool's memory,
+  synchronously (the copy of a block is ~1 ms of a CPU core; on a GPU a plain device-to-host
+  copy). A writer puts its key's tag and its bytes' digest (kv_transfer/integrity.py) in the
+  slot's header; a reader checks both before one byte reaches the cache, and a block that fails
+  is dropped from the pool, counted, and recomputed (kv_transfer/pool_connector.py reports it
+  to vLLM as a load error), never used.
+
+vLLM 0.32's own CPU offloading worker needs CUDA streams (it refuses the CPU platform) and keeps
+a private buffer per engine, which is why pdserve has its own worker and manager here; the
+scheduler side that chooses what to store and load is vLLM's.
+"""
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    TransferResult,
+)
+
+from kv_transfer.integrity import slice_digest
+from kv_transfer.pool_client import PoolClient
+
+log = logging.getLogger("pdserve.kv")
+
+POOL_ADDRESS = "pool_address"  # kv_connector_extra_config's keys
+POOL_NAMESPACE = "pool_namespace"
+
+
+@dataclass
+class PoolSlots(LoadStoreSpec):
+    """Where a load reads or a store writes, block by block in the scheduler's order: the
+    store it was planned against (another store's slots mean nothing), each block's slot and
+    key. `slots` is None for a load the store could not pin any more."""
+
+    store_id: str | None
+    slots: list[int] | None
+    keys: list[bytes]
+
+
+def key_tag(key: bytes) -> int:
+    """A block key's 64-bit tag, as a slot's header keeps it."""
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+
+
+class PoolManager(OffloadingManager):
+    def __init__(self, client: PoolClient):
+        self.client = client
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        answer = self.client.call("lookup", [key])
+        return LookupResult.HIT if answer and answer["found"] else LookupResult.MISS
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PoolSlots:
+        keys = list(keys)
+        answer = self.client.call("prepare_load", keys)
+        return PoolSlots(self.client.store_id, answer["slots"] if answer else None, keys)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.client.call("touch", list(keys))
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.client.call("complete_load", list(keys))
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        answer = self.client.call("prepare_store", list(keys))
+        stored = answer["stored"] if answer else None
+        if stored is None:
+            return None
+        new = [OffloadKey(bytes.fromhex(key)) for key in stored["keys"]]
+        return PrepareStoreOutput(
+            keys_to_store=new,
+            store_spec=PoolSlots(self.client.store_id, stored["slots"], new),
+            evicted_keys=[OffloadKey(bytes.fromhex(key)) for key in stored["evicted"]],
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        self.client.call("complete_store", list(keys), success=success)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def shutdown(self) -> None:
+        self.client.close()
+
+
+class PoolWorker(OffloadingWorker):
+    def __init__(self, kv_caches: CanonicalKVCaches, client: PoolClient):
+        if len(kv_caches.group_data_refs) != 1:
+            raise ValueError("the KV pool holds models with one KV cache group only")
+        self.client = client
+        # Each cache tensor as (blocks, bytes of one block): a block's slot holds its rows, in
+        # this order, back to back.
+        self.pages = [
+            t.tensor.view(t.tensor.shape[0], -1).view(torch.uint8) for t in kv_caches.tensors
+        ]
+        self.block_bytes = sum(page.shape[1] for page in self.pages)
+        if self.block_bytes != client.slot_bytes:
+            raise ValueError(
+                f"a KV block here is {self.block_bytes} B, the pool's slots {client.slot_bytes} B"
+            )
+        self.finished: list[TransferResult] = []
+        self.failed_blocks: set[int] = set()  # cache blocks whose load failed its check
+        self.integrity_failures = 0
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: PoolSlots) -> bool:
+        started = time.perf_counter()
+        size = 0
+        views = self._views(dst_spec)
+        if views is not None:  # else a future miss: the header check refuses the slot's bytes
+            headers, slots = views
+            for block, slot, key in zip(
+                src_spec.block_ids, dst_spec.slots, dst_spec.keys, strict=True
+            ):
+                data = slots[slot]
+                offset = 0
+                for page in self.pages:
+                    row = page[int(block)]
+                    data[offset : offset + row.numel()].copy_(row)
+                    offset += row.numel()
+                headers[slot] = (key_tag(key), slice_digest(data))
+                size += offset
+        self.finished.append(TransferResult(job_id, True, size, time.perf_counter() - started))
+        return True
+
+    def submit_load(self, job_id: int, src_spec: PoolSlots, dst_spec: GPULoadStoreSpec) -> bool:
+        started = time.perf_counter()
+        size = 0
+        views = self._views(src_spec) if src_spec.slots is not None else None
+        refused: list[bytes] = []
+        for i, block in enumerate(int(block) for block in dst_spec.block_ids):
+            if views is None:
+                self.failed_blocks.add(block)
+                continue
+            headers, slots = views
+            slot, key = src_spec.slots[i], src_spec.keys[i]
+            data = slots[slot]
+            if tuple(headers[slot]) != (key_tag(key), slice_digest(data)):
+                refused.append(key)
+                self.failed_blocks.add(block)
+                continue
+            offset = 0
+            for page in self.pages:
+                page[block].copy_(data[offset : offset + page.shape[1]])
+                offset += page.shape[1]
+            size += offset
+        if refused:
+            self.integrity_failures += len(refused)
+            self.client.call("drop", refused)
+            log.warning(
+                "kv pool: %d block(s) failed their check: dropped, recomputed", len(refused)
+            )
+        self.finished.append(TransferResult(job_id, True, size, time.perf_counter() - started))
+        return True
+
+    def _views(self, spec: PoolSlots):
+        """The pool's slot headers (tag, digest) and slots, if `spec` was planned against the
+        store this worker is connected to now (it connects on first use)."""
+        if not self.client.connected() or spec.store_id != self.client.store_id:
+            return None
+        header_bytes = self.client.header_bytes
+        headers = np.frombuffer(self.client.memory, np.uint64, header_bytes // 8).reshape(-1, 2)
+        memory = torch.frombuffer(self.client.memory, dtype=torch.uint8, offset=header_bytes)
+        return headers, memory.view(self.client.slots, self.block_bytes)
+
+    def get_finished(self) -> list[TransferResult]:
+        finished, self.finished = self.finished, []
+        return finished
+
+    def wait(self, job_ids: set[int]) -> None:
+        return  # every job is done when submitted
+
+    def take_failed_blocks(self) -> set[int]:
+        failed, self.failed_blocks = self.failed_blocks, set()
+        return failed
+
+
+class PoolOffloadingSpec(OffloadingSpec):
+    """vLLM's name for it: kv_connector_extra_config {"spec_name": "PoolOffloadingSpec",
+    "spec_module_path": "kv_transfer.pool_offload", "pool_address": ...}."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        if config.parallel.world_size != 1:
+            raise ValueError("the KV pool serves workers without tensor parallelism only")
+        if self.blocks_per_chunk != 1:
+            raise ValueError("the KV pool stores one engine block per slot")
+        namespace = {
+            "pool": self.extra_config.get(POOL_NAMESPACE, ""),
+            "model": config.model.name,
+            "dtype": config.model.dtype,
+            "tokens_per_block": self.tokens_per_block,
+            "bytes_per_block": config.worker_kv_bytes_per_block,
+            "layout": config.kv_cache_layout,
+        }
+        self.client_args = (
+            self.extra_config[POOL_ADDRESS],
+            json.dumps(namespace, sort_keys=True),
+            config.worker_kv_bytes_per_block,
+        )
+        self._manager: PoolManager | None = None
+        self._worker: PoolWorker | None = None
+
+    def get_manager(self) -> PoolManager:
+        if self._manager is None:
+            self._manager = PoolManager(PoolClient(*self.client_args))
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> PoolWorker:
+        if self._worker is None:
+            self._worker = PoolWorker(kv_caches, PoolClient(*self.client_args))
+        return self._worker

@@ -1,0 +1,198 @@
+"""The host KV pool: one process per host holding KV blocks that any worker of the host computed,
+so that another worker (or the same one, after its engine evicted them) loads them instead of
+computing them again.
+
+    python -m kv_transfer.pool_store --address @pdserve-kv-pool-1234 --budget-bytes 1073741824
+
+The blocks live in one anonymous shared-memory file (memfd): the store hands its descriptor to
+each client over a Unix socket (SCM_RIGHTS), and the clients copy KV in and out of it directly;
+the socket carries only the index's questions (pdserve's kv_transfer/pool_index.py answers
+them). Nothing has a name in /dev/shm or on disk: the memory is gone when the store and its
+last client are, on every path, kill -9 included. An address starting with "@" is a Linux
+abstract socket (no file either); only processes of the store's own user are served (the
+peer's credentials are checked), since the blocks are prompts' KV.
+
+A store serves one namespace (model, KV layout, block size, tensor parallelism, vLLM's block
+hash): the first client's hello sets it and its slot size; a client whose namespace differs is
+refused, and its pool stays off (it computes everything, as without a pool).
+
+Protocol: JSON lines. The hello's answer comes with the memory's descriptor: {"slots", "slot_bytes",
+"header_bytes", "store_id"}. Then each request {"op", ...} gets one answer line; keys travel in
+hex. The memory: a header of HEADER_BYTES_PER_SLOT per slot (the writer's key tag and digest,
+which a reader checks: kv_transfer/pool_offload.py), then the slots, page-aligned.
+"""
+
+import argparse
+import json
+import mmap
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+import uuid
+
+from kv_transfer.pool_index import PoolIndex
+
+HEADER_BYTES_PER_SLOT = 16  # key tag (8) and digest (8) of what the writer put there
+PAGE = mmap.PAGESIZE
+HELLO_BYTES = 4096  # a hello answer fits (it is read with the descriptor, in one recv)
+
+
+def header_bytes(slots: int) -> int:
+    return -(-slots * HEADER_BYTES_PER_SLOT // PAGE) * PAGE
+
+
+def socket_address(address: str) -> str:
+    """ "@name" is the abstract socket "\\0name"; anything else is a path."""
+    return "\0" + address[1:] if address.startswith("@") else address
+
+
+class PoolStore:
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.store_id = uuid.uuid4().hex
+        self.lock = threading.Lock()
+        self.namespace: str | None = None
+        self.slot_bytes = 0
+        self.index: PoolIndex | None = None
+        self.fd = -1
+        self._owners = 0
+
+    def hello(self, namespace: str, slot_bytes: int) -> dict:
+        """The first client's namespace and slot size make the memory; later ones must match."""
+        with self.lock:
+            if self.namespace is None:
+                slots = self.budget_bytes // max(1, slot_bytes)
+                if slots < 1 or slot_bytes < 1:
+                    return {
+                        "error": f"a budget of {self.budget_bytes} B holds no {slot_bytes} B block"
+                    }
+                self.fd = os.memfd_create("pdserve-kv-pool", os.MFD_CLOEXEC)
+                os.ftruncate(self.fd, header_bytes(slots) + slots * slot_bytes)
+                self.namespace, self.slot_bytes = namespace, slot_bytes
+                self.index = PoolIndex(slots)
+            elif (namespace, slot_bytes) != (self.namespace, self.slot_bytes):
+                return {
+                    "error": f"this store holds {self.namespace} in {self.slot_bytes} B blocks, "
+                    f"not {namespace} in {slot_bytes} B"
+                }
+            self._owners += 1
+            return {
+                "owner": self._owners,
+                "slots": self.index.slots,
+                "slot_bytes": self.slot_bytes,
+                "header_bytes": header_bytes(self.index.slots),
+                "store_id": self.store_id,
+            }
+
+    def answer(self, request: dict, owner: int) -> dict:
+        keys = [bytes.fromhex(key) for key in request.get("keys", ())]
+        op = request.get("op")
+        with self.lock:
+            index = self.index
+            if op == "lookup":
+                return {"found": index.lookup(keys)}
+            if op == "prepare_load":
+                return {"slots": index.prepare_load(keys, owner)}
+            if op == "complete_load":
+                index.complete_load(keys, owner)
+            elif op == "touch":
+                index.touch(keys)
+            elif op == "prepare_store":
+                stored = index.prepare_store(keys, owner)
+                if stored is None:
+                    return {"stored": None}
+                return {
+                    "stored": {
+                        "keys": [key.hex() for key in stored.keys],
+                        "slots": stored.slots,
+                        "evicted": [key.hex() for key in stored.evicted],
+                    }
+                }
+            elif op == "complete_store":
+                index.complete_store(keys, owner, bool(request.get("success")))
+            elif op == "drop":
+                index.drop(keys)
+            elif op == "stats":
+                return {
+                    "namespace": self.namespace,
+                    "slots": index.slots,
+                    "used": index.used,
+                    "slot_bytes": self.slot_bytes,
+                    "bytes": index.used * self.slot_bytes,
+                    "hits": index.hits,
+                    "misses": index.misses,
+                    "evictions": index.evictions,
+                    "dropped": index.dropped,
+                }
+            else:
+                return {"error": f"unknown op {op!r}"}
+            return {}
+
+    def release(self, owner: int) -> None:
+        with self.lock:
+            if self.index is not None:
+                self.index.release_owner(owner)
+
+    def serve_client(self, conn: socket.socket) -> None:
+        owner = None
+        try:
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            _pid, uid, _gid = struct.unpack("3i", creds)
+            if uid != os.getuid():
+                return
+            stream = conn.makefile("rb")
+            hello = json.loads(stream.readline() or "null")
+            if not isinstance(hello, dict) or hello.get("op") != "hello":
+                return
+            reply = self.hello(str(hello.get("namespace")), int(hello.get("slot_bytes", 0)))
+            line = (json.dumps(reply) + "\n").encode()
+            if "error" in reply:
+                conn.sendall(line)
+                return
+            owner = reply["owner"]
+            socket.send_fds(conn, [line], [self.fd])
+            for raw in stream:
+                answer = self.answer(json.loads(raw), owner)
+                conn.sendall((json.dumps(answer) + "\n").encode())
+        except (OSError, ValueError):
+            pass  # the client went away, or spoke nonsense: its holdings are released below
+        finally:
+            if owner is not None:
+                self.release(owner)
+            conn.close()
+
+
+def serve(address: str, budget_bytes: int) -> None:
+    store = PoolStore(budget_bytes)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_address(address))
+    listener.listen(64)
+    print(f"kv pool: {budget_bytes / 2**30:.2f} GiB, listening on {address}", flush=True)
+    try:
+        while True:
+            conn, _ = listener.accept()
+            threading.Thread(target=store.serve_client, args=(conn,), daemon=True).start()
+    finally:
+        listener.close()
+        if not address.startswith("@"):
+            os.unlink(address)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kv_transfer.pool_store", description=__doc__)
+    parser.add_argument("--address", required=True, help="Unix socket: a path, or @name")
+    parser.add_argument("--budget-bytes", type=int, required=True, help="the pool's memory")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        serve(args.address, args.budget_bytes)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

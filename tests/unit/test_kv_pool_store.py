@@ -1,0 +1,115 @@
+"""The host KV pool's store (kv_transfer/pool_store.py) as a real process, and its clients
+(kv_transfer/pool_client.py) over a real Unix socket: the memory is shared and named nowhere,
+a client of another namespace is refused, a client that goes away releases what it held, and a
+store that dies makes calls answer None at once and is found again when it comes back."""
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kv_transfer import pool_client
+from kv_transfer.pool_client import PoolClient
+from kv_transfer.pool_store import header_bytes
+from pdserve.worker.processes import stop_group
+from tests.waiting import wait_for
+
+SLOT = 4096
+NAMESPACE = "model x, layout y"
+
+
+def start_store(address: str, budget: int = 4 * SLOT) -> subprocess.Popen:
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kv_transfer.pool_store",
+            "--address",
+            address,
+            "--budget-bytes",
+            str(budget),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert "listening" in process.stdout.readline()
+    return process
+
+
+@pytest.fixture
+def address():
+    return f"@pdserve-kv-pool-test-{secrets.token_hex(4)}"
+
+
+@pytest.fixture
+def store(address):
+    process = start_store(address)
+    yield process
+    stop_group(process.pid, process=process)
+
+
+def test_two_clients_share_the_memory_and_nothing_is_named_in_dev_shm(store, address):
+    before = set(Path("/dev/shm").iterdir())
+    writer, reader = PoolClient(address, NAMESPACE, SLOT), PoolClient(address, NAMESPACE, SLOT)
+    plan = writer.call("prepare_store", [b"k1"])["stored"]
+    (slot,) = plan["slots"]
+    offset = writer.header_bytes + slot * SLOT
+    writer.memory[offset : offset + 5] = b"hello"
+    writer.call("complete_store", [b"k1"], success=True)
+    assert reader.call("lookup", [b"k1"]) == {"found": 1}
+    assert reader.call("prepare_load", [b"k1"]) == {"slots": [slot]}
+    assert reader.memory[offset : offset + 5] == b"hello"
+    assert reader.slots == 4 and reader.header_bytes == header_bytes(4)
+    assert set(Path("/dev/shm").iterdir()) == before
+    stats = reader.call("stats")
+    assert stats["used"] == 1 and stats["bytes"] == SLOT and stats["hits"] == 1
+    assert stats["namespace"] == NAMESPACE
+
+
+def test_a_client_of_another_namespace_is_refused_and_the_first_keeps_working(store, address):
+    first = PoolClient(address, NAMESPACE, SLOT)
+    assert first.call("lookup", [b"k"]) == {"found": 0}
+    other = PoolClient(address, "another model", SLOT)
+    assert other.call("lookup", [b"k"]) is None
+    assert not other.connected()
+    assert PoolClient(address, NAMESPACE, 2 * SLOT).call("lookup", [b"k"]) is None
+    assert first.call("lookup", [b"k"]) == {"found": 0}
+
+
+def test_a_client_that_goes_away_releases_its_pins_and_unfinished_writes(store, address):
+    keeper, leaver = PoolClient(address, NAMESPACE, SLOT), PoolClient(address, NAMESPACE, SLOT)
+    keys = [b"a", b"b", b"c"]
+    keeper.call("prepare_store", keys)
+    keeper.call("complete_store", keys, success=True)
+    leaver.call("prepare_load", keys)  # pins all three
+    leaver.call("prepare_store", [b"d"])  # the fourth slot, never completed
+    assert keeper.call("prepare_store", [b"e", b"f"]) == {"stored": None}
+    leaver.close()
+    wait_for(lambda: keeper.call("stats")["used"] == 3, 10, "the leaver's write discarded")
+    assert len(keeper.call("prepare_store", [b"e", b"f"])["stored"]["evicted"]) == 1
+
+
+def test_a_dead_store_answers_none_at_once_and_a_new_one_is_found(address, monkeypatch):
+    monkeypatch.setattr(pool_client, "RECONNECT_S", 0.2)
+    store = start_store(address)
+    client = PoolClient(address, NAMESPACE, SLOT)
+    try:
+        assert client.call("lookup", [b"k"]) == {"found": 0}
+        first_id = client.store_id
+        os.killpg(store.pid, signal.SIGKILL)
+        store.wait(10)
+        started = time.monotonic()
+        assert client.call("lookup", [b"k"]) is None
+        assert client.call("lookup", [b"k"]) is None
+        assert time.monotonic() - started < 1
+        store = start_store(address)
+        wait_for(lambda: client.call("lookup", [b"k"]) is not None, 10, "the new store found")
+        assert client.store_id != first_id
+    finally:
+        stop_group(store.pid, process=store)
