@@ -25,7 +25,10 @@ RECONNECT_S = 1.0
 
 
 class PoolClient:
-    def __init__(self, address: str, namespace: str, slot_bytes: int):
+    """A worker's engine's connection (`namespace`: what its blocks are), or an observer's
+    (namespace None: stats only, no memory)."""
+
+    def __init__(self, address: str, namespace: str | None, slot_bytes: int = 0):
         self.address = address
         self.namespace = namespace
         self.slot_bytes = slot_bytes
@@ -79,6 +82,9 @@ class PoolClient:
             sock.close()
             log.debug("kv pool at %s: not reachable (%s)", self.address, error)
             return False
+        if self.namespace is None and reply == {}:
+            self._sock, self._stream = sock, sock.makefile("rb")
+            return True
         if not fds or not isinstance(reply, dict) or "error" in reply:
             for fd in fds:
                 os.close(fd)

@@ -44,11 +44,9 @@ from vllm.v1.kv_offload.base import (
 
 from kv_transfer.integrity import slice_digest
 from kv_transfer.pool_client import PoolClient
+from kv_transfer.pool_config import POOL_ADDRESS, POOL_NAMESPACE
 
 log = logging.getLogger("pdserve.kv")
-
-POOL_ADDRESS = "pool_address"  # kv_connector_extra_config's keys
-POOL_NAMESPACE = "pool_namespace"
 
 
 @dataclass

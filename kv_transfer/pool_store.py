@@ -16,10 +16,12 @@ A store serves one namespace (model, KV layout, block size, tensor parallelism, 
 hash): the first client's hello sets it and its slot size; a client whose namespace differs is
 refused, and its pool stays off (it computes everything, as without a pool).
 
-Protocol: JSON lines. The hello's answer comes with the memory's descriptor: {"slots", "slot_bytes",
-"header_bytes", "store_id"}. Then each request {"op", ...} gets one answer line; keys travel in
-hex. The memory: a header of HEADER_BYTES_PER_SLOT per slot (the writer's key tag and digest,
-which a reader checks: kv_transfer/pool_offload.py), then the slots, page-aligned.
+Protocol: JSON lines. The hello's answer comes with the memory's descriptor: {"slots",
+"slot_bytes", "header_bytes", "store_id"}; a hello without a namespace is an observer's (a
+worker's /metrics), which gets no memory and may only ask for stats. Then each request {"op",
+...} gets one answer line; keys travel in hex. The memory: a header of HEADER_BYTES_PER_SLOT
+per slot (the writer's key tag and digest, which a reader checks: kv_transfer/pool_offload.py),
+then the slots, page-aligned.
 """
 
 import argparse
@@ -47,6 +49,16 @@ def header_bytes(slots: int) -> int:
 def socket_address(address: str) -> str:
     """ "@name" is the abstract socket "\\0name"; anything else is a path."""
     return "\0" + address[1:] if address.startswith("@") else address
+
+
+def pool_listening(address: str) -> bool:
+    """A store accepts connections at `address` (the connection says nothing and closes)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(socket_address(address))
+        except OSError:
+            return False
+    return True
 
 
 class PoolStore:
@@ -116,20 +128,30 @@ class PoolStore:
             elif op == "drop":
                 index.drop(keys)
             elif op == "stats":
-                return {
-                    "namespace": self.namespace,
-                    "slots": index.slots,
-                    "used": index.used,
-                    "slot_bytes": self.slot_bytes,
-                    "bytes": index.used * self.slot_bytes,
-                    "hits": index.hits,
-                    "misses": index.misses,
-                    "evictions": index.evictions,
-                    "dropped": index.dropped,
-                }
+                return self._stats()
             else:
                 return {"error": f"unknown op {op!r}"}
             return {}
+
+    def stats(self) -> dict:
+        with self.lock:
+            return self._stats()
+
+    def _stats(self) -> dict:
+        """The pool's figures; zeros before its first worker said what it holds."""
+        index = self.index or PoolIndex(0)
+        return {
+            "namespace": self.namespace,
+            "budget_bytes": self.budget_bytes,
+            "slots": index.slots,
+            "used": index.used,
+            "slot_bytes": self.slot_bytes,
+            "bytes": index.used * self.slot_bytes,
+            "hits": index.hits,
+            "misses": index.misses,
+            "evictions": index.evictions,
+            "dropped": index.dropped,
+        }
 
     def release(self, owner: int) -> None:
         with self.lock:
@@ -147,7 +169,12 @@ class PoolStore:
             hello = json.loads(stream.readline() or "null")
             if not isinstance(hello, dict) or hello.get("op") != "hello":
                 return
-            reply = self.hello(str(hello.get("namespace")), int(hello.get("slot_bytes", 0)))
+            if hello.get("namespace") is None:  # an observer (a worker's /metrics): stats only
+                conn.sendall(b"{}\n")
+                for _ in stream:
+                    conn.sendall((json.dumps(self.stats()) + "\n").encode())
+                return
+            reply = self.hello(str(hello["namespace"]), int(hello.get("slot_bytes", 0)))
             line = (json.dumps(reply) + "\n").encode()
             if "error" in reply:
                 conn.sendall(line)

@@ -3,9 +3,11 @@ given) and a Redis server (when the registry is `embedded`). Each runs in its ow
 outlives `up`, and `pdserve down` stops it by its process group id (pdserve/worker/processes.py)."""
 
 import os
+import secrets
 import sys
 from pathlib import Path
 
+from kv_transfer.pool_store import pool_listening
 from pdserve.worker.processes import (
     ChildError,
     free_port,
@@ -17,6 +19,7 @@ from pdserve.worker.processes import (
 
 RAY_START_TIMEOUT_S = 60.0
 REDIS_START_TIMEOUT_S = 10.0
+KV_POOL_START_TIMEOUT_S = 30.0  # a Python start without torch: ~0.1 s idle
 OBJECT_STORE_BYTES = 100 * 1024 * 1024  # pdserve moves no data through Ray's object store
 
 
@@ -92,6 +95,27 @@ def start_redis(
     finally:
         config.unlink(missing_ok=True)
     return f"redis://127.0.0.1:{port}/0", process.pid
+
+
+def start_kv_pool(log_path: Path, budget_bytes: int) -> tuple[str, int]:
+    """The host KV pool (kv_transfer/pool_store.py) on an abstract Unix socket of its own,
+    ending with this process (`pdserve serve`); returns (address, process group)."""
+    address = f"@pdserve-kv-pool-{secrets.token_hex(6)}"
+    command = [sys.executable, "-m", "kv_transfer.pool_store", "--address", address]
+    process = spawn([*command, "--budget-bytes", str(budget_bytes)], log_path, dict(os.environ))
+    try:
+        wait_until(
+            lambda: pool_listening(address),
+            process,
+            KV_POOL_START_TIMEOUT_S,
+            f"the KV pool at {address}",
+            log_path,
+            poll_s=0.05,
+        )
+    except ChildError:
+        stop_group(process.pid, process=process)
+        raise
+    return address, process.pid
 
 
 def _spawn(command: list[str], log_path: Path, env: dict[str, str]):

@@ -109,6 +109,16 @@ def add_parser(subparsers) -> None:
         help="with --colocated: number of colocated workers (default: 1)",
     )
     parser.add_argument(
+        "--kv-pool-gib",
+        type=float,
+        default=2.0,
+        metavar="GIB",
+        help="with --kv-pool on and colocated workers: the host KV pool's memory (serve starts "
+        "its store, kv_transfer/pool_store.py); it never holds more, and evicts the least "
+        "recently used blocks (a block read since it was last considered gets another round) "
+        "(default: 2)",
+    )
+    parser.add_argument(
         "--cpu-binding",
         choices=CPU_BINDINGS,
         default="auto",
@@ -132,6 +142,7 @@ def add_parser(subparsers) -> None:
             "kv_send_buffer_mib",
             "kv_transport",
             "kv_integrity",
+            "kv_pool",
             "kv_fault",
             "otlp_endpoint",
         ),
@@ -150,6 +161,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if (args.prefill_tensor_parallel_size or 1) < 1:
         print("pdserve serve: --prefill-tensor-parallel-size: must be >= 1", file=sys.stderr)
+        return 2
+    if args.kv_pool_gib <= 0:
+        print("pdserve serve: --kv-pool-gib: must be > 0", file=sys.stderr)
         return 2
     transports = [kind for kind in args.prefill_kv_transports.split(",") if kind]
     if transports and (
@@ -194,8 +208,16 @@ def run(args: argparse.Namespace) -> int:
         binds = [{OMP_BIND_ENV: share} for share in shares]
         pairs = zip(plan, shares, strict=True)
         say("cores per worker: " + ", ".join(f"{w.role} {share}" for w, share in pairs))
-    others, redis_group, fork_server = [], 0, None
+    others, redis_group, pool_group, fork_server = [], 0, 0, None
     try:
+        pooled = decode.kv_pool == "on" and any(w.role == Role.COLOCATED for w in plan)
+        if pooled and engine.tensor_parallel_size > 1:
+            say("KV pool: off (tensor-parallel workers do not use it yet)")
+        elif pooled:
+            budget = int(args.kv_pool_gib * 2**30)
+            address, pool_group = local_services.start_kv_pool(log_dir / "kv-pool.log", budget)
+            plan = [w.model_copy(update={"kv_pool_address": address}) for w in plan]
+            say(f"KV pool: {args.kv_pool_gib:g} GiB of host memory at {address}")
         if args.routers > 1:
             os.environ[PASSWORD_ENV] = secrets.token_urlsafe(24)  # the children inherit it
             url, redis_group = local_services.start_redis(
@@ -229,6 +251,8 @@ def run(args: argparse.Namespace) -> int:
             fork_server.close()
         if redis_group:
             stop_group(redis_group)
+        if pool_group:
+            stop_group(pool_group)
 
 
 def _start_other_routers(

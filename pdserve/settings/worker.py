@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, Field, model_validator
 
 from pdserve.kinds import AUTO_TRANSPORT, Role, Transport
 from pdserve.settings.base import Settings
@@ -59,6 +59,26 @@ KvIntegrity = Annotated[
         description="every KV slice carries a digest of its bytes, checked where it lands, and "
         "its transfer's epoch and sequence number; a slice that fails a check fails its "
         "transfer (the kv failure policy applies). off is for measuring the cost only",
+    ),
+]
+
+
+KvPool = Annotated[
+    Literal["on", "off"],
+    Field(
+        default="on",
+        description="share computed prefix blocks through the host's KV pool (docs/kv-pool.md): "
+        "the engine stores the blocks it computes there, and loads from there a prefix any "
+        "worker of the host computed instead of computing it. Colocated workers only, yet; "
+        "with no --kv-pool-address there is no pool",
+    ),
+]
+KvPoolAddress = Annotated[
+    str,
+    Field(
+        default="",
+        description="the host KV pool's store (a Unix socket: a path, or @name for an abstract "
+        "one); `pdserve serve` starts one and sets it",
     ),
 ]
 
@@ -170,6 +190,8 @@ class WorkerSettings(Settings):
     kv_send_buffer_mib: KvSendBufferMib
     kv_transport: KvTransport
     kv_integrity: KvIntegrity
+    kv_pool: KvPool
+    kv_pool_address: KvPoolAddress
     kv_fault: KvFaultSetting
     otlp_endpoint: OtlpEndpoint
     cluster_secret_file: ClusterSecretFile
@@ -184,3 +206,17 @@ class WorkerSettings(Settings):
     cluster: ClusterName
     heartbeat_s: HeartbeatS
     engine: EngineSettings = Field(default_factory=EngineSettings)
+
+    @property
+    def pooled(self) -> bool:
+        """The engine shares prefix blocks through the host's KV pool."""
+        return self.kv_pool == "on" and bool(self.kv_pool_address)
+
+    @model_validator(mode="after")
+    def _pool_where_it_is_used(self) -> "WorkerSettings":
+        """A pool given to a worker that would not use it is refused, not ignored."""
+        if self.pooled and self.role != Role.COLOCATED:
+            raise ValueError("kv_pool_address: only colocated workers use the KV pool yet")
+        if self.pooled and self.engine.tensor_parallel_size > 1:
+            raise ValueError("kv_pool_address: tensor-parallel workers do not use the KV pool yet")
+        return self

@@ -89,6 +89,8 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
     settings = settings.model_copy(update={"advertise_host": host})
     metrics = WorkerMetrics()
     metrics.follow_state(service)
+    if settings.pooled:
+        metrics.follow_kv_pool(settings.kv_pool_address)
 
     # The engine starts first: a forked engine process must inherit neither a gRPC server
     # (pdserve/worker/engine_process.py) nor this loop's signal handling (its signals would

@@ -6,6 +6,7 @@ between a prefill and a decode worker (dtype, block size, max length) come from 
 
 import os
 
+from kv_transfer.pool_config import pool_kv_transfer_config
 from pdserve import tracing
 from pdserve.kinds import Role
 from pdserve.settings.cluster_secret import SECRET_ENV
@@ -26,7 +27,8 @@ MAX_UNCLAIMED_TRANSFERS = 4096
 
 def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
     """The role's connector: the producer in prefill_workers/, the consumer in decode_workers/,
-    both for a flex worker (pdserve/worker/flex_connector.py); a colocated worker has none. A decode
+    both for a flex worker (pdserve/worker/flex_connector.py); a colocated worker has the host
+    KV pool's (kv_transfer/pool_connector.py), if it has a pool. A decode
     (or flex) worker's KV receiver binds to its gRPC host, rank r on `kv_port` + r; the
     advertised host is where peers reach either side (a decode rank's shared-memory socket is
     named after it, a prefill rank hosts its NCCL rendezvous there)."""
@@ -71,6 +73,9 @@ def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
                 "integrity": worker.kv_integrity == "on",
             },
         }
+    if worker.pooled:  # colocated
+        namespace = f"PYTHONHASHSEED={os.environ.get('PYTHONHASHSEED', '')}"  # vLLM's hash seed
+        return pool_kv_transfer_config(worker.kv_pool_address, namespace)
     return None
 
 
@@ -95,9 +100,10 @@ class EngineStats:
         self.running, self.waiting, self.kv_cache_usage = running, waiting, kv_cache_usage
 
 
-def _stat_logger_factory(stats: EngineStats, metrics):
+def _stat_logger_factory(stats: EngineStats, metrics, pooled: bool):
     """Keeps the scheduler's figures and the learned step costs in `stats` (Health, Stats, the
-    routers' load and route estimates) and counts each finished KV transfer in the worker's
+    routers' load and route estimates) and counts each finished KV transfer, and (`pooled`: the
+    connector is the KV pool's) the prompt tokens loaded from the pool, in the worker's
     Prometheus `metrics` (pdserve/worker/metrics_server.py)."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
@@ -115,6 +121,9 @@ def _stat_logger_factory(stats: EngineStats, metrics):
                 scheduler_stats.num_waiting_reqs,
                 scheduler_stats.kv_cache_usage,
             )
+            pool_hits = scheduler_stats.connector_prefix_cache_stats
+            if pooled and pool_hits is not None and pool_hits.hits:
+                metrics.kv_pool_hits.labels("host").inc(pool_hits.hits)
             for transfer in (scheduler_stats.kv_connector_stats or {}).get("transfers", ()):
                 stats.kv_transfers[transfer["transfer_id"]] = transfer
                 metrics.kv_transfer_finished(transfer)
@@ -198,7 +207,9 @@ def make_engine(
     if method != "fork" and process_start is not None:
         process_start.no_fork_coming()
     return AsyncLLM.from_vllm_config(
-        config, stat_loggers=[_stat_logger_factory(stats, metrics)], disable_log_stats=True
+        config,
+        stat_loggers=[_stat_logger_factory(stats, metrics, worker.pooled)],
+        disable_log_stats=True,
     )
 
 

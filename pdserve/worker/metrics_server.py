@@ -10,7 +10,10 @@ receives (first slice -> last slice; kv_transfer/stats.py): a prefill worker exp
 import logging
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
+from kv_transfer.pool_client import PoolClient
 from pdserve.worker.protocol import worker_pb2
 
 log = logging.getLogger("pdserve.worker")
@@ -66,6 +69,19 @@ class WorkerMetrics:
             registry=registry,
         )
 
+        self.kv_pool_hits = Counter(
+            "pdserve_kv_pool_hits",
+            "Prompt tokens this worker loaded from the KV pool instead of computing them, by "
+            "the pool's tier (host: the host's pool, kv_transfer/pool_store.py)",
+            ["tier"],
+            registry=registry,
+        )
+        self.registry = registry
+
+    def follow_kv_pool(self, address: str) -> None:
+        """The host pool's own figures (all its workers'), asked of its store at each scrape."""
+        self.registry.register(KvPoolCollector(PoolClient(address, namespace=None)))
+
     def follow_state(self, service) -> None:
         """The state gauge reads the worker service's state at every scrape."""
         for name, value in State.items():
@@ -83,6 +99,39 @@ class WorkerMetrics:
             self.kv_failures.labels(transport, transfer["failure"] or "unknown").inc()
         if transfer.get("integrity"):
             self.kv_integrity_failures.labels(transport, transfer["integrity"]).inc()
+
+
+class KvPoolCollector(Collector):
+    """pdserve_kv_pool_{bytes,blocks,capacity_bytes,evictions,dropped}{tier="host"}: the host pool's
+    size and what it let go; nothing while its store does not answer."""
+
+    def __init__(self, client: PoolClient):
+        self.client = client
+
+    def collect(self):
+        stats = self.client.call("stats")
+        if stats is None:
+            return
+        for name, help_text, kind, value in (
+            ("bytes", "KV bytes the pool holds", GaugeMetricFamily, stats["bytes"]),
+            ("blocks", "KV blocks the pool holds", GaugeMetricFamily, stats["used"]),
+            (
+                "capacity_bytes",
+                "the pool's byte budget, in whole blocks (it never holds more)",
+                GaugeMetricFamily,
+                stats["slots"] * stats["slot_bytes"] or stats["budget_bytes"],
+            ),
+            ("evictions", "blocks evicted to make room", CounterMetricFamily, stats["evictions"]),
+            (
+                "dropped",
+                "blocks dropped because their bytes failed the reader's check (recomputed)",
+                CounterMetricFamily,
+                stats["dropped"],
+            ),
+        ):
+            family = kind(f"pdserve_kv_pool_{name}", help_text, labels=["tier"])
+            family.add_metric(["host"], value)
+            yield family
 
 
 def serve_metrics(host: str, port: int) -> int:

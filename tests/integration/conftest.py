@@ -41,6 +41,9 @@ from tests.integration.prompts import (
     DISAGGREGATED_MAX_TOKENS,
     DISAGGREGATED_PROMPTS,
     MAX_TOKENS,
+    POOL_FAULT_PROMPT,
+    POOL_MAX_TOKENS,
+    POOL_TURNS,
     PROMPTS,
     SAMPLING_CASES,
     TINY_MAX_TOKENS,
@@ -94,6 +97,7 @@ STREAMS = {
         "test_kv_transports",
         "test_migration",
         "test_kv_failures",
+        "test_kv_pool",
         "test_cluster_ray",
         "test_flex_sweep",
         "test_bfloat16",
@@ -345,17 +349,21 @@ def offline_reference(smollm2_dir, tmp_path_factory) -> dict:
     prompts += [
         {"prompt": p, "max_tokens": DISAGGREGATED_MAX_TOKENS} for p in DISAGGREGATED_PROMPTS
     ]
+    pooled = [*POOL_TURNS, POOL_FAULT_PROMPT]
+    prompts += [{"prompt": p, "max_tokens": POOL_MAX_TOKENS} for p in pooled]
     outputs = made_once_per_run(
         tmp_path_factory,
         "offline-reference",
         lambda folder: offline_outputs(smollm2_dir, folder, prompts, CHATS),
     )
     count, sampling = len(PROMPTS), len(SAMPLING_CASES)
+    disaggregated = count + sampling + len(DISAGGREGATED_PROMPTS)
     return {
         "prompts": outputs["prompts"][:count],
         "sampling": outputs["prompts"][count : count + sampling],
         "chats": outputs["chats"],
-        "disaggregated": outputs["prompts"][count + sampling :],
+        "disaggregated": outputs["prompts"][count + sampling : disaggregated],
+        "pool": outputs["prompts"][disaggregated:],  # POOL_TURNS, then POOL_FAULT_PROMPT
     }
 
 

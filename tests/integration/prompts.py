@@ -41,6 +41,19 @@ SAMPLING_CASES = [
 DISAGGREGATED_PROMPTS = [long_prompt(n) for n in (10, 60, 130, 300, 520, 800, 1100, 1500)]
 DISAGGREGATED_MAX_TOKENS = 12
 
+# The KV pool's (test_kv_pool.py): a conversation's first and second turn (the second resends the
+# first and a reply: ~5 full 128-token blocks of history), and another history for the fault test.
+_TRIP = (
+    "User: we plan a week in Italy by train, with museums, small hotels and long lunches; "
+    "list the stops, the prices in euros and what to see. Assistant: day one, Milan. "
+)
+_HISTORY = _TRIP * 24  # ~720 tokens
+POOL_TURNS = [
+    _HISTORY + "User: and on day two?",
+    _HISTORY + "User: and on day two? Assistant: Verona and its arena. User: and day three?",
+]
+POOL_FAULT_PROMPT = _TRIP.replace("Italy", "Spain").replace("Milan", "Madrid") * 24 + "User: go"
+POOL_MAX_TOKENS = 8
 # For the tiny random-weight model (tensor parallelism, bfloat16): short, varied prompts.
 TINY_PROMPTS = [
     "The capital of France is",

@@ -11,6 +11,7 @@ VLLM_MODULES = {
     "test_cluster_secret",  # a call let through reaches the worker's Generate, which imports vLLM
     "test_bench_metrics",
     "test_kv_compatibility",
+    "test_kv_pool_copy",
     "test_route_choice",
     "test_router_tokenizer_loading",  # AutoTokenizer's import of torch: paid there already
 }

@@ -113,3 +113,14 @@ def test_a_dead_store_answers_none_at_once_and_a_new_one_is_found(address, monke
         assert client.store_id != first_id
     finally:
         stop_group(store.pid, process=store)
+
+
+def test_an_observer_gets_the_figures_and_no_memory(store, address):
+    observer = PoolClient(address, namespace=None)
+    assert observer.call("stats")["slots"] == 0  # no worker has said what the pool holds
+    worker = PoolClient(address, NAMESPACE, SLOT)
+    worker.call("prepare_store", [b"k"])
+    worker.call("complete_store", [b"k"], success=True)
+    stats = observer.call("stats")
+    assert (stats["slots"], stats["used"], stats["bytes"]) == (4, 1, SLOT)
+    assert observer.memory is None

@@ -1,0 +1,116 @@
+"""What pdserve's offloading worker (kv_transfer/pool_offload.py) copies through a real pool
+store: a block stored by one engine's worker lands bit for bit in another's cache; a block
+whose bytes changed in the pool, or whose slot holds another key, is refused (reported for
+recomputation and dropped from the pool), never copied; a load planned against a store that is
+gone fails the same way."""
+
+import secrets
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from vllm.v1.kv_offload.base import CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec
+
+from kv_transfer.pool_client import PoolClient
+from kv_transfer.pool_offload import PoolManager, PoolSlots, PoolWorker
+from pdserve.worker.processes import stop_group
+
+BLOCKS = 6
+PAGES = (1024, 512)  # two cache tensors: bytes of one block in each
+SLOT = sum(PAGES)
+
+
+@pytest.fixture
+def address():
+    address = f"@pdserve-kv-pool-test-{secrets.token_hex(4)}"
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kv_transfer.pool_store",
+            "--address",
+            address,
+            "--budget-bytes",
+            str(4 * SLOT),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert "listening" in process.stdout.readline()
+    yield address
+    stop_group(process.pid, process=process)
+
+
+def engine(address: str) -> tuple[PoolManager, PoolWorker, list[torch.Tensor]]:
+    """One engine's two halves over a cache of random bytes (float16 and bfloat16 tensors)."""
+    caches = [
+        torch.randn(BLOCKS, PAGES[0] // 2, dtype=torch.float16),
+        torch.randn(BLOCKS, PAGES[1] // 2, dtype=torch.bfloat16),
+    ]
+    canonical = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(t, t[0].numel() * t.element_size()) for t in caches],
+        group_data_refs=[[]],
+    )
+    manager = PoolManager(PoolClient(address, "ns", SLOT))
+    return manager, PoolWorker(canonical, PoolClient(address, "ns", SLOT)), caches
+
+
+def gpu(blocks: list[int]) -> GPULoadStoreSpec:
+    return GPULoadStoreSpec(blocks, group_sizes=[len(blocks)], block_indices=[0])
+
+
+def store(manager: PoolManager, worker: PoolWorker, keys: list[bytes], blocks: list[int]):
+    plan = manager.prepare_store(keys, None)
+    worker.submit_store(1, gpu(blocks), plan.store_spec)
+    (result,) = worker.get_finished()
+    assert result.success and result.transfer_size == len(blocks) * SLOT
+    manager.complete_store(keys, None)
+
+
+def test_a_stored_block_lands_bit_for_bit_in_another_engines_cache(address):
+    manager_a, worker_a, caches_a = engine(address)
+    manager_b, worker_b, caches_b = engine(address)
+    store(manager_a, worker_a, [b"k0", b"k1"], [2, 5])
+    assert manager_b.lookup(b"k1", None).name == "HIT"
+    spec = manager_b.prepare_load([b"k0", b"k1"], None)
+    worker_b.submit_load(2, spec, gpu([0, 3]))
+    manager_b.complete_load([b"k0", b"k1"], None)
+    assert worker_b.take_failed_blocks() == set()
+    for a, b in zip(caches_a, caches_b, strict=True):
+        assert torch.equal(a[2].view(torch.uint8), b[0].view(torch.uint8))
+        assert torch.equal(a[5].view(torch.uint8), b[3].view(torch.uint8))
+
+
+def test_a_changed_byte_or_another_keys_slot_is_refused_and_dropped(address):
+    manager_a, worker_a, _ = engine(address)
+    manager_b, worker_b, caches_b = engine(address)
+    store(manager_a, worker_a, [b"k0", b"k1", b"k2"], [0, 1, 2])
+    before = [cache.clone() for cache in caches_b]
+    client = worker_a.client
+    view = np.frombuffer(client.memory, np.uint8)
+    spec = manager_b.prepare_load([b"k0", b"k1", b"k2"], None)
+    view[client.header_bytes + spec.slots[0] * SLOT + 7] ^= 1  # k0's bytes changed
+    swapped = PoolSlots(spec.store_id, [spec.slots[0], spec.slots[1], spec.slots[1]], spec.keys)
+    worker_b.submit_load(2, swapped, gpu([3, 4, 5]))  # k0 damaged, k1 fine, k2 reads k1's slot
+    assert worker_b.take_failed_blocks() == {3, 5}
+    for cache, old in zip(caches_b, before, strict=True):
+        assert torch.equal(cache[3].view(torch.uint8), old[3].view(torch.uint8))
+        assert torch.equal(cache[5].view(torch.uint8), old[5].view(torch.uint8))
+        assert not torch.equal(cache[4].view(torch.uint8), old[4].view(torch.uint8))
+    manager_b.complete_load([b"k0", b"k1", b"k2"], None)
+    assert manager_b.client.call("stats")["dropped"] == 2
+    assert manager_b.lookup(b"k0", None).name == "MISS"
+
+
+def test_a_load_planned_against_a_store_that_is_gone_is_refused(address):
+    manager, worker, caches = engine(address)
+    store(manager, worker, [b"k0"], [0])
+    spec = manager.prepare_load([b"k0"], None)
+    stale = PoolSlots("another store", spec.slots, spec.keys)
+    before = caches[0][1].clone()
+    worker.submit_load(2, stale, gpu([1]))
+    assert worker.take_failed_blocks() == {1}
+    assert torch.equal(caches[0][1], before)
