@@ -113,8 +113,9 @@ def add_parser(subparsers) -> None:
         type=float,
         default=2.0,
         metavar="GIB",
-        help="with --kv-pool on and colocated workers: the host KV pool's memory (serve starts "
-        "its store, kv_transfer/pool_store.py); it never holds more, and evicts the least "
+        help="with --kv-pool on: the host KV pool's memory (serve starts its store for the "
+        "colocated or prefill workers, kv_transfer/pool_store.py); "
+        "it never holds more, and evicts the least "
         "recently used blocks (a block read since it was last considered gets another round) "
         "(default: 2)",
     )
@@ -210,13 +211,16 @@ def run(args: argparse.Namespace) -> int:
         say("cores per worker: " + ", ".join(f"{w.role} {share}" for w, share in pairs))
     others, redis_group, pool_group, fork_server = [], 0, 0, None
     try:
-        pooled = decode.kv_pool == "on" and any(w.role == Role.COLOCATED for w in plan)
+        pooled = decode.kv_pool == "on" and any(w.role in POOLED_ROLES for w in plan)
         if pooled and engine.tensor_parallel_size > 1:
             say("KV pool: off (tensor-parallel workers do not use it yet)")
         elif pooled:
             budget = int(args.kv_pool_gib * 2**30)
             address, pool_group = local_services.start_kv_pool(log_dir / "kv-pool.log", budget)
-            plan = [w.model_copy(update={"kv_pool_address": address}) for w in plan]
+            plan = [
+                w.model_copy(update={"kv_pool_address": address}) if w.role in POOLED_ROLES else w
+                for w in plan
+            ]
             say(f"KV pool: {args.kv_pool_gib:g} GiB of host memory at {address}")
         if args.routers > 1:
             os.environ[PASSWORD_ENV] = secrets.token_urlsafe(24)  # the children inherit it
@@ -253,6 +257,9 @@ def run(args: argparse.Namespace) -> int:
             stop_group(redis_group)
         if pool_group:
             stop_group(pool_group)
+
+
+POOLED_ROLES = (Role.COLOCATED, Role.PREFILL)  # the KV pool's users (docs/kv-pool.md)
 
 
 def _start_other_routers(

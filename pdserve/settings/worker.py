@@ -69,8 +69,8 @@ KvPool = Annotated[
         default="on",
         description="share computed prefix blocks through the host's KV pool (docs/kv-pool.md): "
         "the engine stores the blocks it computes there, and loads from there a prefix any "
-        "worker of the host computed instead of computing it. Colocated workers only, yet; "
-        "with no --kv-pool-address there is no pool",
+        "worker of the host computed instead of computing it. Colocated and prefill workers "
+        "only, yet; with no --kv-pool-address there is no pool",
     ),
 ]
 KvPoolAddress = Annotated[
@@ -215,8 +215,8 @@ class WorkerSettings(Settings):
     @model_validator(mode="after")
     def _pool_where_it_is_used(self) -> "WorkerSettings":
         """A pool given to a worker that would not use it is refused, not ignored."""
-        if self.pooled and self.role != Role.COLOCATED:
-            raise ValueError("kv_pool_address: only colocated workers use the KV pool yet")
+        if self.pooled and self.role not in (Role.COLOCATED, Role.PREFILL):
+            raise ValueError("kv_pool_address: decode and flex workers do not use the KV pool yet")
         if self.pooled and self.engine.tensor_parallel_size > 1:
             raise ValueError("kv_pool_address: tensor-parallel workers do not use the KV pool yet")
         return self

@@ -28,7 +28,8 @@ MAX_UNCLAIMED_TRANSFERS = 4096
 def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
     """The role's connector: the producer in prefill_workers/, the consumer in decode_workers/,
     both for a flex worker (pdserve/worker/flex_connector.py); a colocated worker has the host
-    KV pool's (kv_transfer/pool_connector.py), if it has a pool. A decode
+    KV pool's (kv_transfer/pool_connector.py) if it has a pool, and a prefill worker with a pool
+    has both its own and the pool's. A decode
     (or flex) worker's KV receiver binds to its gRPC host, rank r on `kv_port` + r; the
     advertised host is where peers reach either side (a decode rank's shared-memory socket is
     named after it, a prefill rank hosts its NCCL rendezvous there)."""
@@ -38,7 +39,7 @@ def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
         return kv_transfer_config(worker.model_copy(update={"role": role}), kv_port)
 
     if worker.role == Role.PREFILL:
-        return {
+        producer = {
             "kv_connector": "PrefillConnector",
             "kv_connector_module_path": "prefill_workers.connector",
             "kv_role": "kv_producer",
@@ -47,6 +48,17 @@ def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
                 "advertised_host": advertised,
                 "integrity": worker.kv_integrity == "on",
             },
+        }
+        if not worker.pooled:
+            return producer
+        # Both, in vLLM's MultiConnector: the producer finds nothing to load (a prefill worker
+        # receives no KV), so the pool's answer is the one vLLM loads; both see every block.
+        pool = pool_kv_transfer_config(worker.kv_pool_address, _pool_namespace())
+        return {
+            "kv_connector": "MultiConnector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"connectors": [producer, pool]},
         }
     if worker.role == Role.FLEX:  # both halves, both configurations
         producer, consumer = with_role(Role.PREFILL), with_role(Role.DECODE)
@@ -74,9 +86,14 @@ def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
             },
         }
     if worker.pooled:  # colocated
-        namespace = f"PYTHONHASHSEED={os.environ.get('PYTHONHASHSEED', '')}"  # vLLM's hash seed
-        return pool_kv_transfer_config(worker.kv_pool_address, namespace)
+        return pool_kv_transfer_config(worker.kv_pool_address, _pool_namespace())
     return None
+
+
+def _pool_namespace() -> str:
+    """What else two engines' block hashes depend on: vLLM's hash seed (the KV pool's spec
+    adds the model, dtype, block size and layout)."""
+    return f"PYTHONHASHSEED={os.environ.get('PYTHONHASHSEED', '')}"
 
 
 class EngineStats:

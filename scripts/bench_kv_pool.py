@@ -1,0 +1,224 @@
+"""The host KV pool on and off: multi-turn conversations on two colocated workers with
+round-robin routing, so a conversation's next turn often lands on the worker that did not compute
+its history (docs/kv-pool.md).
+
+    python scripts/bench_kv_pool.py [--repeats 3] [--conversations 12] [--turns 4]
+        [--concurrency 4] [--think-time 1] [--input-len 256] [--output-len 32]
+        [--output-dir DIR] [--output-json FILE]
+
+Each round starts `pdserve serve --colocated --workers 2 --policy round-robin --kv-pool off|on
+--kv-cache-gib 0.5` (its logs under OUTPUT_DIR/ROUND-POOL/), runs `pdserve bench --workload
+conversation` against it, scrapes the workers' pdserve_kv_pool_hits_total and stops it; off
+and on alternate, and which goes first alternates by round. Every process is started in its own
+process group and stopped on every path out (Ctrl-C and SIGTERM included). Prints a markdown
+table: per configuration, the median over rounds and [min, max] of TTFT p50/p90 of turn 0 and of
+turns >= 1, the prefix hit rate, its infinite-cache bound, the pool hits and failed requests;
+then the median (and range) of the per-round ratio TTFT p50 of turns >= 1, off/on.
+About 1.5 minutes per configuration and round on 2 cores.
+"""
+
+import argparse
+import json
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pdserve.bench.local_cluster import local_cluster
+from pdserve.bench.metrics import distribution
+from pdserve.model_store.store import ensure_model
+from pdserve.worker.processes import free_port, log_tail, spawn, stop_group
+
+MODEL = "smollm2"
+METRICS_URL = re.compile(r"metrics on (http://\S+/metrics)")
+POOL_HITS = 'pdserve_kv_pool_hits_total{tier="host"}'
+FIGURES = {  # key: (column title, format)
+    "ttft_turn0_p50": ("TTFT turn 0 p50 ms", "ms"),
+    "ttft_turn0_p90": ("TTFT turn 0 p90 ms", "ms"),
+    "ttft_later_p50": ("TTFT turns>=1 p50 ms", "ms"),
+    "ttft_later_p90": ("TTFT turns>=1 p90 ms", "ms"),
+    "prefix_hit_rate": ("prefix hit rate", "%"),
+    "infinite_cache_hit_rate": ("infinite-cache bound", "%"),
+    "pool_hits": ("pool hits (tokens)", "n"),
+    "failed": ("failed", "n"),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--repeats", type=int, default=3, help="rounds, each running off and on (default 3)")
+    add("--conversations", type=int, default=12, help="conversations per run (default 12)")
+    add("--turns", type=int, default=4, help="turns per conversation (default 4)")
+    add("--concurrency", type=int, default=4, help="conversations in flight (default 4)")
+    add("--think-time", type=float, default=1.0, help="mean s between turns (default 1)")
+    add("--input-len", default="256", help="tokens of each new user message (default 256)")
+    add("--output-len", default="32", help="tokens of each reply, ignore_eos (default 32)")
+    add("--kv-cache-gib", type=float, default=0.5, help="each worker's KV cache (default 0.5)")
+    add("--seed", type=int, default=0, help="prompts and think times, the same in every run")
+    add("--ready-timeout", type=float, default=600, help="s a server may take to start")
+    add("--bench-timeout", type=float, default=900, help="s one bench run may take in all")
+    add("--request-timeout", type=float, default=300, help="s a request may take (then failed)")
+    add("--output-dir", type=Path, help="logs and bench JSON (default: a new temporary folder)")
+    add("--output-json", type=Path, help="write every run's figures here")
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks too
+    output_dir = args.output_dir or Path(tempfile.mkdtemp(prefix="pdserve-kv-pool-"))
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = ensure_model(MODEL, log=say)
+    runs = []
+    for number in range(args.repeats):
+        for pool in ("off", "on") if number % 2 == 0 else ("on", "off"):
+            runs.append(one_run(number, pool, model_dir, output_dir / f"{number}-{pool}", args))
+    print(table(runs, args))
+    if args.output_json:
+        config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        args.output_json.write_text(
+            json.dumps({"config": config, "runs": runs, "ratios": ratios(runs)}, indent=2) + "\n"
+        )
+        say(f"wrote {args.output_json}")
+    return 0
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def one_run(number: int, pool: str, model_dir: Path, folder: Path, args) -> dict:
+    """One server with the pool `pool`, one bench run against it: the run's figures."""
+    name = f"[round {number + 1}/{args.repeats}, pool {pool}]"
+    serve_args = ["--colocated", "--workers", "2", "--policy", "round-robin"]
+    serve_args += ["--kv-pool", pool, "--kv-cache-gib", str(args.kv_cache_gib)]
+    serve_args += ["--served-model-name", MODEL]
+    say(f"{name} starting the server (logs: {folder})")
+    started = time.monotonic()
+    with local_cluster(0, 1, free_port(), folder, serve_args, args.ready_timeout) as url:
+        say(f"{name} ready after {time.monotonic() - started:.0f} s; benchmarking ...")
+        started = time.monotonic()
+        result = folder / "bench.json"
+        bench(url, model_dir, result, folder / "bench.log", args)
+        hits = pool_hits(folder)
+        say(f"{name} bench took {time.monotonic() - started:.0f} s; stopping the server")
+    figures = summarize(json.loads(result.read_text())) | {"pool_hits": hits}
+    errors = errors_in(folder / "bench.log")
+    say(
+        f"{name} TTFT p50 turn 0 {ms(figures['ttft_turn0_p50'])} ms, turns>=1 "
+        f"{ms(figures['ttft_later_p50'])} ms; hit rate {pct(figures['prefix_hit_rate'])}, "
+        f"pool hits {hits:.0f}, {figures['failed']} failed"
+        + (f"; errors in the bench log: {errors}" if errors else "")
+    )
+    return {"round": number, "pool": pool, "log_dir": str(folder), "log_errors": errors} | figures
+
+
+def bench(url: str, model_dir: Path, result: Path, log_path: Path, args) -> None:
+    """`pdserve bench --workload conversation` in its own process group, within a deadline."""
+    command = [sys.executable, "-m", "pdserve.cluster.cli", "bench", "--url", url]
+    command += ["--model", MODEL, "--workload", "conversation", "--tokenizer", str(model_dir)]
+    command += ["--conversations", str(args.conversations), "--turns", str(args.turns)]
+    command += ["--concurrency", str(args.concurrency), "--think-time", str(args.think_time)]
+    command += ["--input-len", args.input_len, "--output-len", args.output_len, "--ignore-eos"]
+    command += ["--seed", str(args.seed), "--timeout", str(args.request_timeout)]
+    command += ["--output-json", str(result), "--no-progress"]
+    process = spawn(command, log_path)
+    try:
+        code = process.wait(timeout=args.bench_timeout)
+    except BaseException:
+        stop_group(process.pid, 10, process)
+        raise
+    stop_group(process.pid, 10, process)  # anything it left behind in its group
+    if code != 0 or not result.exists():
+        raise RuntimeError(f"pdserve bench exited with code {code}{log_tail(log_path)}")
+
+
+def pool_hits(log_dir: Path) -> float:
+    """The sum of the workers' pool-hit counters (0 for a worker that exports none yet)."""
+    total = 0.0
+    for log in sorted(log_dir.glob("colocated-*.log")):
+        for url in METRICS_URL.findall(log.read_text(errors="replace"))[-1:]:
+            for line in httpx.get(url, timeout=10).text.splitlines():
+                if line.startswith(POOL_HITS + " "):
+                    total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def summarize(document: dict) -> dict:
+    """TTFT of turn 0 and of turns >= 1 (successful requests), hit rates, failed requests."""
+    done = [r for r in document["requests"] if r["error"] is None]
+    first = distribution([r["ttft"] for r in done if r["turn"] == 0])
+    later = distribution([r["ttft"] for r in done if r["turn"] is not None and r["turn"] >= 1])
+    summary = document["summary"]
+    return {
+        "ttft_turn0_p50": first.p50,
+        "ttft_turn0_p90": first.p90,
+        "ttft_later_p50": later.p50,
+        "ttft_later_p90": later.p90,
+        "prefix_hit_rate": summary["prefix_hit_rate"],
+        "infinite_cache_hit_rate": summary["infinite_cache_hit_rate"],
+        "failed": summary["failed"],
+        "requests": summary["num_requests"],
+        "request_errors": sorted({r["error"] for r in document["requests"] if r["error"]}),
+    }
+
+
+def errors_in(log_path: Path) -> list[str]:
+    lines = log_path.read_text(errors="replace").splitlines()
+    return [line for line in lines if re.search(r"error|traceback|exception", line, re.I)][:5]
+
+
+def ratios(runs: list[dict]) -> list[float]:
+    """Per round: TTFT p50 of turns >= 1 with the pool off / with it on."""
+    by_round = {(r["round"], r["pool"]): r["ttft_later_p50"] for r in runs}
+    rounds = sorted({r["round"] for r in runs})
+    pairs = [(by_round[(n, "off")], by_round[(n, "on")]) for n in rounds]
+    return [off / on for off, on in pairs if off is not None and on]
+
+
+def ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.0f}"
+
+
+def pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def cell(values: list, kind: str) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    show = {"ms": ms, "%": pct, "n": lambda v: f"{v:.0f}"}[kind]
+    low, mid, high = min(values), statistics.median(values), max(values)
+    return f"{show(mid)} [{show(low)}, {show(high)}]"
+
+
+def table(runs: list[dict], args) -> str:
+    lines = [
+        f"{args.conversations} conversations x {args.turns} turns, {args.concurrency} at a time, "
+        f"messages {args.input_len} tokens, replies {args.output_len}; 2 colocated workers, "
+        f"round-robin; median [min, max] over {args.repeats} rounds",
+        "",
+        "| pool | " + " | ".join(title for title, _ in FIGURES.values()) + " |",
+        "|---" * (len(FIGURES) + 1) + "|",
+    ]
+    for pool in ("off", "on"):
+        these = [r for r in runs if r["pool"] == pool]
+        cells = [cell([r[key] for r in these], kind) for key, (_, kind) in FIGURES.items()]
+        lines.append(f"| {pool} | " + " | ".join(cells) + " |")
+    found = ratios(runs)
+    if found:
+        lines.append(
+            f"\nTTFT p50 turns>=1, off/on: {statistics.median(found):.2f} "
+            f"[{min(found):.2f}, {max(found):.2f}] (median of per-round ratios)"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

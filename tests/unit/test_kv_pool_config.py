@@ -1,0 +1,47 @@
+"""Which workers' engines join the host KV pool, and how (pdserve/worker/engine.py's
+kv_transfer_config, pdserve/settings/worker.py): colocated workers through the pool's
+connector alone, prefill workers through vLLM's MultiConnector with the producer first (it finds
+nothing to load, so the pool's answer is the one loaded); a pool given to a worker that would
+not use it is refused, not ignored."""
+
+import pydantic
+import pytest
+
+from pdserve.settings.engine import EngineSettings
+from pdserve.settings.worker import WorkerSettings
+from pdserve.worker.engine import kv_transfer_config
+
+POOL = "@pdserve-kv-pool-test"
+
+
+def test_a_colocated_worker_uses_the_pools_connector_only_with_an_address_and_on():
+    config = kv_transfer_config(WorkerSettings(kv_pool_address=POOL), 0)
+    assert config["kv_connector"] == "PoolConnector"
+    assert config["kv_load_failure_policy"] == "recompute"
+    assert config["kv_connector_extra_config"]["pool_address"] == POOL
+    assert kv_transfer_config(WorkerSettings(), 0) is None
+    assert kv_transfer_config(WorkerSettings(kv_pool="off", kv_pool_address=POOL), 0) is None
+
+
+def test_a_prefill_worker_composes_its_producer_and_then_the_pool():
+    config = kv_transfer_config(WorkerSettings(role="prefill", kv_pool_address=POOL), 0)
+    assert config["kv_connector"] == "MultiConnector"
+    children = config["kv_connector_extra_config"]["connectors"]
+    assert [child["kv_connector"] for child in children] == ["PrefillConnector", "PoolConnector"]
+    plain = kv_transfer_config(WorkerSettings(role="prefill"), 0)
+    assert plain["kv_connector"] == "PrefillConnector" and children[0] == plain
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"role": "decode"},
+        {"role": "flex"},
+        {"engine": EngineSettings(tensor_parallel_size=2)},
+    ],
+    ids=["decode", "flex", "tensor-parallel"],
+)
+def test_a_pool_a_worker_would_not_use_is_refused(settings):
+    with pytest.raises(pydantic.ValidationError, match="kv_pool_address"):
+        WorkerSettings(kv_pool_address=POOL, **settings)
+    WorkerSettings(kv_pool="off", kv_pool_address=POOL, **settings)  # off: nothing to refuse
