@@ -115,11 +115,9 @@ class PoolWorker(OffloadingWorker):
         if len(kv_caches.group_data_refs) != 1:
             raise ValueError("the KV pool holds models with one KV cache group only")
         self.client = client
-        # Each cache tensor as (blocks, bytes of one block): a block's slot holds its rows, in
-        # this order, back to back.
-        self.pages = [
-            t.tensor.view(t.tensor.shape[0], -1).view(torch.uint8) for t in kv_caches.tensors
-        ]
+        # Each cache tensor as (blocks, bytes of one block): vLLM hands them over as such (int8
+        # rows, possibly strided); a block's slot holds its rows, in this order, back to back.
+        self.pages = [_rows(t.tensor) for t in kv_caches.tensors]
         self.block_bytes = sum(page.shape[1] for page in self.pages)
         if self.block_bytes != client.slot_bytes:
             raise ValueError(
@@ -152,7 +150,8 @@ class PoolWorker(OffloadingWorker):
     def submit_load(self, job_id: int, src_spec: PoolSlots, dst_spec: GPULoadStoreSpec) -> bool:
         started = time.perf_counter()
         size = 0
-        views = self._views(src_spec) if src_spec.slots is not None else None
+        planned = src_spec.slots is not None and len(src_spec.slots) == len(dst_spec.block_ids)
+        views = self._views(src_spec) if planned else None
         refused: list[bytes] = []
         for i, block in enumerate(int(block) for block in dst_spec.block_ids):
             if views is None:
@@ -199,6 +198,12 @@ class PoolWorker(OffloadingWorker):
     def take_failed_blocks(self) -> set[int]:
         failed, self.failed_blocks = self.failed_blocks, set()
         return failed
+
+
+def _rows(cache: torch.Tensor) -> torch.Tensor:
+    """A cache tensor as one row of bytes per block, viewing (never copying) its memory."""
+    rows = cache if cache.dim() == 2 else cache.view(cache.shape[0], -1)
+    return rows.view(torch.uint8)
 
 
 class PoolOffloadingSpec(OffloadingSpec):
