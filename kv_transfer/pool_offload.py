@@ -18,15 +18,12 @@ a private buffer per engine, which is why pdserve has its own worker and manager
 scheduler side that chooses what to store and load is vLLM's.
 """
 
-import hashlib
 import json
 import logging
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
-import numpy as np
-import torch
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
@@ -42,9 +39,9 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from kv_transfer.integrity import slice_digest
 from kv_transfer.pool_client import PoolClient
 from kv_transfer.pool_config import POOL_ADDRESS, POOL_NAMESPACE
+from kv_transfer.pool_copy import PoolMemory, cache_rows, load_blocks, store_blocks
 
 log = logging.getLogger("pdserve.kv")
 
@@ -58,11 +55,6 @@ class PoolSlots(LoadStoreSpec):
     store_id: str | None
     slots: list[int] | None
     keys: list[bytes]
-
-
-def key_tag(key: bytes) -> int:
-    """A block key's 64-bit tag, as a slot's header keeps it."""
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
 
 
 class PoolManager(OffloadingManager):
@@ -115,9 +107,9 @@ class PoolWorker(OffloadingWorker):
         if len(kv_caches.group_data_refs) != 1:
             raise ValueError("the KV pool holds models with one KV cache group only")
         self.client = client
-        # Each cache tensor as (blocks, bytes of one block): vLLM hands them over as such (int8
-        # rows, possibly strided); a block's slot holds its rows, in this order, back to back.
-        self.pages = [_rows(t.tensor) for t in kv_caches.tensors]
+        # vLLM hands each cache tensor over as (blocks, bytes of one block): int8 rows, possibly
+        # strided; a block's slot holds its rows, in this order (kv_transfer/pool_copy.py).
+        self.pages = [cache_rows(t.tensor) for t in kv_caches.tensors]
         self.block_bytes = sum(page.shape[1] for page in self.pages)
         if self.block_bytes != client.slot_bytes:
             raise ValueError(
@@ -129,64 +121,42 @@ class PoolWorker(OffloadingWorker):
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: PoolSlots) -> bool:
         started = time.perf_counter()
+        memory = self._memory(dst_spec)
         size = 0
-        views = self._views(dst_spec)
-        if views is not None:  # else a future miss: the header check refuses the slot's bytes
-            headers, slots = views
-            for block, slot, key in zip(
-                src_spec.block_ids, dst_spec.slots, dst_spec.keys, strict=True
-            ):
-                data = slots[slot]
-                offset = 0
-                for page in self.pages:
-                    row = page[int(block)]
-                    data[offset : offset + row.numel()].copy_(row)
-                    offset += row.numel()
-                headers[slot] = (key_tag(key), slice_digest(data))
-                size += offset
+        if memory is not None:  # else a future miss: the header check refuses the slot's bytes
+            blocks = [int(block) for block in src_spec.block_ids]
+            size = store_blocks(self.pages, blocks, memory, dst_spec.slots, dst_spec.keys)
         self.finished.append(TransferResult(job_id, True, size, time.perf_counter() - started))
         return True
 
     def submit_load(self, job_id: int, src_spec: PoolSlots, dst_spec: GPULoadStoreSpec) -> bool:
         started = time.perf_counter()
+        blocks = [int(block) for block in dst_spec.block_ids]
+        planned = src_spec.slots is not None and len(src_spec.slots) == len(blocks)
+        memory = self._memory(src_spec) if planned else None
         size = 0
-        planned = src_spec.slots is not None and len(src_spec.slots) == len(dst_spec.block_ids)
-        views = self._views(src_spec) if planned else None
-        refused: list[bytes] = []
-        for i, block in enumerate(int(block) for block in dst_spec.block_ids):
-            if views is None:
-                self.failed_blocks.add(block)
-                continue
-            headers, slots = views
-            slot, key = src_spec.slots[i], src_spec.keys[i]
-            data = slots[slot]
-            if tuple(headers[slot]) != (key_tag(key), slice_digest(data)):
-                refused.append(key)
-                self.failed_blocks.add(block)
-                continue
-            offset = 0
-            for page in self.pages:
-                page[block].copy_(data[offset : offset + page.shape[1]])
-                offset += page.shape[1]
-            size += offset
-        if refused:
-            self.integrity_failures += len(refused)
-            self.client.call("drop", refused)
-            log.warning(
-                "kv pool: %d block(s) failed their check: dropped, recomputed", len(refused)
+        if memory is None:
+            self.failed_blocks.update(blocks)
+        else:
+            size, refused, keys = load_blocks(
+                self.pages, blocks, memory, src_spec.slots, src_spec.keys
             )
+            if refused:
+                self.failed_blocks.update(refused)
+                self.integrity_failures += len(refused)
+                self.client.call("drop", keys)
+                log.warning(
+                    "kv pool: %d block(s) failed their check: dropped, recomputed", len(keys)
+                )
         self.finished.append(TransferResult(job_id, True, size, time.perf_counter() - started))
         return True
 
-    def _views(self, spec: PoolSlots):
-        """The pool's slot headers (tag, digest) and slots, if `spec` was planned against the
-        store this worker is connected to now (it connects on first use)."""
+    def _memory(self, spec: PoolSlots) -> PoolMemory | None:
+        """The pool's memory, if `spec` was planned against the store this worker is connected
+        to now (it connects on first use)."""
         if not self.client.connected() or spec.store_id != self.client.store_id:
             return None
-        header_bytes = self.client.header_bytes
-        headers = np.frombuffer(self.client.memory, np.uint64, header_bytes // 8).reshape(-1, 2)
-        memory = torch.frombuffer(self.client.memory, dtype=torch.uint8, offset=header_bytes)
-        return headers, memory.view(self.client.slots, self.block_bytes)
+        return PoolMemory.over(self.client.memory, self.client.header_bytes, self.client.slots)
 
     def get_finished(self) -> list[TransferResult]:
         finished, self.finished = self.finished, []
@@ -198,12 +168,6 @@ class PoolWorker(OffloadingWorker):
     def take_failed_blocks(self) -> set[int]:
         failed, self.failed_blocks = self.failed_blocks, set()
         return failed
-
-
-def _rows(cache: torch.Tensor) -> torch.Tensor:
-    """A cache tensor as one row of bytes per block, viewing (never copying) its memory."""
-    rows = cache if cache.dim() == 2 else cache.view(cache.shape[0], -1)
-    return rows.view(torch.uint8)
 
 
 class PoolOffloadingSpec(OffloadingSpec):

@@ -48,11 +48,21 @@ class LeastLoaded(NoCacheIndex):
         return min(candidates, key=lambda worker: worker.load.busyness(worker.role))
 
 
+# Of a prompt token's compute, what loading it from the host KV pool saves: a load copies its KV
+# (~46 KB a token for SmolLM2 in float32; ~320 KB for a 70B model in bfloat16) from host memory
+# and checks its digest, at GB/s, against ~1 ms a token of prefill on these CPU workers; on a GPU
+# the margin is smaller, so the estimate stays below 1.
+POOL_LOAD_SAVES = 0.9
+
+
 class CacheAware:
     """The worker where the prompt costs least: the prompt tokens it likely has in its prefix
     cache (router/prefix_index.py, from the prompts this router sent it) less the work it has
     queued (prompt tokens yet to compute, running requests at DECODE_REQUEST_TOKENS each), as
-    SGLang's and Dynamo's routers weigh them. Ties go to the first candidate."""
+    SGLang's and Dynamo's routers weigh them. Workers that share a host KV pool (the same
+    host_id and kv_pool in their Health: docs/kv-pool.md) can each load what any of them
+    computed, at POOL_LOAD_SAVES of its compute saved, so a busy worker's history no longer
+    holds the conversation to it. Ties go to the first candidate."""
 
     name = "cache-aware"
 
@@ -70,8 +80,14 @@ class CacheAware:
 
     def choose(self, candidates: list[WorkerClient], prompt: list[int] = ()) -> WorkerClient:
         hashes = self._hashes(prompt)
+        cached = {w.address: self.index.cached_tokens(w.address, hashes) for w in candidates}
+        in_pool: dict[tuple[str, str], int] = {}
+        for worker in candidates:
+            if worker.kv_pool:
+                pool = (worker.host_id, worker.kv_pool)
+                in_pool[pool] = max(in_pool.get(pool, 0), cached[worker.address])
 
-        def gain(worker: WorkerClient) -> int:
+        def gain(worker: WorkerClient) -> float:
             report = worker.load.report
             queued = worker.load.prompt_tokens_since + worker.load.requests_since * (
                 DECODE_REQUEST_TOKENS
@@ -79,7 +95,9 @@ class CacheAware:
             if report is not None:
                 queued += report.outstanding_prefill_tokens
                 queued += report.running_requests * DECODE_REQUEST_TOKENS
-            return self.index.cached_tokens(worker.address, hashes) - queued
+            own = cached[worker.address]
+            loadable = in_pool.get((worker.host_id, worker.kv_pool), 0) if worker.kv_pool else 0
+            return own + POOL_LOAD_SAVES * max(0, loadable - own) - queued
 
         return max(candidates, key=gain)
 

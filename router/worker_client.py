@@ -52,6 +52,7 @@ class WorkerClient:
         self.device = ""  # cuda or cpu
         self.max_num_seqs = 0  # requests its engine runs at once
         self.kv_compatibility = ""  # equal on workers that can exchange KV
+        self.kv_pool = ""  # with host_id: workers that share a host KV pool (docs/kv-pool.md)
         self.users = 0  # requests using it now (in a call, or about to call it): see in_use
         self.load = WorkerLoad()  # what it reports, and what this router sent since
         self._pending_aborts: set[asyncio.Task] = set()
@@ -78,7 +79,7 @@ class WorkerClient:
             self.tensor_parallel_size = reply.tensor_parallel_size
             self.kv_transport, self.host_id = reply.kv_transport, reply.host_id
             self.device, self.max_num_seqs = reply.device, reply.max_num_seqs
-            self.kv_compatibility = reply.kv_compatibility
+            self.kv_compatibility, self.kv_pool = reply.kv_compatibility, reply.kv_pool
         return reply
 
     async def stats(

@@ -437,6 +437,75 @@ def check_digest_on_device(device) -> str:
     return f"equal to the CPU's, a flipped bit caught, {rate:.1f} GB/s"
 
 
+def check_kv_pool(device) -> str:
+    """The host KV pool's copy path (kv_transfer/pool_copy.py) through a real store process:
+    blocks of a bfloat16 and an fp8 (uint8) cache on the device go into the pool and come back
+    bit for bit into another cache's blocks; a slot whose byte changed is refused and its
+    block left as it was."""
+    if not built("kv_transfer.pool_copy"):
+        raise Skip("not built yet: kv_transfer/pool_copy.py")
+    from kv_transfer.pool_client import PoolClient
+    from kv_transfer.pool_copy import PoolMemory, cache_rows, load_blocks, store_blocks
+    from kv_transfer.pool_store import pool_listening
+
+    page = 256 << 10  # one block's bytes in each cache
+    caches = [random_bytes((BLOCKS, page // 2), torch.bfloat16, device)]
+    caches.append(random_bytes((BLOCKS, page), torch.uint8, device))
+    targets = [torch.zeros_like(cache) for cache in caches]
+    keys = [f"block {i}".encode() for i in range(4)]
+    sources, destinations = [1, 3, 5, 7], [0, 2, 4, 6]
+    slot = 2 * page
+    address = f"@pdserve-gpu-check-{time.monotonic_ns()}"
+    command = [sys.executable, "-m", "kv_transfer.pool_store", "--address", address]
+    store = subprocess.Popen([*command, "--budget-bytes", str(len(keys) * slot)])
+    try:
+        deadline = time.monotonic() + 30
+        while not pool_listening(address):
+            if time.monotonic() > deadline or store.poll() is not None:
+                raise AssertionError(f"the pool's store did not start ({store.poll()})")
+            time.sleep(0.05)
+        writer, reader = (
+            PoolClient(address, "gpu_check", slot),
+            PoolClient(address, "gpu_check", slot),
+        )
+        slots = writer.call("prepare_store", keys)["stored"]["slots"]
+        memory = PoolMemory.over(writer.memory, writer.header_bytes, writer.slots)
+        started = time.perf_counter()
+        store_blocks([cache_rows(c) for c in caches], sources, memory, slots, keys)
+        stored_s = time.perf_counter() - started
+        writer.call("complete_store", keys, success=True)
+        loaded_slots = reader.call("prepare_load", keys)["slots"]
+        memory = PoolMemory.over(reader.memory, reader.header_bytes, reader.slots)
+        started = time.perf_counter()
+        _, refused, _ = load_blocks(
+            [cache_rows(t) for t in targets], destinations, memory, loaded_slots, keys
+        )
+        loaded_s = time.perf_counter() - started
+        if refused:
+            raise AssertionError(f"intact blocks refused: {refused}")
+        for cache, target in zip(caches, targets, strict=True):
+            for source, destination in zip(sources, destinations, strict=True):
+                if not torch.equal(as_bits(cache[source]), as_bits(target[destination])):
+                    raise AssertionError(f"block {source} came back changed into {destination}")
+        memory.slots[loaded_slots[0], 5] ^= 1
+        before = as_bits(targets[0][1])
+        _, refused, _ = load_blocks(
+            [cache_rows(t) for t in targets], [1], memory, loaded_slots[:1], keys[:1]
+        )
+        if refused != [1] or not torch.equal(as_bits(targets[0][1]), before):
+            raise AssertionError("a changed byte in the pool was loaded")
+        writer.close()
+        reader.close()
+    finally:
+        store.terminate()
+        store.wait(10)
+    rate = len(keys) * slot / 1e9
+    return (
+        f"bit-exact, a changed byte refused; store {rate / stored_s:.2f} GB/s, "
+        f"load {rate / loaded_s:.2f} GB/s (with the digest)"
+    )
+
+
 def check_fault(device, kind: str) -> str:
     from kv_transfer.params import SendKv
 
@@ -724,6 +793,7 @@ def checks(device, quick: bool, megabytes: int, repeats: int) -> list[tuple[str,
             )
         )
     found.append(("integrity digest on the device", lambda: check_digest_on_device(device)))
+    found.append(("kv pool store and load", lambda: check_kv_pool(device)))
     for kind in FAULT_DAMAGE:
         found.append((f"fault {kind}", lambda k=kind: check_fault(device, k)))
     found.append(("nccl receive buffer lifetime race", lambda: check_lifetime_race(device)))

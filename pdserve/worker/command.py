@@ -85,6 +85,7 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
         settings.kv_failure_policy if receives else "",
         settings.kv_transport,
         settings.kv_fault,
+        settings.kv_pool_address if settings.pooled else "",
     )
     settings = settings.model_copy(update={"advertise_host": host})
     metrics = WorkerMetrics()

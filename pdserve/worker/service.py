@@ -68,6 +68,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         kv_failure_policy: str = "",
         kv_transport: str = AUTO_TRANSPORT,
         kv_fault: str = "",
+        kv_pool: str = "",
     ) -> None:
         from kv_transfer.transport import host_id
 
@@ -78,6 +79,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.kv_failure_policy = kv_failure_policy
         self.kv_transport = kv_transport
         self.kv_fault = kv_fault  # tests only: what the prefill legs started from now inject
+        self.kv_pool = kv_pool  # the host KV pool's address, if its engine uses one
         self.host_id = host_id()
         self.device = ""
         self.max_num_seqs = 0
@@ -284,6 +286,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             device=self.device,
             max_num_seqs=self.max_num_seqs,
             kv_compatibility=self.kv_compatibility,
+            kv_pool=self.kv_pool,
         )
 
     async def Stats(self, request, context):

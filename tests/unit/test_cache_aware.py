@@ -3,16 +3,17 @@ and a load report): prompts that share a prefix go where it is cached, unless th
 far busier; prompts that share nothing spread by load."""
 
 from pdserve.worker.protocol import worker_pb2
-from router.policies import DECODE_REQUEST_TOKENS, CacheAware
+from router.policies import DECODE_REQUEST_TOKENS, POOL_LOAD_SAVES, CacheAware
 from router.prefix_index import CHUNK_TOKENS, PrefixIndex, chunk_hashes
 from router.worker_load import WorkerLoad
 
 
 class FakeWorker:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, kv_pool: str = "", host_id: str = "host") -> None:
         self.address = self.worker_id = name
         self.role = "prefill"
         self.load = WorkerLoad()
+        self.kv_pool, self.host_id = kv_pool, host_id
 
 
 def prompt(prefix: int, length: int) -> list[int]:
@@ -70,3 +71,18 @@ def test_a_worker_picked_but_not_used_is_not_taken_to_hold_the_prompt():
     assert all(
         policy.index.cached_tokens(w.address, chunk_hashes(prompt(0, 1024))) == 0 for w in workers
     )
+
+
+def test_a_pool_mate_of_a_busy_worker_takes_its_history_and_a_stranger_does_not():
+    """a computed the prompt; b shares a's host pool, c is on another host with a pool of the
+    same name. With a moderately busy, b can load the history and wins; c would compute it all."""
+    policy = CacheAware()
+    a, b, c = FakeWorker("a", "@pool"), FakeWorker("b", "@pool"), FakeWorker("c", "@pool", "other")
+    policy.computes(a, prompt(0, 1024))
+    cached = len(chunk_hashes(prompt(0, 1024))) * CHUNK_TOKENS
+    # Busier than the load saves over b's, less busy than the whole prompt's compute.
+    busy = int(cached * (1 - POOL_LOAD_SAVES)) // DECODE_REQUEST_TOKENS + 2
+    a.load.reported(worker_pb2.StatsReply(running_requests=busy))
+    assert policy.choose([a, c], prompt(0, 1024)) is a
+    assert policy.choose([a, b, c], prompt(0, 1024)) is b
+    assert policy.choose([a, FakeWorker("b")], prompt(0, 1024)) is a  # no pool: stays

@@ -156,7 +156,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("state", "message", "worker_id", "role", "model", "max_model_len", "kv_address", "kv_failure_policy", "tensor_parallel_size", "kv_transport", "host_id", "device", "max_num_seqs", "kv_compatibility")
+    __slots__ = ("state", "message", "worker_id", "role", "model", "max_model_len", "kv_address", "kv_failure_policy", "tensor_parallel_size", "kv_transport", "host_id", "device", "max_num_seqs", "kv_compatibility", "kv_pool")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STARTING: _ClassVar[HealthReply.State]
@@ -181,6 +181,7 @@ class HealthReply(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     KV_COMPATIBILITY_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_FIELD_NUMBER: _ClassVar[int]
     state: HealthReply.State
     message: str
     worker_id: str
@@ -195,7 +196,8 @@ class HealthReply(_message.Message):
     device: str
     max_num_seqs: int
     kv_compatibility: str
-    def __init__(self, state: _Optional[_Union[HealthReply.State, str]] = ..., message: _Optional[str] = ..., worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_failure_policy: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., kv_transport: _Optional[str] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., kv_compatibility: _Optional[str] = ...) -> None: ...
+    kv_pool: str
+    def __init__(self, state: _Optional[_Union[HealthReply.State, str]] = ..., message: _Optional[str] = ..., worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_failure_policy: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., kv_transport: _Optional[str] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., kv_compatibility: _Optional[str] = ..., kv_pool: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("fresh",)

@@ -1,0 +1,87 @@
+"""KV blocks between an engine's cache and the host pool's memory (kv_transfer/pool_store.py),
+with the writer's record and the reader's check: plain torch (no vLLM, no numpy), so the same
+code runs in the engine (kv_transfer/pool_offload.py) and in scripts/gpu_check.py on a device.
+
+A slot holds one block: its rows of every cache tensor, back to back. Its header holds the
+block key's tag and the digest of the slot's bytes (kv_transfer/integrity.py), written after
+the bytes. A reader recomputes both before one byte reaches its cache: a slot that holds
+another key (evicted and reused, a store from another epoch) or other bytes (damaged memory,
+a writer that died mid-copy) is refused. On a GPU the copies are plain device <-> host copies
+of each row (the pool's memory is ordinary shared memory).
+"""
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from kv_transfer.integrity import slice_digest
+
+
+def key_tag(key: bytes) -> int:
+    """A block key's 64-bit tag, as a slot's header keeps it (signed, as an int64 holds it)."""
+    return _signed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little"))
+
+
+@dataclass
+class PoolMemory:
+    """The pool's memory as this process maps it: one (tag, digest) header per slot, and the
+    slots as rows of bytes."""
+
+    headers: torch.Tensor  # int64 [slots, 2]
+    slots: torch.Tensor  # uint8 [slots, slot bytes]
+
+    @classmethod
+    def over(cls, buffer, header_bytes: int, slots: int) -> "PoolMemory":
+        headers = torch.frombuffer(buffer, dtype=torch.int64, count=header_bytes // 8)
+        data = torch.frombuffer(buffer, dtype=torch.uint8, offset=header_bytes)
+        return cls(headers.view(-1, 2), data.view(slots, -1))
+
+
+def cache_rows(cache: torch.Tensor) -> torch.Tensor:
+    """A cache tensor as one row of bytes per block, viewing (never copying) its memory."""
+    rows = cache if cache.dim() == 2 else cache.view(cache.shape[0], -1)
+    return rows.view(torch.uint8)
+
+
+def store_blocks(
+    pages: list[torch.Tensor], blocks: list[int], memory: PoolMemory, slots, keys
+) -> int:
+    """Copy each cache block into its slot and record its key and digest; the bytes copied."""
+    copied = 0
+    for block, slot, key in zip(blocks, slots, keys, strict=True):
+        data = memory.slots[slot]
+        offset = 0
+        for page in pages:
+            row = page[int(block)]
+            data[offset : offset + row.numel()].copy_(row)
+            offset += row.numel()
+        memory.headers[slot, 0] = key_tag(key)
+        memory.headers[slot, 1] = _signed(slice_digest(data))
+        copied += offset
+    return copied
+
+
+def load_blocks(
+    pages: list[torch.Tensor], blocks: list[int], memory: PoolMemory, slots, keys
+) -> tuple[int, list[int], list[bytes]]:
+    """Copy each slot that passes its check into its cache block: (bytes copied, the blocks
+    refused, their keys). A refused block's cache rows are left as they were."""
+    copied, refused_blocks, refused_keys = 0, [], []
+    for block, slot, key in zip(blocks, slots, keys, strict=True):
+        data = memory.slots[slot]
+        recorded = (int(memory.headers[slot, 0]), int(memory.headers[slot, 1]))
+        if recorded != (key_tag(key), _signed(slice_digest(data))):
+            refused_blocks.append(int(block))
+            refused_keys.append(key)
+            continue
+        offset = 0
+        for page in pages:
+            page[int(block)].copy_(data[offset : offset + page.shape[1]])
+            offset += page.shape[1]
+        copied += offset
+    return copied, refused_blocks, refused_keys
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
