@@ -211,15 +211,18 @@ def run(args: argparse.Namespace) -> int:
         say("cores per worker: " + ", ".join(f"{w.role} {share}" for w, share in pairs))
     others, redis_group, pool_group, fork_server = [], 0, 0, None
     try:
-        pooled = decode.kv_pool == "on" and any(w.role in POOLED_ROLES for w in plan)
-        if pooled and engine.tensor_parallel_size > 1:
-            say("KV pool: off (tensor-parallel workers do not use it yet)")
-        elif pooled:
+        users = [w.role in POOLED_ROLES and decode.kv_pool == "on" for w in plan]
+        pooled = [
+            use and w.engine.tensor_parallel_size == 1 for use, w in zip(users, plan, strict=True)
+        ]
+        if pooled != users:
+            say("KV pool: not for the tensor-parallel workers (they do not use it yet)")
+        if any(pooled):
             budget = int(args.kv_pool_gib * 2**30)
             address, pool_group = local_services.start_kv_pool(log_dir / "kv-pool.log", budget)
             plan = [
-                w.model_copy(update={"kv_pool_address": address}) if w.role in POOLED_ROLES else w
-                for w in plan
+                w.model_copy(update={"kv_pool_address": address}) if use else w
+                for use, w in zip(pooled, plan, strict=True)
             ]
             say(f"KV pool: {args.kv_pool_gib:g} GiB of host memory at {address}")
         if args.routers > 1:
