@@ -457,7 +457,9 @@ def check_kv_pool(device) -> str:
     slot = 2 * page
     address = f"@pdserve-gpu-check-{time.monotonic_ns()}"
     command = [sys.executable, "-m", "kv_transfer.pool_store", "--address", address]
-    store = subprocess.Popen([*command, "--budget-bytes", str(len(keys) * slot)])
+    store = subprocess.Popen(
+        [*command, "--budget-bytes", str(len(keys) * slot)], stdout=subprocess.DEVNULL
+    )
     try:
         deadline = time.monotonic() + 30
         while not pool_listening(address):
