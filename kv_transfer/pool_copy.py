@@ -4,10 +4,11 @@ code runs in the engine (kv_transfer/pool_offload.py) and in scripts/gpu_check.p
 
 A slot holds one block: its rows of every cache tensor, back to back. Its header holds the
 block key's tag and the digest of the slot's bytes (kv_transfer/integrity.py), written after
-the bytes. A reader recomputes both before one byte reaches its cache: a slot that holds
-another key (evicted and reused, a store from another epoch) or other bytes (damaged memory,
-a writer that died mid-copy) is refused. On a GPU the copies are plain device <-> host copies
-of each row (the pool's memory is ordinary shared memory).
+the bytes. A reader checks both on its own copy of the slot before one byte reaches its cache:
+a slot that holds another key (evicted and reused, a store from another epoch) or other bytes
+(damaged memory, a writer that died mid-copy or is writing it now) is refused. On a GPU the
+copies are plain device <-> host copies of each row (the pool's memory is ordinary shared
+memory, not pinned: correct, not yet fast).
 """
 
 import hashlib
@@ -39,9 +40,11 @@ class PoolMemory:
 
 
 def cache_rows(cache: torch.Tensor) -> torch.Tensor:
-    """A cache tensor as one row of bytes per block, viewing (never copying) its memory."""
-    rows = cache if cache.dim() == 2 else cache.view(cache.shape[0], -1)
-    return rows.view(torch.uint8)
+    """A cache tensor as vLLM's offloading connector hands it over, (blocks, bytes of one
+    block), viewed as bytes (never copied)."""
+    if cache.dim() != 2:
+        raise ValueError(f"a cache of one row per block, not of shape {tuple(cache.shape)}")
+    return cache.view(torch.uint8)
 
 
 def store_blocks(
@@ -66,18 +69,22 @@ def load_blocks(
     pages: list[torch.Tensor], blocks: list[int], memory: PoolMemory, slots, keys
 ) -> tuple[int, list[int], list[bytes]]:
     """Copy each slot that passes its check into its cache block: (bytes copied, the blocks
-    refused, their keys). A refused block's cache rows are left as they were."""
+    refused, their keys). A refused block's cache rows are left as they were. The check is of
+    what is used: the slot is first copied out, then that copy is checked and loaded, so a
+    writer reusing the slot meanwhile (its pin lost with a connection) cannot slip in bytes
+    that were not checked."""
     copied, refused_blocks, refused_keys = 0, [], []
+    staging = torch.empty(memory.slots.shape[1], dtype=torch.uint8)
     for block, slot, key in zip(blocks, slots, keys, strict=True):
-        data = memory.slots[slot]
         recorded = (int(memory.headers[slot, 0]), int(memory.headers[slot, 1]))
-        if recorded != (key_tag(key), _signed(slice_digest(data))):
+        staging.copy_(memory.slots[slot])
+        if recorded != (key_tag(key), _signed(slice_digest(staging))):
             refused_blocks.append(int(block))
             refused_keys.append(key)
             continue
         offset = 0
         for page in pages:
-            page[int(block)].copy_(data[offset : offset + page.shape[1]])
+            page[int(block)].copy_(staging[offset : offset + page.shape[1]])
             offset += page.shape[1]
         copied += offset
     return copied, refused_blocks, refused_keys

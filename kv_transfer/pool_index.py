@@ -19,6 +19,8 @@ it to the workers of its host.
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
+MAX_REUSE = 3  # rounds a much-read block is spared: a once-hot block still goes, in time
+
 
 @dataclass
 class Entry:
@@ -72,7 +74,7 @@ class PoolIndex:
             return None
         for key, entry in zip(keys, entries, strict=True):
             entry.pins[owner] += 1
-            entry.reuse += 1
+            entry.reuse = min(entry.reuse + 1, MAX_REUSE)
             self._entries.move_to_end(key)
         self.hits += len(keys)
         return [entry.slot for entry in entries]

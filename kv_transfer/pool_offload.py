@@ -58,29 +58,40 @@ class PoolSlots(LoadStoreSpec):
 
 
 class PoolManager(OffloadingManager):
-    def __init__(self, client: PoolClient):
+    """The scheduler's side. `client` None: this engine does not use the pool (every lookup
+    misses, nothing is stored)."""
+
+    def __init__(self, client: PoolClient | None):
         self.client = client
+        self._unpinned: set[str] = set()  # requests whose last load found its blocks gone
+
+    def _call(self, op: str, keys, **fields) -> dict | None:
+        return self.client.call(op, list(keys), **fields) if self.client is not None else None
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        answer = self.client.call("lookup", [key])
-        return LookupResult.HIT if answer and answer["found"] else LookupResult.MISS
+        answer = self._call("lookup", [key])
+        return LookupResult.HIT if answer and answer.get("found") else LookupResult.MISS
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PoolSlots:
         keys = list(keys)
-        answer = self.client.call("prepare_load", keys)
-        return PoolSlots(self.client.store_id, answer["slots"] if answer else None, keys)
-
-    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self.client.call("touch", list(keys))
+        answer = self._call("prepare_load", keys)
+        slots = answer.get("slots") if answer else None
+        if slots is None:  # nothing pinned: its complete_load must not unpin another load's
+            self._unpinned.add(req_context.req_id)
+        store_id = self.client.store_id if self.client is not None else None
+        return PoolSlots(store_id, slots, keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self.client.call("complete_load", list(keys))
+        if req_context.req_id in self._unpinned:
+            self._unpinned.discard(req_context.req_id)
+            return
+        self._call("complete_load", keys)
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        answer = self.client.call("prepare_store", list(keys))
-        stored = answer["stored"] if answer else None
+        answer = self._call("prepare_store", keys)
+        stored = answer.get("stored") if answer else None
         if stored is None:
             return None
         new = [OffloadKey(bytes.fromhex(key)) for key in stored["keys"]]
@@ -93,28 +104,32 @@ class PoolManager(OffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        self.client.call("complete_store", list(keys), success=success)
+        self._call("complete_store", keys, success=success)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
     def shutdown(self) -> None:
-        self.client.close()
+        if self.client is not None:
+            self.client.close()
 
 
 class PoolWorker(OffloadingWorker):
-    def __init__(self, kv_caches: CanonicalKVCaches, client: PoolClient):
-        if len(kv_caches.group_data_refs) != 1:
-            raise ValueError("the KV pool holds models with one KV cache group only")
-        self.client = client
+    """The worker's side. `client` None: this engine does not use the pool (no job comes)."""
+
+    def __init__(self, kv_caches: CanonicalKVCaches, client: PoolClient | None):
         # vLLM hands each cache tensor over as (blocks, bytes of one block): int8 rows, possibly
         # strided; a block's slot holds its rows, in this order (kv_transfer/pool_copy.py).
         self.pages = [cache_rows(t.tensor) for t in kv_caches.tensors]
         self.block_bytes = sum(page.shape[1] for page in self.pages)
-        if self.block_bytes != client.slot_bytes:
-            raise ValueError(
-                f"a KV block here is {self.block_bytes} B, the pool's slots {client.slot_bytes} B"
+        if client is not None and self.block_bytes != client.slot_bytes:
+            log.error(
+                "kv pool: off: a KV block here is %d B, the pool's slots %d B",
+                self.block_bytes,
+                client.slot_bytes,
             )
+            client = None
+        self.client = client
         self.finished: list[TransferResult] = []
         self.failed_blocks: set[int] = set()  # cache blocks whose load failed its check
         self.integrity_failures = 0
@@ -144,7 +159,7 @@ class PoolWorker(OffloadingWorker):
             if refused:
                 self.failed_blocks.update(refused)
                 self.integrity_failures += len(refused)
-                self.client.call("drop", keys)
+                self.client.call("drop", keys)  # client set: memory came from it
                 log.warning(
                     "kv pool: %d block(s) failed their check: dropped, recomputed", len(keys)
                 )
@@ -153,10 +168,18 @@ class PoolWorker(OffloadingWorker):
 
     def _memory(self, spec: PoolSlots) -> PoolMemory | None:
         """The pool's memory, if `spec` was planned against the store this worker is connected
-        to now (it connects on first use)."""
-        if not self.client.connected() or spec.store_id != self.client.store_id:
+        to now (it connects on first use). A plan for another store means this worker's store
+        may be gone: asking it finds out, and a later job connects to the new one."""
+        if self.client is None or not self.client.connected():
+            return None
+        if spec.store_id != self.client.store_id:
+            self.client.call("stats")
             return None
         return PoolMemory.over(self.client.memory, self.client.header_bytes, self.client.slots)
+
+    def shutdown(self) -> None:
+        if self.client is not None:
+            self.client.close()
 
     def get_finished(self) -> list[TransferResult]:
         finished, self.finished = self.finished, []
@@ -176,10 +199,9 @@ class PoolOffloadingSpec(OffloadingSpec):
 
     def __init__(self, config):
         super().__init__(config)
-        if config.parallel.world_size != 1:
-            raise ValueError("the KV pool serves workers without tensor parallelism only")
-        if self.blocks_per_chunk != 1:
-            raise ValueError("the KV pool stores one engine block per slot")
+        self.unusable = _why_unusable(config, self.blocks_per_chunk)
+        if self.unusable:
+            log.warning("kv pool: off for this engine: %s", self.unusable)
         namespace = {
             "pool": self.extra_config.get(POOL_NAMESPACE, ""),
             "model": config.model.name,
@@ -196,12 +218,27 @@ class PoolOffloadingSpec(OffloadingSpec):
         self._manager: PoolManager | None = None
         self._worker: PoolWorker | None = None
 
+    def _client(self) -> PoolClient | None:
+        return None if self.unusable else PoolClient(*self.client_args)
+
     def get_manager(self) -> PoolManager:
         if self._manager is None:
-            self._manager = PoolManager(PoolClient(*self.client_args))
+            self._manager = PoolManager(self._client())
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> PoolWorker:
         if self._worker is None:
-            self._worker = PoolWorker(kv_caches, PoolClient(*self.client_args))
+            self._worker = PoolWorker(kv_caches, self._client())
         return self._worker
+
+
+def _why_unusable(config, blocks_per_chunk: int) -> str:
+    """Why an engine cannot share blocks through the pool yet, or "": the engine then starts
+    and runs as without one (a model the pool does not fit must not stop a worker)."""
+    if config.parallel.world_size != 1:
+        return "tensor or pipeline parallelism (one rank per engine only, yet)"
+    if len(config.groups) != 1:
+        return f"{len(config.groups)} KV cache groups (one only, yet)"
+    if blocks_per_chunk != 1:
+        return f"{blocks_per_chunk} engine blocks per offloaded chunk (one only)"
+    return ""

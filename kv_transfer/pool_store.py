@@ -4,17 +4,19 @@ computing them again.
 
     python -m kv_transfer.pool_store --address @pdserve-kv-pool-1234 --budget-bytes 1073741824
 
-The blocks live in one anonymous shared-memory file (memfd): the store hands its descriptor to
-each client over a Unix socket (SCM_RIGHTS), and the clients copy KV in and out of it directly;
-the socket carries only the index's questions (pdserve's kv_transfer/pool_index.py answers
-them). Nothing has a name in /dev/shm or on disk: the memory is gone when the store and its
-last client are, on every path, kill -9 included. An address starting with "@" is a Linux
-abstract socket (no file either); only processes of the store's own user are served (the
-peer's credentials are checked), since the blocks are prompts' KV.
+The blocks live in one anonymous shared-memory file (memfd, sealed against resizing): the store
+hands its descriptor to each client over a Unix socket (SCM_RIGHTS), and the clients copy KV in
+and out of it directly; the socket carries only the index's questions (pdserve's
+kv_transfer/pool_index.py answers them). The memory has no name in /dev/shm or on disk: it is
+gone when the store and its last client are, on every path, kill -9 included. An address
+starting with "@" is a Linux abstract socket (no file either; `serve` uses one); a path address
+is a socket file, removed when the store exits normally. Store and clients check that the other
+side runs as the same user, since the blocks are prompts' KV.
 
-A store serves one namespace (model, KV layout, block size, tensor parallelism, vLLM's block
-hash): the first client's hello sets it and its slot size; a client whose namespace differs is
-refused, and its pool stays off (it computes everything, as without a pool).
+A store serves one namespace (the model, its quantization and KV dtype, the block size and cache
+layout, vLLM's block hash seed: kv_transfer/pool_offload.py): the first client's hello sets it
+and its slot size; a client whose namespace differs is refused, and its pool stays off (it
+computes everything, as without a pool).
 
 Protocol: JSON lines. The hello's answer comes with the memory's descriptor: {"slots",
 "slot_bytes", "header_bytes", "store_id"}; a hello without a namespace is an observer's (a
@@ -25,6 +27,7 @@ then the slots, page-aligned.
 """
 
 import argparse
+import fcntl
 import json
 import mmap
 import os
@@ -40,6 +43,7 @@ from kv_transfer.pool_index import PoolIndex
 HEADER_BYTES_PER_SLOT = 16  # key tag (8) and digest (8) of what the writer put there
 PAGE = mmap.PAGESIZE
 HELLO_BYTES = 4096  # a hello answer fits (it is read with the descriptor, in one recv)
+MAX_SLOTS = 1 << 20  # the index's size bound (a 1 TiB pool of 1 MiB blocks)
 
 
 def header_bytes(slots: int) -> int:
@@ -77,12 +81,16 @@ class PoolStore:
         with self.lock:
             if self.namespace is None:
                 slots = self.budget_bytes // max(1, slot_bytes)
-                if slots < 1 or slot_bytes < 1:
+                if not 1 <= slots <= MAX_SLOTS or slot_bytes < 1:
                     return {
-                        "error": f"a budget of {self.budget_bytes} B holds no {slot_bytes} B block"
+                        "error": f"a budget of {self.budget_bytes} B in {slot_bytes} B blocks: "
+                        f"{slots} slots, not 1 to {MAX_SLOTS}"
                     }
-                self.fd = os.memfd_create("pdserve-kv-pool", os.MFD_CLOEXEC)
+                self.fd = os.memfd_create("pdserve-kv-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
                 os.ftruncate(self.fd, header_bytes(slots) + slots * slot_bytes)
+                # No client may resize it (a shrink would fault every other client's reads).
+                seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, seals)
                 self.namespace, self.slot_bytes = namespace, slot_bytes
                 self.index = PoolIndex(slots)
             elif (namespace, slot_bytes) != (self.namespace, self.slot_bytes):
@@ -110,8 +118,6 @@ class PoolStore:
                 return {"slots": index.prepare_load(keys, owner)}
             if op == "complete_load":
                 index.complete_load(keys, owner)
-            elif op == "touch":
-                index.touch(keys)
             elif op == "prepare_store":
                 stored = index.prepare_store(keys, owner)
                 if stored is None:

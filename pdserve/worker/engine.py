@@ -53,7 +53,7 @@ def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
             return producer
         # Both, in vLLM's MultiConnector: the producer finds nothing to load (a prefill worker
         # receives no KV), so the pool's answer is the one vLLM loads; both see every block.
-        pool = pool_kv_transfer_config(worker.kv_pool_address, _pool_namespace())
+        pool = pool_kv_transfer_config(worker.kv_pool_address, _pool_namespace(worker))
         return {
             "kv_connector": "MultiConnector",
             "kv_role": "kv_both",
@@ -86,14 +86,16 @@ def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
             },
         }
     if worker.pooled:  # colocated
-        return pool_kv_transfer_config(worker.kv_pool_address, _pool_namespace())
+        return pool_kv_transfer_config(worker.kv_pool_address, _pool_namespace(worker))
     return None
 
 
-def _pool_namespace() -> str:
-    """What else two engines' block hashes depend on: vLLM's hash seed (the KV pool's spec
-    adds the model, dtype, block size and layout)."""
-    return f"PYTHONHASHSEED={os.environ.get('PYTHONHASHSEED', '')}"
+def _pool_namespace(worker: WorkerSettings) -> str:
+    """What else two engines' block hashes and KV bytes depend on, beyond what the KV pool's
+    spec adds (the model folder, KV dtype, block size and layout): the weights' quantization,
+    and vLLM's block hash (its default algorithm, seeded by PYTHONHASHSEED when set)."""
+    seed = os.environ.get("PYTHONHASHSEED", "")
+    return f"quantization={worker.engine.quantization}, hash=sha256, PYTHONHASHSEED={seed}"
 
 
 class EngineStats:

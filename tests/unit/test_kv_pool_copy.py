@@ -11,12 +11,18 @@ import sys
 import numpy as np
 import pytest
 import torch
-from vllm.v1.kv_offload.base import CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+    ReqContext,
+)
 
 from kv_transfer.pool_client import PoolClient
 from kv_transfer.pool_offload import PoolManager, PoolSlots, PoolWorker
 from pdserve.worker.processes import stop_group
 
+REQUEST = ReqContext("request-1")
 BLOCKS = 6
 PAGES = (1024, 512)  # two cache tensors: bytes of one block in each
 SLOT = sum(PAGES)
@@ -63,21 +69,21 @@ def gpu(blocks: list[int]) -> GPULoadStoreSpec:
 
 
 def store(manager: PoolManager, worker: PoolWorker, keys: list[bytes], blocks: list[int]):
-    plan = manager.prepare_store(keys, None)
+    plan = manager.prepare_store(keys, REQUEST)
     worker.submit_store(1, gpu(blocks), plan.store_spec)
     (result,) = worker.get_finished()
     assert result.success and result.transfer_size == len(blocks) * SLOT
-    manager.complete_store(keys, None)
+    manager.complete_store(keys, REQUEST)
 
 
 def test_a_stored_block_lands_bit_for_bit_in_another_engines_cache(address):
     manager_a, worker_a, caches_a = engine(address)
     manager_b, worker_b, caches_b = engine(address)
     store(manager_a, worker_a, [b"k0", b"k1"], [2, 5])
-    assert manager_b.lookup(b"k1", None).name == "HIT"
-    spec = manager_b.prepare_load([b"k0", b"k1"], None)
+    assert manager_b.lookup(b"k1", REQUEST).name == "HIT"
+    spec = manager_b.prepare_load([b"k0", b"k1"], REQUEST)
     worker_b.submit_load(2, spec, gpu([0, 3]))
-    manager_b.complete_load([b"k0", b"k1"], None)
+    manager_b.complete_load([b"k0", b"k1"], REQUEST)
     assert worker_b.take_failed_blocks() == set()
     for a, b in zip(caches_a, caches_b, strict=True):
         assert torch.equal(a[2].view(torch.uint8), b[0].view(torch.uint8))
@@ -91,7 +97,7 @@ def test_a_changed_byte_or_another_keys_slot_is_refused_and_dropped(address):
     before = [cache.clone() for cache in caches_b]
     client = worker_a.client
     view = np.frombuffer(client.memory, np.uint8)
-    spec = manager_b.prepare_load([b"k0", b"k1", b"k2"], None)
+    spec = manager_b.prepare_load([b"k0", b"k1", b"k2"], REQUEST)
     view[client.header_bytes + spec.slots[0] * SLOT + 7] ^= 1  # k0's bytes changed
     swapped = PoolSlots(spec.store_id, [spec.slots[0], spec.slots[1], spec.slots[1]], spec.keys)
     worker_b.submit_load(2, swapped, gpu([3, 4, 5]))  # k0 damaged, k1 fine, k2 reads k1's slot
@@ -100,17 +106,31 @@ def test_a_changed_byte_or_another_keys_slot_is_refused_and_dropped(address):
         assert torch.equal(cache[3].view(torch.uint8), old[3].view(torch.uint8))
         assert torch.equal(cache[5].view(torch.uint8), old[5].view(torch.uint8))
         assert not torch.equal(cache[4].view(torch.uint8), old[4].view(torch.uint8))
-    manager_b.complete_load([b"k0", b"k1", b"k2"], None)
+    manager_b.complete_load([b"k0", b"k1", b"k2"], REQUEST)
     assert manager_b.client.call("stats")["dropped"] == 2
-    assert manager_b.lookup(b"k0", None).name == "MISS"
+    assert manager_b.lookup(b"k0", REQUEST).name == "MISS"
 
 
 def test_a_load_planned_against_a_store_that_is_gone_is_refused(address):
     manager, worker, caches = engine(address)
     store(manager, worker, [b"k0"], [0])
-    spec = manager.prepare_load([b"k0"], None)
+    spec = manager.prepare_load([b"k0"], REQUEST)
     stale = PoolSlots("another store", spec.slots, spec.keys)
     before = caches[0][1].clone()
     worker.submit_load(2, stale, gpu([1]))
     assert worker.take_failed_blocks() == {1}
     assert torch.equal(caches[0][1], before)
+
+
+def test_a_load_that_pinned_nothing_does_not_unpin_another_loads_blocks(address):
+    manager_a, worker_a, _ = engine(address)
+    manager_b, _, _ = engine(address)
+    store(manager_a, worker_a, [b"k0"], [0])
+    assert manager_b.prepare_load([b"k0"], ReqContext("holder")).slots is not None  # pinned
+    missing = manager_b.prepare_load([b"k0", b"gone"], ReqContext("late"))
+    assert missing.slots is None
+    manager_b.complete_load([b"k0", b"gone"], ReqContext("late"))
+    # k0 is still pinned by "holder": a store needing every slot cannot evict it
+    assert manager_a.prepare_store([b"x1", b"x2", b"x3", b"x4"], REQUEST) is None
+    manager_b.complete_load([b"k0"], ReqContext("holder"))
+    assert manager_a.prepare_store([b"x1", b"x2", b"x3", b"x4"], REQUEST) is not None

@@ -3,9 +3,11 @@
 a client of another namespace is refused, a client that goes away releases what it held, and a
 store that dies makes calls answer None at once and is found again when it comes back."""
 
+import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,7 +17,7 @@ import pytest
 
 from kv_transfer import pool_client
 from kv_transfer.pool_client import PoolClient
-from kv_transfer.pool_store import header_bytes
+from kv_transfer.pool_store import HELLO_BYTES, header_bytes, socket_address
 from pdserve.worker.processes import stop_group
 from tests.waiting import wait_for
 
@@ -96,7 +98,8 @@ def test_a_client_that_goes_away_releases_its_pins_and_unfinished_writes(store, 
 
 
 def test_a_dead_store_answers_none_at_once_and_a_new_one_is_found(address, monkeypatch):
-    monkeypatch.setattr(pool_client, "RECONNECT_S", 0.2)
+    monkeypatch.setattr(pool_client, "FIRST_RETRY_S", 0.2)
+    monkeypatch.setattr(pool_client, "LAST_RETRY_S", 0.4)
     store = start_store(address)
     client = PoolClient(address, NAMESPACE, SLOT)
     try:
@@ -115,6 +118,22 @@ def test_a_dead_store_answers_none_at_once_and_a_new_one_is_found(address, monke
         stop_group(store.pid, process=store)
 
 
+def test_a_hung_store_costs_one_call_deadline_then_calls_return_at_once(store, address):
+    client = PoolClient(address, NAMESPACE, SLOT)
+    assert client.call("lookup", [b"k"]) == {"found": 0}
+    os.kill(store.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        assert client.call("lookup", [b"k"]) is None
+        assert time.monotonic() - started < 2 * pool_client.CALL_TIMEOUT_S
+        started = time.monotonic()
+        for _ in range(20):  # within the back-off: no call waits on the store again
+            assert client.call("lookup", [b"k"]) is None
+        assert time.monotonic() - started < 0.1
+    finally:
+        os.kill(store.pid, signal.SIGCONT)
+
+
 def test_an_observer_gets_the_figures_and_no_memory(store, address):
     observer = PoolClient(address, namespace=None)
     assert observer.call("stats")["slots"] == 0  # no worker has said what the pool holds
@@ -124,3 +143,21 @@ def test_an_observer_gets_the_figures_and_no_memory(store, address):
     stats = observer.call("stats")
     assert (stats["slots"], stats["used"], stats["bytes"]) == (4, 1, SLOT)
     assert observer.memory is None
+
+
+def test_no_client_can_resize_the_memory_and_an_absurd_slot_size_is_refused(address):
+    store = start_store(address, budget=1 << 30)
+    try:
+        assert PoolClient(address, "tiny slots", 1).call("lookup", [b"k"]) is None  # 2^30 slots
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+            raw.connect(socket_address(address))
+            hello = {"op": "hello", "namespace": NAMESPACE, "slot_bytes": SLOT}
+            raw.sendall((json.dumps(hello) + "\n").encode())
+            _, (fd,), _, _ = socket.recv_fds(raw, HELLO_BYTES, 1)
+            try:
+                with pytest.raises(PermissionError):  # sealed: a shrink faults others' reads
+                    os.ftruncate(fd, 0)
+            finally:
+                os.close(fd)
+    finally:
+        stop_group(store.pid, process=store)
