@@ -31,6 +31,7 @@ import logging
 import statistics
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import traceback
@@ -446,7 +447,8 @@ def check_kv_pool(device) -> str:
         raise Skip("not built yet: kv_transfer/pool_copy.py")
     from kv_transfer.pool_client import PoolClient
     from kv_transfer.pool_copy import PoolMemory, cache_rows, load_blocks, store_blocks
-    from kv_transfer.pool_store import pool_listening
+    from pdserve.cluster.local_services import start_kv_pool
+    from pdserve.worker.processes import stop_group
 
     page = 256 << 10  # one block's bytes in each cache
     caches = [random_bytes((BLOCKS, page // 2), torch.bfloat16, device)]
@@ -455,17 +457,9 @@ def check_kv_pool(device) -> str:
     keys = [f"block {i}".encode() for i in range(4)]
     sources, destinations = [1, 3, 5, 7], [0, 2, 4, 6]
     slot = 2 * page
-    address = f"@pdserve-gpu-check-{time.monotonic_ns()}"
-    command = [sys.executable, "-m", "kv_transfer.pool_store", "--address", address]
-    store = subprocess.Popen(
-        [*command, "--budget-bytes", str(len(keys) * slot)], stdout=subprocess.DEVNULL
-    )
+    log_path = Path(tempfile.mkdtemp(prefix="gpu-check-")) / "kv-pool.log"
+    address, store = start_kv_pool(log_path, len(keys) * slot)
     try:
-        deadline = time.monotonic() + 30
-        while not pool_listening(address):
-            if time.monotonic() > deadline or store.poll() is not None:
-                raise AssertionError(f"the pool's store did not start ({store.poll()})")
-            time.sleep(0.05)
         writer, reader = (
             PoolClient(address, "gpu_check", slot),
             PoolClient(address, "gpu_check", slot),
@@ -499,8 +493,7 @@ def check_kv_pool(device) -> str:
         writer.close()
         reader.close()
     finally:
-        store.terminate()
-        store.wait(10)
+        stop_group(store.pid, process=store)
     rate = len(keys) * slot / 1e9
     return (
         f"bit-exact, a changed byte refused; store {rate / stored_s:.2f} GB/s, "

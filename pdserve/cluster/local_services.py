@@ -4,6 +4,7 @@ outlives `up`, and `pdserve down` stops it by its process group id (pdserve/work
 
 import os
 import secrets
+import subprocess
 import sys
 from pathlib import Path
 
@@ -97,10 +98,13 @@ def start_redis(
     return f"redis://127.0.0.1:{port}/0", process.pid
 
 
-def start_kv_pool(log_path: Path, budget_bytes: int) -> tuple[str, int]:
-    """The host KV pool (kv_transfer/pool_store.py) on an abstract Unix socket of its own,
-    ending with this process (`pdserve serve`); returns (address, process group)."""
-    address = f"@pdserve-kv-pool-{secrets.token_hex(6)}"
+def start_kv_pool(
+    log_path: Path, budget_bytes: int, address: str = ""
+) -> tuple[str, subprocess.Popen]:
+    """The host KV pool (kv_transfer/pool_store.py) at `address` (default: an abstract Unix
+    socket of its own), ending with this process (`pdserve serve`); returns (address, process)
+    once it accepts connections."""
+    address = address or f"@pdserve-kv-pool-{secrets.token_hex(6)}"
     command = [sys.executable, "-m", "kv_transfer.pool_store", "--address", address]
     process = spawn([*command, "--budget-bytes", str(budget_bytes)], log_path, dict(os.environ))
     try:
@@ -115,7 +119,7 @@ def start_kv_pool(log_path: Path, budget_bytes: int) -> tuple[str, int]:
     except ChildError:
         stop_group(process.pid, process=process)
         raise
-    return address, process.pid
+    return address, process
 
 
 def _spawn(command: list[str], log_path: Path, env: dict[str, str]):

@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
         binds = [{OMP_BIND_ENV: share} for share in shares]
         pairs = zip(plan, shares, strict=True)
         say("cores per worker: " + ", ".join(f"{w.role} {share}" for w, share in pairs))
-    others, redis_group, pool_group, fork_server = [], 0, 0, None
+    others, redis_group, pool, fork_server = [], 0, None, None
     try:
         users = [w.role in POOLED_ROLES and decode.kv_pool == "on" for w in plan]
         pooled = [
@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
             say("KV pool: not for the tensor-parallel workers (they do not use it yet)")
         if any(pooled):
             budget = int(args.kv_pool_gib * 2**30)
-            address, pool_group = local_services.start_kv_pool(log_dir / "kv-pool.log", budget)
+            address, pool = local_services.start_kv_pool(log_dir / "kv-pool.log", budget)
             plan = [
                 w.model_copy(update={"kv_pool_address": address}) if use else w
                 for use, w in zip(pooled, plan, strict=True)
@@ -258,8 +258,8 @@ def run(args: argparse.Namespace) -> int:
             fork_server.close()
         if redis_group:
             stop_group(redis_group)
-        if pool_group:
-            stop_group(pool_group)
+        if pool is not None:
+            stop_group(pool.pid, process=pool)
 
 
 POOLED_ROLES = (Role.COLOCATED, Role.PREFILL)  # the KV pool's users (docs/kv-pool.md)

@@ -86,10 +86,10 @@ class Server:
 
 
 # The two streams, each a list of modules in the order they run, of about equal length. Stream a
-# holds the largest cluster (the mixed pool: 5 SmolLM2 engines, ~12 GB), then the tiny model's
-# (Ray's, ~6 GB with its head; the flex sweep's; bfloat16). Stream b holds at most three SmolLM2
-# engines at a time (~7 GB): the default cluster (stopped after its last user) beside vLLM's own
-# server, the flex cluster, then the tiny model at TP 2 (~9 GB). (A third stream, tried: the
+# holds the largest cluster (the mixed pool: 5 SmolLM2 engines, ~12 GB), the KV pool's two, then
+# the tiny model's (Ray's, ~6 GB with its head; the flex sweep's). Stream b holds at most three
+# SmolLM2 engines at a time (~7 GB): the default cluster (stopped after its last user) beside
+# vLLM's own server, the flex cluster, then the tiny model at TP 2 (~9 GB) and in bfloat16. (A third stream, tried: the
 # host's cores were then the limit, and the third default cluster it needed cost more than it
 # saved.)
 STREAMS = {
@@ -100,8 +100,6 @@ STREAMS = {
         "test_kv_pool",
         "test_cluster_ray",
         "test_flex_sweep",
-        "test_bfloat16",
-        "test_gpu_check",
     ],
     "b": [
         "test_api_keys",
@@ -117,6 +115,8 @@ STREAMS = {
         "test_worker_observability",
         "test_flex_roles",
         "test_tensor_parallel",
+        "test_bfloat16",
+        "test_gpu_check",
     ],
 }
 _PLACES = {

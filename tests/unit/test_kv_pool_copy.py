@@ -4,10 +4,6 @@ whose bytes changed in the pool, or whose slot holds another key, is refused (re
 recomputation and dropped from the pool), never copied; a load planned against a store that is
 gone fails the same way."""
 
-import secrets
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -20,6 +16,7 @@ from vllm.v1.kv_offload.base import (
 
 from kv_transfer.pool_client import PoolClient
 from kv_transfer.pool_offload import PoolManager, PoolSlots, PoolWorker
+from pdserve.cluster.local_services import start_kv_pool
 from pdserve.worker.processes import stop_group
 
 REQUEST = ReqContext("request-1")
@@ -29,25 +26,10 @@ SLOT = sum(PAGES)
 
 
 @pytest.fixture
-def address():
-    address = f"@pdserve-kv-pool-test-{secrets.token_hex(4)}"
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kv_transfer.pool_store",
-            "--address",
-            address,
-            "--budget-bytes",
-            str(4 * SLOT),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    assert "listening" in process.stdout.readline()
+def address(tmp_path):
+    address, store = start_kv_pool(tmp_path / "kv-pool.log", 4 * SLOT)
     yield address
-    stop_group(process.pid, process=process)
+    stop_group(store.pid, process=store)
 
 
 def engine(address: str) -> tuple[PoolManager, PoolWorker, list[torch.Tensor]]:

@@ -9,7 +9,7 @@ import secrets
 import signal
 import socket
 import subprocess
-import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,6 +18,7 @@ import pytest
 from kv_transfer import pool_client
 from kv_transfer.pool_client import PoolClient
 from kv_transfer.pool_store import HELLO_BYTES, header_bytes, socket_address
+from pdserve.cluster.local_services import start_kv_pool
 from pdserve.worker.processes import stop_group
 from tests.waiting import wait_for
 
@@ -26,22 +27,8 @@ NAMESPACE = "model x, layout y"
 
 
 def start_store(address: str, budget: int = 4 * SLOT) -> subprocess.Popen:
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kv_transfer.pool_store",
-            "--address",
-            address,
-            "--budget-bytes",
-            str(budget),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    assert "listening" in process.stdout.readline()
-    return process
+    log_path = Path(tempfile.mkdtemp(prefix="kv-pool-")) / "kv-pool.log"
+    return start_kv_pool(log_path, budget, address)[1]
 
 
 @pytest.fixture
