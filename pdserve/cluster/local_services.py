@@ -107,18 +107,8 @@ def start_kv_pool(
     address = address or f"@pdserve-kv-pool-{secrets.token_hex(6)}"
     command = [sys.executable, "-m", "kv_transfer.pool_store", "--address", address]
     process = spawn([*command, "--budget-bytes", str(budget_bytes)], log_path, dict(os.environ))
-    try:
-        wait_until(
-            lambda: pool_listening(address),
-            process,
-            KV_POOL_START_TIMEOUT_S,
-            f"the KV pool at {address}",
-            log_path,
-            poll_s=0.05,
-        )
-    except ChildError:
-        stop_group(process.pid, process=process)
-        raise
+    what = f"the KV pool at {address}"
+    _wait_ready(process, lambda: pool_listening(address), KV_POOL_START_TIMEOUT_S, what, log_path)
     return address, process
 
 
@@ -127,15 +117,14 @@ def _spawn(command: list[str], log_path: Path, env: dict[str, str]):
 
 
 def _wait_listening(process, port: int, timeout_s: float, what: str, log_path: Path) -> None:
+    _wait_ready(process, lambda: is_listening(port), timeout_s, f"{what} on port {port}", log_path)
+
+
+def _wait_ready(process, ready, timeout_s: float, what: str, log_path: Path) -> None:
+    """Until `ready()`; a service that exits first or misses the deadline is stopped, and
+    ChildError says so."""
     try:
-        wait_until(
-            lambda: is_listening(port),
-            process,
-            timeout_s,
-            f"{what} on port {port}",
-            log_path,
-            poll_s=0.2,
-        )
+        wait_until(ready, process, timeout_s, what, log_path, poll_s=0.1)
     except ChildError:
         stop_group(process.pid, process=process)
         raise

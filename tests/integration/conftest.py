@@ -89,9 +89,9 @@ class Server:
 # holds the largest cluster (the mixed pool: 5 SmolLM2 engines, ~12 GB), the KV pool's two, then
 # the tiny model's (Ray's, ~6 GB with its head; the flex sweep's). Stream b holds at most three
 # SmolLM2 engines at a time (~7 GB): the default cluster (stopped after its last user) beside
-# vLLM's own server, the flex cluster, then the tiny model at TP 2 (~9 GB) and in bfloat16. (A third stream, tried: the
-# host's cores were then the limit, and the third default cluster it needed cost more than it
-# saved.)
+# vLLM's own server, the flex cluster, then the tiny model at TP 2 (~9 GB) and in bfloat16. (A
+# third stream, tried: the host's cores were then the limit, and the third default cluster it
+# needed cost more than it saved.)
 STREAMS = {
     "a": [
         "test_kv_transports",
