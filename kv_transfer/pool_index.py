@@ -47,7 +47,6 @@ class PoolIndex:
         self._free = list(range(slots - 1, -1, -1))
         self._entries: OrderedDict[bytes, Entry] = OrderedDict()  # least recently used first
         self.hits = 0
-        self.misses = 0
         self.evictions = 0
         self.dropped = 0
 
@@ -70,7 +69,6 @@ class PoolIndex:
         readable any more."""
         entries = [self._entries.get(key) for key in keys]
         if any(entry is None or not entry.ready for entry in entries):
-            self.misses += len(keys)
             return None
         for key, entry in zip(keys, entries, strict=True):
             entry.pins[owner] += 1

@@ -132,7 +132,6 @@ class PoolWorker(OffloadingWorker):
         self.client = client
         self.finished: list[TransferResult] = []
         self.failed_blocks: set[int] = set()  # cache blocks whose load failed its check
-        self.integrity_failures = 0
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: PoolSlots) -> bool:
         started = time.perf_counter()
@@ -158,7 +157,6 @@ class PoolWorker(OffloadingWorker):
             )
             if refused:
                 self.failed_blocks.update(refused)
-                self.integrity_failures += len(refused)
                 self.client.call("drop", keys)  # client set: memory came from it
                 log.warning(
                     "kv pool: %d block(s) failed their check: dropped, recomputed", len(keys)

@@ -154,7 +154,6 @@ class PoolStore:
             "slot_bytes": self.slot_bytes,
             "bytes": index.used * self.slot_bytes,
             "hits": index.hits,
-            "misses": index.misses,
             "evictions": index.evictions,
             "dropped": index.dropped,
         }

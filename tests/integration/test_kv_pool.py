@@ -10,16 +10,13 @@ request (the workers compute what they would have loaded).
 """
 
 import asyncio
-import json
-import mmap
 import os
 import signal
-import socket
 
 import httpx
 import pytest
 
-from kv_transfer.pool_store import HELLO_BYTES, socket_address
+from kv_transfer.pool_client import PoolClient
 from tests.integration.conftest import SERVED_MODEL, _stop_and_check, start_server
 from tests.integration.http_client import HTTP
 from tests.integration.processes import command_line, descendants
@@ -127,24 +124,12 @@ def damage_every_slot(server) -> None:
     """Flip a byte in every slot of the pool's memory, as a client of the store would see it
     (the store hands its memory to any client of the workers' namespace)."""
     address = store_address(server)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as observer:
-        observer.connect(socket_address(address))
-        observer.sendall(b'{"op": "hello"}\n{"op": "stats"}\n')
-        stream = observer.makefile("rb")
-        stream.readline()
-        stats = json.loads(stream.readline())
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
-        client.connect(socket_address(address))
-        hello = {"op": "hello", "namespace": stats["namespace"], "slot_bytes": stats["slot_bytes"]}
-        client.sendall((json.dumps(hello) + "\n").encode())
-        data, (fd,), _, _ = socket.recv_fds(client, HELLO_BYTES, 1)
-        reply = json.loads(data)
-        size = reply["header_bytes"] + reply["slots"] * reply["slot_bytes"]
-        with mmap.mmap(fd, size) as memory:
-            for slot in range(reply["slots"]):
-                at = reply["header_bytes"] + slot * reply["slot_bytes"] + 1000
-                memory[at] ^= 0xFF
-        os.close(fd)
+    stats = PoolClient(address, namespace=None).call("stats")
+    client = PoolClient(address, stats["namespace"], stats["slot_bytes"])
+    assert client.connected()
+    for slot in range(client.slots):
+        client.memory[client.header_bytes + slot * client.slot_bytes + 1000] ^= 0xFF
+    client.close()
 
 
 def store_address(server) -> str:
