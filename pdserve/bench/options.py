@@ -175,7 +175,7 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse._Argume
         metavar="SECONDS",
         help="a request still unfinished after this counts as failed (default: %(default)s)",
     )
-    out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    out.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     return out
 
 

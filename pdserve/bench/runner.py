@@ -1,5 +1,5 @@
 """Drives a benchmark: sends the requests open-loop (at scheduled times) or closed-loop (a fixed
-number in flight), with an optional deadline and a progress bar on stderr.
+number in flight), with an optional deadline and its progress on stderr (pdserve/progress.py).
 
 The benchmark duration runs, as in `vllm bench serve`, from just before the first request is
 scheduled until the last one has finished. At the deadline no new request is sent (those are
@@ -16,21 +16,21 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import httpx
-from tqdm import tqdm
 
 from pdserve.bench.client import Target, make_http_client, send
 from pdserve.bench.records import RequestRecord
 from pdserve.bench.workload import BenchRequest
+from pdserve.progress import Progress
 
 
 @dataclass
 class Session:
-    """One benchmark run: its HTTP client, clock, deadline and progress bar."""
+    """One benchmark run: its HTTP client, clock, deadline and progress line."""
 
     http: httpx.AsyncClient
     target: Target
     timeout: float
-    bar: tqdm
+    progress: Progress
     start: float
     deadline: float
     failed: int = 0
@@ -41,13 +41,12 @@ class Session:
         return time.perf_counter() + after >= self.deadline
 
     async def send(self, request: BenchRequest) -> RequestRecord:
-        """Send one request, cut off at the deadline, and count it on the progress bar."""
+        """Send one request, cut off at the deadline, and count it on the progress line."""
         remaining = self.deadline - time.perf_counter()
         record = await send(self.http, self.target, request, min(self.timeout, remaining))
-        self.bar.update(1)
         if not record.ok:
             self.failed += 1
-            self.bar.set_postfix(failed=self.failed)
+        self.progress.advance(note=f"{self.failed} failed" if self.failed else "")
         return record
 
     async def run_jobs(
@@ -95,17 +94,17 @@ async def session(
     progress: bool = True,
 ) -> AsyncIterator[Session]:
     """A session whose clock starts now; its `duration` is set on leaving. `total` is the number
-    of requests the progress bar expects."""
-    bar = tqdm(total=total, unit="req", disable=not progress)
+    of requests the progress line expects."""
+    line = Progress(total, "requests", enabled=progress)
     try:
         async with make_http_client() as http:
             start = time.perf_counter()
             deadline = start + max_duration if max_duration else math.inf
-            running = Session(http, target, timeout, bar, start, deadline)
+            running = Session(http, target, timeout, line, start, deadline)
             yield running
             running.duration = time.perf_counter() - start
     finally:
-        bar.close()
+        line.close()
 
 
 async def run(

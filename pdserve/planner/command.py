@@ -41,6 +41,7 @@ from pdserve.planner.search import (
     search,
 )
 from pdserve.planner.sim_workload import WorkloadSpec
+from pdserve.progress import Progress
 
 DEFAULT_GPU = "A100-80GB"
 
@@ -280,7 +281,8 @@ def _run_search(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         print(f"pdserve plan: error: {error}", file=sys.stderr)
         return 2
-    evaluations = search(hardware, scenario, args.gpus, args.rate, _progress)
+    progress = Progress(0, "configurations simulated")
+    evaluations = search(hardware, scenario, args.gpus, args.rate, progress.at)
     if not evaluations or not evaluations[0].meets_slo:
         print(_search_table(evaluations))
         print(
@@ -341,15 +343,6 @@ def _workload(args: argparse.Namespace) -> WorkloadSpec:
             input_len, output_len, args.long_fraction, Length.parse(args.long_input_len)
         )
     return WorkloadSpec(input_len, output_len)
-
-
-def _progress(done: int, total: int) -> None:
-    print(
-        f"\rsimulated {done}/{total} configurations",
-        end="\n" if done == total else "",
-        file=sys.stderr,
-        flush=True,
-    )
 
 
 def _search_table(evaluations: list[Evaluation]) -> str:
