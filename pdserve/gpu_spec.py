@@ -1,5 +1,8 @@
 """GPUs as the capacity math sees them: memory size, memory bandwidth, 16-bit tensor throughput."""
 
+import os
+import shutil
+import subprocess
 from dataclasses import dataclass
 
 GB = 10**9
@@ -49,3 +52,14 @@ def gpu_preset(name: str) -> GpuSpec:
         return GPU_PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown GPU preset {name!r}; known: {', '.join(GPU_PRESETS)}") from None
+
+
+def local_gpus() -> int:
+    """GPUs this process may use: CUDA_VISIBLE_DEVICES' entries if set, else nvidia-smi's."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([device for device in visible.split(",") if device.strip()])
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    return sum(line.startswith("GPU ") for line in listed.stdout.splitlines())

@@ -1,20 +1,24 @@
-"""The host KV pool on and off: multi-turn conversations on two colocated workers with
-round-robin routing, so a conversation's next turn often lands on the worker that did not compute
-its history (docs/kv-pool.md).
+"""The host KV pool on and off: multi-turn conversations (or a Mooncake-format trace) on two
+colocated workers with round-robin routing, so a conversation's next turn often lands on the
+worker that did not compute its history (docs/kv-pool.md).
 
     python scripts/bench_kv_pool.py [--repeats 3] [--conversations 12] [--turns 4]
         [--concurrency 4] [--think-time 1] [--input-len 256] [--output-len 32]
-        [--output-dir DIR] [--output-json FILE]
+        [--trace FILE --trace-block-size 16] [--output-dir DIR] [--output-json FILE]
 
 Each round starts `pdserve serve --colocated --workers 2 --policy round-robin --kv-pool off|on
 --kv-cache-gib 0.5` (its logs under OUTPUT_DIR/ROUND-POOL/), runs `pdserve bench --workload
-conversation` against it, scrapes the workers' pdserve_kv_pool_hits_total and stops it; off
-and on alternate, and which goes first alternates by round. Every process is started in its own
-process group and stopped on every path out (Ctrl-C and SIGTERM included). Prints a markdown
-table: per configuration, the median over rounds and [min, max] of TTFT p50/p90 of turn 0 and of
-turns >= 1, the prefix hit rate, its infinite-cache bound, the pool hits and failed requests;
-then the median (and range) of the per-round ratio TTFT p50 of turns >= 1, off/on.
-About 1.5 minutes per configuration and round on 2 cores.
+conversation` (or, with --trace, `--workload trace --trace-format mooncake` at the trace's own
+times: scripts/scale_mooncake_trace.py scales one of Mooncake's traces to this host) against it,
+scrapes the workers' pdserve_kv_pool_hits_total and stops it; off and on alternate, and which
+goes first alternates by round. Every process is started in its own process group and stopped
+on every path out (Ctrl-C and SIGTERM included). Prints a markdown table: per configuration,
+the median over rounds and [min, max] of TTFT p50/p90 of three groups of requests, the prefix
+hit rate, its infinite-cache bound, the pool hits and failed requests; then the median (and
+range) of the per-round ratios TTFT p50 off/on. The groups: for conversations turn 0, turns
+>= 1 and turns >= 2; for a trace the requests with nothing an earlier one had, those with some,
+and those with at least half of their prompt. About 1.5 minutes per configuration and round on
+2 cores (a trace: its duration).
 """
 
 import argparse
@@ -39,11 +43,17 @@ from pdserve.worker.processes import free_port, log_tail, spawn, stop_group
 MODEL = "smollm2"
 METRICS_URL = re.compile(r"metrics on (http://\S+/metrics)")
 POOL_HITS = 'pdserve_kv_pool_hits_total{tier="host"}'
-FIGURES = {  # key: (column title, format)
-    "ttft_turn0_p50": ("TTFT turn 0 p50 ms", "ms"),
-    "ttft_turn0_p90": ("TTFT turn 0 p90 ms", "ms"),
-    "ttft_later_p50": ("TTFT turns>=1 p50 ms", "ms"),
-    "ttft_later_p90": ("TTFT turns>=1 p90 ms", "ms"),
+GROUPS = {  # the request groups' names, for conversations and for traces
+    "conversation": {"first": "turn 0", "later": "turns>=1", "most": "turns>=2"},
+    "trace": {"first": "no reuse", "later": "reuse", "most": "reuse>=1/2"},
+}
+FIGURES = {  # key: (column title, format); {first}, {later}, {most}: the groups' names
+    "ttft_first_p50": ("TTFT {first} p50 ms", "ms"),
+    "ttft_first_p90": ("TTFT {first} p90 ms", "ms"),
+    "ttft_later_p50": ("TTFT {later} p50 ms", "ms"),
+    "ttft_later_p90": ("TTFT {later} p90 ms", "ms"),
+    "ttft_most_p50": ("TTFT {most} p50 ms", "ms"),
+    "ttft_most_p90": ("TTFT {most} p90 ms", "ms"),
     "prefix_hit_rate": ("prefix hit rate", "%"),
     "infinite_cache_hit_rate": ("infinite-cache bound", "%"),
     "pool_hits": ("pool hits (tokens)", "n"),
@@ -66,6 +76,8 @@ def main() -> int:
     add("--ready-timeout", type=float, default=600, help="s a server may take to start")
     add("--bench-timeout", type=float, default=900, help="s one bench run may take in all")
     add("--request-timeout", type=float, default=300, help="s a request may take (then failed)")
+    add("--trace", type=Path, help="a Mooncake-format trace instead of conversations")
+    add("--trace-block-size", type=int, default=16, help="its tokens per hash id (default 16)")
     add("--output-dir", type=Path, help="logs and bench JSON (default: a new temporary folder)")
     add("--output-json", type=Path, help="write every run's figures here")
     args = parser.parse_args()
@@ -82,7 +94,15 @@ def main() -> int:
         config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
         args.output_json.write_text(
-            json.dumps({"config": config, "runs": runs, "ratios": ratios(runs)}, indent=2) + "\n"
+            json.dumps(
+                {
+                    "config": config,
+                    "runs": runs,
+                    "ratios": {key: ratios(runs, f"ttft_{key}_p50") for key in ("later", "most")},
+                },
+                indent=2,
+            )
+            + "\n"
         )
         say(f"wrote {args.output_json}")
     return 0
@@ -110,8 +130,9 @@ def one_run(number: int, pool: str, model_dir: Path, folder: Path, args) -> dict
     figures = summarize(json.loads(result.read_text())) | {"pool_hits": hits}
     errors = errors_in(folder / "bench.log")
     say(
-        f"{name} TTFT p50 turn 0 {ms(figures['ttft_turn0_p50'])} ms, turns>=1 "
-        f"{ms(figures['ttft_later_p50'])} ms; hit rate {pct(figures['prefix_hit_rate'])}, "
+        f"{name} TTFT p50 {ms(figures['ttft_first_p50'])} / {ms(figures['ttft_later_p50'])} / "
+        f"{ms(figures['ttft_most_p50'])} ms ({', '.join(groups(args).values())}); hit rate "
+        f"{pct(figures['prefix_hit_rate'])}, "
         f"pool hits {hits:.0f}, {figures['failed']} failed"
         + (f"; errors in the bench log: {errors}" if errors else "")
     )
@@ -119,12 +140,18 @@ def one_run(number: int, pool: str, model_dir: Path, folder: Path, args) -> dict
 
 
 def bench(url: str, model_dir: Path, result: Path, log_path: Path, args) -> None:
-    """`pdserve bench --workload conversation` in its own process group, within a deadline."""
+    """`pdserve bench` (conversations, or the trace) in its own process group, within a
+    deadline."""
     command = [sys.executable, "-m", "pdserve.cluster.cli", "bench", "--url", url]
-    command += ["--model", MODEL, "--workload", "conversation", "--tokenizer", str(model_dir)]
-    command += ["--conversations", str(args.conversations), "--turns", str(args.turns)]
-    command += ["--concurrency", str(args.concurrency), "--think-time", str(args.think_time)]
-    command += ["--input-len", args.input_len, "--output-len", args.output_len, "--ignore-eos"]
+    command += ["--model", MODEL, "--tokenizer", str(model_dir), "--ignore-eos"]
+    if args.trace:
+        command += ["--workload", "trace", "--trace-format", "mooncake", "--trace", str(args.trace)]
+        command += ["--trace-block-size", str(args.trace_block_size), "--endpoint", "completions"]
+    else:
+        command += ["--workload", "conversation"]
+        command += ["--conversations", str(args.conversations), "--turns", str(args.turns)]
+        command += ["--concurrency", str(args.concurrency), "--think-time", str(args.think_time)]
+        command += ["--input-len", args.input_len, "--output-len", args.output_len]
     command += ["--seed", str(args.seed), "--timeout", str(args.request_timeout)]
     command += ["--output-json", str(result), "--no-progress"]
     process = spawn(command, log_path)
@@ -149,17 +176,30 @@ def pool_hits(log_dir: Path) -> float:
     return total
 
 
+def groups(args) -> dict[str, str]:
+    return GROUPS["trace" if args.trace else "conversation"]
+
+
+def group(request: dict) -> set[str]:
+    """The groups a successful request is in (conversation turns, or a trace's reuse)."""
+    if request["turn"] is not None:
+        turn = request["turn"]
+        return {"first"} if turn == 0 else {"later"} | ({"most"} if turn >= 2 else set())
+    reused = min(request["cacheable_tokens"] or 0, request["input_tokens"])
+    if not reused:
+        return {"first"}
+    return {"later"} | ({"most"} if 2 * reused >= request["input_tokens"] else set())
+
+
 def summarize(document: dict) -> dict:
-    """TTFT of turn 0 and of turns >= 1 (successful requests), hit rates, failed requests."""
+    """TTFT of each group (successful requests), hit rates, failed requests."""
     done = [r for r in document["requests"] if r["error"] is None]
-    first = distribution([r["ttft"] for r in done if r["turn"] == 0])
-    later = distribution([r["ttft"] for r in done if r["turn"] is not None and r["turn"] >= 1])
+    figures = {}
+    for name in ("first", "later", "most"):
+        ttft = distribution([r["ttft"] for r in done if name in group(r)])
+        figures |= {f"ttft_{name}_p50": ttft.p50, f"ttft_{name}_p90": ttft.p90}
     summary = document["summary"]
-    return {
-        "ttft_turn0_p50": first.p50,
-        "ttft_turn0_p90": first.p90,
-        "ttft_later_p50": later.p50,
-        "ttft_later_p90": later.p90,
+    return figures | {
         "prefix_hit_rate": summary["prefix_hit_rate"],
         "infinite_cache_hit_rate": summary["infinite_cache_hit_rate"],
         "failed": summary["failed"],
@@ -173,9 +213,9 @@ def errors_in(log_path: Path) -> list[str]:
     return [line for line in lines if re.search(r"error|traceback|exception", line, re.I)][:5]
 
 
-def ratios(runs: list[dict]) -> list[float]:
-    """Per round: TTFT p50 of turns >= 1 with the pool off / with it on."""
-    by_round = {(r["round"], r["pool"]): r["ttft_later_p50"] for r in runs}
+def ratios(runs: list[dict], key: str = "ttft_later_p50") -> list[float]:
+    """Per round: a figure (TTFT p50 of turns >= 1) with the pool off / with it on."""
+    by_round = {(r["round"], r["pool"]): r[key] for r in runs}
     rounds = sorted({r["round"] for r in runs})
     pairs = [(by_round[(n, "off")], by_round[(n, "on")]) for n in rounds]
     return [off / on for off, on in pairs if off is not None and on]
@@ -199,24 +239,32 @@ def cell(values: list, kind: str) -> str:
 
 
 def table(runs: list[dict], args) -> str:
+    if args.trace:
+        workload = f"the trace {args.trace.name} (blocks of {args.trace_block_size} tokens)"
+    else:
+        workload = (
+            f"{args.conversations} conversations x {args.turns} turns, {args.concurrency} at a "
+            f"time, messages {args.input_len} tokens, replies {args.output_len}"
+        )
+    names = groups(args)
     lines = [
-        f"{args.conversations} conversations x {args.turns} turns, {args.concurrency} at a time, "
-        f"messages {args.input_len} tokens, replies {args.output_len}; 2 colocated workers, "
-        f"round-robin; median [min, max] over {args.repeats} rounds",
+        f"{workload}; 2 colocated workers, round-robin; median [min, max] over "
+        f"{args.repeats} rounds",
         "",
-        "| pool | " + " | ".join(title for title, _ in FIGURES.values()) + " |",
+        "| pool | " + " | ".join(title.format(**names) for title, _ in FIGURES.values()) + " |",
         "|---" * (len(FIGURES) + 1) + "|",
     ]
     for pool in ("off", "on"):
         these = [r for r in runs if r["pool"] == pool]
         cells = [cell([r[key] for r in these], kind) for key, (_, kind) in FIGURES.items()]
         lines.append(f"| {pool} | " + " | ".join(cells) + " |")
-    found = ratios(runs)
-    if found:
-        lines.append(
-            f"\nTTFT p50 turns>=1, off/on: {statistics.median(found):.2f} "
-            f"[{min(found):.2f}, {max(found):.2f}] (median of per-round ratios)"
-        )
+    for name in ("later", "most"):
+        found = ratios(runs, f"ttft_{name}_p50")
+        if found:
+            lines.append(
+                f"\nTTFT p50 {names[name]}, off/on: {statistics.median(found):.2f} "
+                f"[{min(found):.2f}, {max(found):.2f}] (median of per-round ratios)"
+            )
     return "\n".join(lines)
 
 

@@ -1,17 +1,21 @@
-"""Check the simulator against the real cluster on this machine: calibrate the step-time model
-on 1 prefill + 1 decode worker (or take a calibration file), predict the goodput of that cluster
-at three request rates, measure the same requests with the benchmark, and print both side by
-side with the error.
+"""Check the planner's simulator against the real cluster on this machine, for the layouts
+`pdserve serve --layout auto` chooses among: calibrate the step-time model (1 prefill + 1 decode
+worker sharing the host, then one colocated worker alone on it), then for each layout (one
+colocated worker with every core, 1P1D, two colocated workers) predict the goodput at three
+request rates and measure it with the benchmark, under two SLOs (TTFT-bound and TPOT-bound,
+from the same requests), and print predicted, measured, the error and whether the layouts rank
+the same.
 
-    python scripts/validate_simulator.py [--rates 0.5,1,2] [--num-requests 16] [--slo ...]
-        [--workload mixed] [--write-calibration cpu.json | --calibration cpu.json]
+    python scripts/validate_simulator.py [--rates 0.5,1,1.5] [--num-requests 60]
+        [--slos "ttft=2s,tpot=150ms;ttft=1s,tpot=100ms"] [--layouts colocated,1P1D,2xcolocated]
+        [--write-calibration FILE | --calibration FILE] [--output-json FILE]
 
-Without --rates the three rates are 30%, 70% and 120% of the throughput the calibrated model
-says 1P1D can sustain without contention: one at ease, one loaded, one past capacity. Every
-request goes disaggregated (--route-policy length --disaggregate-min-tokens 0) on both the real
-cluster and the simulated one (whose router otherwise models the runtime's default, the
-estimate). The calibration (also what `pdserve plan --calibration` reads) includes how much the
-two workers, sharing this host's cores, slow each other. Takes a few minutes and every core.
+The measured clusters run `pdserve serve`'s defaults (the `estimate` path choice, round-robin,
+after-prefill admission, the KV pool), as the simulator models them. Without --rates the three
+rates are 30%, 70% and 120% of the throughput the calibrated model says 1P1D can sustain
+without contention: one at ease, one loaded, one past capacity. Each layout and rate sends the
+same requests (the same lengths, in new words, so no prompt hits a prefix cache) at the same
+times. Takes 15-25 minutes and every core; the tables go to stdout, progress to stderr.
 """
 
 import argparse
@@ -28,70 +32,64 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pdserve.bench.arrivals import arrival_times
 from pdserve.bench.client import Target, first_model, make_http_client
 from pdserve.bench.local_cluster import local_cluster
-from pdserve.bench.metrics import Slo, Summary, summarize
+from pdserve.bench.metrics import Slo, summarize
+from pdserve.bench.records import RequestRecord
 from pdserve.bench.report import record_json
 from pdserve.bench.runner import run as run_benchmark
 from pdserve.bench.runner import warm_up
-from pdserve.bench.workload import (
-    DEFAULT_INPUT_LEN,
-    BenchRequest,
-    Length,
-    PromptText,
-    load_tokenizer,
-    mixed,
-    synthetic,
-)
+from pdserve.bench.workload import BenchRequest, PromptText, load_tokenizer, mixed
 from pdserve.model_store.store import ensure_model
-from pdserve.planner.calibration import Calibration, fit_steps
+from pdserve.planner.calibration import Calibration, FittedSteps, fit_steps
 from pdserve.planner.capacity import kv_bytes_per_token
+from pdserve.planner.host_layouts import (
+    HOST_WORKLOAD,
+    HostLayout,
+    host_hardware,
+    host_layouts,
+    layout_cluster,
+)
 from pdserve.planner.model_spec import MODEL_PRESETS
-from pdserve.planner.search import CalibratedHardware, Candidate, throughput_bound
+from pdserve.planner.search import CalibratedHardware, throughput_bound
 from pdserve.planner.sim_workload import from_bench
-from pdserve.planner.simulator import SimCluster, simulate
+from pdserve.planner.simulator import simulate
 from pdserve.worker.processes import free_port
 
 KV_CACHE_GIB = 1
-KV_BANDWIDTH_BYTES_PER_S = 0.5e9  # gRPC over loopback, measured here (docs/planner.md)
-KV_LATENCY_S = 0.005
 CPU_BLOCK_SIZE = 128
+WORKERS_PER_HOST = 2
+SLOS = "ttft=2s,tpot=150ms;ttft=1s,tpot=100ms"  # TTFT-bound; TPOT-bound (issue tables)
+LAYOUTS = {layout.name.replace(" ", ""): layout for layout in host_layouts(WORKERS_PER_HOST)}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", help="request rates (req/s); default: from the calibration")
     parser.add_argument(
-        "--rates", help="three request rates (req/s); default: from the calibration"
+        "--num-requests", type=int, default=60, help="requests per layout and rate (default 60)"
     )
+    parser.add_argument("--slos", default=SLOS, help=f"SLOs separated by ';' (default {SLOS!r})")
     parser.add_argument(
-        "--num-requests", type=int, default=16, help="requests per rate (default 16)"
+        "--layouts",
+        default=",".join(LAYOUTS),
+        help=f"layouts to check, of {', '.join(LAYOUTS)} (default all)",
     )
-    parser.add_argument(
-        "--workload",
-        choices=("synthetic", "mixed"),
-        default="synthetic",
-        help="synthetic, or mixed: 10%% long prompts (normal:1500,150) among short ones "
-        "(default synthetic)",
-    )
-    parser.add_argument(
-        "--input-len",
-        help="prompt tokens (default: synthetic 128-384, mixed "
-        f"{DEFAULT_INPUT_LEN['mixed']}, the short ones)",
-    )
-    parser.add_argument("--output-len", default="24", help="output tokens (default 24)")
-    parser.add_argument(
-        "--slo", default="ttft=1.5s,tpot=200ms", help="default ttft=1.5s,tpot=200ms"
-    )
-    parser.add_argument("--serve-args", default="", help="more options for pdserve serve")
     parser.add_argument(
         "--log-dir",
         type=Path,
         help="cluster logs and the calibration's requests (default: a new temporary folder)",
+    )
+    parser.add_argument(
+        "--output-json",
+        type=Path,
+        help="write the cells (layout, rate, slo, predicted, measured, error) here "
+        "(scripts/simulator_validation.json is one such run)",
     )
     calibration = parser.add_mutually_exclusive_group()
     calibration.add_argument(
         "--write-calibration",
         type=Path,
         metavar="FILE",
-        help="also write the calibration measured here (for pdserve plan --calibration)",
+        help="also write the calibration measured here (for pdserve plan and serve --layout auto)",
     )
     calibration.add_argument(
         "--calibration",
@@ -100,73 +98,180 @@ def main() -> int:
         help="predict with this calibration instead of measuring one",
     )
     args = parser.parse_args()
-    slo = Slo.parse(args.slo)
+    slos = [(text, Slo.parse(text)) for text in args.slos.split(";")]
+    unknown = set(args.layouts.split(",")) - set(LAYOUTS)
+    if unknown:
+        parser.error(f"--layouts: unknown {sorted(unknown)}; known: {', '.join(LAYOUTS)}")
+    layouts = [LAYOUTS[name] for name in args.layouts.split(",")]
     model_dir = ensure_model("smollm2")
     text = PromptText(0, load_tokenizer(str(model_dir)))
-    serve_args = [
-        "--kv-cache-gib",
-        str(KV_CACHE_GIB),
-        "--route-policy",
-        "length",
-        "--disaggregate-min-tokens",
-        "0",
-        *args.serve_args.split(),
-    ]
-    print("starting 1 prefill + 1 decode worker ...", file=sys.stderr, flush=True)
     args.log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-validate-"))
-    with local_cluster(1, 1, free_port(), args.log_dir, serve_args) as url:
-        return asyncio.run(validate(url, args, slo, text))
-
-
-async def validate(url: str, args, slo: Slo, text: PromptText) -> int:
-    async with make_http_client() as http:
-        target = Target(url, await first_model(http, url), ignore_eos=True)
-    requests = workload(args, text)
-    print("warming up ...", file=sys.stderr, flush=True)
-    await warm_up(fresh(requests, text), target, min(len(requests), 8))
+    requests = mixed(
+        args.num_requests,
+        HOST_WORKLOAD.long_fraction,
+        HOST_WORKLOAD.input_len,
+        HOST_WORKLOAD.long_input_len,
+        HOST_WORKLOAD.output_len,
+        text,
+    )
     if args.calibration:
         calibration = Calibration.load(args.calibration)
     else:
-        calibration = await calibrate(target, requests, text, args.log_dir)
+        calibration = measure_calibration(requests, text, args.log_dir)
         if args.write_calibration:
             calibration.save(args.write_calibration)
-            print(f"wrote {args.write_calibration}", file=sys.stderr)
-    print(
-        f"calibration: prefill = {calibration.prefill_base_s * 1e3:.1f} ms + "
-        f"{calibration.prefill_per_token_s * 1e3:.3f} ms/token; "
-        f"decode step = {calibration.decode_base_s * 1e3:.1f} ms + "
-        f"{calibration.decode_per_request_s * 1e3:.2f} ms/request; contention: prefill "
-        f"+{calibration.prefill_contention:.0%}, decode +{calibration.decode_contention:.0%} "
-        "per busy neighbour"
-    )
-    cluster = cpu_cluster(calibration)
+            say(f"wrote {args.write_calibration}")
+    print(describe(calibration))
+    hardware = host_hardware(calibration)
     if args.rates:
         rates = [float(rate) for rate in args.rates.split(",")]
     else:
-        bound = throughput_bound(cluster, from_bench(requests, [0.0] * len(requests)))
+        split = layout_cluster(LAYOUTS["1P1D"], hardware)
+        bound = throughput_bound(split, from_bench(requests, [0.0] * len(requests)))
         rates = [round(bound * share, 2) for share in (0.3, 0.7, 1.2)]
-    rows = []
-    for rate in rates:
-        offsets = arrival_times(len(requests), rate, seed=0)
-        sent = fresh(requests, text)
-        predicted = summarize(*simulate(cluster, from_bench(sent, offsets)), slo)
-        print(
-            f"measuring {len(requests)} requests at {rate:g} req/s ...", file=sys.stderr, flush=True
-        )
-        records, duration = await run_benchmark(sent, target, offsets=offsets, progress=False)
-        rows.append((rate, predicted, summarize(records, duration, slo)))
-    print(comparison_table(rows, args.slo))
+    cells = []
+    for layout in layouts:
+        cells += measure_layout(layout, hardware, requests, rates, slos, text, args.log_dir)
+    rank_cells(cells)
+    for slo_text, _ in slos:
+        print(comparison_table([c for c in cells if c["slo"] == slo_text], slo_text))
+    if args.output_json:
+        args.output_json.write_text(json.dumps(cells, indent=2) + "\n")
+        say(f"wrote {args.output_json}")
     return 0
 
 
-def workload(args, text: PromptText) -> list[BenchRequest]:
-    output_len = Length.parse(args.output_len)
-    if args.workload == "mixed":
-        short = Length.parse(args.input_len or DEFAULT_INPUT_LEN["mixed"])
-        return mixed(
-            args.num_requests, 0.1, short, Length.parse("normal:1500,150"), output_len, text
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def serve_arguments(layout: HostLayout) -> list[str]:
+    return ["--kv-cache-gib", str(KV_CACHE_GIB), *layout.serve_arguments]
+
+
+def measure_calibration(requests: list[BenchRequest], text: PromptText, log_dir: Path):
+    """The step costs of 1P1D's workers sharing the host (every prompt disaggregated, so each
+    worker's steps are its role's) and of one colocated worker alone on it."""
+    split_arguments = ["--route-policy", "length", "--disaggregate-min-tokens", "0"]
+    shared = asyncio.run(
+        calibrated_steps(
+            [*serve_arguments(LAYOUTS["1P1D"]), *split_arguments], requests, text, log_dir / "1P1D"
         )
-    return synthetic(args.num_requests, Length.parse(args.input_len or "128-384"), output_len, text)
+    )
+    alone = asyncio.run(
+        calibrated_steps(
+            serve_arguments(LAYOUTS["colocated"]), requests, text, log_dir / "colocated"
+        )
+    )
+    per_token = kv_bytes_per_token(MODEL_PRESETS["smollm2-135m"])
+    return Calibration.from_fit(
+        shared,
+        alone,
+        model="smollm2",
+        measured_on=f"{os.cpu_count()} cores: 1 prefill + 1 decode worker, and 1 colocated "
+        "worker alone (pdserve serve), scripts/validate_simulator.py",
+        workers_per_host=WORKERS_PER_HOST,
+        kv_capacity_tokens=KV_CACHE_GIB * 2**30 // per_token,
+        block_size=CPU_BLOCK_SIZE,
+    )
+
+
+async def calibrated_steps(
+    serve_args: list[str], requests: list[BenchRequest], text: PromptText, log_dir: Path
+) -> FittedSteps:
+    say(f"calibrating on pdserve serve {' '.join(serve_args)} (logs: {log_dir}) ...")
+    with local_cluster(0, 1, free_port(), log_dir, serve_args) as url:
+        target = await target_at(url)
+        await warm_up(fresh(requests, text), target, min(len(requests), 8))
+        return await calibrate(target, requests, text, log_dir)
+
+
+async def target_at(url: str) -> Target:
+    async with make_http_client() as http:
+        return Target(url, await first_model(http, url), ignore_eos=True)
+
+
+def measure_layout(
+    layout: HostLayout,
+    hardware: CalibratedHardware,
+    requests: list[BenchRequest],
+    rates: list[float],
+    slos: list[tuple[str, Slo]],
+    text: PromptText,
+    log_dir: Path,
+) -> list[dict]:
+    """A cell per rate and SLO: the layout's predicted and measured goodput."""
+    cluster = layout_cluster(layout, hardware)
+    folder = log_dir / layout.name.replace(" ", "")
+    say(f"{layout.name}: starting pdserve serve {' '.join(serve_arguments(layout))} ...")
+    cells = []
+    with local_cluster(0, 1, free_port(), folder, serve_arguments(layout)) as url:
+        target = asyncio.run(target_at(url))
+        asyncio.run(warm_up(fresh(requests, text), target, min(len(requests), 8)))
+        for rate in rates:
+            offsets = arrival_times(len(requests), rate, seed=0)
+            sent = fresh(requests, text)
+            predicted = simulate(cluster, from_bench(sent, offsets))
+            say(f"{layout.name}: measuring {len(sent)} requests at {rate:g} req/s ...")
+            measured = asyncio.run(run_benchmark(sent, target, offsets=offsets, progress=False))
+            for slo_text, slo in slos:
+                cells.append(cell(layout, rate, slo_text, slo, predicted, measured))
+    return cells
+
+
+def cell(
+    layout: HostLayout,
+    rate: float,
+    slo_text: str,
+    slo: Slo,
+    predicted: tuple[list[RequestRecord], float],
+    measured: tuple[list[RequestRecord], float],
+) -> dict:
+    guess, seen = summarize(*predicted, slo), summarize(*measured, slo)
+    return {
+        "layout": layout.name,
+        "rate": rate,
+        "slo": slo_text,
+        "predicted": round(guess.goodput, 4),
+        "measured": round(seen.goodput, 4),
+        "error": round((guess.goodput - seen.goodput) / seen.goodput, 4) if seen.goodput else None,
+        "predicted_attainment": round(guess.slo_attainment, 4),
+        "measured_attainment": round(seen.slo_attainment, 4),
+        **{
+            f"{side}_{figure}_p90_s": round(getattr(summary, figure).p90 or 0.0, 4)
+            for side, summary in (("predicted", guess), ("measured", seen))
+            for figure in ("ttft", "tpot")
+        },
+        "measured_failed": sum(not record.ok for record in measured[0]),
+    }
+
+
+def rank_cells(cells: list[dict]) -> None:
+    """Adds to each cell its layout's rank among the layouts at the same rate and SLO, by
+    predicted and by measured goodput (1 = best), and whether the two rankings are equal."""
+    for key in {(c["rate"], c["slo"]) for c in cells}:
+        group = [c for c in cells if (c["rate"], c["slo"]) == key]
+        for figure in ("predicted", "measured"):
+            for rank, c in enumerate(sorted(group, key=lambda c: -c[figure]), start=1):
+                c[f"rank_{figure}"] = rank
+        same = all(c["rank_predicted"] == c["rank_measured"] for c in group)
+        for c in group:
+            c["ranking_matches"] = same
+
+
+def describe(calibration: Calibration) -> str:
+    shared, alone = calibration.cost, calibration.alone_cost
+    return (
+        f"calibration, {calibration.workers_per_host} workers sharing the host: prefill = "
+        f"{shared.prefill_base_s * 1e3:.1f} ms + {shared.prefill_s_per_token * 1e3:.3f} ms/token; "
+        f"decode step = {shared.decode_base_s * 1e3:.1f} ms + "
+        f"{shared.decode_s_per_sequence * 1e3:.2f} ms/request; contention: prefill "
+        f"+{calibration.prefill_contention:.0%}, decode +{calibration.decode_contention:.0%} "
+        "per busy neighbour\n"
+        f"calibration, one worker alone: prefill = {alone.prefill_base_s * 1e3:.1f} ms + "
+        f"{alone.prefill_s_per_token * 1e3:.3f} ms/token; decode step = "
+        f"{alone.decode_base_s * 1e3:.1f} ms + {alone.decode_s_per_sequence * 1e3:.2f} ms/request"
+    )
 
 
 def fresh(requests: list[BenchRequest], text: PromptText) -> list[BenchRequest]:
@@ -214,53 +319,34 @@ async def calibrate(
         start = min(r.send_time for r in records)
         entries.append([record_json(r, start) for r in records])
     (log_dir / "calibration-runs.json").write_text(json.dumps(entries))  # what was fitted
-    per_token = kv_bytes_per_token(MODEL_PRESETS["smollm2-135m"])
-    return Calibration.from_fit(
-        fit_steps(entries),
-        model="smollm2",
-        measured_on=f"{os.cpu_count()} cores, 1 prefill + 1 decode worker (pdserve serve), "
-        "scripts/validate_simulator.py",
-        workers_per_host=2,
-        kv_capacity_tokens=KV_CACHE_GIB * 2**30 // per_token,
-        block_size=CPU_BLOCK_SIZE,
-    )
+    return fit_steps(entries)
 
 
-def cpu_cluster(calibration: Calibration) -> SimCluster:
-    """1P1D of SmolLM2-135M on this machine, as the simulator sees it, its router told what the
-    measured one runs with (every prompt disaggregated)."""
-    hardware = CalibratedHardware(
-        calibration,
-        kv_bytes_per_token(MODEL_PRESETS["smollm2-135m"]),
-        KV_BANDWIDTH_BYTES_PER_S,
-        KV_LATENCY_S,
-    )
-    cluster = hardware.cluster(Candidate(1, 1, 1, 1))
-    return replace(cluster, route_policy="length", disaggregate_min_tokens=0)
+def comparison_table(cells: list[dict], slo: str) -> str:
+    """Per layout and rate: goodput predicted and measured, the error, and the ranks."""
 
-
-def comparison_table(rows: list[tuple[float, Summary, Summary]], slo: str) -> str:
-    def ms(value: float | None) -> str:
-        return "-" if value is None else f"{value * 1e3:.0f}"
-
-    def error(predicted: float, measured: float) -> str:
-        return "-" if measured == 0 else f"{(predicted - measured) / measured:+.0%}"
+    def error(value: float | None) -> str:
+        return "-" if value is None else f"{value:+.0%}"
 
     lines = [
-        f"1P1D, SLO {slo}: predicted (simulator, calibrated) vs measured (pdserve bench)",
-        f"{'rate':>6} | {'goodput req/s':^22} | {'SLO met':^13} | "
-        f"{'p90 TTFT ms':^15} | {'p90 TPOT ms':^13}",
-        f"{'req/s':>6} | {'pred':>7}{'meas':>8}{'error':>7} | {'pred':>6}{'meas':>7} | "
-        f"{'pred':>7}{'meas':>8} | {'pred':>6}{'meas':>7}",
+        f"SLO {slo}: goodput (req/s meeting it) predicted by the simulator vs measured",
+        f"{'layout':<14}{'rate':>6} | {'pred':>6}{'meas':>7}{'error':>7} | "
+        f"{'met pred':>9}{'meas':>6} | {'rank pred':>9}{'meas':>5} | {'failed':>6}",
     ]
-    for rate, predicted, measured in rows:
+    for c in sorted(cells, key=lambda c: (c["rate"], c["rank_measured"])):
         lines.append(
-            f"{rate:>6.2f} | {predicted.goodput:>7.2f}{measured.goodput:>8.2f}"
-            f"{error(predicted.goodput, measured.goodput):>7} | "
-            f"{predicted.slo_attainment:>6.0%}{measured.slo_attainment:>7.0%} | "
-            f"{ms(predicted.ttft.p90):>7}{ms(measured.ttft.p90):>8} | "
-            f"{ms(predicted.tpot.p90):>6}{ms(measured.tpot.p90):>7}"
+            f"{c['layout']:<14}{c['rate']:>6.2f} | {c['predicted']:>6.2f}{c['measured']:>7.2f}"
+            f"{error(c['error']):>7} | {c['predicted_attainment']:>9.0%}"
+            f"{c['measured_attainment']:>6.0%} | {c['rank_predicted']:>9}{c['rank_measured']:>5} | "
+            f"{c['measured_failed']:>6}"
         )
+    rates = sorted({c["rate"] for c in cells})
+    matches = [all(c["ranking_matches"] for c in cells if c["rate"] == r) for r in rates]
+    errors = [abs(c["error"]) for c in cells if c["error"] is not None]
+    lines.append(
+        f"ranking as measured at {sum(matches)} of {len(rates)} rates; "
+        f"error within 15% in {sum(e <= 0.15 for e in errors)} of {len(cells)} cells"
+    )
     return "\n".join(lines)
 
 

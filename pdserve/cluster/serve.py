@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pdserve.cluster import local_services
+from pdserve.cluster import local_services, serve_layout
 from pdserve.cluster.console import say
 from pdserve.cluster.local_workers import (
     OMP_BIND_ENV,
@@ -150,10 +150,26 @@ def add_parser(subparsers) -> None:
     )
     add_arguments(parser, RouterSettings, exclude=("model", "registry", "cluster", "otlp_endpoint"))
     add_arguments(parser.add_argument_group("engine"), EngineSettings)
+    serve_layout.add_arguments(parser)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.layout == serve_layout.AUTO:
+        try:
+            model = getattr(args, "model", EngineSettings.model_fields["model"].default)
+            report = print if args.dry_run else say  # a dry run's answer is its output
+            planned = serve_layout.plan_layout(args, model, report)
+        except (ValueError, OSError, ModelError) as error:
+            print(f"pdserve serve: {error}", file=sys.stderr)
+            return 2
+        report(f"layout: {planned.name} (pdserve serve {' '.join(planned.serve_arguments)})")
+        if args.dry_run:
+            return 0
+        planned.apply(args)
+    elif args.dry_run:
+        print("pdserve serve: --dry-run: only with --layout auto", file=sys.stderr)
+        return 2
     if not args.colocated and (args.decode < 1 or args.prefill < 0):
         print("pdserve serve: need --decode >= 1 and --prefill >= 0", file=sys.stderr)
         return 2

@@ -14,8 +14,6 @@ it joins (half prefill, rounded down), and `pdserve scale` changes the roles, no
 
 import argparse
 import os
-import shutil
-import subprocess
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -34,6 +32,7 @@ from pdserve.cluster.placement import (
     model_shape,
     worker_slots,
 )
+from pdserve.gpu_spec import local_gpus
 from pdserve.settings.base import ConfigError
 from pdserve.settings.cluster_file import ClusterFile, load_cluster_file
 from pdserve.settings.cluster_secret import cluster_secret, ensure_cluster_secret
@@ -279,7 +278,7 @@ def local_node(slots: list[WorkerSlot]) -> dict[str, float]:
     cpus_needed = sum(s.tensor_parallel_size for s in slots if s.device == "CPU")
     return {
         "CPU": float(max(os.cpu_count() or 1, cpus_needed, LOCAL_CPU_SLOTS)),
-        "GPU": float(_local_gpus()),
+        "GPU": float(local_gpus()),
     }
 
 
@@ -297,13 +296,6 @@ def assumed_nodes(slots: list[WorkerSlot], gpus: int | None, count: int) -> list
         {"CPU": cpus, "GPU": float(total // count + (index < total % count))}
         for index in range(count)
     ]
-
-
-def _local_gpus() -> int:
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
-    return sum(line.startswith("GPU ") for line in listed.stdout.splitlines())
 
 
 def _totals(nodes: list[dict[str, float]]) -> dict[str, float]:

@@ -4,10 +4,11 @@ a calibration file that `pdserve plan --calibration` reads instead of the roofli
 A bench JSON has, per request, its send time, TTFT, every inter-token gap and its token
 counts; that is enough to recover step times without instrumenting the engine:
 - prefill = (a + b · prompt tokens) · (1 + k_p · f), by least squares over the TTFTs of requests
-  whose prefill ran alone on the prefill worker (sent after every earlier request had its first
-  token), so queueing is left out; f is the share of that TTFT during which other requests were
-  decoding. With pdserve's default admission the first token comes from the prefill worker, so
-  such a TTFT is one prefill step plus fixed overheads (HTTP, tokenization), which land in `a`;
+  whose prefill ran alone on the prefill worker (no other request waited for its first token
+  meanwhile), so queueing and batched prompts are left out; f is the share of that TTFT during
+  which other requests were decoding. With pdserve's default admission the first token comes
+  from the prefill worker, so such a TTFT is one prefill step plus fixed overheads (HTTP,
+  tokenization), which land in `a`;
 - decode = (c + d · batch) · (1 + k_d · f), over the inter-token gaps, each paired with the
   number of requests on the decode worker (between their second and last token) at the gap's
   midpoint, and f the share of the gap during which another request waited for its first token
@@ -31,7 +32,7 @@ import numpy as np
 from pdserve.costs.step_costs import StepCosts
 
 IDLE_SHARE = 0.1
-FORMAT = "pdserve-calibration/1"
+FORMAT = "pdserve-calibration/2"
 _KINDS = {str: (str, "a string"), int: (int, "an integer"), float: ((int, float), "a number")}
 
 
@@ -46,7 +47,10 @@ class FittedSteps:
 class Calibration:
     """One worker's measured step costs and how the workers of one host slowed each other;
     what a calibration file holds (flat JSON of these fields plus "format"). In the search a
-    GPU stands for one worker of this size, and `workers_per_host` of them share a host."""
+    GPU stands for one worker of this size, and `workers_per_host` of them share a host. The
+    `alone_*` costs are those of one worker with the whole host to itself (every core: the
+    one-worker colocated layout, planner.host_layouts); equal to the others when
+    `workers_per_host` is 1, or when they were not measured."""
 
     model: str
     measured_on: str  # free text: the host and cluster it was measured on
@@ -59,10 +63,19 @@ class Calibration:
     workers_per_host: int
     kv_capacity_tokens: int  # per worker
     block_size: int
+    alone_prefill_base_s: float
+    alone_prefill_per_token_s: float
+    alone_decode_base_s: float
+    alone_decode_per_request_s: float
 
     @classmethod
-    def from_fit(cls, fitted: FittedSteps, **rest) -> "Calibration":
-        cost = fitted.cost
+    def from_fit(
+        cls, fitted: FittedSteps, alone: FittedSteps | None = None, **rest
+    ) -> "Calibration":
+        """From the fit of workers sharing the host and, if measured, of one worker alone on
+        it (its contention is its own prefills slowing its decodes: the simulator models those
+        steps itself)."""
+        cost, lone = fitted.cost, (alone or fitted).cost
         return cls(
             prefill_base_s=cost.prefill_base_s,
             prefill_per_token_s=cost.prefill_s_per_token,
@@ -70,6 +83,10 @@ class Calibration:
             decode_per_request_s=cost.decode_s_per_sequence,
             prefill_contention=fitted.prefill_contention,
             decode_contention=fitted.decode_contention,
+            alone_prefill_base_s=lone.prefill_base_s,
+            alone_prefill_per_token_s=lone.prefill_s_per_token,
+            alone_decode_base_s=lone.decode_base_s,
+            alone_decode_per_request_s=lone.decode_s_per_sequence,
             **rest,
         )
 
@@ -80,6 +97,15 @@ class Calibration:
             decode_base_s=self.decode_base_s,
             decode_s_per_sequence=self.decode_per_request_s,
             prefill_base_s=self.prefill_base_s,
+        )
+
+    @property
+    def alone_cost(self) -> StepCosts:
+        return StepCosts(
+            prefill_s_per_token=self.alone_prefill_per_token_s,
+            decode_base_s=self.alone_decode_base_s,
+            decode_s_per_sequence=self.alone_decode_per_request_s,
+            prefill_base_s=self.alone_prefill_base_s,
         )
 
     def save(self, path: str | Path) -> None:
@@ -140,15 +166,18 @@ def _decoding(request: dict) -> tuple[float, float]:
 
 
 def _lone_prefills(done: list[dict]) -> list[tuple[float, float, float]]:
-    """(prompt tokens, TTFT, share of it others decoded) of requests sent after every earlier
-    one had its first token."""
-    points, busy_until = [], -np.inf
+    """(prompt tokens, TTFT, share of it others decoded) of requests whose wait for their first
+    token overlapped no other request's: sent after every earlier one had its first token, and
+    before the next was sent. (Of a burst sent at once, the first sent is not alone: the engine
+    prefills the burst in one step, and its TTFT is that step's.)"""
+    points = []
     for request in done:
-        if request["send_time"] >= busy_until:
-            others = [_decoding(other) for other in done if other is not request]
-            share = _busy_share(*_prefilling(request), others)
-            points.append((request["input_tokens"], request["ttft"], share))
-        busy_until = max(busy_until, request["send_time"] + request["ttft"])
+        start, end = _prefilling(request)
+        others = [other for other in done if other is not request]
+        if any(_prefilling(o)[0] < end and _prefilling(o)[1] > start for o in others):
+            continue
+        share = _busy_share(start, end, [_decoding(other) for other in others])
+        points.append((request["input_tokens"], request["ttft"], share))
     return points
 
 

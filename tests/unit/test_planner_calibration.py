@@ -5,13 +5,14 @@ bench's own JSON writer, so the fit reads exactly the format `pdserve bench --ou
 """
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from pdserve.bench.metrics import summarize
 from pdserve.bench.report import write_json
 from pdserve.costs.step_costs import StepCosts
-from pdserve.planner.calibration import Calibration, fit_steps, load_requests
+from pdserve.planner.calibration import Calibration, FittedSteps, fit_steps, load_requests
 from pdserve.planner.simulator import SimCluster, SimRequest, simulate
 
 KNOWN = StepCosts(
@@ -57,15 +58,17 @@ def test_fit_recovers_known_step_costs_from_bench_json(tmp_path):
     assert fitted.decode_s_per_sequence == pytest.approx(KNOWN.decode_s_per_sequence, rel=0.03)
 
 
-def test_fit_leaves_out_queued_prefills_and_failed_requests():
+def test_fit_leaves_out_queued_and_batched_prefills_and_failed_requests():
     entry = dict(itl=[0.5, 0.1, 0.1], e2e=1.0, error=None)
     requests = [
-        entry | dict(send_time=0.0, ttft=0.3, input_tokens=100),
-        entry
-        | dict(
-            send_time=0.1, ttft=9.0, input_tokens=100
-        ),  # queued behind the first: not a lone prefill
-        entry | dict(send_time=20.0, ttft=0.5, input_tokens=200),
+        # a burst, sent at once: one prefill step for both, so neither TTFT is a lone prefill
+        entry | dict(send_time=0.0, ttft=0.6, input_tokens=100),
+        entry | dict(send_time=0.0, ttft=0.6, input_tokens=100),
+        # queued behind the one before: neither is a lone prefill
+        entry | dict(send_time=5.0, ttft=0.3, input_tokens=100),
+        entry | dict(send_time=5.1, ttft=9.0, input_tokens=100),
+        entry | dict(send_time=20.0, ttft=0.3, input_tokens=100),
+        entry | dict(send_time=30.0, ttft=0.5, input_tokens=200),
         dict(send_time=40.0, ttft=None, itl=[], e2e=None, input_tokens=300, error="HTTP 500"),
     ]
     fitted = fit_steps([requests]).cost
@@ -125,6 +128,10 @@ CALIBRATION = Calibration(
     workers_per_host=2,
     kv_capacity_tokens=26214,
     block_size=128,
+    alone_prefill_base_s=0.03,
+    alone_prefill_per_token_s=0.0012,
+    alone_decode_base_s=0.025,
+    alone_decode_per_request_s=0.003,
 )
 
 
@@ -132,9 +139,21 @@ def test_calibration_file_round_trips(tmp_path):
     path = tmp_path / "calibration.json"
     CALIBRATION.save(path)
     data = json.loads(path.read_text())
-    assert data["format"] == "pdserve-calibration/1" and data["decode_contention"] == 0.7
+    assert data["format"] == "pdserve-calibration/2" and data["decode_contention"] == 0.7
     assert Calibration.load(path) == CALIBRATION
     assert CALIBRATION.cost == KNOWN
+    assert CALIBRATION.alone_cost.prefill_s(1000) == pytest.approx(0.03 + 1.2)
+
+
+def test_from_fit_without_a_lone_worker_gives_it_the_shared_costs():
+    fitted = FittedSteps(KNOWN, 0.4, 0.7)
+    rest = {"model": "m", "measured_on": "t", "workers_per_host": 1}
+    calibration = Calibration.from_fit(fitted, kv_capacity_tokens=1, block_size=16, **rest)
+    assert calibration.alone_cost == calibration.cost == KNOWN
+    faster = FittedSteps(replace(KNOWN, prefill_s_per_token=0.001), 0.9, 0.9)
+    calibration = Calibration.from_fit(fitted, faster, kv_capacity_tokens=1, block_size=16, **rest)
+    assert calibration.alone_prefill_per_token_s == 0.001
+    assert (calibration.prefill_contention, calibration.decode_contention) == (0.4, 0.7)
 
 
 @pytest.mark.parametrize(
