@@ -234,7 +234,7 @@ def cell(
         "slo": slo_text,
         "predicted": round(guess.goodput, 4),
         "measured": round(seen.goodput, 4),
-        "error": round((guess.goodput - seen.goodput) / seen.goodput, 4) if seen.goodput else None,
+        "error": error(guess.goodput, seen.goodput),
         "predicted_attainment": round(guess.slo_attainment, 4),
         "measured_attainment": round(seen.slo_attainment, 4),
         **{
@@ -244,6 +244,13 @@ def cell(
         },
         "measured_failed": sum(not record.ok for record in measured[0]),
     }
+
+
+def error(predicted: float, measured: float) -> float | None:
+    """(predicted - measured) / measured; 0 when both are 0, None when only measured is."""
+    if measured == 0:
+        return 0.0 if predicted == 0 else None
+    return round((predicted - measured) / measured, 4)
 
 
 def rank_cells(cells: list[dict]) -> None:
@@ -325,7 +332,7 @@ async def calibrate(
 def comparison_table(cells: list[dict], slo: str) -> str:
     """Per layout and rate: goodput predicted and measured, the error, and the ranks."""
 
-    def error(value: float | None) -> str:
+    def signed(value: float | None) -> str:
         return "-" if value is None else f"{value:+.0%}"
 
     lines = [
@@ -336,7 +343,7 @@ def comparison_table(cells: list[dict], slo: str) -> str:
     for c in sorted(cells, key=lambda c: (c["rate"], c["rank_measured"])):
         lines.append(
             f"{c['layout']:<14}{c['rate']:>6.2f} | {c['predicted']:>6.2f}{c['measured']:>7.2f}"
-            f"{error(c['error']):>7} | {c['predicted_attainment']:>9.0%}"
+            f"{signed(c['error']):>7} | {c['predicted_attainment']:>9.0%}"
             f"{c['measured_attainment']:>6.0%} | {c['rank_predicted']:>9}{c['rank_measured']:>5} | "
             f"{c['measured_failed']:>6}"
         )
