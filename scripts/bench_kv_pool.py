@@ -16,8 +16,9 @@ on every path out (Ctrl-C and SIGTERM included). Prints a markdown table: per co
 the median over rounds and [min, max] of TTFT p50/p90 of three groups of requests, the prefix
 hit rate, its infinite-cache bound, the pool hits and failed requests; then the median (and
 range) of the per-round ratios TTFT p50 off/on. The groups: for conversations turn 0, turns
->= 1 and turns >= 2; for a trace the requests with nothing an earlier one had, those with some,
-and those with at least half of their prompt. About 1.5 minutes per configuration and round on
+>= 1 and turns >= 2; for a trace the requests of which an earlier request had less than half of
+the prompt, all of them, and those of which it had at least half (every request of Mooncake's
+traces shares a first block). About 1.5 minutes per configuration and round on
 2 cores (a trace: its duration).
 """
 
@@ -45,7 +46,7 @@ METRICS_URL = re.compile(r"metrics on (http://\S+/metrics)")
 POOL_HITS = 'pdserve_kv_pool_hits_total{tier="host"}'
 GROUPS = {  # the request groups' names, for conversations and for traces
     "conversation": {"first": "turn 0", "later": "turns>=1", "most": "turns>=2"},
-    "trace": {"first": "no reuse", "later": "reuse", "most": "reuse>=1/2"},
+    "trace": {"first": "reuse<1/2", "later": "all", "most": "reuse>=1/2"},
 }
 FIGURES = {  # key: (column title, format); {first}, {later}, {most}: the groups' names
     "ttft_first_p50": ("TTFT {first} p50 ms", "ms"),
@@ -181,14 +182,13 @@ def groups(args) -> dict[str, str]:
 
 
 def group(request: dict) -> set[str]:
-    """The groups a successful request is in (conversation turns, or a trace's reuse)."""
+    """The groups a successful request is in (conversation turns, or how much of its prompt an
+    infinite cache would hold)."""
     if request["turn"] is not None:
         turn = request["turn"]
         return {"first"} if turn == 0 else {"later"} | ({"most"} if turn >= 2 else set())
     reused = min(request["cacheable_tokens"] or 0, request["input_tokens"])
-    if not reused:
-        return {"first"}
-    return {"later"} | ({"most"} if 2 * reused >= request["input_tokens"] else set())
+    return {"later", "most" if 2 * reused >= request["input_tokens"] else "first"}
 
 
 def summarize(document: dict) -> dict:
