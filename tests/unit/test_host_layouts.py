@@ -69,5 +69,5 @@ def test_without_a_lone_measurement_the_lone_worker_is_no_faster():
         alone_decode_base_s=TWO_CORES.decode_base_s,
         alone_decode_per_request_s=TWO_CORES.decode_per_request_s,
     )
-    ranked = rank_host_layouts(host_hardware(slow), Scenario(HOST_WORKLOAD, TTFT_BOUND))
-    assert ranked[0].layout.name != "colocated"
+    ranked = rank_host_layouts(host_hardware(slow), Scenario(HOST_WORKLOAD, TTFT_BOUND), 1.0)
+    assert ranked[-1].layout.name == "colocated"
