@@ -24,6 +24,7 @@ from pdserve.bench.metrics import Slo
 from pdserve.gpu_spec import GPU_PRESETS, gpu_preset, local_gpus
 from pdserve.model_store.store import cache_dir, is_hub_id, resolve_model
 from pdserve.planner.calibration import Calibration
+from pdserve.planner.command import search_table
 from pdserve.planner.host_layouts import (
     HOST_WORKLOAD,
     host_hardware,
@@ -182,7 +183,7 @@ def _plan_gpus(
         search(hardware, scenario, gpus, args.plan_rate, progress.at),
         key=lambda e: (not e.meets_slo, -e.goodput, e.candidate.gpus, e.candidate.label),
     )
-    say(_gpu_table(evaluations))
+    say(search_table(evaluations))
     if not evaluations or not evaluations[0].meets_slo:
         raise ValueError(f"no configuration of {gpus} GPU(s) meets the SLO {args.slo}")
     best: Candidate = evaluations[0].candidate
@@ -207,15 +208,3 @@ def _model_spec(model: str) -> ModelSpec:
 
         path = hf_hub_download(path, "config.json")
     return load_model_spec(path)
-
-
-def _gpu_table(evaluations) -> str:
-    lines = [f"  {'configuration':<24}{'GPUs':>5}{'rate':>8}{'goodput':>9}{'SLO met':>9}"]
-    for position, evaluation in enumerate(evaluations):
-        mark = "*" if position == 0 and evaluation.meets_slo else " "
-        lines.append(
-            f"{mark} {evaluation.candidate.label:<24}{evaluation.candidate.gpus:>5}"
-            f"{evaluation.rate:>8.2f}{evaluation.goodput:>9.2f}"
-            f"{evaluation.summary.slo_attainment:>9.0%}"
-        )
-    return "\n".join(lines)

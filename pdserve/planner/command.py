@@ -284,13 +284,13 @@ def _run_search(args: argparse.Namespace) -> int:
     progress = Progress(0, "configurations simulated")
     evaluations = search(hardware, scenario, args.gpus, args.rate, progress.at)
     if not evaluations or not evaluations[0].meets_slo:
-        print(_search_table(evaluations))
+        print(search_table(evaluations))
         print(
             f"pdserve plan: no configuration of {args.gpus} GPU(s) meets the SLO", file=sys.stderr
         )
         return 1
     best = evaluations[0]
-    print(_search_table(evaluations))
+    print(search_table(evaluations))
     print(
         f"recommended: {best.candidate.label}, {best.goodput_per_gpu:.3f} req/s per GPU "
         f"({best.goodput:.2f} req/s on {best.candidate.gpus} GPU(s))"
@@ -345,7 +345,7 @@ def _workload(args: argparse.Namespace) -> WorkloadSpec:
     return WorkloadSpec(input_len, output_len)
 
 
-def _search_table(evaluations: list[Evaluation]) -> str:
+def search_table(evaluations: list[Evaluation]) -> str:
     """One row per configuration, best first; the recommended one is marked with *."""
     header = (
         f"  {'configuration':<22}{'GPUs':>5}{'rate':>9}{'goodput':>9}{'per GPU':>9}"

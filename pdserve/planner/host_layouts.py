@@ -130,11 +130,10 @@ def rank_host_layouts(
                 cluster, scenario.workload.requests(scenario.num_requests, 1.0, seed=scenario.seed)
             )
             rates = [bound * share for share in PEAK_SHARES]
-        runs = [
-            Evaluation(layout.candidate, r, summary, scenario.meets(summary))
-            for r in rates
-            for summary in [scenario.run(cluster, r)]
-        ]
+        runs = []
+        for run_rate in rates:
+            summary = scenario.run(cluster, run_rate)
+            runs.append(Evaluation(layout.candidate, run_rate, summary, scenario.meets(summary)))
         ranked.append(RankedLayout(layout, max(runs, key=lambda e: e.goodput)))
         progress(done, len(layouts))
     return sorted(ranked, key=lambda r: (-r.evaluation.goodput, r.layout.workers, r.layout.name))

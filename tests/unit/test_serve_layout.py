@@ -96,7 +96,7 @@ def test_on_gpus_without_a_calibration_it_searches_their_roofline(no_gpus, monke
     out = capsys.readouterr()
     assert "planning 4 x H100-SXM at their roofline" in out.out
     (chosen,) = [line for line in out.out.splitlines() if line.startswith("* ")]
-    assert int(chosen.split()[-4]) == 4  # the whole host serves: every GPU used
+    assert int(chosen.split()[-7]) == 4  # the whole host serves: every GPU used
 
 
 def test_the_planned_layout_replaces_the_worker_options():
