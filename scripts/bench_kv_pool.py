@@ -3,7 +3,8 @@ colocated workers with round-robin routing, so a conversation's next turn often 
 worker that did not compute its history (docs/kv-pool.md).
 
     python scripts/bench_kv_pool.py [--repeats 3] [--conversations 12] [--turns 4]
-        [--concurrency 4] [--think-time 1] [--input-len 256] [--output-len 32]
+        [--concurrency 4] [--think-time 1] [--input-len 256] [--first-input-len N]
+        [--output-len 32]
         [--trace FILE --trace-block-size 16] [--output-dir DIR] [--output-json FILE]
 
 Each round starts `pdserve serve --colocated --workers 2 --policy round-robin --kv-pool off|on
@@ -71,6 +72,7 @@ def main() -> int:
     add("--concurrency", type=int, default=4, help="conversations in flight (default 4)")
     add("--think-time", type=float, default=1.0, help="mean s between turns (default 1)")
     add("--input-len", default="256", help="tokens of each new user message (default 256)")
+    add("--first-input-len", help="tokens of each first message (default: as --input-len)")
     add("--output-len", default="32", help="tokens of each reply, ignore_eos (default 32)")
     add("--kv-cache-gib", type=float, default=0.5, help="each worker's KV cache (default 0.5)")
     add("--seed", type=int, default=0, help="prompts and think times, the same in every run")
@@ -153,6 +155,8 @@ def bench(url: str, model_dir: Path, result: Path, log_path: Path, args) -> None
         command += ["--conversations", str(args.conversations), "--turns", str(args.turns)]
         command += ["--concurrency", str(args.concurrency), "--think-time", str(args.think_time)]
         command += ["--input-len", args.input_len, "--output-len", args.output_len]
+        if args.first_input_len:
+            command += ["--first-input-len", args.first_input_len]
     command += ["--seed", str(args.seed), "--timeout", str(args.request_timeout)]
     command += ["--output-json", str(result), "--no-progress"]
     process = spawn(command, log_path)

@@ -7,8 +7,9 @@ the history from the pool (docs/kv-pool.md).
 Per round and pause: the history (fresh words) goes to worker A, then after the pause the
 history plus 32 tokens goes to worker B (a pool load), then the same plus one word to A (its own
 prefix cache), then a fresh prompt of the same length to B (nothing cached), then a short one
-to A (so the next round starts on A again). Prints the median TTFT of each, per pause: the pause
-shows how soon after a request ends its blocks can be loaded (the store is asynchronous).
+to A (so the next round starts on A again); each request starts once the one before has ended.
+Prints the median TTFT of each, per pause: the pause shows how soon after a request ends its
+blocks can be loaded (vLLM stores a step's blocks during the next step).
 """
 
 import argparse
@@ -64,15 +65,20 @@ def main() -> int:
 
 
 def ttft(url: str, prompt: str) -> float:
-    """Seconds from sending a streamed greedy completion to its first text."""
+    """Seconds from sending a streamed greedy completion to its first text. Returns once the
+    stream has ended, so that the next request starts after this one has (its blocks stored,
+    nothing of it running)."""
     started = time.perf_counter()
+    first = None
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "stream": True, "temperature": 0}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
         response.raise_for_status()
         for line in response.iter_lines():
-            if line.startswith("data: ") and '"text"' in line:
-                return time.perf_counter() - started
-    raise RuntimeError("the stream ended without a token")
+            if first is None and line.startswith("data: ") and '"text"' in line:
+                first = time.perf_counter() - started
+    if first is None:
+        raise RuntimeError("the stream ended without a token")
+    return first
 
 
 if __name__ == "__main__":

@@ -231,7 +231,7 @@ class RayCluster:
         if self.router_b is not None:
             stop_group(self.router_b.pid, process=self.router_b)
         down = pdserve("down", "-f", str(self.config), env=self.env, timeout=300)
-        stop_group(self.ray_group)
+        local_services.stop_ray_head(self.ray_group)
         stop_group(self.redis_group)
         if down.returncode != 0:
             say(f"pdserve down failed:\n{down.stderr[-2000:]}")

@@ -47,16 +47,22 @@ def conversations(
     output_len: Length,
     think_time: float,
     text: PromptText,
+    first_message_len: Length | None = None,
 ) -> list[Conversation]:
     """`n` conversations of `turns` turns: new user messages of `message_len` tokens, replies of
-    at most `output_len` tokens, `think_time` seconds (mean) between a reply and the next turn."""
+    at most `output_len` tokens, `think_time` seconds (mean) between a reply and the next turn.
+    `first_message_len`: the first message's tokens instead (a document or code the chat is
+    about, every later turn resending it)."""
     if n < 1 or turns < 1:
         raise ValueError("--conversations and --turns must be at least 1")
     if think_time < 0:
         raise ValueError("--think-time must be 0 or more")
     result = []
     for _ in range(n):
-        messages = [text.make(length) for length in message_len.sample(text.rng, turns)]
+        lengths = message_len.sample(text.rng, turns)
+        if first_message_len is not None:
+            lengths[0] = first_message_len.sample(text.rng, 1)[0]
+        messages = [text.make(length) for length in lengths]
         thinks = think_time * text.rng.uniform(1 - THINK_SPREAD, 1 + THINK_SPREAD, size=turns)
         thinks[0] = 0.0
         outputs = output_len.sample(text.rng, turns)

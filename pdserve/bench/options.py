@@ -114,6 +114,13 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse._Argume
         "replies plus a new user message (default: %(default)s)",
     )
     work.add_argument(
+        "--first-input-len",
+        metavar="DIST",
+        help="conversation: tokens of each conversation's first user message (a document or "
+        "code the chat is about, resent by every later turn), same forms as --input-len "
+        "(default: as --input-len)",
+    )
+    work.add_argument(
         "--think-time",
         type=float,
         default=1.0,
@@ -203,6 +210,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError("--trace FILE goes with --workload trace, and only with it")
     if args.trace_format != "jsonl" and args.workload != "trace":
         raise ValueError("--trace-format goes with --workload trace")
+    if args.first_input_len is not None and args.workload != "conversation":
+        raise ValueError("--first-input-len goes with --workload conversation")
     if args.workload == "conversation":
         if args.endpoint == "completions":
             raise ValueError(
@@ -236,8 +245,9 @@ def build_conversations(
     text = _prompt_text(args)
     message_len = workload.Length.parse(args.input_len or DEFAULT_INPUT_LEN[args.workload])
     output_len = workload.Length.parse(args.output_len)
+    first_len = workload.Length.parse(args.first_input_len) if args.first_input_len else None
     talks = conversations(
-        args.conversations, args.turns, message_len, output_len, args.think_time, text
+        args.conversations, args.turns, message_len, output_len, args.think_time, text, first_len
     )
     return talks, workload.synthetic(args.warmup, message_len, output_len, text)
 

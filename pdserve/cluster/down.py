@@ -6,7 +6,7 @@ nothing else."""
 import argparse
 import sys
 
-from pdserve.cluster import ray_launcher, replica_keeper
+from pdserve.cluster import local_services, ray_launcher, replica_keeper
 from pdserve.cluster.cluster_state import ClusterState, forget_state
 from pdserve.cluster.cluster_target import add_target_arguments, target_state
 from pdserve.cluster.console import say
@@ -58,9 +58,11 @@ def tear_down(state: ClusterState) -> None:
             say(f"removed {removed} registry entr{'y' if removed == 1 else 'ies'}")
         except Exception as error:
             say(f"registry at {masked(state.registry_url)}: {error}")
-    for group, what in ((state.ray_group, "ray head"), (state.redis_group, "redis-server")):
-        if group:
-            say(f"stopping the {what} (process group {group})")
-            stop_group(group)
+    if state.ray_group:
+        say(f"stopping the ray head (process group {state.ray_group})")
+        local_services.stop_ray_head(state.ray_group)
+    if state.redis_group:
+        say(f"stopping the redis-server (process group {state.redis_group})")
+        stop_group(state.redis_group)
     forget_state(state.name)
     say(f"cluster {state.name!r} is down")

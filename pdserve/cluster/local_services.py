@@ -15,6 +15,7 @@ from pdserve.worker.processes import (
     is_listening,
     spawn,
     stop_group,
+    stop_leader_first,
     wait_until,
 )
 
@@ -57,6 +58,13 @@ def start_ray_head(num_cpus: int, num_gpus: int, log_path: Path) -> tuple[str, i
     address = f"127.0.0.1:{port}"
     _wait_listening(process, port, RAY_START_TIMEOUT_S, "the Ray head", log_path)
     return address, process.pid
+
+
+def stop_ray_head(group: int) -> bool:
+    """Stop a head `start_ray_head` started: `ray start --block` stops its node in ~2 s on a
+    SIGTERM of its own; a SIGTERM to its whole group stops the raylet under it and leaves it and
+    the GCS waiting until the SIGKILL 20 s later. True when it stopped in the grace."""
+    return stop_leader_first(group)
 
 
 def start_redis(

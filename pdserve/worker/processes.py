@@ -144,6 +144,21 @@ def stop_group(group: int, grace_s: float = 20.0, process: subprocess.Popen | No
     return False
 
 
+def stop_leader_first(group: int, grace_s: float = 20.0) -> bool:
+    """SIGTERM only the leader of process group `group`, for a leader that stops its own
+    children in order (a signal to all of them at once can leave it waiting on them); after
+    `grace_s`, SIGKILL to the whole group. True when it stopped in the grace."""
+    try:
+        os.kill(group, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    if _wait_gone(group, None, grace_s):
+        return True
+    _signal_group(group, signal.SIGKILL)
+    _wait_gone(group, None, 5.0)
+    return False
+
+
 def _wait_gone(group: int, process: subprocess.Popen | None, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while _group_alive(group, process):

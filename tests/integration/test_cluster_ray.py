@@ -86,8 +86,8 @@ def ray_and_redis(tmp_path_factory):
         stop_group(redis_group)
         raise
     yield address, redis
-    for group in (ray_group, redis["group"]):
-        stop_group(group)
+    local_services.stop_ray_head(ray_group)
+    stop_group(redis["group"])
     leftovers = [pid for group in (ray_group, redis["group"]) for pid in group_members(group)]
     assert not leftovers, f"processes left after stopping Ray and Redis: {leftovers}"
     deadline = time.monotonic() + 30  # workers and their engine processes carry PDSERVE_NODE

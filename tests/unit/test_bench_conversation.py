@@ -63,6 +63,14 @@ def test_each_turn_resends_the_history_with_the_actual_replies(fake):
     assert duration >= 2 * 0.15
 
 
+def test_a_first_message_length_applies_to_turn_zero_only():
+    talks = conversation.conversations(
+        3, 3, Length.parse("4"), Length.parse("2"), 0.0, PromptText(0), Length.parse("40")
+    )
+    for talk in talks:
+        assert [turn.message_tokens for turn in talk.turns] == [40, 4, 4]
+
+
 def test_records_carry_the_infinite_cache_bound_and_the_servers_hits(fake):
     talk = Conversation([Turn("a b c", 3, 2, 0.0), Turn("d e", 2, 2, 0.0), Turn("f", 1, 2, 0.0)])
     records, _ = hold(fake, [talk])
@@ -188,6 +196,7 @@ def test_a_server_that_does_not_report_cached_tokens_is_named(tmp_path, capsys):
         (["--think-time", "-1"], "--think-time must be 0 or more"),
         (["--endpoint", "completions"], "use --endpoint chat"),
         (["--num-requests", "5"], "leave out --num-requests"),
+        (["--first-input-len", "0"], "bad length '0'"),
     ],
 )
 def test_bad_conversation_options_exit_2(argv, message, capsys):
@@ -195,6 +204,12 @@ def test_bad_conversation_options_exit_2(argv, message, capsys):
     assert args.run(args) == 2
     error = capsys.readouterr().err
     assert error.startswith("pdserve bench: error:") and message in error
+
+
+def test_a_first_message_length_needs_the_conversation_workload(capsys):
+    args = bench_args("--url", "http://127.0.0.1:9", "--first-input-len", "512")
+    assert args.run(args) == 2
+    assert "--first-input-len goes with --workload conversation" in capsys.readouterr().err
 
 
 def test_the_sweep_refuses_the_conversation_workload(capsys):
