@@ -1,8 +1,8 @@
 """pdserve against plain vLLM on the same cores: the same mixed workload at the same rates through
 pdserve's bench code, one system at a time, in one table.
 
-    python scripts/compare_vllm.py [--rates 0.5,1,1.5] [--num-requests 60]
-        [--slo ttft=2s,tpot=150ms] [--output-dir compare]
+    python scripts/compare_vllm.py [--rates 0.5,1,1.5] [--num-requests 60] [--repeats 3]
+        [--slo "ttft=2s,tpot=150ms;ttft=1s,tpot=100ms"] [--output-dir compare]
         [--systems vllm,colocated,1p1d,1p1d-local,1p1d-disaggregated]
 
 Systems (each started in its own process group, stopped by its PID before the next starts):
@@ -24,8 +24,14 @@ Workload (bench's `mixed`): 90% ~100-token prompts, 10% ~1,500-token prompts (--
 system at a rate, other prompts at each rate (no prefix-cache hit from the rate before).
 Before the rates, each system gets LONE_REQUESTS lone long prompts, one at a time: the table's
 last column is their median inter-token latency from the third token on and the gap between
-the first and second token. Prints the table and writes OUTPUT_DIR/compare.json (every row's
-figures and full summary) and each system's logs under OUTPUT_DIR/logs-SYSTEM/.
+the first and second token (the hand-off, on the disaggregated path).
+--repeats N runs every system N times, the systems alternating (each round in the reverse order
+of the one before), so that a slow spell of the host falls on all of them; --slo takes several
+SLOs (';'-separated), each scored on the same requests. Prints each run's table, then per SLO,
+system and rate the median goodput with its [min, max] over the rounds and the median of the
+per-round ratios to vllm's (when vllm ran), and each system's hand-off gap in ITLs. Writes
+OUTPUT_DIR/compare.json (every row's figures and full summary) and each run's logs under
+OUTPUT_DIR/logs-SYSTEM-ROUND/.
 """
 
 import argparse
@@ -85,12 +91,14 @@ SYSTEMS = {
 
 @dataclass(frozen=True)
 class Row:
-    """One system at one rate: the table's figures (seconds; None without samples)."""
+    """One system at one rate in one round: the table's figures (seconds; None without
+    samples); goodput and SLO attainment per SLO, by its text."""
 
     system: str
+    round: int
     rate: float
-    goodput: float
-    slo_attainment: float
+    goodput: dict[str, float]
+    slo_attainment: dict[str, float]
     ttft_short_p50: float | None
     ttft_short_p90: float | None
     ttft_long_p50: float | None
@@ -119,7 +127,12 @@ def main() -> int:
         "--num-requests", type=int, default=60, help="requests per rate (default 60)"
     )
     parser.add_argument(
-        "--slo", default="ttft=2s,tpot=150ms", help="objectives (default ttft=2s,tpot=150ms)"
+        "--slo",
+        default="ttft=2s,tpot=150ms",
+        help="objectives, several separated by ';' (default ttft=2s,tpot=150ms)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="rounds, the systems alternating (default 1)"
     )
     parser.add_argument(
         "--systems",
@@ -149,7 +162,9 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
     rates = [float(rate) for rate in args.rates.split(",")]
-    slo = Slo.parse(args.slo)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    slos = {text: Slo.parse(text) for text in args.slo.split(";")}
     output_dir = args.output_dir or Path(tempfile.mkdtemp(prefix="pdserve-compare-"))
     output_dir.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_model(MODEL, log=say)
@@ -173,18 +188,21 @@ def main() -> int:
         for _ in range(LONE_REQUESTS)
     ]
     rows, summaries = [], []
-    for system in systems:
-        log_dir = output_dir / f"logs-{system}"
-        say(f"[{system}] starting (logs: {log_dir})")
-        started = time.monotonic()
-        with serving(system, model_dir, log_dir, args.ready_timeout) as url:
-            say(f"[{system}] ready after {time.monotonic() - started:.0f} s")
-            alone, results = asyncio.run(measure(system, url, workloads, lone, rates, slo, args))
-            for rate, records, summary in results:
-                rows.append(row(system, rate, records, summary, alone))
-                summaries.append(asdict(summary))
-        say(f"[{system}] stopped")
-    print(table(rows, args.slo))
+    for number in range(args.repeats):
+        for system in systems if number % 2 == 0 else systems[::-1]:
+            name = f"{system}, round {number + 1}/{args.repeats}"
+            log_dir = output_dir / f"logs-{system}-{number}"
+            say(f"[{name}] starting (logs: {log_dir})")
+            started = time.monotonic()
+            with serving(system, model_dir, log_dir, args.ready_timeout) as url:
+                say(f"[{name}] ready after {time.monotonic() - started:.0f} s")
+                alone, results = asyncio.run(measure(name, url, workloads, lone, rates, slos, args))
+                for rate, records, summary in results:
+                    rows.append(row(system, number, rate, records, summary, alone))
+                    summaries.append(asdict(summary[0]))
+            say(f"[{name}] stopped")
+    print(table(rows))
+    print(rounds_table(rows, systems, rates, list(slos)))
     result = {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "rows": [asdict(r) | {"summary": s} for r, s in zip(rows, summaries, strict=True)],
@@ -220,9 +238,10 @@ async def measure(
     workloads: list[list[BenchRequest]],
     lone: list[BenchRequest],
     rates: list[float],
-    slo: Slo,
+    slos: dict[str, Slo],
     args: argparse.Namespace,
-) -> tuple[Lone, list[tuple[float, list[RequestRecord], Summary]]]:
+) -> tuple[Lone, list[tuple[float, list[RequestRecord], dict[str, Summary]]]]:
+    """The lone requests, then each rate's; each rate's summary under every SLO."""
     target = Target(url, MODEL, ignore_eos=True)
     await warm_up(workloads[-1], target, 4, args.timeout)
     records, _ = await run_benchmark(
@@ -249,26 +268,34 @@ async def measure(
             max_duration=offsets[-1] + args.timeout,
             progress=False,
         )
-        summary = summarize(records, duration, slo)
+        summary = {text: summarize(records, duration, slo) for text, slo in slos.items()}
         say(
-            f"[{system}] {rate:g} req/s: goodput {summary.goodput:.2f} req/s, "
-            f"{summary.slo_attainment:.0%} met the SLO, {summary.failed} failed"
+            f"[{system}] {rate:g} req/s: goodput "
+            + ", ".join(f"{s.goodput:.2f} req/s ({text})" for text, s in summary.items())
+            + f", {next(iter(summary.values())).failed} failed"
         )
         results.append((rate, records, summary))
     return alone, results
 
 
 def row(
-    system: str, rate: float, records: list[RequestRecord], summary: Summary, alone: Lone
+    system: str,
+    number: int,
+    rate: float,
+    records: list[RequestRecord],
+    summaries: dict[str, Summary],
+    alone: Lone,
 ) -> Row:
     done = [r for r in records if r.ok]
+    summary = next(iter(summaries.values()))  # the figures that do not depend on the SLO
     short = distribution([r.ttft for r in done if r.prompt_tokens < LONG_PROMPT_TOKENS])
     long = distribution([r.ttft for r in done if r.prompt_tokens >= LONG_PROMPT_TOKENS])
     return Row(
         system=system,
+        round=number,
         rate=rate,
-        goodput=summary.goodput,
-        slo_attainment=summary.slo_attainment,
+        goodput={text: s.goodput for text, s in summaries.items()},
+        slo_attainment={text: s.slo_attainment for text, s in summaries.items()},
         ttft_short_p50=short.p50,
         ttft_short_p90=short.p90,
         ttft_long_p50=long.p50,
@@ -285,22 +312,60 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:.0f}"
 
 
-def table(rows: list[Row], slo: str) -> str:
+def table(rows: list[Row]) -> str:
+    """Every run's figures; goodput and SLO met under the first SLO."""
     ms = _ms
+    first = next(iter(rows[0].goodput))
     lines = [
-        f"mixed workload, SLO {slo}; TTFT and TPOT in ms",
-        f"{'system':<20}{'rate':>6}{'goodput':>9}{'SLO met':>9}{'failed':>8}"
+        f"mixed workload, goodput and SLO met for {first}; TTFT and TPOT in ms",
+        f"{'system':<20}{'round':>6}{'rate':>6}{'goodput':>9}{'SLO met':>9}{'failed':>8}"
         f"{'TTFT short p50/p90':>20}{'TTFT long p50/p90':>20}{'TPOT p50/p99':>15}"
         f"{'lone ITL/1st gap':>18}",
     ]
     for r in rows:
         lines.append(
-            f"{r.system:<20}{r.rate:>6g}{r.goodput:>9.2f}{r.slo_attainment:>9.0%}{r.failed:>8}"
+            f"{r.system:<20}{r.round + 1:>6}{r.rate:>6g}{r.goodput[first]:>9.2f}"
+            f"{r.slo_attainment[first]:>9.0%}{r.failed:>8}"
             f"{ms(r.ttft_short_p50) + ' / ' + ms(r.ttft_short_p90):>20}"
             f"{ms(r.ttft_long_p50) + ' / ' + ms(r.ttft_long_p90):>20}"
             f"{ms(r.tpot_p50) + ' / ' + ms(r.tpot_p99):>15}"
             f"{ms(r.lone_itl_p50) + ' / ' + ms(r.lone_first_gap):>18}"
         )
+    return "\n".join(lines)
+
+
+def rounds_table(rows: list[Row], systems: list[str], rates: list[float], slos: list[str]) -> str:
+    """Per SLO, system and rate: goodput's median [min, max] over the rounds and the median
+    [min, max] of its per-round ratio to vllm's; then each system's hand-off (first-to-second
+    token gap of a lone request) in its own inter-token latencies, median over the rounds."""
+
+    def spread(values: list[float], form: str) -> str:
+        if not values:
+            return "-"
+        low, mid, high = min(values), statistics.median(values), max(values)
+        return f"{mid:{form}} [{low:{form}}, {high:{form}}]"
+
+    def goodputs(system: str, rate: float, slo: str) -> dict[int, float]:
+        return {r.round: r.goodput[slo] for r in rows if (r.system, r.rate) == (system, rate)}
+
+    lines = ["| SLO | system | rate | goodput (req/s) | / vllm's |", "|---|---|---|---|---|"]
+    for slo in slos:
+        for system in systems:
+            for rate in rates:
+                mine, vllm = goodputs(system, rate, slo), goodputs("vllm", rate, slo)
+                ratios = [mine[n] / vllm[n] for n in mine if vllm.get(n)]
+                lines.append(
+                    f"| {slo} | {system} | {rate:g} | {spread(list(mine.values()), '.2f')} | "
+                    f"{spread(ratios, '.2f') if system != 'vllm' else '-'} |"
+                )
+    lines += ["", "| system | hand-off / ITL (lone request) |", "|---|---|"]
+    for system in systems:
+        handoffs = {
+            r.round: r.lone_first_gap / r.lone_itl_p50
+            for r in rows
+            if r.system == system and r.lone_first_gap and r.lone_itl_p50
+        }
+        lines.append(f"| {system} | {spread(list(handoffs.values()), '.2f')} |")
     return "\n".join(lines)
 
 
