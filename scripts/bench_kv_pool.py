@@ -4,7 +4,7 @@ worker that did not compute its history (docs/kv-pool.md).
 
     python scripts/bench_kv_pool.py [--repeats 3] [--conversations 12] [--turns 4]
         [--concurrency 4] [--think-time 1] [--input-len 256] [--first-input-len N]
-        [--output-len 32]
+        [--output-len 32] [--kv-cache-gib 0.5] [--max-model-len N]
         [--trace FILE --trace-block-size 16] [--output-dir DIR] [--output-json FILE]
 
 Each round starts `pdserve serve --colocated --workers 2 --policy round-robin --kv-pool off|on
@@ -75,6 +75,7 @@ def main() -> int:
     add("--first-input-len", help="tokens of each first message (default: as --input-len)")
     add("--output-len", default="32", help="tokens of each reply, ignore_eos (default 32)")
     add("--kv-cache-gib", type=float, default=0.5, help="each worker's KV cache (default 0.5)")
+    add("--max-model-len", type=int, help="each engine's context (default: the model's)")
     add("--seed", type=int, default=0, help="prompts and think times, the same in every run")
     add("--ready-timeout", type=float, default=600, help="s a server may take to start")
     add("--bench-timeout", type=float, default=900, help="s one bench run may take in all")
@@ -121,6 +122,8 @@ def one_run(number: int, pool: str, model_dir: Path, folder: Path, args) -> dict
     serve_args = ["--colocated", "--workers", "2", "--policy", "round-robin"]
     serve_args += ["--kv-pool", pool, "--kv-cache-gib", str(args.kv_cache_gib)]
     serve_args += ["--served-model-name", MODEL]
+    if args.max_model_len:  # a KV cache too small for the model's whole context needs it
+        serve_args += ["--max-model-len", str(args.max_model_len)]
     say(f"{name} starting the server (logs: {folder})")
     started = time.monotonic()
     with local_cluster(0, 1, free_port(), folder, serve_args, args.ready_timeout) as url:

@@ -76,6 +76,15 @@ def pool(server, name: str) -> float:
     return samples[f'pdserve_kv_pool_{name}{{tier="host"}}']
 
 
+def offload(server, name: str) -> list[float]:
+    """Each worker's vLLM series vllm:kv_offload_NAME_total (its engine's pool loads and stores,
+    as pdserve's PoolWorker reports them to vLLM's OffloadingConnector)."""
+    return [
+        sum(v for k, v in samples.items() if k.startswith(f"vllm:kv_offload_{name}_total{{"))
+        for samples in worker_samples(server)
+    ]
+
+
 def store_pid(server) -> int:
     (pid,) = [
         pid
@@ -93,7 +102,7 @@ def test_the_next_turn_on_the_other_worker_loads_the_history_and_answers_the_sam
     pooled, offline_reference
 ):
     expected = offline_reference["pool"]
-    before = pool_hits(pooled)
+    before, bytes_before = pool_hits(pooled), offload(pooled, "load_bytes")
     first = complete(pooled, POOL_TURNS[0])
     assert first["choices"][0]["text"] == expected[0]["text"]
     wait_for(lambda: stored_blocks(pooled) >= HISTORY_BLOCKS, 30, "the first turn's blocks stored")
@@ -103,6 +112,11 @@ def test_the_next_turn_on_the_other_worker_loads_the_history_and_answers_the_sam
     assert cached >= HISTORY_BLOCKS * BLOCK_TOKENS
     gained = [after - was for after, was in zip(pool_hits(pooled), before, strict=True)]
     assert sorted(gained) == [0, cached], f"pool hits per worker: {gained}"
+    # vLLM's own transfer series count the same load, in the pool's block size
+    block_bytes = pool(pooled, "bytes") / pool(pooled, "blocks")
+    loaded = offload(pooled, "load_bytes")
+    loaded = [after - was for after, was in zip(loaded, bytes_before, strict=True)]
+    assert sorted(loaded) == [0, cached / BLOCK_TOKENS * block_bytes], loaded
 
 
 def test_a_damaged_block_in_the_pool_is_dropped_counted_and_recomputed(pooled, offline_reference):
