@@ -100,6 +100,8 @@ STREAMS = {
         "test_kv_pool",
         "test_cluster_ray",
         "test_flex_sweep",
+        "test_bfloat16",
+        "test_gpu_check",
     ],
     "b": [
         "test_api_keys",
@@ -115,8 +117,6 @@ STREAMS = {
         "test_worker_observability",
         "test_flex_roles",
         "test_tensor_parallel",
-        "test_bfloat16",
-        "test_gpu_check",
     ],
 }
 _PLACES = {

@@ -45,10 +45,12 @@ class Received:
 
 
 class FakeOpenAIServer:
-    """A fake OpenAI-compatible streaming server on 127.0.0.1 (ephemeral port), in a thread."""
+    """A fake OpenAI-compatible streaming server on 127.0.0.1 (ephemeral port), in a thread;
+    its first token after `ttft_s`, the next ones every `itl_s`."""
 
-    def __init__(self, report_cached: bool = True):
+    def __init__(self, report_cached: bool = True, ttft_s: float = TTFT_S, itl_s: float = ITL_S):
         self.report_cached = report_cached
+        self.ttft_s, self.itl_s = ttft_s, itl_s
         self.in_flight = 0
         self.max_in_flight = 0
         self.log: list[Received] = []
@@ -134,10 +136,10 @@ class FakeOpenAIServer:
                 }
             )
         await response.write(b": ping\n\n")  # an SSE comment the client must skip
-        await asyncio.sleep(TTFT_S)
+        await asyncio.sleep(self.ttft_s)
         for i in range(max_tokens):
             if i:
-                await asyncio.sleep(ITL_S)
+                await asyncio.sleep(self.itl_s)
             last = i == max_tokens - 1
             if last and "eos" in prompt:  # like vLLM: EOS is a token with empty text
                 await event(token_chunk("", "stop"))

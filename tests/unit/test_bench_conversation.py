@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture
 def fake():
-    server = FakeOpenAIServer().start()
+    server = FakeOpenAIServer(ttft_s=0.02, itl_s=0.01).start()  # what is asserted is the order
     yield server
     server.stop()
 
@@ -36,7 +36,7 @@ def hold(server: FakeOpenAIServer, talks: list[Conversation], **schedule):
 
 def test_each_turn_resends_the_history_with_the_actual_replies(fake):
     talks = conversation.conversations(
-        2, 3, Length.parse("4"), Length.parse("3"), 0.3, PromptText(0)
+        2, 3, Length.parse("4"), Length.parse("3"), 0.2, PromptText(0)
     )
     records, duration = hold(fake, talks)
 
@@ -56,11 +56,11 @@ def test_each_turn_resends_the_history_with_the_actual_replies(fake):
                 assert messages[:-2] == before.body["messages"]
                 assert messages[-2] == {"role": "assistant", "content": before.reply}
                 # Sent only after that reply ended, and the user's think time on top.
-                assert turn.think_s >= 0.15
+                assert turn.think_s >= 0.1
                 assert received.arrived >= before.finished + turn.think_s - 0.01
         mine = sorted((r for r in records if r.conversation == index), key=lambda r: r.turn)
         assert [r.turn for r in mine] == [0, 1, 2]
-    assert duration >= 2 * 0.15
+    assert duration >= 2 * 0.1
 
 
 def test_a_first_message_length_applies_to_turn_zero_only():
@@ -170,7 +170,7 @@ def test_bench_command_prints_turns_and_writes_them(fake, tmp_path, capsys):
 
 
 def test_a_server_that_does_not_report_cached_tokens_is_named(tmp_path, capsys):
-    server = FakeOpenAIServer(report_cached=False).start()
+    server = FakeOpenAIServer(report_cached=False, ttft_s=0.02, itl_s=0.01).start()
     try:
         args = bench_args(
             "--url", server.url, "--workload", "conversation", "--conversations", "1", "--turns",

@@ -73,7 +73,7 @@ def test_json_and_plot(tmp_path):
 
 
 def test_sweep_command_runs_every_ratio_and_rate(monkeypatch, tmp_path, capsys):
-    fake = FakeOpenAIServer().start()
+    fake = FakeOpenAIServer(ttft_s=0.02, itl_s=0.01).start()
     started = []
 
     @contextmanager
