@@ -199,7 +199,7 @@ def main() -> int:
                 alone, results = asyncio.run(measure(name, url, workloads, lone, rates, slos, args))
                 for rate, records, summary in results:
                     rows.append(row(system, number, rate, records, summary, alone))
-                    summaries.append(asdict(summary[0]))
+                    summaries.append({text: asdict(one) for text, one in summary.items()})
             say(f"[{name}] stopped")
     print(table(rows))
     print(rounds_table(rows, systems, rates, list(slos)))
