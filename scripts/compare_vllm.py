@@ -85,6 +85,7 @@ SYSTEMS = {
     "1p1d-disaggregated": (1, 1, ["--route-policy", "length", "--disaggregate-min-tokens", "0"]),
     "1p1d-length": (1, 1, ["--route-policy", "length"]),
     "1p1d-unbound": (1, 1, ["--cpu-binding", "none"]),
+    "1p1d-no-pool": (1, 1, ["--kv-pool", "off"]),
 }
 """How `pdserve serve` starts each pdserve system: (prefill, decode, more options)."""
 

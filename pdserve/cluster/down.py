@@ -1,7 +1,7 @@
 """`pdserve down`: remove exactly what `pdserve up` created — the replica keeper (first, so it
 starts nothing again), the router and worker actors and their placement groups in the cluster's
-namespace, the registry entries, and the Ray head and Redis server if `up` started them — and
-nothing else."""
+namespace, the nodes' KV pool stores, the registry entries, and the Ray head and Redis server if
+`up` started them — and nothing else."""
 
 import argparse
 import sys
@@ -44,7 +44,11 @@ def tear_down(state: ClusterState) -> None:
         say(f"stopping {', '.join(names) or 'no actors'}")
         if ray_launcher.ROUTER in names:  # no new requests first
             ray_launcher.stop_actors(state.name, [ray_launcher.ROUTER])
-        ray_launcher.stop_actors(state.name, [n for n in names if n != ray_launcher.ROUTER])
+        pools = [n for n in names if ray_launcher.is_kv_pool(n)]
+        ray_launcher.stop_actors(
+            state.name, [n for n in names if n != ray_launcher.ROUTER and n not in pools]
+        )
+        ray_launcher.stop_actors(state.name, pools)  # the nodes' KV pools once no worker uses them
         if left := ray_launcher.wait_gone(state.name, names):
             say(f"still alive after ray.kill: {', '.join(left)}")
         if orphans := ray_launcher.remove_orphan_groups(state.name):

@@ -31,6 +31,7 @@ from pdserve.settings.worker import WorkerSettings
 from pdserve.worker.engine import PLACEMENT_GROUP_ENV, RAY_NAMESPACE_ENV
 
 ROUTER = "router"
+KV_POOL_PREFIX = "kv-pool-"  # a node's KV pool store's actor: kv-pool-<node id>
 PLACEMENT_TIMEOUT_S = 30.0
 ACTOR_CALL_TIMEOUT_S = 60.0
 
@@ -81,13 +82,22 @@ class ProcessHost:
         self.info: dict = {}
 
     def start_worker(
-        self, settings_json: str, log_dir: str, threads: int, env: dict[str, str], loopback: bool
+        self,
+        settings_json: str,
+        log_dir: str,
+        threads: int,
+        env: dict[str, str],
+        loopback: bool,
+        kv_pool_bytes: int,
     ) -> dict:
         from pdserve.cluster.local_workers import start_worker
 
         node = ray.get_runtime_context().get_node_id()
         host = "127.0.0.1" if loopback else _node_address(node)
         settings = WorkerSettings.model_validate_json(settings_json)
+        if settings.wants_kv_pool and kv_pool_bytes:
+            address = node_kv_pool(settings.cluster, node, log_dir, kv_pool_bytes)
+            settings = settings.model_copy(update={"kv_pool_address": address})
         worker = start_worker(
             settings.model_copy(update={"host": host, "port": 0}),
             Path(log_dir),
@@ -137,6 +147,33 @@ class ProcessHost:
         }
         return self.info
 
+    def start_kv_pool(self, log_dir: str, budget_bytes: int, address: str) -> dict:
+        """This node's KV pool store, started once: a second worker on the node gets the
+        running one (a store that exited is started again at the same address)."""
+        from pdserve.cluster.local_services import start_kv_pool
+
+        if self.process is None or self.process.poll() is not None:
+            log_path = Path(log_dir) / f"{address.lstrip('@')}.log"
+            _, self.process = start_kv_pool(log_path, budget_bytes, address)
+            self.info = {
+                "address": address,
+                "pid": self.process.pid,
+                "node": ray.get_runtime_context().get_node_id(),
+                "budget_bytes": budget_bytes,
+                "log": str(log_path),
+            }
+        return self.info
+
+    def kv_pool_stats(self) -> dict | None:
+        """The store's own figures (kv_transfer/pool_store.py); None while it does not answer."""
+        from kv_transfer.pool_client import PoolClient
+
+        client = PoolClient(self.info["address"], namespace=None)
+        try:
+            return client.call("stats")
+        finally:
+            client.close()
+
     def describe(self) -> dict:
         return {**self.info, "exit_code": self.process.poll() if self.process else None}
 
@@ -164,11 +201,13 @@ def start_worker(
     log_dir: str,
     threads: int,
     loopback: bool,
+    kv_pool_bytes: int,
 ) -> dict:
     """Reserve the worker's placement group, start its actor inside it, start the process;
     returns what the actor says of it (address, pid, node, GPU ids, log).
     `loopback`: the cluster is this one host, and workers listen on 127.0.0.1 only (Ray itself
-    refuses a loopback node address); otherwise on their node's address."""
+    refuses a loopback node address); otherwise on their node's address. `kv_pool_bytes`: the
+    budget of the node's KV pool, started there for the first worker that uses it (0: none)."""
     group = placement_group(
         list(slot.bundles),
         strategy="STRICT_PACK",
@@ -203,9 +242,49 @@ def start_worker(
         }
     settings = settings.model_copy(update={"worker_id": slot.name})
     return ray.get(
-        host.start_worker.remote(settings.model_dump_json(), log_dir, threads, env, loopback),
+        host.start_worker.remote(
+            settings.model_dump_json(), log_dir, threads, env, loopback, kv_pool_bytes
+        ),
         timeout=ACTOR_CALL_TIMEOUT_S,
     )
+
+
+def node_kv_pool(cluster: str, node: str, log_dir: str, budget_bytes: int) -> str:
+    """The address of node `node`'s KV pool store (kv_transfer/pool_store.py), held by a named
+    actor pinned to that node (`kv-pool-<node>`) and started by the first worker there that
+    asks; `pdserve down` stops it with the other actors."""
+    host = ProcessHost.options(
+        name=kv_pool_actor(node),
+        get_if_exists=True,
+        lifetime="detached",
+        **member_env(),
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+    ).remote()
+    address = f"@pdserve-kv-pool-{cluster}-{node[:12]}"
+    info = ray.get(
+        host.start_kv_pool.remote(log_dir, budget_bytes, address), timeout=ACTOR_CALL_TIMEOUT_S
+    )
+    return info["address"]
+
+
+def describe_kv_pool(name: str) -> dict:
+    """A node's KV pool actor's description with its store's figures (`stats`, None while
+    the store does not answer)."""
+    info = describe(name)
+    if "error" not in info:
+        try:
+            info["stats"] = ray.get(actor(name).kv_pool_stats.remote(), timeout=10)
+        except ray.exceptions.RayError:
+            info["stats"] = None
+    return info
+
+
+def kv_pool_actor(node: str) -> str:
+    return f"{KV_POOL_PREFIX}{node[:12]}"
+
+
+def is_kv_pool(name: str) -> bool:
+    return name.startswith(KV_POOL_PREFIX)
 
 
 def start_router(settings: RouterSettings, log_dir: str) -> dict:

@@ -234,6 +234,7 @@ class ReplicaKeeper:
                 self.log_dir,
                 threads_per_worker(len(self.kept)),
                 self.loopback,
+                self.config.kv_pool.budget_bytes,
             )
         except (RuntimeError, ray.exceptions.RayError) as error:
             self.failures.labels(slot.role).inc()

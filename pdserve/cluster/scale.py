@@ -109,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
                     state.log_dir,
                     threads_per_worker(total),
                     state.loopback,
+                    config.kv_pool.budget_bytes,
                 )
             wait_joined(config, state, new_slots)
         except (RuntimeError, TimeoutError) as error:

@@ -37,7 +37,7 @@ from pdserve.settings.engine import EngineSettings
 from pdserve.settings.json_logs import configure_logging
 from pdserve.settings.redis_url import PASSWORD_ENV
 from pdserve.settings.router import RouterSettings
-from pdserve.settings.worker import WorkerSettings
+from pdserve.settings.worker import POOLED_ROLES, WorkerSettings
 from pdserve.worker.fork_server import ForkServer
 from pdserve.worker.processes import (
     ChildError,
@@ -227,10 +227,8 @@ def run(args: argparse.Namespace) -> int:
         say("cores per worker: " + ", ".join(f"{w.role} {share}" for w, share in pairs))
     others, redis_group, pool, fork_server = [], 0, None, None
     try:
-        users = [w.role in POOLED_ROLES and decode.kv_pool == "on" for w in plan]
-        pooled = [
-            use and w.engine.tensor_parallel_size == 1 for use, w in zip(users, plan, strict=True)
-        ]
+        users = [w.role in POOLED_ROLES and w.kv_pool == "on" for w in plan]
+        pooled = [w.wants_kv_pool for w in plan]  # the users at TP 1
         if pooled != users:
             say("KV pool: not for the tensor-parallel workers (they do not use it yet)")
         if any(pooled):
@@ -276,9 +274,6 @@ def run(args: argparse.Namespace) -> int:
             stop_group(redis_group)
         if pool is not None:
             stop_group(pool.pid, process=pool)
-
-
-POOLED_ROLES = (Role.COLOCATED, Role.PREFILL)  # the KV pool's users (docs/kv-pool.md)
 
 
 def _start_other_routers(

@@ -1,7 +1,8 @@
 """`pdserve status`: each pool's workers with their load and placement (node, GPU ids), from
 the registry (what the router sees) and from Ray (what runs), and what the replica keeper does
-(workers it keeps, replacements so far, back-offs, its metrics URL and latest events). A flex
-worker's current role comes from the router, which assigns it."""
+(workers it keeps, replacements so far, back-offs, its metrics URL and latest events), and each
+node's KV pool store with its figures. A flex worker's current role comes from the router, which
+assigns it."""
 
 import argparse
 import json
@@ -38,10 +39,10 @@ def run(args: argparse.Namespace) -> int:
     members = {r.worker_id: r for r in read_members(state.registry_url, state.name)}
     keeper = replica_keeper.report()
     rows = []
+    names = ray_launcher.actor_names(state.name)
+    pools = [n for n in names if ray_launcher.is_kv_pool(n)]
     running = [
-        n
-        for n in ray_launcher.actor_names(state.name)
-        if n not in (ray_launcher.ROUTER, replica_keeper.KEEPER)
+        n for n in names if n not in (ray_launcher.ROUTER, replica_keeper.KEEPER) and n not in pools
     ]
     for name in running:
         record = members.pop(name, None)
@@ -98,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         "ray": state.ray_address,
         "registry": masked(state.registry_url),
         "workers": rows,
+        "kv_pools": [ray_launcher.describe_kv_pool(name) for name in pools],
         "keeper": keeper,
     }
     if any(row["role"] == Role.FLEX for row in rows):
@@ -137,6 +139,8 @@ def _table(report: dict) -> str:
             f"{','.join(row['gpu_ids']) or '-':<6} {load.get('running_requests', '-'):>4} "
             f"{load.get('waiting_requests', '-'):>4} {kv:>11}"
         )
+    for pool in report["kv_pools"]:
+        lines.append(_kv_pool_line(pool))
     if flex := report.get("flex"):
         lines.append(
             f"flex roles: {flex['error']}"
@@ -159,3 +163,18 @@ def _table(report: dict) -> str:
         *(f"  {event}" for event in keeper["events"][-5:]),
     ]
     return "\n".join(lines)
+
+
+def _kv_pool_line(pool: dict) -> str:
+    if "error" in pool:
+        return f"KV pool: {pool['error']}"
+    where = f"KV pool on node {pool['node'][:12]} ({pool['address']}, pid {pool['pid']})"
+    stats = pool.get("stats")
+    if pool.get("exit_code") is not None or stats is None:
+        return f"{where}: not answering (exit code {pool.get('exit_code')}); log {pool['log']}"
+    gib = 2**30
+    return (
+        f"{where}: {stats['bytes'] / gib:.2f} of {stats['budget_bytes'] / gib:.2f} GiB, "
+        f"{stats['used']} blocks, {stats['hits']} hits, {stats['evictions']} evicted, "
+        f"{stats['dropped']} dropped"
+    )

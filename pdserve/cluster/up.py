@@ -141,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
                 state.log_dir,
                 threads_per_worker(len(slots)),
                 state.loopback,
+                config.kv_pool.budget_bytes,
             )
         wait_joined(config, state, slots, args.join_timeout)
         router = ray_launcher.start_router(

@@ -105,6 +105,19 @@ class TransportSection(Settings):
     kv_integrity: KvIntegrity
 
 
+class KvPoolSection(Settings):
+    """Each node's KV pool (docs/kv-pool.md): `pdserve up` starts one store on every node where
+    a worker that uses it runs (colocated or prefill, TP 1), and those workers share it."""
+
+    enabled: bool = True
+    gib: float = Field(2.0, gt=0)  # host memory of each node's store
+
+    @property
+    def budget_bytes(self) -> int:
+        """The store's byte budget; 0 when the pool is off."""
+        return int(self.gib * 2**30) if self.enabled else 0
+
+
 class RouterSection(Settings):
     host: Host
     port: Port
@@ -150,6 +163,7 @@ class ClusterFile(Settings):
     decode: DecodePoolSection = Field(default_factory=DecodePoolSection)
     flex: FlexPoolSection = Field(default_factory=FlexPoolSection)
     transport: TransportSection = Field(default_factory=TransportSection)
+    kv_pool: KvPoolSection = Field(default_factory=KvPoolSection)
     router: RouterSection = Field(default_factory=RouterSection)
     otlp_endpoint: OtlpEndpoint  # the router's and every worker's
     registry: RegistrySection = Field(default_factory=RegistrySection)
@@ -205,6 +219,7 @@ class ClusterFile(Settings):
             engine=engine,
             kv_transport=self.transport.kind,
             kv_integrity=self.transport.kv_integrity,
+            kv_pool="on" if self.kv_pool.enabled else "off",
             otlp_endpoint=self.otlp_endpoint,
             **policy,
         )

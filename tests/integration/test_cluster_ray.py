@@ -47,6 +47,7 @@ from tests.waiting import wait_for
 CLUSTER = "pdtest"
 MODEL = "tiny"
 KV_CACHE_GIB = 0.25
+KV_POOL_GIB = 0.125
 HEARTBEAT_S = 1.0
 ORPHAN_TIMEOUT_S = 10.0  # a SIGKILLed worker's engine processes are gone by then
 STOP_TIMEOUT_S = 30.0  # a worker whose actor was killed stops gracefully (SIGTERM) by then
@@ -110,6 +111,7 @@ def cluster(ray_and_redis, tmp_path_factory):
             redis=redis["url"],
             heartbeat=HEARTBEAT_S,
             kv_cache_gib=KV_CACHE_GIB,
+            kv_pool_gib=KV_POOL_GIB,
         )
     )
     env = {**os.environ, "PDSERVE_STATE_DIR": str(folder / "state"), "RAY_AUTH_MODE": "disabled"}
@@ -130,6 +132,11 @@ def cluster(ray_and_redis, tmp_path_factory):
             for pid in pids_running("worker", "--settings-json")
             if f'"cluster":"{CLUSTER}"' in " ".join(command_line(pid))
         ]
+        pool_pids = [
+            pid
+            for pid in pids_running("kv_transfer.pool_store")
+            if any(word.startswith(f"@pdserve-kv-pool-{CLUSTER}-") for word in command_line(pid))
+        ]
         down = pdserve("down", "-f", str(config), env=env)
         try:
             assert down.returncode == 0, down.stderr[-4000:]
@@ -140,9 +147,10 @@ def cluster(ray_and_redis, tmp_path_factory):
                 if g["name"].startswith(f"pdserve-{CLUSTER}-") and g["state"] != "REMOVED"
             ], "placement groups left after pdserve down"
             deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and any(alive(pid) for pid in worker_pids):
+            while time.monotonic() < deadline and any(map(alive, worker_pids + pool_pids)):
                 time.sleep(0.2)
             assert not [pid for pid in worker_pids if alive(pid)], "workers outlived pdserve down"
+            assert not [pid for pid in pool_pids if alive(pid)], "KV pool outlived pdserve down"
         finally:
             ray.shutdown()
 
@@ -156,6 +164,7 @@ engine: {{kv_cache_gib: {kv_cache_gib}}}
 prefill: {{replicas: 1, tensor_parallel_size: 1, gpu_type: H100-SXM}}
 decode: {{replicas: 2, tensor_parallel_size: 1, gpu_type: H100-SXM}}
 transport: {{kind: grpc, kv_timeout_s: 30}}
+kv_pool: {{gib: {kv_pool_gib}}}
 router: {{port: {port}, route_policy: length, disaggregate_min_tokens: 4}}
 registry: {{url: "{redis}", heartbeat_s: {heartbeat}}}
 """
@@ -214,6 +223,36 @@ def test_up_gives_each_worker_its_own_placement_group_and_gpu(cluster, tiny_refe
         model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0
     )
     assert reply.choices[0].text == tiny_reference["prompts"][0]["text"]
+
+
+def test_the_node_has_one_kv_pool_that_its_prefill_worker_fills(cluster):
+    """`up` started one store on the node (an actor beside the workers) for the prefill worker;
+    the decode workers do not use it. A prompt the prefill worker computes leaves its blocks
+    there, and `status` shows them."""
+    workers = _layout(cluster, 1, 2)
+    (pool,) = _status(cluster)["kv_pools"]
+    assert pool["budget_bytes"] == int(KV_POOL_GIB * 2**30)
+    assert pool["exit_code"] is None and pool["stats"] is not None, pool
+    assert f"--address {pool['address']}" in " ".join(command_line(pool["pid"]))
+    for worker in workers:
+        settings = json.loads(_settings_json(worker["pid"]))
+        expected = pool["address"] if worker["role"] == "prefill" else ""
+        assert settings["kv_pool_address"] == expected, (worker["worker"], settings)
+    before = pool["stats"]["used"]
+    _client(cluster).completions.create(
+        model=MODEL, prompt=" ".join(PROMPTS) * 4, max_tokens=2, temperature=0
+    )  # its prompt is several blocks long, and prefilled on the prefill worker
+    wait_for(
+        lambda: _status(cluster)["kv_pools"][0]["stats"]["used"] > before,
+        timeout_s=30,
+        what="the prefill worker's blocks in the node's KV pool",
+        poll_s=1,
+    )
+
+
+def _settings_json(pid: int) -> str:
+    line = command_line(pid)
+    return line[line.index("--settings-json") + 1]
 
 
 class SteadyStream:
