@@ -213,11 +213,33 @@ def serve(address: str, budget_bytes: int) -> None:
             os.unlink(address)
 
 
+def store_answers(address: str) -> bool:
+    """The store at `address` answers a question (not merely accepts a connection, which a
+    hung store's socket still does)."""
+    from kv_transfer.pool_client import PoolClient  # it imports this module
+
+    client = PoolClient(address, namespace=None)
+    try:
+        return client.call("stats") is not None
+    finally:
+        client.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kv_transfer.pool_store", description=__doc__)
     parser.add_argument("--address", required=True, help="Unix socket: a path, or @name")
-    parser.add_argument("--budget-bytes", type=int, required=True, help="the pool's memory")
+    parser.add_argument("--budget-bytes", type=int, help="the pool's memory (to serve)")
+    parser.add_argument(
+        "--probe",
+        action="store_true",
+        help="serve nothing: exit 0 if the store at --address answers within its call "
+        "deadline, 1 if not (a Kubernetes probe)",
+    )
     args = parser.parse_args(argv)
+    if args.probe:
+        return 0 if store_answers(args.address) else 1
+    if args.budget_bytes is None:
+        parser.error("--budget-bytes is required to serve")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         serve(args.address, args.budget_bytes)

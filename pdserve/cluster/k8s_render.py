@@ -59,6 +59,7 @@ ROUTER_PORT = 8000
 GRPC_PORT = 50051
 METRICS_PORT = 9400
 KV_PORT = 50100  # decode: tensor-parallel rank r receives on KV_PORT + r
+KV_POOL_ADDRESS = "@pdserve-kv-pool"  # the store beside a worker, in its pod (an abstract socket)
 MODES = ("deployments", "kuberay")
 RAY_DASHBOARD_PORT = 8265
 RAY_JOB_RETRIES = 3  # new clusters after a failed `pdserve up` or a lost head
@@ -197,7 +198,8 @@ def deployments(config: ClusterFile, options: RenderOptions) -> list[dict]:
 def worker_deployment(
     config: ClusterFile, role: str, pool: PoolSection, options: RenderOptions
 ) -> dict:
-    spec = worker_pod_spec(config, role, pool, pool_resources(config, pool, options), options)
+    resources = pool_resources(config, role, pool, options)
+    spec = worker_pod_spec(config, role, pool, resources, options)
     # Without spare GPUs a rolling update replaces one pod at a time; on CPU it adds one first.
     surge = (
         {"maxSurge": 0, "maxUnavailable": 1}
@@ -244,6 +246,9 @@ def worker_pod_spec(
             "health_port": HEALTH_PORT if options.tls_secret else 0,
         }
     )
+    pool_gib = kv_pool_gib(config, role)
+    if pool_gib:
+        settings = settings.model_copy(update={"kv_pool_address": KV_POOL_ADDRESS})
     ports = [
         {"name": "grpc", "containerPort": GRPC_PORT},
         {"name": "metrics", "containerPort": METRICS_PORT},
@@ -302,7 +307,7 @@ def worker_pod_spec(
         "terminationGracePeriodSeconds": _grace_s(config),
         **POD_SECURITY,
         "initContainers": wait_for_model(config, image),
-        "containers": [container],
+        "containers": [container, kv_pool_container(image, pool_gib)] if pool_gib else [container],
         "volumes": _volumes(pool.uses_gpus),
     }
     if pool.uses_gpus:
@@ -424,7 +429,7 @@ def kuberay(config: ClusterFile, options: RenderOptions) -> list[dict]:
                     "name": "ray-worker",
                     "image": options.worker_image(pool.uses_gpus),
                     "env": env,
-                    "resources": pool_resources(config, pool, options),
+                    "resources": pool_resources(config, role, pool, options),
                     "securityContext": NO_ESCALATION,
                     "volumeMounts": [models_mount(), {"name": "dshm", "mountPath": "/dev/shm"}],
                 }
@@ -530,17 +535,50 @@ def _cluster_file_map(config: ClusterFile, options: RenderOptions) -> dict:
 # Shared pieces -------------------------------------------------------------------------------
 
 
-def pool_resources(config: ClusterFile, pool: PoolSection, options: RenderOptions) -> dict:
-    """A worker pod's requests and limits: its TP group's GPUs (or CPU ranks), and memory."""
+def pool_resources(
+    config: ClusterFile, role: str, pool: PoolSection, options: RenderOptions
+) -> dict:
+    """A worker pod's requests and limits: its TP group's GPUs (or CPU ranks), and memory,
+    with its KV pool's (the worker writes the pool's blocks: their pages count as its memory)."""
     tp = pool.tensor_parallel_size
+    pool_gib = math.ceil(kv_pool_gib(config, role))
     if pool.uses_gpus:
-        return _gpu_resources(tp, options)
-    memory = f"{math.ceil(config.kv_cache_gib(pool)) + CPU_WORKER_OVERHEAD_GIB}Gi"
+        return _gpu_resources(tp, options, pool_gib)
+    memory = f"{math.ceil(config.kv_cache_gib(pool)) + CPU_WORKER_OVERHEAD_GIB + pool_gib}Gi"
     return {"requests": {"cpu": str(tp), "memory": memory}, "limits": {"memory": memory}}
 
 
-def _gpu_resources(gpus: int, options: RenderOptions) -> dict:
-    memory = f"{options.memory_per_gpu_gib * gpus}Gi"
+def kv_pool_gib(config: ClusterFile, role: str) -> float:
+    """The KV pool beside each worker of pool `role` (0: none; docs/kv-pool.md)."""
+    wants = config.worker_settings(role, "").wants_kv_pool
+    return config.kv_pool.gib if wants else 0.0
+
+
+def kv_pool_container(image: str, gib: float) -> dict:
+    """The worker's KV pool store (kv_transfer/pool_store.py), beside it in its pod: the pod's
+    containers share its network namespace, so the worker reaches the store's abstract Unix
+    socket, and the store checks that it runs as the same user. A restarted store is a new,
+    empty pool; while it is down the worker computes what it would have loaded."""
+    command = ["python", "-m", "kv_transfer.pool_store", "--address", KV_POOL_ADDRESS]
+    probe = {"exec": {"command": [*command, "--probe"]}, "periodSeconds": 10, "timeoutSeconds": 5}
+    return {
+        "name": "kv-pool",
+        "image": image,
+        "command": command,
+        "args": ["--budget-bytes", str(int(gib * 2**30))],
+        # Ready: it answers (the worker serves either way: without it, it computes everything).
+        "readinessProbe": probe,
+        "livenessProbe": {**probe, "failureThreshold": 6},
+        "resources": {
+            "requests": {"cpu": "100m", "memory": "64Mi"},
+            "limits": {"memory": "256Mi"},
+        },
+        "securityContext": NO_ESCALATION,
+    }
+
+
+def _gpu_resources(gpus: int, options: RenderOptions, extra_gib: int = 0) -> dict:
+    memory = f"{options.memory_per_gpu_gib * gpus + extra_gib}Gi"
     return {
         "requests": {
             "cpu": str(options.cpus_per_gpu * gpus),

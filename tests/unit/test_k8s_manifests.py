@@ -16,7 +16,14 @@ import yaml
 
 from pdserve.cluster.cli import main
 from pdserve.cluster.k8s_options import RenderOptions
-from pdserve.cluster.k8s_render import GRPC_PORT, KV_PORT, METRICS_PORT, MODES, render
+from pdserve.cluster.k8s_render import (
+    GRPC_PORT,
+    KV_POOL_ADDRESS,
+    KV_PORT,
+    METRICS_PORT,
+    MODES,
+    render,
+)
 from pdserve.settings.cluster_file import load_cluster_file, parse_cluster
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -125,13 +132,15 @@ def check_deployments(config, objects: list[dict]) -> None:
     for role in ("prefill", "decode"):
         pool = config.pool(role)
         pod = deployments[f"pdserve-{role}"]["spec"]["template"]["spec"]
-        (worker,) = pod["containers"]
+        containers = {container["name"]: container for container in pod["containers"]}
+        worker = containers.pop("worker")
         assert deployments[f"pdserve-{role}"]["spec"]["replicas"] == pool.replicas
         gpus = worker["resources"]["limits"].get("nvidia.com/gpu", 0)
         assert gpus == (pool.tensor_parallel_size if pool.uses_gpus else 0)
         assert worker["resources"]["requests"].get("nvidia.com/gpu", 0) == gpus
         settings = json.loads(worker["args"][worker["args"].index("--settings-json") + 1])
         assert settings["registry"] == REDIS_URL
+        check_kv_pool(config, role, settings, containers)
         assert settings["engine"].get("tensor_parallel_size", 1) == pool.tensor_parallel_size
         assert worker["readinessProbe"]["grpc"] == {"port": GRPC_PORT, "service": ""}
         assert worker["livenessProbe"]["grpc"] == {"port": GRPC_PORT, "service": "liveness"}
@@ -151,6 +160,19 @@ def check_deployments(config, objects: list[dict]) -> None:
     keys = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in router["env"] if "valueFrom" in e}
     assert keys["PDSERVE_CLUSTER_SECRET"]["name"] == "pdserve-cluster-secret"
     assert keys["PDSERVE_API_KEYS"] == {"name": "pdserve-api-keys", "key": "keys", "optional": True}
+
+
+def check_kv_pool(config, role: str, settings: dict, sidecars: dict[str, dict]) -> None:
+    """A TP-1 prefill worker has its KV pool's store beside it, at the address it is given,
+    with the cluster file's budget; no other worker has one."""
+    if role == "prefill" and config.pool(role).tensor_parallel_size == 1:
+        store = sidecars.pop("kv-pool")
+        address = store["command"][store["command"].index("--address") + 1]
+        assert settings["kv_pool_address"] == address == KV_POOL_ADDRESS
+        assert store["args"] == ["--budget-bytes", str(int(config.kv_pool.gib * 2**30))]
+    else:
+        assert "kv_pool_address" not in settings
+    assert not sidecars
 
 
 def check_kuberay(config, objects: list[dict]) -> None:

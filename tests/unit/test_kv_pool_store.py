@@ -9,6 +9,7 @@ import secrets
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -148,3 +149,23 @@ def test_no_client_can_resize_the_memory_and_an_absurd_slot_size_is_refused(addr
                 os.close(fd)
     finally:
         stop_group(store.pid, process=store)
+
+
+def test_the_probe_passes_only_while_the_store_answers(store, address):
+    """The Kubernetes probe of a worker's store (pdserve/cluster/k8s_render.py): a store that
+    answers passes; a stopped one (its socket still accepts) and a gone one fail, in bounded
+    time."""
+
+    def probe() -> int:
+        command = [sys.executable, "-m", "kv_transfer.pool_store", "--address", address, "--probe"]
+        return subprocess.run(command, timeout=30).returncode
+
+    assert probe() == 0
+    os.killpg(store.pid, signal.SIGSTOP)
+    try:
+        assert probe() == 1
+    finally:
+        os.killpg(store.pid, signal.SIGCONT)
+    assert probe() == 0
+    stop_group(store.pid, process=store)
+    assert probe() == 1
