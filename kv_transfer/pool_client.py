@@ -27,15 +27,17 @@ LAST_RETRY_S = 30.0
 
 
 class PoolClient:
-    """A worker's engine's connection (`namespace`: what its blocks are), or an observer's
-    (namespace None: stats only, no memory). Its calls run on vLLM's scheduler and model
-    threads, so none waits longer than CALL_TIMEOUT_S, and a store that failed (gone, hung,
-    refusing) is tried again only after a back-off."""
+    """A worker's engine's connection (`namespace`: what its blocks are; `parts`: its
+    tensor-parallel ranks, each writing its part of every slot), or an observer's (namespace
+    None: stats only, no memory). Its calls run on vLLM's scheduler and model threads, so none
+    waits longer than CALL_TIMEOUT_S, and a store that failed (gone, hung, refusing) is tried
+    again only after a back-off."""
 
-    def __init__(self, address: str, namespace: str | None, slot_bytes: int = 0):
+    def __init__(self, address: str, namespace: str | None, slot_bytes: int = 0, parts: int = 1):
         self.address = address
         self.namespace = namespace
         self.slot_bytes = slot_bytes
+        self.parts = parts
         self.store_id: str | None = None
         self.slots = 0
         self.header_bytes = 0
@@ -80,7 +82,12 @@ class PoolClient:
         try:
             sock.connect(socket_address(self.address))
             _check_peer(sock)
-            hello = {"op": "hello", "namespace": self.namespace, "slot_bytes": self.slot_bytes}
+            hello = {
+                "op": "hello",
+                "namespace": self.namespace,
+                "slot_bytes": self.slot_bytes,
+                "parts": self.parts,
+            }
             sock.sendall((json.dumps(hello) + "\n").encode())
             data, fds, _flags, _addr = socket.recv_fds(sock, HELLO_BYTES, 1)
             reply = json.loads(data.decode() or "null")

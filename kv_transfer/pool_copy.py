@@ -2,9 +2,11 @@
 with the writer's record and the reader's check: plain torch (no vLLM, no numpy), so the same
 code runs in the engine (kv_transfer/pool_offload.py) and in scripts/gpu_check.py on a device.
 
-A slot holds one block: its rows of every cache tensor, back to back. Its header holds the
-block key's tag and the digest of the slot's bytes (kv_transfer/integrity.py), written after
-the bytes. A reader checks both on its own copy of the slot before one byte reaches its cache:
+A slot holds one block: its rows of every cache tensor, back to back; for a tensor-parallel
+engine, one part per rank (rank r's rows, at r part-lengths in), which that rank alone writes and
+reads. Each part's header entry holds the block key's tag and the digest of the part's bytes
+(kv_transfer/integrity.py), written after the bytes. A reader checks both on its own copy of
+its part before one byte reaches its cache:
 a slot that holds another key (evicted and reused, a store from another epoch) or other bytes
 (damaged memory, a writer that died mid-copy or is writing it now) is refused. On a GPU a block
 crosses PCIe once each way and its digest is taken on the device; the pool's memory is ordinary
@@ -26,17 +28,22 @@ def key_tag(key: bytes) -> int:
 
 @dataclass
 class PoolMemory:
-    """The pool's memory as this process maps it: one (tag, digest) header per slot, and the
-    slots as rows of bytes."""
+    """The pool's memory as this process maps it: a (tag, digest) header per part of each slot,
+    and the slots as rows of bytes."""
 
-    headers: torch.Tensor  # int64 [slots, 2]
+    headers: torch.Tensor  # int64 [slots, parts, 2]
     slots: torch.Tensor  # uint8 [slots, slot bytes]
 
     @classmethod
-    def over(cls, buffer, header_bytes: int, slots: int) -> "PoolMemory":
-        headers = torch.frombuffer(buffer, dtype=torch.int64, count=header_bytes // 8)
+    def over(cls, buffer, header_bytes: int, slots: int, parts: int = 1) -> "PoolMemory":
+        headers = torch.frombuffer(buffer, dtype=torch.int64, count=slots * parts * 2)
         data = torch.frombuffer(buffer, dtype=torch.uint8, offset=header_bytes)
-        return cls(headers.view(-1, 2), data.view(slots, -1))
+        return cls(headers.view(slots, parts, 2), data.view(slots, -1))
+
+    def part(self, slot: int, part: int) -> torch.Tensor:
+        """Part `part` of slot `slot`'s bytes (the whole slot for an engine without TP)."""
+        size = self.slots.shape[1] // self.headers.shape[1]
+        return self.slots[slot, part * size : (part + 1) * size]
 
 
 def cache_rows(cache: torch.Tensor) -> torch.Tensor:
@@ -48,36 +55,37 @@ def cache_rows(cache: torch.Tensor) -> torch.Tensor:
 
 
 def store_blocks(
-    pages: list[torch.Tensor], blocks: list[int], memory: PoolMemory, slots, keys
+    pages: list[torch.Tensor], blocks: list[int], memory: PoolMemory, slots, keys, part: int = 0
 ) -> int:
-    """Copy each cache block into its slot and record its key and digest; the bytes copied.
-    A block's rows are gathered where the cache lives and digested there (on a GPU only the
-    8-byte digest and one copy of the block cross to the host)."""
+    """Copy each cache block into part `part` (this rank's) of its slot and record its key and
+    digest; the bytes copied. A block's rows are gathered where the cache lives and digested
+    there (on a GPU only the 8-byte digest and one copy of the block cross to the host)."""
     copied = 0
     for block, slot, key in zip(blocks, slots, keys, strict=True):
         data = torch.cat([page[int(block)] for page in pages])
         digest = slice_digest(data)
-        memory.slots[slot].copy_(data)
-        memory.headers[slot, 0] = key_tag(key)
-        memory.headers[slot, 1] = _signed(digest)
+        memory.part(slot, part).copy_(data)
+        memory.headers[slot, part, 0] = key_tag(key)
+        memory.headers[slot, part, 1] = _signed(digest)
         copied += data.numel()
     return copied
 
 
 def load_blocks(
-    pages: list[torch.Tensor], blocks: list[int], memory: PoolMemory, slots, keys
+    pages: list[torch.Tensor], blocks: list[int], memory: PoolMemory, slots, keys, part: int = 0
 ) -> tuple[int, list[int], list[bytes]]:
-    """Copy each slot that passes its check into its cache block: (bytes copied, the blocks
-    refused, their keys). A refused block's cache rows are left as they were. The check is of
-    what is used: the slot is first copied to where the cache lives (one host-to-device copy on
-    a GPU, where the digest is then taken), then that copy is checked and loaded, so a writer
-    reusing the slot meanwhile (its pin lost with a connection) cannot slip in bytes that were
-    not checked."""
+    """Copy part `part` (this rank's) of each slot that passes its check into its cache block:
+    (bytes copied, the blocks refused, their keys). A refused block's cache rows are left as
+    they were. The check is of what is used: the part is first copied to where the cache lives
+    (one host-to-device copy on a GPU, where the digest is then taken), then that copy is
+    checked and loaded, so a writer reusing the slot meanwhile (its pin lost with a connection)
+    cannot slip in bytes that were not checked."""
     copied, refused_blocks, refused_keys = 0, [], []
-    staging = torch.empty(memory.slots.shape[1], dtype=torch.uint8, device=pages[0].device)
+    size = memory.part(0, part).numel()
+    staging = torch.empty(size, dtype=torch.uint8, device=pages[0].device)
     for block, slot, key in zip(blocks, slots, keys, strict=True):
-        recorded = (int(memory.headers[slot, 0]), int(memory.headers[slot, 1]))
-        staging.copy_(memory.slots[slot])
+        recorded = (int(memory.headers[slot, part, 0]), int(memory.headers[slot, part, 1]))
+        staging.copy_(memory.part(slot, part))
         if recorded != (key_tag(key), _signed(slice_digest(staging))):
             refused_blocks.append(int(block))
             refused_keys.append(key)

@@ -8,10 +8,12 @@ what any of them computed.
   for a store. The store being gone answers "miss" and "no room": the engine computes.
 - `PoolWorker` (each worker rank) copies between the engine's KV cache and the pool's memory,
   synchronously (the copy of a block is ~1 ms of a CPU core; on a GPU a plain device-to-host
-  copy). A writer puts its key's tag and its bytes' digest (kv_transfer/integrity.py) in the
-  slot's header; a reader checks both before one byte reaches the cache, and a block that fails
-  is dropped from the pool, counted, and recomputed (kv_transfer/pool_connector.py reports it
-  to vLLM as a load error), never used.
+  copy). A tensor-parallel rank copies its own heads, into and out of its part of each slot;
+  vLLM completes a store only once every rank has done its part, and recomputes a block any
+  rank could not load. A writer puts its key's tag and its bytes' digest
+  (kv_transfer/integrity.py) in its part's header; a reader checks both before one byte reaches
+  the cache, and a block that fails is dropped from the pool, counted, and recomputed
+  (kv_transfer/pool_connector.py reports it to vLLM as a load error), never used.
 
 vLLM 0.32's own CPU offloading worker needs CUDA streams (it refuses the CPU platform) and keeps
 a private buffer per engine, which is why pdserve has its own worker and manager here; the
@@ -24,6 +26,7 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
@@ -115,21 +118,24 @@ class PoolManager(OffloadingManager):
 
 
 class PoolWorker(OffloadingWorker):
-    """The worker's side. `client` None: this engine does not use the pool (no job comes)."""
+    """The worker's side, in rank `part` of the engine. `client` None: this engine does not use
+    the pool (no job comes)."""
 
-    def __init__(self, kv_caches: CanonicalKVCaches, client: PoolClient | None):
+    def __init__(self, kv_caches: CanonicalKVCaches, client: PoolClient | None, part: int):
         # vLLM hands each cache tensor over as (blocks, bytes of one block): int8 rows, possibly
         # strided; a block's slot holds its rows, in this order (kv_transfer/pool_copy.py).
         self.pages = [cache_rows(t.tensor) for t in kv_caches.tensors]
         self.block_bytes = sum(page.shape[1] for page in self.pages)
-        if client is not None and self.block_bytes != client.slot_bytes:
+        if client is not None and self.block_bytes * client.parts != client.slot_bytes:
             log.error(
-                "kv pool: off: a KV block here is %d B, the pool's slots %d B",
+                "kv pool: off: a KV block here is %d B in each of %d ranks, the pool's slots %d B",
                 self.block_bytes,
+                client.parts,
                 client.slot_bytes,
             )
             client = None
         self.client = client
+        self.part = part
         self.finished: list[TransferResult] = []
         self.failed_blocks: set[int] = set()  # cache blocks whose load failed its check
 
@@ -139,7 +145,9 @@ class PoolWorker(OffloadingWorker):
         size = 0
         if memory is not None:  # else a future miss: the header check refuses the slot's bytes
             blocks = [int(block) for block in src_spec.block_ids]
-            size = store_blocks(self.pages, blocks, memory, dst_spec.slots, dst_spec.keys)
+            size = store_blocks(
+                self.pages, blocks, memory, dst_spec.slots, dst_spec.keys, self.part
+            )
         self.finished.append(TransferResult(job_id, True, size, time.perf_counter() - started))
         return True
 
@@ -153,7 +161,7 @@ class PoolWorker(OffloadingWorker):
             self.failed_blocks.update(blocks)
         else:
             size, refused, keys = load_blocks(
-                self.pages, blocks, memory, src_spec.slots, src_spec.keys
+                self.pages, blocks, memory, src_spec.slots, src_spec.keys, self.part
             )
             if refused:
                 self.failed_blocks.update(refused)
@@ -173,7 +181,8 @@ class PoolWorker(OffloadingWorker):
         if spec.store_id != self.client.store_id:
             self.client.call("stats")
             return None
-        return PoolMemory.over(self.client.memory, self.client.header_bytes, self.client.slots)
+        client = self.client
+        return PoolMemory.over(client.memory, client.header_bytes, client.slots, client.parts)
 
     def shutdown(self) -> None:
         if self.client is not None:
@@ -200,18 +209,21 @@ class PoolOffloadingSpec(OffloadingSpec):
         self.unusable = _why_unusable(config, self.blocks_per_chunk)
         if self.unusable:
             log.warning("kv pool: off for this engine: %s", self.unusable)
+        ranks = config.parallel.tp_size
         namespace = {
             "pool": self.extra_config.get(POOL_NAMESPACE, ""),
             "model": config.model.name,
             "dtype": config.model.dtype,
             "tokens_per_block": self.tokens_per_block,
-            "bytes_per_block": config.worker_kv_bytes_per_block,
+            "bytes_per_block": config.worker_kv_bytes_per_block,  # of one rank
+            "tensor_parallel_size": ranks,
             "layout": config.kv_cache_layout,
         }
         self.client_args = (
             self.extra_config[POOL_ADDRESS],
             json.dumps(namespace, sort_keys=True),
-            config.worker_kv_bytes_per_block,
+            config.worker_kv_bytes_per_block * ranks,
+            ranks,
         )
         self._manager: PoolManager | None = None
         self._worker: PoolWorker | None = None
@@ -226,15 +238,19 @@ class PoolOffloadingSpec(OffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> PoolWorker:
         if self._worker is None:
-            self._worker = PoolWorker(kv_caches, self._client())
+            rank = get_tensor_model_parallel_rank() if self.config.parallel.tp_size > 1 else 0
+            self._worker = PoolWorker(kv_caches, self._client(), rank)
         return self._worker
 
 
 def _why_unusable(config, blocks_per_chunk: int) -> str:
     """Why an engine cannot share blocks through the pool yet, or "": the engine then starts
     and runs as without one (a model the pool does not fit must not stop a worker)."""
-    if config.parallel.world_size != 1:
-        return "tensor or pipeline parallelism (one rank per engine only, yet)"
+    parallel = config.parallel
+    if parallel.world_size != parallel.tp_size or parallel.pcp_size != 1 or parallel.dcp_size != 1:
+        return "pipeline or context parallelism (tensor parallelism only, yet)"
+    if config.replicated_layout:
+        return "a KV layout replicated over the ranks (MLA), whose other ranks store nothing"
     if len(config.groups) != 1:
         return f"{len(config.groups)} KV cache groups (one only, yet)"
     if blocks_per_chunk != 1:

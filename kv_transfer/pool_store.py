@@ -14,16 +14,18 @@ is a socket file, removed when the store exits normally. Store and clients check
 side runs as the same user, since the blocks are prompts' KV.
 
 A store serves one namespace (the model, its quantization and KV dtype, the block size and cache
-layout, vLLM's block hash seed: kv_transfer/pool_offload.py): the first client's hello sets it
-and its slot size; a client whose namespace differs is refused, and its pool stays off (it
-computes everything, as without a pool).
+layout, the tensor-parallel size, vLLM's block hash seed: kv_transfer/pool_offload.py): the first
+client's hello sets it, its slot size and its parts per slot; a client whose namespace differs is
+refused, and its pool stays off (it computes everything, as without a pool). A slot of a
+tensor-parallel engine holds one part per rank (each rank's heads of the block), each with its
+own header entry, written and checked by that rank alone.
 
 Protocol: JSON lines. The hello's answer comes with the memory's descriptor: {"slots",
-"slot_bytes", "header_bytes", "store_id"}; a hello without a namespace is an observer's (a
-worker's /metrics), which gets no memory and may only ask for stats. Then each request {"op",
-...} gets one answer line; keys travel in hex. The memory: a header of HEADER_BYTES_PER_SLOT
-per slot (the writer's key tag and digest, which a reader checks: kv_transfer/pool_offload.py),
-then the slots, page-aligned.
+"slot_bytes", "parts", "header_bytes", "store_id"}; a hello without a namespace is an observer's
+(a worker's /metrics), which gets no memory and may only ask for stats. Then each request {"op",
+...} gets one answer line; keys travel in hex. The memory: a header of HEADER_BYTES_PER_PART per
+part of every slot (its writer's key tag and digest, which a reader checks:
+kv_transfer/pool_copy.py), then the slots, page-aligned.
 """
 
 import argparse
@@ -40,14 +42,15 @@ import uuid
 
 from kv_transfer.pool_index import PoolIndex
 
-HEADER_BYTES_PER_SLOT = 16  # key tag (8) and digest (8) of what the writer put there
+HEADER_BYTES_PER_PART = 16  # key tag (8) and digest (8) of what the writer put there
 PAGE = mmap.PAGESIZE
 HELLO_BYTES = 4096  # a hello answer fits (it is read with the descriptor, in one recv)
 MAX_SLOTS = 1 << 20  # the index's size bound (a 1 TiB pool of 1 MiB blocks)
+MAX_PARTS = 64  # tensor-parallel ranks of one engine
 
 
-def header_bytes(slots: int) -> int:
-    return -(-slots * HEADER_BYTES_PER_SLOT // PAGE) * PAGE
+def header_bytes(slots: int, parts: int = 1) -> int:
+    return -(-slots * parts * HEADER_BYTES_PER_PART // PAGE) * PAGE
 
 
 def socket_address(address: str) -> str:
@@ -72,12 +75,14 @@ class PoolStore:
         self.lock = threading.Lock()
         self.namespace: str | None = None
         self.slot_bytes = 0
+        self.parts = 1
         self.index: PoolIndex | None = None
         self.fd = -1
         self._owners = 0
 
-    def hello(self, namespace: str, slot_bytes: int) -> dict:
-        """The first client's namespace and slot size make the memory; later ones must match."""
+    def hello(self, namespace: str, slot_bytes: int, parts: int = 1) -> dict:
+        """The first client's namespace, slot size and parts per slot make the memory; later
+        ones must match."""
         with self.lock:
             if self.namespace is None:
                 slots = self.budget_bytes // max(1, slot_bytes)
@@ -86,24 +91,27 @@ class PoolStore:
                         "error": f"a budget of {self.budget_bytes} B in {slot_bytes} B blocks: "
                         f"{slots} slots, not 1 to {MAX_SLOTS}"
                     }
+                if not 1 <= parts <= MAX_PARTS or slot_bytes % parts:
+                    return {"error": f"{slot_bytes} B slots in {parts} parts"}
                 self.fd = os.memfd_create("pdserve-kv-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-                os.ftruncate(self.fd, header_bytes(slots) + slots * slot_bytes)
+                os.ftruncate(self.fd, header_bytes(slots, parts) + slots * slot_bytes)
                 # No client may resize it (a shrink would fault every other client's reads).
                 seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
                 fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, seals)
-                self.namespace, self.slot_bytes = namespace, slot_bytes
+                self.namespace, self.slot_bytes, self.parts = namespace, slot_bytes, parts
                 self.index = PoolIndex(slots)
-            elif (namespace, slot_bytes) != (self.namespace, self.slot_bytes):
+            elif (namespace, slot_bytes, parts) != (self.namespace, self.slot_bytes, self.parts):
                 return {
-                    "error": f"this store holds {self.namespace} in {self.slot_bytes} B blocks, "
-                    f"not {namespace} in {slot_bytes} B"
+                    "error": f"this store holds {self.namespace} in {self.slot_bytes} B blocks "
+                    f"of {self.parts} parts, not {namespace} in {slot_bytes} B of {parts}"
                 }
             self._owners += 1
             return {
                 "owner": self._owners,
                 "slots": self.index.slots,
                 "slot_bytes": self.slot_bytes,
-                "header_bytes": header_bytes(self.index.slots),
+                "parts": self.parts,
+                "header_bytes": header_bytes(self.index.slots, self.parts),
                 "store_id": self.store_id,
             }
 
@@ -179,7 +187,9 @@ class PoolStore:
                 for _ in stream:
                     conn.sendall((json.dumps(self.stats()) + "\n").encode())
                 return
-            reply = self.hello(str(hello["namespace"]), int(hello.get("slot_bytes", 0)))
+            reply = self.hello(
+                str(hello["namespace"]), int(hello.get("slot_bytes", 0)), int(hello.get("parts", 1))
+            )
             line = (json.dumps(reply) + "\n").encode()
             if "error" in reply:
                 conn.sendall(line)

@@ -439,10 +439,11 @@ def check_digest_on_device(device) -> str:
 
 
 def check_kv_pool(device) -> str:
-    """The host KV pool's copy path (kv_transfer/pool_copy.py) through a real store process:
-    blocks of a bfloat16 and an fp8 (uint8) cache on the device go into the pool and come back
-    bit for bit into another cache's blocks; a slot whose byte changed is refused and its
-    block left as it was."""
+    """The host KV pool's copy path (kv_transfer/pool_copy.py) through a real store process, for
+    an engine of two tensor-parallel ranks: each rank's blocks of a bfloat16 and an fp8 (uint8)
+    cache on the device go into its part of the slots and come back bit for bit into another
+    cache's blocks; a byte changed in one rank's part is refused by that rank alone (its block
+    left as it was), and the other rank still loads its part."""
     if not built("kv_transfer.pool_copy"):
         raise Skip("not built yet: kv_transfer/pool_copy.py")
     from kv_transfer.pool_client import PoolClient
@@ -450,54 +451,66 @@ def check_kv_pool(device) -> str:
     from pdserve.cluster.local_services import start_kv_pool
     from pdserve.worker.processes import stop_group
 
-    page = 256 << 10  # one block's bytes in each cache
-    caches = [random_bytes((BLOCKS, page // 2), torch.bfloat16, device)]
-    caches.append(random_bytes((BLOCKS, page), torch.uint8, device))
-    targets = [torch.zeros_like(cache) for cache in caches]
+    page, ranks = 256 << 10, 2  # one block's bytes in each cache of a rank
+    caches = [
+        [random_bytes((BLOCKS, page // 2), torch.bfloat16, device)]
+        + [random_bytes((BLOCKS, page), torch.uint8, device)]
+        for _ in range(ranks)
+    ]
+    targets = [[torch.zeros_like(cache) for cache in rank] for rank in caches]
     keys = [f"block {i}".encode() for i in range(4)]
     sources, destinations = [1, 3, 5, 7], [0, 2, 4, 6]
-    slot = 2 * page
+    slot = ranks * 2 * page
     log_path = Path(tempfile.mkdtemp(prefix="gpu-check-")) / "kv-pool.log"
     address, store = start_kv_pool(log_path, len(keys) * slot)
     try:
         writer, reader = (
-            PoolClient(address, "gpu_check", slot),
-            PoolClient(address, "gpu_check", slot),
+            PoolClient(address, "gpu_check", slot, ranks),
+            PoolClient(address, "gpu_check", slot, ranks),
         )
         slots = writer.call("prepare_store", keys)["stored"]["slots"]
-        memory = PoolMemory.over(writer.memory, writer.header_bytes, writer.slots)
+        memory = PoolMemory.over(writer.memory, writer.header_bytes, writer.slots, ranks)
         started = time.perf_counter()
-        store_blocks([cache_rows(c) for c in caches], sources, memory, slots, keys)
+        for rank, rank_caches in enumerate(caches):
+            pages = [cache_rows(c) for c in rank_caches]
+            store_blocks(pages, sources, memory, slots, keys, rank)
         stored_s = time.perf_counter() - started
         writer.call("complete_store", keys, success=True)
         loaded_slots = reader.call("prepare_load", keys)["slots"]
-        memory = PoolMemory.over(reader.memory, reader.header_bytes, reader.slots)
+        memory = PoolMemory.over(reader.memory, reader.header_bytes, reader.slots, ranks)
         started = time.perf_counter()
-        _, refused, _ = load_blocks(
-            [cache_rows(t) for t in targets], destinations, memory, loaded_slots, keys
-        )
+        for rank, rank_targets in enumerate(targets):
+            pages = [cache_rows(t) for t in rank_targets]
+            _, refused, _ = load_blocks(pages, destinations, memory, loaded_slots, keys, rank)
+            if refused:
+                raise AssertionError(f"rank {rank}: intact blocks refused: {refused}")
         loaded_s = time.perf_counter() - started
-        if refused:
-            raise AssertionError(f"intact blocks refused: {refused}")
-        for cache, target in zip(caches, targets, strict=True):
-            for source, destination in zip(sources, destinations, strict=True):
-                if not torch.equal(as_bits(cache[source]), as_bits(target[destination])):
-                    raise AssertionError(f"block {source} came back changed into {destination}")
-        memory.slots[loaded_slots[0], 5] ^= 1
-        before = as_bits(targets[0][1])
-        _, refused, _ = load_blocks(
-            [cache_rows(t) for t in targets], [1], memory, loaded_slots[:1], keys[:1]
-        )
-        if refused != [1] or not torch.equal(as_bits(targets[0][1]), before):
-            raise AssertionError("a changed byte in the pool was loaded")
+        for rank_caches, rank_targets in zip(caches, targets, strict=True):
+            for cache, target in zip(rank_caches, rank_targets, strict=True):
+                for source, destination in zip(sources, destinations, strict=True):
+                    if not torch.equal(as_bits(cache[source]), as_bits(target[destination])):
+                        raise AssertionError(f"block {source} came back changed")
+        memory.part(loaded_slots[0], 1)[5] ^= 1
+        for rank, rank_targets in enumerate(targets):
+            before = as_bits(rank_targets[0][1])
+            pages = [cache_rows(t) for t in rank_targets]
+            _, refused, _ = load_blocks(pages, [1], memory, loaded_slots[:1], keys[:1], rank)
+            if rank == 1 and (
+                refused != [1] or not torch.equal(as_bits(rank_targets[0][1]), before)
+            ):
+                raise AssertionError("a changed byte in rank 1's part was loaded")
+            if rank == 0 and refused:
+                raise AssertionError(
+                    "rank 0 refused its intact part of a slot rank 1's was changed in"
+                )
         writer.close()
         reader.close()
     finally:
         stop_group(store.pid, process=store)
     rate = len(keys) * slot / 1e9
     return (
-        f"bit-exact, a changed byte refused; store {rate / stored_s:.2f} GB/s, "
-        f"load {rate / loaded_s:.2f} GB/s (with the digest)"
+        f"bit-exact for 2 ranks' parts, a changed byte refused by its rank alone; "
+        f"store {rate / stored_s:.2f} GB/s, load {rate / loaded_s:.2f} GB/s (with the digest)"
     )
 
 

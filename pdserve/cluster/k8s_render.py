@@ -60,6 +60,7 @@ GRPC_PORT = 50051
 METRICS_PORT = 9400
 KV_PORT = 50100  # decode: tensor-parallel rank r receives on KV_PORT + r
 KV_POOL_ADDRESS = "@pdserve-kv-pool"  # the store beside a worker, in its pod (an abstract socket)
+KV_POOL_CONTAINER = "kv-pool"
 MODES = ("deployments", "kuberay")
 RAY_DASHBOARD_PORT = 8265
 RAY_JOB_RETRIES = 3  # new clusters after a failed `pdserve up` or a lost head
@@ -246,7 +247,7 @@ def worker_pod_spec(
             "health_port": HEALTH_PORT if options.tls_secret else 0,
         }
     )
-    pool_gib = kv_pool_gib(config, role)
+    pool_gib = kv_pool_gib(config, role, options)
     if pool_gib:
         settings = settings.model_copy(update={"kv_pool_address": KV_POOL_ADDRESS})
     ports = [
@@ -541,17 +542,19 @@ def pool_resources(
     """A worker pod's requests and limits: its TP group's GPUs (or CPU ranks), and memory,
     with its KV pool's (the worker writes the pool's blocks: their pages count as its memory)."""
     tp = pool.tensor_parallel_size
-    pool_gib = math.ceil(kv_pool_gib(config, role))
+    pool_gib = math.ceil(kv_pool_gib(config, role, options))
     if pool.uses_gpus:
         return _gpu_resources(tp, options, pool_gib)
     memory = f"{math.ceil(config.kv_cache_gib(pool)) + CPU_WORKER_OVERHEAD_GIB + pool_gib}Gi"
     return {"requests": {"cpu": str(tp), "memory": memory}, "limits": {"memory": memory}}
 
 
-def kv_pool_gib(config: ClusterFile, role: str) -> float:
-    """The KV pool beside each worker of pool `role` (0: none; docs/kv-pool.md)."""
+def kv_pool_gib(config: ClusterFile, role: str, options: RenderOptions) -> float:
+    """The KV pool beside each worker of pool `role` (0: none; docs/kv-pool.md). None for a
+    TP group across nodes: the ranks on the other pods could not reach the store."""
     wants = config.worker_settings(role, "").wants_kv_pool
-    return config.kv_pool.gib if wants else 0.0
+    spans = _spans_nodes(config.pool(role), options.gpus_per_node)
+    return config.kv_pool.gib if wants and not spans else 0.0
 
 
 def kv_pool_container(image: str, gib: float) -> dict:
@@ -562,7 +565,7 @@ def kv_pool_container(image: str, gib: float) -> dict:
     command = ["python", "-m", "kv_transfer.pool_store", "--address", KV_POOL_ADDRESS]
     probe = {"exec": {"command": [*command, "--probe"]}, "periodSeconds": 10, "timeoutSeconds": 5}
     return {
-        "name": "kv-pool",
+        "name": KV_POOL_CONTAINER,
         "image": image,
         "command": command,
         "args": ["--budget-bytes", str(int(gib * 2**30))],

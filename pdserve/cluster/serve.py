@@ -37,7 +37,7 @@ from pdserve.settings.engine import EngineSettings
 from pdserve.settings.json_logs import configure_logging
 from pdserve.settings.redis_url import PASSWORD_ENV
 from pdserve.settings.router import RouterSettings
-from pdserve.settings.worker import POOLED_ROLES, WorkerSettings
+from pdserve.settings.worker import WorkerSettings
 from pdserve.worker.fork_server import ForkServer
 from pdserve.worker.processes import (
     ChildError,
@@ -227,10 +227,7 @@ def run(args: argparse.Namespace) -> int:
         say("cores per worker: " + ", ".join(f"{w.role} {share}" for w, share in pairs))
     others, redis_group, pool, fork_server = [], 0, None, None
     try:
-        users = [w.role in POOLED_ROLES and w.kv_pool == "on" for w in plan]
-        pooled = [w.wants_kv_pool for w in plan]  # the users at TP 1
-        if pooled != users:
-            say("KV pool: not for the tensor-parallel workers (they do not use it yet)")
+        pooled = [w.wants_kv_pool for w in plan]
         if any(pooled):
             budget = int(args.kv_pool_gib * 2**30)
             address, pool = local_services.start_kv_pool(log_dir / "kv-pool.log", budget)

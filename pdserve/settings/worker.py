@@ -218,17 +218,11 @@ class WorkerSettings(Settings):
     def wants_kv_pool(self) -> bool:
         """Whether this worker uses its host's KV pool once given its address: the pool is on
         and the worker is of a kind that uses it (a launcher starts the host's store for it)."""
-        return (
-            self.kv_pool == "on"
-            and self.role in POOLED_ROLES
-            and self.engine.tensor_parallel_size == 1
-        )
+        return self.kv_pool == "on" and self.role in POOLED_ROLES
 
     @model_validator(mode="after")
     def _pool_where_it_is_used(self) -> "WorkerSettings":
         """A pool given to a worker that would not use it is refused, not ignored."""
         if self.pooled and self.role not in POOLED_ROLES:
             raise ValueError("kv_pool_address: decode and flex workers do not use the KV pool yet")
-        if self.pooled and self.engine.tensor_parallel_size > 1:
-            raise ValueError("kv_pool_address: tensor-parallel workers do not use the KV pool yet")
         return self

@@ -6,17 +6,25 @@ TP=2 -> TP=2 (rank r sends its KV heads to rank r), plus the local path at TP=2.
 must equal vLLM's offline engine at TP=1 on the same weights, and on a disaggregated request the
 decode worker must have computed no prompt token: every head of every layer arrived.
 
-Two clusters give the four workers: the first's prefill worker is TP=2, the second's decode
-worker; a router over those two serves the TP=2 -> TP=2 pairing (workers of two clusters share
-the session's secret). When they have stopped, their engines have left nothing in /dev/shm."""
+Two clusters give the workers: the first has two TP=2 prefill workers (round-robin) sharing the
+host's KV pool, the second a TP=2 decode worker; a router over one of the first's prefill
+workers and that decode worker serves the TP=2 -> TP=2 pairing (workers of two clusters share
+the session's secret). A long prompt computed by one TP=2 prefill worker is loaded from the
+pool by the other, each rank its own heads, and answered the same. When the clusters have
+stopped, their engines have left nothing in /dev/shm."""
 
+import json
 import os
 
 import pytest
 
+from kv_transfer.pool_client import PoolClient
 from pdserve.model_store.store import ensure_model
 from tests.integration.conftest import _stop_and_check, router_over, start_server, tiny_completion
+from tests.integration.http_client import HTTP
+from tests.integration.processes import command_line, worker_pids
 from tests.integration.prompts import TINY_PROMPTS as PROMPTS
+from tests.waiting import wait_for
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -34,7 +42,7 @@ def no_engine_files_left_in_dev_shm():
     assert not left, f"left in /dev/shm after the clusters stopped: {left}"
 
 
-def tiny_cluster(tmp_path_factory, prefill_tp: int, decode_tp: int):
+def tiny_cluster(tmp_path_factory, prefill_tp: int, decode_tp: int, *more: str):
     ensure_model("tiny")
     return start_server(
         tmp_path_factory.mktemp(f"tp{prefill_tp}to{decode_tp}"),
@@ -44,12 +52,13 @@ def tiny_cluster(tmp_path_factory, prefill_tp: int, decode_tp: int):
         str(prefill_tp),
         "--tensor-parallel-size",
         str(decode_tp),
+        *more,
     )
 
 
 @pytest.fixture(scope="module")
 def prefill_tp2(tmp_path_factory):
-    server = tiny_cluster(tmp_path_factory, 2, 1)
+    server = tiny_cluster(tmp_path_factory, 2, 1, "--prefill", "2", "--policy", "round-robin")
     yield server
     _stop_and_check(server)
 
@@ -64,7 +73,8 @@ def decode_tp2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def both_tp2(prefill_tp2, decode_tp2, tmp_path_factory):
     """A router over the TP=2 prefill worker and the TP=2 decode worker; yields its URL."""
-    addresses = [prefill_tp2.worker("prefill")["address"], decode_tp2.worker("decode")["address"]]
+    prefill = next(w for w in prefill_tp2.workers() if w["role"] == "prefill")
+    addresses = [prefill["address"], decode_tp2.worker("decode")["address"]]
     folder = tmp_path_factory.mktemp("tp2to2")
     with router_over(addresses, folder, model="tiny", served_model_name="tiny") as url:
         yield url
@@ -99,3 +109,50 @@ def test_tp_output_equals_tp1_offline(request, tiny_reference, pairing, route, i
             == body["usage"]["prompt_tokens"]
         )
         assert body["pdserve_timing"]["kv_bytes"] > 0
+
+
+LONG_PROMPT = " ".join(PROMPTS) * 16  # several of the pool's 128-token blocks
+
+
+def test_a_tp2_prefill_worker_loads_from_the_pool_what_the_other_computed(prefill_tp2):
+    """Each rank of the first prefill worker stores its heads of the prompt's blocks; the other
+    prefill worker's ranks load them (the store counts the hits) and it answers exactly as the
+    worker that computed them, logprobs included: a part loaded into the wrong rank, or not
+    at all, would change them."""
+    (address,) = {_pool_address(pid) for pid in worker_pids(prefill_tp2, "prefill")}
+    store = PoolClient(address, namespace=None)
+    first = _long_completion(prefill_tp2.url)
+    wait_for(lambda: store.call("stats")["used"] >= 2, 30, "the prompt's blocks in the pool")
+    hits = store.call("stats")["hits"]
+    second = _long_completion(prefill_tp2.url)  # round-robin: the other prefill worker
+    assert len({first["worker"], second["worker"]}) == 2, (first["worker"], second["worker"])
+    assert store.call("stats")["hits"] > hits
+    assert second["text"] == first["text"]
+    assert second["logprobs"] == pytest.approx(first["logprobs"], abs=1e-4)
+
+
+def _pool_address(pid: int) -> str:
+    line = command_line(pid)
+    return json.loads(line[line.index("--settings-json") + 1])["kv_pool_address"]
+
+
+def _long_completion(url: str) -> dict:
+    reply = HTTP.post(
+        f"{url}/v1/completions",
+        timeout=120,
+        headers={"x-pdserve-route": "disaggregated"},
+        json={
+            "model": "tiny",
+            "prompt": LONG_PROMPT,
+            "max_tokens": 8,
+            "temperature": 0,
+            "logprobs": 1,
+        },
+    )
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    return {
+        "worker": reply.headers["x-pdserve-prefill-worker"],
+        "text": choice["text"],
+        "logprobs": choice["logprobs"]["token_logprobs"],
+    }

@@ -15,7 +15,15 @@ from prometheus_client import CollectorRegistry
 from pdserve.cluster.cli import main
 from pdserve.cluster.k8s_gateway import EPP
 from pdserve.cluster.k8s_options import RenderOptions
-from pdserve.cluster.k8s_render import GRPC_PORT, KV_PORT, METRICS_PORT, ROUTER_PORT, render, write
+from pdserve.cluster.k8s_render import (
+    GRPC_PORT,
+    KV_POOL_CONTAINER,
+    KV_PORT,
+    METRICS_PORT,
+    ROUTER_PORT,
+    render,
+    write,
+)
 from pdserve.settings.cluster_file import parse_cluster
 from pdserve.worker.metrics_server import WorkerMetrics
 from router.metrics import RouterMetrics
@@ -314,7 +322,7 @@ def test_several_routers_share_an_authenticated_redis_and_one_may_be_drained():
         for obj in by_kind(objects, "Deployment").values()
         if obj["metadata"]["name"].startswith("pdserve-")
         for container in obj["spec"]["template"]["spec"]["containers"]
-        if container["name"] != "kv-pool"  # a worker's KV pool store reaches no Redis
+        if container["name"] != KV_POOL_CONTAINER  # a worker's KV pool store reaches no Redis
     ]
     assert len(pdserve_containers) >= 3  # the router and both pools
     for container in pdserve_containers:

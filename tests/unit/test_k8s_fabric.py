@@ -11,7 +11,7 @@ from pdserve.cluster.k8s_options import RenderOptions
 from pdserve.cluster.k8s_render import render, write
 from pdserve.settings.cluster_file import parse_cluster
 from tests.unit.test_k8s_conventions import seventy_b
-from tests.unit.test_k8s_manifests import build, by_kind, validate_custom
+from tests.unit.test_k8s_manifests import build, by_kind, main_container, validate_custom
 from tests.unit.test_k8s_render_options import rendered, validate_strictly
 
 RDMA = RenderOptions(rdma=Rdma("rdma/ib", 1), fabric_key="nvidia.com/gpu.clique")
@@ -53,7 +53,7 @@ def test_rdma_gives_gpu_workers_the_devices_and_memory_locking(tmp_path):
     assert ENFORCE not in namespace["metadata"]["labels"]  # IPC_LOCK is beyond baseline
     deployments = by_kind(objects, "Deployment")
     for role in ("prefill", "decode"):
-        (worker,) = deployments[f"pdserve-{role}"]["spec"]["template"]["spec"]["containers"]
+        worker = main_container(deployments[f"pdserve-{role}"]["spec"]["template"]["spec"])
         for kind in ("requests", "limits"):
             assert worker["resources"][kind]["rdma/ib"] == 1
         assert worker["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}

@@ -19,6 +19,7 @@ from pdserve.cluster.k8s_options import RenderOptions
 from pdserve.cluster.k8s_render import (
     GRPC_PORT,
     KV_POOL_ADDRESS,
+    KV_POOL_CONTAINER,
     KV_PORT,
     METRICS_PORT,
     MODES,
@@ -48,6 +49,12 @@ def build(folder: Path) -> list[dict]:
 
 def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
     return {obj["metadata"]["name"]: obj for obj in objects if obj["kind"] == kind}
+
+
+def main_container(pod: dict) -> dict:
+    """A pod spec's pdserve process (a prefill worker's pod also runs its KV pool's store)."""
+    (main,) = [c for c in pod["containers"] if c["name"] != KV_POOL_CONTAINER]
+    return main
 
 
 @functools.cache
@@ -163,10 +170,12 @@ def check_deployments(config, objects: list[dict]) -> None:
 
 
 def check_kv_pool(config, role: str, settings: dict, sidecars: dict[str, dict]) -> None:
-    """A TP-1 prefill worker has its KV pool's store beside it, at the address it is given,
-    with the cluster file's budget; no other worker has one."""
-    if role == "prefill" and config.pool(role).tensor_parallel_size == 1:
-        store = sidecars.pop("kv-pool")
+    """A prefill worker whose TP group fits a node has its KV pool's store beside it, at the
+    address it is given, with the cluster file's budget; no other worker has one."""
+    pool = config.pool(role)
+    spans = pool.uses_gpus and pool.tensor_parallel_size > RenderOptions().gpus_per_node
+    if role == "prefill" and not spans:
+        store = sidecars.pop(KV_POOL_CONTAINER)
         address = store["command"][store["command"].index("--address") + 1]
         assert settings["kv_pool_address"] == address == KV_POOL_ADDRESS
         assert store["args"] == ["--budget-bytes", str(int(config.kv_pool.gib * 2**30))]

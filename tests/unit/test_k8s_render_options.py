@@ -20,7 +20,14 @@ from pdserve.cluster.k8s_render import MODES, render, write
 from pdserve.cluster.k8s_scheduling import GPU_PRODUCT_LABEL, GPU_PRODUCTS
 from pdserve.gpu_spec import GPU_PRESETS
 from pdserve.settings.cluster_file import load_cluster_file
-from tests.unit.test_k8s_manifests import DEPLOY, OVERLAYS, build, by_kind, validate_custom
+from tests.unit.test_k8s_manifests import (
+    DEPLOY,
+    OVERLAYS,
+    build,
+    by_kind,
+    main_container,
+    validate_custom,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SEVENTY_B = DEPLOY / "clusters/llama-3.1-70b-tp4-1p1d.yaml"
@@ -110,13 +117,13 @@ def test_the_70b_file_rendered_for_a_deployment_carries_its_choices_everywhere(t
     else:
         loaders += [pods[name] for name in ("ray-head", "ray-prefill", "ray-decode")]
     for pod in loaders:
-        (main_container,) = pod["containers"]
-        assert HF_TOKEN in main_container["env"], main_container["name"]
+        container = main_container(pod)
+        assert HF_TOKEN in container["env"], container["name"]
     # The registry every process joins is this namespace's Redis, which the pods can reach.
     redis = "redis://redis.llm-prod.svc:6379/0"
     if mode == "deployments":
         for role in ("router", "prefill", "decode"):
-            (container,) = pods[f"pdserve-{role}"]["containers"]
+            container = main_container(pods[f"pdserve-{role}"])
             settings = json.loads(container["args"][container["args"].index("--settings-json") + 1])
             assert settings["registry"] == redis
         for scaler in by_kind(objects, "ScaledObject").values():

@@ -16,7 +16,7 @@ from pdserve.settings import tls
 from pdserve.settings.base import ConfigError
 from pdserve.settings.cluster_file import parse_cluster
 from tests.unit.test_k8s_conventions import seventy_b
-from tests.unit.test_k8s_manifests import build, by_kind, validate_custom
+from tests.unit.test_k8s_manifests import build, by_kind, main_container, validate_custom
 from tests.unit.test_k8s_render_options import SEVENTY_B, pod_specs, rendered, validate_strictly
 
 WITH_TLS = RenderOptions(tls_secret="cluster-tls")
@@ -65,7 +65,7 @@ def test_workers_are_probed_on_the_plaintext_health_port_they_open(tmp_path):
     objects = rendered(tmp_path, "deployments", WITH_TLS)
     deployments = by_kind(objects, "Deployment")
     for role in ("prefill", "decode"):
-        (worker,) = deployments[f"pdserve-{role}"]["spec"]["template"]["spec"]["containers"]
+        worker = main_container(deployments[f"pdserve-{role}"]["spec"]["template"]["spec"])
         settings = json.loads(worker["args"][worker["args"].index("--settings-json") + 1])
         assert settings["health_port"] == HEALTH_PORT
         assert {"name": "health", "containerPort": HEALTH_PORT} in worker["ports"]

@@ -1,8 +1,8 @@
 """Which workers' engines join the host KV pool, and how (pdserve/worker/engine.py's
 kv_transfer_config, pdserve/settings/worker.py): colocated workers through the pool's
 connector alone, prefill workers through vLLM's MultiConnector with the producer first (it finds
-nothing to load, so the pool's answer is the one loaded); a pool given to a worker that would
-not use it is refused, not ignored."""
+nothing to load, so the pool's answer is the one loaded), at any tensor parallelism; a pool
+given to a worker that would not use it is refused, not ignored."""
 
 import pydantic
 import pytest
@@ -23,6 +23,15 @@ def test_a_colocated_worker_uses_the_pools_connector_only_with_an_address_and_on
     assert kv_transfer_config(WorkerSettings(kv_pool="off", kv_pool_address=POOL), 0) is None
 
 
+def test_a_tensor_parallel_worker_uses_the_pool_too():
+    """Each rank copies its own heads of a block (kv_transfer/pool_copy.py)."""
+    engine = EngineSettings(tensor_parallel_size=2)
+    settings = WorkerSettings(role="prefill", kv_pool_address=POOL, engine=engine)
+    assert settings.wants_kv_pool and settings.pooled
+    children = kv_transfer_config(settings, 0)["kv_connector_extra_config"]["connectors"]
+    assert children[1]["kv_connector"] == "PoolConnector"
+
+
 def test_a_prefill_worker_composes_its_producer_and_then_the_pool():
     config = kv_transfer_config(WorkerSettings(role="prefill", kv_pool_address=POOL), 0)
     assert config["kv_connector"] == "MultiConnector"
@@ -32,15 +41,7 @@ def test_a_prefill_worker_composes_its_producer_and_then_the_pool():
     assert plain["kv_connector"] == "PrefillConnector" and children[0] == plain
 
 
-@pytest.mark.parametrize(
-    "settings",
-    [
-        {"role": "decode"},
-        {"role": "flex"},
-        {"engine": EngineSettings(tensor_parallel_size=2)},
-    ],
-    ids=["decode", "flex", "tensor-parallel"],
-)
+@pytest.mark.parametrize("settings", [{"role": "decode"}, {"role": "flex"}], ids=["decode", "flex"])
 def test_a_pool_a_worker_would_not_use_is_refused(settings):
     with pytest.raises(pydantic.ValidationError, match="kv_pool_address"):
         WorkerSettings(kv_pool_address=POOL, **settings)

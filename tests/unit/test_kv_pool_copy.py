@@ -34,6 +34,14 @@ def address(tmp_path):
 
 def engine(address: str) -> tuple[PoolManager, PoolWorker, list[torch.Tensor]]:
     """One engine's two halves over a cache of random bytes (float16 and bfloat16 tensors)."""
+    manager = PoolManager(PoolClient(address, "ns", SLOT))
+    worker, caches = rank_worker(address, "ns", 1, 0)
+    return manager, worker, caches
+
+
+def rank_worker(address: str, namespace: str, ranks: int, rank: int):
+    """Rank `rank` of an engine of `ranks`: its worker side over its own cache of random bytes
+    (float16 and bfloat16 tensors), with its own connection (a rank is a process)."""
     caches = [
         torch.randn(BLOCKS, PAGES[0] // 2, dtype=torch.float16),
         torch.randn(BLOCKS, PAGES[1] // 2, dtype=torch.bfloat16),
@@ -42,8 +50,8 @@ def engine(address: str) -> tuple[PoolManager, PoolWorker, list[torch.Tensor]]:
         tensors=[CanonicalKVCacheTensor(t, t[0].numel() * t.element_size()) for t in caches],
         group_data_refs=[[]],
     )
-    manager = PoolManager(PoolClient(address, "ns", SLOT))
-    return manager, PoolWorker(canonical, PoolClient(address, "ns", SLOT)), caches
+    client = PoolClient(address, namespace, ranks * SLOT, ranks)
+    return PoolWorker(canonical, client, rank), caches
 
 
 def gpu(blocks: list[int]) -> GPULoadStoreSpec:
@@ -116,3 +124,49 @@ def test_a_load_that_pinned_nothing_does_not_unpin_another_loads_blocks(address)
     assert manager_a.prepare_store([b"x1", b"x2", b"x3", b"x4"], REQUEST) is None
     manager_b.complete_load([b"k0"], ReqContext("holder"))
     assert manager_a.prepare_store([b"x1", b"x2", b"x3", b"x4"], REQUEST) is not None
+
+
+def test_each_tensor_parallel_rank_stores_and_checks_its_own_part_of_a_block(tmp_path):
+    """An engine of two ranks: each rank's blocks land bit for bit in the same rank of another
+    engine; a byte changed in rank 1's part is refused by rank 1 alone (vLLM then recomputes the
+    block on every rank) and the block is dropped; an engine of another TP is refused."""
+    address, process = start_kv_pool(tmp_path / "kv-pool.log", 4 * 2 * SLOT)
+    try:
+        manager_a = PoolManager(PoolClient(address, "tp2", 2 * SLOT, 2))
+        ranks_a = [rank_worker(address, "tp2", 2, rank) for rank in (0, 1)]
+        manager_b = PoolManager(PoolClient(address, "tp2", 2 * SLOT, 2))
+        ranks_b = [rank_worker(address, "tp2", 2, rank) for rank in (0, 1)]
+        keys = [b"k0", b"k1"]
+        plan = manager_a.prepare_store(keys, REQUEST)
+        for worker, _ in ranks_a:
+            worker.submit_store(1, gpu([2, 5]), plan.store_spec)
+            (result,) = worker.get_finished()
+            assert result.transfer_size == 2 * SLOT  # its own part of each block
+        manager_a.complete_store(keys, REQUEST)
+
+        spec = manager_b.prepare_load(keys, REQUEST)
+        for (worker_b, caches_b), (_, caches_a) in zip(ranks_b, ranks_a, strict=True):
+            worker_b.submit_load(2, spec, gpu([0, 3]))
+            assert worker_b.take_failed_blocks() == set()
+            for a, b in zip(caches_a, caches_b, strict=True):
+                assert torch.equal(a[2].view(torch.uint8), b[0].view(torch.uint8))
+                assert torch.equal(a[5].view(torch.uint8), b[3].view(torch.uint8))
+        manager_b.complete_load(keys, REQUEST)
+
+        client = ranks_a[0][0].client
+        view = np.frombuffer(client.memory, np.uint8)
+        spec = manager_b.prepare_load(keys, REQUEST)
+        view[client.header_bytes + spec.slots[0] * 2 * SLOT + SLOT + 7] ^= 1  # rank 1's k0
+        failed = []
+        for worker_b, _ in ranks_b:
+            worker_b.submit_load(3, spec, gpu([1, 4]))
+            failed.append(worker_b.take_failed_blocks())
+        assert failed == [set(), {1}]
+        manager_b.complete_load(keys, REQUEST)
+        assert manager_b.client.call("stats")["dropped"] == 1
+        assert manager_b.lookup(b"k0", REQUEST).name == "MISS"
+        assert manager_b.lookup(b"k1", REQUEST).name == "HIT"
+
+        assert PoolClient(address, "tp2", SLOT, 1).call("lookup", [b"k1"]) is None
+    finally:
+        stop_group(process.pid, process=process)
