@@ -36,7 +36,7 @@ class DecodeConnector(PdserveConnectorBase):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         if self.is_scheduler:
-            self.load_plan = LoadPlan()
+            self.load_plan = LoadPlan(self.block_size)
             return
         transfer = vllm_config.kv_transfer_config
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
@@ -70,8 +70,9 @@ class DecodeConnector(PdserveConnectorBase):
         self.receiver.inbox.new_buffer = self.loader.staging.receive_buffer
 
     def get_transfer_results(self, finished_req_ids):
-        expected = self.metadata.expected if self.metadata is not None else []
-        loaded, failed = self.loader.transfer_results(expected, finished_req_ids)
+        metadata = self.metadata or PdserveMetadata()
+        self.loader.abandon(metadata.abandoned)
+        loaded, failed = self.loader.transfer_results(metadata.expected, finished_req_ids)
         return KVConnectorTransferResults(
             finished_sending=set(), finished_recving=loaded, failed_recving=failed
         )
@@ -92,7 +93,9 @@ class DecodeConnector(PdserveConnectorBase):
         self.load_plan.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output):
-        return PdserveMetadata(expected=self.load_plan.take_expected())
+        return PdserveMetadata(
+            expected=self.load_plan.take_expected(), abandoned=self.load_plan.take_abandoned()
+        )
 
     def request_finished(self, request, block_ids):
         self.load_plan.forget(request.request_id)

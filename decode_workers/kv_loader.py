@@ -36,6 +36,7 @@ from kv_transfer.kv_copy import from_bytes, scatter, wire_shape
 from kv_transfer.kv_layout import LayerLayout
 from kv_transfer.metadata import Expected
 from kv_transfer.transport import LayerSlice, nbytes
+from pdserve.kinds import KV_NOT_HELD
 
 log = logging.getLogger("pdserve.kv")
 ORPHAN_TTL_S = 120.0  # slices or cancels for a transfer no request expects: dropped after
@@ -158,6 +159,28 @@ class KvLoader:
             )
             return failure
         return None
+
+    def abandon(self, transfer_ids: list[str]) -> None:
+        """Transfers whose requests this worker computes itself (the prefill worker skipped
+        blocks this worker no longer holds: decode_workers/load_plan.py): what came for them is
+        freed, what comes is dropped, and each is reported failed (by rank 0, once)."""
+        now = self.clock()
+        for transfer_id in transfer_ids:
+            for piece in self.orphans.pop(transfer_id, []):
+                piece.release()
+            self.ended[transfer_id] = now
+            if self.rank == 0:
+                self.finished.append(
+                    {
+                        "transfer_id": transfer_id,
+                        "bytes": 0,
+                        "seconds": 0.0,
+                        "failed": True,
+                        "failure": KV_NOT_HELD,
+                        "integrity": "",
+                        "transport": "",
+                    }
+                )
 
     def _complete(self, state: Incoming) -> bool:
         return len(state.last_slices) == len(self.caches) and all(

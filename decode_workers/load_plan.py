@@ -4,21 +4,37 @@ A request with `ReceiveKv` params is admitted as "loading asynchronously" for th
 KV is sent: the whole prompt (vLLM then recomputes its last position to sample), or the prompt
 before the prefill's first token (the decode worker then computes only that one). Its reserved
 blocks go to the worker side as an `Expected` entry in the next step's metadata.
+
+The router may have the prefill worker skip the prompt's leading blocks that it expects this
+worker to hold already (`skip_tokens`). If this worker's prefix cache holds fewer (they were
+evicted, or the router's estimate was wrong), the blocks in between will come from nowhere: the
+request is computed here instead, as without a transfer, and the worker side is told to drop
+what the prefill worker sends for it (`abandoned`).
 """
 
 from kv_transfer.metadata import Expected
-from kv_transfer.params import ReceiveKv, from_request
+from kv_transfer.params import ReceiveKv, from_request, skipped_blocks
 
 
 class LoadPlan:
-    def __init__(self) -> None:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
         self.receiving: set[str] = set()  # vLLM request ids admitted as loading
+        self.computing: set[str] = set()  # ... computed here: the skipped blocks are not here
         self.expected: list[Expected] = []  # not yet told to the worker side
+        self.abandoned: list[str] = []  # transfer ids no request waits for, not yet told
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         params = from_request(request.kv_transfer_params)
         if not isinstance(params, ReceiveKv) or request.request_id in self.receiving:
             return 0, False  # also after a failed load: the engine recomputes locally
+        if request.request_id in self.computing:
+            return 0, False
+        skipped = skipped_blocks(params.skip_tokens, params.num_tokens, self.block_size)
+        if num_computed_tokens < skipped * self.block_size:
+            self.computing.add(request.request_id)
+            self.abandoned.append(params.transfer_id)
+            return 0, False
         count = params.num_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
@@ -46,5 +62,10 @@ class LoadPlan:
         expected, self.expected = self.expected, []
         return expected
 
+    def take_abandoned(self) -> list[str]:
+        abandoned, self.abandoned = self.abandoned, []
+        return abandoned
+
     def forget(self, req_id: str) -> None:
         self.receiving.discard(req_id)
+        self.computing.discard(req_id)

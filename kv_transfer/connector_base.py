@@ -32,6 +32,7 @@ class PdserveMetadata(KVConnectorMetadata):
 
     sends: list[SendSlice] = field(default_factory=list)
     expected: list[Expected] = field(default_factory=list)
+    abandoned: list[str] = field(default_factory=list)  # transfers computed here instead
 
 
 def _log_to_stderr() -> None:

@@ -21,6 +21,7 @@ class SendKv:
     decode_tp: int = 1  # the decode worker's tensor-parallel size
     transport: str = Transport.GRPC  # a pdserve.kinds.Transport (a string on the wire)
     fault: str = ""  # tests only: "KIND:RATE" the sender injects (kv_transfer/faults.py)
+    skip_tokens: int = 0  # the decode worker holds these already: their whole blocks stay here
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,13 @@ class ReceiveKv:
     timeout_s: float
     num_tokens: int
     prefill_tp: int = 1  # the prefill worker's tensor-parallel size
+    skip_tokens: int = 0  # held here already, so not sent: a worker holding fewer computes
+
+
+def skipped_blocks(skip_tokens: int, prompt_tokens: int, block_size: int) -> int:
+    """The leading blocks of a prompt that neither leg of a transfer sends: the whole blocks of
+    `skip_tokens`, never the block holding the prompt's last token (both legs count alike)."""
+    return min(skip_tokens // block_size, (prompt_tokens - 1) // block_size)
 
 
 def to_extra_args(params: SendKv | ReceiveKv) -> dict:

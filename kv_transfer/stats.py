@@ -3,7 +3,7 @@
 The worker half returns these each engine step; vLLM merges them into its scheduler stats,
 which reach the stat logger in the worker's AsyncLLM process (see pdserve/worker/engine.py).
 Each entry: {"transfer_id", "bytes", "seconds" (first slice received -> last slice received),
-"failed", "failure" (why: timeout, cancelled, refused, integrity), "integrity" (the
+"failed", "failure" (why: timeout, cancelled, refused, integrity, not_held), "integrity" (the
 kv_transfer/integrity.Damage that failed it, or ""), "transport"}.
 """
 

@@ -23,6 +23,9 @@ class Transport(StrEnum):
 
 
 AUTO_TRANSPORT = "auto"  # a worker's --kv-transport that lets the pair's hosts and devices choose
+# A decode worker's failed transfer: it lacked the prefix blocks the prefill worker skipped
+# sending (decode_workers/load_plan.py), and computed the prompt itself.
+KV_NOT_HELD = "not_held"
 
 
 class RoutePath(StrEnum):

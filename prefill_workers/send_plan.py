@@ -2,13 +2,14 @@
 
 A request with `SendKv` params has its blocks sent as its prompt is computed: blocks touched by
 each step are sent after that step's forward (so long prompts split by chunked prefill stream
-chunk by chunk), starting from block 0 so a local prefix-cache hit is sent too.
+chunk by chunk), starting from block 0 so a local prefix-cache hit is sent too, or from the first
+block the decode worker does not hold already (`skip_tokens`: router/disaggregation.py).
 """
 
 from dataclasses import dataclass
 
 from kv_transfer.metadata import SendSlice
-from kv_transfer.params import SendKv, from_request
+from kv_transfer.params import SendKv, from_request, skipped_blocks
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,13 @@ class SendPlan:
             if not scheduled or block_ids is None:
                 continue
             progress = _computed_before(scheduler_output, req_id, state.done) + scheduled
-            first = state.done // self.block_size
+            skipped = skipped_blocks(state.params.skip_tokens, state.prompt_len, self.block_size)
+            first = max(state.done // self.block_size, skipped)
             last_block = (min(progress, state.prompt_len) - 1) // self.block_size
             finished = progress >= state.prompt_len
+            if last_block < first:  # all of this step's blocks are the decode worker's already
+                self.sending[req_id] = Sending(state.params, state.prompt_len, progress)
+                continue
             sends.append(
                 SendSlice(
                     state.params.transfer_id,

@@ -12,7 +12,7 @@ import time
 from opentelemetry import trace
 
 from pdserve import tracing
-from pdserve.kinds import RoutePath
+from pdserve.kinds import KV_NOT_HELD, RoutePath
 from pdserve.settings.router import WITH_PREFILL
 from pdserve.worker.protocol import worker_pb2
 from router.errors import ErrorKind, OpenAIError
@@ -25,8 +25,9 @@ DISCONNECTED = 499  # the status a request whose client left is counted under (n
 
 
 class Accounting:
-    def __init__(self, metrics: RouterMetrics) -> None:
+    def __init__(self, metrics: RouterMetrics, cache_lost=lambda worker: None) -> None:
         self.metrics = metrics
+        self.cache_lost = cache_lost  # called with a decode worker that lacked a skipped prefix
 
     def chunk(self, run: RequestRun, chunk: worker_pb2.GenerateChunk) -> None:
         """A chunk relayed to the client."""
@@ -73,6 +74,8 @@ class Accounting:
             _kv_transfer_span(run, decode.kv, carrier)
             if decode.kv.failed:
                 metrics.kv_failures.labels(decode.kv.failure or "timeout").inc()
+            if decode.kv.failure == KV_NOT_HELD:
+                self.cache_lost(run.decode_worker)
         failed = run.prefill.error is not None or (decode is not None and decode.kv.failed)
         outcome = "failed" if failed else "loaded"
         metrics.kv_transfers.labels(run.prefill.transport, outcome).inc()

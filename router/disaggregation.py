@@ -55,6 +55,7 @@ async def generate_disaggregated(
     timeout_s: float,
     outcome: PrefillOutcome,
     attempt: int = 0,
+    skip_tokens: int = 0,
 ):
     """Yield the request's chunks; the prefill leg fills `outcome`. With `with-prefill` the
     decode worker is told at once and reserves the KV blocks while the prompt computes, and
@@ -63,11 +64,15 @@ async def generate_disaggregated(
     failed prefill has cancelled the transfer, so the decode worker's policy applies at once),
     unless the prefill worker was lost: then `prefill_lost` is raised before the decode worker
     hears of the request, for the router to try another prefill worker (`attempt` 1, 2, ...:
-    each attempt is a new transfer, the cancelled one stays cancelled)."""
+    each attempt is a new transfer, the cancelled one stays cancelled). `skip_tokens`: the
+    leading prompt tokens the decode worker likely holds in its prefix cache already (the
+    cache-aware policy's estimate): the prefill worker sends none of their whole blocks, and a
+    decode worker that turns out to hold fewer computes the prompt itself
+    (decode_workers/load_plan.py)."""
     transfer_id = request.request_id if attempt == 0 else f"{request.request_id}-retry{attempt}"
     outcome.transport = pair_transport(prefill, decode)
-    prefill_request = _prefill_leg(request, transfer_id, decode, outcome.transport)
-    decode_request = _decode_leg(request, transfer_id, prefill, kv_timeout_s)
+    prefill_request = _prefill_leg(request, transfer_id, decode, outcome.transport, skip_tokens)
+    decode_request = _decode_leg(request, transfer_id, prefill, kv_timeout_s, skip_tokens)
     # The prompt's logprobs come from the prefill leg, where the prompt is computed.
     wants_prompt_logprobs = request.sampling.HasField("prompt_logprobs")
     prefill_task = asyncio.create_task(
@@ -118,6 +123,7 @@ def _prefill_leg(
     transfer_id: str,
     decode: WorkerClient,
     transport: Transport,
+    skip_tokens: int,
 ) -> worker_pb2.GenerateRequest:
     """The prefill worker's request: the prompt and one token, its KV sent to `decode`."""
     leg = worker_pb2.GenerateRequest()
@@ -133,6 +139,7 @@ def _prefill_leg(
             send_to=decode.kv_address,
             peer_tensor_parallel_size=decode.tensor_parallel_size,
             transport=transport,
+            skip_tokens=skip_tokens,
         )
     )
     return leg
@@ -143,6 +150,7 @@ def _decode_leg(
     transfer_id: str,
     prefill: WorkerClient,
     kv_timeout_s: float,
+    skip_tokens: int,
 ) -> worker_pb2.GenerateRequest:
     """The decode worker's request: the whole request, its prompt's KV awaited from `prefill`
     (the prompt logprobs come from the prefill leg)."""
@@ -153,6 +161,7 @@ def _decode_leg(
             transfer_id=transfer_id,
             receive_timeout_s=kv_timeout_s,
             peer_tensor_parallel_size=prefill.tensor_parallel_size,
+            skip_tokens=skip_tokens,
         )
     )
     leg.sampling.ClearField("prompt_logprobs")

@@ -139,7 +139,8 @@ class RouterMetrics:
         self.kv_failures = Counter(
             "pdserve_kv_transfer_failures",
             "KV transfers that did not complete, by reason "
-            "(prefill_failed, timeout, cancelled, refused, integrity)",
+            "(prefill_failed, timeout, cancelled, refused, integrity; not_held: the decode "
+            "worker lacked the prefix blocks it was not sent, and computed the prompt)",
             ["reason"],
             registry=self.registry,
         )

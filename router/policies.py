@@ -22,6 +22,9 @@ class NoCacheIndex:
     def cached_tokens(self, worker: WorkerClient, prompt: list[int]) -> int:
         return 0  # unknown
 
+    def cache_lost(self, worker: WorkerClient) -> None:
+        """Nothing to forget."""
+
 
 class RoundRobin(NoCacheIndex):
     """Takes turns within each pool: one counter per role, so a disaggregated request's two
@@ -110,6 +113,11 @@ class CacheAware:
     def cached_tokens(self, worker: WorkerClient, prompt: list[int]) -> int:
         """Leading prompt tokens the worker likely has in its prefix cache."""
         return self.index.cached_tokens(worker.address, self._hashes(prompt))
+
+    def cache_lost(self, worker: WorkerClient) -> None:
+        """The worker lacked what the index said it held (it evicted it): its estimate starts
+        again from what it is sent next."""
+        self.index.forget(worker.address)
 
 
 POLICIES = {policy.name: policy for policy in (RoundRobin, LeastLoaded, CacheAware)}

@@ -36,7 +36,7 @@ class RequestFlow:
         self.pool = pool
         self.tokenizer = tokenizer  # router/tokenization.py's PromptTokenizer
         self.metrics = metrics
-        self.accounting = Accounting(metrics)
+        self.accounting = Accounting(metrics, pool.cache_lost)
         self.starter = Starter(settings, pool, metrics)
         self.relay = Relay(self.accounting)
 

@@ -3,7 +3,7 @@
 its way. Times are the router's monotonic seconds."""
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.costs.path_prices import RouteDecision
 from pdserve.kinds import RoutePath
@@ -29,6 +29,9 @@ class RequestRun:
     decision: RouteDecision | None = None  # why the run took its path
     prefill: PrefillOutcome | None = None  # the prefill leg, when disaggregated
     decode_worker: WorkerClient | None = None
+    # disaggregated: leading prompt tokens the router expects the decode worker to hold already,
+    # estimated before the run's first attempt on it (which then counts as sent there)
+    decode_holds: dict[str, int] = field(default_factory=dict)  # worker address -> tokens
     first_token_at: float | None = None
     second_token_at: float | None = None  # disaggregated: the decode worker's first, usually
     last_token_at: float | None = None

@@ -119,6 +119,8 @@ class Starter:
         if run.route == RoutePath.STAY_ON_PREFILL:  # the prefill worker takes the whole request
             worker, prefill = prefill, None
             run.decode_worker = worker
+        if worker.address not in run.decode_holds:
+            run.decode_holds[worker.address] = self.pool.cached_tokens(worker, prompt)
         self.pool.computes(worker, prompt)  # it computes the prompt, or receives its KV
         if prefill is not None:
             self.pool.computes(prefill, prompt)
@@ -152,6 +154,7 @@ class Starter:
             run.time_left(),
             run.prefill,
             attempt=attempt,
+            skip_tokens=run.decode_holds[worker.address],
         )
         return chunks, headers
 

@@ -184,6 +184,10 @@ class WorkerPool:
         no index)."""
         return self.policy.cached_tokens(worker, prompt)
 
+    def cache_lost(self, worker: WorkerClient) -> None:
+        """`worker` lacked a prefix it was thought to hold: the policy forgets its estimate."""
+        self.policy.cache_lost(worker)
+
     def mark_down(self, worker: WorkerClient) -> None:
         log.warning("worker %s marked down", worker.address)
         self.down.add(worker.address)

@@ -79,7 +79,9 @@ class WorkerMetrics:
         self.registry = registry
 
     def follow_kv_pool(self, address: str) -> None:
-        """The host pool's own figures (all its workers'), asked of its store at each scrape."""
+        """The host pool's own figures (all its workers'), asked of its store at each scrape;
+        this worker's hits from 0 (so a rate over them starts at its first scrape)."""
+        self.kv_pool_hits.labels("host")
         self.registry.register(KvPoolCollector(PoolClient(address, namespace=None)))
 
     def follow_state(self, service) -> None:

@@ -46,7 +46,14 @@ def kv_extra_args(request: worker_pb2.GenerateRequest, kv_fault: str = "") -> di
     peer_tp = kv.peer_tensor_parallel_size or 1
     if kv.send_to:
         return to_extra_args(
-            SendKv(kv.transfer_id, kv.send_to, peer_tp, kv.transport or Transport.GRPC, kv_fault)
+            SendKv(
+                kv.transfer_id,
+                kv.send_to,
+                peer_tp,
+                kv.transport or Transport.GRPC,
+                kv_fault,
+                kv.skip_tokens,
+            )
         )
     return to_extra_args(
         ReceiveKv(
@@ -54,6 +61,7 @@ def kv_extra_args(request: worker_pb2.GenerateRequest, kv_fault: str = "") -> di
             kv.receive_timeout_s,
             kv.kv_tokens or len(request.prompt_token_ids),
             peer_tp,
+            kv.skip_tokens,
         )
     )
 

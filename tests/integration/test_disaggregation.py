@@ -9,12 +9,16 @@ prefix of it: its count of tokens it did not compute is then exactly what it rec
 import httpx
 import pytest
 
-from tests.integration.conftest import SERVED_MODEL
+from tests.integration.conftest import SERVED_MODEL, router_over
 from tests.integration.http_client import HTTP
 from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS, long_prompt
 
 
 def complete(server, prompt: str, route: str, **extra) -> httpx.Response:
+    return complete_at(server.base_url, prompt, route, **extra)
+
+
+def complete_at(base_url: str, prompt: str, route: str, **extra) -> httpx.Response:
     body = {
         "model": SERVED_MODEL,
         "prompt": prompt,
@@ -23,7 +27,7 @@ def complete(server, prompt: str, route: str, **extra) -> httpx.Response:
         **extra,
     }
     return HTTP.post(
-        f"{server.base_url}/completions",
+        f"{base_url}/completions",
         json=body,
         timeout=300,
         headers={"x-pdserve-route": route, "x-pdserve-timing": "1"},
@@ -155,3 +159,31 @@ def test_a_stop_string_across_the_first_two_tokens_is_honoured(server, extra):
         local["text"],
         local["finish_reason"],
     )
+
+
+BLOCK_BYTES = 30 * 3 * 128 * 2 * 64 * 4  # SmolLM2's KV of one 128-token block, float32
+
+
+def test_a_cache_aware_router_sends_only_the_blocks_the_decode_worker_lacks(server, tmp_path):
+    """A conversation's next turn through a cache-aware router over the same two workers: the
+    decode worker received the turn before, so the prefill worker sends only the blocks after
+    it. The answer equals the one for which every block was sent (through this cluster's own
+    round-robin router), and the decode worker still computes none of the prompt."""
+    addresses = [server.worker("prefill")["address"], server.worker("decode")["address"]]
+    history = DISAGGREGATED_PROMPTS[5]
+    turn = history + " " + DISAGGREGATED_PROMPTS[1]
+    every_block = complete(server, turn, "disaggregated")
+    assert every_block.status_code == 200, every_block.text
+    with router_over(addresses, tmp_path, policy="cache-aware") as url:
+        first = complete_at(f"{url}/v1", history, "disaggregated")
+        assert first.status_code == 200, first.text
+        held = first.json()["usage"]["prompt_tokens"]
+        response = complete_at(f"{url}/v1", turn, "disaggregated")
+    assert response.status_code == 200, response.text
+    body, full = response.json(), every_block.json()
+    assert body["choices"][0]["text"] == full["choices"][0]["text"]
+    assert int(response.headers["x-pdserve-decode-cached-tokens"]) == body["usage"]["prompt_tokens"]
+    sent, all_blocks = body["pdserve_timing"]["kv_bytes"], full["pdserve_timing"]["kv_bytes"]
+    assert all_blocks == -(-body["usage"]["prompt_tokens"] // 128) * BLOCK_BYTES
+    skipped = (all_blocks - sent) // BLOCK_BYTES
+    assert sent % BLOCK_BYTES == 0 and skipped >= (held - 128) // 128, (held, skipped)

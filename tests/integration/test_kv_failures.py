@@ -21,7 +21,7 @@ from pdserve.settings.engine import EngineSettings
 from pdserve.settings.worker import WorkerSettings
 from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 from tests.integration.conftest import KV_CACHE_GIB
-from tests.integration.prompts import DISAGGREGATED_PROMPTS
+from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS
 from tests.waiting import wait_for
 
 CONSUMER = Compatibility(
@@ -99,6 +99,31 @@ def test_kv_that_never_comes_fails_within_the_deadline_and_frees_its_blocks(
         assert caught.value.code() == grpc.StatusCode.ABORTED
         assert "did not arrive within 2 s" in caught.value.details()
         assert "'fail'" in caught.value.details()
+        stats = stub.Stats(
+            worker_pb2.StatsRequest(fresh=True), timeout=30, metadata=secret_metadata()
+        )
+    assert (stats.running_requests, stats.kv_blocks_used) == (0, 0)
+
+
+def test_told_it_holds_a_prefix_it_lacks_a_decode_worker_computes_the_prompt_at_once(
+    fail_policy_decoder, smollm2_dir, offline_reference
+):
+    """The router may think a decode worker holds a prefix it has evicted: told that the first
+    256 prompt tokens are held and will not be sent, a worker holding none computes the prompt
+    itself, at once (not at the KV deadline, and with the `fail` policy too), answers as vLLM
+    does, reports the transfer failed as `not_held` (the router then forgets its estimate), and
+    keeps no block."""
+    request = waiting_request(smollm2_dir, "not-held", "skipped-but-lacking", timeout_s=60.0)
+    request.kv.skip_tokens = 256
+    request.sampling.max_tokens = DISAGGREGATED_MAX_TOKENS
+    assert len(request.prompt_token_ids) > 256
+    with grpc.insecure_channel(fail_policy_decoder.address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        started = time.monotonic()
+        chunks = list(stub.Generate(request, timeout=60, metadata=secret_metadata()))
+        assert time.monotonic() - started < 30
+        assert "".join(c.text for c in chunks) == offline_reference["disaggregated"][4]["text"]
+        assert (chunks[-1].kv.failed, chunks[-1].kv.failure) == (True, "not_held")
         stats = stub.Stats(
             worker_pb2.StatsRequest(fresh=True), timeout=30, metadata=secret_metadata()
         )

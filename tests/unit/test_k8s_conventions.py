@@ -25,7 +25,7 @@ from pdserve.cluster.k8s_render import (
     write,
 )
 from pdserve.settings.cluster_file import parse_cluster
-from pdserve.worker.metrics_server import WorkerMetrics
+from pdserve.worker.metrics_server import KvPoolCollector, WorkerMetrics
 from router.metrics import RouterMetrics
 from tests.unit.test_k8s_manifests import (
     DEPLOY,
@@ -83,11 +83,23 @@ def vllm_metric_names() -> set[str]:
     }
 
 
+class FakePoolStore:
+    """Answers a worker's KV pool collector as an empty store would (its figures' names are
+    what is checked here)."""
+
+    def call(self, op: str) -> dict:
+        assert op == "stats"
+        fields = ("bytes", "used", "slots", "slot_bytes", "budget_bytes", "evictions", "dropped")
+        return dict.fromkeys(fields, 0)
+
+
 def pdserve_metric_names() -> set[str]:
-    """Every series name the router and a worker export, as Prometheus stores them."""
+    """Every series name the router and a worker (with a KV pool) export, as Prometheus stores
+    them."""
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
     registry = CollectorRegistry()
     WorkerMetrics(registry)
+    registry.register(KvPoolCollector(FakePoolStore()))
     families = [*RouterMetrics().registry.collect(), *registry.collect()]
     return {family.name + suffix for family in families for suffix in suffixes[family.type]}
 

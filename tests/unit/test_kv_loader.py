@@ -331,3 +331,22 @@ def test_every_slice_frees_its_inbox_room_once_loaded_dropped_or_late(loader, re
     clock.advance(ORPHAN_TTL_S + 1)
     loader.transfer_results([], set())
     assert "nobody/0" in releases
+
+
+def test_an_abandoned_transfer_frees_what_came_drops_what_comes_and_says_why(
+    loader, receiver, clock
+):
+    """The decode worker computes the request itself (it lacked blocks the prefill worker
+    skipped): the slices that came before are freed at once, later ones as they come, and the
+    transfer is reported failed, not held, once."""
+    releases: list[str] = []
+    receiver.feed(released_slices([layer_slice(0, transfer_id="t-9", at=clock.now)], releases))
+    loader.transfer_results([], set())
+    assert "t-9/0" not in releases  # an orphan, waiting for its request
+    loader.abandon(["t-9"])
+    assert releases == ["t-9/0"] and loader.orphans == {}
+    receiver.feed(released_slices([layer_slice(1, transfer_id="t-9")], releases))
+    assert loader.transfer_results([], set()) == (set(), set())
+    assert releases == ["t-9/0", "t-9/1"]
+    (stats,) = loader.take_stats()
+    assert (stats["transfer_id"], stats["failed"], stats["failure"]) == ("t-9", True, "not_held")

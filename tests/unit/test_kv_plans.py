@@ -92,7 +92,7 @@ class FakeBlocks:
 
 
 def test_a_decode_request_loads_its_whole_prompt_once():
-    plan = LoadPlan()
+    plan = LoadPlan(BLOCK)
     params = to_extra_args(ReceiveKv("t1", 5.0, 300))["kv_transfer_params"]
     request = FakeRequest("d1", list(range(300)), params)
     assert plan.get_num_new_matched_tokens(request, 256) == (44, True)
@@ -106,7 +106,52 @@ def test_a_decode_request_loads_its_whole_prompt_once():
 
 
 def test_a_decode_request_that_goes_on_with_the_first_token_computes_only_that():
-    plan = LoadPlan()
+    plan = LoadPlan(BLOCK)
     params = to_extra_args(ReceiveKv("t2", 5.0, 300))["kv_transfer_params"]
     request = FakeRequest("d2", list(range(301)), params)  # the prompt + the first token
     assert plan.get_num_new_matched_tokens(request, 0) == (300, True)
+
+
+def send_skipping(prompt_len: int, skip_tokens: int) -> FakeNewRequest:
+    params = to_extra_args(SendKv("t1", "decode:9000", skip_tokens=skip_tokens))
+    return FakeNewRequest("p1", list(range(prompt_len)), FakeSamplingParams(params))
+
+
+def test_blocks_the_decode_worker_holds_are_not_sent_but_the_last_one_always_is():
+    plan = SendPlan(BLOCK)
+    blocks = FakeBlockState({"p1": [1, 2, 3, 4, 5]})
+    # 300 tokens held: blocks 0-1 whole (block 2 is only partly held), chunked by 200.
+    first = plan.sends(FakeSchedulerOutput({"p1": 200}, blocks, [send_skipping(600, 300)]))
+    second = plan.sends(FakeSchedulerOutput({"p1": 200}, blocks))[0]
+    third = plan.sends(FakeSchedulerOutput({"p1": 200}, blocks))[0]
+    assert first == []  # tokens 0-199: blocks 0-1, both held
+    assert (second.first_block, second.block_ids, second.last) == (2, [3, 4], False)
+    assert (third.first_block, third.block_ids, third.last) == (3, [4, 5], True)
+    whole = SendPlan(BLOCK)  # the decode worker holds the whole prompt: its last block still goes
+    step = FakeSchedulerOutput(
+        {"p1": 300}, FakeBlockState({"p1": [7, 3, 9]}), [send_skipping(300, 300)]
+    )
+    (piece,) = whole.sends(step)
+    assert (piece.first_block, piece.block_ids, piece.last) == (2, [9], True)
+
+
+def test_a_decode_worker_holding_the_skipped_blocks_loads_the_rest():
+    plan = LoadPlan(BLOCK)
+    params = to_extra_args(ReceiveKv("t3", 5.0, 600, skip_tokens=300))["kv_transfer_params"]
+    request = FakeRequest("d3", list(range(600)), params)
+    assert plan.get_num_new_matched_tokens(request, 256) == (344, True)
+    plan.update_state_after_alloc(request, FakeBlocks([4, 5, 6, 7, 8], fresh=3), 344)
+    (expected,) = plan.take_expected()
+    assert expected.skip_blocks == 2 and plan.take_abandoned() == []
+
+
+def test_a_decode_worker_lacking_the_skipped_blocks_computes_and_abandons_the_transfer():
+    plan = LoadPlan(BLOCK)
+    params = to_extra_args(ReceiveKv("t4", 5.0, 600, skip_tokens=300))["kv_transfer_params"]
+    request = FakeRequest("d4", list(range(600)), params)
+    assert plan.get_num_new_matched_tokens(request, 128) == (0, False)  # block 1 was evicted
+    assert plan.take_abandoned() == ["t4"]
+    assert plan.get_num_new_matched_tokens(request, 256) == (0, False)  # asked again: computed
+    assert plan.take_abandoned() == [] and plan.take_expected() == []
+    plan.forget(request.request_id)
+    assert plan.computing == set()

@@ -17,7 +17,7 @@ from pdserve.worker.protocol import worker_pb2
 from router.accounting import timing_breakdown
 from router.errors import OpenAIError, invalid_request, worker_unavailable
 from router.metrics import RouterMetrics
-from router.policies import RoundRobin
+from router.policies import CacheAware, RoundRobin
 from router.request_flow import RequestFlow
 from router.request_run import Admitted, RequestRun
 from router.responses import CompletionShape, OutputOptions, Prompt
@@ -42,6 +42,7 @@ class FakeWorker:
         self.kv_address = f"{name}:6000"
         self.tensor_parallel_size = 1
         self.kv_transport, self.host_id, self.device = "grpc", "", "cpu"
+        self.kv_pool = ""  # in no host KV pool
         self.kv_compatibility = "smollm2-float32"
         self.users = 0
         self.load = WorkerLoad()  # no report: the route estimate prices it like the cluster
@@ -501,3 +502,68 @@ def test_the_length_policy_keeps_short_prompts_local_without_asking_a_prefill_wo
     _, headers = start(flow, run, request)
     assert headers[ROUTE_HEADER] == RoutePath.LOCAL and prefill.requests == []
     assert run.decision.reason == "below_floor"
+
+
+def disaggregated(flow: RequestFlow, prompt: list[int], request_id: str) -> RequestRun:
+    """One request sent on the disaggregated path (forced), its stream read to its end."""
+    run = RequestRun(request_id, len(prompt), time.monotonic())
+    run.route_forced = RouteDecision(RoutePath.DISAGGREGATED, RouteReason.HEADER)
+    request = worker_pb2.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling=worker_pb2.SamplingParams(max_tokens=3),
+    )
+
+    async def whole_stream():
+        started = await flow.start(run, request)
+        return [chunk async for chunk in started.chunks]
+
+    asyncio.run(whole_stream())
+    return run
+
+
+def test_the_prefill_leg_skips_what_the_decode_worker_holds_until_it_lacks_it():
+    """Cache-aware: the next turn's prompt extends the last one, which the decode worker
+    received, so both legs name its whole chunks as held; once the decode worker says it did not
+    hold them (it computed the prompt), the router stops assuming it does."""
+    prefill, decode = first_token("prefill-a"), answering("decode-a")
+    pool = WorkerPool([], CacheAware())
+    pool.workers = [prefill, decode]
+    flow = RequestFlow(RouterSettings(model="m"), pool, None, RouterMetrics())
+    history = list(range(1000, 1300))
+    disaggregated(flow, history, "turn-1")
+    run = disaggregated(flow, history + list(range(100)), "turn-2")
+    skipped = [(r.kv.transfer_id, r.kv.skip_tokens) for r in prefill.requests + decode.requests]
+    assert skipped == [("turn-1", 0), ("turn-2", 256)] * 2  # 300 held: 4 chunks of 64
+    not_held = worker_pb2.KvTransferStats(failed=True, failure="not_held")
+    run.last_chunk = worker_pb2.GenerateChunk(token_ids=[3], kv=not_held)
+    flow.accounting.finish(run)
+    assert (
+        flow.metrics.registry.get_sample_value(
+            "pdserve_kv_transfer_failures_total", {"reason": "not_held"}
+        )
+        == 1
+    )
+    disaggregated(flow, history + list(range(200)), "turn-3")
+    assert decode.requests[-1].kv.skip_tokens == prefill.requests[-1].kv.skip_tokens == 0
+
+
+def test_a_retry_after_a_lost_prefill_worker_skips_what_the_first_attempt_did():
+    """The first attempt counted the prompt as sent to the decode worker; its retry still names
+    only what the decode worker held before the request."""
+    lost, spare, decode = (
+        unavailable("prefill-a", "prefill"),
+        first_token("prefill-b"),
+        answering("decode-a"),
+    )
+    gone = first_token("prefill-c")  # computed the turn before, then left
+    pool = WorkerPool([], CacheAware())
+    pool.workers = [gone, decode]
+    flow = RequestFlow(RouterSettings(model="m"), pool, None, RouterMetrics())
+    history = list(range(1000, 1300))
+    disaggregated(flow, history, "turn-1")
+    pool.workers = [lost, spare, decode]
+    disaggregated(flow, history + list(range(100)), "turn-2")
+    assert [r.kv.skip_tokens for r in lost.requests] == [256]
+    assert [r.kv.skip_tokens for r in spare.requests] == [256]
+    assert [r.kv.skip_tokens for r in decode.requests] == [0, 256]
