@@ -1,26 +1,32 @@
-"""The host KV pool on and off: multi-turn conversations (or a Mooncake-format trace) on two
-colocated workers with round-robin routing, so a conversation's next turn often lands on the
-worker that did not compute its history (docs/kv-pool.md).
+"""KV reuse on and off on multi-turn conversations (or a Mooncake-format trace). Two comparisons:
 
-    python scripts/bench_kv_pool.py [--repeats 3] [--conversations 12] [--turns 4]
-        [--concurrency 4] [--think-time 1] [--input-len 256] [--first-input-len N]
-        [--output-len 32] [--kv-cache-gib 0.5] [--max-model-len N]
+- `--compare pool` (default): the host KV pool (docs/kv-pool.md) off and on, two colocated
+  workers with round-robin routing, so a conversation's next turn often lands on the worker
+  that did not compute its history;
+- `--compare decode-reuse`: 1P1D with every prompt disaggregated and no pool, the router's
+  policy round-robin (off: the prefill worker sends every block) or cache-aware (on: only the
+  blocks the decode worker does not hold from the turn before: docs/architecture.md).
+
+    python scripts/bench_kv_pool.py [--compare pool|decode-reuse] [--repeats 3]
+        [--conversations 12] [--turns 4] [--concurrency 4] [--think-time 1] [--input-len 256]
+        [--first-input-len N] [--output-len 32] [--kv-cache-gib 0.5] [--max-model-len N]
         [--trace FILE --trace-block-size 16] [--output-dir DIR] [--output-json FILE]
 
-Each round starts `pdserve serve --colocated --workers 2 --policy round-robin --kv-pool off|on
---kv-cache-gib 0.5` (its logs under OUTPUT_DIR/ROUND-POOL/), runs `pdserve bench --workload
-conversation` (or, with --trace, `--workload trace --trace-format mooncake` at the trace's own
-times: scripts/scale_mooncake_trace.py scales one of Mooncake's traces to this host) against it,
-scrapes the workers' pdserve_kv_pool_hits_total and stops it; off and on alternate, and which
-goes first alternates by round. Every process is started in its own process group and stopped
-on every path out (Ctrl-C and SIGTERM included). Prints a markdown table: per configuration,
-the median over rounds and [min, max] of TTFT p50/p90 of three groups of requests, the prefix
-hit rate, its infinite-cache bound, the pool hits and failed requests; then the median (and
+Each round starts `pdserve serve` in each configuration (its logs under
+OUTPUT_DIR/ROUND-off|on/), runs `pdserve bench --workload conversation` (or, with --trace,
+`--workload trace --trace-format mooncake` at the trace's own times:
+scripts/scale_mooncake_trace.py scales one of Mooncake's traces to this host) against it,
+scrapes the workers' pdserve_kv_pool_hits_total and the router's KV bytes per transfer, and
+stops it; off and on alternate, and which goes first alternates by round. Every process is
+started in its own process group and stopped on every path out (Ctrl-C and SIGTERM included).
+Prints a markdown table: per configuration, the median over rounds and [min, max] of TTFT
+p50/p90 of three groups of requests, the prefix hit rate, its infinite-cache bound, the pool
+hits, the KV received per disaggregated request and failed requests; then the median (and
 range) of the per-round ratios TTFT p50 off/on. The groups: for conversations turn 0, turns
 >= 1 and turns >= 2; for a trace the requests of which an earlier request had less than half of
 the prompt, all of them, and those of which it had at least half (every request of Mooncake's
-traces shares a first block). About 1.5 minutes per configuration and round on
-2 cores (a trace: its duration).
+traces shares a first block). About 1.5 minutes per configuration and round on 2 cores (a
+trace: its duration).
 """
 
 import argparse
@@ -45,6 +51,23 @@ from pdserve.worker.processes import free_port, log_tail, spawn, stop_group
 MODEL = "smollm2"
 METRICS_URL = re.compile(r"metrics on (http://\S+/metrics)")
 POOL_HITS = 'pdserve_kv_pool_hits_total{tier="host"}'
+KV_BYTES = "pdserve_kv_transfer_bytes"  # the router's histogram, per disaggregated request
+# name: (what it compares, prefill and decode workers, serve's options for both, for off and on)
+COMPARISONS = {
+    "pool": (
+        "2 colocated workers, round-robin; the host KV pool off and on",
+        (0, 1),
+        ["--colocated", "--workers", "2", "--policy", "round-robin"],
+        {"off": ["--kv-pool", "off"], "on": ["--kv-pool", "on"]},
+    ),
+    "decode-reuse": (
+        "1P1D, every prompt disaggregated, no KV pool; off: round-robin (every block sent), "
+        "on: cache-aware (only the blocks the decode worker lacks)",
+        (1, 1),
+        ["--route-policy", "length", "--disaggregate-min-tokens", "0", "--kv-pool", "off"],
+        {"off": ["--policy", "round-robin"], "on": ["--policy", "cache-aware"]},
+    ),
+}
 GROUPS = {  # the request groups' names, for conversations and for traces
     "conversation": {"first": "turn 0", "later": "turns>=1", "most": "turns>=2"},
     "trace": {"first": "reuse<1/2", "later": "all", "most": "reuse>=1/2"},
@@ -59,6 +82,7 @@ FIGURES = {  # key: (column title, format); {first}, {later}, {most}: the groups
     "prefix_hit_rate": ("prefix hit rate", "%"),
     "infinite_cache_hit_rate": ("infinite-cache bound", "%"),
     "pool_hits": ("pool hits (tokens)", "n"),
+    "kv_mib": ("KV MiB per request", "mib"),
     "failed": ("failed", "n"),
 }
 
@@ -66,6 +90,7 @@ FIGURES = {  # key: (column title, format); {first}, {later}, {most}: the groups
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
+    add("--compare", choices=COMPARISONS, default="pool", help="what is off and on (default pool)")
     add("--repeats", type=int, default=3, help="rounds, each running off and on (default 3)")
     add("--conversations", type=int, default=12, help="conversations per run (default 12)")
     add("--turns", type=int, default=4, help="turns per conversation (default 4)")
@@ -117,29 +142,30 @@ def say(line: str) -> None:
 
 
 def one_run(number: int, pool: str, model_dir: Path, folder: Path, args) -> dict:
-    """One server with the pool `pool`, one bench run against it: the run's figures."""
-    name = f"[round {number + 1}/{args.repeats}, pool {pool}]"
-    serve_args = ["--colocated", "--workers", "2", "--policy", "round-robin"]
-    serve_args += ["--kv-pool", pool, "--kv-cache-gib", str(args.kv_cache_gib)]
+    """One server with the comparison's configuration `pool` (off or on), one bench run against
+    it: the run's figures."""
+    name = f"[round {number + 1}/{args.repeats}, {args.compare} {pool}]"
+    _, (prefill, decode), every, configs = COMPARISONS[args.compare]
+    serve_args = [*every, *configs[pool], "--kv-cache-gib", str(args.kv_cache_gib)]
     serve_args += ["--served-model-name", MODEL]
     if args.max_model_len:  # a KV cache too small for the model's whole context needs it
         serve_args += ["--max-model-len", str(args.max_model_len)]
     say(f"{name} starting the server (logs: {folder})")
     started = time.monotonic()
-    with local_cluster(0, 1, free_port(), folder, serve_args, args.ready_timeout) as url:
+    with local_cluster(prefill, decode, free_port(), folder, serve_args, args.ready_timeout) as url:
         say(f"{name} ready after {time.monotonic() - started:.0f} s; benchmarking ...")
         started = time.monotonic()
         result = folder / "bench.json"
         bench(url, model_dir, result, folder / "bench.log", args)
-        hits = pool_hits(folder)
+        hits, kv_mib = pool_hits(folder), kv_per_request(url)
         say(f"{name} bench took {time.monotonic() - started:.0f} s; stopping the server")
-    figures = summarize(json.loads(result.read_text())) | {"pool_hits": hits}
+    figures = summarize(json.loads(result.read_text())) | {"pool_hits": hits, "kv_mib": kv_mib}
     errors = errors_in(folder / "bench.log")
     say(
         f"{name} TTFT p50 {ms(figures['ttft_first_p50'])} / {ms(figures['ttft_later_p50'])} / "
         f"{ms(figures['ttft_most_p50'])} ms ({', '.join(groups(args).values())}); hit rate "
         f"{pct(figures['prefix_hit_rate'])}, "
-        f"pool hits {hits:.0f}, {figures['failed']} failed"
+        f"pool hits {hits:.0f}, KV {mib(kv_mib)} MiB per request, {figures['failed']} failed"
         + (f"; errors in the bench log: {errors}" if errors else "")
     )
     return {"round": number, "pool": pool, "log_dir": str(folder), "log_errors": errors} | figures
@@ -173,10 +199,20 @@ def bench(url: str, model_dir: Path, result: Path, log_path: Path, args) -> None
         raise RuntimeError(f"pdserve bench exited with code {code}{log_tail(log_path)}")
 
 
+def kv_per_request(url: str) -> float | None:
+    """The router's KV MiB received per disaggregated request (None: there was none)."""
+    sums = {"_sum": 0.0, "_count": 0.0}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        for suffix in sums:
+            if line.startswith(KV_BYTES + suffix):
+                sums[suffix] += float(line.rsplit(" ", 1)[1])
+    return sums["_sum"] / sums["_count"] / 2**20 if sums["_count"] else None
+
+
 def pool_hits(log_dir: Path) -> float:
     """The sum of the workers' pool-hit counters (0 for a worker that exports none yet)."""
     total = 0.0
-    for log in sorted(log_dir.glob("colocated-*.log")):
+    for log in sorted(log_dir.glob("*-*.log")):
         for url in METRICS_URL.findall(log.read_text(errors="replace"))[-1:]:
             for line in httpx.get(url, timeout=10).text.splitlines():
                 if line.startswith(POOL_HITS + " "):
@@ -236,11 +272,15 @@ def pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.1%}"
 
 
+def mib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def cell(values: list, kind: str) -> str:
     values = [v for v in values if v is not None]
     if not values:
         return "-"
-    show = {"ms": ms, "%": pct, "n": lambda v: f"{v:.0f}"}[kind]
+    show = {"ms": ms, "%": pct, "mib": mib, "n": lambda v: f"{v:.0f}"}[kind]
     low, mid, high = min(values), statistics.median(values), max(values)
     return f"{show(mid)} [{show(low)}, {show(high)}]"
 
@@ -254,11 +294,13 @@ def table(runs: list[dict], args) -> str:
             f"time, messages {args.input_len} tokens, replies {args.output_len}"
         )
     names = groups(args)
+    compared = COMPARISONS[args.compare][0]
     lines = [
-        f"{workload}; 2 colocated workers, round-robin; median [min, max] over "
-        f"{args.repeats} rounds",
+        f"{workload}; {compared}; median [min, max] over {args.repeats} rounds",
         "",
-        "| pool | " + " | ".join(title.format(**names) for title, _ in FIGURES.values()) + " |",
+        f"| {args.compare} | "
+        + " | ".join(title.format(**names) for title, _ in FIGURES.values())
+        + " |",
         "|---" * (len(FIGURES) + 1) + "|",
     ]
     for pool in ("off", "on"):

@@ -18,7 +18,8 @@ Systems (each started in its own process group, stopped by its PID before the ne
   --disaggregate-min-tokens 0);
 - 1p1d-length: the same, prompts of 256 tokens or more disaggregated (the old default);
 - 1p1d-unbound: 1p1d with --cpu-binding none (the OS places every thread; 1p1d's default here,
-  auto, pins each worker's compute threads to its own core).
+  auto, pins each worker's compute threads to its own core);
+- colocated-no-pool, 1p1d-no-pool: colocated and 1p1d with --kv-pool off.
 Workload (bench's `mixed`): 90% ~100-token prompts, 10% ~1,500-token prompts (--long-fraction),
 64 output tokens (ignore_eos), Poisson arrivals; the same requests and arrival times for every
 system at a rate, other prompts at each rate (no prefix-cache hit from the rate before).
@@ -76,6 +77,7 @@ SYSTEMS = {
     "vllm": None,
     "colocated": (0, 1, ["--colocated"]),
     "colocated-2": (0, 1, ["--colocated", "--workers", "2"]),
+    "colocated-no-pool": (0, 1, ["--colocated", "--kv-pool", "off"]),
     "1p1d": (1, 1, []),
     "1p1d-local": (
         1,
