@@ -6,14 +6,18 @@ what any of them computed.
 
 - `PoolManager` (the engine's scheduler side) asks the store: lookup, pin for a load, make room
   for a store. The store being gone answers "miss" and "no room": the engine computes.
-- `PoolWorker` (each worker rank) copies between the engine's KV cache and the pool's memory,
-  synchronously (the copy of a block is ~1 ms of a CPU core; on a GPU a plain device-to-host
-  copy). A tensor-parallel rank copies its own heads, into and out of its part of each slot;
-  vLLM completes a store only once every rank has done its part, and recomputes a block any
-  rank could not load. A writer puts its key's tag and its bytes' digest
-  (kv_transfer/integrity.py) in its part's header; a reader checks both before one byte reaches
-  the cache, and a block that fails is dropped from the pool, counted, and recomputed
-  (kv_transfer/pool_connector.py reports it to vLLM as a load error), never used.
+- `PoolWorker` (each worker rank) copies between the engine's KV cache and the pool's memory
+  on the engine's thread (a block of SmolLM2 is ~3 ms of a CPU core; on a GPU a plain
+  device-to-host copy). A load is copied at once (the request waits for it); a store is copied
+  STORE_BYTES_PER_STEP at a time, one engine step after another, so the decode step after a
+  long prefill does not wait for the whole prompt's copy. vLLM keeps stepping while a store is
+  pending (idle engines included), and before it reuses a block a pending store reads it asks
+  `wait`, which copies everything pending at once. A tensor-parallel rank copies its own heads,
+  into and out of its part of each slot; vLLM completes a store only once every rank has done
+  its part, and recomputes a block any rank could not load. A writer puts its key's tag and its
+  bytes' digest (kv_transfer/integrity.py) in its part's header; a reader checks both before
+  one byte reaches the cache, and a block that fails is dropped from the pool, counted, and
+  recomputed (kv_transfer/pool_connector.py reports it to vLLM as a load error), never used.
 
 vLLM 0.32's own CPU offloading worker needs CUDA streams (it refuses the CPU platform) and keeps
 a private buffer per engine, which is why pdserve has its own worker and manager here; the
@@ -23,6 +27,7 @@ scheduler side that chooses what to store and load is vLLM's.
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -47,6 +52,10 @@ from kv_transfer.pool_config import POOL_ADDRESS, POOL_NAMESPACE
 from kv_transfer.pool_copy import PoolMemory, cache_rows, load_blocks, store_blocks
 
 log = logging.getLogger("pdserve.kv")
+# Store copies per engine step, at least one block (SmolLM2's 5.6 MiB block: ~3 ms of a CPU
+# core; a 70B model's 16-token block per rank: 0.6 MiB, ~60 us over PCIe): ~4x what this host's
+# prefill computes, so stores never fall behind, and a few ms added to one step at most.
+STORE_BYTES_PER_STEP = 16 << 20
 
 
 @dataclass
@@ -117,6 +126,20 @@ class PoolManager(OffloadingManager):
             self.client.close()
 
 
+@dataclass
+class PendingStore:
+    """A store job being copied, block by block, over engine steps."""
+
+    job_id: int
+    blocks: list[int]
+    memory: PoolMemory
+    slots: list[int]
+    keys: list[bytes]
+    done: int = 0  # blocks copied
+    size: int = 0  # their bytes
+    seconds: float = 0.0  # their copies' time
+
+
 class PoolWorker(OffloadingWorker):
     """The worker's side, in rank `part` of the engine. `client` None: this engine does not use
     the pool (no job comes)."""
@@ -136,20 +159,39 @@ class PoolWorker(OffloadingWorker):
             client = None
         self.client = client
         self.part = part
+        self.stores: deque[PendingStore] = deque()  # in vLLM's order
         self.finished: list[TransferResult] = []
         self.failed_blocks: set[int] = set()  # cache blocks whose load failed its check
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: PoolSlots) -> bool:
-        started = time.perf_counter()
         memory = self._memory(dst_spec)
-        size = 0
-        if memory is not None:  # else a future miss: the header check refuses the slot's bytes
-            blocks = [int(block) for block in src_spec.block_ids]
-            size = store_blocks(
-                self.pages, blocks, memory, dst_spec.slots, dst_spec.keys, self.part
-            )
-        self.finished.append(TransferResult(job_id, True, size, time.perf_counter() - started))
+        if memory is None:  # a future miss: the header check refuses the slot's bytes
+            self.finished.append(TransferResult(job_id, True, 0, 0.0))
+            return True
+        blocks = [int(block) for block in src_spec.block_ids]
+        self.stores.append(PendingStore(job_id, blocks, memory, dst_spec.slots, dst_spec.keys))
         return True
+
+    def _copy_stores(self, budget: int | None) -> None:
+        """Copy pending stores' blocks, oldest first, until `budget` bytes (None: all); a job
+        whose last block is copied is finished."""
+        copied = 0
+        while self.stores and (budget is None or copied < budget):
+            job = self.stores[0]
+            started, block = time.perf_counter(), slice(job.done, job.done + 1)
+            size = store_blocks(
+                self.pages,
+                job.blocks[block],
+                job.memory,
+                job.slots[block],
+                job.keys[block],
+                self.part,
+            )
+            job.done, job.size, copied = job.done + 1, job.size + size, copied + size
+            job.seconds += time.perf_counter() - started
+            if job.done == len(job.blocks):
+                self.stores.popleft()
+                self.finished.append(TransferResult(job.job_id, True, job.size, job.seconds))
 
     def submit_load(self, job_id: int, src_spec: PoolSlots, dst_spec: GPULoadStoreSpec) -> bool:
         started = time.perf_counter()
@@ -189,11 +231,13 @@ class PoolWorker(OffloadingWorker):
             self.client.close()
 
     def get_finished(self) -> list[TransferResult]:
+        self._copy_stores(STORE_BYTES_PER_STEP)
         finished, self.finished = self.finished, []
         return finished
 
     def wait(self, job_ids: set[int]) -> None:
-        return  # every job is done when submitted
+        """vLLM is about to reuse blocks these jobs read: every pending store is copied now."""
+        self._copy_stores(None)
 
     def take_failed_blocks(self) -> set[int]:
         failed, self.failed_blocks = self.failed_blocks, set()

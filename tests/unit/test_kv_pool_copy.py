@@ -4,6 +4,8 @@ whose bytes changed in the pool, or whose slot holds another key, is refused (re
 recomputation and dropped from the pool), never copied; a load planned against a store that is
 gone fails the same way."""
 
+from collections import deque
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +16,7 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
 )
 
+from kv_transfer import pool_offload
 from kv_transfer.pool_client import PoolClient
 from kv_transfer.pool_offload import PoolManager, PoolSlots, PoolWorker
 from pdserve.cluster.local_services import start_kv_pool
@@ -170,3 +173,32 @@ def test_each_tensor_parallel_rank_stores_and_checks_its_own_part_of_a_block(tmp
         assert PoolClient(address, "tp2", SLOT, 1).call("lookup", [b"k1"]) is None
     finally:
         stop_group(process.pid, process=process)
+
+
+def test_a_store_is_copied_a_budget_a_step_and_wait_copies_all_that_is_pending(
+    address, monkeypatch
+):
+    """A store larger than a step's budget finishes over several engine steps (its job is
+    reported once, whole); vLLM's `wait` before reusing blocks copies every pending store at
+    once; what was stored loads bit for bit."""
+    monkeypatch.setattr(pool_offload, "STORE_BYTES_PER_STEP", SLOT)  # one block a step
+    manager_a, worker_a, caches_a = engine(address)
+    manager_b, worker_b, caches_b = engine(address)
+    plan = manager_a.prepare_store([b"k0", b"k1", b"k2"], REQUEST)
+    worker_a.submit_store(1, gpu([0, 1, 2]), plan.store_spec)
+    assert worker_a.get_finished() == [] and worker_a.get_finished() == []
+    (result,) = worker_a.get_finished()
+    assert (result.job_id, result.transfer_size) == (1, 3 * SLOT)
+    manager_a.complete_store([b"k0", b"k1", b"k2"], REQUEST)
+    plan = manager_a.prepare_store([b"k3"], REQUEST)
+    worker_a.submit_store(2, gpu([3]), plan.store_spec)
+    worker_a.wait({2})
+    assert worker_a.stores == deque()
+    manager_a.complete_store([b"k3"], REQUEST)
+    assert [r.job_id for r in worker_a.get_finished()] == [2]
+    keys = [b"k0", b"k1", b"k2", b"k3"]
+    worker_b.submit_load(3, manager_b.prepare_load(keys, REQUEST), gpu([5, 4, 3, 2]))
+    assert worker_b.take_failed_blocks() == set()
+    for a, b in zip(caches_a, caches_b, strict=True):
+        for source, target in zip([0, 1, 2, 3], [5, 4, 3, 2], strict=True):
+            assert torch.equal(a[source].view(torch.uint8), b[target].view(torch.uint8))
