@@ -58,6 +58,13 @@ class LeastLoaded(NoCacheIndex):
 POOL_LOAD_SAVES = 0.9
 
 
+def reusable_tokens(own: int, loadable: int) -> float:
+    """Of a prompt, the tokens a worker need not compute: `own` in its prefix cache, and
+    POOL_LOAD_SAVES of the further ones its host's KV pool likely holds (`loadable`: what a
+    pool-mate computed)."""
+    return own + POOL_LOAD_SAVES * max(0, loadable - own)
+
+
 class CacheAware:
     """The worker where the prompt costs least: the prompt tokens it likely has in its prefix
     cache (router/prefix_index.py, from the prompts this router sent it) less the work it has
@@ -100,7 +107,7 @@ class CacheAware:
                 queued += report.running_requests * DECODE_REQUEST_TOKENS
             own = cached[worker.address]
             loadable = in_pool.get((worker.host_id, worker.kv_pool), 0) if worker.kv_pool else 0
-            return own + POOL_LOAD_SAVES * max(0, loadable - own) - queued
+            return reusable_tokens(own, loadable) - queued
 
         return max(candidates, key=gain)
 

@@ -188,7 +188,7 @@ class Starter:
                 len(prompt),
                 request.sampling.max_tokens * max(1, request.sampling.n),
                 worker_state(decode, cluster, self.pool.cached_tokens(decode, prompt)),
-                worker_state(prefill, cluster, self.pool.cached_tokens(prefill, prompt)),
+                worker_state(prefill, cluster, self.pool.reusable_tokens(prefill, prompt)),
                 floor,
                 decode_full=decode.load.full(decode.max_num_seqs),
             )

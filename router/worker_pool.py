@@ -24,6 +24,7 @@ from pdserve.kinds import Role
 from pdserve.settings.router import UNRESPONSIVE_TIMEOUT_S
 from pdserve.worker.protocol import worker_pb2
 from router.errors import worker_unavailable
+from router.policies import reusable_tokens
 from router.worker_client import WorkerClient
 from router.worker_liveness import Liveness
 from router.worker_load import LOAD_POLL_S
@@ -183,6 +184,21 @@ class WorkerPool:
         """Of `prompt`, the leading tokens `worker` likely has cached (0 when the policy keeps
         no index)."""
         return self.policy.cached_tokens(worker, prompt)
+
+    def reusable_tokens(self, worker: WorkerClient, prompt: list[int]) -> int:
+        """Of `prompt`, the tokens `worker` likely need not compute: its cached ones, and for a
+        worker in a host KV pool most of those a pool-mate computed (router/policies.py's
+        reusable_tokens): what the path's price counts as not computed."""
+        own = self.cached_tokens(worker, prompt)
+        if not worker.kv_pool:
+            return own
+        mates = [
+            w
+            for w in self.workers
+            if w is not worker and (w.host_id, w.kv_pool) == (worker.host_id, worker.kv_pool)
+        ]
+        loadable = max((self.cached_tokens(mate, prompt) for mate in mates), default=0)
+        return int(reusable_tokens(own, loadable))
 
     def cache_lost(self, worker: WorkerClient) -> None:
         """`worker` lacked a prefix it was thought to hold: the policy forgets its estimate."""

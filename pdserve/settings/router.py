@@ -23,7 +23,12 @@ Host = Annotated[str, Field(default="127.0.0.1", description="router bind addres
 Port = Annotated[int, Field(default=8000, ge=0, description="router port")]
 Policy = Annotated[
     Literal[POLICIES],
-    Field(default="round-robin", description="how a worker is chosen within a pool"),
+    Field(
+        default="round-robin",
+        description="how a worker is chosen within a pool: round-robin, least-loaded, or "
+        "cache-aware (the prefix each worker likely holds; on the disaggregated path the prefill "
+        "worker then sends only the KV blocks the decode worker lacks)",
+    ),
 ]
 RoutePolicy = Annotated[
     Literal[ROUTE_POLICIES],

@@ -17,7 +17,7 @@ from pdserve.worker.protocol import worker_pb2
 from router.accounting import timing_breakdown
 from router.errors import OpenAIError, invalid_request, worker_unavailable
 from router.metrics import RouterMetrics
-from router.policies import CacheAware, RoundRobin
+from router.policies import POOL_LOAD_SAVES, CacheAware, RoundRobin
 from router.request_flow import RequestFlow
 from router.request_run import Admitted, RequestRun
 from router.responses import CompletionShape, OutputOptions, Prompt
@@ -567,3 +567,27 @@ def test_a_retry_after_a_lost_prefill_worker_skips_what_the_first_attempt_did():
     assert [r.kv.skip_tokens for r in lost.requests] == [256]
     assert [r.kv.skip_tokens for r in spare.requests] == [256]
     assert [r.kv.skip_tokens for r in decode.requests] == [0, 256]
+
+
+def test_a_prefill_worker_is_priced_as_loading_what_its_pool_mate_computed():
+    """Cache-aware, two prefill workers sharing a host KV pool: once one computed a prompt, the
+    other's price counts most of it as loaded (router/policies.py's reusable_tokens), a worker
+    of another host's pool none of it, and a decode worker's own cache only."""
+    computed, mate, stranger, decode = (
+        first_token("prefill-a"),
+        first_token("prefill-b"),
+        first_token("prefill-c"),
+        answering("decode-a"),
+    )
+    for worker in (computed, mate, stranger):
+        worker.kv_pool, worker.host_id = "@pool", "host-1"
+    stranger.host_id = "host-2"
+    pool = WorkerPool([], CacheAware())
+    pool.workers = [computed, mate, stranger, decode]
+    prompt = list(range(1000, 1300))
+    pool.computes(computed, prompt)
+    own = pool.cached_tokens(computed, prompt)
+    assert own == 256 and pool.reusable_tokens(computed, prompt) == own
+    assert pool.reusable_tokens(mate, prompt) == int(POOL_LOAD_SAVES * own)
+    assert pool.reusable_tokens(stranger, prompt) == 0
+    assert pool.reusable_tokens(decode, prompt) == 0
