@@ -163,24 +163,24 @@ class KvLoader:
     def abandon(self, transfer_ids: list[str]) -> None:
         """Transfers whose requests this worker computes itself (the prefill worker skipped
         blocks this worker no longer holds: decode_workers/load_plan.py): what came for them is
-        freed, what comes is dropped, and each is reported failed (by rank 0, once)."""
+        freed, what comes is dropped, and each is reported failed (by every rank, as every
+        transfer is: pdserve/worker/engine.py merges the ranks' reports)."""
         now = self.clock()
         for transfer_id in transfer_ids:
             for piece in self.orphans.pop(transfer_id, []):
                 piece.release()
             self.ended[transfer_id] = now
-            if self.rank == 0:
-                self.finished.append(
-                    {
-                        "transfer_id": transfer_id,
-                        "bytes": 0,
-                        "seconds": 0.0,
-                        "failed": True,
-                        "failure": KV_NOT_HELD,
-                        "integrity": "",
-                        "transport": "",
-                    }
-                )
+            self.finished.append(
+                {
+                    "transfer_id": transfer_id,
+                    "bytes": 0,
+                    "seconds": 0.0,
+                    "failed": True,
+                    "failure": KV_NOT_HELD,
+                    "integrity": "",
+                    "transport": "",
+                }
+            )
 
     def _complete(self, state: Incoming) -> bool:
         return len(state.last_slices) == len(self.caches) and all(

@@ -4,7 +4,8 @@ The worker half returns these each engine step; vLLM merges them into its schedu
 which reach the stat logger in the worker's AsyncLLM process (see pdserve/worker/engine.py).
 Each entry: {"transfer_id", "bytes", "seconds" (first slice received -> last slice received),
 "failed", "failure" (why: timeout, cancelled, refused, integrity, not_held), "integrity" (the
-kv_transfer/integrity.Damage that failed it, or ""), "transport"}.
+kv_transfer/integrity.Damage that failed it, or ""), "transport"}. A tensor-parallel decode
+worker's ranks each report their own part of a transfer (pdserve/worker/engine.py merges them).
 """
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats

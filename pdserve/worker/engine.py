@@ -98,6 +98,21 @@ def _pool_namespace(worker: WorkerSettings) -> str:
     return f"quantization={worker.engine.quantization}, hash=sha256, PYTHONHASHSEED={seed}"
 
 
+def merged(one: dict, other: dict) -> dict:
+    """Two ranks' figures of one transfer as the transfer's: the bytes summed, the longer time,
+    failed if either failed (with the first reason given), every transport that carried it."""
+    transports = {t for entry in (one, other) for t in entry["transport"].split(",") if t}
+    return {
+        "transfer_id": one["transfer_id"],
+        "bytes": one["bytes"] + other["bytes"],
+        "seconds": max(one["seconds"], other["seconds"]),
+        "failed": one["failed"] or other["failed"],
+        "failure": one["failure"] or other["failure"],
+        "integrity": one["integrity"] or other["integrity"],
+        "transport": ",".join(sorted(transports)),
+    }
+
+
 class EngineStats:
     """The engine's latest scheduler report, kept by a vLLM stat logger.
 
@@ -109,11 +124,29 @@ class EngineStats:
         self.running = 0
         self.waiting = 0
         self.kv_cache_usage = 0.0
+        self.ranks = 1  # the engine's tensor-parallel ranks, each reporting its part of a transfer
         self.kv_transfers: dict[str, dict] = {}  # transfer id -> connector's figures
+        self.partial: dict[str, tuple[int, dict]] = {}  # ... reported by some ranks so far
         self.step_costs = StepCostLearner()
 
     def take_kv_transfer(self, transfer_id: str) -> dict | None:
         return self.kv_transfers.pop(transfer_id, None)
+
+    def kv_transfer_reported(self, transfer: dict) -> dict | None:
+        """One rank's figures of a transfer (kv_transfer/stats.py); the whole transfer's, its
+        ranks merged, once every rank has reported it (else None)."""
+        transfer_id = transfer["transfer_id"]
+        count, so_far = self.partial.pop(transfer_id, (0, None))
+        whole = transfer if so_far is None else merged(so_far, transfer)
+        if count + 1 < self.ranks:
+            self.partial[transfer_id] = (count + 1, whole)
+            while len(self.partial) > MAX_UNCLAIMED_TRANSFERS:  # a rank that never reported
+                self.partial.pop(next(iter(self.partial)))
+            return None
+        self.kv_transfers[transfer_id] = whole
+        while len(self.kv_transfers) > MAX_UNCLAIMED_TRANSFERS:  # their requests were aborted
+            self.kv_transfers.pop(next(iter(self.kv_transfers)))
+        return whole
 
     def update(self, running: int, waiting: int, kv_cache_usage: float) -> None:
         self.running, self.waiting, self.kv_cache_usage = running, waiting, kv_cache_usage
@@ -144,10 +177,8 @@ def _stat_logger_factory(stats: EngineStats, metrics, pooled: bool):
             if pooled and pool_hits is not None and pool_hits.hits:
                 metrics.kv_pool_hits.labels("host").inc(pool_hits.hits)
             for transfer in (scheduler_stats.kv_connector_stats or {}).get("transfers", ()):
-                stats.kv_transfers[transfer["transfer_id"]] = transfer
-                metrics.kv_transfer_finished(transfer)
-            while len(stats.kv_transfers) > MAX_UNCLAIMED_TRANSFERS:  # their requests were aborted
-                stats.kv_transfers.pop(next(iter(stats.kv_transfers)))
+                if (whole := stats.kv_transfer_reported(transfer)) is not None:
+                    metrics.kv_transfer_finished(whole)
 
         def log_engine_initialized(self):
             pass
@@ -174,6 +205,7 @@ def make_engine(
     are on (its PrometheusStatLogger joins our stat logger); `disable_log_stats` only silences
     its periodic log line."""
     engine = worker.engine
+    stats.ranks = engine.tensor_parallel_size
     chosen_start = os.environ.get(START_METHOD_ENV)  # before vLLM's CPU platform sets its own
     # A KV connector makes vLLM reserve cores for itself; a 2-core machine has none to spare.
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")

@@ -156,3 +156,14 @@ def _long_completion(url: str) -> dict:
         "text": choice["text"],
         "logprobs": choice["logprobs"]["token_logprobs"],
     }
+
+
+def test_a_transfer_to_a_tp2_decode_worker_counts_every_ranks_bytes(prefill_tp2, decode_tp2):
+    """Each decode rank receives its heads and reports its part; the transfer's figures are
+    the ranks' merged: the same bytes as into one TP=1 decode worker."""
+    sizes = {}
+    for name, server in (("decode TP=1", prefill_tp2), ("decode TP=2", decode_tp2)):
+        response = tiny_completion(server.url, PROMPTS[2], "disaggregated")
+        assert response.status_code == 200, response.text
+        sizes[name] = response.json()["pdserve_timing"]["kv_bytes"]
+    assert sizes["decode TP=1"] == sizes["decode TP=2"] > 0, sizes
