@@ -170,17 +170,7 @@ class KvLoader:
             for piece in self.orphans.pop(transfer_id, []):
                 piece.release()
             self.ended[transfer_id] = now
-            self.finished.append(
-                {
-                    "transfer_id": transfer_id,
-                    "bytes": 0,
-                    "seconds": 0.0,
-                    "failed": True,
-                    "failure": KV_NOT_HELD,
-                    "integrity": "",
-                    "transport": "",
-                }
-            )
+            self._report(transfer_id, KV_NOT_HELD)
 
     def _complete(self, state: Incoming) -> bool:
         return len(state.last_slices) == len(self.caches) and all(
@@ -194,15 +184,29 @@ class KvLoader:
             started = ended = now
         else:
             started, ended = state.first_slice_at, now if failure else state.last_slice_at
+        self._report(
+            transfer_id, failure, state.bytes, ended - started, state.damage, state.transports
+        )
+
+    def _report(
+        self,
+        transfer_id: str,
+        failure: str,
+        size: int = 0,
+        seconds: float = 0.0,
+        integrity: str = "",
+        transports=(),
+    ) -> None:
+        """A finished transfer's figures (kv_transfer/stats.py), for take_stats."""
         self.finished.append(
             {
                 "transfer_id": transfer_id,
-                "bytes": state.bytes,
-                "seconds": ended - started,
+                "bytes": size,
+                "seconds": seconds,
                 "failed": bool(failure),
                 "failure": failure,
-                "integrity": state.damage,
-                "transport": ",".join(sorted(state.transports)),
+                "integrity": integrity,
+                "transport": ",".join(sorted(transports)),
             }
         )
 

@@ -25,14 +25,13 @@ class LoadPlan:
         self.abandoned: list[str] = []  # transfer ids no request waits for, not yet told
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        params = from_request(request.kv_transfer_params)
-        if not isinstance(params, ReceiveKv) or request.request_id in self.receiving:
-            return 0, False  # also after a failed load: the engine recomputes locally
-        if request.request_id in self.computing:
-            return 0, False
+        params, req_id = from_request(request.kv_transfer_params), request.request_id
+        answered = req_id in self.receiving or req_id in self.computing
+        if not isinstance(params, ReceiveKv) or answered:
+            return 0, False  # also after a failed load, or once computing: the engine computes
         skipped = skipped_blocks(params.skip_tokens, params.num_tokens, self.block_size)
         if num_computed_tokens < skipped * self.block_size:
-            self.computing.add(request.request_id)
+            self.computing.add(req_id)
             self.abandoned.append(params.transfer_id)
             return 0, False
         count = params.num_tokens - num_computed_tokens

@@ -136,6 +136,16 @@ class PoolClient:
             self._close()
 
 
+def store_stats(address: str) -> dict | None:
+    """The figures of the store at `address` (an observer's one question), or None when it
+    does not answer within the call deadline (a hung store's socket still takes connections)."""
+    client = PoolClient(address, namespace=None)
+    try:
+        return client.call("stats")
+    finally:
+        client.close()
+
+
 def _check_peer(sock: socket.socket) -> None:
     """The store runs as this process's user (an abstract socket's name is visible to every
     local user, who could bind it once the store is gone): else OSError."""

@@ -223,18 +223,6 @@ def serve(address: str, budget_bytes: int) -> None:
             os.unlink(address)
 
 
-def store_answers(address: str) -> bool:
-    """The store at `address` answers a question (not merely accepts a connection, which a
-    hung store's socket still does)."""
-    from kv_transfer.pool_client import PoolClient  # it imports this module
-
-    client = PoolClient(address, namespace=None)
-    try:
-        return client.call("stats") is not None
-    finally:
-        client.close()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kv_transfer.pool_store", description=__doc__)
     parser.add_argument("--address", required=True, help="Unix socket: a path, or @name")
@@ -247,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.probe:
-        return 0 if store_answers(args.address) else 1
+        from kv_transfer.pool_client import store_stats  # it imports this module
+
+        return 0 if store_stats(args.address) is not None else 1
     if args.budget_bytes is None:
         parser.error("--budget-bytes is required to serve")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -166,13 +166,9 @@ class ProcessHost:
 
     def kv_pool_stats(self) -> dict | None:
         """The store's own figures (kv_transfer/pool_store.py); None while it does not answer."""
-        from kv_transfer.pool_client import PoolClient
+        from kv_transfer.pool_client import store_stats
 
-        client = PoolClient(self.info["address"], namespace=None)
-        try:
-            return client.call("stats")
-        finally:
-            client.close()
+        return store_stats(self.info["address"])
 
     def describe(self) -> dict:
         return {**self.info, "exit_code": self.process.poll() if self.process else None}

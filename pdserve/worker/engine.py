@@ -140,16 +140,20 @@ class EngineStats:
         whole = transfer if so_far is None else merged(so_far, transfer)
         if count + 1 < self.ranks:
             self.partial[transfer_id] = (count + 1, whole)
-            while len(self.partial) > MAX_UNCLAIMED_TRANSFERS:  # a rank that never reported
-                self.partial.pop(next(iter(self.partial)))
+            _keep_newest(self.partial)  # a rank that never reported
             return None
         self.kv_transfers[transfer_id] = whole
-        while len(self.kv_transfers) > MAX_UNCLAIMED_TRANSFERS:  # their requests were aborted
-            self.kv_transfers.pop(next(iter(self.kv_transfers)))
+        _keep_newest(self.kv_transfers)  # their requests were aborted
         return whole
 
     def update(self, running: int, waiting: int, kv_cache_usage: float) -> None:
         self.running, self.waiting, self.kv_cache_usage = running, waiting, kv_cache_usage
+
+
+def _keep_newest(entries: dict) -> None:
+    """The newest MAX_UNCLAIMED_TRANSFERS entries (the oldest are forgotten)."""
+    while len(entries) > MAX_UNCLAIMED_TRANSFERS:
+        entries.pop(next(iter(entries)))
 
 
 def _stat_logger_factory(stats: EngineStats, metrics, pooled: bool):
