@@ -1,15 +1,16 @@
 """KV reuse on and off on multi-turn conversations (or a Mooncake-format trace). Two comparisons:
 
-- `--compare pool` (default): the host KV pool (docs/kv-pool.md) off and on, two colocated
-  workers with round-robin routing, so a conversation's next turn often lands on the worker
-  that did not compute its history;
+- `--compare pool` (default): the host KV pool (docs/kv-pool.md) off and on, `--workers`
+  colocated workers (default 2) with round-robin routing, so a conversation's next turn often
+  lands on a worker that did not compute its history (the more workers, the more often);
 - `--compare decode-reuse`: 1P1D with every prompt disaggregated and no pool, the router's
   policy round-robin (off: the prefill worker sends every block) or cache-aware (on: only the
   blocks the decode worker does not hold from the turn before: docs/architecture.md).
 
     python scripts/bench_kv_pool.py [--compare pool|decode-reuse] [--repeats 3]
         [--conversations 12] [--turns 4] [--concurrency 4] [--think-time 1] [--input-len 256]
-        [--first-input-len N] [--output-len 32] [--kv-cache-gib 0.5] [--max-model-len N]
+        [--first-input-len N] [--output-len 32] [--workers 2] [--kv-cache-gib 0.5]
+        [--max-model-len N]
         [--trace FILE --trace-block-size 16] [--output-dir DIR] [--output-json FILE]
 
 Each round starts `pdserve serve` in each configuration (its logs under
@@ -55,9 +56,9 @@ KV_BYTES = "pdserve_kv_transfer_bytes"  # the router's histogram, per disaggrega
 # name: (what it compares, prefill and decode workers, serve's options for both, for off and on)
 COMPARISONS = {
     "pool": (
-        "2 colocated workers, round-robin; the host KV pool off and on",
+        "colocated workers (--workers), round-robin; the host KV pool off and on",
         (0, 1),
-        ["--colocated", "--workers", "2", "--policy", "round-robin"],
+        ["--colocated", "--policy", "round-robin"],
         {"off": ["--kv-pool", "off"], "on": ["--kv-pool", "on"]},
     ),
     "decode-reuse": (
@@ -99,6 +100,7 @@ def main() -> int:
     add("--input-len", default="256", help="tokens of each new user message (default 256)")
     add("--first-input-len", help="tokens of each first message (default: as --input-len)")
     add("--output-len", default="32", help="tokens of each reply, ignore_eos (default 32)")
+    add("--workers", type=int, default=2, help="--compare pool: colocated workers (default 2)")
     add("--kv-cache-gib", type=float, default=0.5, help="each worker's KV cache (default 0.5)")
     add("--max-model-len", type=int, help="each engine's context (default: the model's)")
     add("--seed", type=int, default=0, help="prompts and think times, the same in every run")
@@ -147,6 +149,8 @@ def one_run(number: int, pool: str, model_dir: Path, folder: Path, args) -> dict
     name = f"[round {number + 1}/{args.repeats}, {args.compare} {pool}]"
     _, (prefill, decode), every, configs = COMPARISONS[args.compare]
     serve_args = [*every, *configs[pool], "--kv-cache-gib", str(args.kv_cache_gib)]
+    if args.compare == "pool":
+        serve_args += ["--workers", str(args.workers)]
     serve_args += ["--served-model-name", MODEL]
     if args.max_model_len:  # a KV cache too small for the model's whole context needs it
         serve_args += ["--max-model-len", str(args.max_model_len)]
