@@ -12,14 +12,20 @@ weighted by reuse, so a long system prompt read by every conversation outlives o
 Owners: every pin and every write in progress belongs to the connection that took it, so a
 client that dies (an engine killed mid-load) releases what it held (`release_owner`).
 
+Contents: every block that becomes loadable or stops being loadable is logged with a sequence
+number, so that routers can keep a copy of what the pool holds (`contents_since`: the changes
+after a sequence number, or every loadable key when those changes are no longer all logged).
+
 Plain Python, no I/O: pdserve's store process (kv_transfer/pool_store.py) holds one and serves
 it to the workers of its host.
 """
 
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
+from itertools import islice
 
 MAX_REUSE = 3  # rounds a much-read block is spared: a once-hot block still goes, in time
+MAX_LOGGED_CHANGES = 1 << 16  # a reader further behind gets every loadable key instead
 
 
 @dataclass
@@ -49,6 +55,8 @@ class PoolIndex:
         self.hits = 0
         self.evictions = 0
         self.dropped = 0
+        self.sequence = 0  # changes of what is loadable so far
+        self._changes: deque[tuple[bytes, bool]] = deque(maxlen=MAX_LOGGED_CHANGES)
 
     @property
     def used(self) -> int:
@@ -119,6 +127,7 @@ class PoolIndex:
             entry.writer = None
             if success:
                 entry.ready = True
+                self._logged(key, loadable=True)
             else:
                 self._remove(key)
 
@@ -131,7 +140,9 @@ class PoolIndex:
                 continue
             self.dropped += 1
             if entry.pins or entry.writer is not None:
-                entry.ready = False
+                if entry.ready:
+                    entry.ready = False
+                    self._logged(key, loadable=False)
             else:
                 self._remove(key)
 
@@ -166,3 +177,28 @@ class PoolIndex:
     def _remove(self, key: bytes) -> None:
         entry = self._entries.pop(key)
         self._free.append(entry.slot)
+        if entry.ready:
+            self._logged(key, loadable=False)
+
+    def _logged(self, key: bytes, loadable: bool) -> None:
+        self.sequence += 1
+        self._changes.append((key, loadable))
+
+    def contents_since(self, since: int) -> dict:
+        """What changed after change number `since`: {"sequence": now, "reset": False, "added":
+        keys now loadable, "removed": keys no longer loadable}; when those changes are not all
+        logged any more (or `since` is not one of this index's), {"reset": True, "added": every
+        loadable key, "removed": []}."""
+        behind = self.sequence - since
+        if not 0 <= behind <= len(self._changes):
+            added = [key for key, entry in self._entries.items() if entry.ready]
+            return {"sequence": self.sequence, "reset": True, "added": added, "removed": []}
+        last: dict[bytes, bool] = {}  # each key's latest change
+        for key, loadable in islice(reversed(self._changes), behind):
+            last.setdefault(key, loadable)
+        return {
+            "sequence": self.sequence,
+            "reset": False,
+            "added": [key for key, loadable in last.items() if loadable],
+            "removed": [key for key, loadable in last.items() if not loadable],
+        }

@@ -22,8 +22,10 @@ own header entry, written and checked by that rank alone.
 
 Protocol: JSON lines. The hello's answer comes with the memory's descriptor: {"slots",
 "slot_bytes", "parts", "header_bytes", "store_id"}; a hello without a namespace is an observer's
-(a worker's /metrics), which gets no memory and may only ask for stats. Then each request {"op",
-...} gets one answer line; keys travel in hex. The memory: a header of HEADER_BYTES_PER_PART per
+(a worker's /metrics and Stats), which gets no memory and may only ask for "stats" or
+"contents" (the keys that became loadable or stopped being loadable since a change number:
+routers keep a copy of what the pool holds). Then each request {"op", ...} gets one answer line;
+keys travel in hex. The memory: a header of HEADER_BYTES_PER_PART per
 part of every slot (its writer's key tag and digest, which a reader checks:
 kv_transfer/pool_copy.py), then the slots, page-aligned.
 """
@@ -143,6 +145,8 @@ class PoolStore:
                 index.drop(keys)
             elif op == "stats":
                 return self._stats()
+            elif op == "contents":
+                return self._contents(request)
             else:
                 return {"error": f"unknown op {op!r}"}
             return {}
@@ -150,6 +154,25 @@ class PoolStore:
     def stats(self) -> dict:
         with self.lock:
             return self._stats()
+
+    def observe(self, request: dict) -> dict:
+        """An observer's question: the figures, or (op "contents") what the pool holds."""
+        with self.lock:
+            return self._contents(request) if request.get("op") == "contents" else self._stats()
+
+    def _contents(self, request: dict) -> dict:
+        """The loadable keys added and removed since change number `since` of the store
+        `store_id` (every loadable key when that is another store's, or too far back)."""
+        index = self.index or PoolIndex(0)
+        since = int(request.get("since", 0)) if request.get("store_id") == self.store_id else -1
+        changes = index.contents_since(since)
+        return {
+            "store_id": self.store_id,
+            "sequence": changes["sequence"],
+            "reset": changes["reset"],
+            "added": [key.hex() for key in changes["added"]],
+            "removed": [key.hex() for key in changes["removed"]],
+        }
 
     def _stats(self) -> dict:
         """The pool's figures; zeros before its first worker said what it holds."""
@@ -182,10 +205,10 @@ class PoolStore:
             hello = json.loads(stream.readline() or "null")
             if not isinstance(hello, dict) or hello.get("op") != "hello":
                 return
-            if hello.get("namespace") is None:  # an observer (a worker's /metrics): stats only
+            if hello.get("namespace") is None:  # an observer (a worker's /metrics, Stats)
                 conn.sendall(b"{}\n")
-                for _ in stream:
-                    conn.sendall((json.dumps(self.stats()) + "\n").encode())
+                for raw in stream:
+                    conn.sendall((json.dumps(self.observe(json.loads(raw))) + "\n").encode())
                 return
             reply = self.hello(
                 str(hello["namespace"]), int(hello.get("slot_bytes", 0)), int(hello.get("parts", 1))

@@ -6,11 +6,18 @@ every router ranks them alike; `cache-aware` adds the prefix each worker likely 
 """
 
 import itertools
+from collections.abc import Callable
 
 from router.prefix_index import PrefixIndex, chunk_hashes
 from router.worker_client import WorkerClient
 
 DECODE_REQUEST_TOKENS = 32  # cache-aware: a running request counts as this much prompt work
+Loadable = Callable[[WorkerClient], int]  # of the prompt, the leading tokens a worker's pool holds
+
+
+def nothing(worker: WorkerClient) -> int:
+    """No KV pool holds any of the prompt."""
+    return 0
 
 
 class NoCacheIndex:
@@ -36,7 +43,9 @@ class RoundRobin(NoCacheIndex):
     def __init__(self) -> None:
         self._turns: dict[str, itertools.count] = {}
 
-    def choose(self, candidates: list[WorkerClient], prompt: list[int] = ()) -> WorkerClient:
+    def choose(
+        self, candidates: list[WorkerClient], prompt: list[int] = (), loadable: Loadable = nothing
+    ) -> WorkerClient:
         turn = self._turns.setdefault(candidates[0].role, itertools.count())
         return candidates[next(turn) % len(candidates)]
 
@@ -47,7 +56,9 @@ class LeastLoaded(NoCacheIndex):
 
     name = "least-loaded"
 
-    def choose(self, candidates: list[WorkerClient], prompt: list[int] = ()) -> WorkerClient:
+    def choose(
+        self, candidates: list[WorkerClient], prompt: list[int] = (), loadable: Loadable = nothing
+    ) -> WorkerClient:
         return min(candidates, key=lambda worker: worker.load.busyness(worker.role))
 
 
@@ -60,8 +71,7 @@ POOL_LOAD_SAVES = 0.9
 
 def reusable_tokens(own: int, loadable: int) -> float:
     """Of a prompt, the tokens a worker need not compute: `own` in its prefix cache, and
-    POOL_LOAD_SAVES of the further ones its host's KV pool likely holds (`loadable`: what a
-    pool-mate computed)."""
+    POOL_LOAD_SAVES of the further ones its host's KV pool holds (`loadable`)."""
     return own + POOL_LOAD_SAVES * max(0, loadable - own)
 
 
@@ -69,10 +79,10 @@ class CacheAware:
     """The worker where the prompt costs least: the prompt tokens it likely has in its prefix
     cache (router/prefix_index.py, from the prompts this router sent it) less the work it has
     queued (prompt tokens yet to compute, running requests at DECODE_REQUEST_TOKENS each), as
-    SGLang's and Dynamo's routers weigh them. Workers that share a host KV pool (the same
-    host_id and kv_pool in their Health: docs/kv-pool.md) can each load what any of them
-    computed, at POOL_LOAD_SAVES of its compute saved, so a busy worker's history no longer
-    holds the conversation to it. Ties go to the first candidate."""
+    SGLang's and Dynamo's routers weigh them. A worker in a host KV pool can load what the pool
+    holds (`loadable`: router/pool_contents.py, as the pool's store reports it), at
+    POOL_LOAD_SAVES of its compute saved, so a busy worker's history no longer holds the
+    conversation to it. Ties go to the first candidate."""
 
     name = "cache-aware"
 
@@ -88,14 +98,11 @@ class CacheAware:
             self._last = (key, chunk_hashes(list(key)))
         return self._last[1]
 
-    def choose(self, candidates: list[WorkerClient], prompt: list[int] = ()) -> WorkerClient:
+    def choose(
+        self, candidates: list[WorkerClient], prompt: list[int] = (), loadable: Loadable = nothing
+    ) -> WorkerClient:
         hashes = self._hashes(prompt)
         cached = {w.address: self.index.cached_tokens(w.address, hashes) for w in candidates}
-        in_pool: dict[tuple[str, str], int] = {}
-        for worker in candidates:
-            if worker.kv_pool:
-                pool = (worker.host_id, worker.kv_pool)
-                in_pool[pool] = max(in_pool.get(pool, 0), cached[worker.address])
 
         def gain(worker: WorkerClient) -> float:
             report = worker.load.report
@@ -105,9 +112,7 @@ class CacheAware:
             if report is not None:
                 queued += report.outstanding_prefill_tokens
                 queued += report.running_requests * DECODE_REQUEST_TOKENS
-            own = cached[worker.address]
-            loadable = in_pool.get((worker.host_id, worker.kv_pool), 0) if worker.kv_pool else 0
-            return reusable_tokens(own, loadable) - queued
+            return reusable_tokens(cached[worker.address], loadable(worker)) - queued
 
         return max(candidates, key=gain)
 

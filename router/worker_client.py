@@ -83,11 +83,10 @@ class WorkerClient:
         return reply
 
     async def stats(
-        self, fresh: bool = False, timeout: float = CONTROL_TIMEOUT_S
+        self, request: worker_pb2.StatsRequest | None = None, timeout: float = CONTROL_TIMEOUT_S
     ) -> worker_pb2.StatsReply:
-        return await self.stub.Stats(
-            worker_pb2.StatsRequest(fresh=fresh), timeout=timeout, metadata=self.metadata
-        )
+        request = request if request is not None else worker_pb2.StatsRequest()
+        return await self.stub.Stats(request, timeout=timeout, metadata=self.metadata)
 
     async def abort(self, request_id: str) -> None:
         """Best effort: the worker also aborts when the Generate call is cancelled."""

@@ -25,6 +25,7 @@ from pdserve.settings.router import UNRESPONSIVE_TIMEOUT_S
 from pdserve.worker.protocol import worker_pb2
 from router.errors import worker_unavailable
 from router.policies import reusable_tokens
+from router.pool_contents import PoolContents
 from router.worker_client import WorkerClient
 from router.worker_liveness import Liveness
 from router.worker_load import LOAD_POLL_S
@@ -44,6 +45,7 @@ class WorkerPool:
         now = time.monotonic()
         self.liveness = {address: Liveness(now) for address in addresses}  # by address
         self.policy = policy
+        self.pool_contents = PoolContents()  # what the members' host KV pools hold
         self.leaving: list[WorkerClient] = []  # out of membership, requests still in flight
         self._max_model_len = 0
 
@@ -174,7 +176,9 @@ class WorkerPool:
                     f"no {' or '.join(roles)} worker's KV is compatible with worker "
                     f"{pairs_with.worker_id}'s ({fingerprint}): {theirs}"
                 )
-        return self.policy.choose(candidates, prompt)
+        return self.policy.choose(
+            candidates, prompt, lambda worker: self.pool_contents.loadable_tokens(worker, prompt)
+        )
 
     def computes(self, worker: WorkerClient, prompt: list[int]) -> None:
         """`worker` computes `prompt` (or receives its KV): for a policy that tracks caches."""
@@ -186,19 +190,11 @@ class WorkerPool:
         return self.policy.cached_tokens(worker, prompt)
 
     def reusable_tokens(self, worker: WorkerClient, prompt: list[int]) -> int:
-        """Of `prompt`, the tokens `worker` likely need not compute: its cached ones, and for a
-        worker in a host KV pool most of those a pool-mate computed (router/policies.py's
-        reusable_tokens): what the path's price counts as not computed."""
+        """Of `prompt`, the tokens `worker` likely need not compute: its cached ones, and most
+        of those its host KV pool holds (router/policies.py's reusable_tokens): what the path's
+        price counts as not computed."""
         own = self.cached_tokens(worker, prompt)
-        if not worker.kv_pool:
-            return own
-        mates = [
-            w
-            for w in self.workers
-            if w is not worker and (w.host_id, w.kv_pool) == (worker.host_id, worker.kv_pool)
-        ]
-        loadable = max((self.cached_tokens(mate, prompt) for mate in mates), default=0)
-        return int(reusable_tokens(own, loadable))
+        return int(reusable_tokens(own, self.pool_contents.loadable_tokens(worker, prompt)))
 
     def cache_lost(self, worker: WorkerClient) -> None:
         """`worker` lacked a prefix it was thought to hold: the policy forgets its estimate."""
@@ -233,6 +229,7 @@ class WorkerPool:
             self.down.discard(worker.address)
             self.liveness.pop(worker.address, None)
             self.leaving.append(worker)
+        self.pool_contents.forget_unused(self.workers)
         for worker in [w for w in self.leaving if w.users == 0]:
             self.leaving.remove(worker)
             await worker.close()
@@ -266,7 +263,8 @@ async def follow_load(
         while True:
             for worker in pool.workers:
                 if worker.address not in pool.down and worker not in polls:
-                    polls[worker] = asyncio.create_task(worker.stats(timeout=unresponsive_s))
+                    request = pool.pool_contents.stats_request(worker)
+                    polls[worker] = asyncio.create_task(worker.stats(request, unresponsive_s))
             await asyncio.sleep(interval_s)
             for worker, poll in list(polls.items()):
                 if worker not in pool.workers:  # it left the pools
@@ -289,7 +287,12 @@ def _take_stats(pool: WorkerPool, worker: WorkerClient, poll: asyncio.Task) -> N
     error = poll.exception()
     pool.heard(worker, answered=error is None)
     if error is None:
-        worker.load.reported(poll.result())
+        reply = poll.result()
+        worker.load.reported(reply)
+        if reply.HasField("kv_pool_contents"):
+            pool.pool_contents.update(worker, reply.kv_pool_contents)
+        else:  # its store did not answer: nothing is known to be loadable
+            pool.pool_contents.lost(worker)
     elif isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE:
         pool.mark_down(worker)
 

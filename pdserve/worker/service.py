@@ -20,6 +20,7 @@ from pdserve.settings import json_logs
 from pdserve.worker.chunks import to_chunk
 from pdserve.worker.engine import EngineStats
 from pdserve.worker.fan_out import fan_out
+from pdserve.worker.pool_contents import PoolContentsSource
 from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 from pdserve.worker.protocol.status import ENGINE_FAILED, KV_TRANSFER_FAILED
 from pdserve.worker.sampling import choice_count, to_vllm_sampling
@@ -88,6 +89,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.kv_transport = kv_transport
         self.kv_fault = kv_fault  # tests only: what the prefill legs started from now inject
         self.kv_pool = kv_pool  # the host KV pool's address, if its engine uses one
+        self.pool_contents: PoolContentsSource | None = None  # once the engine runs
         self.host_id = host_id()
         self.device = ""
         self.max_num_seqs = 0
@@ -113,6 +115,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.device = engine.vllm_config.device_config.device_type
         self.max_num_seqs = engine.vllm_config.scheduler_config.max_num_seqs
         self.kv_compatibility = compatibility_of(engine.vllm_config).fingerprint()
+        if self.kv_pool:
+            self.pool_contents = PoolContentsSource.of_engine(self.kv_pool, engine.vllm_config)
         self.state, self.state_message = State.READY, ""
 
     def engine_failed(self, message: str) -> None:
@@ -300,7 +304,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def Stats(self, request, context):
         if request.fresh and self.engine is not None:
             await self._probe()
-        return self.stats_reply()
+        reply = self.stats_reply()
+        if request.kv_pool_contents and self.pool_contents is not None:
+            contents = await asyncio.to_thread(
+                self.pool_contents.changes, request.kv_pool_store_id, request.kv_pool_since
+            )
+            if contents is not None:
+                reply.kv_pool_contents.CopyFrom(contents)
+        return reply
 
     def stats_reply(self) -> worker_pb2.StatsReply:
         running = self.engine.get_num_unfinished_requests() if self.engine is not None else 0

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.kinds import Role
+from pdserve.worker.protocol import worker_pb2
 from router.errors import invalid_request
 from router.routes.body import read_json
 
@@ -70,20 +71,27 @@ def vllm_version() -> str:
 async def worker_stats(request: Request, fresh: bool = False):
     """Each worker's load and learned step costs, straight from its Stats RPC (`?fresh=true`:
     after an engine step, so KV usage reflects every finished and aborted request), and the
-    rate at which this router sends it requests: what the route estimate prices paths with."""
+    rate at which this router sends it requests: what the route estimate prices paths with;
+    and this router's copy of each host KV pool's contents (router/pool_contents.py)."""
     rows = []
     for worker in request.app.state.pool.workers:
         row = {"address": worker.address, "worker_id": worker.worker_id, "role": worker.role}
         try:
-            stats = await worker.stats(fresh=fresh)
-            row.update({f.name: getattr(stats, f.name) for f in stats.DESCRIPTOR.fields})
+            stats = await worker.stats(worker_pb2.StatsRequest(fresh=fresh))
+            row.update(
+                {
+                    f.name: getattr(stats, f.name)
+                    for f in stats.DESCRIPTOR.fields
+                    if not f.message_type
+                }
+            )
             requests, tokens = worker.load.arrival_rates()
             row["requests_per_second_sent"] = round(requests, 3)
             row["prompt_tokens_per_second_sent"] = round(tokens, 1)
         except grpc.aio.AioRpcError as error:
             row["error"] = f"{error.code().name}: {error.details()}"
         rows.append(row)
-    return {"workers": rows}
+    return {"workers": rows, "kv_pools": request.app.state.pool.pool_contents.view()}
 
 
 @routes.get("/pdserve/roles")

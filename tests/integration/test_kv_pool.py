@@ -3,10 +3,11 @@
 worker that did not compute its history.
 
 That turn loads the history from the pool (the worker's pool-hit counter and the response's
-cached tokens say how much) and answers exactly as vLLM's offline engine; a block whose bytes
-were damaged in the pool is refused, counted and recomputed, never used; a workload larger
-than the pool stays within its byte budget; and killing the pool's store under load fails no
-request (the workers compute what they would have loaded).
+cached tokens say how much) and answers exactly as vLLM's offline engine; the router's copy of
+the pool's contents follows what the store holds (its stores, its evictions, its death); a
+block whose bytes were damaged in the pool is refused, counted and recomputed, never used; a
+workload larger than the pool stays within its byte budget; and killing the pool's store under
+load fails no request (the workers compute what they would have loaded).
 """
 
 import asyncio
@@ -98,6 +99,14 @@ def stored_blocks(server) -> int:
     return int(pool(server, "blocks"))
 
 
+def routers_copy(server) -> int:
+    """The blocks the router's copy of the pool holds (router/pool_contents.py), what it prices
+    loads on; 0 when it has none."""
+    pools = HTTP.get(f"{server.url}/pdserve/workers", timeout=30).json()["kv_pools"]
+    assert len(pools) <= 1, pools  # one host, one store
+    return sum(row["blocks"] for row in pools)
+
+
 def test_the_next_turn_on_the_other_worker_loads_the_history_and_answers_the_same(
     pooled, offline_reference
 ):
@@ -106,6 +115,7 @@ def test_the_next_turn_on_the_other_worker_loads_the_history_and_answers_the_sam
     first = complete(pooled, POOL_TURNS[0])
     assert first["choices"][0]["text"] == expected[0]["text"]
     wait_for(lambda: stored_blocks(pooled) >= HISTORY_BLOCKS, 30, "the first turn's blocks stored")
+    wait_for(lambda: routers_copy(pooled) >= HISTORY_BLOCKS, 10, "the router's copy of the pool")
     second = complete(pooled, POOL_TURNS[1])  # round-robin: the other worker
     assert second["choices"][0]["text"] == expected[1]["text"]
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -162,6 +172,10 @@ def test_a_workload_larger_than_the_pool_stays_within_its_budget(pooled, offline
     assert capacity <= POOL_GIB * 2**30
     wait_for(lambda: pool(pooled, "evictions_total") > 0, 30, "blocks evicted to make room")
     assert pool(pooled, "bytes") <= capacity
+    # the router's copy follows the evictions: it holds what the store holds
+    wait_for(
+        lambda: routers_copy(pooled) == stored_blocks(pooled), 10, "the copy equal to the store"
+    )
 
 
 def test_killing_the_store_under_load_fails_no_request(pooled, offline_reference):
@@ -195,3 +209,4 @@ def test_killing_the_store_under_load_fails_no_request(pooled, offline_reference
     again = complete(pooled, POOL_TURNS[0])
     assert again["choices"][0]["text"] == offline_reference["pool"][0]["text"]
     assert all('pdserve_kv_pool_bytes{tier="host"}' not in s for s in worker_samples(pooled))
+    wait_for(lambda: routers_copy(pooled) == 0, 10, "the router's copy of a dead store dropped")

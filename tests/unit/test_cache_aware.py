@@ -74,15 +74,20 @@ def test_a_worker_picked_but_not_used_is_not_taken_to_hold_the_prompt():
 
 
 def test_a_pool_mate_of_a_busy_worker_takes_its_history_and_a_stranger_does_not():
-    """a computed the prompt; b shares a's host pool, c is on another host with a pool of the
-    same name. With a moderately busy, b can load the history and wins; c would compute it all."""
+    """a computed the prompt and its host KV pool holds it (what router/pool_contents.py would
+    report); b shares that pool, c is on another host whose pool holds none of it. With a
+    moderately busy, b can load the history and wins; c would compute it all."""
     policy = CacheAware()
     a, b, c = FakeWorker("a", "@pool"), FakeWorker("b", "@pool"), FakeWorker("c", "@pool", "other")
     policy.computes(a, prompt(0, 1024))
     cached = len(chunk_hashes(prompt(0, 1024))) * CHUNK_TOKENS
+
+    def loadable(worker: FakeWorker) -> int:
+        return cached if (worker.host_id, worker.kv_pool) == ("host", "@pool") else 0
+
     # Busier than the load saves over b's, less busy than the whole prompt's compute.
     busy = int(cached * (1 - POOL_LOAD_SAVES)) // DECODE_REQUEST_TOKENS + 2
     a.load.reported(worker_pb2.StatsReply(running_requests=busy))
-    assert policy.choose([a, c], prompt(0, 1024)) is a
-    assert policy.choose([a, b, c], prompt(0, 1024)) is b
-    assert policy.choose([a, FakeWorker("b")], prompt(0, 1024)) is a  # no pool: stays
+    assert policy.choose([a, c], prompt(0, 1024), loadable) is a
+    assert policy.choose([a, b, c], prompt(0, 1024), loadable) is b
+    assert policy.choose([a, FakeWorker("b")], prompt(0, 1024), loadable) is a  # no pool: stays

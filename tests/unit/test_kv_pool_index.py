@@ -105,3 +105,37 @@ def test_a_clients_pins_and_unfinished_writes_go_with_it():
     index.release_owner(2)
     assert index.used == 1  # B discarded
     assert index.prepare_store([C, D], owner=1).evicted == [A]  # A no longer pinned
+
+
+def contents(index: PoolIndex, since: int) -> tuple[set[bytes], set[bytes], bool]:
+    answer = index.contents_since(since)
+    return set(answer["added"]), set(answer["removed"]), answer["reset"]
+
+
+def test_contents_follow_what_is_loadable_stored_evicted_and_dropped():
+    index = PoolIndex(2)
+    index.prepare_store([A], owner=1)
+    assert contents(index, 0) == (set(), set(), False)  # written, not loadable yet
+    index.complete_store([A], owner=1, success=True)
+    stored(index, [B])
+    assert contents(index, 0) == ({A, B}, set(), False)
+    seen = index.sequence
+    stored(index, [C])  # evicts A, the least recently used
+    assert contents(index, seen) == ({C}, {A}, False)
+    index.prepare_load([B], owner=2)
+    index.drop([B])  # pinned: unloadable at once, removed when its read ends
+    index.complete_load([B], owner=2)
+    assert contents(index, seen) == ({C}, {A, B}, False)
+    assert contents(index, index.sequence) == (set(), set(), False)
+
+
+def test_a_reader_too_far_behind_or_of_another_index_gets_every_loadable_key(monkeypatch):
+    index = PoolIndex(4)
+    monkeypatch.setattr(index, "_changes", type(index._changes)(maxlen=2))
+    stored(index, [A])
+    stored(index, [B])
+    stored(index, [C])
+    index.drop([C])
+    assert contents(index, 0) == ({A, B}, set(), True)  # 4 changes, 2 logged
+    assert contents(index, 2) == (set(), {C}, False)  # C stored and dropped: removed
+    assert contents(index, index.sequence + 5) == ({A, B}, set(), True)  # another index's

@@ -32,6 +32,11 @@ def start_store(address: str, budget: int = 4 * SLOT) -> subprocess.Popen:
     return start_kv_pool(log_path, budget, address)[1]
 
 
+def process_state(pid: int) -> str:
+    """The process's state letter in /proc (T: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
 @pytest.fixture
 def address():
     return f"@pdserve-kv-pool-test-{secrets.token_hex(4)}"
@@ -110,7 +115,8 @@ def test_a_hung_store_costs_one_call_deadline_then_calls_return_at_once(store, a
     client = PoolClient(address, NAMESPACE, SLOT)
     assert client.call("lookup", [b"k"]) == {"found": 0}
     os.kill(store.pid, signal.SIGSTOP)
-    try:
+    try:  # stopped once the kernel says so (a busy host delivers the signal later)
+        wait_for(lambda: process_state(store.pid) == "T", 5, "the store to stop")
         started = time.monotonic()
         assert client.call("lookup", [b"k"]) is None
         assert time.monotonic() - started < 2 * pool_client.CALL_TIMEOUT_S
@@ -131,6 +137,24 @@ def test_an_observer_gets_the_figures_and_no_memory(store, address):
     stats = observer.call("stats")
     assert (stats["slots"], stats["used"], stats["bytes"]) == (4, 1, SLOT)
     assert observer.memory is None
+
+
+def test_an_observer_follows_the_contents_as_changes_after_what_it_has(store, address):
+    """What the routers' copies of a pool are built from (router/pool_contents.py)."""
+    observer, worker = PoolClient(address, namespace=None), PoolClient(address, NAMESPACE, SLOT)
+    for key in (b"k1", b"k2"):
+        assert worker.call("prepare_store", [key])["stored"]["keys"] == [key.hex()]
+        assert worker.call("complete_store", [key], success=True) == {}
+    first = observer.call("contents", store_id="", since=0)
+    assert first["reset"] and set(first["added"]) == {b"k1".hex(), b"k2".hex()}
+    worker.call("drop", [b"k1"])
+    worker.call("prepare_store", [b"k3"])
+    worker.call("complete_store", [b"k3"], success=True)
+    changes = observer.call("contents", store_id=first["store_id"], since=first["sequence"])
+    assert not changes["reset"] and changes["sequence"] == first["sequence"] + 2
+    assert (changes["added"], changes["removed"]) == ([b"k3".hex()], [b"k1".hex()])
+    other = observer.call("contents", store_id="another store", since=changes["sequence"])
+    assert other["reset"] and set(other["added"]) == {b"k2".hex(), b"k3".hex()}
 
 
 def test_no_client_can_resize_the_memory_and_an_absurd_slot_size_is_refused(address):

@@ -18,6 +18,7 @@ from router.accounting import timing_breakdown
 from router.errors import OpenAIError, invalid_request, worker_unavailable
 from router.metrics import RouterMetrics
 from router.policies import POOL_LOAD_SAVES, CacheAware, RoundRobin
+from router.pool_contents import block_keys
 from router.request_flow import RequestFlow
 from router.request_run import Admitted, RequestRun
 from router.responses import CompletionShape, OutputOptions, Prompt
@@ -569,10 +570,11 @@ def test_a_retry_after_a_lost_prefill_worker_skips_what_the_first_attempt_did():
     assert [r.kv.skip_tokens for r in decode.requests] == [0, 256]
 
 
-def test_a_prefill_worker_is_priced_as_loading_what_its_pool_mate_computed():
-    """Cache-aware, two prefill workers sharing a host KV pool: once one computed a prompt, the
-    other's price counts most of it as loaded (router/policies.py's reusable_tokens), a worker
-    of another host's pool none of it, and a decode worker's own cache only."""
+def test_a_prefill_worker_is_priced_as_loading_what_its_host_pool_holds():
+    """Two prefill workers sharing a host KV pool whose store reported it holds a prompt's
+    first two blocks: each one's price counts most of them as loaded (router/policies.py's
+    reusable_tokens, whatever the policy), on top of its own cache; a worker of another host's
+    pool loads none of it, and a decode worker (in no pool) has its own cache only."""
     computed, mate, stranger, decode = (
         first_token("prefill-a"),
         first_token("prefill-b"),
@@ -585,9 +587,20 @@ def test_a_prefill_worker_is_priced_as_loading_what_its_pool_mate_computed():
     pool = WorkerPool([], CacheAware())
     pool.workers = [computed, mate, stranger, decode]
     prompt = list(range(1000, 1300))
+    none_hash = b"n" * 32
+    held = list(block_keys(prompt, 128, none_hash))[:2]
+    pool.pool_contents.update(
+        computed,
+        worker_pb2.KvPoolContents(
+            store_id="s", sequence=2, reset=True, added=held, block_size=128, none_hash=none_hash
+        ),
+    )
     pool.computes(computed, prompt)
     own = pool.cached_tokens(computed, prompt)
     assert own == 256 and pool.reusable_tokens(computed, prompt) == own
-    assert pool.reusable_tokens(mate, prompt) == int(POOL_LOAD_SAVES * own)
+    assert pool.reusable_tokens(mate, prompt) == int(POOL_LOAD_SAVES * 256)
     assert pool.reusable_tokens(stranger, prompt) == 0
     assert pool.reusable_tokens(decode, prompt) == 0
+    round_robin = WorkerPool([], RoundRobin())
+    round_robin.workers, round_robin.pool_contents = pool.workers, pool.pool_contents
+    assert round_robin.reusable_tokens(computed, prompt) == int(POOL_LOAD_SAVES * 256)

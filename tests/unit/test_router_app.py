@@ -40,7 +40,7 @@ def test_the_info_routes_answer_from_the_apps_state(client):
     assert (card["id"], card["root"]) == ("m", "models/m")
     assert client.post("/detokenize", json={"tokens": [104, 105]}).json() == {"prompt": "hi"}
     assert client.post("/tokenize", json={"prompt": "hi"}).json()["tokens"] == [104, 105]
-    assert client.get("/pdserve/workers").json() == {"workers": []}
+    assert client.get("/pdserve/workers").json() == {"workers": [], "kv_pools": []}
 
 
 def test_a_request_before_any_worker_joined_is_a_503_counted_once(client):

@@ -69,11 +69,16 @@ class FakeWorkerClient:
         self.kv_address = ""
         self.tensor_parallel_size = 1
         self.max_num_seqs = 4
+        self.host_id = self.kv_pool = ""  # in no host KV pool
+        self.asked: worker_pb2.StatsRequest | None = None  # the last Stats question
         self.users = 0
         self.load = WorkerLoad()
         self.closed = False
 
-    async def stats(self, timeout: float = 5.0) -> worker_pb2.StatsReply:
+    async def stats(
+        self, request: worker_pb2.StatsRequest | None = None, timeout: float = 5.0
+    ) -> worker_pb2.StatsReply:
+        self.asked = request
         reply = self.workers.stats.get(self.address, grpc.StatusCode.UNAVAILABLE)
         if isinstance(reply, grpc.StatusCode):
             raise grpc.aio.AioRpcError(reply, grpc.aio.Metadata(), grpc.aio.Metadata(), "no")
@@ -386,5 +391,37 @@ def test_following_load_takes_each_report_and_marks_a_worker_that_is_gone_down(w
         assert a.load.report.running_requests == 3 and a.load.requests_since == 0
         assert b.load.report is None and pool.down == {"c:1"}
         assert pool.capacity() == 4 + 4  # the two live ones' max_num_seqs
+
+    asyncio.run(scenario())
+
+
+def test_following_load_keeps_the_copy_of_a_host_kv_pool_and_asks_for_what_is_new(workers):
+    """A worker in a host KV pool is asked for the pool's changes after the router's copy, and
+    its answer updates the copy (router/pool_contents.py); a worker in no pool is not asked."""
+    workers.up("a:1")
+    workers.up("b:1")
+    contents = worker_pb2.KvPoolContents(
+        store_id="s", sequence=7, reset=True, added=[b"k" * 36], block_size=16, none_hash=b"n"
+    )
+    workers.stats["a:1"] = worker_pb2.StatsReply(kv_pool_contents=contents)
+    workers.stats["b:1"] = worker_pb2.StatsReply()
+
+    async def scenario():
+        pool = WorkerPool([], RoundRobin())
+        await pool.sync(["a:1", "b:1"])
+        a, b = pool.workers
+        a.host_id, a.kv_pool = "host-1", "@pool"
+        task = asyncio.create_task(follow_load(pool, 0.01))
+        try:
+            for _ in range(200):
+                if a.asked is not None and a.asked.kv_pool_since == 7:
+                    break
+                await asyncio.sleep(0.005)
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert (a.asked.kv_pool_store_id, a.asked.kv_pool_since) == ("s", 7)
+        assert a.asked.kv_pool_contents and not b.asked.kv_pool_contents
 
     asyncio.run(scenario())

@@ -202,13 +202,39 @@ class HealthReply(_message.Message):
     def __init__(self, state: _Optional[_Union[HealthReply.State, str]] = ..., message: _Optional[str] = ..., worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_failure_policy: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., kv_transport: _Optional[str] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., kv_compatibility: _Optional[str] = ..., kv_pool: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ("fresh",)
+    __slots__ = ("fresh", "kv_pool_contents", "kv_pool_store_id", "kv_pool_since")
     FRESH_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_CONTENTS_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_STORE_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_SINCE_FIELD_NUMBER: _ClassVar[int]
     fresh: bool
-    def __init__(self, fresh: _Optional[bool] = ...) -> None: ...
+    kv_pool_contents: bool
+    kv_pool_store_id: str
+    kv_pool_since: int
+    def __init__(self, fresh: _Optional[bool] = ..., kv_pool_contents: _Optional[bool] = ..., kv_pool_store_id: _Optional[str] = ..., kv_pool_since: _Optional[int] = ...) -> None: ...
+
+class KvPoolContents(_message.Message):
+    __slots__ = ("store_id", "since", "sequence", "reset", "added", "removed", "block_size", "none_hash")
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NONE_HASH_FIELD_NUMBER: _ClassVar[int]
+    store_id: str
+    since: int
+    sequence: int
+    reset: bool
+    added: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    block_size: int
+    none_hash: bytes
+    def __init__(self, store_id: _Optional[str] = ..., since: _Optional[int] = ..., sequence: _Optional[int] = ..., reset: _Optional[bool] = ..., added: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ..., none_hash: _Optional[bytes] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("worker_id", "running_requests", "waiting_requests", "kv_blocks_used", "kv_blocks_total", "outstanding_prefill_tokens", "prefill_seconds_per_token", "decode_step_base_seconds", "decode_step_seconds_per_sequence", "prefilling_requests")
+    __slots__ = ("worker_id", "running_requests", "waiting_requests", "kv_blocks_used", "kv_blocks_total", "outstanding_prefill_tokens", "prefill_seconds_per_token", "decode_step_base_seconds", "decode_step_seconds_per_sequence", "prefilling_requests", "kv_pool_contents")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +245,7 @@ class StatsReply(_message.Message):
     DECODE_STEP_BASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEP_SECONDS_PER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     PREFILLING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_CONTENTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     running_requests: int
     waiting_requests: int
@@ -229,7 +256,8 @@ class StatsReply(_message.Message):
     decode_step_base_seconds: float
     decode_step_seconds_per_sequence: float
     prefilling_requests: int
-    def __init__(self, worker_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., outstanding_prefill_tokens: _Optional[int] = ..., prefill_seconds_per_token: _Optional[float] = ..., decode_step_base_seconds: _Optional[float] = ..., decode_step_seconds_per_sequence: _Optional[float] = ..., prefilling_requests: _Optional[int] = ...) -> None: ...
+    kv_pool_contents: KvPoolContents
+    def __init__(self, worker_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., outstanding_prefill_tokens: _Optional[int] = ..., prefill_seconds_per_token: _Optional[float] = ..., decode_step_base_seconds: _Optional[float] = ..., decode_step_seconds_per_sequence: _Optional[float] = ..., prefilling_requests: _Optional[int] = ..., kv_pool_contents: _Optional[_Union[KvPoolContents, _Mapping]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("grace_seconds", "timeout_seconds")

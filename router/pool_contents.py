@@ -1,0 +1,129 @@
+"""What each host KV pool holds: the router keeps a copy of every pool's loadable block keys,
+brought up to date by its workers' Stats (pdserve/worker/pool_contents.py asks the store for
+the changes after the copy's change number), so a load from the pool is priced on what the pool
+holds now (its evictions, dropped blocks and a restarted store included), and every router
+prices it alike.
+
+A pool is named by its workers' host_id and kv_pool (their Health). A key is vLLM's chained
+sha256 block hash followed by its KV cache group (kv_transfer/pool_offload.py stores the
+engine's one group, 0), so the router computes a prompt's keys as the engine does, from the
+block size and the first parent its workers report (`block_keys`). The copy trails the store by
+at most one Stats poll (router/worker_load.py's LOAD_POLL_S).
+"""
+
+import hashlib
+import pickle
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from pdserve.worker.protocol import worker_pb2
+from router.worker_client import WorkerClient
+
+FIRST_GROUP = (0).to_bytes(4, "big")  # vLLM's make_offload_key: the group index, 4 bytes
+
+
+def block_keys(prompt: list[int], block_size: int, none_hash: bytes) -> Iterator[bytes]:
+    """The keys of the prompt's whole blocks, in order, as vLLM's sha256 block hash
+    (vllm.v1.core.kv_cache_utils.hash_block_tokens: each block's hash covers its parent's, the
+    first block's parent is `none_hash`; a text prompt has no extra keys). Computed as they are
+    asked for: a caller stops at the first key a pool lacks."""
+    parent = none_hash
+    for end in range(block_size, len(prompt) + 1, block_size):
+        block = (parent, tuple(prompt[end - block_size : end]), None)
+        parent = hashlib.sha256(pickle.dumps(block, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+        yield parent + FIRST_GROUP
+
+
+@dataclass
+class PoolCopy:
+    """One pool's loadable keys as of change `sequence` of its store `store_id`."""
+
+    store_id: str = ""
+    sequence: int = 0
+    keys: set[bytes] = field(default_factory=set)
+    block_size: int = 0
+    none_hash: bytes = b""
+
+
+class PoolContents:
+    def __init__(self) -> None:
+        self._pools: dict[tuple[str, str], PoolCopy] = {}
+        # The last prompt asked about, and what each pool holds of it: a request asks once per
+        # candidate and again for the path's price.
+        self._asked: tuple[tuple[int, ...], dict[tuple[str, str], int]] = ((), {})
+
+    @staticmethod
+    def _name(worker: WorkerClient) -> tuple[str, str]:
+        return worker.host_id, worker.kv_pool
+
+    def stats_request(self, worker: WorkerClient) -> worker_pb2.StatsRequest:
+        """The Stats question for `worker`: the changes after this router's copy of its pool."""
+        if not worker.kv_pool:
+            return worker_pb2.StatsRequest()
+        copy = self._pools.get(self._name(worker), PoolCopy())
+        return worker_pb2.StatsRequest(
+            kv_pool_contents=True, kv_pool_store_id=copy.store_id, kv_pool_since=copy.sequence
+        )
+
+    def update(self, worker: WorkerClient, contents: worker_pb2.KvPoolContents) -> None:
+        """A worker's answer: applied when it continues this copy (the changes after its
+        change number) or replaces it (reset); an answer to an older question, which a
+        pool-mate's answer overtook, is left for the next poll."""
+        if not worker.kv_pool:
+            return
+        copy = self._pools.setdefault(self._name(worker), PoolCopy())
+        if contents.reset:
+            copy.keys = set(contents.added)
+        elif (contents.store_id, contents.since) == (copy.store_id, copy.sequence):
+            copy.keys.difference_update(contents.removed)
+            copy.keys.update(contents.added)
+        else:
+            return
+        copy.store_id, copy.sequence = contents.store_id, contents.sequence
+        self._asked = ((), {})
+        copy.block_size, copy.none_hash = contents.block_size, contents.none_hash
+
+    def lost(self, worker: WorkerClient) -> None:
+        """`worker` could not say what its pool holds (its store is gone or hung): the copy
+        goes, and the next answer starts a new one."""
+        if self._pools.pop(self._name(worker), None) is not None:
+            self._asked = ((), {})
+
+    def loadable_tokens(self, worker: WorkerClient, prompt: list[int]) -> int:
+        """Of `prompt`, the leading tokens `worker`'s host KV pool holds (0: no pool, or none
+        of its contents known yet)."""
+        copy = self._pools.get(self._name(worker)) if worker.kv_pool else None
+        if copy is None or not copy.keys or not copy.block_size:
+            return 0
+        asked = tuple(prompt)
+        if asked != self._asked[0]:
+            self._asked = (asked, {})
+        held = self._asked[1].get(self._name(worker))
+        if held is None:
+            held = 0
+            for key in block_keys(prompt, copy.block_size, copy.none_hash):
+                if key not in copy.keys:
+                    break
+                held += copy.block_size
+            self._asked[1][self._name(worker)] = held
+        return held
+
+    def view(self) -> list[dict]:
+        """Each pool's copy, for /pdserve/workers: its store, change number and blocks."""
+        return [
+            {
+                "host_id": host_id,
+                "kv_pool": kv_pool,
+                "store_id": copy.store_id,
+                "sequence": copy.sequence,
+                "blocks": len(copy.keys),
+                "block_size": copy.block_size,
+            }
+            for (host_id, kv_pool), copy in sorted(self._pools.items())
+        ]
+
+    def forget_unused(self, workers: list[WorkerClient]) -> None:
+        """Drop the copies of pools no member uses any more."""
+        used = {self._name(worker) for worker in workers if worker.kv_pool}
+        for name in [name for name in self._pools if name not in used]:
+            del self._pools[name]
