@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import sys
 import time
+from collections.abc import Coroutine
 
 from pdserve.model_store.store import ModelError, resolve_model
 from pdserve.settings.base import ConfigError
@@ -39,10 +40,22 @@ def run(args: argparse.Namespace) -> int:
         return 2
     configure_logging()
     try:
-        asyncio.run(run_router(settings, model))
+        run_on_fastest_loop(run_router(settings, model))
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def run_on_fastest_loop(main: Coroutine) -> None:
+    """asyncio.run, on uvloop's event loop (libuv's) where it is installed: a router's requests
+    and streamed tokens are mostly event-loop work, which uvloop does in C
+    (docs/benchmarking.md#scriptsbench_routerpy-how-much-one-router-carries)."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
 
 
 def check_files(settings: RouterSettings) -> None:

@@ -9,7 +9,6 @@ SIGTERM stops the routers and every child it started.
 """
 
 import argparse
-import asyncio
 import os
 import secrets
 import signal
@@ -47,7 +46,7 @@ from pdserve.worker.processes import (
     stop_group,
     wait_until,
 )
-from router.command import check_files, run_router
+from router.command import check_files, run_on_fastest_loop, run_router
 
 CPU_BINDINGS = ("auto", "none", "split")
 
@@ -251,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
         addresses = [worker.address for worker in workers]
         serving = router.model_copy(update={"worker_addresses": addresses})
         others = _start_other_routers(serving, args.routers - 1, args.port == 0, log_dir)
-        asyncio.run(run_router(serving, model, listener))
+        run_on_fastest_loop(run_router(serving, model, listener))
         return 0
     except (RuntimeError, ChildError) as error:  # ForkServerError included
         say(f"pdserve serve: {error}")

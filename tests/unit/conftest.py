@@ -12,6 +12,7 @@ VLLM_MODULES = {
     "test_bench_metrics",
     "test_kv_compatibility",
     "test_kv_pool_copy",
+    "test_pool_contents",
     "test_route_choice",
     "test_router_tokenizer_loading",  # AutoTokenizer's import of torch: paid there already
 }
