@@ -62,17 +62,31 @@ class LeastLoaded(NoCacheIndex):
         return min(candidates, key=lambda worker: worker.load.busyness(worker.role))
 
 
-# Of a prompt token's compute, what loading it from the host KV pool saves: a load copies its KV
-# (~46 KB a token for SmolLM2 in float32; ~320 KB for a 70B model in bfloat16) from host memory
-# and checks its digest, at GB/s, against ~1 ms a token of prefill on these CPU workers; on a GPU
-# the margin is smaller, so the estimate stays below 1.
+# Of a prompt token's compute, what loading it from the host KV pool saves, until the worker
+# measured both: a load copies its KV (~46 KB a token for SmolLM2 in float32; ~320 KB for a 70B
+# model in bfloat16) from host memory and checks its digest, at GB/s, against ~1 ms a token of
+# prefill on these CPU workers; on a GPU the margin is smaller, so the estimate stays below 1.
 POOL_LOAD_SAVES = 0.9
 
 
-def reusable_tokens(own: int, loadable: int) -> float:
-    """Of a prompt, the tokens a worker need not compute: `own` in its prefix cache, and
-    POOL_LOAD_SAVES of the further ones its host's KV pool holds (`loadable`)."""
-    return own + POOL_LOAD_SAVES * max(0, loadable - own)
+def pool_load_saves(worker: WorkerClient) -> float:
+    """Of a prompt token's compute, what loading it from its host KV pool saves `worker`: one
+    less the ratio of its measured load and compute times per token (both in its Stats), or
+    POOL_LOAD_SAVES before it measured them. A load slower than computing saves nothing (a small
+    model on a fast GPU can be there)."""
+    report = worker.load.report
+    if report is None or report.kv_pool_load_seconds_per_token <= 0:
+        return POOL_LOAD_SAVES
+    if report.prefill_seconds_per_token <= 0:
+        return POOL_LOAD_SAVES
+    ratio = report.kv_pool_load_seconds_per_token / report.prefill_seconds_per_token
+    return max(0.0, 1.0 - ratio)
+
+
+def reusable_tokens(own: int, loadable: int, saves: float = POOL_LOAD_SAVES) -> float:
+    """Of a prompt, the tokens a worker need not compute: `own` in its prefix cache, and `saves`
+    (pool_load_saves) of the further ones its host's KV pool holds (`loadable`)."""
+    return own + saves * max(0, loadable - own)
 
 
 class CacheAware:
@@ -80,9 +94,9 @@ class CacheAware:
     cache (router/prefix_index.py, from the prompts this router sent it) less the work it has
     queued (prompt tokens yet to compute, running requests at DECODE_REQUEST_TOKENS each), as
     SGLang's and Dynamo's routers weigh them. A worker in a host KV pool can load what the pool
-    holds (`loadable`: router/pool_contents.py, as the pool's store reports it), at
-    POOL_LOAD_SAVES of its compute saved, so a busy worker's history no longer holds the
-    conversation to it. Ties go to the first candidate."""
+    holds (`loadable`: router/pool_contents.py, as the pool's store reports it), at what a load
+    saves it (pool_load_saves), so a busy worker's history no longer holds the conversation to
+    it. Ties go to the first candidate."""
 
     name = "cache-aware"
 
@@ -112,7 +126,8 @@ class CacheAware:
             if report is not None:
                 queued += report.outstanding_prefill_tokens
                 queued += report.running_requests * DECODE_REQUEST_TOKENS
-            return reusable_tokens(cached[worker.address], loadable(worker)) - queued
+            own, pooled = cached[worker.address], loadable(worker)
+            return reusable_tokens(own, pooled, pool_load_saves(worker)) - queued
 
         return max(candidates, key=gain)
 

@@ -24,7 +24,7 @@ from pdserve.kinds import Role
 from pdserve.settings.router import UNRESPONSIVE_TIMEOUT_S
 from pdserve.worker.protocol import worker_pb2
 from router.errors import worker_unavailable
-from router.policies import reusable_tokens
+from router.policies import pool_load_saves, reusable_tokens
 from router.pool_contents import PoolContents
 from router.worker_client import WorkerClient
 from router.worker_liveness import Liveness
@@ -190,11 +190,12 @@ class WorkerPool:
         return self.policy.cached_tokens(worker, prompt)
 
     def reusable_tokens(self, worker: WorkerClient, prompt: list[int]) -> int:
-        """Of `prompt`, the tokens `worker` likely need not compute: its cached ones, and most
-        of those its host KV pool holds (router/policies.py's reusable_tokens): what the path's
-        price counts as not computed."""
+        """Of `prompt`, the tokens `worker` likely need not compute: its cached ones, and those
+        its host KV pool holds at what a load saves it (router/policies.py's reusable_tokens):
+        what the path's price counts as not computed."""
+        pooled = self.pool_contents.loadable_tokens(worker, prompt)
         own = self.cached_tokens(worker, prompt)
-        return int(reusable_tokens(own, self.pool_contents.loadable_tokens(worker, prompt)))
+        return int(reusable_tokens(own, pooled, pool_load_saves(worker)))
 
     def cache_lost(self, worker: WorkerClient) -> None:
         """`worker` lacked a prefix it was thought to hold: the policy forgets its estimate."""

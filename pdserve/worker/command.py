@@ -91,7 +91,7 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
     metrics = WorkerMetrics()
     metrics.follow_state(service)
     if settings.pooled:
-        metrics.follow_kv_pool(settings.kv_pool_address)
+        metrics.follow_kv_pool(settings.kv_pool_address, service.engine_stats)
 
     # The engine starts first: a forked engine process must inherit neither a gRPC server
     # (pdserve/worker/engine_process.py) nor this loop's signal handling (its signals would

@@ -128,6 +128,14 @@ class EngineStats:
         self.kv_transfers: dict[str, dict] = {}  # transfer id -> connector's figures
         self.partial: dict[str, tuple[int, dict]] = {}  # ... reported by some ranks so far
         self.step_costs = StepCostLearner()
+        self.pool_load_seconds = 0.0  # copying blocks in from the host KV pool, all ranks
+        self.pool_loaded_tokens = 0  # prompt tokens loaded from it
+
+    def pool_load_seconds_per_token(self) -> float:
+        """What loading a prompt token from the host KV pool has taken here (0: none yet)."""
+        if not self.pool_loaded_tokens:
+            return 0.0
+        return self.pool_load_seconds / self.ranks / self.pool_loaded_tokens
 
     def take_kv_transfer(self, transfer_id: str) -> dict | None:
         return self.kv_transfers.pop(transfer_id, None)
@@ -156,6 +164,24 @@ def _keep_newest(entries: dict) -> None:
         entries.pop(next(iter(entries)))
 
 
+POOL_LOAD_TIME = "vllm:kv_offload_load_time"  # vLLM's offloading connector's counter
+
+
+def pool_load_seconds(connector_stats: dict | None) -> float:
+    """The seconds vLLM's offloading connector (the host KV pool's) spent loading blocks, in one
+    report of an engine's connector stats: its own ({"types", "data"}: a colocated worker) or
+    one connector's among several (a prefill worker's MultiConnector: {connector: stats})."""
+    if not connector_stats:
+        return 0.0
+    parts = [connector_stats, *(v for v in connector_stats.values() if isinstance(v, dict))]
+    return sum(
+        float(seconds)
+        for part in parts
+        if isinstance(part.get("data"), dict)
+        for seconds in (part["data"].get(POOL_LOAD_TIME) or {}).values()
+    )
+
+
 def _stat_logger_factory(stats: EngineStats, metrics, pooled: bool):
     """Keeps the scheduler's figures and the learned step costs in `stats` (Health, Stats, the
     routers' load and route estimates) and counts each finished KV transfer, and (`pooled`: the
@@ -180,6 +206,9 @@ def _stat_logger_factory(stats: EngineStats, metrics, pooled: bool):
             pool_hits = scheduler_stats.connector_prefix_cache_stats
             if pooled and pool_hits is not None and pool_hits.hits:
                 metrics.kv_pool_hits.labels("host").inc(pool_hits.hits)
+                stats.pool_loaded_tokens += pool_hits.hits
+            if pooled:
+                stats.pool_load_seconds += pool_load_seconds(scheduler_stats.kv_connector_stats)
             for transfer in (scheduler_stats.kv_connector_stats or {}).get("transfers", ()):
                 if (whole := stats.kv_transfer_reported(transfer)) is not None:
                     metrics.kv_transfer_finished(whole)

@@ -76,20 +76,40 @@ class WorkerMetrics:
             ["tier"],
             registry=registry,
         )
+        self.kv_pool_load_per_token = Gauge(
+            "pdserve_kv_pool_load_seconds_per_token",
+            "What loading a prompt token from the KV pool has taken on this worker, by tier "
+            "(0 until it loaded one): against pdserve_worker_prefill_seconds_per_token, what "
+            "the routers count a load as saving",
+            ["tier"],
+            registry=registry,
+        )
+        self.prefill_per_token = Gauge(
+            "pdserve_worker_prefill_seconds_per_token",
+            "What computing a prompt token takes on this worker, as it learned from its engine "
+            "steps (pdserve/worker/step_costs.py; 0 until it ran prefill steps)",
+            registry=registry,
+        )
         self.registry = registry
 
-    def follow_kv_pool(self, address: str) -> None:
+    def follow_kv_pool(self, address: str, stats) -> None:
         """The host pool's own figures (all its workers'), asked of its store at each scrape;
-        this worker's hits from 0 (so a rate over them starts at its first scrape)."""
+        this worker's hits from 0 (so a rate over them starts at its first scrape) and its load
+        time per token (`stats`: its EngineStats)."""
         self.kv_pool_hits.labels("host")
+        self.kv_pool_load_per_token.labels("host").set_function(stats.pool_load_seconds_per_token)
         self.registry.register(KvPoolCollector(PoolClient(address, namespace=None)))
 
     def follow_state(self, service) -> None:
-        """The state gauge reads the worker service's state at every scrape."""
+        """The state gauge reads the worker service's state at every scrape, the prefill cost
+        its engine's learned step costs."""
         for name, value in State.items():
             self.state.labels(service.role, name.lower()).set_function(
                 lambda value=value: float(service.state == value)
             )
+        self.prefill_per_token.set_function(
+            lambda: service.engine_stats.step_costs.costs().prefill_s_per_token
+        )
 
     def kv_transfer_finished(self, transfer: dict) -> None:
         """One entry of the decode connector's stats (kv_transfer/stats.py)."""

@@ -328,6 +328,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             prefill_seconds_per_token=costs.prefill_s_per_token,
             decode_step_base_seconds=costs.decode_base_s,
             decode_step_seconds_per_sequence=costs.decode_s_per_sequence,
+            kv_pool_load_seconds_per_token=stats.pool_load_seconds_per_token(),
         )
 
     async def Drain(self, request, context):

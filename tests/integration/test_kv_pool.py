@@ -127,6 +127,17 @@ def test_the_next_turn_on_the_other_worker_loads_the_history_and_answers_the_sam
     loaded = offload(pooled, "load_bytes")
     loaded = [after - was for after, was in zip(loaded, bytes_before, strict=True)]
     assert sorted(loaded) == [0, cached / BLOCK_TOKENS * block_bytes], loaded
+    # what a load took per token, which the routers weigh against computing one (its Stats)
+    load_per_token = 'pdserve_kv_pool_load_seconds_per_token{tier="host"}'
+
+    def once_a_load_is_timed() -> list[dict] | None:
+        samples = worker_samples(pooled)
+        return samples if max(w[load_per_token] for w in samples) > 0 else None
+
+    samples = wait_for(once_a_load_is_timed, 10, "the loading worker's load time per token")
+    loads = sorted(w[load_per_token] for w in samples)
+    compute = max(w["pdserve_worker_prefill_seconds_per_token"] for w in samples)
+    assert loads[0] == 0 and 0 < loads[1] < compute / 10, (loads, compute)
 
 
 def test_a_damaged_block_in_the_pool_is_dropped_counted_and_recomputed(pooled, offline_reference):

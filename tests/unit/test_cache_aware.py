@@ -3,7 +3,7 @@ and a load report): prompts that share a prefix go where it is cached, unless th
 far busier; prompts that share nothing spread by load."""
 
 from pdserve.worker.protocol import worker_pb2
-from router.policies import DECODE_REQUEST_TOKENS, POOL_LOAD_SAVES, CacheAware
+from router.policies import DECODE_REQUEST_TOKENS, POOL_LOAD_SAVES, CacheAware, pool_load_saves
 from router.prefix_index import CHUNK_TOKENS, PrefixIndex, chunk_hashes
 from router.worker_load import WorkerLoad
 
@@ -91,3 +91,22 @@ def test_a_pool_mate_of_a_busy_worker_takes_its_history_and_a_stranger_does_not(
     assert policy.choose([a, c], prompt(0, 1024), loadable) is a
     assert policy.choose([a, b, c], prompt(0, 1024), loadable) is b
     assert policy.choose([a, FakeWorker("b")], prompt(0, 1024), loadable) is a  # no pool: stays
+
+
+def test_a_load_saves_what_the_worker_measured_it_saves():
+    """pool_load_saves: one less the worker's measured load/compute time ratio per token (its
+    Stats), nothing when loading is the slower, the default before it measured both."""
+    worker = FakeWorker("a", "@pool")
+    assert pool_load_saves(worker) == POOL_LOAD_SAVES
+    worker.load.reported(worker_pb2.StatsReply(prefill_seconds_per_token=0.002))
+    assert pool_load_saves(worker) == POOL_LOAD_SAVES  # no load measured yet
+    worker.load.reported(
+        worker_pb2.StatsReply(
+            prefill_seconds_per_token=0.002, kv_pool_load_seconds_per_token=0.0005
+        )
+    )
+    assert pool_load_saves(worker) == 0.75
+    worker.load.reported(
+        worker_pb2.StatsReply(prefill_seconds_per_token=1e-5, kv_pool_load_seconds_per_token=2e-5)
+    )
+    assert pool_load_saves(worker) == 0.0

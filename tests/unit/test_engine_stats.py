@@ -1,8 +1,9 @@
 """What a worker keeps of its engine's KV transfer reports (pdserve/worker/engine.py's
 EngineStats): a tensor-parallel decode worker's ranks each report their part of a transfer, and
-the transfer counts once, its ranks' figures merged, when the last rank has reported."""
+the transfer counts once, its ranks' figures merged, when the last rank has reported; and the
+host KV pool's load time per token, from vLLM's offloading connector's stats."""
 
-from pdserve.worker.engine import EngineStats
+from pdserve.worker.engine import POOL_LOAD_TIME, EngineStats, pool_load_seconds
 
 
 def report(transfer_id: str, size: int, seconds: float, failure: str = "", transport="shm"):
@@ -36,3 +37,23 @@ def test_one_failed_rank_fails_the_transfer_and_one_rank_engines_report_at_once(
     assert (whole["failed"], whole["failure"], whole["bytes"]) == (True, "timeout", 50)
     single = EngineStats()
     assert single.kv_transfer_reported(report("u", 10, 0.1)) == report("u", 10, 0.1)
+
+
+def test_the_pool_load_time_is_read_from_the_offloading_connectors_stats_alone_or_among_several():
+    """vLLM's offloading connector (the host KV pool's) reports its own stats on a colocated
+    worker and one connector's among a MultiConnector's on a prefill worker; its load-time
+    counter is summed over its labels, other series and connectors ignored."""
+    own = {
+        "types": {POOL_LOAD_TIME: "counter", "vllm:kv_offload_store_time": "counter"},
+        "data": {POOL_LOAD_TIME: {(): 0.25, ("x",): 0.5}, "vllm:kv_offload_store_time": {(): 9}},
+    }
+    assert pool_load_seconds(own) == 0.75
+    assert pool_load_seconds({"PdserveConnector": {"transfers": []}, "Offloading": own}) == 0.75
+    assert pool_load_seconds(None) == pool_load_seconds({"transfers": []}) == 0.0
+
+
+def test_load_time_per_token_counts_the_ranks_loading_side_by_side():
+    stats = EngineStats()
+    assert stats.pool_load_seconds_per_token() == 0.0  # nothing loaded yet
+    stats.ranks, stats.pool_load_seconds, stats.pool_loaded_tokens = 2, 0.4, 1000
+    assert stats.pool_load_seconds_per_token() == 0.0002  # each rank loaded its part for 0.2 s

@@ -234,7 +234,7 @@ class KvPoolContents(_message.Message):
     def __init__(self, store_id: _Optional[str] = ..., since: _Optional[int] = ..., sequence: _Optional[int] = ..., reset: _Optional[bool] = ..., added: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ..., none_hash: _Optional[bytes] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("worker_id", "running_requests", "waiting_requests", "kv_blocks_used", "kv_blocks_total", "outstanding_prefill_tokens", "prefill_seconds_per_token", "decode_step_base_seconds", "decode_step_seconds_per_sequence", "prefilling_requests", "kv_pool_contents")
+    __slots__ = ("worker_id", "running_requests", "waiting_requests", "kv_blocks_used", "kv_blocks_total", "outstanding_prefill_tokens", "prefill_seconds_per_token", "decode_step_base_seconds", "decode_step_seconds_per_sequence", "prefilling_requests", "kv_pool_contents", "kv_pool_load_seconds_per_token")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,7 @@ class StatsReply(_message.Message):
     DECODE_STEP_SECONDS_PER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     PREFILLING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_POOL_CONTENTS_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_LOAD_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     running_requests: int
     waiting_requests: int
@@ -257,7 +258,8 @@ class StatsReply(_message.Message):
     decode_step_seconds_per_sequence: float
     prefilling_requests: int
     kv_pool_contents: KvPoolContents
-    def __init__(self, worker_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., outstanding_prefill_tokens: _Optional[int] = ..., prefill_seconds_per_token: _Optional[float] = ..., decode_step_base_seconds: _Optional[float] = ..., decode_step_seconds_per_sequence: _Optional[float] = ..., prefilling_requests: _Optional[int] = ..., kv_pool_contents: _Optional[_Union[KvPoolContents, _Mapping]] = ...) -> None: ...
+    kv_pool_load_seconds_per_token: float
+    def __init__(self, worker_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., outstanding_prefill_tokens: _Optional[int] = ..., prefill_seconds_per_token: _Optional[float] = ..., decode_step_base_seconds: _Optional[float] = ..., decode_step_seconds_per_sequence: _Optional[float] = ..., prefilling_requests: _Optional[int] = ..., kv_pool_contents: _Optional[_Union[KvPoolContents, _Mapping]] = ..., kv_pool_load_seconds_per_token: _Optional[float] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("grace_seconds", "timeout_seconds")
