@@ -77,4 +77,6 @@ def load_of(stats_reply) -> RecordedLoad:
         kv_blocks_used=stats_reply.kv_blocks_used,
         kv_blocks_total=stats_reply.kv_blocks_total,
         outstanding_prefill_tokens=stats_reply.outstanding_prefill_tokens,
+        prefill_seconds_per_token=stats_reply.prefill_seconds_per_token,
+        kv_pool_load_seconds_per_token=stats_reply.kv_pool_load_seconds_per_token,
     )

@@ -16,7 +16,7 @@ import hashlib
 import hmac
 import json
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from pdserve.settings.cluster_secret import cluster_secret
 from pdserve.settings.redis_url import connect, masked
@@ -35,6 +35,11 @@ class RecordedLoad:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     outstanding_prefill_tokens: int = 0
+    prefill_seconds_per_token: float = 0.0  # learned from its engine steps (0: not yet)
+    kv_pool_load_seconds_per_token: float = 0.0  # a load from its host KV pool (0: none yet)
+
+
+LOAD_FIELDS = {f.name for f in fields(RecordedLoad)}  # a newer worker's others are left out
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,9 @@ class WorkerRecord:
             **{
                 **data,
                 "gpu_ids": tuple(data.get("gpu_ids", ())),
-                "load": RecordedLoad(**data.get("load", {})),
+                "load": RecordedLoad(
+                    **{k: v for k, v in data.get("load", {}).items() if k in LOAD_FIELDS}
+                ),
             }
         )
 

@@ -108,3 +108,11 @@ def test_the_server_run_id_is_the_same_until_redis_restarts(redis_url):
 
     first, second = asyncio.run(scenario())
     assert first == second and len(first) == 40  # Redis's run id: 40 hex characters
+
+
+def test_a_record_with_load_figures_this_version_lacks_still_reads():
+    """A newer worker's record (more load figures) during a rolling upgrade: read, the figures
+    this version knows kept."""
+    data = json.loads(record("decode-0").to_json())
+    data["load"]["a_later_figure"] = 1.5
+    assert WorkerRecord.from_json(json.dumps(data)).load == record("decode-0").load
