@@ -366,6 +366,20 @@ def test_health_is_ok_only_while_a_worker_can_take_requests(workers):
     assert report["down"] == ["id-d:1"] and report["pools"]["prefill"] == 1
 
 
+async def follow_load_until(pool: WorkerPool, condition) -> None:
+    """follow_load (polling every 10 ms) until `condition()` holds, for at most ~1 s."""
+    task = asyncio.create_task(follow_load(pool, 0.01))
+    try:
+        for _ in range(200):
+            if condition():
+                break
+            await asyncio.sleep(0.005)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
 def test_following_load_takes_each_report_and_marks_a_worker_that_is_gone_down(workers):
     for address in ("a:1", "b:1", "c:1"):
         workers.up(address)
@@ -378,16 +392,7 @@ def test_following_load_takes_each_report_and_marks_a_worker_that_is_gone_down(w
         await pool.sync(["a:1", "b:1", "c:1"])
         a, b, c = pool.workers
         a.load.sent(prompt_tokens=5)
-        task = asyncio.create_task(follow_load(pool, 0.01))
-        try:
-            for _ in range(200):
-                if a.load.report is not None and pool.down:
-                    break
-                await asyncio.sleep(0.005)
-        finally:
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+        await follow_load_until(pool, lambda: a.load.report is not None and pool.down)
         assert a.load.report.running_requests == 3 and a.load.requests_since == 0
         assert b.load.report is None and pool.down == {"c:1"}
         assert pool.capacity() == 4 + 4  # the two live ones' max_num_seqs
@@ -411,16 +416,7 @@ def test_following_load_keeps_the_copy_of_a_host_kv_pool_and_asks_for_what_is_ne
         await pool.sync(["a:1", "b:1"])
         a, b = pool.workers
         a.host_id, a.kv_pool = "host-1", "@pool"
-        task = asyncio.create_task(follow_load(pool, 0.01))
-        try:
-            for _ in range(200):
-                if a.asked is not None and a.asked.kv_pool_since == 7:
-                    break
-                await asyncio.sleep(0.005)
-        finally:
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+        await follow_load_until(pool, lambda: a.asked is not None and a.asked.kv_pool_since == 7)
         assert (a.asked.kv_pool_store_id, a.asked.kv_pool_since) == ("s", 7)
         assert a.asked.kv_pool_contents and not b.asked.kv_pool_contents
 
