@@ -25,9 +25,9 @@ Protocol: JSON lines. The hello's answer comes with the memory's descriptor: {"s
 (a worker's /metrics and Stats), which gets no memory and may only ask for "stats" or
 "contents" (the keys that became loadable or stopped being loadable since a change number:
 routers keep a copy of what the pool holds). Then each request {"op", ...} gets one answer line;
-keys travel in hex. The memory: a header of HEADER_BYTES_PER_PART per
-part of every slot (its writer's key tag and digest, which a reader checks:
-kv_transfer/pool_copy.py), then the slots, page-aligned.
+keys travel in hex. The memory: a header of HEADER_BYTES_PER_PART per part of every slot (its
+writer's key tag and digest, which a reader checks: kv_transfer/pool_copy.py), then the slots,
+page-aligned.
 """
 
 import argparse
