@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 MAX_REUSE = 3  # rounds a much-read block is spared: a once-hot block still goes, in time
-MAX_LOGGED_CHANGES = 1 << 16  # a reader further behind gets every loadable key instead
+# A reader further behind than the log gets the loadable keys instead, at most as many, the most
+# recently used: one answer stays a few MB (a key is 36 bytes) whatever the pool's size.
+MAX_LOGGED_CHANGES = 1 << 16
 
 
 @dataclass
@@ -187,11 +189,18 @@ class PoolIndex:
     def contents_since(self, since: int) -> dict:
         """What changed after change number `since`: {"sequence": now, "reset": False, "added":
         keys now loadable, "removed": keys no longer loadable}; when those changes are not all
-        logged any more (or `since` is not one of this index's), {"reset": True, "added": every
-        loadable key, "removed": []}."""
+        logged any more (or `since` is not one of this index's), {"reset": True, "added": the
+        loadable keys, "removed": []}, at most MAX_LOGGED_CHANGES of them, the most recently
+        used (a reader's copy may then lack some old keys: it underestimates, never claims a
+        block that is not here)."""
         behind = self.sequence - since
         if not 0 <= behind <= len(self._changes):
-            added = [key for key, entry in self._entries.items() if entry.ready]
+            added = []
+            for key, entry in reversed(self._entries.items()):  # most recently used first
+                if len(added) == MAX_LOGGED_CHANGES:
+                    break
+                if entry.ready:
+                    added.append(key)
             return {"sequence": self.sequence, "reset": True, "added": added, "removed": []}
         last: dict[bytes, bool] = {}  # each key's latest change
         for key, loadable in islice(reversed(self._changes), behind):

@@ -2,6 +2,7 @@
 pinned and half-written blocks never evicted, eviction by recency weighted by reuse, and a dead
 client's holdings released."""
 
+from kv_transfer import pool_index
 from kv_transfer.pool_index import PoolIndex
 
 A, B, C, D = b"a", b"b", b"c", b"d"
@@ -139,3 +140,14 @@ def test_a_reader_too_far_behind_or_of_another_index_gets_every_loadable_key(mon
     assert contents(index, 0) == ({A, B}, set(), True)  # 4 changes, 2 logged
     assert contents(index, 2) == (set(), {C}, False)  # C stored and dropped: removed
     assert contents(index, index.sequence + 5) == ({A, B}, set(), True)  # another index's
+
+
+def test_a_reset_names_at_most_as_many_keys_as_the_log_holds_the_most_recently_used(monkeypatch):
+    """One answer stays bounded whatever the pool's size: a copy built from it may lack old
+    keys (it underestimates), never names one the pool lacks."""
+    monkeypatch.setattr(pool_index, "MAX_LOGGED_CHANGES", 2)
+    index = PoolIndex(4)
+    for key in (A, B, C):
+        stored(index, [key])
+    index.touch([A])  # least recently used first: B, C, A
+    assert contents(index, -1) == ({A, C}, set(), True)
