@@ -145,15 +145,9 @@ class PoolStore:
                 index.drop(keys)
             elif op == "stats":
                 return self._stats()
-            elif op == "contents":
-                return self._contents(request)
             else:
                 return {"error": f"unknown op {op!r}"}
             return {}
-
-    def stats(self) -> dict:
-        with self.lock:
-            return self._stats()
 
     def observe(self, request: dict) -> dict:
         """An observer's question: the figures, or (op "contents") what the pool holds."""

@@ -47,14 +47,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_on_fastest_loop(main: Coroutine) -> None:
-    """asyncio.run, on uvloop's event loop (libuv's) where it is installed: a router's requests
+    """asyncio.run, on uvloop's event loop (libuv's, a pdserve dependency): a router's requests
     and streamed tokens are mostly event-loop work, which uvloop does in C
     (docs/benchmarking.md#scriptsbench_routerpy-how-much-one-router-carries)."""
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main)
-        return
+    import uvloop
+
     uvloop.run(main)
 
 

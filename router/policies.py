@@ -75,9 +75,10 @@ def pool_load_saves(worker: WorkerClient) -> float:
     POOL_LOAD_SAVES before it measured them. A load slower than computing saves nothing (a small
     model on a fast GPU can be there)."""
     report = worker.load.report
-    if report is None or report.kv_pool_load_seconds_per_token <= 0:
-        return POOL_LOAD_SAVES
-    if report.prefill_seconds_per_token <= 0:
+    if (
+        report is None
+        or min(report.kv_pool_load_seconds_per_token, report.prefill_seconds_per_token) <= 0
+    ):
         return POOL_LOAD_SAVES
     ratio = report.kv_pool_load_seconds_per_token / report.prefill_seconds_per_token
     return max(0.0, 1.0 - ratio)

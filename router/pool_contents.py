@@ -80,8 +80,8 @@ class PoolContents:
         else:
             return
         copy.store_id, copy.sequence = contents.store_id, contents.sequence
-        self._asked = ((), {})
         copy.block_size, copy.none_hash = contents.block_size, contents.none_hash
+        self._asked = ((), {})  # what each pool holds of the last prompt may have changed
 
     def lost(self, worker: WorkerClient) -> None:
         """`worker` could not say what its pool holds (its store is gone or hung): the copy
@@ -92,20 +92,21 @@ class PoolContents:
     def loadable_tokens(self, worker: WorkerClient, prompt: list[int]) -> int:
         """Of `prompt`, the leading tokens `worker`'s host KV pool holds (0: no pool, or none
         of its contents known yet)."""
-        copy = self._pools.get(self._name(worker)) if worker.kv_pool else None
+        name = self._name(worker)
+        copy = self._pools.get(name) if worker.kv_pool else None
         if copy is None or not copy.keys or not copy.block_size:
             return 0
         asked = tuple(prompt)
         if asked != self._asked[0]:
             self._asked = (asked, {})
-        held = self._asked[1].get(self._name(worker))
+        held = self._asked[1].get(name)
         if held is None:
             held = 0
             for key in block_keys(prompt, copy.block_size, copy.none_hash):
                 if key not in copy.keys:
                     break
                 held += copy.block_size
-            self._asked[1][self._name(worker)] = held
+            self._asked[1][name] = held
         return held
 
     def view(self) -> list[dict]:
