@@ -28,8 +28,9 @@ LAST_RETRY_S = 30.0
 
 class PoolClient:
     """A worker's engine's connection (`namespace`: what its blocks are; `parts`: its
-    tensor-parallel ranks, each writing its part of every slot), or an observer's (namespace
-    None: stats only, no memory). Its calls run on vLLM's scheduler and model threads, so none
+    tensor-parallel ranks, each writing its part of every slot), a peer's (namespace PEER:
+    whatever the pool holds, kv_transfer/pool_peer.py), or an observer's (namespace None: stats
+    only, no memory). Its calls run on vLLM's scheduler and model threads, so none
     waits longer than CALL_TIMEOUT_S, and a store that failed (gone, hung, refusing) is tried
     again only after a back-off."""
 
@@ -39,6 +40,7 @@ class PoolClient:
         self.slot_bytes = slot_bytes
         self.parts = parts
         self.store_id: str | None = None
+        self.pool_namespace = ""  # what the store holds (a peer's namespace is PEER: any)
         self.slots = 0
         self.header_bytes = 0
         self.memory: mmap.mmap | None = None
@@ -94,6 +96,8 @@ class PoolClient:
             if self.namespace is None and reply == {}:
                 self._sock, self._stream = sock, sock.makefile("rb")
                 return True
+            if isinstance(reply, dict) and reply.get("later"):  # a peer, before any engine
+                raise ValueError(reply["error"])
             if not fds or not isinstance(reply, dict) or "error" in reply:
                 self._refused = True  # a namespace the store does not hold: it will not change
                 log.warning("kv pool at %s refused this worker: %s", self.address, reply)
@@ -102,6 +106,9 @@ class PoolClient:
             size = reply["header_bytes"] + reply["slots"] * reply["slot_bytes"]
             memory = mmap.mmap(fds[0], size)
             store_id, slots, header_bytes = reply["store_id"], reply["slots"], reply["header_bytes"]
+            # a peer's are the pool's
+            self.slot_bytes, self.parts = reply["slot_bytes"], reply["parts"]
+            self.pool_namespace = reply["namespace"]
         except (OSError, ValueError, KeyError, TypeError) as error:
             sock.close()
             self._backoff()

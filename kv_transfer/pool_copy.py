@@ -54,6 +54,11 @@ def cache_rows(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.uint8)
 
 
+def record(key: bytes, data: torch.Tensor) -> tuple[int, int]:
+    """A part's header entry: its key's tag and its bytes' digest (as int64s hold them)."""
+    return key_tag(key), _signed(slice_digest(data))
+
+
 def store_blocks(
     pages: list[torch.Tensor], blocks: list[int], memory: PoolMemory, slots, keys, part: int = 0
 ) -> int:
@@ -74,8 +79,7 @@ def store_blocks(
         else:
             data = torch.cat([page[int(block)] for page in pages])
             target.copy_(data)
-        memory.headers[slot, part, 0] = key_tag(key)
-        memory.headers[slot, part, 1] = _signed(slice_digest(data))
+        memory.headers[slot, part, 0], memory.headers[slot, part, 1] = record(key, data)
         copied += data.numel()
     return copied
 
@@ -95,7 +99,7 @@ def load_blocks(
     for block, slot, key in zip(blocks, slots, keys, strict=True):
         recorded = (int(memory.headers[slot, part, 0]), int(memory.headers[slot, part, 1]))
         staging.copy_(memory.part(slot, part))
-        if recorded != (key_tag(key), _signed(slice_digest(staging))):
+        if recorded != record(key, staging):
             refused_blocks.append(int(block))
             refused_keys.append(key)
             continue

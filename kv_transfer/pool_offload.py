@@ -277,7 +277,12 @@ class PoolOffloadingSpec(OffloadingSpec):
 
     def get_manager(self) -> PoolManager:
         if self._manager is None:
-            self._manager = PoolManager(self._client())
+            client = self._client()
+            if client is not None:
+                # Join now, not at the first full block: the engine's hello says what the pool
+                # holds, which the worker's peer connection (kv_transfer/pool_peer.py) adopts.
+                client.connected()
+            self._manager = PoolManager(client)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> PoolWorker:

@@ -16,13 +16,15 @@ side runs as the same user, since the blocks are prompts' KV.
 A store serves one namespace (the model, its quantization and KV dtype, the block size and cache
 layout, the tensor-parallel size, vLLM's block hash seed: kv_transfer/pool_offload.py): the first
 client's hello sets it, its slot size and its parts per slot; a client whose namespace differs is
-refused, and its pool stays off (it computes everything, as without a pool). A slot of a
+refused, and its pool stays off (it computes everything, as without a pool). A peer's hello
+(namespace "*": a worker's own process, copying blocks to or from another host's pool,
+kv_transfer/pool_peer.py) takes the namespace the engines set. A slot of a
 tensor-parallel engine holds one part per rank (each rank's heads of the block), each with its
 own header entry, written and checked by that rank alone.
 
 Protocol: JSON lines. The hello's answer comes with the memory's descriptor: {"slots",
-"slot_bytes", "parts", "header_bytes", "store_id"}; a hello without a namespace is an observer's
-(a worker's /metrics and Stats), which gets no memory and may only ask for "stats" or
+"slot_bytes", "parts", "header_bytes", "store_id", "namespace"}; a hello without a namespace is
+an observer's (a worker's /metrics and Stats), which gets no memory and may only ask for "stats" or
 "contents" (the keys that became loadable or stopped being loadable since a change number:
 routers keep a copy of what the pool holds). Then each request {"op", ...} gets one answer line;
 keys travel in hex. The memory: a header of HEADER_BYTES_PER_PART per part of every slot (its
@@ -49,6 +51,7 @@ PAGE = mmap.PAGESIZE
 HELLO_BYTES = 4096  # a hello answer fits (it is read with the descriptor, in one recv)
 MAX_SLOTS = 1 << 20  # the index's size bound (a 1 TiB pool of 1 MiB blocks)
 MAX_PARTS = 64  # tensor-parallel ranks of one engine
+PEER = "*"  # a hello's namespace that takes the pool's own (kv_transfer/pool_peer.py)
 
 
 def header_bytes(slots: int, parts: int = 1) -> int:
@@ -84,8 +87,14 @@ class PoolStore:
 
     def hello(self, namespace: str, slot_bytes: int, parts: int = 1) -> dict:
         """The first client's namespace, slot size and parts per slot make the memory; later
-        ones must match."""
+        ones must match. A peer (namespace PEER: the worker's process that copies blocks
+        between this pool and another host's) takes whatever this pool holds, once a worker's
+        engine said what that is."""
         with self.lock:
+            if namespace == PEER:
+                if self.namespace is None:
+                    return {"error": "no worker's engine joined this pool yet", "later": True}
+                namespace, slot_bytes, parts = self.namespace, self.slot_bytes, self.parts
             if self.namespace is None:
                 slots = self.budget_bytes // max(1, slot_bytes)
                 if not 1 <= slots <= MAX_SLOTS or slot_bytes < 1:
@@ -115,6 +124,7 @@ class PoolStore:
                 "parts": self.parts,
                 "header_bytes": header_bytes(self.index.slots, self.parts),
                 "store_id": self.store_id,
+                "namespace": self.namespace,
             }
 
     def answer(self, request: dict, owner: int) -> dict:

@@ -156,6 +156,7 @@ def _decode_leg(
     (the prompt logprobs come from the prefill leg)."""
     leg = worker_pb2.GenerateRequest()
     leg.CopyFrom(request)
+    leg.ClearField("pool_fetch")  # the prefill worker computes the prompt
     leg.kv.CopyFrom(
         worker_pb2.KvTransfer(
             transfer_id=transfer_id,

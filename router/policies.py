@@ -67,27 +67,41 @@ class LeastLoaded(NoCacheIndex):
 # model in bfloat16) from host memory and checks its digest, at GB/s, against ~1 ms a token of
 # prefill on these CPU workers; on a GPU the margin is smaller, so the estimate stays below 1.
 POOL_LOAD_SAVES = 0.9
+# ... and what fetching it from another host's pool first saves (pdserve/worker/pool_peers.py):
+# the same bytes cross the network once more (~320 KB a token of a 70B model: 26 us at 100 Gb/s,
+# near what an 8-GPU engine computes a token in), so the guess is lower.
+PEER_FETCH_SAVES = 0.5
 
 
-def pool_load_saves(worker: WorkerClient) -> float:
-    """Of a prompt token's compute, what loading it from its host KV pool saves `worker`: one
-    less the ratio of its measured load and compute times per token (both in its Stats), or
-    POOL_LOAD_SAVES before it measured them. A load slower than computing saves nothing (a small
-    model on a fast GPU can be there)."""
+def pool_load_saves(worker: WorkerClient, fetched: bool = False) -> float:
+    """Of a prompt token's compute, what loading it from its host KV pool saves `worker` (or,
+    `fetched`, fetching it from another host's pool into that one first): one less the ratio
+    of its measured load (and fetch) time and compute time per token (all in its Stats), or
+    POOL_LOAD_SAVES (PEER_FETCH_SAVES) before it measured them. A load slower than computing
+    saves nothing (a small model on a fast GPU can be there)."""
     report = worker.load.report
-    if (
-        report is None
-        or min(report.kv_pool_load_seconds_per_token, report.prefill_seconds_per_token) <= 0
-    ):
-        return POOL_LOAD_SAVES
-    ratio = report.kv_pool_load_seconds_per_token / report.prefill_seconds_per_token
-    return max(0.0, 1.0 - ratio)
+    if report is None:
+        return PEER_FETCH_SAVES if fetched else POOL_LOAD_SAVES
+    costs = [report.kv_pool_load_seconds_per_token]
+    if fetched:
+        costs.append(report.kv_pool_fetch_seconds_per_token)
+    if min(report.prefill_seconds_per_token, *costs) <= 0:
+        return PEER_FETCH_SAVES if fetched else POOL_LOAD_SAVES
+    return max(0.0, 1.0 - sum(costs) / report.prefill_seconds_per_token)
 
 
-def reusable_tokens(own: int, loadable: int, saves: float = POOL_LOAD_SAVES) -> float:
-    """Of a prompt, the tokens a worker need not compute: `own` in its prefix cache, and `saves`
-    (pool_load_saves) of the further ones its host's KV pool holds (`loadable`)."""
-    return own + saves * max(0, loadable - own)
+def reusable_tokens(
+    own: int,
+    loadable: int,
+    saves: float = POOL_LOAD_SAVES,
+    fetchable: int = 0,
+    fetch_saves: float = PEER_FETCH_SAVES,
+) -> float:
+    """Of a prompt, the tokens a worker need not compute: `own` in its prefix cache, `saves`
+    (pool_load_saves) of the further ones its host's KV pool holds (`loadable`), and
+    `fetch_saves` of those further still that another host's pool holds (`fetchable`)."""
+    pooled = max(own, loadable)
+    return own + saves * (pooled - own) + fetch_saves * max(0, fetchable - pooled)
 
 
 class CacheAware:

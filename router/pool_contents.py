@@ -4,34 +4,17 @@ the changes after the copy's change number), so a load from the pool is priced o
 holds now (its evictions, dropped blocks and a restarted store included), and every router
 prices it alike.
 
-A pool is named by its workers' host_id and kv_pool (their Health). A key is vLLM's chained
-sha256 block hash followed by its KV cache group (kv_transfer/pool_offload.py stores the
-engine's one group, 0), so the router computes a prompt's keys as the engine does, from the
-block size and the first parent its workers report (`block_keys`). The copy trails the store by
-at most one Stats poll (router/worker_load.py's LOAD_POLL_S).
+A pool is named by its workers' host_id and kv_pool (their Health). The router computes a
+prompt's keys as the engine does (kv_transfer/pool_keys.py), from the block size and the first
+parent its workers report. The copy trails the store by at most one Stats poll
+(router/worker_load.py's LOAD_POLL_S).
 """
 
-import hashlib
-import pickle
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from kv_transfer.pool_keys import block_keys
 from pdserve.worker.protocol import worker_pb2
 from router.worker_client import WorkerClient
-
-FIRST_GROUP = (0).to_bytes(4, "big")  # vLLM's make_offload_key: the group index, 4 bytes
-
-
-def block_keys(prompt: list[int], block_size: int, none_hash: bytes) -> Iterator[bytes]:
-    """The keys of the prompt's whole blocks, in order, as vLLM's sha256 block hash
-    (vllm.v1.core.kv_cache_utils.hash_block_tokens: each block's hash covers its parent's, the
-    first block's parent is `none_hash`; a text prompt has no extra keys). Computed as they are
-    asked for: a caller stops at the first key a pool lacks."""
-    parent = none_hash
-    for end in range(block_size, len(prompt) + 1, block_size):
-        block = (parent, tuple(prompt[end - block_size : end]), None)
-        parent = hashlib.sha256(pickle.dumps(block, protocol=pickle.HIGHEST_PROTOCOL)).digest()
-        yield parent + FIRST_GROUP
 
 
 @dataclass
@@ -55,6 +38,9 @@ class PoolContents:
     @staticmethod
     def _name(worker: WorkerClient) -> tuple[str, str]:
         return worker.host_id, worker.kv_pool
+
+    def same_pool(self, one: WorkerClient, other: WorkerClient) -> bool:
+        return self._name(one) == self._name(other)
 
     def stats_request(self, worker: WorkerClient) -> worker_pb2.StatsRequest:
         """The Stats question for `worker`: the changes after this router's copy of its pool."""

@@ -141,6 +141,7 @@ class Starter:
             "x-pdserve-worker": worker.worker_id,
             ROUTE_HEADER: run.route,
         }
+        request = self._with_pool_fetch(request, prefill or worker)
         if prefill is None:
             run.prefill = None
             return worker.generate(request, timeout=run.time_left()), headers
@@ -157,6 +158,20 @@ class Starter:
             skip_tokens=run.decode_holds[worker.address],
         )
         return chunks, headers
+
+    def _with_pool_fetch(
+        self, request: worker_pb2.GenerateRequest, computing: WorkerClient
+    ) -> worker_pb2.GenerateRequest:
+        """The request as the worker that computes its prompt gets it: told to fetch the
+        leading blocks another host's KV pool holds first, when that saves it time
+        (router/worker_pool.py's pool_fetch)."""
+        fetch = self.pool.pool_fetch(computing, request.prompt_token_ids)
+        if fetch is None:
+            return request
+        fetching = worker_pb2.GenerateRequest()
+        fetching.CopyFrom(request)
+        fetching.pool_fetch.CopyFrom(fetch)
+        return fetching
 
     def _choose_path(
         self,

@@ -190,12 +190,47 @@ class WorkerPool:
         return self.policy.cached_tokens(worker, prompt)
 
     def reusable_tokens(self, worker: WorkerClient, prompt: list[int]) -> int:
-        """Of `prompt`, the tokens `worker` likely need not compute: its cached ones, and those
-        its host KV pool holds at what a load saves it (router/policies.py's reusable_tokens):
-        what the path's price counts as not computed."""
+        """Of `prompt`, the tokens `worker` likely need not compute: its cached ones, those its
+        host KV pool holds at what a load saves it, and those another host's pool holds at what
+        fetching them saves it (router/policies.py's reusable_tokens): what the path's price
+        counts as not computed."""
         pooled = self.pool_contents.loadable_tokens(worker, prompt)
         own = self.cached_tokens(worker, prompt)
-        return int(reusable_tokens(own, pooled, pool_load_saves(worker)))
+        _source, fetchable = self.pool_source(worker, prompt)
+        saves, fetch_saves = pool_load_saves(worker), pool_load_saves(worker, fetched=True)
+        return int(reusable_tokens(own, pooled, saves, fetchable, fetch_saves))
+
+    def pool_source(
+        self, worker: WorkerClient, prompt: list[int]
+    ) -> tuple[WorkerClient | None, int]:
+        """The serving worker of another host KV pool that holds more of `prompt`'s leading
+        blocks than `worker`'s pool does, and the tokens it holds: (None, 0) when none does (or
+        `worker` is in no pool). Only a pool of workers whose KV is compatible with `worker`'s:
+        the blocks must mean the same to its engine."""
+        if not worker.kv_pool:
+            return None, 0
+        contents = self.pool_contents
+        best, most = None, contents.loadable_tokens(worker, prompt)
+        for other in self.workers:
+            if (
+                other.kv_pool
+                and other.kv_compatibility == worker.kv_compatibility
+                and not contents.same_pool(other, worker)
+                and self.serving(other)
+            ):
+                held = contents.loadable_tokens(other, prompt)
+                if held > most:
+                    best, most = other, held
+        return (best, most) if best is not None else (None, 0)
+
+    def pool_fetch(self, worker: WorkerClient, prompt: list[int]) -> worker_pb2.PoolFetch | None:
+        """What `worker` should fetch into its host KV pool before computing `prompt`
+        (pdserve/worker/pool_peers.py): another pool's leading blocks of it, when a fetch
+        saves it time."""
+        source, tokens = self.pool_source(worker, prompt)
+        if source is None or pool_load_saves(worker, fetched=True) <= 0:
+            return None
+        return worker_pb2.PoolFetch(source=source.address, tokens=tokens)
 
     def cache_lost(self, worker: WorkerClient) -> None:
         """`worker` lacked a prefix it was thought to hold: the policy forgets its estimate."""

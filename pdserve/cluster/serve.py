@@ -49,6 +49,7 @@ from pdserve.worker.processes import (
 from router.command import check_files, run_on_fastest_loop, run_router
 
 CPU_BINDINGS = ("auto", "none", "split")
+KV_POOL_SCOPES = ("host", "worker")
 
 
 def add_parser(subparsers) -> None:
@@ -117,6 +118,15 @@ def add_parser(subparsers) -> None:
         "it never holds more, and evicts the least "
         "recently used blocks (a block read since it was last considered gets another round) "
         "(default: 2)",
+    )
+    parser.add_argument(
+        "--kv-pool-scope",
+        choices=KV_POOL_SCOPES,
+        default="host",
+        help="with --kv-pool on: host: one pool for this host's workers, which load what any "
+        "of them computed; worker: a pool of --kv-pool-gib beside each worker, as in "
+        "Kubernetes, where each pod runs its own store: a worker fetches what another's pool "
+        "holds over gRPC first (docs/kv-pool.md#across-hosts) (default: host)",
     )
     parser.add_argument(
         "--cpu-binding",
@@ -224,17 +234,9 @@ def run(args: argparse.Namespace) -> int:
         binds = [{OMP_BIND_ENV: share} for share in shares]
         pairs = zip(plan, shares, strict=True)
         say("cores per worker: " + ", ".join(f"{w.role} {share}" for w, share in pairs))
-    others, redis_group, pool, fork_server = [], 0, None, None
+    others, redis_group, pools, fork_server = [], 0, [], None
     try:
-        pooled = [w.wants_kv_pool for w in plan]
-        if any(pooled):
-            budget = int(args.kv_pool_gib * 2**30)
-            address, pool = local_services.start_kv_pool(log_dir / "kv-pool.log", budget)
-            plan = [
-                w.model_copy(update={"kv_pool_address": address}) if use else w
-                for use, w in zip(pooled, plan, strict=True)
-            ]
-            say(f"KV pool: {args.kv_pool_gib:g} GiB of host memory at {address}")
+        plan = _with_kv_pools(plan, args, log_dir, pools)
         if args.routers > 1:
             os.environ[PASSWORD_ENV] = secrets.token_urlsafe(24)  # the children inherit it
             url, redis_group = local_services.start_redis(
@@ -268,8 +270,25 @@ def run(args: argparse.Namespace) -> int:
             fork_server.close()
         if redis_group:
             stop_group(redis_group)
-        if pool is not None:
+        for pool in pools:
             stop_group(pool.pid, process=pool)
+
+
+def _with_kv_pools(plan: list, args, log_dir: Path, started: list) -> list:
+    """The plan's colocated and prefill workers with their KV pool's address, each store started
+    (and added to `started`, to be stopped): one for the host, or one per worker."""
+    budget = int(args.kv_pool_gib * 2**30)
+    pooled = [i for i, worker in enumerate(plan) if worker.wants_kv_pool]
+    groups = [pooled] if args.kv_pool_scope == "host" else [[i] for i in pooled]
+    plan = list(plan)
+    for number, group in enumerate(group for group in groups if group):
+        log_path = log_dir / (f"kv-pool-{number}.log" if len(groups) > 1 else "kv-pool.log")
+        address, process = local_services.start_kv_pool(log_path, budget)
+        started.append(process)
+        for i in group:
+            plan[i] = plan[i].model_copy(update={"kv_pool_address": address})
+        say(f"KV pool: {args.kv_pool_gib:g} GiB of host memory at {address} ({len(group)} workers)")
+    return plan
 
 
 def _start_other_routers(

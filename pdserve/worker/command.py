@@ -77,6 +77,7 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
     if receives and not kv_port:
         kv_port = free_port(settings.host, count=settings.engine.tensor_parallel_size)
     kv_address = f"{host}:{kv_port}" if receives else ""
+    metrics = WorkerMetrics()
     service = WorkerService(
         worker_id,
         settings.role,
@@ -86,9 +87,9 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
         settings.kv_transport,
         settings.kv_fault,
         settings.kv_pool_address if settings.pooled else "",
+        metrics,
     )
     settings = settings.model_copy(update={"advertise_host": host})
-    metrics = WorkerMetrics()
     metrics.follow_state(service)
     if settings.pooled:
         metrics.follow_kv_pool(settings.kv_pool_address, service.engine_stats)
@@ -165,6 +166,8 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
         await membership.leave()
         await membership.registry.close()
     await stop_serving(server, health, grace=2)
+    if service.pool_peers is not None:
+        await service.pool_peers.close()
     engine_processes = shm_leftovers.engine_processes()
     engine_shm = shm_leftovers.mapped_by([process.pid for process in engine_processes])
     engine.shutdown()

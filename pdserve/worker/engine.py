@@ -130,12 +130,21 @@ class EngineStats:
         self.step_costs = StepCostLearner()
         self.pool_load_seconds = 0.0  # copying blocks in from the host KV pool, all ranks
         self.pool_loaded_tokens = 0  # prompt tokens loaded from it
+        self.pool_fetch_seconds = 0.0  # fetching blocks from other hosts' pools into it
+        self.pool_fetched_tokens = 0  # prompt tokens fetched so
 
     def pool_load_seconds_per_token(self) -> float:
         """What loading a prompt token from the host KV pool has taken here (0: none yet)."""
         if not self.pool_loaded_tokens:
             return 0.0
         return self.pool_load_seconds / self.ranks / self.pool_loaded_tokens
+
+    def pool_fetch_seconds_per_token(self) -> float:
+        """What fetching a prompt token from another host's pool has taken here (0: none yet;
+        pdserve/worker/pool_peers.py)."""
+        if not self.pool_fetched_tokens:
+            return 0.0
+        return self.pool_fetch_seconds / self.pool_fetched_tokens
 
     def take_kv_transfer(self, transfer_id: str) -> dict | None:
         return self.kv_transfers.pop(transfer_id, None)

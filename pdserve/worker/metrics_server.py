@@ -72,16 +72,29 @@ class WorkerMetrics:
         self.kv_pool_hits = Counter(
             "pdserve_kv_pool_hits",
             "Prompt tokens this worker loaded from the KV pool instead of computing them, by "
-            "the pool's tier (host: the host's pool, kv_transfer/pool_store.py)",
+            "the pool's tier (host: the host's pool, kv_transfer/pool_store.py; peer: fetched "
+            "from another host's pool into this host's first, then loaded from it as host "
+            "hits, pdserve/worker/pool_peers.py)",
             ["tier"],
             registry=registry,
         )
         self.kv_pool_load_per_token = Gauge(
             "pdserve_kv_pool_load_seconds_per_token",
             "What loading a prompt token from the KV pool has taken on this worker, by tier "
-            "(0 until it loaded one): against pdserve_worker_prefill_seconds_per_token, what "
-            "the routers count a load as saving",
+            "(host: from this host's pool; peer: fetching it from another host's pool into "
+            "this one's, before that load; 0 until it loaded one): against "
+            "pdserve_worker_prefill_seconds_per_token, what the routers count a load as saving",
             ["tier"],
+            registry=registry,
+        )
+        self.kv_pool_fetch_failures = Counter(
+            "pdserve_kv_pool_fetch_failures",
+            "Fetches from another host's KV pool that brought less than the router named, by "
+            "why: timeout (slower than computing the tokens here), unreachable (the source "
+            "worker), refused (no pool there, or another model's), damaged (a block failed its "
+            "check: never loadable), evicted (the source no longer held them all); the rest "
+            "of the prompt is computed",
+            ["reason"],
             registry=registry,
         )
         self.prefill_per_token = Gauge(
@@ -95,9 +108,11 @@ class WorkerMetrics:
     def follow_kv_pool(self, address: str, stats) -> None:
         """The host pool's own figures (all its workers'), asked of its store at each scrape;
         this worker's hits from 0 (so a rate over them starts at its first scrape) and its load
-        time per token (`stats`: its EngineStats)."""
+        (host) and fetch (peer) time per token (`stats`: its EngineStats)."""
         self.kv_pool_hits.labels("host")
+        self.kv_pool_hits.labels("peer")
         self.kv_pool_load_per_token.labels("host").set_function(stats.pool_load_seconds_per_token)
+        self.kv_pool_load_per_token.labels("peer").set_function(stats.pool_fetch_seconds_per_token)
         self.registry.register(KvPoolCollector(PoolClient(address, namespace=None)))
 
     def follow_state(self, service) -> None:

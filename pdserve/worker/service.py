@@ -21,6 +21,7 @@ from pdserve.worker.chunks import to_chunk
 from pdserve.worker.engine import EngineStats
 from pdserve.worker.fan_out import fan_out
 from pdserve.worker.pool_contents import PoolContentsSource
+from pdserve.worker.pool_peers import PoolPeers
 from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 from pdserve.worker.protocol.status import ENGINE_FAILED, KV_TRANSFER_FAILED
 from pdserve.worker.sampling import choice_count, to_vllm_sampling
@@ -78,6 +79,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         kv_transport: str = AUTO_TRANSPORT,
         kv_fault: str = "",
         kv_pool: str = "",
+        metrics=None,
     ) -> None:
         from kv_transfer.transport import host_id
 
@@ -90,6 +92,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.kv_fault = kv_fault  # tests only: what the prefill legs started from now inject
         self.kv_pool = kv_pool  # the host KV pool's address, if its engine uses one
         self.pool_contents: PoolContentsSource | None = None  # once the engine runs
+        self.pool_peers: PoolPeers | None = None  # ... and the routers can name its blocks
+        self.metrics = metrics  # the worker's Prometheus series (None: tests that count none)
         self.host_id = host_id()
         self.device = ""
         self.max_num_seqs = 0
@@ -117,6 +121,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.kv_compatibility = compatibility_of(engine.vllm_config).fingerprint()
         if self.kv_pool:
             self.pool_contents = PoolContentsSource.of_engine(self.kv_pool, engine.vllm_config)
+        if self.pool_contents is not None:
+            source = self.pool_contents
+            self.pool_peers = PoolPeers(
+                self.kv_pool, source.block_size, source.none_hash, self.engine_stats, self.metrics
+            )
         self.state, self.state_message = State.READY, ""
 
     def engine_failed(self, message: str) -> None:
@@ -149,6 +158,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.active[request_id] = engine_ids
         self.awaiting_first_token[request_id] = _tokens_to_compute(request)
         try:
+            if request.HasField("pool_fetch") and self.pool_peers is not None:
+                await self.pool_peers.fetch(prompt["prompt_token_ids"], request.pool_fetch)
             samplings = [
                 to_vllm_sampling(
                     request.sampling, kv_extra_args(request, self.kv_fault) if i == 0 else None, i
@@ -269,6 +280,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             )
         return worker_pb2.CancelTransferReply()
 
+    async def ReadPoolBlocks(self, request, context):
+        """Another worker fetching a prompt's prefix from this host's KV pool."""
+        if self.pool_peers is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"worker {self.worker_id} has no KV pool"
+            )
+        async for chunk in self.pool_peers.serve(request, context):
+            yield chunk
+
     async def SetKvFault(self, request, context):
         """Tests only (a testing aid, as --kv-fault): the prefill legs this worker starts from
         now on inject `request.fault`."""
@@ -329,6 +349,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             decode_step_base_seconds=costs.decode_base_s,
             decode_step_seconds_per_sequence=costs.decode_s_per_sequence,
             kv_pool_load_seconds_per_token=stats.pool_load_seconds_per_token(),
+            kv_pool_fetch_seconds_per_token=stats.pool_fetch_seconds_per_token(),
         )
 
     async def Drain(self, request, context):

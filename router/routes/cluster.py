@@ -75,7 +75,12 @@ async def worker_stats(request: Request, fresh: bool = False):
     and this router's copy of each host KV pool's contents (router/pool_contents.py)."""
     rows = []
     for worker in request.app.state.pool.workers:
-        row = {"address": worker.address, "worker_id": worker.worker_id, "role": worker.role}
+        row = {
+            "address": worker.address,
+            "worker_id": worker.worker_id,
+            "role": worker.role,
+            "kv_pool": worker.kv_pool,  # its host KV pool's address ("": none)
+        }
         try:
             stats = await worker.stats(worker_pb2.StatsRequest(fresh=fresh))
             row.update(

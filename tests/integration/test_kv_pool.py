@@ -1,12 +1,15 @@
-"""The host KV pool (kv_transfer/pool_store.py) on a real cluster: `pdserve serve --colocated
---workers 2` with its pool and round-robin routing, so a conversation's next turn lands on the
-worker that did not compute its history.
+"""The KV pool (kv_transfer/pool_store.py) on a real cluster: `pdserve serve --colocated
+--workers 2 --kv-pool-scope worker`, a pool beside each worker as in Kubernetes (two hosts'
+pools, as far as the workers can tell), with round-robin routing, so a conversation's next turn
+lands on the worker that did not compute its history.
 
-That turn loads the history from the pool (the worker's pool-hit counter and the response's
-cached tokens say how much) and answers exactly as vLLM's offline engine; the router's copy of
-the pool's contents follows what the store holds (its stores, its evictions, its death); a
-block whose bytes were damaged in the pool is refused, counted and recomputed, never used; a
-workload larger than the pool stays within its byte budget; and killing the pool's store under
+That turn's worker fetches the history from the other worker's pool into its own over gRPC (the
+router named it: router/worker_pool.py's pool_fetch; pdserve/worker/pool_peers.py) and its
+engine loads it from there (the worker's pool-hit counters and the response's cached tokens say
+how much) and answers exactly as vLLM's offline engine; the router's copy of each pool's
+contents follows what its store holds (its stores, its evictions, its death); blocks whose
+bytes do not match their digest are refused by the engine, counted and recomputed, never used;
+a workload larger than the pools stays within their byte budgets; and killing the stores under
 load fails no request (the workers compute what they would have loaded).
 """
 
@@ -18,6 +21,9 @@ import httpx
 import pytest
 
 from kv_transfer.pool_client import PoolClient
+from kv_transfer.pool_copy import PoolMemory, key_tag
+from kv_transfer.pool_keys import block_keys
+from kv_transfer.pool_store import PEER
 from tests.integration.conftest import SERVED_MODEL, _stop_and_check, start_server
 from tests.integration.http_client import HTTP
 from tests.integration.processes import command_line, descendants
@@ -31,7 +37,7 @@ from tests.integration.prompts import (
 from tests.integration.test_worker_observability import metrics_url, scrape
 from tests.waiting import wait_for
 
-POOL_GIB = 0.1  # 18 SmolLM2 blocks (128 tokens of float32 KV: 5.6 MiB); the tests store ~26
+POOL_GIB = 0.1  # 18 SmolLM2 blocks (128 tokens of float32 KV: 5.6 MiB) a pool; the tests store ~26
 BLOCK_TOKENS = 128
 HISTORY_BLOCKS = 7  # POOL_TURNS[0] and POOL_FAULT_PROMPT: ~970 tokens
 
@@ -47,6 +53,8 @@ def pooled(smollm2_dir, tmp_path_factory):
         "round-robin",
         "--kv-pool-gib",
         str(POOL_GIB),
+        "--kv-pool-scope",
+        "worker",
     )
     yield server
     _stop_and_check(server)
@@ -66,15 +74,16 @@ def worker_samples(server) -> list[dict[str, float]]:
     return [scrape(metrics_url(server, "colocated", row["address"])) for row in server.workers()]
 
 
-def pool_hits(server) -> list[float]:
-    """Each worker's prompt tokens loaded from the pool."""
-    return [s.get('pdserve_kv_pool_hits_total{tier="host"}', 0.0) for s in worker_samples(server)]
+def pool_hits(server, tier: str = "host") -> list[float]:
+    """Each worker's prompt tokens loaded from its pool (host), or fetched into it from the
+    other's (peer)."""
+    name = f'pdserve_kv_pool_hits_total{{tier="{tier}"}}'
+    return [samples.get(name, 0.0) for samples in worker_samples(server)]
 
 
-def pool(server, name: str) -> float:
-    """One of the pool's own series (both workers export the same store's figures)."""
-    (samples, *_) = worker_samples(server)
-    return samples[f'pdserve_kv_pool_{name}{{tier="host"}}']
+def pools(server, name: str) -> list[float]:
+    """One of the pools' own series, each worker's (its own pool's)."""
+    return [s[f'pdserve_kv_pool_{name}{{tier="host"}}'] for s in worker_samples(server)]
 
 
 def offload(server, name: str) -> list[float]:
@@ -86,114 +95,146 @@ def offload(server, name: str) -> list[float]:
     ]
 
 
-def store_pid(server) -> int:
-    (pid,) = [
+def store_pids(server) -> list[int]:
+    return [
         pid
         for pid in descendants(server.process.pid)
         if "kv_transfer.pool_store" in command_line(pid)
     ]
-    return pid
 
 
 def stored_blocks(server) -> int:
-    return int(pool(server, "blocks"))
+    return int(sum(pools(server, "blocks")))
 
 
 def routers_copy(server) -> int:
-    """The blocks the router's copy of the pool holds (router/pool_contents.py), what it prices
-    loads on; 0 when it has none."""
-    pools = HTTP.get(f"{server.url}/pdserve/workers", timeout=30).json()["kv_pools"]
-    assert len(pools) <= 1, pools  # one host, one store
-    return sum(row["blocks"] for row in pools)
+    """The blocks the router's copies of the pools hold (router/pool_contents.py), what it
+    prices loads and fetches on; 0 when it has none."""
+    copies = HTTP.get(f"{server.url}/pdserve/workers", timeout=30).json()["kv_pools"]
+    assert len(copies) <= 2, copies  # a pool per worker
+    return sum(row["blocks"] for row in copies)
 
 
-def test_the_next_turn_on_the_other_worker_loads_the_history_and_answers_the_same(
+def test_the_next_turn_on_the_other_worker_fetches_the_history_and_answers_the_same(
     pooled, offline_reference
 ):
     expected = offline_reference["pool"]
-    before, bytes_before = pool_hits(pooled), offload(pooled, "load_bytes")
+    before, fetched_before = pool_hits(pooled), pool_hits(pooled, "peer")
+    bytes_before = offload(pooled, "load_bytes")
     first = complete(pooled, POOL_TURNS[0])
     assert first["choices"][0]["text"] == expected[0]["text"]
     wait_for(lambda: stored_blocks(pooled) >= HISTORY_BLOCKS, 30, "the first turn's blocks stored")
     wait_for(lambda: routers_copy(pooled) >= HISTORY_BLOCKS, 10, "the router's copy of the pool")
-    second = complete(pooled, POOL_TURNS[1])  # round-robin: the other worker
+    second = complete(pooled, POOL_TURNS[1])  # round-robin: the other worker, the other pool
     assert second["choices"][0]["text"] == expected[1]["text"]
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= HISTORY_BLOCKS * BLOCK_TOKENS
     gained = [after - was for after, was in zip(pool_hits(pooled), before, strict=True)]
     assert sorted(gained) == [0, cached], f"pool hits per worker: {gained}"
+    loader = gained.index(cached)
+    fetched = [a - b for a, b in zip(pool_hits(pooled, "peer"), fetched_before, strict=True)]
+    assert fetched[loader] == cached and fetched[1 - loader] == 0, fetched
     # vLLM's own transfer series count the same load, in the pool's block size
-    block_bytes = pool(pooled, "bytes") / pool(pooled, "blocks")
+    block_bytes = pools(pooled, "bytes")[loader] / pools(pooled, "blocks")[loader]
     loaded = offload(pooled, "load_bytes")
     loaded = [after - was for after, was in zip(loaded, bytes_before, strict=True)]
     assert sorted(loaded) == [0, cached / BLOCK_TOKENS * block_bytes], loaded
-    # what a load took per token, which the routers weigh against computing one (its Stats)
-    load_per_token = 'pdserve_kv_pool_load_seconds_per_token{tier="host"}'
+    # what a fetch and a load took per token, which the routers weigh against computing one
+    per_token = "pdserve_kv_pool_load_seconds_per_token"
 
-    def once_a_load_is_timed() -> list[dict] | None:
-        samples = worker_samples(pooled)
-        return samples if max(w[load_per_token] for w in samples) > 0 else None
+    def once_timed() -> dict | None:
+        samples = worker_samples(pooled)[loader]
+        return samples if samples[f'{per_token}{{tier="host"}}'] > 0 else None
 
-    samples = wait_for(once_a_load_is_timed, 10, "the loading worker's load time per token")
-    loads = sorted(w[load_per_token] for w in samples)
-    compute = max(w["pdserve_worker_prefill_seconds_per_token"] for w in samples)
-    assert loads[0] == 0 and 0 < loads[1] < compute / 10, (loads, compute)
+    samples = wait_for(once_timed, 10, "the loading worker's load time per token")
+    load = samples[f'{per_token}{{tier="host"}}']
+    fetch = samples[f'{per_token}{{tier="peer"}}']
+    compute = max(w["pdserve_worker_prefill_seconds_per_token"] for w in worker_samples(pooled))
+    assert 0 < load < compute / 10 and 0 < fetch < compute / 2, (load, fetch, compute)
 
 
-def test_a_damaged_block_in_the_pool_is_dropped_counted_and_recomputed(pooled, offline_reference):
+def test_blocks_that_fail_their_digest_are_refused_counted_and_recomputed(
+    pooled, offline_reference
+):
+    """Blocks of a prompt no worker computed yet, written into both pools with their right key
+    and wrong bytes (as a writer dying mid-copy, or damaged memory, would leave them): whichever
+    worker gets the prompt finds them in its pool, its engine refuses them on their digest,
+    they are dropped and counted, and the prompt is computed."""
     expected = offline_reference["pool"][2]
-    first = complete(pooled, POOL_FAULT_PROMPT)  # computed and stored by one worker
-    assert first["choices"][0]["text"] == expected["text"]
-    wait_for(
-        lambda: pool(pooled, "dropped_total") == 0 and stored_blocks(pooled) >= 2 * HISTORY_BLOCKS,
-        30,
-        "the prompt's blocks stored",
-    )
-    damage_every_slot(pooled)
-    again = complete(pooled, POOL_FAULT_PROMPT)  # the other worker: loads, refuses, computes
+    token_ids = HTTP.post(
+        f"{pooled.url}/tokenize",
+        json={"model": SERVED_MODEL, "prompt": POOL_FAULT_PROMPT},
+        timeout=30,
+    ).json()["tokens"]
+    keys = list(block_keys(token_ids, BLOCK_TOKENS, vllm_none_hash()))
+    assert len(keys) >= HISTORY_BLOCKS
+    for address in store_addresses(pooled):
+        write_damaged(address, keys)
+    dropped_before = sum(pools(pooled, "dropped_total"))
+    again = complete(pooled, POOL_FAULT_PROMPT)
     assert again["choices"][0]["text"] == expected["text"]
-    assert pool(pooled, "dropped_total") >= HISTORY_BLOCKS
+    assert sum(pools(pooled, "dropped_total")) - dropped_before >= len(keys)
 
 
-def damage_every_slot(server) -> None:
-    """Flip a byte in every slot of the pool's memory, as a client of the store would see it
-    (the store hands its memory to any client of the workers' namespace)."""
-    address = store_address(server)
-    stats = PoolClient(address, namespace=None).call("stats")
-    client = PoolClient(address, stats["namespace"], stats["slot_bytes"])
+def vllm_none_hash() -> bytes:
+    """The first block's parent in vLLM's sha256 block hash, as the workers' engines have it
+    (PYTHONHASHSEED, when set, is theirs too: they inherit this environment)."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import resolve_none_hash_seed
+
+    return sha256(resolve_none_hash_seed(sha256))
+
+
+def write_damaged(address: str, keys: list[bytes]) -> None:
+    """Store `keys` in the pool at `address` as loadable, each slot's header naming its key and
+    a digest its bytes do not have (the store hands its memory to any client of its user)."""
+    client = PoolClient(address, PEER)
     assert client.connected()
-    for slot in range(client.slots):
-        client.memory[client.header_bytes + slot * client.slot_bytes + 1000] ^= 0xFF
+    stored = client.call("prepare_store", keys)["stored"]
+    assert [bytes.fromhex(key) for key in stored["keys"]] == keys, "a key was stored already"
+    memory = PoolMemory.over(client.memory, client.header_bytes, client.slots, client.parts)
+    for key, slot in zip(keys, stored["slots"], strict=True):
+        memory.slots[slot].fill_(7)
+        for part in range(client.parts):
+            memory.headers[slot, part, 0] = key_tag(key)
+            memory.headers[slot, part, 1] = 12345
+    client.call("complete_store", keys, success=True)
     client.close()
 
 
-def store_address(server) -> str:
-    """The store's address, from its command line (`--address @name`)."""
-    words = command_line(store_pid(server))
-    return words[words.index("--address") + 1]
+def store_addresses(server) -> list[str]:
+    """The workers' pools' addresses (`--address @name` on each store's command line)."""
+    addresses = []
+    for pid in store_pids(server):
+        words = command_line(pid)
+        addresses.append(words[words.index("--address") + 1])
+    assert sorted(addresses) == sorted(row["kv_pool"] for row in server.workers())
+    return addresses
 
 
-def test_a_workload_larger_than_the_pool_stays_within_its_budget(pooled, offline_reference):
+def test_a_workload_larger_than_the_pools_stays_within_their_budgets(pooled, offline_reference):
     for prompt, expected in zip(
         DISAGGREGATED_PROMPTS, offline_reference["disaggregated"], strict=True
     ):
         reply = complete(pooled, prompt, DISAGGREGATED_MAX_TOKENS)
         assert reply["choices"][0]["text"] == expected["text"]
-    capacity = pool(pooled, "capacity_bytes")
-    assert capacity <= POOL_GIB * 2**30
-    wait_for(lambda: pool(pooled, "evictions_total") > 0, 30, "blocks evicted to make room")
-    assert pool(pooled, "bytes") <= capacity
-    # the router's copy follows the evictions: it holds what the store holds
+    capacities = pools(pooled, "capacity_bytes")
+    assert max(capacities) <= POOL_GIB * 2**30
+    wait_for(lambda: sum(pools(pooled, "evictions_total")) > 0, 30, "blocks evicted for room")
+    assert all(used <= cap for used, cap in zip(pools(pooled, "bytes"), capacities, strict=True))
+    # the router's copies follow the evictions: they hold what the stores hold
     wait_for(
-        lambda: routers_copy(pooled) == stored_blocks(pooled), 10, "the copy equal to the store"
+        lambda: routers_copy(pooled) == stored_blocks(pooled), 10, "the copies equal the stores"
     )
 
 
-def test_killing_the_store_under_load_fails_no_request(pooled, offline_reference):
-    """Six requests at once; the store is killed once one of them has been answered (the others
-    are then being computed, stored or loaded): every request is answered, as vLLM would."""
+def test_killing_the_stores_under_load_fails_no_request(pooled, offline_reference):
+    """Six requests at once; both stores are killed once one of them has been answered (the
+    others are then being computed, stored, fetched or loaded): every request is answered, as
+    vLLM would."""
     prompts = [f"Request {i}. " + POOL_TURNS[i % 2] for i in range(6)]
-    victim = store_pid(pooled)
+    victims = store_pids(pooled)
+    assert len(victims) == 2
 
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=300) as client:
@@ -212,7 +253,8 @@ def test_killing_the_store_under_load_fails_no_request(pooled, offline_reference
                 for prompt in prompts
             ]
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            os.kill(victim, signal.SIGKILL)
+            for victim in victims:
+                os.kill(victim, signal.SIGKILL)
             return [await task for task in tasks]
 
     replies = asyncio.run(run())
@@ -220,4 +262,4 @@ def test_killing_the_store_under_load_fails_no_request(pooled, offline_reference
     again = complete(pooled, POOL_TURNS[0])
     assert again["choices"][0]["text"] == offline_reference["pool"][0]["text"]
     assert all('pdserve_kv_pool_bytes{tier="host"}' not in s for s in worker_samples(pooled))
-    wait_for(lambda: routers_copy(pooled) == 0, 10, "the router's copy of a dead store dropped")
+    wait_for(lambda: routers_copy(pooled) == 0, 10, "the router's copies of dead stores dropped")

@@ -15,8 +15,9 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.request import Request
 
+from kv_transfer.pool_keys import block_keys
 from pdserve.worker.protocol import worker_pb2
-from router.pool_contents import PoolContents, block_keys
+from router.pool_contents import PoolContents
 
 BLOCK = 16
 PROMPT = list(range(500, 500 + 5 * BLOCK + 7))  # 5 whole blocks and a partial one

@@ -17,7 +17,7 @@ from pdserve.worker.protocol import worker_pb2
 from router.accounting import timing_breakdown
 from router.errors import OpenAIError, invalid_request, worker_unavailable
 from router.metrics import RouterMetrics
-from router.policies import POOL_LOAD_SAVES, CacheAware, RoundRobin
+from router.policies import PEER_FETCH_SAVES, POOL_LOAD_SAVES, CacheAware, RoundRobin
 from router.pool_contents import block_keys
 from router.request_flow import RequestFlow
 from router.request_run import Admitted, RequestRun
@@ -574,7 +574,8 @@ def test_a_prefill_worker_is_priced_as_loading_what_its_host_pool_holds():
     """Two prefill workers sharing a host KV pool whose store reported it holds a prompt's
     first two blocks: each one's price counts most of them as loaded (router/policies.py's
     reusable_tokens, whatever the policy), on top of its own cache; a worker of another host's
-    pool loads none of it, and a decode worker (in no pool) has its own cache only."""
+    pool would fetch them first (counted at what a fetch saves, and told where to fetch them
+    from), and a decode worker (in no pool) has its own cache only."""
     computed, mate, stranger, decode = (
         first_token("prefill-a"),
         first_token("prefill-b"),
@@ -599,8 +600,49 @@ def test_a_prefill_worker_is_priced_as_loading_what_its_host_pool_holds():
     own = pool.cached_tokens(computed, prompt)
     assert own == 256 and pool.reusable_tokens(computed, prompt) == own
     assert pool.reusable_tokens(mate, prompt) == int(POOL_LOAD_SAVES * 256)
-    assert pool.reusable_tokens(stranger, prompt) == 0
+    assert pool.reusable_tokens(stranger, prompt) == int(PEER_FETCH_SAVES * 256)
     assert pool.reusable_tokens(decode, prompt) == 0
     round_robin = WorkerPool([], RoundRobin())
     round_robin.workers, round_robin.pool_contents = pool.workers, pool.pool_contents
     assert round_robin.reusable_tokens(computed, prompt) == int(POOL_LOAD_SAVES * 256)
+    # where each would fetch from: only the other host's worker, from a worker of this pool
+    fetch = pool.pool_fetch(stranger, prompt)
+    assert fetch.source in (computed.address, mate.address) and fetch.tokens == 256
+    assert pool.pool_fetch(mate, prompt) is None and pool.pool_fetch(decode, prompt) is None
+    # ... and not when its fetches were measured slower than computing the tokens
+    stranger.load.report = worker_pb2.StatsReply(
+        prefill_seconds_per_token=1e-3,
+        kv_pool_load_seconds_per_token=1e-4,
+        kv_pool_fetch_seconds_per_token=2e-3,
+    )
+    assert pool.pool_fetch(stranger, prompt) is None
+    assert pool.reusable_tokens(stranger, prompt) == 0
+    # ... nor from a worker whose KV its engine could not use
+    stranger.load.report = None
+    computed.kv_compatibility = mate.kv_compatibility = "another model"
+    assert pool.pool_fetch(stranger, prompt) is None
+
+
+def test_the_worker_computing_a_prompt_is_told_to_fetch_what_another_hosts_pool_holds():
+    """The prefill leg goes to a worker whose host KV pool lacks the prompt's first two blocks,
+    which another host's pool holds: its request names that pool's worker and the tokens to
+    fetch (pdserve/worker/pool_peers.py); the decode leg, which computes nothing, names none."""
+    fetching, source, decode = first_token("prefill-a"), first_token("prefill-b"), answering("d")
+    fetching.kv_pool, fetching.host_id = "@pool", "host-1"
+    source.kv_pool, source.host_id = "@pool", "host-2"
+    pool = WorkerPool([], RoundRobin())
+    pool.workers = [fetching, source, decode]
+    prompt = list(range(1000, 1300))
+    none_hash = b"n" * 32
+    held = list(block_keys(prompt, 128, none_hash))[:2]
+    pool.pool_contents.update(
+        source,
+        worker_pb2.KvPoolContents(
+            store_id="s", sequence=2, reset=True, added=held, block_size=128, none_hash=none_hash
+        ),
+    )
+    flow = RequestFlow(RouterSettings(model="m"), pool, None, RouterMetrics())
+    disaggregated(flow, prompt, "turn-1")
+    (leg,) = fetching.requests
+    assert leg.pool_fetch == worker_pb2.PoolFetch(source=source.address, tokens=256)
+    assert not decode.requests[0].HasField("pool_fetch")

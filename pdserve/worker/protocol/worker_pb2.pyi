@@ -58,16 +58,46 @@ class KvTransfer(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., send_to: _Optional[str] = ..., receive_timeout_s: _Optional[float] = ..., kv_tokens: _Optional[int] = ..., peer_tensor_parallel_size: _Optional[int] = ..., transport: _Optional[str] = ..., skip_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv", "pool_fetch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
+    POOL_FETCH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     kv: KvTransfer
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KvTransfer, _Mapping]] = ...) -> None: ...
+    pool_fetch: PoolFetch
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KvTransfer, _Mapping]] = ..., pool_fetch: _Optional[_Union[PoolFetch, _Mapping]] = ...) -> None: ...
+
+class PoolFetch(_message.Message):
+    __slots__ = ("source", "tokens")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    tokens: int
+    def __init__(self, source: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class PoolBlocksRequest(_message.Message):
+    __slots__ = ("namespace", "keys")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PoolBlockChunk(_message.Message):
+    __slots__ = ("block", "offset", "data", "header")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    block: int
+    offset: int
+    data: bytes
+    header: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., header: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RequestTiming(_message.Message):
     __slots__ = ("queued_seconds", "prefill_seconds", "decode_seconds")
@@ -234,7 +264,7 @@ class KvPoolContents(_message.Message):
     def __init__(self, store_id: _Optional[str] = ..., since: _Optional[int] = ..., sequence: _Optional[int] = ..., reset: _Optional[bool] = ..., added: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ..., none_hash: _Optional[bytes] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("worker_id", "running_requests", "waiting_requests", "kv_blocks_used", "kv_blocks_total", "outstanding_prefill_tokens", "prefill_seconds_per_token", "decode_step_base_seconds", "decode_step_seconds_per_sequence", "prefilling_requests", "kv_pool_contents", "kv_pool_load_seconds_per_token")
+    __slots__ = ("worker_id", "running_requests", "waiting_requests", "kv_blocks_used", "kv_blocks_total", "outstanding_prefill_tokens", "prefill_seconds_per_token", "decode_step_base_seconds", "decode_step_seconds_per_sequence", "prefilling_requests", "kv_pool_contents", "kv_pool_load_seconds_per_token", "kv_pool_fetch_seconds_per_token")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +277,7 @@ class StatsReply(_message.Message):
     PREFILLING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_POOL_CONTENTS_FIELD_NUMBER: _ClassVar[int]
     KV_POOL_LOAD_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_FETCH_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     running_requests: int
     waiting_requests: int
@@ -259,7 +290,8 @@ class StatsReply(_message.Message):
     prefilling_requests: int
     kv_pool_contents: KvPoolContents
     kv_pool_load_seconds_per_token: float
-    def __init__(self, worker_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., outstanding_prefill_tokens: _Optional[int] = ..., prefill_seconds_per_token: _Optional[float] = ..., decode_step_base_seconds: _Optional[float] = ..., decode_step_seconds_per_sequence: _Optional[float] = ..., prefilling_requests: _Optional[int] = ..., kv_pool_contents: _Optional[_Union[KvPoolContents, _Mapping]] = ..., kv_pool_load_seconds_per_token: _Optional[float] = ...) -> None: ...
+    kv_pool_fetch_seconds_per_token: float
+    def __init__(self, worker_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., outstanding_prefill_tokens: _Optional[int] = ..., prefill_seconds_per_token: _Optional[float] = ..., decode_step_base_seconds: _Optional[float] = ..., decode_step_seconds_per_sequence: _Optional[float] = ..., prefilling_requests: _Optional[int] = ..., kv_pool_contents: _Optional[_Union[KvPoolContents, _Mapping]] = ..., kv_pool_load_seconds_per_token: _Optional[float] = ..., kv_pool_fetch_seconds_per_token: _Optional[float] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("grace_seconds", "timeout_seconds")

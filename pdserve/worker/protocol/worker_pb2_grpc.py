@@ -69,6 +69,11 @@ class WorkerStub:
                 request_serializer=worker__pb2.KvFault.SerializeToString,
                 response_deserializer=worker__pb2.KvFault.FromString,
                 _registered_method=True)
+        self.ReadPoolBlocks = channel.unary_stream(
+                '/pdserve.worker.v1.Worker/ReadPoolBlocks',
+                request_serializer=worker__pb2.PoolBlocksRequest.SerializeToString,
+                response_deserializer=worker__pb2.PoolBlockChunk.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -126,6 +131,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadPoolBlocks(self, request, context):
+        """Another worker fetching a prompt's prefix from this worker's host KV pool: the leading
+        blocks of those asked for that the pool holds, chunk by chunk (kv_transfer/pool_peer.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -163,6 +176,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.SetKvFault,
                     request_deserializer=worker__pb2.KvFault.FromString,
                     response_serializer=worker__pb2.KvFault.SerializeToString,
+            ),
+            'ReadPoolBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadPoolBlocks,
+                    request_deserializer=worker__pb2.PoolBlocksRequest.FromString,
+                    response_serializer=worker__pb2.PoolBlockChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +372,33 @@ class Worker:
             '/pdserve.worker.v1.Worker/SetKvFault',
             worker__pb2.KvFault.SerializeToString,
             worker__pb2.KvFault.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadPoolBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.worker.v1.Worker/ReadPoolBlocks',
+            worker__pb2.PoolBlocksRequest.SerializeToString,
+            worker__pb2.PoolBlockChunk.FromString,
             options,
             channel_credentials,
             insecure,
