@@ -3,6 +3,9 @@
 - `--compare pool` (default): the host KV pool (docs/kv-pool.md) off and on, `--workers`
   colocated workers (default 2) with round-robin routing, so a conversation's next turn often
   lands on a worker that did not compute its history (the more workers, the more often);
+- `--compare peer`: as `pool`, but with a pool beside each worker (`serve --kv-pool-scope
+  worker`, as on Kubernetes), so a later turn's worker fetches the history from the pool of the
+  worker that computed it (docs/kv-pool.md#across-hosts);
 - `--compare decode-reuse`: 1P1D with every prompt disaggregated and no pool, the router's
   policy round-robin (off: the prefill worker sends every block) or cache-aware (on: only the
   blocks the decode worker does not hold from the turn before: docs/architecture.md).
@@ -10,7 +13,7 @@
     python scripts/bench_kv_pool.py [--compare pool|decode-reuse] [--repeats 3]
         [--conversations 12] [--turns 4] [--concurrency 4] [--think-time 1] [--input-len 256]
         [--first-input-len N] [--output-len 32] [--workers 2] [--kv-cache-gib 0.5]
-        [--max-model-len N]
+        [--max-model-len N] [--kv-pool-gib G]
         [--trace FILE --trace-block-size 16] [--output-dir DIR] [--output-json FILE]
 
 Each round starts `pdserve serve` in each configuration (its logs under
@@ -61,6 +64,13 @@ COMPARISONS = {
         ["--colocated", "--policy", "round-robin"],
         {"off": ["--kv-pool", "off"], "on": ["--kv-pool", "on"]},
     ),
+    "peer": (
+        "colocated workers (--workers), round-robin; no KV pool, and a pool beside each worker "
+        "(as each Kubernetes pod has), the workers fetching what another's pool holds",
+        (0, 1),
+        ["--colocated", "--policy", "round-robin"],
+        {"off": ["--kv-pool", "off"], "on": ["--kv-pool", "on", "--kv-pool-scope", "worker"]},
+    ),
     "decode-reuse": (
         "1P1D, every prompt disaggregated, no KV pool; off: round-robin (every block sent), "
         "on: cache-aware (only the blocks the decode worker lacks)",
@@ -100,9 +110,10 @@ def main() -> int:
     add("--input-len", default="256", help="tokens of each new user message (default 256)")
     add("--first-input-len", help="tokens of each first message (default: as --input-len)")
     add("--output-len", default="32", help="tokens of each reply, ignore_eos (default 32)")
-    add("--workers", type=int, default=2, help="--compare pool: colocated workers (default 2)")
+    add("--workers", type=int, default=2, help="--compare pool or peer: colocated workers (default 2)")
     add("--kv-cache-gib", type=float, default=0.5, help="each worker's KV cache (default 0.5)")
     add("--max-model-len", type=int, help="each engine's context (default: the model's)")
+    add("--kv-pool-gib", type=float, help="each KV pool's memory (default: serve's, 2)")
     add("--seed", type=int, default=0, help="prompts and think times, the same in every run")
     add("--ready-timeout", type=float, default=600, help="s a server may take to start")
     add("--bench-timeout", type=float, default=900, help="s one bench run may take in all")
@@ -149,9 +160,11 @@ def one_run(number: int, pool: str, model_dir: Path, folder: Path, args) -> dict
     name = f"[round {number + 1}/{args.repeats}, {args.compare} {pool}]"
     _, (prefill, decode), every, configs = COMPARISONS[args.compare]
     serve_args = [*every, *configs[pool], "--kv-cache-gib", str(args.kv_cache_gib)]
-    if args.compare == "pool":
+    if args.compare in ("pool", "peer"):
         serve_args += ["--workers", str(args.workers)]
     serve_args += ["--served-model-name", MODEL]
+    if args.kv_pool_gib:
+        serve_args += ["--kv-pool-gib", str(args.kv_pool_gib)]
     if args.max_model_len:  # a KV cache too small for the model's whole context needs it
         serve_args += ["--max-model-len", str(args.max_model_len)]
     say(f"{name} starting the server (logs: {folder})")
