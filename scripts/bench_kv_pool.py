@@ -110,7 +110,7 @@ def main() -> int:
     add("--input-len", default="256", help="tokens of each new user message (default 256)")
     add("--first-input-len", help="tokens of each first message (default: as --input-len)")
     add("--output-len", default="32", help="tokens of each reply, ignore_eos (default 32)")
-    add("--workers", type=int, default=2, help="--compare pool or peer: colocated workers (default 2)")
+    add("--workers", type=int, default=2, help="pool, peer: colocated workers (default 2)")
     add("--kv-cache-gib", type=float, default=0.5, help="each worker's KV cache (default 0.5)")
     add("--max-model-len", type=int, help="each engine's context (default: the model's)")
     add("--kv-pool-gib", type=float, help="each KV pool's memory (default: serve's, 2)")
