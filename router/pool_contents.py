@@ -28,12 +28,48 @@ class PoolCopy:
     none_hash: bytes = b""
 
 
+class PromptKeys:
+    """A prompt's block keys for one block size and first parent, computed as far as asked (a
+    pool that lacks the first block costs one hash, whatever the prompt's length)."""
+
+    def __init__(self, prompt: tuple[int, ...], block_size: int, none_hash: bytes):
+        self._more = block_keys(list(prompt), block_size, none_hash)
+        self._known: list[bytes] = []
+
+    def key(self, index: int) -> bytes | None:
+        """The key of block `index`, None past the prompt's last whole block."""
+        while len(self._known) <= index:
+            key = next(self._more, None)
+            if key is None:
+                return None
+            self._known.append(key)
+        return self._known[index]
+
+
+@dataclass
+class AskedPrompt:
+    """The last prompt asked about: what each pool holds of it, and its keys, computed once
+    for every pool of one block size and first parent (all pools of one model)."""
+
+    prompt: tuple[int, ...] = ()
+    held: dict[tuple[str, str], int] = field(default_factory=dict)
+    _keys: dict[tuple[int, bytes], PromptKeys] = field(default_factory=dict)
+
+    def keys(self, block_size: int, none_hash: bytes) -> PromptKeys:
+        found = self._keys.get((block_size, none_hash))
+        if found is None:
+            found = self._keys[block_size, none_hash] = PromptKeys(
+                self.prompt, block_size, none_hash
+            )
+        return found
+
+
 class PoolContents:
     def __init__(self) -> None:
         self._pools: dict[tuple[str, str], PoolCopy] = {}
-        # The last prompt asked about, and what each pool holds of it: a request asks once per
-        # candidate and again for the path's price.
-        self._asked: tuple[tuple[int, ...], dict[tuple[str, str], int]] = ((), {})
+        # The last prompt asked about and what each pool holds of it: a request asks of every
+        # pool (where to fetch from), once per candidate, and again for the path's price.
+        self._asked = AskedPrompt()
 
     @staticmethod
     def _name(worker: WorkerClient) -> tuple[str, str]:
@@ -67,13 +103,13 @@ class PoolContents:
             return
         copy.store_id, copy.sequence = contents.store_id, contents.sequence
         copy.block_size, copy.none_hash = contents.block_size, contents.none_hash
-        self._asked = ((), {})  # what each pool holds of the last prompt may have changed
+        self._asked = AskedPrompt()  # what each pool holds of the last prompt may have changed
 
     def lost(self, worker: WorkerClient) -> None:
         """`worker` could not say what its pool holds (its store is gone or hung): the copy
         goes, and the next answer starts a new one."""
         if self._pools.pop(self._name(worker), None) is not None:
-            self._asked = ((), {})
+            self._asked = AskedPrompt()
 
     def loadable_tokens(self, worker: WorkerClient, prompt: list[int]) -> int:
         """Of `prompt`, the leading tokens `worker`'s host KV pool holds (0: no pool, or none
@@ -83,16 +119,15 @@ class PoolContents:
         if copy is None or not copy.keys or not copy.block_size:
             return 0
         asked = tuple(prompt)
-        if asked != self._asked[0]:
-            self._asked = (asked, {})
-        held = self._asked[1].get(name)
+        if asked != self._asked.prompt:
+            self._asked = AskedPrompt(asked)
+        held = self._asked.held.get(name)
         if held is None:
-            held = 0
-            for key in block_keys(prompt, copy.block_size, copy.none_hash):
-                if key not in copy.keys:
-                    break
-                held += copy.block_size
-            self._asked[1][name] = held
+            keys = self._asked.keys(copy.block_size, copy.none_hash)
+            blocks = 0
+            while (key := keys.key(blocks)) is not None and key in copy.keys:
+                blocks += 1
+            held = self._asked.held[name] = blocks * copy.block_size
         return held
 
     def view(self) -> list[dict]:

@@ -92,8 +92,8 @@ class WorkerMetrics:
             "Fetches from another host's KV pool that brought less than the router named, by "
             "why: timeout (slower than computing the tokens here), unreachable (the source "
             "worker), refused (no pool there, or another model's), damaged (a block failed its "
-            "check: never loadable), evicted (the source no longer held them all); the rest "
-            "of the prompt is computed",
+            "check: never loadable), evicted (the source no longer held them all), error (a bug: "
+            "logged); the rest of the prompt is computed",
             ["reason"],
             registry=registry,
         )

@@ -59,9 +59,11 @@ class PoolPeers:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"this pool holds {self.client.pool_namespace}, not {request.namespace}",
             )
+        # On this loop, not a thread: a chunk is a copy of at most 4 MiB, and a cancelled call
+        # must close the generator (which unpins the blocks) while nothing else runs it.
         chunks = read_blocks(self.client, list(request.keys))
         try:
-            while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+            for chunk in chunks:
                 yield worker_pb2.PoolBlockChunk(
                     block=chunk.block, offset=chunk.offset, data=chunk.data, header=chunk.header
                 )
@@ -76,11 +78,11 @@ class PoolPeers:
                 block_keys(prompt, self.block_size, self.none_hash), fetch.tokens // self.block_size
             )
         )
-        if not keys or not self.client.connected():
+        if not keys or not await asyncio.to_thread(self.client.connected):
             return 0
         started = time.monotonic()
         writer = BlockWriter(self.client, keys)
-        reason = ""
+        reason, call = "", None
         try:
             if writer.wanted:
                 call = self._stub(fetch.source).ReadPoolBlocks(
@@ -106,7 +108,12 @@ class PoolPeers:
         except Damaged as error:
             reason = "damaged"
             log.warning("KV pool fetch from %s: a damaged block (%s)", fetch.source, error)
+        except Exception:  # an optimisation's bug must not fail the request: it computes
+            reason = "error"
+            log.exception("KV pool fetch from %s failed", fetch.source)
         finally:
+            if call is not None:
+                call.cancel()  # ends the source's stream (and its pins) if it is still open
             fetched = writer.finish() * self.block_size
             self._count(fetched, time.monotonic() - started, reason)
         return fetched

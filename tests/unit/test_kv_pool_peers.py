@@ -32,6 +32,7 @@ from pdserve.worker.pool_peers import PoolPeers
 from pdserve.worker.processes import free_port, stop_group
 from pdserve.worker.protocol import GRPC_OPTIONS, worker_pb2, worker_pb2_grpc
 from pdserve.worker.service import WorkerService
+from tests.waiting import wait_for
 
 SLOT = 4096  # one block's bytes (two pages of 2 KiB, as a cache of two tensors)
 SLOTS = 4
@@ -59,7 +60,7 @@ def stores():
 def engine(address: str, namespace: str = NAMESPACE) -> PoolClient:
     """An engine's connection, which sets what its pool holds."""
     client = PoolClient(address, namespace, SLOT)
-    assert client.connected()
+    wait_for(client.connected, 10, "the store's hello")  # within its back-off, on a busy host
     return client
 
 
