@@ -73,17 +73,14 @@ class PoolPeers:
     async def fetch(self, prompt: list[int], fetch: worker_pb2.PoolFetch) -> int:
         """Fetch the prompt's leading blocks that `fetch.source`'s pool holds and this one
         lacks; the prompt tokens now in this pool because of it."""
-        keys = list(
-            islice(
-                block_keys(prompt, self.block_size, self.none_hash), fetch.tokens // self.block_size
-            )
-        )
+        blocks = fetch.tokens // self.block_size
+        keys = list(islice(block_keys(prompt, self.block_size, self.none_hash), blocks))
         if not keys or not await asyncio.to_thread(self.client.connected):
             return 0
         started = time.monotonic()
-        writer = BlockWriter(self.client, keys)
-        reason, call = "", None
+        reason, call, writer = "", None, None
         try:
+            writer = BlockWriter(self.client, keys)
             if writer.wanted:
                 call = self._stub(fetch.source).ReadPoolBlocks(
                     worker_pb2.PoolBlocksRequest(
@@ -114,7 +111,7 @@ class PoolPeers:
         finally:
             if call is not None:
                 call.cancel()  # ends the source's stream (and its pins) if it is still open
-            fetched = writer.finish() * self.block_size
+            fetched = writer.finish() * self.block_size if writer is not None else 0
             self._count(fetched, time.monotonic() - started, reason)
         return fetched
 
@@ -126,6 +123,8 @@ class PoolPeers:
         return max(MIN_FETCH_S, per_token * blocks * self.block_size)
 
     def _count(self, tokens: int, seconds: float, reason: str) -> None:
+        """A fetch's figures; its time counts towards the time per token only when it brought
+        some (a fetch that timed out with none cost at most its budget: computing them)."""
         if tokens:
             self.stats.pool_fetch_seconds += seconds
             self.stats.pool_fetched_tokens += tokens
