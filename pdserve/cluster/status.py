@@ -127,7 +127,7 @@ def _table(report: dict) -> str:
         f"cluster {report['name']}: router {report['router']}  ray {report['ray']}  "
         f"registry {report['registry']}",
         f"{'worker':<11} {'role':<12} {'state':<12} {'address':<21} {'node':<14} "
-        f"{'GPUs':<6} {'run':>4} {'wait':>4} {'KV blocks':>11} {'µs/token load/compute':>21}",
+        f"{'GPUs':<6} {'run':>4} {'wait':>4} {'KV blocks':>11} {'µs/token fetch/load/compute':>27}",
     ]
     for row in sorted(report["workers"], key=lambda r: (r["role"], r["worker"])):
         load = row["load"] or {}
@@ -137,7 +137,7 @@ def _table(report: dict) -> str:
             f"{row['worker']:<11} {role:<12} {row['state']:<12} "
             f"{row['address']:<21} {row['node'][:12]:<14} "
             f"{','.join(row['gpu_ids']) or '-':<6} {load.get('running_requests', '-'):>4} "
-            f"{load.get('waiting_requests', '-'):>4} {kv:>11} {_per_token(load):>21}"
+            f"{load.get('waiting_requests', '-'):>4} {kv:>11} {_per_token(load):>27}"
         )
     for pool in report["kv_pools"]:
         lines.append(_kv_pool_line(pool))
@@ -166,15 +166,17 @@ def _table(report: dict) -> str:
 
 
 def _per_token(load: dict) -> str:
-    """A prompt token's load from the host KV pool against its compute, in µs, as the worker
-    measured them (what the routers count a load as saving: docs/kv-pool.md#routing)."""
+    """A prompt token's fetch from another host's KV pool and load from its own against its
+    compute, in µs, as the worker measured them (what the routers count a fetch and a load as
+    saving: docs/kv-pool.md#routing)."""
 
     def us(seconds: float) -> str:
         return f"{seconds * 1e6:.0f}" if seconds else "-"
 
     if not load:
         return "-"
-    return f"{us(load['kv_pool_load_seconds_per_token'])}/{us(load['prefill_seconds_per_token'])}"
+    names = ("kv_pool_fetch", "kv_pool_load", "prefill")
+    return "/".join(us(load.get(f"{name}_seconds_per_token", 0.0)) for name in names)
 
 
 def _kv_pool_line(pool: dict) -> str:

@@ -79,4 +79,5 @@ def load_of(stats_reply) -> RecordedLoad:
         outstanding_prefill_tokens=stats_reply.outstanding_prefill_tokens,
         prefill_seconds_per_token=stats_reply.prefill_seconds_per_token,
         kv_pool_load_seconds_per_token=stats_reply.kv_pool_load_seconds_per_token,
+        kv_pool_fetch_seconds_per_token=stats_reply.kv_pool_fetch_seconds_per_token,
     )

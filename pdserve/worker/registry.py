@@ -37,6 +37,7 @@ class RecordedLoad:
     outstanding_prefill_tokens: int = 0
     prefill_seconds_per_token: float = 0.0  # learned from its engine steps (0: not yet)
     kv_pool_load_seconds_per_token: float = 0.0  # a load from its host KV pool (0: none yet)
+    kv_pool_fetch_seconds_per_token: float = 0.0  # a fetch from another host's (0: none yet)
 
 
 LOAD_FIELDS = {f.name for f in fields(RecordedLoad)}  # a newer worker's others are left out

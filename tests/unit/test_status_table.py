@@ -1,5 +1,6 @@
 """`pdserve status`'s table (pdserve/cluster/status.py): each worker's load and what a prompt
-token's load from the host KV pool and its compute take there (from its registry record)."""
+token's fetch from another host's KV pool, its load from its own and its compute take there
+(from its registry record)."""
 
 from dataclasses import asdict
 
@@ -27,6 +28,7 @@ def test_the_table_shows_each_workers_load_and_compute_per_token():
         kv_blocks_total=10,
         prefill_seconds_per_token=0.0022,
         kv_pool_load_seconds_per_token=0.000023,
+        kv_pool_fetch_seconds_per_token=0.00005,
     )
     report = {
         "name": "c",
@@ -38,8 +40,8 @@ def test_the_table_shows_each_workers_load_and_compute_per_token():
         "keeper": {"error": "no keeper"},
     }
     header, *rows = _table(report).splitlines()[1:5]
-    assert header.endswith("µs/token load/compute")
+    assert header.endswith("µs/token fetch/load/compute")
     columns = {line.split()[0]: line.split() for line in rows}
-    assert columns["prefill-0"][-2:] == ["0/10", "23/2200"]  # KV blocks, then µs per token
-    assert columns["prefill-1"][-1] == "-/-"  # nothing measured yet
+    assert columns["prefill-0"][-2:] == ["0/10", "50/23/2200"]  # KV blocks, then µs per token
+    assert columns["prefill-1"][-1] == "-/-/-"  # nothing measured yet
     assert columns["p-2"][-1] == "-"  # no record
