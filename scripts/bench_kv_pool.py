@@ -6,6 +6,9 @@
 - `--compare peer`: as `pool`, but with a pool beside each worker (`serve --kv-pool-scope
   worker`, as on Kubernetes), so a later turn's worker fetches the history from the pool of the
   worker that computed it (docs/kv-pool.md#across-hosts);
+- `--compare scope`: one 2 GiB pool for the host (off) against a pool of 2 GiB / --workers
+  beside each worker, fetching from each other (on): what a pool per pod costs against one a
+  node's workers share;
 - `--compare decode-reuse`: 1P1D with every prompt disaggregated and no pool, the router's
   policy round-robin (off: the prefill worker sends every block) or cache-aware (on: only the
   blocks the decode worker does not hold from the turn before: docs/architecture.md).
@@ -71,6 +74,13 @@ COMPARISONS = {
         ["--colocated", "--policy", "round-robin"],
         {"off": ["--kv-pool", "off"], "on": ["--kv-pool", "on", "--kv-pool-scope", "worker"]},
     ),
+    "scope": (
+        "colocated workers (--workers), round-robin; off: one 2 GiB KV pool for the host, on: "
+        "a pool of 2 GiB / --workers beside each worker, fetching from each other",
+        (0, 1),
+        ["--colocated", "--policy", "round-robin"],
+        {"off": ["--kv-pool-scope", "host"], "on": ["--kv-pool-scope", "worker"]},
+    ),
     "decode-reuse": (
         "1P1D, every prompt disaggregated, no KV pool; off: round-robin (every block sent), "
         "on: cache-aware (only the blocks the decode worker lacks)",
@@ -110,7 +120,7 @@ def main() -> int:
     add("--input-len", default="256", help="tokens of each new user message (default 256)")
     add("--first-input-len", help="tokens of each first message (default: as --input-len)")
     add("--output-len", default="32", help="tokens of each reply, ignore_eos (default 32)")
-    add("--workers", type=int, default=2, help="pool, peer: colocated workers (default 2)")
+    add("--workers", type=int, default=2, help="pool, peer, scope: colocated workers (default 2)")
     add("--kv-cache-gib", type=float, default=0.5, help="each worker's KV cache (default 0.5)")
     add("--max-model-len", type=int, help="each engine's context (default: the model's)")
     add("--kv-pool-gib", type=float, help="each KV pool's memory (default: serve's, 2)")
@@ -160,10 +170,12 @@ def one_run(number: int, pool: str, model_dir: Path, folder: Path, args) -> dict
     name = f"[round {number + 1}/{args.repeats}, {args.compare} {pool}]"
     _, (prefill, decode), every, configs = COMPARISONS[args.compare]
     serve_args = [*every, *configs[pool], "--kv-cache-gib", str(args.kv_cache_gib)]
-    if args.compare in ("pool", "peer"):
+    if args.compare in ("pool", "peer", "scope"):
         serve_args += ["--workers", str(args.workers)]
     serve_args += ["--served-model-name", MODEL]
-    if args.kv_pool_gib:
+    if args.compare == "scope":  # the same memory: the host's pool, or its share per worker
+        serve_args += ["--kv-pool-gib", str(2.0 if pool == "off" else 2.0 / args.workers)]
+    elif args.kv_pool_gib:
         serve_args += ["--kv-pool-gib", str(args.kv_pool_gib)]
     if args.max_model_len:  # a KV cache too small for the model's whole context needs it
         serve_args += ["--max-model-len", str(args.max_model_len)]
