@@ -226,9 +226,12 @@ class WorkerPool:
     def pool_fetch(self, worker: WorkerClient, prompt: list[int]) -> worker_pb2.PoolFetch | None:
         """What `worker` should fetch into its host KV pool before computing `prompt`
         (pdserve/worker/pool_peers.py): another pool's leading blocks of it, when a fetch
-        saves it time."""
+        saves it time (not when its own prefix cache likely holds them: the cache-aware
+        policy's estimate)."""
         source, tokens = self.pool_source(worker, prompt)
         if source is None or pool_load_saves(worker, fetched=True) <= 0:
+            return None
+        if tokens <= self.cached_tokens(worker, prompt):
             return None
         return worker_pb2.PoolFetch(source=source.address, tokens=tokens)
 

@@ -621,6 +621,11 @@ def test_a_prefill_worker_is_priced_as_loading_what_its_host_pool_holds():
     stranger.load.report = None
     computed.kv_compatibility = mate.kv_compatibility = "another model"
     assert pool.pool_fetch(stranger, prompt) is None
+    # ... nor what its own prefix cache likely holds (it computed the prompt since)
+    computed.kv_compatibility = mate.kv_compatibility = stranger.kv_compatibility
+    assert pool.pool_fetch(stranger, prompt) is not None
+    pool.computes(stranger, prompt)
+    assert pool.pool_fetch(stranger, prompt) is None
 
 
 def test_the_worker_computing_a_prompt_is_told_to_fetch_what_another_hosts_pool_holds():
