@@ -10,7 +10,9 @@ the fetch's deadline, each counted by why.
 """
 
 import asyncio
+import os
 import secrets
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -53,6 +55,8 @@ def stores():
         processes.append(start_kv_pool(log_path, SLOTS * SLOT, address)[1])
         addresses.append(address)
     yield addresses
+    for process in processes:  # both told at once, then each waited for
+        os.killpg(process.pid, signal.SIGTERM)
     for process in processes:
         stop_group(process.pid, process=process)
 
