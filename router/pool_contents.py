@@ -5,14 +5,14 @@ holds now (its evictions, dropped blocks and a restarted store included), and ev
 prices it alike.
 
 A pool is named by its workers' host_id and kv_pool (their Health). The router computes a
-prompt's keys as the engine does (kv_transfer/pool_keys.py), from the block size and the first
+prompt's keys as the engine does (pdserve/pool_keys.py), from the block size and the first
 parent its workers report. The copy trails the store by at most one Stats poll
 (router/worker_load.py's LOAD_POLL_S).
 """
 
 from dataclasses import dataclass, field
 
-from kv_transfer.pool_keys import block_keys
+from pdserve.pool_keys import block_keys
 from pdserve.worker.protocol import worker_pb2
 from router.worker_client import WorkerClient
 

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kv_transfer.pool_client import PoolClient
 from kv_transfer.pool_copy import PoolMemory, store_blocks
-from kv_transfer.pool_keys import block_keys
 from pdserve.cluster.local_services import start_kv_pool
+from pdserve.pool_keys import block_keys
 from pdserve.worker.engine import EngineStats
 from pdserve.worker.pool_peers import PoolPeers
 from pdserve.worker.processes import free_port, stop_group

@@ -18,9 +18,9 @@ from itertools import islice
 import grpc
 
 from kv_transfer.pool_client import PoolClient
-from kv_transfer.pool_keys import block_keys
 from kv_transfer.pool_peer import BlockChunk, BlockWriter, Damaged, read_blocks
 from kv_transfer.pool_store import PEER
+from pdserve.pool_keys import block_keys
 from pdserve.settings import tls
 from pdserve.settings.cluster_secret import secret_metadata
 from pdserve.worker.protocol import GRPC_OPTIONS, worker_pb2, worker_pb2_grpc

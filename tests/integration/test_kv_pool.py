@@ -22,8 +22,8 @@ import pytest
 
 from kv_transfer.pool_client import PoolClient
 from kv_transfer.pool_copy import PoolMemory, key_tag
-from kv_transfer.pool_keys import block_keys
 from kv_transfer.pool_store import PEER
+from pdserve.pool_keys import block_keys
 from tests.integration.conftest import SERVED_MODEL, _stop_and_check, start_server
 from tests.integration.http_client import HTTP
 from tests.integration.processes import command_line, descendants

@@ -25,8 +25,8 @@ from prometheus_client import CollectorRegistry
 from kv_transfer import pool_peer
 from kv_transfer.pool_client import PoolClient
 from kv_transfer.pool_copy import PoolMemory, load_blocks, store_blocks
-from kv_transfer.pool_keys import block_keys
 from pdserve.cluster.local_services import start_kv_pool
+from pdserve.pool_keys import block_keys
 from pdserve.worker import pool_peers
 from pdserve.worker.engine import EngineStats
 from pdserve.worker.metrics_server import WorkerMetrics

@@ -15,7 +15,7 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.request import Request
 
-from kv_transfer.pool_keys import block_keys
+from pdserve.pool_keys import block_keys
 from pdserve.worker.protocol import worker_pb2
 from router.pool_contents import PoolContents
 

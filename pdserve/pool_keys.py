@@ -1,7 +1,7 @@
 """A prompt's KV pool keys, computed as vLLM's engine computes them, without vLLM: the routers
 price a load from each pool with them (router/pool_contents.py), and a worker names the blocks
-it fetches from another host's pool (kv_transfer/pool_peer.py). Plain Python (the router has no
-torch)."""
+it fetches from another host's pool (pdserve/worker/pool_peers.py). Plain Python (the router
+has no torch, and touches no KV: it only names blocks)."""
 
 import hashlib
 import pickle
