@@ -570,6 +570,19 @@ def test_a_retry_after_a_lost_prefill_worker_skips_what_the_first_attempt_did():
     assert [r.kv.skip_tokens for r in decode.requests] == [0, 256]
 
 
+def pool_holds(pool: WorkerPool, worker, prompt: list[int], blocks: int) -> None:
+    """`worker`'s host KV pool's store reported holding the prompt's first `blocks` blocks of
+    128 tokens (router/pool_contents.py's copy of it)."""
+    none_hash = b"n" * 32
+    held = list(block_keys(prompt, 128, none_hash))[:blocks]
+    pool.pool_contents.update(
+        worker,
+        worker_pb2.KvPoolContents(
+            store_id="s", sequence=2, reset=True, added=held, block_size=128, none_hash=none_hash
+        ),
+    )
+
+
 def test_a_prefill_worker_is_priced_as_loading_what_its_host_pool_holds():
     """Two prefill workers sharing a host KV pool whose store reported it holds a prompt's
     first two blocks: each one's price counts most of them as loaded (router/policies.py's
@@ -588,14 +601,7 @@ def test_a_prefill_worker_is_priced_as_loading_what_its_host_pool_holds():
     pool = WorkerPool([], CacheAware())
     pool.workers = [computed, mate, stranger, decode]
     prompt = list(range(1000, 1300))
-    none_hash = b"n" * 32
-    held = list(block_keys(prompt, 128, none_hash))[:2]
-    pool.pool_contents.update(
-        computed,
-        worker_pb2.KvPoolContents(
-            store_id="s", sequence=2, reset=True, added=held, block_size=128, none_hash=none_hash
-        ),
-    )
+    pool_holds(pool, computed, prompt, blocks=2)
     pool.computes(computed, prompt)
     own = pool.cached_tokens(computed, prompt)
     assert own == 256 and pool.reusable_tokens(computed, prompt) == own
@@ -638,14 +644,7 @@ def test_the_worker_computing_a_prompt_is_told_to_fetch_what_another_hosts_pool_
     pool = WorkerPool([], RoundRobin())
     pool.workers = [fetching, source, decode]
     prompt = list(range(1000, 1300))
-    none_hash = b"n" * 32
-    held = list(block_keys(prompt, 128, none_hash))[:2]
-    pool.pool_contents.update(
-        source,
-        worker_pb2.KvPoolContents(
-            store_id="s", sequence=2, reset=True, added=held, block_size=128, none_hash=none_hash
-        ),
-    )
+    pool_holds(pool, source, prompt, blocks=2)
     flow = RequestFlow(RouterSettings(model="m"), pool, None, RouterMetrics())
     disaggregated(flow, prompt, "turn-1")
     (leg,) = fetching.requests
