@@ -164,7 +164,10 @@ class Starter:
     ) -> worker_pb2.GenerateRequest:
         """The request as the worker that computes its prompt gets it: told to fetch the
         leading blocks another host's KV pool holds first, when that saves it time
-        (router/worker_pool.py's pool_fetch)."""
+        (router/worker_pool.py's pool_fetch). Not for a request that asks for its prompt's
+        logprobs: vLLM computes its whole prompt, reading no cached KV."""
+        if request.sampling.HasField("prompt_logprobs"):
+            return request
         fetch = self.pool.pool_fetch(computing, request.prompt_token_ids)
         if fetch is None:
             return request

@@ -505,7 +505,9 @@ def test_the_length_policy_keeps_short_prompts_local_without_asking_a_prefill_wo
     assert run.decision.reason == "below_floor"
 
 
-def disaggregated(flow: RequestFlow, prompt: list[int], request_id: str) -> RequestRun:
+def disaggregated(
+    flow: RequestFlow, prompt: list[int], request_id: str, prompt_logprobs: bool = False
+) -> RequestRun:
     """One request sent on the disaggregated path (forced), its stream read to its end."""
     run = RequestRun(request_id, len(prompt), time.monotonic())
     run.route_forced = RouteDecision(RoutePath.DISAGGREGATED, RouteReason.HEADER)
@@ -514,6 +516,8 @@ def disaggregated(flow: RequestFlow, prompt: list[int], request_id: str) -> Requ
         prompt_token_ids=prompt,
         sampling=worker_pb2.SamplingParams(max_tokens=3),
     )
+    if prompt_logprobs:
+        request.sampling.prompt_logprobs = 1
 
     async def whole_stream():
         started = await flow.start(run, request)
@@ -650,3 +654,6 @@ def test_the_worker_computing_a_prompt_is_told_to_fetch_what_another_hosts_pool_
     (leg,) = fetching.requests
     assert leg.pool_fetch == worker_pb2.PoolFetch(source=source.address, tokens=256)
     assert not decode.requests[0].HasField("pool_fetch")
+    # a request for its prompt's logprobs reads no cached KV: nothing to fetch for it
+    disaggregated(flow, prompt, "turn-2", prompt_logprobs=True)
+    assert not any(r.HasField("pool_fetch") for r in fetching.requests[1:] + source.requests)
