@@ -654,6 +654,9 @@ def test_the_worker_computing_a_prompt_is_told_to_fetch_what_another_hosts_pool_
     (leg,) = fetching.requests
     assert leg.pool_fetch == worker_pb2.PoolFetch(source=source.address, tokens=256)
     assert not decode.requests[0].HasField("pool_fetch")
-    # a request for its prompt's logprobs reads no cached KV: nothing to fetch for it
-    disaggregated(flow, prompt, "turn-2", prompt_logprobs=True)
-    assert not any(r.HasField("pool_fetch") for r in fetching.requests[1:] + source.requests)
+    # the source computes the next (round-robin): its own pool holds the most, nothing to fetch
+    disaggregated(flow, prompt, "turn-2")
+    assert [r.HasField("pool_fetch") for r in source.requests] == [False]
+    # a request for its prompt's logprobs reads no cached KV: nothing to fetch for it either
+    disaggregated(flow, prompt, "turn-3", prompt_logprobs=True)
+    assert [r.HasField("pool_fetch") for r in fetching.requests] == [True, False]
