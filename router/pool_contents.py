@@ -131,7 +131,8 @@ class PoolContents:
         return held
 
     def view(self) -> list[dict]:
-        """Each pool's copy, for /pdserve/workers: its store, change number and blocks."""
+        """Each pool's copy, for /pdserve/workers: its store, change number and blocks, and how
+        a prompt's keys are computed for it (block size, first parent in hex)."""
         return [
             {
                 "host_id": host_id,
@@ -140,6 +141,7 @@ class PoolContents:
                 "sequence": copy.sequence,
                 "blocks": len(copy.keys),
                 "block_size": copy.block_size,
+                "first_parent": copy.none_hash.hex(),
             }
             for (host_id, kv_pool), copy in sorted(self._pools.items())
         ]

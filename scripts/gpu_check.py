@@ -514,6 +514,81 @@ def check_kv_pool(device) -> str:
     )
 
 
+def check_kv_pool_peer(device) -> str:
+    """A fetch between two hosts' KV pools (kv_transfer/pool_peer.py; what two workers' gRPC
+    carries between them is left out): blocks a 2-rank engine stored from its device caches into
+    one store are read out of it, written into another store and checked there, and another
+    2-rank engine loads them onto the device bit for bit; a bit flipped in the first store's
+    memory makes that block fail its check on arrival, and it never becomes loadable."""
+    if not built("kv_transfer.pool_peer"):
+        raise Skip("not built yet: kv_transfer/pool_peer.py")
+    from kv_transfer.pool_client import PoolClient
+    from kv_transfer.pool_copy import PoolMemory, cache_rows, load_blocks, store_blocks
+    from kv_transfer.pool_peer import BlockWriter, Damaged, read_blocks
+    from kv_transfer.pool_store import PEER
+    from pdserve.cluster.local_services import start_kv_pool
+    from pdserve.worker.processes import stop_group
+
+    page, ranks = 256 << 10, 2
+    caches = [[random_bytes((BLOCKS, page), torch.uint8, device)] for _ in range(ranks)]
+    targets = [[torch.zeros_like(rank[0])] for rank in caches]
+    keys = [f"peer block {i}".encode() for i in range(4)]
+    blocks = [1, 3, 5, 7]
+    slot = ranks * page
+    stores = []
+    try:
+        addresses = []
+        for name in ("source", "destination"):
+            log_path = Path(tempfile.mkdtemp(prefix=f"gpu-check-{name}-")) / "kv-pool.log"
+            address, store = start_kv_pool(log_path, len(keys) * slot)
+            addresses.append(address)
+            stores.append(store)
+        engines = [PoolClient(address, "gpu_check", slot, ranks) for address in addresses]
+        slots = engines[0].call("prepare_store", keys)["stored"]["slots"]
+        memory = PoolMemory.over(engines[0].memory, engines[0].header_bytes, len(keys), ranks)
+        for rank, rank_caches in enumerate(caches):
+            store_blocks([cache_rows(c) for c in rank_caches], blocks, memory, slots, keys, rank)
+        engines[0].call("complete_store", keys, success=True)
+        engines[1].connected()  # the destination pool's namespace, as its engine would set it
+        source, destination = PoolClient(addresses[0], PEER), PoolClient(addresses[1], PEER)
+        started = time.perf_counter()
+        writer = BlockWriter(destination, keys)
+        for chunk in read_blocks(source, writer.wanted):
+            writer.write(chunk)
+        fetched = writer.finish()
+        fetch_s = time.perf_counter() - started
+        if fetched != len(keys):
+            raise AssertionError(f"{fetched} of {len(keys)} blocks fetched")
+        loaded = engines[1].call("prepare_load", keys)["slots"]
+        target_memory = PoolMemory.over(
+            engines[1].memory, engines[1].header_bytes, len(keys), ranks
+        )
+        for rank, rank_targets in enumerate(targets):
+            pages = [cache_rows(t) for t in rank_targets]
+            _, refused, _ = load_blocks(pages, blocks, target_memory, loaded, keys, rank)
+            if refused:
+                raise AssertionError(f"rank {rank}: fetched blocks refused: {refused}")
+            if not torch.equal(rank_targets[0][blocks], caches[rank][0][blocks]):
+                raise AssertionError(f"rank {rank}: fetched blocks came back changed")
+        engines[1].call("complete_load", keys)
+        memory.part(slots[0], 1)[5] ^= 1  # the source's first block, rank 1's part
+        engines[1].call("drop", keys)
+        writer = BlockWriter(destination, keys)
+        try:
+            for chunk in read_blocks(source, writer.wanted):
+                writer.write(chunk)
+            raise AssertionError("a block with a flipped bit passed its check on arrival")
+        except Damaged:
+            pass
+        if writer.finish() or engines[1].call("lookup", keys)["found"]:
+            raise AssertionError("a damaged block became loadable")
+    finally:
+        for store in stores:
+            stop_group(store.pid, process=store)
+    rate = len(keys) * slot / fetch_s / 1e9
+    return f"bit-exact for 2 ranks' parts, a flipped bit refused on arrival; {rate:.2f} GB/s"
+
+
 def check_fault(device, kind: str) -> str:
     from kv_transfer.params import SendKv
 
@@ -802,6 +877,7 @@ def checks(device, quick: bool, megabytes: int, repeats: int) -> list[tuple[str,
         )
     found.append(("integrity digest on the device", lambda: check_digest_on_device(device)))
     found.append(("kv pool store and load", lambda: check_kv_pool(device)))
+    found.append(("kv pool fetch between hosts", lambda: check_kv_pool_peer(device)))
     for kind in FAULT_DAMAGE:
         found.append((f"fault {kind}", lambda k=kind: check_fault(device, k)))
     found.append(("nccl receive buffer lifetime race", lambda: check_lifetime_race(device)))

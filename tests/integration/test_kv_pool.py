@@ -166,7 +166,7 @@ def test_blocks_that_fail_their_digest_are_refused_counted_and_recomputed(
         json={"model": SERVED_MODEL, "prompt": POOL_FAULT_PROMPT},
         timeout=30,
     ).json()["tokens"]
-    keys = list(block_keys(token_ids, BLOCK_TOKENS, vllm_none_hash()))
+    keys = list(block_keys(token_ids, BLOCK_TOKENS, first_parent(pooled)))
     assert len(keys) >= HISTORY_BLOCKS
     for address in store_addresses(pooled):
         write_damaged(address, keys)
@@ -176,13 +176,12 @@ def test_blocks_that_fail_their_digest_are_refused_counted_and_recomputed(
     assert sum(pools(pooled, "dropped_total")) - dropped_before >= len(keys)
 
 
-def vllm_none_hash() -> bytes:
+def first_parent(server) -> bytes:
     """The first block's parent in vLLM's sha256 block hash, as the workers' engines have it
-    (PYTHONHASHSEED, when set, is theirs too: they inherit this environment)."""
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import resolve_none_hash_seed
-
-    return sha256(resolve_none_hash_seed(sha256))
+    (the router's copies of the pools say it: it computes keys with it too)."""
+    copies = HTTP.get(f"{server.url}/pdserve/workers", timeout=30).json()["kv_pools"]
+    (parent,) = {row["first_parent"] for row in copies}
+    return bytes.fromhex(parent)
 
 
 def write_damaged(address: str, keys: list[bytes]) -> None:
