@@ -46,13 +46,14 @@ def read_blocks(client: PoolClient, keys: list[bytes]) -> Iterator[BlockChunk]:
     if not pinned:
         return
     try:
-        memory, start = client.memory, client.header_bytes
+        # The store's memory as planned: the client may reconnect while the chunks are read.
+        memory, start, slot_bytes = client.memory, client.header_bytes, client.slot_bytes
         headers = PoolMemory.over(memory, start, client.slots, client.parts).headers
         for block, slot in enumerate(pinned):
             header = headers[slot].reshape(-1).tolist()
-            base = start + slot * client.slot_bytes
-            for offset in range(0, client.slot_bytes, CHUNK_BYTES):
-                end = min(offset + CHUNK_BYTES, client.slot_bytes)
+            base = start + slot * slot_bytes
+            for offset in range(0, slot_bytes, CHUNK_BYTES):
+                end = min(offset + CHUNK_BYTES, slot_bytes)
                 data = memory[base + offset : base + end]
                 yield BlockChunk(block, offset, data, header if offset == 0 else [])
     finally:
@@ -75,7 +76,6 @@ class BlockWriter:
         self.slots = stored["slots"] if stored else []
         self.written = 0  # bytes of the block being written
         self.checked: list[bytes] = []  # blocks that passed their check, in order
-        self.damaged = 0
         if self.wanted:
             self.buffer, self.base = client.memory, client.header_bytes
             self.memory = PoolMemory.over(self.buffer, self.base, client.slots, client.parts)
@@ -89,14 +89,14 @@ class BlockWriter:
         parts = self.memory.headers.shape[1]
         if chunk.block != block or chunk.offset != self.written or block >= len(self.wanted):
             expected = f"{block}@{self.written}"
-            raise self._damaged(f"chunk {chunk.block}@{chunk.offset}, expected {expected}")
+            raise Damaged(f"chunk {chunk.block}@{chunk.offset}, expected {expected}")
         if chunk.offset == 0:
             if len(chunk.header) != 2 * parts:
-                raise self._damaged(f"a header of {len(chunk.header)} numbers for {parts} parts")
+                raise Damaged(f"a header of {len(chunk.header)} numbers for {parts} parts")
             self.header = list(chunk.header)
         end = self.written + len(chunk.data)
         if end > slot_bytes or not chunk.data:
-            raise self._damaged(f"{end} bytes of a {slot_bytes} B block")
+            raise Damaged(f"{end} bytes of a {slot_bytes} B block")
         slot, key = self.slots[block], self.wanted[block]
         start = self.base + slot * slot_bytes
         self.buffer[start + self.written : start + end] = chunk.data
@@ -106,16 +106,12 @@ class BlockWriter:
         for part in range(parts):
             recorded = (self.header[2 * part], self.header[2 * part + 1])
             if recorded != record(key, self.memory.part(slot, part)):
-                raise self._damaged(f"block {block}, part {part}: not its key's bytes")
+                raise Damaged(f"block {block}, part {part}: not its key's bytes")
         for part in range(parts):
             self.memory.headers[slot, part, 0] = self.header[2 * part]
             self.memory.headers[slot, part, 1] = self.header[2 * part + 1]
         self.checked.append(key)
         self.written = 0
-
-    def _damaged(self, why: str) -> Damaged:
-        self.damaged += 1
-        return Damaged(why)
 
     def finish(self) -> int:
         """The blocks made loadable; the slots of the rest are freed (a store restarted since
