@@ -27,7 +27,10 @@ from pdserve.worker.protocol import GRPC_OPTIONS, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.worker")
 MIN_FETCH_S = 0.05  # the least a fetch is given: a call's set-up on a fast engine's budget
-UNLEARNED_FETCH_S = 2.0  # the bound before this worker learned what computing a token takes
+# The bound before this worker learned what computing a token takes (a fetch of a long history
+# through a busy host's gRPC can take seconds; a source that hangs costs this once at most a
+# request, until the worker has computed a prompt).
+UNLEARNED_FETCH_S = 5.0
 FAILURES = {  # the gRPC code a source answers with -> the failure's reason
     grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
     grpc.StatusCode.FAILED_PRECONDITION: "refused",  # no pool there, or another namespace
