@@ -16,6 +16,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kv_transfer.attention_support import check_attention
 from kv_transfer.kv_layout import WIRE_LAYOUT, LayerLayout, find_layout, memory_order
@@ -46,7 +48,16 @@ def _log_to_stderr() -> None:
         root.setLevel(logging.INFO)
 
 
+class _NoPromMetrics(KVConnectorPromMetrics):
+    def observe(self, transfer_stats_data: dict, engine_idx: int = 0) -> None:
+        pass
+
+
 class PdserveConnectorBase(KVConnectorBase_V1):
+    # What a pdserve connector loads was sent by another worker: vLLM's stats tell these
+    # tokens apart from the host KV pool's (pdserve/worker/engine.py counts the pool's alone).
+    _cache_hit_source = CacheHitSource.P2P
+
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         _log_to_stderr()
@@ -120,6 +131,13 @@ class PdserveConnectorBase(KVConnectorBase_V1):
     def finished_transfers(self) -> list[dict]:
         """Per-transfer figures since the last call (see kv_transfer/stats.py)."""
         return []
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        """None of vLLM's: the worker exports each transfer itself (pdserve/worker/engine.py).
+        Beside the KV pool's connector in vLLM's MultiConnector, each connector whose stats it
+        sees must have some, or vLLM's metrics fail every request."""
+        return _NoPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_kv_connector_stats(self):
         if self.is_scheduler:  # vLLM asks both sides; only the worker side measures

@@ -46,6 +46,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
     TransferResult,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kv_transfer.pool_client import PoolClient
 from kv_transfer.pool_config import POOL_ADDRESS, POOL_NAMESPACE
@@ -83,6 +84,9 @@ class PoolManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         answer = self._call("lookup", [key])
         return LookupResult.HIT if answer and answer.get("found") else LookupResult.MISS
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        return CacheHitSource.HOST
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PoolSlots:
         keys = list(keys)

@@ -205,7 +205,7 @@ class Starter:
             decision = estimate(
                 len(prompt),
                 request.sampling.max_tokens * max(1, request.sampling.n),
-                worker_state(decode, cluster, self.pool.cached_tokens(decode, prompt)),
+                worker_state(decode, cluster, self.pool.reusable_tokens(decode, prompt)),
                 worker_state(prefill, cluster, self.pool.reusable_tokens(prefill, prompt)),
                 floor,
                 decode_full=decode.load.full(decode.max_num_seqs),

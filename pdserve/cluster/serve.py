@@ -275,8 +275,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _with_kv_pools(plan: list, args, log_dir: Path, started: list) -> list:
-    """The plan's colocated and prefill workers with their KV pool's address, each store started
-    (and added to `started`, to be stopped): one for the host, or one per worker."""
+    """The plan's colocated, prefill and decode workers with their KV pool's address, each store
+    started (and added to `started`, to be stopped): one for the host, or one per worker."""
     budget = int(args.kv_pool_gib * 2**30)
     pooled = [i for i, worker in enumerate(plan) if worker.wants_kv_pool]
     groups = [pooled] if args.kv_pool_scope == "host" else [[i] for i in pooled]

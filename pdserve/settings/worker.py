@@ -68,12 +68,13 @@ KvPool = Annotated[
     Field(
         default="on",
         description="share computed prefix blocks through the host's KV pool (docs/kv-pool.md): "
-        "the engine stores the blocks it computes there, and loads from there a prefix any "
-        "worker of the host computed instead of computing it. Colocated and prefill workers "
-        "only, yet; with no --kv-pool-address there is no pool",
+        "the engine stores the blocks it computes (or receives) there, and loads from there a "
+        "prefix any worker of the host computed instead of computing it. Colocated, prefill "
+        "and decode workers (a decode worker loads for the prompts it computes itself); not "
+        "flex workers yet; with no --kv-pool-address there is no pool",
     ),
 ]
-POOLED_ROLES = (Role.COLOCATED, Role.PREFILL)  # the KV pool's users yet (docs/kv-pool.md)
+POOLED_ROLES = (Role.COLOCATED, Role.PREFILL, Role.DECODE)  # its users (docs/kv-pool.md)
 
 KvPoolAddress = Annotated[
     str,
@@ -224,5 +225,5 @@ class WorkerSettings(Settings):
     def _pool_where_it_is_used(self) -> "WorkerSettings":
         """A pool given to a worker that would not use it is refused, not ignored."""
         if self.pooled and self.role not in POOLED_ROLES:
-            raise ValueError("kv_pool_address: decode and flex workers do not use the KV pool yet")
+            raise ValueError("kv_pool_address: flex workers do not use the KV pool yet")
         return self

@@ -28,8 +28,8 @@ MAX_UNCLAIMED_TRANSFERS = 4096
 def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
     """The role's connector: the producer in prefill_workers/, the consumer in decode_workers/,
     both for a flex worker (pdserve/worker/flex_connector.py); a colocated worker has the host
-    KV pool's (kv_transfer/pool_connector.py) if it has a pool, and a prefill worker with a pool
-    has both its own and the pool's. A decode
+    KV pool's (kv_transfer/pool_connector.py) if it has a pool, and a prefill or decode worker
+    with a pool has both its own and the pool's (`_with_pool`). A decode
     (or flex) worker's KV receiver binds to its gRPC host, rank r on `kv_port` + r; the
     advertised host is where peers reach either side (a decode rank's shared-memory socket is
     named after it, a prefill rank hosts its NCCL rendezvous there)."""
@@ -49,17 +49,7 @@ def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
                 "integrity": worker.kv_integrity == "on",
             },
         }
-        if not worker.pooled:
-            return producer
-        # Both, in vLLM's MultiConnector: the producer finds nothing to load (a prefill worker
-        # receives no KV), so the pool's answer is the one vLLM loads; both see every block.
-        pool = pool_kv_transfer_config(worker.kv_pool_address, _pool_namespace(worker))
-        return {
-            "kv_connector": "MultiConnector",
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"connectors": [producer, pool]},
-        }
+        return _with_pool(worker, producer)
     if worker.role == Role.FLEX:  # both halves, both configurations
         producer, consumer = with_role(Role.PREFILL), with_role(Role.DECODE)
         return {
@@ -73,7 +63,7 @@ def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
             },
         }
     if worker.role == Role.DECODE:
-        return {
+        consumer = {
             "kv_connector": "DecodeConnector",
             "kv_connector_module_path": "decode_workers.connector",
             "kv_role": "kv_consumer",
@@ -85,9 +75,31 @@ def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
                 "integrity": worker.kv_integrity == "on",
             },
         }
+        return _with_pool(worker, consumer)
     if worker.pooled:  # colocated
         return pool_kv_transfer_config(worker.kv_pool_address, _pool_namespace(worker))
     return None
+
+
+def _with_pool(worker: WorkerSettings, own: dict) -> dict:
+    """`own` connector and, for a worker with a KV pool, the pool's beside it in vLLM's
+    MultiConnector, which gives each request's KV to load to the first connector that has some:
+    pdserve's own first. A prefill worker's producer loads nothing, so the pool's is the load;
+    a decode worker's consumer loads a prompt's KV sent from a prefill worker, and the pool's
+    the prompts the decode worker computes itself (the local path). Both see every block, so the
+    pool stores what either computed or received, a decode worker's answers included (the
+    conversation's next turn resends them). vLLM applies one failure policy to both: the
+    worker's own (a decode worker's `--kv-failure-policy fail` ends a request whose pool block
+    fails its check too)."""
+    if not worker.pooled:
+        return own
+    pool = pool_kv_transfer_config(worker.kv_pool_address, _pool_namespace(worker))
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": own.get("kv_load_failure_policy", "recompute"),
+        "kv_connector_extra_config": {"connectors": [own, pool]},
+    }
 
 
 def _pool_namespace(worker: WorkerSettings) -> str:
@@ -176,19 +188,39 @@ def _keep_newest(entries: dict) -> None:
 POOL_LOAD_TIME = "vllm:kv_offload_load_time"  # vLLM's offloading connector's counter
 
 
-def pool_load_seconds(connector_stats: dict | None) -> float:
-    """The seconds vLLM's offloading connector (the host KV pool's) spent loading blocks, in one
-    report of an engine's connector stats: its own ({"types", "data"}: a colocated worker) or
-    one connector's among several (a prefill worker's MultiConnector: {connector: stats})."""
+def connector_reports(connector_stats: dict | None) -> list[dict]:
+    """One report of an engine's connector stats, as each connector's: the engine's one
+    connector's, or each of a MultiConnector's (a pooled prefill or decode worker's:
+    {connector class name: its stats})."""
     if not connector_stats:
-        return 0.0
-    parts = [connector_stats, *(v for v in connector_stats.values() if isinstance(v, dict))]
+        return []
+    return [connector_stats, *(v for v in connector_stats.values() if isinstance(v, dict))]
+
+
+def pool_load_seconds(connector_stats: dict | None) -> float:
+    """The seconds vLLM's offloading connector (the host KV pool's: {"types", "data"}) spent
+    loading blocks, in one report of an engine's connector stats."""
     return sum(
         float(seconds)
-        for part in parts
+        for part in connector_reports(connector_stats)
         if isinstance(part.get("data"), dict)
         for seconds in (part["data"].get(POOL_LOAD_TIME) or {}).values()
     )
+
+
+def pool_loaded_tokens(connector_hits) -> int:
+    """Of an engine step's prompt tokens loaded by its connectors (vLLM's PrefixCacheStats),
+    those the host KV pool's connector loaded: all but those a prefill worker sent a decode
+    worker (kv_transfer/connector_base.py names their source "p2p")."""
+    if connector_hits is None or not connector_hits.hits:
+        return 0
+    return connector_hits.hits - connector_hits.hits_by_source.get("p2p", 0)
+
+
+def kv_transfers(connector_stats: dict | None) -> list[dict]:
+    """The KV transfers a decode worker's connector finished (kv_transfer/stats.py), in one
+    report of its engine's connector stats."""
+    return [t for part in connector_reports(connector_stats) for t in part.get("transfers", ())]
 
 
 def _stat_logger_factory(stats: EngineStats, metrics, pooled: bool):
@@ -212,13 +244,13 @@ def _stat_logger_factory(stats: EngineStats, metrics, pooled: bool):
                 scheduler_stats.num_waiting_reqs,
                 scheduler_stats.kv_cache_usage,
             )
-            pool_hits = scheduler_stats.connector_prefix_cache_stats
-            if pooled and pool_hits is not None and pool_hits.hits:
-                metrics.kv_pool_hits.labels("host").inc(pool_hits.hits)
-                stats.pool_loaded_tokens += pool_hits.hits
+            loaded = pool_loaded_tokens(scheduler_stats.connector_prefix_cache_stats)
+            if pooled and loaded:
+                metrics.kv_pool_hits.labels("host").inc(loaded)
+                stats.pool_loaded_tokens += loaded
             if pooled:
                 stats.pool_load_seconds += pool_load_seconds(scheduler_stats.kv_connector_stats)
-            for transfer in (scheduler_stats.kv_connector_stats or {}).get("transfers", ()):
+            for transfer in kv_transfers(scheduler_stats.kv_connector_stats):
                 if (whole := stats.kv_transfer_reported(transfer)) is not None:
                     metrics.kv_transfer_finished(whole)
 

@@ -38,6 +38,7 @@ from tests.integration.http_client import HTTP
 from tests.integration.processes import alive, descendants, worker_pids
 from tests.integration.prompts import (
     CHATS,
+    DECODE_POOL_CONVERSATIONS,
     DISAGGREGATED_MAX_TOKENS,
     DISAGGREGATED_PROMPTS,
     MAX_TOKENS,
@@ -354,7 +355,9 @@ def offline_reference(smollm2_dir, tmp_path_factory) -> dict:
     outputs = made_once_per_run(
         tmp_path_factory,
         "offline-reference",
-        lambda folder: offline_outputs(smollm2_dir, folder, prompts, CHATS),
+        lambda folder: offline_outputs(
+            smollm2_dir, folder, prompts, CHATS, DECODE_POOL_CONVERSATIONS
+        ),
     )
     count, sampling = len(PROMPTS), len(SAMPLING_CASES)
     disaggregated = count + sampling + len(DISAGGREGATED_PROMPTS)
@@ -364,6 +367,7 @@ def offline_reference(smollm2_dir, tmp_path_factory) -> dict:
         "chats": outputs["chats"],
         "disaggregated": outputs["prompts"][count + sampling : disaggregated],
         "pool": outputs["prompts"][disaggregated:],  # POOL_TURNS, then POOL_FAULT_PROMPT
+        "conversations": outputs["conversations"],  # DECODE_POOL_CONVERSATIONS
     }
 
 
@@ -418,12 +422,20 @@ def made_once_per_run(tmp_path_factory, name: str, make: Callable[[Path], dict])
 
 
 def offline_outputs(
-    model_dir: Path, folder: Path, prompts: list[dict], chats: list[list[dict]]
+    model_dir: Path,
+    folder: Path,
+    prompts: list[dict],
+    chats: list[list[dict]],
+    conversations: list[dict] = (),
 ) -> dict:
     """Run tests/offline_reference.py (vLLM's offline LLM, TP 1) in its own process."""
-    (folder / "requests.json").write_text(
-        json.dumps({"prompts": prompts, "chats": chats, "chat_max_tokens": MAX_TOKENS})
-    )
+    requests = {
+        "prompts": prompts,
+        "chats": chats,
+        "chat_max_tokens": MAX_TOKENS,
+        "conversations": list(conversations),
+    }
+    (folder / "requests.json").write_text(json.dumps(requests))
     script = Path(__file__).with_name("offline_reference.py")
     done = subprocess.run(
         [

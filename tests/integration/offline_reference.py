@@ -3,9 +3,13 @@
 Run as a script (vLLM's CPU platform spawns processes, so it needs a __main__ guard):
     python tests/offline_reference.py MODEL_DIR REQUESTS_JSON OUTPUT_JSON
 REQUESTS_JSON: {"prompts": [{"prompt", "max_tokens", "sampling"?}...],
-                "chats": [[{role, content}...]...], "chat_max_tokens": N}
+                "chats": [[{role, content}...]...], "chat_max_tokens": N,
+                "conversations"?: [{"first", "first_max_tokens", "then", "max_tokens"}...]}
                 ("sampling": more SamplingParams fields, by name)
-OUTPUT_JSON: {"prompts": [{"text", "token_ids"}...], "chats": [...]}
+OUTPUT_JSON: {"prompts": [{"text", "token_ids"}...], "chats": [...],
+              "conversations": [{"first": {...}, "next": {...}}...]}
+A conversation's next turn is its first prompt's token ids, the answer's, then `then`'s: the
+tokens a client resending the history as token ids sends (each turn's "prompt_token_ids" too).
 """
 
 import json
@@ -38,17 +42,47 @@ def main(model_dir: str, requests_path: str, output_path: str) -> None:
             SamplingParams(temperature=0.0, max_tokens=requests["chat_max_tokens"]),
         ),
     }
+    answers = {kind: [answer(r) for r in outputs] for kind, outputs in results.items()}
+    answers["conversations"] = conversations(llm, requests.get("conversations", []))
     with open(output_path, "w") as out:
-        json.dump(
-            {
-                kind: [
-                    {"text": r.outputs[0].text, "token_ids": list(r.outputs[0].token_ids)}
-                    for r in outputs
-                ]
-                for kind, outputs in results.items()
-            },
-            out,
-        )
+        json.dump(answers, out)
+
+
+def answer(result) -> dict:
+    return {
+        "text": result.outputs[0].text,
+        "token_ids": list(result.outputs[0].token_ids),
+        "prompt_token_ids": list(result.prompt_token_ids),
+    }
+
+
+def conversations(llm, requests: list[dict]) -> list[dict]:
+    from vllm import SamplingParams
+
+    if not requests:
+        return []
+    firsts = llm.generate(
+        [c["first"] for c in requests],
+        [SamplingParams(temperature=0.0, max_tokens=c["first_max_tokens"]) for c in requests],
+    )
+    tokenizer = llm.get_tokenizer()
+    turns = [
+        {
+            "prompt_token_ids": [
+                *first.prompt_token_ids,
+                *first.outputs[0].token_ids,
+                *tokenizer.encode(c["then"], add_special_tokens=False),
+            ]
+        }
+        for c, first in zip(requests, firsts, strict=True)
+    ]
+    nexts = llm.generate(
+        turns, [SamplingParams(temperature=0.0, max_tokens=c["max_tokens"]) for c in requests]
+    )
+    return [
+        {"first": answer(first), "next": answer(after)}
+        for first, after in zip(firsts, nexts, strict=True)
+    ]
 
 
 if __name__ == "__main__":

@@ -225,10 +225,10 @@ def test_up_gives_each_worker_its_own_placement_group_and_gpu(cluster, tiny_refe
     assert reply.choices[0].text == tiny_reference["prompts"][0]["text"]
 
 
-def test_the_node_has_one_kv_pool_that_its_prefill_worker_fills(cluster):
-    """`up` started one store on the node (an actor beside the workers) for the prefill worker;
-    the decode workers do not use it. A prompt the prefill worker computes leaves its blocks
-    there, and `status` shows them."""
+def test_the_node_has_one_kv_pool_that_its_workers_fill(cluster):
+    """`up` started one store on the node (an actor beside the workers) for the prefill and
+    decode workers. A prompt the prefill worker computes leaves its blocks there, and `status`
+    shows them."""
     workers = _layout(cluster, 1, 2)
     (pool,) = _status(cluster)["kv_pools"]
     assert pool["budget_bytes"] == int(KV_POOL_GIB * 2**30)
@@ -236,8 +236,7 @@ def test_the_node_has_one_kv_pool_that_its_prefill_worker_fills(cluster):
     assert f"--address {pool['address']}" in " ".join(command_line(pool["pid"]))
     for worker in workers:
         settings = json.loads(_settings_json(worker["pid"]))
-        expected = pool["address"] if worker["role"] == "prefill" else ""
-        assert settings["kv_pool_address"] == expected, (worker["worker"], settings)
+        assert settings["kv_pool_address"] == pool["address"], (worker["worker"], settings)
     before = pool["stats"]["used"]
     _client(cluster).completions.create(
         model=MODEL, prompt=" ".join(PROMPTS) * 4, max_tokens=2, temperature=0

@@ -9,9 +9,21 @@ prefix of it: its count of tokens it did not compute is then exactly what it rec
 import httpx
 import pytest
 
+from kv_transfer.pool_client import PoolClient
+from kv_transfer.pool_store import PEER
+from pdserve.pool_keys import block_keys
 from tests.integration.conftest import SERVED_MODEL, router_over
 from tests.integration.http_client import HTTP
-from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS, long_prompt
+from tests.integration.prompts import (
+    DECODE_POOL_CONVERSATIONS,
+    DISAGGREGATED_MAX_TOKENS,
+    DISAGGREGATED_PROMPTS,
+    POOL_MAX_TOKENS,
+    long_prompt,
+)
+from tests.integration.test_kv_pool import first_parent
+from tests.integration.test_worker_observability import metrics_url, scrape
+from tests.waiting import wait_for
 
 
 def complete(server, prompt: str, route: str, **extra) -> httpx.Response:
@@ -187,3 +199,78 @@ def test_a_cache_aware_router_sends_only_the_blocks_the_decode_worker_lacks(serv
     assert all_blocks == -(-body["usage"]["prompt_tokens"] // 128) * BLOCK_BYTES
     skipped = (all_blocks - sent) // BLOCK_BYTES
     assert sent % BLOCK_BYTES == 0 and skipped >= (held - 128) // 128, (held, skipped)
+
+
+def pool_holds(server, token_ids: list[int], blocks: int) -> bool:
+    """Whether the host KV pool's store holds the first `blocks` blocks of `token_ids`."""
+    (address,) = {row["kv_pool"] for row in server.workers()}
+    keys = list(block_keys(token_ids, 128, first_parent(server)))[:blocks]
+    client = PoolClient(address, PEER)
+    try:
+        return client.call("lookup", keys)["found"] == blocks
+    finally:
+        client.close()
+
+
+def decode_pool_hits(server) -> float:
+    """The prompt tokens the decode worker's engine loaded from the host KV pool."""
+    url = metrics_url(server, "decode", server.worker("decode")["address"])
+    return scrape(url).get('pdserve_kv_pool_hits_total{tier="host"}', 0.0)
+
+
+def test_the_decode_worker_stores_its_answer_and_the_next_turns_prefill_worker_loads_it(
+    server, offline_reference
+):
+    """The decode worker is in the host KV pool too: the blocks of a disaggregated turn it
+    received and the answer it generated are stored there, so the next turn's prefill worker
+    (which computed the prompt, never the answer) loads the block the answer completed instead
+    of computing it, and answers as vLLM's offline engine."""
+    expected = offline_reference["conversations"][0]
+    first = complete(
+        server,
+        DECODE_POOL_CONVERSATIONS[0]["first"],
+        "disaggregated",
+        max_tokens=DECODE_POOL_CONVERSATIONS[0]["first_max_tokens"],
+        return_token_ids=True,
+    ).json()
+    assert first["choices"][0]["text"] == expected["first"]["text"]
+    prompt, answer = first["choices"][0]["prompt_token_ids"], first["choices"][0]["token_ids"]
+    answered = (len(prompt) + len(answer) - 1) // 128  # the last token's KV is never stored
+    assert answered == len(prompt) // 128 + 1, "the answer must complete a block"
+    turn = expected["next"]["prompt_token_ids"]
+    assert turn[: len(prompt) + len(answer)] == prompt + answer
+    wait_for(lambda: pool_holds(server, turn, answered), 30, "the answer's block in the pool")
+    response = complete(server, turn, "stay-on-prefill", max_tokens=POOL_MAX_TOKENS)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["choices"][0]["text"] == expected["next"]["text"]
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == answered * 128
+
+
+def test_the_decode_worker_loads_from_the_pool_a_prompt_it_computes_itself(
+    server, offline_reference
+):
+    """A conversation the prefill worker served whole (stay-on-prefill: the decode worker never
+    saw it): its next turn on the local path is computed by the decode worker, which loads the
+    history (the prompt and the answer) from the host KV pool and computes only the rest."""
+    expected = offline_reference["conversations"][1]
+    first = complete(
+        server,
+        DECODE_POOL_CONVERSATIONS[1]["first"],
+        "stay-on-prefill",
+        max_tokens=DECODE_POOL_CONVERSATIONS[1]["first_max_tokens"],
+    ).json()
+    assert first["choices"][0]["text"] == expected["first"]["text"]
+    turn = expected["next"]["prompt_token_ids"]
+    answered = expected["first"]
+    history = (len(answered["prompt_token_ids"]) + len(answered["token_ids"]) - 1) // 128
+    wait_for(lambda: pool_holds(server, turn, history), 30, "the history in the pool")
+    hits = decode_pool_hits(server)
+    response = complete(server, turn, "local", max_tokens=POOL_MAX_TOKENS)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-pdserve-worker"].startswith("decode@")
+    body = response.json()
+    assert body["choices"][0]["text"] == expected["next"]["text"]
+    loaded = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert loaded == history * 128
+    wait_for(lambda: decode_pool_hits(server) - hits == loaded, 10, "the decode worker's hits")

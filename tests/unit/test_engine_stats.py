@@ -3,7 +3,16 @@ EngineStats): a tensor-parallel decode worker's ranks each report their part of 
 the transfer counts once, its ranks' figures merged, when the last rank has reported; and the
 host KV pool's load time per token, from vLLM's offloading connector's stats."""
 
-from pdserve.worker.engine import POOL_LOAD_TIME, EngineStats, pool_load_seconds
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.metrics.stats import PrefixCacheStats
+
+from pdserve.worker.engine import (
+    POOL_LOAD_TIME,
+    EngineStats,
+    kv_transfers,
+    pool_load_seconds,
+    pool_loaded_tokens,
+)
 
 
 def report(transfer_id: str, size: int, seconds: float, failure: str = "", transport="shm"):
@@ -52,8 +61,33 @@ def test_the_pool_load_time_is_read_from_the_offloading_connectors_stats_alone_o
     assert pool_load_seconds(None) == pool_load_seconds({"transfers": []}) == 0.0
 
 
+def test_a_decode_workers_transfers_are_read_from_its_connector_alone_or_beside_the_pools():
+    """A decode worker in a KV pool runs pdserve's consumer and the pool's connector in vLLM's
+    MultiConnector, whose report nests each connector's: the transfers are found either way
+    (read only at the top, the decode leg and /metrics lost every pooled decode worker's)."""
+    sent = [{"transfer_id": "a", "bytes": 7}, {"transfer_id": "b", "bytes": 9}]
+    pool = {"types": {POOL_LOAD_TIME: "counter"}, "data": {POOL_LOAD_TIME: {(): 0.5}}}
+    assert kv_transfers({"transfers": sent}) == sent
+    assert kv_transfers({"DecodeConnector": {"transfers": sent}, "PoolConnector": pool}) == sent
+    assert kv_transfers(pool) == kv_transfers(None) == []
+
+
 def test_load_time_per_token_counts_the_ranks_loading_side_by_side():
     stats = EngineStats()
     assert stats.pool_load_seconds_per_token() == 0.0  # nothing loaded yet
     stats.ranks, stats.pool_load_seconds, stats.pool_loaded_tokens = 2, 0.4, 1000
     assert stats.pool_load_seconds_per_token() == 0.0002  # each rank loaded its part for 0.2 s
+
+
+def test_the_pools_loaded_tokens_leave_out_what_a_prefill_worker_sent():
+    """vLLM counts every token its connectors loaded; a pooled decode worker's include the KV
+    its prefill workers sent (source "p2p", kv_transfer/connector_base.py), which are no pool
+    hits (a preempted request's loads are counted apart, as before)."""
+    hits = PrefixCacheStats()
+    sources = {CacheHitSource.P2P: 512, CacheHitSource.HOST: 128}
+    hits.record(num_tokens=900, num_hits=640, preempted=False, hits_by_source=sources)
+    hits.record(num_tokens=300, num_hits=256, preempted=False, hits_by_source={"host": 256})
+    hits.record(num_tokens=200, num_hits=128, preempted=True)
+    assert pool_loaded_tokens(hits) == 128 + 256
+    assert pool_loaded_tokens(None) == pool_loaded_tokens(PrefixCacheStats()) == 0
+    assert CacheHitSource.P2P == "p2p"  # the name the stats carry across processes

@@ -204,9 +204,9 @@ def test_every_flag_reaches_the_output(tmp_path):
     (router,) = deployments["pdserve-router"]["spec"]["template"]["spec"]["containers"]
     assert router["image"] == "r.example/x/pdserve:t1-router"
     assert router["resources"]["requests"] == {"cpu": "3", "memory": "6Gi"}
-    (decode,) = deployments["pdserve-decode"]["spec"]["template"]["spec"]["containers"]
+    decode = main_container(deployments["pdserve-decode"]["spec"]["template"]["spec"])
     assert decode["resources"]["requests"]["cpu"] == "16"  # 4 GPUs
-    assert decode["resources"]["limits"]["memory"] == "128Gi"
+    assert decode["resources"]["limits"]["memory"] == "192Gi"  # and its KV pool's 64
     assert by_kind(objects, "PrometheusRule")["pdserve"]["metadata"]["labels"]["release"] == "prom"
     for scaler in by_kind(objects, "ScaledObject").values():
         assert (
@@ -262,7 +262,7 @@ def test_the_model_is_fetched_once_before_anything_loads_it(tmp_path):
     # A cold 70B start (141 GB read, then the engine's start) is minutes: not a failure.
     budget = start_budget(load_cluster_file(SEVENTY_B))
     decode = by_kind(objects, "Deployment")["pdserve-decode"]["spec"]
-    (worker,) = decode["template"]["spec"]["containers"]
+    worker = main_container(decode["template"]["spec"])
     probe = worker["startupProbe"]
     assert probe["periodSeconds"] * probe["failureThreshold"] >= budget.start_s > 10 * 60
     assert decode["progressDeadlineSeconds"] >= budget.download_s + budget.start_s

@@ -1,8 +1,10 @@
 """Which workers' engines join the host KV pool, and how (pdserve/worker/engine.py's
 kv_transfer_config, pdserve/settings/worker.py): colocated workers through the pool's
-connector alone, prefill workers through vLLM's MultiConnector with the producer first (it finds
-nothing to load, so the pool's answer is the one loaded), at any tensor parallelism; a pool
-given to a worker that would not use it is refused, not ignored."""
+connector alone, prefill and decode workers through vLLM's MultiConnector with their own
+connector first (a prefill worker's finds nothing to load, so the pool's answer is the one
+loaded; a decode worker's loads what a prefill worker sent, the pool's the prompts it computes
+itself), at any tensor parallelism; a pool given to a worker that would not use it (flex) is
+refused, not ignored."""
 
 import pydantic
 import pytest
@@ -41,8 +43,20 @@ def test_a_prefill_worker_composes_its_producer_and_then_the_pool():
     assert plain["kv_connector"] == "PrefillConnector" and children[0] == plain
 
 
-@pytest.mark.parametrize("settings", [{"role": "decode"}, {"role": "flex"}], ids=["decode", "flex"])
-def test_a_pool_a_worker_would_not_use_is_refused(settings):
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_decode_worker_composes_its_consumer_and_then_the_pool_under_its_failure_policy(policy):
+    """vLLM applies one failure policy to the MultiConnector's loads: the decode worker's."""
+    settings = WorkerSettings(role="decode", kv_pool_address=POOL, kv_failure_policy=policy)
+    config = kv_transfer_config(settings, 7000)
+    assert config["kv_connector"] == "MultiConnector"
+    assert config["kv_load_failure_policy"] == policy
+    children = config["kv_connector_extra_config"]["connectors"]
+    assert [child["kv_connector"] for child in children] == ["DecodeConnector", "PoolConnector"]
+    plain = kv_transfer_config(settings.model_copy(update={"kv_pool_address": ""}), 7000)
+    assert plain["kv_connector"] == "DecodeConnector" and children[0] == plain
+
+
+def test_a_pool_a_worker_would_not_use_is_refused():
     with pytest.raises(pydantic.ValidationError, match="kv_pool_address"):
-        WorkerSettings(kv_pool_address=POOL, **settings)
-    WorkerSettings(kv_pool="off", kv_pool_address=POOL, **settings)  # off: nothing to refuse
+        WorkerSettings(kv_pool_address=POOL, role="flex")
+    WorkerSettings(kv_pool="off", kv_pool_address=POOL, role="flex")  # off: nothing to refuse

@@ -506,11 +506,17 @@ def test_the_length_policy_keeps_short_prompts_local_without_asking_a_prefill_wo
 
 
 def disaggregated(
-    flow: RequestFlow, prompt: list[int], request_id: str, prompt_logprobs: bool = False
+    flow: RequestFlow,
+    prompt: list[int],
+    request_id: str,
+    prompt_logprobs: bool = False,
+    forced: bool = True,
 ) -> RequestRun:
-    """One request sent on the disaggregated path (forced), its stream read to its end."""
+    """One request sent on the disaggregated path (forced; or, not `forced`, on the path the
+    router's estimate names), its stream read to its end."""
     run = RequestRun(request_id, len(prompt), time.monotonic())
-    run.route_forced = RouteDecision(RoutePath.DISAGGREGATED, RouteReason.HEADER)
+    if forced:
+        run.route_forced = RouteDecision(RoutePath.DISAGGREGATED, RouteReason.HEADER)
     request = worker_pb2.GenerateRequest(
         request_id=request_id,
         prompt_token_ids=prompt,
@@ -636,6 +642,44 @@ def test_a_prefill_worker_is_priced_as_loading_what_its_host_pool_holds():
     assert pool.pool_fetch(stranger, prompt) is not None
     pool.computes(stranger, prompt)
     assert pool.pool_fetch(stranger, prompt) is None
+
+
+def test_a_decode_worker_whose_pool_holds_the_prompt_computes_it_itself_loading_from_there():
+    """The estimate prices the local path with what the decode worker's host KV pool holds: a
+    long prompt whose history the pool holds is computed on the decode worker (it loads the
+    history and computes the rest; no KV moves), where a decode worker without a pool, or
+    whose pool lacks it, has it prefilled on the prefill worker. A decode worker whose pool
+    lacks what another host's pool holds is told to fetch it for the prompt it computes."""
+    prefill, decode = first_token("prefill-a"), answering("decode-a")
+    # eight requests decoding there (a prompt computed there stalls them), a load and a fetch
+    # each 1% of compute
+    decode.load.report = worker_pb2.StatsReply(
+        running_requests=8,
+        prefill_seconds_per_token=1e-3,
+        kv_pool_load_seconds_per_token=1e-5,
+        kv_pool_fetch_seconds_per_token=1e-5,
+    )
+    pool = WorkerPool([], RoundRobin())
+    pool.workers = [prefill, decode]
+    flow = RequestFlow(RouterSettings(model="m"), pool, None, RouterMetrics())
+    prompt = list(range(1000, 2300))
+    assert disaggregated(flow, prompt, "no-pool", forced=False).route == RoutePath.DISAGGREGATED
+    decode.kv_pool, decode.host_id = "@pool", "host-1"
+    assert disaggregated(flow, prompt, "lacks", forced=False).route == RoutePath.DISAGGREGATED
+    pool_holds(pool, decode, prompt, blocks=10)
+    run = disaggregated(flow, prompt, "holds", forced=False)
+    assert run.route == RoutePath.LOCAL and len(prefill.requests) == 2
+    assert not decode.requests[-1].HasField("kv")
+    # another host's pool holds it (its prefill worker is busy), the decode worker's lacks it:
+    # fetched, then loaded
+    elsewhere = first_token("prefill-b")
+    elsewhere.kv_pool, elsewhere.host_id = "@pool", "host-2"
+    elsewhere.load.report = worker_pb2.StatsReply(outstanding_prefill_tokens=100_000)
+    pool.workers.append(elsewhere)
+    pool_holds(pool, elsewhere, prompt, blocks=10)
+    pool_holds(pool, decode, prompt, blocks=0)
+    assert disaggregated(flow, prompt, "fetch", forced=False).route == RoutePath.LOCAL
+    assert decode.requests[-1].pool_fetch.tokens == 1280
 
 
 def test_the_worker_computing_a_prompt_is_told_to_fetch_what_another_hosts_pool_holds():
