@@ -1,4 +1,4 @@
-"""KV reuse on and off on multi-turn conversations (or a Mooncake-format trace). Two comparisons:
+"""KV reuse on and off on multi-turn conversations (or a Mooncake-format trace). Comparisons:
 
 - `--compare pool` (default): the host KV pool (docs/kv-pool.md) off and on, `--workers`
   colocated workers (default 2) with round-robin routing, so a conversation's next turn often
@@ -11,9 +11,13 @@
   node's workers share;
 - `--compare decode-reuse`: 1P1D with every prompt disaggregated and no pool, the router's
   policy round-robin (off: the prefill worker sends every block) or cache-aware (on: only the
-  blocks the decode worker does not hold from the turn before: docs/architecture.md).
+  blocks the decode worker does not hold from the turn before: docs/architecture.md);
+- `--compare decode-pool`: 1P1D with the host KV pool, the route estimate choosing each
+  request's path; off: only the prefill worker in the pool (`serve --decode-kv-pool off`), on:
+  the decode worker too (it stores its answers, and loads what it computes itself).
 
-    python scripts/bench_kv_pool.py [--compare pool|decode-reuse] [--repeats 3]
+    python scripts/bench_kv_pool.py [--compare pool|peer|scope|decode-reuse|decode-pool]
+        [--repeats 3]
         [--conversations 12] [--turns 4] [--concurrency 4] [--think-time 1] [--input-len 256]
         [--first-input-len N] [--output-len 32] [--workers 2] [--kv-cache-gib 0.5]
         [--max-model-len N] [--kv-pool-gib G]
@@ -59,6 +63,7 @@ MODEL = "smollm2"
 METRICS_URL = re.compile(r"metrics on (http://\S+/metrics)")
 POOL_HITS = 'pdserve_kv_pool_hits_total{tier="host"}'
 KV_BYTES = "pdserve_kv_transfer_bytes"  # the router's histogram, per disaggregated request
+ROUTES = re.compile(r'pdserve_route_total\{path="(?P<route>[^"]+)"\} (?P<count>\S+)')
 # name: (what it compares, prefill and decode workers, serve's options for both, for off and on)
 COMPARISONS = {
     "pool": (
@@ -88,6 +93,13 @@ COMPARISONS = {
         ["--route-policy", "length", "--disaggregate-min-tokens", "0", "--kv-pool", "off"],
         {"off": ["--policy", "round-robin"], "on": ["--policy", "cache-aware"]},
     ),
+    "decode-pool": (
+        "1P1D, the host KV pool, the route estimate; off: the prefill worker alone in the pool, "
+        "on: the decode worker too",
+        (1, 1),
+        ["--policy", "round-robin"],
+        {"off": ["--decode-kv-pool", "off"], "on": ["--decode-kv-pool", "on"]},
+    ),
 }
 GROUPS = {  # the request groups' names, for conversations and for traces
     "conversation": {"first": "turn 0", "later": "turns>=1", "most": "turns>=2"},
@@ -104,6 +116,7 @@ FIGURES = {  # key: (column title, format); {first}, {later}, {most}: the groups
     "infinite_cache_hit_rate": ("infinite-cache bound", "%"),
     "pool_hits": ("pool hits (tokens)", "n"),
     "kv_mib": ("KV MiB per request", "mib"),
+    "local": ("local path", "%"),
     "failed": ("failed", "n"),
 }
 
@@ -186,15 +199,16 @@ def one_run(number: int, pool: str, model_dir: Path, folder: Path, args) -> dict
         started = time.monotonic()
         result = folder / "bench.json"
         bench(url, model_dir, result, folder / "bench.log", args)
-        hits, kv_mib = pool_hits(folder), kv_per_request(url)
+        hits, router = pool_hits(folder), router_figures(url)
         say(f"{name} bench took {time.monotonic() - started:.0f} s; stopping the server")
-    figures = summarize(json.loads(result.read_text())) | {"pool_hits": hits, "kv_mib": kv_mib}
+    figures = summarize(json.loads(result.read_text())) | {"pool_hits": hits} | router
     errors = errors_in(folder / "bench.log")
     say(
         f"{name} TTFT p50 {ms(figures['ttft_first_p50'])} / {ms(figures['ttft_later_p50'])} / "
         f"{ms(figures['ttft_most_p50'])} ms ({', '.join(groups(args).values())}); hit rate "
         f"{pct(figures['prefix_hit_rate'])}, "
-        f"pool hits {hits:.0f}, KV {mib(kv_mib)} MiB per request, {figures['failed']} failed"
+        f"pool hits {hits:.0f}, KV {mib(figures['kv_mib'])} MiB per request, local path "
+        f"{pct(figures['local'])}, {figures['failed']} failed"
         + (f"; errors in the bench log: {errors}" if errors else "")
     )
     return {"round": number, "pool": pool, "log_dir": str(folder), "log_errors": errors} | figures
@@ -228,14 +242,21 @@ def bench(url: str, model_dir: Path, result: Path, log_path: Path, args) -> None
         raise RuntimeError(f"pdserve bench exited with code {code}{log_tail(log_path)}")
 
 
-def kv_per_request(url: str) -> float | None:
-    """The router's KV MiB received per disaggregated request (None: there was none)."""
+def router_figures(url: str) -> dict:
+    """From the router's /metrics: the KV MiB received per disaggregated request (None: there
+    was none), and the share of requests its route estimate computed on the decode worker."""
     sums = {"_sum": 0.0, "_count": 0.0}
+    routes = {}
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
         for suffix in sums:
             if line.startswith(KV_BYTES + suffix):
                 sums[suffix] += float(line.rsplit(" ", 1)[1])
-    return sums["_sum"] / sums["_count"] / 2**20 if sums["_count"] else None
+        if match := ROUTES.match(line):
+            routes[match["route"]] = routes.get(match["route"], 0.0) + float(match["count"])
+    return {
+        "kv_mib": sums["_sum"] / sums["_count"] / 2**20 if sums["_count"] else None,
+        "local": routes.get("local", 0.0) / sum(routes.values()) if routes else None,
+    }
 
 
 def pool_hits(log_dir: Path) -> float:

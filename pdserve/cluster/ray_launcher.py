@@ -31,7 +31,7 @@ from pdserve.settings.worker import WorkerSettings
 from pdserve.worker.engine import PLACEMENT_GROUP_ENV, RAY_NAMESPACE_ENV
 
 ROUTER = "router"
-KV_POOL_PREFIX = "kv-pool-"  # a node's KV pool store's actor: kv-pool-<node id>
+KV_POOL_PREFIX = "kv-pool-"  # a node's KV pool store's actor: kv-pool-<node id>-<group>
 PLACEMENT_TIMEOUT_S = 30.0
 ACTOR_CALL_TIMEOUT_S = 60.0
 
@@ -96,7 +96,9 @@ class ProcessHost:
         host = "127.0.0.1" if loopback else _node_address(node)
         settings = WorkerSettings.model_validate_json(settings_json)
         if settings.wants_kv_pool and kv_pool_bytes:
-            address = node_kv_pool(settings.cluster, node, log_dir, kv_pool_bytes)
+            address = node_kv_pool(
+                settings.cluster, node, settings.kv_pool_group, log_dir, kv_pool_bytes
+            )
             settings = settings.model_copy(update={"kv_pool_address": address})
         worker = start_worker(
             settings.model_copy(update={"host": host, "port": 0}),
@@ -245,18 +247,19 @@ def start_worker(
     )
 
 
-def node_kv_pool(cluster: str, node: str, log_dir: str, budget_bytes: int) -> str:
-    """The address of node `node`'s KV pool store (kv_transfer/pool_store.py), held by a named
-    actor pinned to that node (`kv-pool-<node>`) and started by the first worker there that
-    asks; `pdserve down` stops it with the other actors."""
+def node_kv_pool(cluster: str, node: str, group: str, log_dir: str, budget_bytes: int) -> str:
+    """The address of node `node`'s KV pool store (kv_transfer/pool_store.py) for its workers
+    of `group` (WorkerSettings.kv_pool_group: their tensor-parallel size), held by a named
+    actor pinned to that node (`kv-pool-<node>-<group>`) and started by the first worker there
+    that asks; `pdserve down` stops it with the other actors."""
     host = ProcessHost.options(
-        name=kv_pool_actor(node),
+        name=kv_pool_actor(node, group),
         get_if_exists=True,
         lifetime="detached",
         **member_env(),
         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
     ).remote()
-    address = f"@pdserve-kv-pool-{cluster}-{node[:12]}"
+    address = f"@pdserve-kv-pool-{cluster}-{node[:12]}-{group}"
     info = ray.get(
         host.start_kv_pool.remote(log_dir, budget_bytes, address), timeout=ACTOR_CALL_TIMEOUT_S
     )
@@ -275,8 +278,8 @@ def describe_kv_pool(name: str) -> dict:
     return info
 
 
-def kv_pool_actor(node: str) -> str:
-    return f"{KV_POOL_PREFIX}{node[:12]}"
+def kv_pool_actor(node: str, group: str) -> str:
+    return f"{KV_POOL_PREFIX}{node[:12]}-{group}"
 
 
 def is_kv_pool(name: str) -> bool:

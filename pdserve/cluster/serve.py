@@ -114,7 +114,7 @@ def add_parser(subparsers) -> None:
         default=2.0,
         metavar="GIB",
         help="with --kv-pool on: the host KV pool's memory (serve starts its store for the "
-        "colocated or prefill workers, kv_transfer/pool_store.py); "
+        "colocated, prefill and decode workers, kv_transfer/pool_store.py); "
         "it never holds more, and evicts the least "
         "recently used blocks (a block read since it was last considered gets another round) "
         "(default: 2)",
@@ -127,6 +127,14 @@ def add_parser(subparsers) -> None:
         "of them computed; worker: a pool of --kv-pool-gib beside each worker, as in "
         "Kubernetes, where each pod runs its own store: a worker fetches what another's pool "
         "holds over gRPC first (docs/kv-pool.md#across-hosts) (default: host)",
+    )
+    parser.add_argument(
+        "--decode-kv-pool",
+        choices=("on", "off"),
+        default="on",
+        help="with --kv-pool on: off keeps the decode workers out of the pool (they store "
+        "nothing there, and compute every prompt they prefill themselves): to measure what "
+        "they add (docs/kv-pool.md#who-uses-it) (default: on)",
     )
     parser.add_argument(
         "--cpu-binding",
@@ -276,12 +284,19 @@ def run(args: argparse.Namespace) -> int:
 
 def _with_kv_pools(plan: list, args, log_dir: Path, started: list) -> list:
     """The plan's colocated, prefill and decode workers with their KV pool's address, each store
-    started (and added to `started`, to be stopped): one for the host, or one per worker."""
+    started (and added to `started`, to be stopped): one for the host (one per tensor-parallel
+    size: WorkerSettings.kv_pool_group), or one per worker."""
     budget = int(args.kv_pool_gib * 2**30)
     pooled = [i for i, worker in enumerate(plan) if worker.wants_kv_pool]
-    groups = [pooled] if args.kv_pool_scope == "host" else [[i] for i in pooled]
+    if args.kv_pool_scope == "host":
+        by_group: dict[str, list[int]] = {}
+        for i in pooled:
+            by_group.setdefault(plan[i].kv_pool_group, []).append(i)
+        groups = list(by_group.values())
+    else:
+        groups = [[i] for i in pooled]
     plan = list(plan)
-    for number, group in enumerate(group for group in groups if group):
+    for number, group in enumerate(groups):
         log_path = log_dir / (f"kv-pool-{number}.log" if len(groups) > 1 else "kv-pool.log")
         address, process = local_services.start_kv_pool(log_path, budget)
         started.append(process)
@@ -321,12 +336,17 @@ def _worker_plan(args, decode: WorkerSettings, transports: list[str]) -> list[Wo
         return [decode.model_copy(update={"role": Role.COLOCATED})] * args.workers
     if args.flex:
         return [decode.model_copy(update={"role": Role.FLEX})] * args.flex
+    prefill_pool = decode.kv_pool
+    if args.decode_kv_pool == "off":
+        decode = decode.model_copy(update={"kv_pool": "off"})
     engine = decode.engine
     if args.prefill_tensor_parallel_size is not None:
         engine = engine.model_copy(
             update={"tensor_parallel_size": args.prefill_tensor_parallel_size}
         )
-    prefill = decode.model_copy(update={"role": Role.PREFILL, "engine": engine})
+    prefill = decode.model_copy(
+        update={"role": Role.PREFILL, "engine": engine, "kv_pool": prefill_pool}
+    )
     prefills = [prefill.model_copy(update={"kv_transport": kind}) for kind in transports] or [
         prefill
     ] * args.prefill

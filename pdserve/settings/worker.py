@@ -221,6 +221,14 @@ class WorkerSettings(Settings):
         and the worker is of a kind that uses it (a launcher starts the host's store for it)."""
         return self.kv_pool == "on" and self.role in POOLED_ROLES
 
+    @property
+    def kv_pool_group(self) -> str:
+        """Which of a host's workers may share one KV pool store: a store holds blocks of one
+        layout (a part per tensor-parallel rank), so workers of another tensor-parallel size
+        (a 1P1D whose prefill and decode TP differ) get a store of their own; the store would
+        refuse whichever joined second."""
+        return f"tp{self.engine.tensor_parallel_size}"
+
     @model_validator(mode="after")
     def _pool_where_it_is_used(self) -> "WorkerSettings":
         """A pool given to a worker that would not use it is refused, not ignored."""

@@ -226,6 +226,7 @@ def test_the_decode_worker_stores_its_answer_and_the_next_turns_prefill_worker_l
     (which computed the prompt, never the answer) loads the block the answer completed instead
     of computing it, and answers as vLLM's offline engine."""
     expected = offline_reference["conversations"][0]
+    hits = decode_pool_hits(server)
     first = complete(
         server,
         DECODE_POOL_CONVERSATIONS[0]["first"],
@@ -234,6 +235,7 @@ def test_the_decode_worker_stores_its_answer_and_the_next_turns_prefill_worker_l
         return_token_ids=True,
     ).json()
     assert first["choices"][0]["text"] == expected["first"]["text"]
+    assert decode_pool_hits(server) == hits  # what it received is not loaded from the pool
     prompt, answer = first["choices"][0]["prompt_token_ids"], first["choices"][0]["token_ids"]
     answered = (len(prompt) + len(answer) - 1) // 128  # the last token's KV is never stored
     assert answered == len(prompt) // 128 + 1, "the answer must complete a block"
