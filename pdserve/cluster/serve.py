@@ -114,7 +114,7 @@ def add_parser(subparsers) -> None:
         default=2.0,
         metavar="GIB",
         help="with --kv-pool on: the host KV pool's memory (serve starts its store for the "
-        "colocated, prefill and decode workers, kv_transfer/pool_store.py); "
+        "workers, kv_transfer/pool_store.py); "
         "it never holds more, and evicts the least "
         "recently used blocks (a block read since it was last considered gets another round) "
         "(default: 2)",
@@ -283,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _with_kv_pools(plan: list, args, log_dir: Path, started: list) -> list:
-    """The plan's colocated, prefill and decode workers with their KV pool's address, each store
+    """The plan's workers with their KV pool's address (those of `--kv-pool on`), each store
     started (and added to `started`, to be stopped): one for the host (one per tensor-parallel
     size: WorkerSettings.kv_pool_group), or one per worker."""
     budget = int(args.kv_pool_gib * 2**30)

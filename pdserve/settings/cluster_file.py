@@ -107,7 +107,7 @@ class TransportSection(Settings):
 
 class KvPoolSection(Settings):
     """Each node's KV pool (docs/kv-pool.md): `pdserve up` starts one store on every node where
-    a worker that uses it runs (colocated, prefill or decode), and those workers share it."""
+    a worker runs, and the node's workers of one tensor-parallel size share it."""
 
     enabled: bool = True
     gib: float = Field(2.0, gt=0)  # host memory of each node's store

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, Field
 
 from pdserve.kinds import AUTO_TRANSPORT, Role, Transport
 from pdserve.settings.base import Settings
@@ -69,12 +69,10 @@ KvPool = Annotated[
         default="on",
         description="share computed prefix blocks through the host's KV pool (docs/kv-pool.md): "
         "the engine stores the blocks it computes (or receives) there, and loads from there a "
-        "prefix any worker of the host computed instead of computing it. Colocated, prefill "
-        "and decode workers (a decode worker loads for the prompts it computes itself); not "
-        "flex workers yet; with no --kv-pool-address there is no pool",
+        "prefix any worker of the host computed instead of computing it (a decode worker: for "
+        "the prompts it computes itself); with no --kv-pool-address there is no pool",
     ),
 ]
-POOLED_ROLES = (Role.COLOCATED, Role.PREFILL, Role.DECODE)  # its users (docs/kv-pool.md)
 
 KvPoolAddress = Annotated[
     str,
@@ -217,9 +215,9 @@ class WorkerSettings(Settings):
 
     @property
     def wants_kv_pool(self) -> bool:
-        """Whether this worker uses its host's KV pool once given its address: the pool is on
-        and the worker is of a kind that uses it (a launcher starts the host's store for it)."""
-        return self.kv_pool == "on" and self.role in POOLED_ROLES
+        """Whether this worker uses its host's KV pool once given its address (a launcher
+        starts the host's store for it): every role does, unless the pool is off."""
+        return self.kv_pool == "on"
 
     @property
     def kv_pool_group(self) -> str:
@@ -228,10 +226,3 @@ class WorkerSettings(Settings):
         (a 1P1D whose prefill and decode TP differ) get a store of their own; the store would
         refuse whichever joined second."""
         return f"tp{self.engine.tensor_parallel_size}"
-
-    @model_validator(mode="after")
-    def _pool_where_it_is_used(self) -> "WorkerSettings":
-        """A pool given to a worker that would not use it is refused, not ignored."""
-        if self.pooled and self.role not in POOLED_ROLES:
-            raise ValueError("kv_pool_address: flex workers do not use the KV pool yet")
-        return self

@@ -28,15 +28,17 @@ MAX_UNCLAIMED_TRANSFERS = 4096
 def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
     """The role's connector: the producer in prefill_workers/, the consumer in decode_workers/,
     both for a flex worker (pdserve/worker/flex_connector.py); a colocated worker has the host
-    KV pool's (kv_transfer/pool_connector.py) if it has a pool, and a prefill or decode worker
-    with a pool has both its own and the pool's (`_with_pool`). A decode
+    KV pool's (kv_transfer/pool_connector.py) if it has a pool, and a prefill, decode or flex
+    worker with a pool has both its own and the pool's (`_with_pool`). A decode
     (or flex) worker's KV receiver binds to its gRPC host, rank r on `kv_port` + r; the
     advertised host is where peers reach either side (a decode rank's shared-memory socket is
     named after it, a prefill rank hosts its NCCL rendezvous there)."""
     advertised = worker.advertise_host or worker.host
 
-    def with_role(role: Role) -> dict:
-        return kv_transfer_config(worker.model_copy(update={"role": role}), kv_port)
+    def with_role(role: Role) -> dict:  # that role's own connector, without the pool's
+        return kv_transfer_config(
+            worker.model_copy(update={"role": role, "kv_pool": "off"}), kv_port
+        )
 
     if worker.role == Role.PREFILL:
         producer = {
@@ -52,7 +54,7 @@ def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
         return _with_pool(worker, producer)
     if worker.role == Role.FLEX:  # both halves, both configurations
         producer, consumer = with_role(Role.PREFILL), with_role(Role.DECODE)
-        return {
+        flex = {
             **consumer,
             "kv_connector": "FlexConnector",
             "kv_connector_module_path": "pdserve.worker.flex_connector",
@@ -62,6 +64,7 @@ def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
                 **consumer["kv_connector_extra_config"],
             },
         }
+        return _with_pool(worker, flex)
     if worker.role == Role.DECODE:
         consumer = {
             "kv_connector": "DecodeConnector",
@@ -85,12 +88,12 @@ def _with_pool(worker: WorkerSettings, own: dict) -> dict:
     """`own` connector and, for a worker with a KV pool, the pool's beside it in vLLM's
     MultiConnector, which gives each request's KV to load to the first connector that has some:
     pdserve's own first. A prefill worker's producer loads nothing, so the pool's is the load;
-    a decode worker's consumer loads a prompt's KV sent from a prefill worker, and the pool's
-    the prompts the decode worker computes itself (the local path). Both see every block, so the
-    pool stores what either computed or received, a decode worker's answers included (the
-    conversation's next turn resends them). vLLM applies one failure policy to both: the
-    worker's own (a decode worker's `--kv-failure-policy fail` ends a request whose pool block
-    fails its check too)."""
+    a decode (or flex) worker's consumer loads a prompt's KV sent from a prefill worker, and the
+    pool's the prompts the worker computes itself (the local path, a prefill leg). Both see
+    every block, so the pool stores what either computed or received, a decode worker's answers
+    included (the conversation's next turn resends them). vLLM applies one failure policy to
+    both: the worker's own (a decode worker's `--kv-failure-policy fail` ends a request whose
+    pool block fails its check too)."""
     if not worker.pooled:
         return own
     pool = pool_kv_transfer_config(worker.kv_pool_address, _pool_namespace(worker))

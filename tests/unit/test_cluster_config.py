@@ -93,13 +93,13 @@ def test_kv_cache_gib_is_set_per_pool_and_engine_kv_cache_gib_stays_the_default_
     assert "decode.kv_cache_gib: must be > 0" in refused({"decode": {"kv_cache_gib": 0}})
 
 
-def test_the_kv_pool_is_each_nodes_for_its_prefill_and_decode_workers_and_can_be_turned_off():
+def test_the_kv_pool_is_each_nodes_for_its_workers_and_can_be_turned_off():
     config = parse_cluster({"kv_pool": {"gib": 0.5}, "prefill": {"tensor_parallel_size": 2}})
     assert config.kv_pool.budget_bytes == 2**29
     wants = {role: config.worker_settings(role, "").wants_kv_pool for role in config.pools()}
     assert wants == {"prefill": True, "decode": True}
     flex = parse_cluster({"flex": {"replicas": 2}})
-    assert not flex.worker_settings("flex", "").wants_kv_pool
+    assert flex.worker_settings("flex", "").wants_kv_pool
     off = parse_cluster({"kv_pool": {"enabled": False}})
     assert off.kv_pool.budget_bytes == 0
     assert not off.worker_settings("prefill", "").wants_kv_pool

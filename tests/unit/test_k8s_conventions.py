@@ -33,6 +33,7 @@ from tests.unit.test_k8s_manifests import (
     OVERLAYS,
     build,
     by_kind,
+    main_container,
     validate_custom,
 )
 
@@ -193,8 +194,9 @@ def test_a_flex_cluster_renders_one_pool_that_receives_kv_and_scales_on_both_sig
     assert set(deployments) == {"pdserve-router", "pdserve-flex"}
     flex = deployments["pdserve-flex"]
     assert flex["spec"]["replicas"] == 2
-    (worker,) = flex["spec"]["template"]["spec"]["containers"]
+    worker = main_container(flex["spec"]["template"]["spec"])
     assert worker["args"][:3] == ["worker", "--role", "flex"]
+    assert KV_POOL_CONTAINER in {c["name"] for c in flex["spec"]["template"]["spec"]["containers"]}
     assert "kv-0" in {port["name"] for port in worker["ports"]}
     (scaler,) = by_kind(build(out / "autoscaling"), "ScaledObject").values()
     assert len(scaler["spec"]["triggers"]) == 3  # prefill's queue, decode's queue and KV usage

@@ -52,8 +52,7 @@ def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
 
 
 def main_container(pod: dict) -> dict:
-    """A pod spec's pdserve process (a prefill or decode worker's pod also runs its KV pool's
-    store)."""
+    """A pod spec's pdserve process (a worker's pod also runs its KV pool's store)."""
     (main,) = [c for c in pod["containers"] if c["name"] != KV_POOL_CONTAINER]
     return main
 
@@ -171,11 +170,11 @@ def check_deployments(config, objects: list[dict]) -> None:
 
 
 def check_kv_pool(config, role: str, settings: dict, sidecars: dict[str, dict]) -> None:
-    """A prefill or decode worker whose TP group fits a node has its KV pool's store beside it,
-    at the address it is given, with the cluster file's budget; no other worker has one."""
+    """A worker whose TP group fits a node has its KV pool's store beside it, at the address
+    it is given, with the cluster file's budget; one spanning nodes has none."""
     pool = config.pool(role)
     spans = pool.uses_gpus and pool.tensor_parallel_size > RenderOptions().gpus_per_node
-    if role in ("prefill", "decode") and not spans:
+    if not spans:
         store = sidecars.pop(KV_POOL_CONTAINER)
         address = store["command"][store["command"].index("--address") + 1]
         assert settings["kv_pool_address"] == address == KV_POOL_ADDRESS

@@ -3,10 +3,8 @@ kv_transfer_config, pdserve/settings/worker.py): colocated workers through the p
 connector alone, prefill and decode workers through vLLM's MultiConnector with their own
 connector first (a prefill worker's finds nothing to load, so the pool's answer is the one
 loaded; a decode worker's loads what a prefill worker sent, the pool's the prompts it computes
-itself), at any tensor parallelism; a pool given to a worker that would not use it (flex) is
-refused, not ignored."""
+itself; a flex worker's both halves, then the pool's), at any tensor parallelism."""
 
-import pydantic
 import pytest
 
 from pdserve.settings.engine import EngineSettings
@@ -56,7 +54,12 @@ def test_a_decode_worker_composes_its_consumer_and_then_the_pool_under_its_failu
     assert plain["kv_connector"] == "DecodeConnector" and children[0] == plain
 
 
-def test_a_pool_a_worker_would_not_use_is_refused():
-    with pytest.raises(pydantic.ValidationError, match="kv_pool_address"):
-        WorkerSettings(kv_pool_address=POOL, role="flex")
-    WorkerSettings(kv_pool="off", kv_pool_address=POOL, role="flex")  # off: nothing to refuse
+def test_a_flex_worker_composes_both_its_halves_and_then_the_pool():
+    settings = WorkerSettings(role="flex", kv_pool_address=POOL, kv_failure_policy="fail")
+    config = kv_transfer_config(settings, 7000)
+    assert config["kv_connector"] == "MultiConnector"
+    assert config["kv_load_failure_policy"] == "fail"
+    children = config["kv_connector_extra_config"]["connectors"]
+    assert [child["kv_connector"] for child in children] == ["FlexConnector", "PoolConnector"]
+    plain = kv_transfer_config(settings.model_copy(update={"kv_pool": "off"}), 7000)
+    assert plain["kv_connector"] == "FlexConnector" and children[0] == plain
