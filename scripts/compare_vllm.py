@@ -19,7 +19,8 @@ Systems (each started in its own process group, stopped by its PID before the ne
 - 1p1d-length: the same, prompts of 256 tokens or more disaggregated (the old default);
 - 1p1d-unbound: 1p1d with --cpu-binding none (the OS places every thread; 1p1d's default here,
   auto, pins each worker's compute threads to its own core);
-- colocated-no-pool, 1p1d-no-pool: colocated and 1p1d with --kv-pool off.
+- colocated-no-pool, 1p1d-no-pool: colocated and 1p1d with --kv-pool off;
+- 1p1d-decode-no-pool: 1p1d with the decode worker out of the KV pool (--decode-kv-pool off).
 Workload (bench's `mixed`): 90% ~100-token prompts, 10% ~1,500-token prompts (--long-fraction),
 64 output tokens (ignore_eos), Poisson arrivals; the same requests and arrival times for every
 system at a rate, other prompts at each rate (no prefix-cache hit from the rate before).
@@ -88,6 +89,7 @@ SYSTEMS = {
     "1p1d-length": (1, 1, ["--route-policy", "length"]),
     "1p1d-unbound": (1, 1, ["--cpu-binding", "none"]),
     "1p1d-no-pool": (1, 1, ["--kv-pool", "off"]),
+    "1p1d-decode-no-pool": (1, 1, ["--decode-kv-pool", "off"]),
 }
 """How `pdserve serve` starts each pdserve system: (prefill, decode, more options)."""
 
