@@ -104,6 +104,18 @@ class ResponseShape:
         self._started: set[int] = set()  # choices whose first chunk went out
         self._text_offsets: dict[int, int] = {}
         self._tokens: dict[int, int] = {}  # tokens streamed per choice
+        # A chunk that carries text alone (no logprobs, token ids or usage asked for; neither
+        # a choice's first nor its last) is most of a stream: its event is this envelope
+        # around the choice, the bytes json.dumps would write for it (a test compares them).
+        self._text_only = (
+            options.logprobs is None
+            and not options.return_token_ids
+            and not options.continuous_usage
+        )
+        self._event_start = (
+            f'data: {{"id":{json.dumps(response_id)},"object":"{self.object_chunk}",'
+            f'"created":{self.created},"model":{json.dumps(model)},"choices":['
+        )
 
     # whole responses ----------------------------------------------------------------------
 
@@ -126,6 +138,10 @@ class ResponseShape:
         first = index not in self._started
         self._started.add(index)
         self._tokens[index] = self._tokens.get(index, 0) + len(chunk.token_ids)
+        if self._text_only and not first and finish is None:
+            if not (chunk.text or chunk.token_ids):
+                return []
+            return [f"{self._event_start}{self.text_choice(index, chunk.text)}]}}\n\n"]
         extra = {}
         if self.options.continuous_usage:  # as vLLM: the prompt and this choice's tokens
             extra["usage"] = Usage(len(prompt.token_ids), self._tokens[index], 0).body()
@@ -142,6 +158,10 @@ class ResponseShape:
         finish: str | None,
         first: bool,
     ) -> list[dict]:
+        raise NotImplementedError
+
+    def text_choice(self, index: int, text: str) -> str:
+        """A streamed choice of text alone, as JSON (what stream_choices gives for it)."""
         raise NotImplementedError
 
     def usage_chunk(self, usage: Usage) -> str:
@@ -204,6 +224,13 @@ class ChatShape(ResponseShape):
                 choice["token_ids"] = list(chunk.token_ids)
             choices.append(choice)
         return choices
+
+    def text_choice(self, index: int, text: str) -> str:
+        content = json.dumps(text)
+        return (
+            f'{{"index":{index},"delta":{{"content":{content}}},"logprobs":null,'
+            '"finish_reason":null}'
+        )
 
     @staticmethod
     def _delta(index: int, delta: dict) -> dict:
@@ -275,6 +302,13 @@ class CompletionShape(ResponseShape):
         if self.options.return_token_ids:
             body.update(prompt_token_ids=prompt.token_ids, token_ids=choice.token_ids)
         return body
+
+    def text_choice(self, index: int, text: str) -> str:
+        text = json.dumps(text)
+        return (
+            f'{{"index":{index},"text":{text},"logprobs":null,"finish_reason":null,'
+            '"stop_reason":null}'
+        )
 
     def stream_choices(self, prompt, index, chunk, finish, first) -> list[dict]:
         text, token_ids, positions = chunk.text, list(chunk.token_ids), list(chunk.logprobs)
