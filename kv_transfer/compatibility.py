@@ -118,9 +118,16 @@ def compatibility_of(vllm_config) -> Compatibility:
 
 
 def integrity_of(vllm_config) -> bool:
-    """Whether this engine's connector digests (a sender) or checks (a receiver) its KV."""
+    """Whether this engine's connector digests (a sender) or checks (a receiver) its KV: its
+    own setting, or in vLLM's MultiConnector (a worker in a KV pool) its first connector's,
+    pdserve's own (pdserve/worker/engine.py)."""
     transfer = getattr(vllm_config, "kv_transfer_config", None)
-    return bool(transfer.get_from_extra_config("integrity", True)) if transfer else True
+    if transfer is None:
+        return True
+    extra = transfer.kv_connector_extra_config or {}
+    if transfer.kv_connector == "MultiConnector":
+        extra = extra["connectors"][0].get("kv_connector_extra_config", {})
+    return bool(extra.get("integrity", True))
 
 
 def mismatches(producer: Compatibility, consumer: Compatibility) -> list[str]:

@@ -205,8 +205,9 @@ class WorkerPool:
     ) -> tuple[WorkerClient | None, int]:
         """The serving worker of another host KV pool that holds more of `prompt`'s leading
         blocks than `worker`'s pool does, and the tokens it holds: (None, 0) when none does (or
-        `worker` is in no pool). Only a pool of workers whose KV is compatible with `worker`'s:
-        the blocks must mean the same to its engine."""
+        `worker` is in no pool). Only a pool of workers whose KV is compatible with `worker`'s
+        and of its tensor-parallel size: the blocks must mean the same to its engine, and a
+        pool's blocks hold a part per rank (another size's pool refuses the fetch)."""
         if not worker.kv_pool:
             return None, 0
         contents = self.pool_contents
@@ -215,6 +216,7 @@ class WorkerPool:
             if (
                 other.kv_pool
                 and other.kv_compatibility == worker.kv_compatibility
+                and other.tensor_parallel_size == worker.tensor_parallel_size
                 and not contents.same_pool(other, worker)
                 and self.serving(other)
             ):

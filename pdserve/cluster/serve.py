@@ -114,8 +114,8 @@ def add_parser(subparsers) -> None:
         default=2.0,
         metavar="GIB",
         help="with --kv-pool on: the host KV pool's memory (serve starts its store for the "
-        "workers, kv_transfer/pool_store.py); "
-        "it never holds more, and evicts the least "
+        "workers, kv_transfer/pool_store.py; one per tensor-parallel size among them, each of "
+        "this size); a store never holds more, and evicts the least "
         "recently used blocks (a block read since it was last considered gets another round) "
         "(default: 2)",
     )

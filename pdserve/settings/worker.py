@@ -70,7 +70,9 @@ KvPool = Annotated[
         description="share computed prefix blocks through the host's KV pool (docs/kv-pool.md): "
         "the engine stores the blocks it computes (or receives) there, and loads from there a "
         "prefix any worker of the host computed instead of computing it (a decode worker: for "
-        "the prompts it computes itself); with no --kv-pool-address there is no pool",
+        "the prompts it computes itself); with no --kv-pool-address there is no pool, and a "
+        "decode or flex worker with --kv-failure-policy fail uses none (a pool miss would end "
+        "its request)",
     ),
 ]
 
@@ -211,13 +213,18 @@ class WorkerSettings(Settings):
     @property
     def pooled(self) -> bool:
         """The engine shares prefix blocks through the host's KV pool."""
-        return self.kv_pool == "on" and bool(self.kv_pool_address)
+        return self.wants_kv_pool and bool(self.kv_pool_address)
 
     @property
     def wants_kv_pool(self) -> bool:
         """Whether this worker uses its host's KV pool once given its address (a launcher
-        starts the host's store for it): every role does, unless the pool is off."""
-        return self.kv_pool == "on"
+        starts the host's store for it): every role does, unless the pool is off or the
+        worker receives KV under `--kv-failure-policy fail`. vLLM applies one failure policy
+        to all its connectors' loads, so under `fail` a pool block evicted between its lookup
+        and its load, or a restarted store, would end the request instead of being computed."""
+        return self.kv_pool == "on" and not (
+            self.role in (Role.DECODE, Role.FLEX) and self.kv_failure_policy == "fail"
+        )
 
     @property
     def kv_pool_group(self) -> str:

@@ -91,6 +91,13 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
     )
     settings = settings.model_copy(update={"advertise_host": host})
     metrics.follow_state(service)
+    if settings.kv_pool_address and not settings.pooled:
+        log.warning(
+            "worker %s uses no KV pool (kv_pool %s, kv_failure_policy %s)",
+            worker_id,
+            settings.kv_pool,
+            settings.kv_failure_policy,
+        )
     if settings.pooled:
         metrics.follow_kv_pool(settings.kv_pool_address, service.engine_stats)
 

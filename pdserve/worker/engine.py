@@ -92,8 +92,8 @@ def _with_pool(worker: WorkerSettings, own: dict) -> dict:
     pool's the prompts the worker computes itself (the local path, a prefill leg). Both see
     every block, so the pool stores what either computed or received, a decode worker's answers
     included (the conversation's next turn resends them). vLLM applies one failure policy to
-    both: the worker's own (a decode worker's `--kv-failure-policy fail` ends a request whose
-    pool block fails its check too)."""
+    both: the worker's own, always `recompute` here (a worker under `fail` uses no pool:
+    WorkerSettings.wants_kv_pool)."""
     if not worker.pooled:
         return own
     pool = pool_kv_transfer_config(worker.kv_pool_address, _pool_namespace(worker))
@@ -214,10 +214,13 @@ def pool_load_seconds(connector_stats: dict | None) -> float:
 def pool_loaded_tokens(connector_hits) -> int:
     """Of an engine step's prompt tokens loaded by its connectors (vLLM's PrefixCacheStats),
     those the host KV pool's connector loaded: all but those a prefill worker sent a decode
-    worker (kv_transfer/connector_base.py names their source "p2p")."""
-    if connector_hits is None or not connector_hits.hits:
+    worker (kv_transfer/connector_base.py names their source "p2p"), a preempted request's
+    included (vLLM counts them apart, with no source: only the pool loads a request again,
+    and the load time per token counts their loads)."""
+    if connector_hits is None:
         return 0
-    return connector_hits.hits - connector_hits.hits_by_source.get("p2p", 0)
+    sent = connector_hits.hits_by_source.get("p2p", 0)
+    return connector_hits.hits + connector_hits.preempted_hits - sent
 
 
 def kv_transfers(connector_stats: dict | None) -> list[dict]:

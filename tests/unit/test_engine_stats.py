@@ -82,12 +82,12 @@ def test_load_time_per_token_counts_the_ranks_loading_side_by_side():
 def test_the_pools_loaded_tokens_leave_out_what_a_prefill_worker_sent():
     """vLLM counts every token its connectors loaded; a pooled decode worker's include the KV
     its prefill workers sent (source "p2p", kv_transfer/connector_base.py), which are no pool
-    hits (a preempted request's loads are counted apart, as before)."""
+    hits; a preempted request's (counted apart, with no source) are the pool's."""
     hits = PrefixCacheStats()
     sources = {CacheHitSource.P2P: 512, CacheHitSource.HOST: 128}
     hits.record(num_tokens=900, num_hits=640, preempted=False, hits_by_source=sources)
     hits.record(num_tokens=300, num_hits=256, preempted=False, hits_by_source={"host": 256})
     hits.record(num_tokens=200, num_hits=128, preempted=True)
-    assert pool_loaded_tokens(hits) == 128 + 256
+    assert pool_loaded_tokens(hits) == 128 + 256 + 128
     assert pool_loaded_tokens(None) == pool_loaded_tokens(PrefixCacheStats()) == 0
     assert CacheHitSource.P2P == "p2p"  # the name the stats carry across processes

@@ -175,3 +175,22 @@ def test_a_sender_without_integrity_is_refused_by_a_receiver_that_checks(monkeyp
     assert "integrity: producer False != consumer True" in refusal
     refusal = check_hello(hello(engine()), engine(integrity=False), "s3cret")
     assert "integrity: producer True != consumer False" in refusal
+
+
+def test_a_pooled_workers_fingerprint_states_its_own_connectors_integrity():
+    """A worker in a KV pool runs vLLM's MultiConnector: its fingerprint reads pdserve's
+    connector's integrity setting inside it (read at the top, every pooled worker said `on`,
+    and a prefill worker without integrity refused its decode worker without it)."""
+    from vllm.config import KVTransferConfig
+
+    from kv_transfer.compatibility import integrity_of
+    from pdserve.settings.worker import WorkerSettings
+    from pdserve.worker.engine import kv_transfer_config
+
+    for integrity in ("on", "off"):
+        for role in ("prefill", "decode"):
+            settings = WorkerSettings(role=role, kv_pool_address="@pool", kv_integrity=integrity)
+            config = KVTransferConfig(**kv_transfer_config(settings, 7000))
+            assert config.kv_connector == "MultiConnector"
+            vllm_config = SimpleNamespace(kv_transfer_config=config)
+            assert integrity_of(vllm_config) == (integrity == "on"), (role, integrity)

@@ -41,13 +41,11 @@ def test_a_prefill_worker_composes_its_producer_and_then_the_pool():
     assert plain["kv_connector"] == "PrefillConnector" and children[0] == plain
 
 
-@pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_a_decode_worker_composes_its_consumer_and_then_the_pool_under_its_failure_policy(policy):
-    """vLLM applies one failure policy to the MultiConnector's loads: the decode worker's."""
-    settings = WorkerSettings(role="decode", kv_pool_address=POOL, kv_failure_policy=policy)
+def test_a_decode_worker_composes_its_consumer_and_then_the_pool():
+    settings = WorkerSettings(role="decode", kv_pool_address=POOL)
     config = kv_transfer_config(settings, 7000)
     assert config["kv_connector"] == "MultiConnector"
-    assert config["kv_load_failure_policy"] == policy
+    assert config["kv_load_failure_policy"] == "recompute"
     children = config["kv_connector_extra_config"]["connectors"]
     assert [child["kv_connector"] for child in children] == ["DecodeConnector", "PoolConnector"]
     plain = kv_transfer_config(settings.model_copy(update={"kv_pool_address": ""}), 7000)
@@ -55,11 +53,23 @@ def test_a_decode_worker_composes_its_consumer_and_then_the_pool_under_its_failu
 
 
 def test_a_flex_worker_composes_both_its_halves_and_then_the_pool():
-    settings = WorkerSettings(role="flex", kv_pool_address=POOL, kv_failure_policy="fail")
+    settings = WorkerSettings(role="flex", kv_pool_address=POOL)
     config = kv_transfer_config(settings, 7000)
     assert config["kv_connector"] == "MultiConnector"
-    assert config["kv_load_failure_policy"] == "fail"
     children = config["kv_connector_extra_config"]["connectors"]
     assert [child["kv_connector"] for child in children] == ["FlexConnector", "PoolConnector"]
     plain = kv_transfer_config(settings.model_copy(update={"kv_pool": "off"}), 7000)
     assert plain["kv_connector"] == "FlexConnector" and children[0] == plain
+
+
+@pytest.mark.parametrize("role", ["decode", "flex"])
+def test_a_worker_that_fails_requests_whose_kv_fails_uses_no_pool(role):
+    """vLLM applies one failure policy to every connector's loads: under `fail`, a pool block
+    evicted between its lookup and its load would end the request, not be computed."""
+    settings = WorkerSettings(role=role, kv_pool_address=POOL, kv_failure_policy="fail")
+    assert not settings.wants_kv_pool and not settings.pooled
+    config = kv_transfer_config(settings, 7000)
+    assert config["kv_connector"] != "MultiConnector"
+    assert config["kv_load_failure_policy"] == "fail"
+    prefill = WorkerSettings(role="prefill", kv_pool_address=POOL, kv_failure_policy="fail")
+    assert prefill.pooled  # it loads nothing but from the pool: its policy is the pool's

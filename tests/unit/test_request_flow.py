@@ -637,8 +637,13 @@ def test_a_prefill_worker_is_priced_as_loading_what_its_host_pool_holds():
     stranger.load.report = None
     computed.kv_compatibility = mate.kv_compatibility = "another model"
     assert pool.pool_fetch(stranger, prompt) is None
-    # ... nor what its own prefix cache likely holds (it computed the prompt since)
+    # ... nor from a pool of another tensor-parallel size (its blocks hold a part per rank)
     computed.kv_compatibility = mate.kv_compatibility = stranger.kv_compatibility
+    computed.tensor_parallel_size = mate.tensor_parallel_size = 2
+    assert pool.pool_fetch(stranger, prompt) is None
+    assert pool.reusable_tokens(stranger, prompt) == 0
+    computed.tensor_parallel_size = mate.tensor_parallel_size = 1
+    # ... nor what its own prefix cache likely holds (it computed the prompt since)
     assert pool.pool_fetch(stranger, prompt) is not None
     pool.computes(stranger, prompt)
     assert pool.pool_fetch(stranger, prompt) is None
