@@ -55,8 +55,8 @@ POOL_TURNS = [
 POOL_FAULT_PROMPT = _TRIP.replace("Italy", "Spain").replace("Milan", "Madrid") * 24 + "User: go"
 POOL_MAX_TOKENS = 8
 # Two conversations through the 1P1D cluster's host KV pool (test_disaggregation.py): each first
-# turn (~750 and ~490 tokens) and its 40-token answer fill one more 128-token block than the
-# prompt alone; the next turn resends both as token ids (tests/offline_reference.py).
+# turn (~240 tokens) and its 40-token answer fill one more 128-token block than the prompt
+# alone; the next turn resends both as token ids (tests/offline_reference.py).
 DECODE_POOL_CONVERSATIONS = [
     {
         "first": (
@@ -64,7 +64,7 @@ DECODE_POOL_CONVERSATIONS = [
             "barrel; plan the spring planting, the watering rota and who brings seeds. "
             "Assistant: bed one, tomatoes. "
         )
-        * 19
+        * 6
         + "User: and then?",
         "first_max_tokens": 40,
         "then": " User: and the herbs?",
@@ -75,7 +75,7 @@ DECODE_POOL_CONVERSATIONS = [
             "User: write the harbour master's log for a stormy week, ships in and out, the "
             "tides, the cargo and the pilots on duty. Assistant: Monday, a gale from the west. "
         )
-        * 12
+        * 6
         + "User: and then?",
         "first_max_tokens": 40,
         "then": " User: and on Sunday?",
