@@ -5,7 +5,7 @@ usage asked for) takes the general path."""
 
 import json
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.worker.protocol import worker_pb2
@@ -20,6 +20,7 @@ def general(shape, index: int, chunk, finish=None, first=False) -> list[str]:
     return [sse(shape._envelope(shape.object_chunk, [choice])) for choice in choices]
 
 
+@settings(max_examples=25, deadline=None)
 @given(text=st.text(), index=st.integers(0, 99), model=st.text(min_size=1))
 def test_a_text_chunk_is_written_as_json_dumps_writes_it(text, index, model):
     chunk = worker_pb2.GenerateChunk(text=text, token_ids=[7], index=index)
