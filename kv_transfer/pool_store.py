@@ -234,6 +234,18 @@ class PoolStore:
             conn.close()
 
 
+def _start_deaf_to_stop_signals(target, *args) -> None:
+    """A client's thread that never takes SIGTERM or SIGINT (it inherits the mask it starts
+    with): the kernel hands a process's signal to any thread not blocking it, and one taken by a
+    thread in recv() left the main thread in accept(), the store running until SIGKILL."""
+    stop_signals = {signal.SIGTERM, signal.SIGINT}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+    try:
+        threading.Thread(target=target, args=args, daemon=True).start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def serve(address: str, budget_bytes: int) -> None:
     store = PoolStore(budget_bytes)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -243,7 +255,7 @@ def serve(address: str, budget_bytes: int) -> None:
     try:
         while True:
             conn, _ = listener.accept()
-            threading.Thread(target=store.serve_client, args=(conn,), daemon=True).start()
+            _start_deaf_to_stop_signals(store.serve_client, conn)
     finally:
         listener.close()
         if not address.startswith("@"):
