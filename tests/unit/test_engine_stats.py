@@ -3,9 +3,6 @@ EngineStats): a tensor-parallel decode worker's ranks each report their part of 
 the transfer counts once, its ranks' figures merged, when the last rank has reported; and the
 host KV pool's load time per token, from vLLM's offloading connector's stats."""
 
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
-from vllm.v1.metrics.stats import PrefixCacheStats
-
 from pdserve.worker.engine import (
     POOL_LOAD_TIME,
     EngineStats,
@@ -83,6 +80,10 @@ def test_the_pools_loaded_tokens_leave_out_what_a_prefill_worker_sent():
     """vLLM counts every token its connectors loaded; a pooled decode worker's include the KV
     its prefill workers sent (source "p2p", kv_transfer/connector_base.py), which are no pool
     hits; a preempted request's (counted apart, with no source) are the pool's."""
+    # vLLM is imported where a test runs, not where every test process collects this file
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    from vllm.v1.metrics.stats import PrefixCacheStats
+
     hits = PrefixCacheStats()
     sources = {CacheHitSource.P2P: 512, CacheHitSource.HOST: 128}
     hits.record(num_tokens=900, num_hits=640, preempted=False, hits_by_source=sources)

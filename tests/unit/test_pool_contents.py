@@ -5,15 +5,6 @@ pool-mate's), and prices a worker's load from its own pool only (fake workers, n
 address, a host and a pool)."""
 
 import pytest
-from vllm import SamplingParams
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import (
-    get_request_block_hasher,
-    init_none_hash,
-    resolve_none_hash_seed,
-)
-from vllm.v1.kv_offload.base import make_offload_key
-from vllm.v1.request import Request
 
 from pdserve.pool_keys import block_keys
 from pdserve.worker.protocol import worker_pb2
@@ -31,12 +22,22 @@ class FakeWorker:
 
 @pytest.fixture(scope="module")
 def none_hash() -> bytes:
+    # vLLM is imported where a test runs, not where every test process collects this file
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash, resolve_none_hash_seed
+
     init_none_hash(sha256)
     return sha256(resolve_none_hash_seed(sha256))
 
 
 def vllm_keys(prompt: list[int]) -> list[bytes]:
     """The offload keys vLLM's OffloadingConnector stores a request's blocks under."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.kv_offload.base import make_offload_key
+    from vllm.v1.request import Request
+
     request = Request(
         "r",
         prompt,
