@@ -176,7 +176,10 @@ def _signal_group(group: int, sig: int) -> None:
 
 
 def _group_alive(group: int, process: subprocess.Popen | None) -> bool:
-    """Reap the leader if it is our child (a zombie still counts as a group member)."""
+    """Whether a process of the group is still running (the leader is reaped here if it is our
+    child). Zombies do not count: an orphaned member (a tensor-parallel rank whose engine core
+    exited first) is PID 1's to reap, which this host's init does ~2 s later and a container's
+    PID 1 may never do, while it has already released everything it held."""
     if process is not None:
         process.poll()
     else:
@@ -188,4 +191,14 @@ def _group_alive(group: int, process: subprocess.Popen | None) -> bool:
         os.killpg(group, 0)
     except ProcessLookupError:
         return False
-    return True
+    return any(_running_in(group, stat) for stat in Path("/proc").glob("[0-9]*/stat"))
+
+
+def _running_in(group: int, stat: Path) -> bool:
+    """Whether /proc/PID/stat's process is in process group `group` and not a zombie."""
+    try:
+        fields = stat.read_text().rsplit(")", 1)[1].split()  # the name may hold spaces
+    except (OSError, IndexError):
+        return False  # gone meanwhile
+    state, _parent, process_group = fields[:3]
+    return int(process_group) == group and state != "Z"

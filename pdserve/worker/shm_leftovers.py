@@ -10,12 +10,14 @@ That is all it removes: what it can show was its engine's, never a file a live p
 """
 
 import contextlib
+import time
 from pathlib import Path
 
 import psutil
 
 SHM = "/dev/shm/"
 EXIT_WAIT_S = 5.0  # how long the engine's processes get to exit after its shutdown returned
+POLL_S = 0.05
 REAPER_MODULE = "pdserve.worker.group_reaper"
 
 
@@ -51,11 +53,11 @@ def remove_once_gone(
     `files` that exist and that no process maps; returns them. vLLM's engine core returns from
     its shutdown before its ranks have gone, and a rank still maps its queues: processes left
     after `timeout_s` are killed, as the worker's group reaper would kill them anyway."""
-    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    alive = _wait_exited(processes, timeout_s)
     for process in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()
-    psutil.wait_procs(alive, timeout=timeout_s)
+    _wait_exited(alive, timeout_s)
     still_mapped = mapped_by(psutil.pids())
     removed = []
     for path in sorted(files - still_mapped):
@@ -63,6 +65,33 @@ def remove_once_gone(
             path.unlink()
             removed.append(path)
     return removed
+
+
+def _wait_exited(processes: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Those of `processes` that have not exited within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    alive = list(processes)
+    while alive := [process for process in alive if not _exited(process)]:
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(POLL_S)
+    return alive
+
+
+def _exited(process: psutil.Process) -> bool:
+    """Gone, or a zombie: its memory and mappings went with its exit, only its parent's wait is
+    left, and an orphaned rank's parent is PID 1, which reaps late (this host's init: ~1 s) or,
+    in a container whose PID 1 is pdserve itself, never (psutil's wait_procs waited for it:
+    every TP worker's stop took its 5 s). This process's own child is reaped here."""
+    try:
+        process.wait(timeout=0)
+        return True
+    except psutil.TimeoutExpired:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        pass
+    return True
 
 
 def _command_line(process: psutil.Process) -> list[str]:

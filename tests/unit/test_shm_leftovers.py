@@ -6,6 +6,7 @@ import contextlib
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -76,3 +77,36 @@ def test_files_unlinked_already_are_skipped():
         path.unlink()  # the engine removed it itself; its mapping shows "(deleted)"
         assert path not in noted(engine)[1]
         assert remove_once_gone([], {path}) == []
+
+
+# Forks a child that maps a new /dev/shm file and exits; waits for its exit without reaping it
+# (a zombie, as a rank orphaned to a PID 1 that never reaps is), says its pid, sleeps until killed.
+ZOMBIE_MAKER = """
+import mmap, os, sys, time
+child = os.fork()
+if child == 0:
+    fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, mmap.PAGESIZE)
+    memory = mmap.mmap(fd, mmap.PAGESIZE)
+    os._exit(0)
+os.waitid(os.P_PID, child, os.WEXITED | os.WNOWAIT)
+print(child, flush=True)
+time.sleep(120)
+"""
+
+
+def test_an_engine_process_left_a_zombie_by_a_parent_that_never_reaps_counts_as_exited():
+    path = Path(f"/dev/shm/pdserve-test-{uuid.uuid4().hex}")
+    parent = subprocess.Popen(
+        [sys.executable, "-c", ZOMBIE_MAKER, str(path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        zombie = psutil.Process(int(parent.stdout.readline()))
+        assert zombie.status() == psutil.STATUS_ZOMBIE
+        began = time.monotonic()
+        assert remove_once_gone([zombie], {path}, timeout_s=30) == [path]
+        assert time.monotonic() - began < 10  # not the 30 s wait for a reaping that never comes
+    finally:
+        parent.kill()
+        parent.wait(timeout=10)
+        path.unlink(missing_ok=True)
