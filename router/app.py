@@ -51,7 +51,7 @@ def create_app(settings: RouterSettings, model: str) -> FastAPI:
     )
     state.api_keys, state.unguarded = load_api_keys(settings), open_paths(settings)
     if state.api_keys:
-        app.middleware("http")(errors.authenticate)
+        app.add_middleware(errors.ApiKeyGuard, state=state)
     for error_class, handler in errors.HANDLERS.items():
         app.add_exception_handler(error_class, handler)
     for module in (cluster, tokens, generation):

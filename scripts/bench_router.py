@@ -5,6 +5,7 @@ router adds.
 
     python scripts/bench_router.py [--rates 100,200,400,800] [--duration-s 5]
         [--streams 50,200] [--stream-tokens 200] [--token-interval-s 0.01] [--workers 2]
+        [--api-key]
 
 Per request rate (short completions, max_tokens 1): the achieved rate, the router's CPU per
 request (its process's CPU time over the requests it served), and latency p50/p99 through the
@@ -13,6 +14,8 @@ tokens, one every --token-interval-s): streamed tokens/s at the client and the r
 token. The router runs on core 0, the fakes and the client on the others: with two cores the
 client shares one with the fakes, so a rate it cannot offer shows as achieved < offered with the
 router's CPU below one core (then the router is not the limit). Numbers print as a table.
+`--api-key`: the router guards its API with a key (router/api_keys.py) and the client sends it,
+for what the check costs.
 """
 
 import argparse
@@ -36,6 +39,7 @@ from pdserve.worker.processes import free_port, stop_group
 from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 
 READY_TIMEOUT_S = 120
+API_KEY = "sk-bench-router"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -94,12 +98,16 @@ def cpu_seconds(process: psutil.Process) -> float:
     return times.user + times.system
 
 
+def client_headers(args) -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"} if args.api_key else {}
+
+
 async def short_completions(args, router_url: str, worker: str, router: psutil.Process) -> list:
     rows = []
     body = {"model": "smollm2", "prompt": "Hello, how are you?", "max_tokens": 1}
     connector = aiohttp.TCPConnector(limit=0)
     async with (
-        aiohttp.ClientSession(connector=connector) as session,
+        aiohttp.ClientSession(connector=connector, headers=client_headers(args)) as session,
         grpc.aio.insecure_channel(worker) as channel,
     ):
         stub = worker_pb2_grpc.WorkerStub(channel)
@@ -156,7 +164,7 @@ async def streams(args, router_url: str, router: psutil.Process) -> list:
         "ignore_eos": True,
     }
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with aiohttp.ClientSession(connector=connector, headers=client_headers(args)) as session:
         for concurrency in args.streams:
             tokens = 0
             deadline = time.perf_counter() + args.duration_s
@@ -220,6 +228,7 @@ async def run(args) -> None:
         "model": model,
         "served_model_name": "smollm2",
         "worker_addresses": [f"127.0.0.1:{port}" for port in ports],
+        "api_key": [API_KEY] if args.api_key else [],
     }
     router_command = [sys.executable, "-m", "pdserve.cluster.cli", "router"]
     router_command += ["--settings-json", json.dumps(settings)]
@@ -252,6 +261,9 @@ def main() -> None:
     parser.add_argument("--token-interval-s", type=float, default=0.01)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--log-dir", default="/tmp/bench_router")
+    parser.add_argument(
+        "--api-key", action="store_true", help="the router checks an API key on every request"
+    )
     asyncio.run(run(parser.parse_args()))
 
 

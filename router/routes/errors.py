@@ -41,13 +41,22 @@ HANDLERS = {
 }
 
 
-async def authenticate(request: Request, call_next):
-    """Middleware: every path but the app's open ones needs one of its API keys."""
-    state = request.app.state
-    header = request.headers.get("authorization")
-    revoked = state.sync.revoked if state.sync is not None else frozenset()
-    if request.url.path in state.unguarded or is_authorized(header, state.api_keys, revoked):
-        return await call_next(request)
-    error = unauthorized(header)
-    state.metrics.errors.labels(error.kind).inc()
-    return JSONResponse(error.body(), status_code=error.status)
+class ApiKeyGuard:
+    """Every path but the app's open ones needs one of its API keys. A plain ASGI middleware:
+    the one `app.middleware("http")` makes (Starlette's BaseHTTPMiddleware) passes each chunk of
+    a streamed response through a memory stream of its own, a cost on every token."""
+
+    def __init__(self, app, state) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state, request = self.state, Request(scope)
+        header = request.headers.get("authorization")
+        revoked = state.sync.revoked if state.sync is not None else frozenset()
+        if request.url.path in state.unguarded or is_authorized(header, state.api_keys, revoked):
+            return await self.app(scope, receive, send)
+        error = unauthorized(header)
+        state.metrics.errors.labels(error.kind).inc()
+        await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)

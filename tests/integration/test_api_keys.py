@@ -28,11 +28,19 @@ def client(url: str, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key=key, timeout=120, max_retries=0)
 
 
-def test_a_right_key_is_served(guarded_router):
+def test_a_right_key_is_served_whole_and_streamed(guarded_router):
     reply = client(guarded_router, KEYS[1]).completions.create(
         model=SERVED_MODEL, prompt="The capital of France is", max_tokens=4, temperature=0
     )
     assert reply.usage.completion_tokens >= 1
+    stream = client(guarded_router, KEYS[0]).completions.create(
+        model=SERVED_MODEL,
+        prompt="The capital of France is",
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+    )
+    assert "".join(chunk.choices[0].text for chunk in stream) == reply.choices[0].text
 
 
 @pytest.mark.parametrize("key", ["sk-wrong", KEYS[0] + "x"])
