@@ -181,7 +181,8 @@ def _group_alive(group: int, process: subprocess.Popen | None) -> bool:
     exited first) is PID 1's to reap, which this host's init does ~2 s later and a container's
     PID 1 may never do, while it has already released everything it held."""
     if process is not None:
-        process.poll()
+        if process.poll() is None and _exists(group):
+            return True  # its exit not known yet (a fork server's child: once the server reaps it)
     else:
         try:
             os.waitpid(group, os.WNOHANG)
@@ -192,6 +193,17 @@ def _group_alive(group: int, process: subprocess.Popen | None) -> bool:
     except ProcessLookupError:
         return False
     return any(_running_in(group, stat) for stat in Path("/proc").glob("[0-9]*/stat"))
+
+
+def _exists(pid: int) -> bool:
+    """A process `pid` exists, a zombie included."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _running_in(group: int, stat: Path) -> bool:
