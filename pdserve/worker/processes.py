@@ -178,7 +178,7 @@ def _signal_group(group: int, sig: int) -> None:
 def _group_alive(group: int, process: subprocess.Popen | None) -> bool:
     """Whether a process of the group is still running (the leader is reaped here if it is our
     child). Zombies do not count: an orphaned member (a tensor-parallel rank whose engine core
-    exited first) is PID 1's to reap, which this host's init does ~2 s later and a container's
+    exited first) is PID 1's to reap, which this host's init does 1-2 s later and a container's
     PID 1 may never do, while it has already released everything it held."""
     if process is not None:
         if process.poll() is None and _exists(group):

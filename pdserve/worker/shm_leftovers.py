@@ -80,9 +80,10 @@ def _wait_exited(processes: list[psutil.Process], timeout_s: float) -> list[psut
 
 def _exited(process: psutil.Process) -> bool:
     """Gone, or a zombie: its memory and mappings went with its exit, only its parent's wait is
-    left, and an orphaned rank's parent is PID 1, which reaps late (this host's init: ~1 s) or,
-    in a container whose PID 1 is pdserve itself, never (psutil's wait_procs waited for it:
-    every TP worker's stop took its 5 s). This process's own child is reaped here."""
+    left, and an orphaned rank's parent is PID 1, which reaps late (this host's init: 1-2 s) or,
+    in a container whose PID 1 is pdserve itself, never (psutil's wait_procs waited for it: a
+    TP worker's stop took the reaping's delay, or both 5 s waits). This process's own child is
+    reaped here."""
     try:
         process.wait(timeout=0)
         return True
