@@ -90,6 +90,7 @@ SYSTEMS = {
     "1p1d-unbound": (1, 1, ["--cpu-binding", "none"]),
     "1p1d-no-pool": (1, 1, ["--kv-pool", "off"]),
     "1p1d-decode-no-pool": (1, 1, ["--decode-kv-pool", "off"]),
+    "1p1d-with-prefill": (1, 1, ["--decode-admission", "with-prefill"]),
 }
 """How `pdserve serve` starts each pdserve system: (prefill, decode, more options)."""
 
