@@ -9,13 +9,15 @@ import time
 
 from pdserve.worker.processes import stop_group
 
-# The group's leader forks a child and exits; the child exits once it is orphaned.
+# The group's leader forks a child and exits; the child exits once it is orphaned (or after
+# 10 s: every wait has a deadline).
 LEADER = """
 import os, sys, time
 leader = os.getpid()
 child = os.fork()
 if child == 0:
-    while os.getppid() == leader:
+    deadline = time.monotonic() + 10
+    while os.getppid() == leader and time.monotonic() < deadline:
         time.sleep(0.01)
     os._exit(0)
 print(child, flush=True)
@@ -23,18 +25,21 @@ print(child, flush=True)
 
 # A stand-in for a PID 1 that never reaps: a child subreaper (orphans below it become its
 # children) that starts the group, waits until its orphan is a zombie, says the group's id and
-# sleeps until killed.
+# sleeps until killed (after 10 s without a zombie it exits, and the test fails reading its pid).
 NEVER_REAPS = f"""
 import ctypes, subprocess, sys, time
 ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 leader = subprocess.Popen([sys.executable, "-c", {LEADER!r}], stdout=subprocess.PIPE,
                           start_new_session=True)
 child = int(leader.stdout.readline())
-leader.wait()
+leader.wait(timeout=10)
 def state():
     with open(f"/proc/{{child}}/stat") as stat:
         return stat.read().rsplit(")", 1)[1].split()[0]
+deadline = time.monotonic() + 10
 while state() != "Z":
+    if time.monotonic() > deadline:
+        sys.exit(1)
     time.sleep(0.01)
 print(leader.pid, flush=True)
 time.sleep(120)
