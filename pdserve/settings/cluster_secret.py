@@ -7,8 +7,13 @@ processes (where the KV senders and receivers run) inherit; `--cluster-secret-fi
 file's content there at start. `pdserve serve` and `pdserve up` generate one when none is set.
 With none set at all the cluster is open (a worker started by hand, as before). The secret is
 compared in constant time and never logged.
+
+It also signs what the cluster keeps in Redis (`signature`): the workers' registry records
+(pdserve/worker/registry.py) and the routers' shared state (router/shared_state.py), so a
+process that can write to Redis but lacks the secret cannot forge them.
 """
 
+import hashlib
 import hmac
 import os
 import secrets
@@ -67,3 +72,23 @@ def secret_metadata() -> tuple[tuple[str, str], ...]:
     """gRPC metadata carrying the secret on a call to a worker."""
     secret = cluster_secret()
     return ((METADATA_KEY, secret),) if secret else ()
+
+
+def signature(message: str | bytes) -> str:
+    """`message`'s HMAC-SHA256 under the cluster secret, in hex ('' when the cluster is open)."""
+    secret = cluster_secret()
+    if not secret:
+        return ""
+    data = message.encode() if isinstance(message, str) else message
+    return hmac.new(secret.encode(), data, hashlib.sha256).hexdigest()
+
+
+def signature_valid(message: str | bytes, mac: object) -> bool:
+    """Whether `mac` is `message`'s signature (anything is when the cluster is open). Never
+    raises: a `mac` that is not an ASCII string (read from Redis, so anything) is simply not
+    valid."""
+    if not cluster_secret():
+        return True
+    if not isinstance(mac, str) or not mac.isascii():
+        return False
+    return hmac.compare_digest(mac, signature(message))

@@ -6,19 +6,21 @@ stops writing, and its record expires: it leaves the pools within two heartbeats
 having to notice the death. A draining worker deletes its record first. The router reads the
 records every 0.1 s (`follow_registry` in router/worker_pool.py).
 
-A record is signed with the cluster secret (HMAC-SHA256 over its JSON): a reader that has the
-secret ignores, and counts in `refused`, a record without a valid signature, so a process that
-can write to Redis but is not part of the cluster cannot register a worker and receive prompts.
+A record is signed with the cluster secret (HMAC-SHA256 over its JSON,
+pdserve/settings/cluster_secret.py's `signature`): a reader that has the secret ignores, and
+counts in `refused`, a record without a valid signature, so a process that can write to Redis
+but is not part of the cluster cannot register a worker and receive prompts. A record that
+cannot be read (malformed, or fields of the wrong type) is ignored and counted the same way:
+one bad record never stops the others from being read. A newer worker's record reads here:
+fields this version does not know are left out.
 """
 
 import asyncio
-import hashlib
-import hmac
 import json
 import logging
 from dataclasses import asdict, dataclass, field, fields
 
-from pdserve.settings.cluster_secret import cluster_secret
+from pdserve.settings.cluster_secret import signature, signature_valid
 from pdserve.settings.redis_url import connect, masked
 
 log = logging.getLogger("pdserve.registry")
@@ -60,16 +62,38 @@ class WorkerRecord:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "WorkerRecord":
+        """The record `text` holds; fields this version does not know (a newer worker's) are
+        left out. ValueError (or TypeError, for a missing field) when it is not a record."""
         data = json.loads(text)
-        return cls(
+        load = data.get("load", {}) if isinstance(data, dict) else None
+        gpu_ids = data.get("gpu_ids", ()) if isinstance(data, dict) else None
+        if not isinstance(load, dict) or not isinstance(gpu_ids, list | tuple):
+            raise ValueError("not a worker record")
+        record = cls(
             **{
-                **data,
-                "gpu_ids": tuple(data.get("gpu_ids", ())),
-                "load": RecordedLoad(
-                    **{k: v for k, v in data.get("load", {}).items() if k in LOAD_FIELDS}
-                ),
+                **{k: v for k, v in data.items() if k in RECORD_FIELDS},
+                "gpu_ids": tuple(gpu_ids),
+                "load": RecordedLoad(**{k: v for k, v in load.items() if k in LOAD_FIELDS}),
             }
         )
+        _check_types(record)
+        _check_types(record.load)
+        if not all(isinstance(gpu, str) for gpu in record.gpu_ids):
+            raise ValueError("gpu_ids: not strings")
+        return record
+
+
+RECORD_FIELDS = {f.name for f in fields(WorkerRecord)}
+
+
+def _check_types(record) -> None:
+    """ValueError unless each str, int or float field of the dataclass `record` holds one (an
+    int stands for a float; a bool for neither)."""
+    for f in fields(record):
+        value = getattr(record, f.name)
+        allowed = {str: (str,), int: (int,), float: (int, float)}.get(f.type)
+        if allowed and (not isinstance(value, allowed) or isinstance(value, bool)):
+            raise ValueError(f"{f.name}: not a {f.type.__name__}")
 
 
 class Registry:
@@ -84,7 +108,7 @@ class Registry:
 
     async def put(self, record: WorkerRecord, ttl_s: float) -> None:
         text = record.to_json()
-        signed = json.dumps({"record": text, "mac": _mac(text)})
+        signed = json.dumps({"record": text, "mac": signature(text)})
         await self.redis.set(self.prefix + record.worker_id, signed, px=max(1, round(ttl_s * 1000)))
 
     async def remove(self, worker_id: str) -> None:
@@ -105,20 +129,20 @@ class Registry:
         return sorted((r for r in records if r is not None), key=lambda r: r.worker_id)
 
     def _verified(self, key: bytes, value: bytes) -> WorkerRecord | None:
+        """The record `value` holds, if signed with the cluster secret and readable; else None,
+        counted in `refused` (whatever `value` is: written by anyone who can write to Redis)."""
+        why = "not signed with the cluster secret"
         try:
             signed = json.loads(value)
             text, mac = signed["record"], signed["mac"]
-        except (ValueError, KeyError, TypeError):
-            text, mac = "", ""
-        if text and (not cluster_secret() or hmac.compare_digest(mac, _mac(text))):
-            return WorkerRecord.from_json(text)
+            if isinstance(text, str) and text and signature_valid(text, mac):
+                return WorkerRecord.from_json(text)
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:
+            why = f"unreadable ({type(error).__name__}: {str(error)[:200]})"
         self.refused += 1
         if key not in self._refused_keys and len(self._refused_keys) < 1000:
             self._refused_keys.add(key)
-            log.warning(
-                "ignored registry record %s: not signed with the cluster secret",
-                key.decode(errors="replace"),
-            )
+            log.warning("ignored registry record %s: %s", key.decode(errors="replace"), why)
         return None
 
     async def clear(self) -> int:
@@ -128,14 +152,6 @@ class Registry:
 
     async def close(self) -> None:
         await self.redis.aclose()
-
-
-def _mac(text: str) -> str:
-    """The record's signature ('' in an open cluster: no secret)."""
-    secret = cluster_secret()
-    if not secret:
-        return ""
-    return hmac.new(secret.encode(), text.encode(), hashlib.sha256).hexdigest()
 
 
 def read_members(url: str, cluster: str) -> list[WorkerRecord]:

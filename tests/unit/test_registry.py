@@ -1,5 +1,6 @@
-"""The Redis registry against a real redis-server started here: records, expiry, clearing, and
-records not signed with the cluster secret ignored."""
+"""The Redis registry against a real redis-server started here: records, expiry, clearing,
+records not signed with the cluster secret ignored, and bad or newer records that never stop the
+others from being read."""
 
 import asyncio
 import json
@@ -8,7 +9,7 @@ import time
 import pytest
 
 from pdserve.cluster import local_services
-from pdserve.settings.cluster_secret import SECRET_ENV
+from pdserve.settings.cluster_secret import SECRET_ENV, signature
 from pdserve.worker.processes import stop_group
 from pdserve.worker.registry import RecordedLoad, Registry, WorkerRecord
 from tests.integration.processes import group_members
@@ -116,3 +117,49 @@ def test_a_record_with_load_figures_this_version_lacks_still_reads():
     data = json.loads(record("decode-0").to_json())
     data["load"]["a_later_figure"] = 1.5
     assert WorkerRecord.from_json(json.dumps(data)).load == record("decode-0").load
+
+
+def signed(text: str) -> str:
+    return json.dumps({"record": text, "mac": signature(text)})
+
+
+def test_a_bad_record_is_skipped_and_counted_and_a_newer_workers_record_reads(
+    redis_url, monkeypatch
+):
+    """Review M1: one record that anyone able to write to Redis can put there (no secret
+    needed), or a newer worker's during a rolling upgrade, made members() raise, and every
+    router kept its last membership for as long as the record lived."""
+    monkeypatch.setenv(SECRET_ENV, "the-cluster-secret")
+    newer = json.loads(record("decode-1").to_json())
+    newer["a_later_field"] = {"any": "thing"}
+    wrong_type = {**json.loads(record("decode-2").to_json()), "address": 5}
+    poison = [
+        json.dumps({"record": "x", "mac": 1}),  # the review's PoC
+        json.dumps({"record": "x", "mac": "\u00e9"}),
+        json.dumps({"record": "x", "mac": None}),
+        json.dumps({"record": 7, "mac": "0" * 64}),
+        json.dumps([1, 2]),
+        "not json",
+        b"\xff\xfe",
+        "[" * 100_000,  # deeper than json's recursion limit
+        signed("[1]"),  # signed, but not a record
+        signed(json.dumps({"worker_id": "decode-3"})),  # signed, fields missing
+        signed(json.dumps(wrong_type)),  # signed, a field of the wrong type
+        signed(json.dumps({**newer, "load": "busy"})),
+    ]
+
+    async def scenario():
+        registry = Registry(redis_url, "poison")
+        try:
+            await registry.put(record("decode-0"), ttl_s=30)
+            await registry.redis.set(registry.prefix + "decode-1", signed(json.dumps(newer)))
+            for i, value in enumerate(poison):
+                await registry.redis.set(f"{registry.prefix}bad-{i}", value)
+            members = await registry.members()
+            assert members == [record("decode-0"), record("decode-1")]
+            assert registry.refused == len(poison)
+        finally:
+            await registry.clear()
+            await registry.close()
+
+    asyncio.run(scenario())
