@@ -11,6 +11,8 @@ Keys, under `pdserve:<cluster>:`:
 - `prefix`: a stream of the routers' prefix-index additions (router/prefix_index.py), each
   router reading the others' within a poll, bounded to PREFIX_STREAM_LENGTH entries.
 - `revoked-keys`: SHA-256 digests of revoked API keys (`pdserve revoke-key`), never the keys.
+  A router never forgets one it has seen (a Redis restart, or a delete, does not un-revoke a
+  key) and writes back those Redis lacks.
 
 Every router keeps working from its last view while Redis is away; what it changed meanwhile
 is written when Redis is back.
@@ -168,6 +170,11 @@ class SharedState:
     async def revoke_key(self, key: str) -> bool:
         """Whether the key was not revoked before."""
         return bool(await self.redis.sadd(self.base + "revoked-keys", key_digest(key)))
+
+    async def put_back_revoked(self, digests: frozenset[str]) -> None:
+        """Revocations a router knows that Redis lost (it restarted empty, or they were
+        deleted): written back, so that routers started since learn them too."""
+        await self.redis.sadd(self.base + "revoked-keys", *sorted(digests))
 
     async def close(self) -> None:
         await self.redis.aclose()

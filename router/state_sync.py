@@ -1,7 +1,8 @@
 """The loop that keeps this router's view equal to what the cluster's routers share in Redis
 (router/shared_state.py): every `interval_s`, the flex split (this router's changes out, the
 others' in), the prefix index's additions both ways, the lease on --flex-auto's decisions;
-every PRESENCE_EVERY_S, its presence (so the others count it) and the revoked API keys.
+every PRESENCE_EVERY_S, its presence (so the others count it) and the revoked API keys (merged
+both ways: a revocation Redis lost is written back from the routers' memory).
 
 A role changed through one router is in effect at every other within two intervals (0.2 s by
 default). While Redis is away each router serves from its last view and says so in its log
@@ -58,7 +59,7 @@ class StateSync:
         now = time.monotonic()
         if now - self.presence_at >= PRESENCE_EVERY_S:
             self.peers.routers = await self.shared.announce()
-            self.revoked = await self.shared.revoked_keys()
+            await self.sync_revoked()
             if self.metrics is not None:
                 self.metrics.routers.set(self.peers.routers)
             self.presence_at = now
@@ -69,6 +70,15 @@ class StateSync:
             self.roles.leads_ratio = await self.shared.hold_ratio_lease()
         if self.index is not None:
             await self.sync_prefixes()
+
+    async def sync_revoked(self) -> None:
+        """Revocations are only ever added: those Redis holds join this router's, and those it
+        lacks (it restarted empty: no persistence) are written back from this router's memory.
+        A key once revoked stays refused here until every router has restarted."""
+        shared = await self.shared.revoked_keys()
+        if self.revoked - shared:
+            await self.shared.put_back_revoked(self.revoked - shared)
+        self.revoked = self.revoked | shared
 
     async def push_roles(self) -> None:
         changes = self.roles.changes()
