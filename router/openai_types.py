@@ -69,9 +69,14 @@ MAX_STOP_STRINGS = 64
 MAX_CHOICES = 128  # n (and best_of): choices of one request, each its own engine request
 MAX_BATCH_PROMPTS = 64  # prompts in one /v1/completions request
 GREEDY_TEMPERATURE = 1e-5  # below: greedy, as vLLM counts it
+INT32_MAX = 2**31 - 1  # the worker protocol's int32 fields (top_k, logprobs, token ids)
+UINT32_MAX = 2**32 - 1  # and its uint32 ones (min_tokens)
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
-TokenId = Annotated[int, Field(ge=0)]
-Logprobs = Annotated[int, Field(ge=-1)]  # -1: the whole vocabulary
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Logprobs = Annotated[int, Field(ge=-1, le=INT32_MAX)]  # -1: the whole vocabulary
+# A client's request_id goes into the x-request-id header and the workers' request ids:
+# visible ASCII only (no space, no control or non-Latin-1 character a header cannot carry).
+RequestId = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[!-~]+$")]
 
 
 class StrictModel(BaseModel):
@@ -146,14 +151,14 @@ class SamplingFields(RequestModel):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = 0  # 0 or -1: no top-k
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] = 0  # 0 or -1: no top-k
     seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     ignore_eos: bool = False  # vLLM's extension, used by benchmarks
     # vLLM's sampling extensions, with vLLM's ranges; unset (or null): vLLM's default.
-    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=2**31)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
@@ -176,7 +181,7 @@ class SamplingFields(RequestModel):
     # The router's admission class (router/admission_gate.py; smaller first); not sent on: the
     # workers do not schedule by priority.
     priority: Annotated[int, Field(ge=-(2**63), lt=2**63)] = 0
-    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    request_id: RequestId | None = None
     return_tokens_as_token_ids: bool = False
     return_token_ids: bool = False
     stream: bool = False

@@ -19,6 +19,13 @@ async def read_json(request: Request):
         if len(raw) > limit:
             raise body_too_large(limit)
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        return json.loads(raw, parse_constant=_not_json)
+    except ValueError as error:  # bad JSON or UTF-8, an integer over 4300 digits, NaN
         raise invalid_request(f"the request body is not valid JSON: {error}") from None
+    except RecursionError:  # json's C parser nests a call per array or object
+        raise invalid_request("the request body is not valid JSON: nested too deeply") from None
+
+
+def _not_json(constant: str):
+    """NaN, Infinity and -Infinity: Python's json reads them, JSON has no such values."""
+    raise ValueError(f"{constant} is not a JSON value")

@@ -7,23 +7,67 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pdserve.settings.router import RouterSettings
+from pdserve.worker.protocol import worker_pb2
 from router import app as router_app
+from tests.unit.test_request_flow import FakeWorker
 
 
 class FakeTokenizer:
     """Stands in for router.tokenization.PromptTokenizer: one token per character."""
 
-    def __init__(self, model: str) -> None:
+    vocab_size = 0x110000
+
+    def __init__(self, model: str, max_model_len=None) -> None:
         self.model = model
 
     def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]
+
+    def chat_ids(self, messages, *options) -> list[int]:
+        return self.text_ids("".join(message.text() for message in messages))
+
+    def chat(self, parsed) -> list[int]:
+        return self.chat_ids(parsed.messages)
 
     def completion_prompts(self, parsed) -> list[list[int]]:
         return [self.text_ids(p) if isinstance(p, str) else p for p in parsed.prompts()]
 
     def detokenize(self, ids: list[int]) -> str:
         return "".join(chr(i) for i in ids)
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        return [chr(i) for i in ids]
+
+    def token_text(self, token_id: int) -> str:
+        return chr(token_id)
+
+
+class AppWorker(FakeWorker):
+    """A fake worker the assembled app serves from: one token ("h") per choice, and stats."""
+
+    async def generate(self, request: worker_pb2.GenerateRequest, timeout: float):
+        self.requests.append(request)
+        for index in range(max(request.sampling.n, 1)):
+            yield worker_pb2.GenerateChunk(
+                index=index,
+                token_ids=[104],
+                text="h",
+                finish_reason="length",
+                prompt_tokens=len(request.prompt_token_ids),
+            )
+
+    async def stats(self, request, timeout: float = 2.0) -> worker_pb2.StatsReply:
+        return worker_pb2.StatsReply()
+
+
+def app_with_workers(monkeypatch, *workers: FakeWorker, **settings):
+    """The assembled app over `workers` (one AppWorker when none is given), with no lifespan
+    (nothing polls them): drive it with TestClient(app) outside a `with`, or httpx's
+    ASGITransport."""
+    monkeypatch.setattr(router_app, "PromptTokenizer", FakeTokenizer)
+    app = router_app.create_app(RouterSettings(model="m", worker_addresses=[], **settings), "m")
+    app.state.pool.workers = list(workers) or [AppWorker("decode-a")]
+    return app
 
 
 @pytest.fixture
