@@ -1,10 +1,13 @@
-"""Admission control: at most `capacity` requests run at once, at most `max_queued` wait for a
-turn, each for at most `queue_timeout_s`; beyond that a 429 with Retry-After, never an
+"""Admission control: at most `capacity` sequences run at once, at most `max_queued` requests
+wait for a turn, each for at most `queue_timeout_s`; beyond that a 429 with Retry-After, never an
 unbounded wait and never a 5xx for load.
 
 The capacity is what the workers say they can run at once (the sum of their engines'
 `max_num_seqs`, from Health), unless `--max-concurrent-requests` sets it: below it nobody is
-refused, so a user never sees a 429 below the cluster's real capacity. A request holds its
+refused, so a user never sees a 429 below the cluster's real capacity. Capacity counts engine
+sequences, as max_num_seqs does: a request's turn weighs what it runs at once (its prompts × its
+choices, router/admission.py's `sequences`), so one request of 64 prompts × n=128 is not one
+slot. A turn heavier than the whole capacity waits until nothing else runs. A request holds its
 turn from admission to its last token.
 
 Turns go to waiters by class, then in arrival order: a request's priority (smaller first, 0 by
@@ -36,6 +39,7 @@ class Waiter:
     key: tuple[int, int]  # (priority, arrival number): the order turns are given in
     ask: Ask = field(compare=False)
     turn: asyncio.Future = field(compare=False)
+    weight: int = field(default=1, compare=False)  # the sequences its turn holds
 
 
 class AdmissionGate:
@@ -52,26 +56,27 @@ class AdmissionGate:
         self.queue_timeout_s = queue_timeout_s
         self.metrics = metrics
         self.forecast = forecast
-        self.running = 0
+        self.running = 0  # sequences the turns given hold
         self.waiting: list[Waiter] = []  # sorted: the next turn goes to the first
         self.unstarted_tokens = 0  # prompt tokens of the turns given, no first token yet
         self.hold_ratio: float | None = None  # turns' held time over their price, learned
         self._arrivals = itertools.count()
 
-    async def enter(self, ask: Ask) -> "Turn":
-        """Take a turn, waiting for one if all are taken; a 429 when the queue is full, when
-        the forecast says the turn would come too late, or when the wait passes its deadline.
-        With no capacity known (no worker up) the request goes on, to be answered 503 by the
-        flow."""
+    async def enter(self, ask: Ask, weight: int = 1) -> "Turn":
+        """Take a turn of `weight` sequences, waiting for one if they are taken; a 429 when the
+        queue is full, when the forecast says the turn would come too late, or when the wait
+        passes its deadline. With no capacity known (no worker up) the request goes on, to be
+        answered 503 by the flow."""
         capacity = self.capacity()
         if capacity <= 0:
-            return self._admit(ask)
-        waiter = Waiter((ask.priority, next(self._arrivals)), ask, None)
+            return self._admit(ask, max(1, weight))
+        weight = max(1, weight)
+        waiter = Waiter((ask.priority, next(self._arrivals)), ask, None, weight)
         ahead = bisect.bisect(self.waiting, waiter)
         if late := self._too_late(ask, ahead):
             raise late
-        if self.running < capacity and ahead == 0:
-            return self._admit(ask)
+        if ahead == 0 and self._fits(weight, capacity):
+            return self._admit(ask, weight)
         if len(self.waiting) >= self.max_queued():
             if not self.waiting or self.waiting[-1].key[0] <= ask.priority:
                 raise self._reject("the router's queue is full", self._turn_s(ask))
@@ -99,6 +104,11 @@ class AdmissionGate:
             raise
         self.metrics.queue_wait.observe(time.monotonic() - started)
         return waiter.turn.result()
+
+    def _fits(self, weight: int, capacity: int) -> bool:
+        """A turn of `weight` sequences can start now: it fits beside the running ones, or,
+        heavier than the whole capacity, nothing runs."""
+        return self.running + min(weight, capacity) <= capacity
 
     def wait_s(self, ask: Ask, ahead: int) -> float:
         """The forecast: seconds until a request with `ahead` waiters before it starts
@@ -146,16 +156,18 @@ class AdmissionGate:
         self.metrics.queue_length.set(len(self.waiting))
 
     def leave(self, turn: "Turn") -> None:
-        """A request ended (any way): its turn goes to the first waiter, or back to the pool."""
-        self.running -= 1
+        """A request ended (any way): its turn goes to the first waiters it makes room for (in
+        order: a heavy one at the head is not overtaken), or back to the pool."""
+        self.running -= turn.weight
         self.started(turn)
         if turn.priced_s > 0:
             ratio = (time.monotonic() - turn.given_at) / turn.priced_s
             learned = ratio if self.hold_ratio is None else self.hold_ratio
             self.hold_ratio = learned + HOLD_LEARNING_RATE * (ratio - learned)
-        while self.waiting and self.running < self.capacity():
+        capacity = self.capacity()
+        while self.waiting and capacity > 0 and self._fits(self.waiting[0].weight, capacity):
             waiter = self.waiting.pop(0)
-            waiter.turn.set_result(self._admit(waiter.ask))
+            waiter.turn.set_result(self._admit(waiter.ask, waiter.weight))
         self.metrics.queue_length.set(len(self.waiting))
 
     def started(self, turn: "Turn") -> None:
@@ -163,17 +175,17 @@ class AdmissionGate:
             turn.started = True
             self.unstarted_tokens -= turn.ask.prompt_tokens
 
-    def _admit(self, ask: Ask) -> "Turn":
-        self.running += 1
+    def _admit(self, ask: Ask, weight: int = 1) -> "Turn":
+        self.running += weight
         self.unstarted_tokens += ask.prompt_tokens
         self.metrics.admitted.inc()
-        return Turn(self, ask, self.forecast.hold_s(ask, max(1, self.capacity())))
+        return Turn(self, ask, self.forecast.hold_s(ask, max(1, self.capacity())), weight)
 
     def _reject(self, why: str, retry_after_s: float) -> OpenAIError:
         self.metrics.rejected.inc()
         retry_after = max(1, math.ceil(retry_after_s))
         return too_many_requests(
-            f"{why} ({self.running} requests running, capacity {self.capacity()}); "
+            f"{why} ({self.running} sequences running, capacity {self.capacity()}); "
             f"retry in {retry_after} s",
             retry_after,
         )
@@ -183,9 +195,10 @@ class Turn:
     """A request's turn, given back exactly once: when it ends, or, should the response never
     start (its stream dropped unread), when the turn is garbage."""
 
-    def __init__(self, gate: AdmissionGate, ask: Ask, priced_s: float) -> None:
+    def __init__(self, gate: AdmissionGate, ask: Ask, priced_s: float, weight: int = 1) -> None:
         self.gate = gate
         self.ask = ask
+        self.weight = weight  # the sequences it holds
         self.priced_s = priced_s  # the forecast's price of its hold
         self.given_at = time.monotonic()
         self.started = False  # its first token came: its prompt no longer waits on a worker

@@ -312,3 +312,42 @@ def test_a_waiter_pushed_past_its_limit_by_a_smaller_priority_is_refused_then():
     assert isinstance(pushed, OpenAIError) and pushed.status == 429
     assert "would start in 4.0 s" in pushed.message and "1 waiting ahead" in pushed.message
     assert g.running == 0 and not g.waiting
+
+
+def test_a_turn_weighs_its_sequences_so_an_n_4_request_takes_all_4_slots():
+    """Capacity counts engine sequences (max_num_seqs): a request of n=4 (or 4 prompts) holds 4
+    of them, and the next request queues behind it (review H4)."""
+    g = gate(capacity=4, queued=4)
+
+    async def go():
+        heavy = await g.enter(ANY, 4)
+        assert g.running == 4
+        light = asyncio.create_task(g.enter(ANY))
+        await until(lambda: len(g.waiting) == 1, 5, "the next request queued")
+        assert not light.done()
+        heavy.give_back()
+        turn = await light
+        assert g.running == 1
+        turn.give_back()
+
+    asyncio.run(go())
+    assert g.running == 0 and not g.waiting
+
+
+def test_a_turn_heavier_than_the_capacity_waits_for_an_empty_gate_and_is_not_overtaken():
+    g = gate(capacity=4, queued=4)
+
+    async def go():
+        small = await g.enter(ANY)
+        huge = asyncio.create_task(g.enter(ANY, 10))
+        await until(lambda: len(g.waiting) == 1, 5, "the heavy request queued")
+        later = asyncio.create_task(g.enter(ANY))  # fits, but the heavy one is ahead
+        await until(lambda: len(g.waiting) == 2, 5, "the light request queued behind")
+        small.give_back()
+        heavy_turn = await huge
+        assert g.running == 10 and not later.done()
+        heavy_turn.give_back()
+        (await later).give_back()
+
+    asyncio.run(go())
+    assert g.running == 0 and not g.waiting
