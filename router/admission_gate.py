@@ -10,6 +10,11 @@ choices, router/admission.py's `sequences`), so one request of 64 prompts × n=1
 slot. A turn heavier than the whole capacity waits until nothing else runs. A request holds its
 turn from admission to its last token.
 
+With no capacity (no decode worker live: an outage, a restart) requests go on, to wait for a
+worker (--worker-wait) or be answered 503 by the flow, but only up to `max_queued` of them, or
+the last capacity the workers had: past that a 503 at once, so that an outage never piles up
+requests (and their bodies) in the router.
+
 Turns go to waiters by class, then in arrival order: a request's priority (smaller first, 0 by
 default) puts it ahead of every waiter of a larger one, a full queue drops its last waiter for
 a newcomer of a smaller class, and a waiter pushed back past its limit is refused then. A
@@ -28,10 +33,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from router.errors import OpenAIError, too_many_requests
+from router.errors import OpenAIError, too_many_requests, worker_unavailable
 from router.wait_forecast import Ask, WaitForecast
 
 HOLD_LEARNING_RATE = 0.2  # weight of the last turn given back in the learned hold ratio
+OUTAGE_WAITERS = 64  # sequences that may wait out an outage when no bound or capacity is known
 
 
 @dataclass(order=True)
@@ -57,6 +63,7 @@ class AdmissionGate:
         self.metrics = metrics
         self.forecast = forecast
         self.running = 0  # sequences the turns given hold
+        self.last_capacity = 0  # the last capacity above 0: what an outage's waiters are bound by
         self.waiting: list[Waiter] = []  # sorted: the next turn goes to the first
         self.unstarted_tokens = 0  # prompt tokens of the turns given, no first token yet
         self.hold_ratio: float | None = None  # turns' held time over their price, learned
@@ -66,10 +73,11 @@ class AdmissionGate:
         """Take a turn of `weight` sequences, waiting for one if they are taken; a 429 when the
         queue is full, when the forecast says the turn would come too late, or when the wait
         passes its deadline. With no capacity known (no worker up) the request goes on, to be
-        answered 503 by the flow."""
+        answered by the flow, unless an outage's bound is reached (a 503 at once)."""
         capacity = self.capacity()
         if capacity <= 0:
-            return self._admit(ask, max(1, weight))
+            return self._admit_in_outage(ask, max(1, weight))
+        self.last_capacity = capacity
         weight = max(1, weight)
         waiter = Waiter((ask.priority, next(self._arrivals)), ask, None, weight)
         ahead = bisect.bisect(self.waiting, waiter)
@@ -109,6 +117,17 @@ class AdmissionGate:
         """A turn of `weight` sequences can start now: it fits beside the running ones, or,
         heavier than the whole capacity, nothing runs."""
         return self.running + min(weight, capacity) <= capacity
+
+    def _admit_in_outage(self, ask: Ask, weight: int) -> "Turn":
+        """No capacity: the request goes on to wait for a worker, unless as many sequences as
+        `max_queued` (else the last capacity known) already do: then a 503 at once."""
+        bound = self.max_queued() or self.last_capacity or OUTAGE_WAITERS
+        if self.running and self.running + weight > bound:
+            raise worker_unavailable(
+                f"no decode or colocated worker is live, and {self.running} sequences already "
+                f"wait for one (at most {bound}); retry later"
+            )
+        return self._admit(ask, weight)
 
     def wait_s(self, ask: Ask, ahead: int) -> float:
         """The forecast: seconds until a request with `ahead` waiters before it starts

@@ -351,3 +351,43 @@ def test_a_turn_heavier_than_the_capacity_waits_for_an_empty_gate_and_is_not_ove
 
     asyncio.run(go())
     assert g.running == 0 and not g.waiting
+
+
+def test_in_an_outage_max_queued_requests_go_on_and_the_next_is_a_503_at_once():
+    """No capacity (no decode worker live): requests go on to wait for one, but a fifth one
+    beyond max_queued 4 is refused at once instead of piling up in the router (review M10)."""
+    g = gate(capacity=0, queued=4)
+
+    async def go():
+        turns = [await g.enter(ANY) for _ in range(4)]
+        started = time.monotonic()
+        with pytest.raises(OpenAIError) as caught:
+            await g.enter(ANY)
+        assert time.monotonic() - started < 0.5
+        turns.pop().give_back()
+        turns.append(await g.enter(ANY))  # room again
+        for turn in turns:
+            turn.give_back()
+        return caught.value
+
+    error = asyncio.run(go())
+    assert (error.status, error.code) == (503, "worker_unavailable")
+    assert g.running == 0
+
+
+def test_in_an_outage_with_no_bound_set_the_last_capacity_bounds_the_waiters():
+    capacity = [2]
+    g = AdmissionGate(lambda: capacity[0], lambda: 0, 5.0, RouterMetrics(), FakeForecast())
+
+    async def go():
+        (await g.enter(ANY)).give_back()  # the workers ran 2 at once
+        capacity[0] = 0  # then every one of them went away
+        turns = [await g.enter(ANY), await g.enter(ANY)]
+        with pytest.raises(OpenAIError) as caught:
+            await g.enter(ANY)
+        for turn in turns:
+            turn.give_back()
+        return caught.value
+
+    assert asyncio.run(go()).status == 503
+    assert g.running == 0
