@@ -6,10 +6,11 @@ ignored with a warning, as vLLM's server does; a known field pdserve does not im
 refused by name (UNSUPPORTED), never silently dropped. null means "not set" everywhere.
 """
 
+import json
 import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from router.errors import ErrorCode, OpenAIError, invalid_request, unsupported_parameter
 
@@ -74,9 +75,50 @@ UINT32_MAX = 2**32 - 1  # and its uint32 ones (min_tokens)
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Logprobs = Annotated[int, Field(ge=-1, le=INT32_MAX)]  # -1: the whole vocabulary
+# Structured-output constraints are compiled in the engine (xgrammar): each one's size, and a
+# JSON schema's nesting, are bounded.
+MAX_CONSTRAINT_CHARS = 64 << 10  # a regex, grammar, structural tag or schema (as JSON)
+MAX_SCHEMA_DEPTH = 64  # arrays and objects inside each other in a JSON schema
+MAX_CHOICES_CONSTRAINT = 1024  # strings of a `choice` constraint
 # A client's request_id goes into the x-request-id header and the workers' request ids:
 # visible ASCII only (no space, no control or non-Latin-1 character a header cannot carry).
 RequestId = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[!-~]+$")]
+
+
+def _bounded_schema(schema):
+    """A JSON schema (an object, or its JSON text) within MAX_CONSTRAINT_CHARS and
+    MAX_SCHEMA_DEPTH; text that is not JSON is left to the engine to refuse."""
+    if isinstance(schema, str):
+        try:
+            parsed = json.loads(schema)
+        except RecursionError:
+            raise ValueError(f"the schema is nested deeper than {MAX_SCHEMA_DEPTH}") from None
+        except ValueError:
+            return schema
+    else:
+        parsed = schema
+    if _depth(parsed) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"the schema is nested deeper than {MAX_SCHEMA_DEPTH}")
+    if not isinstance(schema, str) and len(json.dumps(schema)) > MAX_CONSTRAINT_CHARS:
+        raise ValueError(f"the schema is longer than {MAX_CONSTRAINT_CHARS} characters as JSON")
+    return schema
+
+
+def _depth(value) -> int:
+    """How deep arrays and objects nest in `value` (0: neither), up to one past the limit."""
+    deepest, stack = 0, [(value, 1)]
+    while stack and deepest <= MAX_SCHEMA_DEPTH:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+ConstraintText = Annotated[str, Field(max_length=MAX_CONSTRAINT_CHARS)]
+Schema = Annotated[dict[str, Any], AfterValidator(_bounded_schema)]
+SchemaOrText = Annotated[ConstraintText | dict[str, Any], AfterValidator(_bounded_schema)]
 
 
 class StrictModel(BaseModel):
@@ -100,7 +142,7 @@ class StreamOptions(StrictModel):
 class JsonSchema(StrictModel):
     name: str = "schema"
     description: str | None = None
-    json_schema: dict[str, Any] = Field(alias="schema")
+    json_schema: Schema = Field(alias="schema")
     strict: bool | None = None
 
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
@@ -115,15 +157,18 @@ class StructuredOutputs(StrictModel):
     """vLLM's StructuredOutputsParams: one constraint (json, regex, choice, grammar,
     json_object or structural_tag) and its options."""
 
-    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
-    regex: str | None = None
-    choice: Annotated[list[str], Field(min_length=1)] | None = None
-    grammar: str | None = None
+    json_: SchemaOrText | None = Field(default=None, alias="json")
+    regex: ConstraintText | None = None
+    choice: (
+        Annotated[list[ConstraintText], Field(min_length=1, max_length=MAX_CHOICES_CONSTRAINT)]
+        | None
+    ) = None
+    grammar: ConstraintText | None = None
     json_object: bool | None = None
-    structural_tag: str | None = None
+    structural_tag: ConstraintText | None = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
-    whitespace_pattern: str | None = None
+    whitespace_pattern: ConstraintText | None = None
 
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
@@ -135,6 +180,8 @@ class StructuredOutputs(StrictModel):
                 "only one kind of constraint: json, regex, choice, grammar, json_object or "
                 "structural_tag"
             )
+        if self.choice is not None and sum(map(len, self.choice)) > MAX_CONSTRAINT_CHARS:
+            raise ValueError(f"the choices are longer than {MAX_CONSTRAINT_CHARS} characters")
         return self
 
 

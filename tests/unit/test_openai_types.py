@@ -1,5 +1,7 @@
 """Request validation, without a server: each bad body names its problem."""
 
+import json
+
 import pytest
 
 from router.errors import OpenAIError
@@ -204,3 +206,50 @@ def test_vllm_extensions_out_of_vllm_range_are_400s_naming_the_field(field, valu
     with pytest.raises(OpenAIError) as caught:
         parse_request(CompletionRequest, {"model": "m", "prompt": "hi", field: value})
     assert caught.value.status == 400 and caught.value.param.split(".")[0] == field
+
+
+def nested(depth: int) -> dict:
+    """A schema of `depth` objects, each the `items` of the one around it."""
+    schema: dict = {"type": "string"}
+    for _ in range(depth - 1):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+LONG = 65 << 10
+
+
+@pytest.mark.parametrize(
+    "structured, param",
+    [
+        ({"regex": "a" * LONG}, "structured_outputs.regex"),
+        ({"grammar": "root ::= " + "x" * LONG}, "structured_outputs.grammar"),
+        ({"structural_tag": "x" * LONG}, "structured_outputs.structural_tag"),
+        ({"whitespace_pattern": " " * LONG}, "structured_outputs.whitespace_pattern"),
+        ({"json": {"enum": ["x" * 100] * 700}}, "structured_outputs.json"),
+        ({"json": nested(65)}, "structured_outputs.json"),
+        ({"json": "[" * 5000 + "]" * 5000}, "structured_outputs.json"),
+        ({"json": json.dumps(nested(65))}, "structured_outputs.json"),
+        ({"choice": ["x" * 1024] * 65}, "structured_outputs"),
+        ({"choice": ["x"] * 1025}, "structured_outputs.choice"),
+    ],
+)
+def test_structured_output_constraints_are_bounded(structured, param):
+    """Security review L6: constraints the engine compiles are capped at 64 KiB each and a
+    JSON schema's nesting at 64 levels."""
+    error = refused(ChatCompletionRequest, {**CHAT, "structured_outputs": structured})
+    assert error.param == param
+
+
+def test_response_format_schemas_are_bounded_too():
+    schema = {"name": "x", "schema": nested(65)}
+    body = {**CHAT, "response_format": {"type": "json_schema", "json_schema": schema}}
+    assert refused(ChatCompletionRequest, body).param == "response_format.json_schema.schema"
+
+
+def test_constraints_within_the_bounds_pass_through():
+    within = {"json": nested(64), "disable_any_whitespace": True}
+    parsed = parse_request(ChatCompletionRequest, {**CHAT, "structured_outputs": within})
+    assert parsed.vllm_fields()["structured_outputs"] == within
+    parsed = parse_request(ChatCompletionRequest, {**CHAT, "structured_outputs": {"regex": "a+"}})
+    assert parsed.vllm_fields()["structured_outputs"] == {"regex": "a+"}
