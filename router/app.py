@@ -28,7 +28,11 @@ MAX_BODY_BYTES = 32 << 20  # a request body beyond this is refused (413) before 
 
 def create_app(settings: RouterSettings, model: str) -> FastAPI:
     """`model`: where the tokenizer comes from (a folder, or a hub id)."""
-    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    # No /docs, /redoc or /openapi.json: the API is OpenAI's (docs/http-api.md), and an
+    # internet-facing router need not describe its admin routes (security review L8).
+    app = FastAPI(
+        title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     state = app.state
     state.settings, state.model, state.started = settings, model, int(time.time())
     state.max_body_bytes = MAX_BODY_BYTES

@@ -6,11 +6,12 @@ import logging
 import uuid
 
 from fastapi import Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.api_keys import is_authorized, unauthorized
-from router.errors import ErrorKind, OpenAIError, internal_error
+from router.errors import ErrorCode, ErrorKind, OpenAIError, internal_error, invalid_request
 
 log = logging.getLogger("pdserve.router")
 
@@ -26,6 +27,16 @@ async def http_error(request: Request, error: StarletteHTTPException):
     return JSONResponse(body, status_code=error.status_code)
 
 
+async def validation_error(request: Request, error: RequestValidationError):
+    """A query parameter FastAPI could not read (`/pdserve/workers?fresh=x`): a 400 naming it,
+    in OpenAI's body (not FastAPI's 422 and its own shape)."""
+    first = error.errors()[0] if error.errors() else {"loc": (), "msg": "invalid request"}
+    param = ".".join(str(part) for part in first["loc"][1:]) or None
+    message = f"Invalid value for '{param}': {first['msg']}" if param else first["msg"]
+    body = invalid_request(message, param=param, code=ErrorCode.INVALID_VALUE)
+    return JSONResponse(body.body(), status_code=body.status)
+
+
 async def unexpected_error(request: Request, error: Exception):
     """The details go to the log, under an id the client gets; not to the client."""
     error_id = uuid.uuid4().hex[:12]
@@ -37,6 +48,7 @@ async def unexpected_error(request: Request, error: Exception):
 HANDLERS = {
     OpenAIError: openai_error,
     StarletteHTTPException: http_error,
+    RequestValidationError: validation_error,
     Exception: unexpected_error,
 }
 

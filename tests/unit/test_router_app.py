@@ -120,3 +120,20 @@ def test_an_api_key_guards_every_path_but_the_open_ones(monkeypatch, tmp_path):
         authorized = {"authorization": "Bearer the-key"}
         assert client.get("/v1/models", headers=authorized).status_code == 200
         assert client.get("/health").status_code == 503  # open: answered, not refused
+
+
+def test_no_api_docs_and_a_bad_query_parameter_is_an_openai_400(client):
+    """Security review L8: no /docs, /redoc or /openapi.json; FastAPI's 422 is a 400 in
+    OpenAI's body."""
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        response = client.get(path)
+        assert response.status_code == 404 and response.json()["error"]["message"]
+    bad = client.get("/pdserve/workers", params={"fresh": "sometimes"})
+    assert bad.status_code == 400
+    error = bad.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["param"], error["code"], error["type"]) == (
+        "fresh",
+        "invalid_value",
+        "invalid_request_error",
+    )
