@@ -114,8 +114,9 @@ class RouterSettings(Settings):
     max_concurrent_requests: int = Field(
         0,
         ge=0,
-        description="requests running at once before new ones queue (0: what the decode "
-        "pool's engines run at once, the sum of their max_num_seqs)",
+        description="sequences running at once before new requests queue (a request counts "
+        "its prompts times its choices, n or best_of; 0: what the decode pool's engines run at "
+        "once, the sum of their max_num_seqs)",
         json_schema_extra={"metavar": "N"},
     )
     max_queued_requests: int = Field(
@@ -144,13 +145,33 @@ class RouterSettings(Settings):
         [],
         description="a key clients must send (Authorization: Bearer KEY); repeatable; shows in "
         "the process list: prefer --api-key-file or PDSERVE_API_KEYS (default: none, "
-        "the router is open unless a file or the variable gives keys)",
+        "the router is open unless a file or the variable gives keys: on loopback only, unless "
+        "--allow-unauthenticated)",
         json_schema_extra={"metavar": "KEY"},
     )
     api_key_file: str = Field(
         "",
         description="a file of client API keys, one per line",
         json_schema_extra={"metavar": "PATH"},
+    )
+    operator_api_key_file: str = Field(
+        "",
+        description="a file of operator API keys, one per line (or PDSERVE_OPERATOR_API_KEYS): "
+        "client keys whose requests may also set their priority (priority, x-pdserve-priority) "
+        "and path (x-pdserve-route) and join their traceparent; a client key's are ignored",
+        json_schema_extra={"metavar": "PATH"},
+    )
+    admin_api_key_file: str = Field(
+        "",
+        description="a file of admin API keys, one per line (or PDSERVE_ADMIN_API_KEYS): "
+        "operator keys that may also call the /pdserve/ routes (the flex workers' roles, the "
+        "workers' stats); with keys but no admin key those routes answer 403",
+        json_schema_extra={"metavar": "PATH"},
+    )
+    allow_unauthenticated: bool = Field(
+        False,
+        description="serve with no API key on an address other than loopback (otherwise the "
+        "router refuses to start so; PDSERVE_ALLOW_UNAUTHENTICATED=1 does the same)",
     )
     cluster_secret_file: ClusterSecretFile
     tls_dir: TlsDir

@@ -1,5 +1,7 @@
 """What the router and its workers say about themselves: health, Prometheus metrics, the
-served model, the vLLM version, each worker's live stats, and the flex workers' roles."""
+served model, the vLLM version, each worker's live stats, and the flex workers' roles. The
+/pdserve/ routes (the workers' addresses and stats, the roles, changing them) need an admin key
+when the router has keys (router/api_keys.py)."""
 
 import functools
 import importlib.metadata
@@ -12,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.kinds import Role
 from pdserve.worker.protocol import worker_pb2
+from router.api_keys import KeyRole, require
 from router.errors import invalid_request
 from router.routes.body import read_json
 
@@ -73,6 +76,7 @@ async def worker_stats(request: Request, fresh: bool = False):
     after an engine step, so KV usage reflects every finished and aborted request), and the
     rate at which this router sends it requests: what the route estimate prices paths with;
     and this router's copy of each host KV pool's contents (router/pool_contents.py)."""
+    require(request.app.state, request.headers, KeyRole.ADMIN)
     rows = []
     for worker in request.app.state.pool.workers:
         row = {
@@ -102,13 +106,15 @@ async def worker_stats(request: Request, fresh: bool = False):
 @routes.get("/pdserve/roles")
 async def current_roles(request: Request):
     """Every worker's role; flex workers' counts per role."""
+    require(request.app.state, request.headers, KeyRole.ADMIN)
     return request.app.state.roles.view()
 
 
 @routes.post("/pdserve/roles")
 async def change_roles(request: Request):
     """Set the flex workers' split: {"prefill": N} or {"decode": M} (or both, adding up).
-    Behind the API keys like every route; in effect for the next request."""
+    An admin key's call (when the router has keys); in effect for the next request."""
+    require(request.app.state, request.headers, KeyRole.ADMIN)
     body = await read_json(request)
     roles = (Role.PREFILL, Role.DECODE)
     if not isinstance(body, dict) or set(body) - set(roles):
