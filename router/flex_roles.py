@@ -23,13 +23,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pdserve.kinds import Role
 from router.errors import invalid_request
+from router.shared_state import STANDBY  # a flex worker in no pool (a sweep's ratio with fewer)
 from router.worker_client import WorkerClient
 from router.worker_load import LOAD_POLL_S
 from router.worker_pool import TAKES_REQUESTS
 
 log = logging.getLogger("pdserve.router")
 FLEX_ROLES = (Role.PREFILL, Role.DECODE)
-STANDBY = "standby"  # a flex worker in no pool (a sweep's ratio with fewer workers)
 
 
 def initial_role(flex_count: int, prefill_now: int) -> str:

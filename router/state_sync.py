@@ -2,7 +2,9 @@
 (router/shared_state.py): every `interval_s`, the flex split (this router's changes out, the
 others' in), the prefix index's additions both ways, the lease on --flex-auto's decisions;
 every PRESENCE_EVERY_S, its presence (so the others count it) and the revoked API keys (merged
-both ways: a revocation Redis lost is written back from the routers' memory).
+both ways: a revocation Redis lost is written back from the routers' memory). Another
+router's prefix-index additions are learned only for this router's members.
+What Redis holds unsigned is ignored (router/shared_state.py) and counted.
 
 A role changed through one router is in effect at every other within two intervals (0.2 s by
 default). While Redis is away each router serves from its last view and says so in its log
@@ -45,6 +47,7 @@ class StateSync:
         self.prefix_after: str | None = None  # the last prefix-stream entry read
         self.presence_at = -PRESENCE_EVERY_S
         self.failing = False
+        self.refused_counted = 0  # of shared.refused, in the metrics
         # A read of the shared split and the taking of it are not interleaved with a write of
         # this router's changes: a read begun before a write would undo it here.
         self.roles_lock = asyncio.Lock()
@@ -70,6 +73,19 @@ class StateSync:
             self.roles.leads_ratio = await self.shared.hold_ratio_lease()
         if self.index is not None:
             await self.sync_prefixes()
+        self.count_refused()
+
+    def members(self) -> list:
+        """This router's pools' workers (WorkerClients)."""
+        return self.roles.pool.workers
+
+    def count_refused(self) -> None:
+        """Entries ignored for want of a signature, into the router's metrics when they have
+        a counter for them (`shared_state_refused`)."""
+        counter = getattr(self.metrics, "shared_state_refused", None)
+        if counter is not None and self.shared.refused > self.refused_counted:
+            counter.inc(self.shared.refused - self.refused_counted)
+        self.refused_counted = self.shared.refused
 
     async def sync_revoked(self) -> None:
         """Revocations are only ever added: those Redis holds join this router's, and those it
@@ -111,8 +127,9 @@ class StateSync:
             self.index.outbox = (outbox + self.index.outbox)[-MAX_UNSHARED_PREFIXES:]
             raise
         entries, self.prefix_after = await self.shared.read_prefixes(self.prefix_after)
+        members = {worker.address for worker in self.members()}  # no index for anyone else
         for entry in entries:
-            if entry.router != self.shared.me:
+            if entry.router != self.shared.me and entry.address in members:
                 self.index.learn(entry.address, list(entry.hashes))
 
     def stop(self) -> None:

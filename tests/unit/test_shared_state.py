@@ -118,7 +118,7 @@ def test_a_split_set_through_one_router_is_in_effect_at_the_other(redis_url):
             assert restarted.roles.wanted["prefill"] == 2
             await restarted.close()
             redis = one.sync.shared.redis  # Redis restarted empty: the routers put it back
-            await redis.delete("pdserve:split:roles", "pdserve:split:split")
+            await redis.delete("pdserve:split:flex-roles", "pdserve:split:flex-split")
             await one.sync.once()  # sees it empty
             await one.sync.once()  # writes its view back
             fresh = Router(redis_url, "split", "fresh", workers)
@@ -154,8 +154,8 @@ def test_prefix_additions_cross_routers(redis_url):
     hashes = chunk_hashes(prompt)
 
     async def scenario():
-        one = Router(redis_url, "prefix", "one", [])
-        other = Router(redis_url, "prefix", "other", [])
+        one = Router(redis_url, "prefix", "one", ["10.0.0.7:50051"])  # the member's address
+        other = Router(redis_url, "prefix", "other", ["10.0.0.7:50051"])
         try:
             await one.sync.once()
             await other.sync.once()

@@ -1,16 +1,19 @@
 """The routers' shared state (router/shared_state.py, router/state_sync.py) against what a Redis
-restart and a Redis writer without the cluster secret do to it (review 2026-12: H5, M2, L5),
+restart and a Redis writer without the cluster secret do to it (review 2026-12: H5, M2),
 over real redis-servers started here. The routers are tests/unit/test_shared_state.py's."""
 
 import asyncio
 import io
+import os
 
 import pytest
 import redis.exceptions
 
 from pdserve.cluster import cli, local_services
+from pdserve.settings.cluster_secret import SECRET_ENV
 from pdserve.worker.processes import stop_group
 from router.api_keys import is_authorized
+from router.prefix_index import CHUNK_TOKENS
 from router.shared_state import key_digest
 from tests.integration.processes import group_members
 from tests.unit.test_shared_state import Router
@@ -66,3 +69,146 @@ def test_a_revoked_key_stays_refused_after_redis_restarts_empty(tmp_path, monkey
     finally:
         stop_group(group)
         assert group_members(group) == []
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    url, group = local_services.start_redis(tmp_path_factory.mktemp("redis") / "redis.log")
+    yield url
+    stop_group(group)
+    assert group_members(group) == []
+
+
+@pytest.fixture
+def secret(monkeypatch):
+    monkeypatch.setenv(SECRET_ENV, "this-clusters-secret")
+
+
+async def keys_of_type(router: Router, kind: str) -> list[bytes]:
+    """The cluster's keys of a Redis type, whatever this version names them: what a Redis
+    writer sees there."""
+    pattern = router.sync.shared.base + "*"
+    found = [key async for key in router.sync.shared.redis.scan_iter(match=pattern)]
+    return [key for key in found if (await router.sync.shared.redis.type(key)) == kind.encode()]
+
+
+def test_presences_not_signed_or_stale_do_not_cut_the_admission_share(redis_url, secret):
+    """Review M2: 1,000 `router:*` keys cut every router's share of the admission capacity to
+    1 (429 for everyone)."""
+
+    async def scenario():
+        one = Router(redis_url, "m2-peers", "one", [])
+        other = Router(redis_url, "m2-peers", "other", [])
+        try:
+            await one.sync.once()
+            redis, base = one.sync.shared.redis, one.sync.shared.base
+            async with redis.pipeline(transaction=False) as pipe:
+                for i in range(1000):
+                    pipe.set(f"{base}router:fake-{i}", "1")
+                await pipe.execute()
+            await other.sync.once()
+            assert other.peers.routers == 2
+            assert other.peers.share(100) == 50
+            assert other.sync.shared.refused == 1000
+            stale = f"{base}router:replayed"  # signed, but written long ago (a replay)
+            await redis.set(stale, one.sync.shared._sealed("1000", stale))
+            other.sync.presence_at = -10.0
+            await other.sync.once()
+            assert other.peers.routers == 2
+            assert other.sync.shared.refused == 2001
+        finally:
+            await one.close()
+            await other.close()
+
+    asyncio.run(scenario())
+
+
+def test_roles_and_split_not_signed_or_not_valid_are_ignored_and_replaced(redis_url, secret):
+    """Review M2: a Redis writer moved every flex worker to standby; a split value that is not
+    a number stopped every router's sync."""
+    workers = ["w0", "w1", "w2"]
+
+    async def scenario():
+        one = Router(redis_url, "m2-roles", "one", workers)
+        try:
+            await one.sync.once()
+            wanted, redis = one.split(), one.sync.shared.redis
+            hashes = await keys_of_type(one, "hash")
+            assert len(hashes) == 2  # the roles and the split
+            for key in hashes:
+                fields = await redis.hkeys(key)
+                moved = "standby" if b"w0" in fields else "99"  # every worker; a split
+                await redis.hset(key, mapping=dict.fromkeys(fields, moved))
+            await one.sync.once()
+            assert one.split() == wanted
+            assert one.sync.shared.refused == 3 + 2
+            for key in hashes:
+                await redis.hset(key, "prefill", "junk")
+            roles_key = one.sync.shared.base + "flex-roles"  # signed, but not a role
+            await redis.hset(roles_key, "w9", one.sync.shared._sealed("leader", roles_key, "w9"))
+            await redis.sadd(one.sync.shared.base + "revoked-keys", "not a digest")
+            await one.sync.once()  # no longer the split as it was read: replaced
+            assert one.split() == wanted
+            assert "not a digest" not in one.sync.revoked
+            fresh = Router(redis_url, "m2-roles", "fresh", workers)
+            await fresh.sync.once()
+            assert fresh.split() == wanted
+            await fresh.close()
+        finally:
+            await one.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_ratio_lease_not_signed_is_held_by_nobody(redis_url, secret):
+    async def scenario():
+        one = Router(redis_url, "m2-lease", "one", ["w0", "w1"], auto=True)
+        lease = one.sync.shared.base + "ratio-lease"
+        await one.sync.shared.redis.set(lease, "attacker")  # no time to live
+        await one.sync.once()
+        assert one.roles.leads_ratio
+        other = Router(redis_url, "m2-lease", "other", ["w0", "w1"], auto=True)
+        await other.sync.once()
+        assert not other.roles.leads_ratio  # signed, and held by one
+        await one.close()
+        await other.close()
+
+    asyncio.run(scenario())
+
+
+def test_prefix_entries_not_signed_or_for_non_members_are_not_learned(redis_url, secret):
+    """Review M2: entries under any address were learned, one dict per address, without
+    limit: a flood of fake addresses ran the routers out of memory."""
+    member = "10.0.0.7:50051"
+    hashes = [os.urandom(16) for _ in range(3)]
+
+    async def scenario():
+        one = Router(redis_url, "m2-prefix", "one", [member])
+        other = Router(redis_url, "m2-prefix", "other", [member])
+        try:
+            await one.sync.once()
+            await other.sync.once()
+            one.index.sent(member, hashes)
+            one.index.sent("10.0.0.8:50051", hashes)  # not a member (of the other's pools)
+            await one.sync.once()
+            await other.sync.once()
+            assert other.index.cached_tokens(member, hashes) == 3 * CHUNK_TOKENS
+            assert set(other.index._chunks) == {member}
+            (stream,) = await keys_of_type(one, "stream")
+            redis, forged = one.sync.shared.redis, [os.urandom(16) for _ in range(4)]
+            async with redis.pipeline(transaction=False) as pipe:
+                for i in range(1000):
+                    address = member if i == 0 else f"10.6.{i // 250}.{i % 250}:1"
+                    fields = {"router": "x", "address": address, "hashes": b"".join(forged)}
+                    pipe.xadd(stream, {**fields, "mac": "0" * 64})
+                pipe.xadd(stream, {"router": "x", "address": member})
+                await pipe.execute()
+            await other.sync.once()
+            assert set(other.index._chunks) == {member}
+            assert other.index.cached_tokens(member, forged) == 0
+            assert other.sync.shared.refused == 1001
+        finally:
+            await one.close()
+            await other.close()
+
+    asyncio.run(scenario())
