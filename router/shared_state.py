@@ -7,12 +7,14 @@ Keys, under `pdserve:<cluster>:`:
   is Redis's clock when written: one older than ROUTER_TTL_S is not counted.
 - `flex-roles` (hash: flex worker id -> role) and `flex-split` (hash: role -> flex workers
   wanted): the flex split, whoever set it (`POST /pdserve/roles` on any router, or
-  `--flex-auto`). A role is prefill, decode or standby.
+  `--flex-auto`). A role is prefill, decode or standby; a worker that has not been a member for
+  ROLE_PRUNE_AFTER_S leaves the hash (router/state_sync.py).
 - `ratio-lease`: the one router whose `--flex-auto` decides, for LEASE_TTL_S, renewed while it
   lives (two deciders would fight over the same workers).
 - `prefix`: a stream of the routers' prefix-index additions (router/prefix_index.py), each
-  router reading the others' within a poll and learning those for its pools' members, bounded
-  to PREFIX_STREAM_LENGTH entries.
+  router reading the others' within a poll and learning those for its pools' members. An entry
+  holds at most MAX_HASHES_PER_ENTRY chunk hashes (a longer prompt's take several), so the
+  stream's length bound keeps it under PREFIX_STREAM_BYTES.
 - `revoked-keys`: SHA-256 digests of revoked API keys (`pdserve revoke-key`), never the keys.
   A router never forgets one it has seen (a Redis restart, or a delete, does not un-revoke a
   key) and writes back those Redis lacks.
@@ -52,8 +54,16 @@ CLOCK_SLACK_MS = 1000  # a presence written this far in Redis's future still cou
 STANDBY = "standby"  # a flex worker in no pool (a sweep's ratio with fewer workers)
 SHARED_ROLES = (Role.PREFILL.value, Role.DECODE.value, STANDBY)
 MAX_SPLIT = 100_000  # flex workers wanted in one role: more is not a split a router set
-PREFIX_STREAM_LENGTH = 100_000  # about 100 MiB of chunk hashes at most
+PREFIX_STREAM_BYTES = 64 << 20  # the prefix stream's size in Redis at most
+MAX_HASHES_PER_ENTRY = 128  # 8192 tokens' chunks (2 KiB) per stream entry
+ENTRY_OVERHEAD_BYTES = 1024  # an entry's router id, address, signature and Redis's own
 MAX_LOGGED_REFUSALS = 1000  # keys whose refusal is logged (once each)
+
+
+def prefix_stream_length() -> int:
+    """The stream's length bound: PREFIX_STREAM_BYTES of the largest entries."""
+    largest = MAX_HASHES_PER_ENTRY * DIGEST_BYTES + ENTRY_OVERHEAD_BYTES
+    return max(1, PREFIX_STREAM_BYTES // largest)
 
 
 def _is_digest(text: str) -> bool:
@@ -244,6 +254,12 @@ class SharedState:
                 except redis.exceptions.WatchError:  # another router wrote it: read again
                     continue
 
+    async def forget_roles(self, workers: list[str]) -> None:
+        """Workers gone for good leave the roles hash (L5: it would grow with every new id)."""
+        fields = [self.role_fields.get(worker, worker.encode()) for worker in workers]
+        if fields:
+            await self.redis.hdel(self.base + "flex-roles", *fields)
+
     async def hold_ratio_lease(self) -> bool:
         """Take or renew the lease on --flex-auto's decisions; whether this router holds it. A
         lease not signed is held by nobody: it is replaced."""
@@ -262,13 +278,14 @@ class SharedState:
         return False
 
     async def publish_prefixes(self, entries: list[PrefixEntry]) -> None:
-        key, length = self.base + "prefix", PREFIX_STREAM_LENGTH
+        key, length = self.base + "prefix", prefix_stream_length()
         async with self.redis.pipeline(transaction=False) as pipe:
             for entry in entries:
-                hashes = b"".join(entry.hashes)
-                fields = {"router": entry.router, "address": entry.address, "hashes": hashes}
-                mac = self._signature(key, entry.router, entry.address, hashes.hex())
-                pipe.xadd(key, {**fields, "mac": mac}, maxlen=length, approximate=True)
+                for start in range(0, len(entry.hashes), MAX_HASHES_PER_ENTRY):
+                    hashes = b"".join(entry.hashes[start : start + MAX_HASHES_PER_ENTRY])
+                    fields = {"router": entry.router, "address": entry.address, "hashes": hashes}
+                    mac = self._signature(key, entry.router, entry.address, hashes.hex())
+                    pipe.xadd(key, {**fields, "mac": mac}, maxlen=length, approximate=True)
             await pipe.execute()
 
     async def prefix_position(self) -> str:
@@ -298,7 +315,7 @@ class SharedState:
             raw, mac = fields[b"hashes"], fields[b"mac"].decode()
         except (KeyError, UnicodeDecodeError):
             return None
-        if len(raw) % DIGEST_BYTES:
+        if len(raw) % DIGEST_BYTES or len(raw) > MAX_HASHES_PER_ENTRY * DIGEST_BYTES:
             return None
         message = json.dumps([self.base + "prefix", router, address, raw.hex()])
         if not signature_valid(message, mac):

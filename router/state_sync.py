@@ -2,8 +2,9 @@
 (router/shared_state.py): every `interval_s`, the flex split (this router's changes out, the
 others' in), the prefix index's additions both ways, the lease on --flex-auto's decisions;
 every PRESENCE_EVERY_S, its presence (so the others count it) and the revoked API keys (merged
-both ways: a revocation Redis lost is written back from the routers' memory). Another
-router's prefix-index additions are learned only for this router's members.
+both ways: a revocation Redis lost is written back from the routers' memory). A flex worker
+that has not been a member of this router's pools for ROLE_PRUNE_AFTER_S leaves the shared
+roles; another router's prefix-index additions are learned only for this router's members.
 What Redis holds unsigned is ignored (router/shared_state.py) and counted.
 
 A role changed through one router is in effect at every other within two intervals (0.2 s by
@@ -24,6 +25,10 @@ log = logging.getLogger("pdserve.router")
 SHARE_NOW_TIMEOUT_S = 1.0
 MAX_UNSHARED_PREFIXES = 10_000  # kept while Redis is away (the newest; older ones age out)
 LEAVE_TIMEOUT_S = 2.0
+# A worker id absent from the pools this long leaves the shared roles (K8s names a restarted
+# pod anew: the hash would grow with every restart). Long enough for every router to have seen
+# a joining worker, which the first router to see it placed.
+ROLE_PRUNE_AFTER_S = 60.0
 
 
 class StateSync:
@@ -47,6 +52,8 @@ class StateSync:
         self.prefix_after: str | None = None  # the last prefix-stream entry read
         self.presence_at = -PRESENCE_EVERY_S
         self.failing = False
+        self.prune_after_s = ROLE_PRUNE_AFTER_S
+        self.absent_since: dict[str, float] = {}  # worker id in the shared roles -> since when
         self.refused_counted = 0  # of shared.refused, in the metrics
         # A read of the shared split and the taking of it are not interleaved with a write of
         # this router's changes: a read begun before a write would undo it here.
@@ -69,6 +76,7 @@ class StateSync:
         async with self.roles_lock:
             await self.push_roles()
             self.roles.take_shared(*await self.shared.roles())
+            await self.prune_roles(now)
         if self.flex_auto:
             self.roles.leads_ratio = await self.shared.hold_ratio_lease()
         if self.index is not None:
@@ -78,6 +86,29 @@ class StateSync:
     def members(self) -> list:
         """This router's pools' workers (WorkerClients)."""
         return self.roles.pool.workers
+
+    async def prune_roles(self, now: float) -> None:
+        """Shared roles of workers absent from this router's pools for `prune_after_s` are
+        deleted (a worker that comes back later is placed again)."""
+        present = {worker.worker_id for worker in self.members()}
+        named = self.shared.role_fields
+        self.absent_since = {w: t for w, t in self.absent_since.items() if w in named}
+        gone = []
+        for worker_id in named:
+            if worker_id in present:
+                self.absent_since.pop(worker_id, None)
+            elif now - self.absent_since.setdefault(worker_id, now) >= self.prune_after_s:
+                gone.append(worker_id)
+        if gone:
+            await self.shared.forget_roles(gone)
+            log.info(
+                "forgot the shared roles of %d workers gone for %g s: %s",
+                len(gone),
+                self.prune_after_s,
+                ", ".join(gone[:10]) + (", ..." if len(gone) > 10 else ""),
+            )
+            for worker_id in gone:
+                del self.absent_since[worker_id]
 
     def count_refused(self) -> None:
         """Entries ignored for want of a signature, into the router's metrics when they have

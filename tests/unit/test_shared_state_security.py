@@ -1,5 +1,5 @@
 """The routers' shared state (router/shared_state.py, router/state_sync.py) against what a Redis
-restart and a Redis writer without the cluster secret do to it (review 2026-12: H5, M2),
+restart and a Redis writer without the cluster secret do to it (review 2026-12: H5, M2, L5),
 over real redis-servers started here. The routers are tests/unit/test_shared_state.py's."""
 
 import asyncio
@@ -12,6 +12,7 @@ import redis.exceptions
 from pdserve.cluster import cli, local_services
 from pdserve.settings.cluster_secret import SECRET_ENV
 from pdserve.worker.processes import stop_group
+from router import shared_state
 from router.api_keys import is_authorized
 from router.prefix_index import CHUNK_TOKENS
 from router.shared_state import key_digest
@@ -207,6 +208,59 @@ def test_prefix_entries_not_signed_or_for_non_members_are_not_learned(redis_url,
             assert set(other.index._chunks) == {member}
             assert other.index.cached_tokens(member, forged) == 0
             assert other.sync.shared.refused == 1001
+        finally:
+            await one.close()
+            await other.close()
+
+    asyncio.run(scenario())
+
+
+def test_roles_of_workers_gone_leave_the_shared_roles(redis_url):
+    """Review L5: the roles hash was never pruned, and K8s names a restarted pod anew."""
+
+    async def scenario():
+        one = Router(redis_url, "l5-roles", "one", ["w0", "w1", "w2"])
+        one.sync.prune_after_s = 0.3
+        try:
+            await one.sync.once()
+            (roles,) = [
+                key
+                for key in await keys_of_type(one, "hash")
+                if await one.sync.shared.redis.hexists(key, "w0")
+            ]
+            one.roles.pool.workers.pop()  # w2 left
+            await one.sync.once()
+            assert await one.sync.shared.redis.hexists(roles, "w2")  # not at once
+            await asyncio.sleep(0.4)
+            await one.sync.once()
+            assert sorted(await one.sync.shared.redis.hkeys(roles)) == [b"w0", b"w1"]
+        finally:
+            await one.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_prefix_stream_is_bounded_in_bytes(redis_url, monkeypatch):
+    """Review L5: the stream's bound counted entries: at 32 KiB of chunk hashes per 128k-token
+    prompt, 100,000 of them are 3 GiB against Redis's 512 MiB."""
+    monkeypatch.setattr(shared_state, "PREFIX_STREAM_BYTES", 1 << 20, raising=False)
+    member = "10.0.0.7:50051"
+    prompts = [[os.urandom(16) for _ in range(2048)] for _ in range(100)]  # 128k tokens each
+
+    async def scenario():
+        one = Router(redis_url, "l5-stream", "one", [member])
+        other = Router(redis_url, "l5-stream", "other", [member])
+        try:
+            await one.sync.once()
+            await other.sync.once()
+            for prompt in prompts:
+                one.index.sent(member, prompt)
+            await one.sync.once()
+            (stream,) = await keys_of_type(one, "stream")
+            used = await one.sync.shared.redis.memory_usage(stream, samples=0)
+            assert used < 1.25 * (1 << 20), used
+            await other.sync.once()
+            assert other.index.cached_tokens(member, prompts[-1]) == 2048 * CHUNK_TOKENS
         finally:
             await one.close()
             await other.close()
