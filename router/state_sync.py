@@ -121,7 +121,8 @@ class StateSync:
     async def sync_revoked(self) -> None:
         """Revocations are only ever added: those Redis holds join this router's, and those it
         lacks (it restarted empty: no persistence) are written back from this router's memory.
-        A key once revoked stays refused here until every router has restarted."""
+        A revoked key stays refused while Redis or any router that has seen it holds it: only
+        Redis and every router restarting together forget it."""
         shared = await self.shared.revoked_keys()
         if self.revoked - shared:
             await self.shared.put_back_revoked(self.revoked - shared)
