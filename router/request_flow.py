@@ -17,11 +17,11 @@ from pdserve.settings.router import RouterSettings
 from pdserve.worker.protocol import worker_pb2
 from router.accounting import Accounting
 from router.admission import admit
-from router.errors import OpenAIError
+from router.errors import ErrorCode, OpenAIError, invalid_request
 from router.metrics import RouterMetrics
 from router.relay import Relay
 from router.request_run import Admitted, RequestRun, Started
-from router.responses import ResponseShape
+from router.responses import MAX_RESPONSE_ENTRIES, ResponseShape, logprob_entries
 from router.retries import Starter
 from router.worker_pool import WorkerPool
 
@@ -40,9 +40,32 @@ class RequestFlow:
         self.starter = Starter(settings, pool, metrics)
         self.relay = Relay(self.accounting)
 
-    def admit(self, *http_request, **options) -> Admitted:
-        """router/admission.py's admit over this flow's settings, pool and tokenizer."""
-        return admit(self.settings, self.pool, self.tokenizer, *http_request, **options)
+    def admit(self, endpoint: str, *http_request, **options) -> Admitted:
+        """router/admission.py's admit over this flow's settings, pool and tokenizer; a 400
+        for a response over MAX_RESPONSE_ENTRIES logprob entries."""
+        admitted = admit(
+            self.settings, self.pool, self.tokenizer, endpoint, *http_request, **options
+        )
+        vocab_size = getattr(self.tokenizer, "vocab_size", 0) or 1 << 20
+        entries = sum(
+            logprob_entries(
+                request.sampling,
+                len(request.prompt_token_ids),
+                admitted.options,
+                endpoint == "completions",
+                vocab_size,
+            )
+            for request in admitted.worker_requests
+        )
+        if entries > MAX_RESPONSE_ENTRIES:
+            raise invalid_request(
+                f"the response would carry up to {entries} logprob entries, more than "
+                f"{MAX_RESPONSE_ENTRIES} (choices x (echoed prompt + max_tokens) x "
+                "(logprobs + 1)): ask for fewer choices, tokens or logprobs",
+                param="logprobs",
+                code=ErrorCode.INVALID_VALUE,
+            )
+        return admitted
 
     async def start(self, run: RequestRun, request: worker_pb2.GenerateRequest) -> Started:
         return await self.starter.start(run, request)

@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from pdserve.worker.protocol import worker_pb2
 
 MIN_LOGPROB = -9999.0  # what OpenAI (and vLLM) report for -inf
+# Logprob entries one response may carry (a position's top ones and its own token each count):
+# ~40 bytes of JSON each, so ~80 MiB. What the router holds grows with it (security review H3).
+MAX_RESPONSE_ENTRIES = 2_000_000
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,8 @@ class ResponseShape:
         self._started: set[int] = set()  # choices whose first chunk went out
         self._text_offsets: dict[int, int] = {}
         self._tokens: dict[int, int] = {}  # tokens streamed per choice
+        # What is rendered once per prompt: (kind, id(prompt)) -> (prompt, its logprobs, value)
+        self._rendered: dict[tuple[str, int], tuple[Prompt, list, object]] = {}
         # A chunk that carries text alone (no logprobs, token ids or usage asked for; neither
         # a choice's first nor its last) is most of a stream: its event is this envelope
         # around the choice, the bytes json.dumps would write for it (a test compares them).
@@ -166,6 +171,15 @@ class ResponseShape:
 
     def usage_chunk(self, usage: Usage) -> str:
         return sse(self._envelope(self.object_chunk, [], usage=usage.body()))
+
+    def _once(self, prompt: Prompt, kind: str, render: Callable[[Prompt], object]):
+        """`render(prompt)`, made once per prompt (again if its logprobs were replaced) and
+        shared by its choices: the JSON still repeats it, but the objects are made once."""
+        key = (kind, id(prompt))
+        kept = self._rendered.get(key)
+        if kept is None or kept[1] is not prompt.logprobs:
+            kept = self._rendered[key] = (prompt, prompt.logprobs, render(prompt))
+        return kept[2]
 
     def _envelope(self, obj: str, choices: list[dict], **extra) -> dict:
         return {
@@ -283,22 +297,25 @@ class CompletionShape(ResponseShape):
     object_chunk = "text_completion"
 
     def whole_choice(self, prompt: Prompt, choice: Choice) -> dict:
-        text, token_ids, positions = choice.text, choice.token_ids, choice.logprobs
+        """The echoed prompt's logprobs and its prompt_logprobs are rendered once per prompt
+        and shared by its choices (security review H3: once per choice, n=128 choices of an
+        8k-token prompt made gigabytes)."""
         if self.options.echo_only:
-            text, token_ids, positions = prompt.echo_text, prompt.token_ids, prompt.logprobs
+            text, logprobs = prompt.echo_text, self._echoed(prompt)
         elif self.options.echo:
-            text = prompt.echo_text + text
-            token_ids = prompt.token_ids + token_ids
-            positions = list(prompt.logprobs) + list(positions)
+            text = prompt.echo_text + choice.text
+            logprobs = self._after(self._echoed(prompt), choice.token_ids, choice.logprobs)
+        else:
+            text, logprobs = choice.text, self._logprobs(choice.token_ids, choice.logprobs, 0)
         body = {
             "index": choice.index,
             "text": text,
-            "logprobs": self._logprobs(token_ids, positions, 0),
+            "logprobs": logprobs,
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
         }
         if self.options.prompt_logprobs:
-            body["prompt_logprobs"] = [self._prompt_position(p) for p in prompt.logprobs]
+            body["prompt_logprobs"] = self._once(prompt, "prompt_logprobs", self._prompt_logprobs)
         if self.options.return_token_ids:
             body.update(prompt_token_ids=prompt.token_ids, token_ids=choice.token_ids)
         return body
@@ -312,15 +329,17 @@ class CompletionShape(ResponseShape):
 
     def stream_choices(self, prompt, index, chunk, finish, first) -> list[dict]:
         text, token_ids, positions = chunk.text, list(chunk.token_ids), list(chunk.logprobs)
-        if first and self.options.echo_only:
-            text, token_ids, positions = prompt.echo_text, prompt.token_ids, prompt.logprobs
-        elif first and self.options.echo:
+        echoed = first and (self.options.echo or self.options.echo_only)
+        if echoed and self.options.echo_only:
+            text, token_ids, positions = prompt.echo_text, [], []
+        elif echoed:
             text = prompt.echo_text + text
-            token_ids = prompt.token_ids + token_ids
-            positions = list(prompt.logprobs) + positions
-        if not (text or token_ids or finish is not None):
+        if not (text or token_ids or (echoed and prompt.token_ids) or finish is not None):
             return []
-        logprobs = self._logprobs(token_ids, positions, self._text_offsets.get(index, 0))
+        if echoed:
+            logprobs = self._after(self._echoed(prompt), token_ids, positions)
+        else:
+            logprobs = self._logprobs(token_ids, positions, self._text_offsets.get(index, 0))
         if logprobs is not None and logprobs["tokens"]:
             # Advance by the tokens reported, not by the text: text held back for stop
             # strings lags the tokens (as vLLM counts it).
@@ -337,6 +356,22 @@ class CompletionShape(ResponseShape):
             if first:
                 choice["prompt_token_ids"] = prompt.token_ids
         return [choice]
+
+    def _echoed(self, prompt: Prompt) -> dict | None:
+        """The logprobs of the echoed prompt, rendered once."""
+        return self._once(prompt, "echoed", lambda p: self._logprobs(p.token_ids, p.logprobs, 0))
+
+    def _prompt_logprobs(self, prompt: Prompt) -> list:
+        return [self._prompt_position(position) for position in prompt.logprobs]
+
+    def _after(self, head: dict | None, token_ids: list[int], positions: list) -> dict | None:
+        """The logprobs of `head` (the echoed prompt's) followed by the tokens'; `head`'s
+        entries are shared, not copied."""
+        if head is None:
+            return None
+        offset = head["text_offset"][-1] + len(head["tokens"][-1]) if head["tokens"] else 0
+        tail = self._logprobs(token_ids, positions, offset)
+        return {key: head[key] + tail[key] for key in head}
 
     def _logprobs(self, token_ids: list[int], positions: list, first_offset: int) -> dict | None:
         """vLLM's completion logprobs: tokens, their logprobs, text offsets, and per position
@@ -383,6 +418,35 @@ class CompletionShape(ResponseShape):
             }
             for entry in position.entries
         }
+
+
+def logprob_entries(
+    sampling: worker_pb2.SamplingParams,
+    prompt_tokens: int,
+    options: OutputOptions,
+    prompt_per_choice: bool,
+    vocab_size: int,
+) -> int:
+    """The most logprob entries the response carries for one prompt: each choice's output
+    tokens', and, on an endpoint that puts the prompt's on every choice (completions: echo,
+    prompt_logprobs), the prompt's once per choice; once in all elsewhere."""
+
+    def per_position(field: str) -> int:
+        if not sampling.HasField(field):
+            return 0
+        top = getattr(sampling, field)
+        return (vocab_size if top < 0 or top > vocab_size else top) + 1
+
+    choices = max(sampling.n, 1)
+    output, prompt = per_position("logprobs"), per_position("prompt_logprobs")
+    entries = choices * sampling.max_tokens * output
+    if not prompt_per_choice:
+        return entries + prompt_tokens * prompt
+    if options.echo and options.logprobs is not None:
+        entries += choices * prompt_tokens * output
+    if options.prompt_logprobs:
+        entries += choices * prompt_tokens * prompt
+    return entries
 
 
 def _entry(position: worker_pb2.PositionLogprobs, token_id: int):

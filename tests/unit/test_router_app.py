@@ -43,21 +43,45 @@ class FakeTokenizer:
 
 
 class AppWorker(FakeWorker):
-    """A fake worker the assembled app serves from: one token ("h") per choice, and stats."""
+    """A fake worker the assembled app serves from: one token ("h") per choice, with the
+    logprobs and prompt logprobs asked for, and stats."""
+
+    def __init__(self, name: str, role: str = "decode", **options) -> None:
+        super().__init__(name, role, **options)
+        self.max_num_seqs = 256  # room for n=128
 
     async def generate(self, request: worker_pb2.GenerateRequest, timeout: float):
         self.requests.append(request)
-        for index in range(max(request.sampling.n, 1)):
-            yield worker_pb2.GenerateChunk(
+        sampling = request.sampling
+        for index in range(max(sampling.n, 1)):
+            chunk = worker_pb2.GenerateChunk(
                 index=index,
                 token_ids=[104],
                 text="h",
                 finish_reason="length",
                 prompt_tokens=len(request.prompt_token_ids),
             )
+            if sampling.HasField("logprobs"):
+                chunk.logprobs.append(position(104))
+                chunk.cumulative_logprob = -0.5
+            if index == 0 and sampling.HasField("prompt_logprobs"):
+                prompt = request.prompt_token_ids
+                chunk.prompt_logprobs.add()  # the first position has none
+                chunk.prompt_logprobs.extend(position(token) for token in prompt[1:])
+            yield chunk
 
     async def stats(self, request, timeout: float = 2.0) -> worker_pb2.StatsReply:
         return worker_pb2.StatsReply()
+
+
+def position(token_id: int) -> worker_pb2.PositionLogprobs:
+    """A position's logprobs: its own token, then a top one."""
+    return worker_pb2.PositionLogprobs(
+        entries=[
+            worker_pb2.TokenLogprob(token_id=token_id, logprob=-0.5, rank=1),
+            worker_pb2.TokenLogprob(token_id=32, logprob=-1.5, rank=2),
+        ]
+    )
 
 
 def app_with_workers(monkeypatch, *workers: FakeWorker, **settings):
