@@ -9,7 +9,8 @@ from pdserve.costs.path_prices import RouteDecision
 from pdserve.kinds import Role, RouteReason
 from pdserve.settings import json_logs
 from pdserve.settings.router import RouterSettings
-from router.errors import check_model, invalid_request, worker_unavailable
+from router.api_keys import Caller, KeyRole
+from router.errors import ErrorCode, check_model, invalid_request, worker_unavailable
 from router.openai_types import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -20,11 +21,12 @@ from router.request_run import Admitted, RequestRun
 from router.responses import OutputOptions, Prompt
 from router.route_choice import forced_route
 from router.wait_forecast import Ask
-from router.worker_pool import WorkerPool
+from router.worker_pool import TAKES_REQUESTS, WorkerPool
 from router.worker_request import generate_request
 
 TIMEOUT_HEADER = "x-pdserve-timeout"
 PRIORITY_HEADER = "x-pdserve-priority"  # the request's admission class, over its body's priority
+TRUSTED = Caller(KeyRole.ADMIN)  # a caller of an open router (no API key configured)
 
 
 def admit(
@@ -39,17 +41,25 @@ def admit(
     arrival: float,
     timeout_header: str | None = None,
     priority_header: str | None = None,
+    caller: Caller = TRUSTED,
 ) -> Admitted:
     """`tokenizer`: router/tokenization.py's PromptTokenizer. `timeout_header`: the client's
     own limit in seconds (x-pdserve-timeout), used when it is below --request-timeout.
     `priority_header`: its class in the router's queue (x-pdserve-priority), in place of the
-    body's `priority`."""
+    body's `priority`. `caller` (router/api_keys.py): the priority and the path (the body's
+    `priority`, x-pdserve-priority, x-pdserve-route) are an operator's or an admin's to set;
+    a client's are ignored (class 0, the path the router chooses)."""
+    if not caller.steers:
+        route_header = priority_header = None
     timeout_s = settings.request_timeout_s
     if timeout_header is not None:
         timeout_s = min(timeout_s, parse_timeout(timeout_header))
     priority = None if priority_header is None else parse_priority(priority_header)
     parsed = parse_request(schema, body)
     check_model(parsed.model, settings.served_model)
+    if not caller.steers:
+        priority = 0
+    check_sequences(parsed, pool)
     prompts, echo_texts = _prompts(parsed, tokenizer)
     if not pool.max_model_len:
         raise worker_unavailable("no worker has joined the pools yet; retry later")
@@ -102,6 +112,40 @@ def asking(admitted: Admitted, settings: RouterSettings) -> Ask:
         priority=admitted.priority,
         give_up_at=give_up_at,
     )
+
+
+def sequences(admitted: Admitted) -> int:
+    """The engine sequences a request runs at once: its prompts times their choices (n, or
+    best_of), what its turn in the admission gate weighs."""
+    return sum(run.choices for run in admitted.runs)
+
+
+def check_sequences(parsed: SamplingFields, pool: WorkerPool) -> None:
+    """A 400 for a request that no worker, or not the whole cluster, could run at once: more
+    choices of one prompt than the largest engine's max_num_seqs (the choices of a prompt run
+    on one worker), or more sequences in all (prompts × choices) than the live decode and
+    colocated workers' max_num_seqs add up to. No check before any worker has said its size."""
+    sizes = [w.max_num_seqs for w in pool.live(TAKES_REQUESTS) if w.max_num_seqs > 0]
+    if not sizes:
+        return
+    choices = parsed.choice_count()
+    prompts = 1 if isinstance(parsed, ChatCompletionRequest) else len(parsed.prompts())
+    param = "best_of" if choices > parsed.n else "n"
+    if choices > max(sizes):
+        raise invalid_request(
+            f"{param} ({choices}) is more choices than a worker runs at once ({max(sizes)}, "
+            f"its engine's max_num_seqs)",
+            param=param,
+            code=ErrorCode.INVALID_VALUE,
+        )
+    if prompts * choices > sum(sizes):
+        raise invalid_request(
+            f"{prompts} prompts × {choices} choices are {prompts * choices} sequences, more than "
+            f"the cluster runs at once ({sum(sizes)}, its engines' max_num_seqs); send fewer "
+            f"prompts or choices per request",
+            param=param,
+            code=ErrorCode.INVALID_VALUE,
+        )
 
 
 def _prompts(parsed: SamplingFields, tokenizer) -> tuple[list[list[int]], list[str]]:

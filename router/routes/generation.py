@@ -16,8 +16,9 @@ from opentelemetry import trace
 
 from pdserve import tracing
 from router.accounting import DISCONNECTED, timing_breakdown
-from router.admission import PRIORITY_HEADER, TIMEOUT_HEADER, asking
+from router.admission import PRIORITY_HEADER, TIMEOUT_HEADER, asking, sequences
 from router.admission_gate import Turn
+from router.api_keys import caller_of
 from router.errors import OpenAIError
 from router.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
 from router.request_run import Admitted, Started
@@ -52,6 +53,7 @@ async def serve(
     root, or a child of the client's `traceparent`) ends with its response."""
     state = request.app.state
     arrival = time.monotonic()
+    caller = caller_of(state, request.headers)  # what its API key may set (router/api_keys.py)
     span = tracing.tracer().start_span(
         f"pdserve {endpoint}", context=tracing.joined(request.headers), kind=trace.SpanKind.SERVER
     )
@@ -68,12 +70,13 @@ async def serve(
             arrival,
             request.headers.get(TIMEOUT_HEADER),
             request.headers.get(PRIORITY_HEADER),
+            caller=caller,
         )
         span.set_attribute("pdserve.request_id", admitted.request_id)
         for run in admitted.runs:
             run.trace = trace_context
         with tracing.tracer().start_as_current_span("pdserve.admission"):  # the queue's wait
-            turn = await state.gate.enter(asking(admitted, state.settings))
+            turn = await state.gate.enter(asking(admitted, state.settings), sequences(admitted))
         try:
             started = await state.flow.start_all(admitted)
         except BaseException:
