@@ -16,7 +16,14 @@ from pdserve.settings import tls
 from pdserve.settings.cluster_secret import secret_metadata
 from pdserve.settings.worker import WorkerSettings
 from pdserve.worker.fork_server import ForkedProcess, ForkServer
-from pdserve.worker.processes import ChildError, free_port, log_tail, spawn, stop_group, wait_until
+from pdserve.worker.processes import (
+    ChildError,
+    failure_report,
+    free_port,
+    spawn,
+    stop_group,
+    wait_until,
+)
 from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 
 
@@ -107,7 +114,8 @@ def wait_ready(workers: list[WorkerProcess], timeout_s: float, progress=print) -
             state, message = _health(worker.address)
             if state == worker_pb2.HealthReply.FAILED:
                 raise ChildError(
-                    f"worker {worker.address} failed: {message}" + log_tail(worker.log_path)
+                    f"worker {worker.role}@{worker.address} failed"
+                    + (failure_report(worker.log_path) or f": {message}")
                 )
             return state == worker_pb2.HealthReply.READY
 

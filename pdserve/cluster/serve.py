@@ -221,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
         check_files(router)  # before any worker; the workers inherit the TLS folder
         ensure_cluster_secret()  # the workers inherit it; the router calls them with it
         model = resolve_model(engine.model)
+        free_ports = router.port == 0  # the other routers then take free ports too
         listener = _listen(router.host, router.port)
         router = router.model_copy(update={"port": listener.getsockname()[1]})
     except (ConfigError, ModelError, OSError) as error:
@@ -259,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
         wait_ready(workers, router.worker_ready_timeout_s, progress=say)
         addresses = [worker.address for worker in workers]
         serving = router.model_copy(update={"worker_addresses": addresses})
-        others = _start_other_routers(serving, args.routers - 1, args.port == 0, log_dir)
+        others = _start_other_routers(serving, args.routers - 1, free_ports, log_dir)
         run_on_fastest_loop(run_router(serving, model, listener))
         return 0
     except (RuntimeError, ChildError) as error:  # ForkServerError included

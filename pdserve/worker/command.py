@@ -109,6 +109,7 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
     # object is not callable").
     log.info("worker %s starting the engine", worker_id)
     process_start = EngineProcessStart()
+    shm_before = shm_leftovers.vllm_files()  # what a failed start may leave is new
     started: list = []
     starting = asyncio.create_task(
         asyncio.to_thread(
@@ -153,6 +154,10 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
         service.engine_failed(f"engine failed to start: {error}")
         log.exception("engine failed to start")
         await stop_serving(server, health, grace=1)
+        if removed := shm_leftovers.remove_after_failed_start(
+            shm_leftovers.engine_processes(), shm_before
+        ):
+            log.info("removed what the failed engine left in /dev/shm: %s", _names(removed))
         return 1
     service.engine_ready(engine)
     log.info(
@@ -179,11 +184,15 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
     engine_shm = shm_leftovers.mapped_by([process.pid for process in engine_processes])
     engine.shutdown()
     if removed := shm_leftovers.remove_once_gone(engine_processes, engine_shm):
-        log.info("removed what the engine left in /dev/shm: %s", " ".join(p.name for p in removed))
+        log.info("removed what the engine left in /dev/shm: %s", _names(removed))
     # Drop every reference, so AsyncLLM.__del__ does not shut down again at interpreter exit.
     service.engine = None
     del engine
     return 0
+
+
+def _names(paths: list) -> str:
+    return " ".join(path.name for path in paths)
 
 
 async def stop_serving(server, health, grace: float) -> None:

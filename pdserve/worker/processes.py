@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from pdserve.worker.root_cause import root_cause
+
 PR_SET_PDEATHSIG = 1
 POLL_S = 0.2
 FIRST_CHOSEN_PORT = 20000  # free_port draws from here to the ephemeral range's start
@@ -113,7 +115,9 @@ def wait_until(
     started = last_report = time.monotonic()
     while not ready():
         if process.poll() is not None:
-            raise ChildError(f"{what} exited with code {process.returncode}{log_tail(log_path)}")
+            raise ChildError(
+                f"{what} exited with code {process.returncode}{failure_report(log_path)}"
+            )
         now = time.monotonic()
         if now - started > timeout_s:
             raise ChildError(f"{what} not ready after {timeout_s:.0f} s{log_tail(log_path)}")
@@ -121,6 +125,18 @@ def wait_until(
             last_report = now
             progress(now - started)
         time.sleep(poll_s)
+
+
+def failure_report(log_path: Path | None) -> str:
+    """Why the child whose log is `log_path` failed: the root cause and where the log is (the
+    end of the log when it names no exception)."""
+    if log_path is None:
+        return ""
+    try:
+        cause = root_cause(log_path.read_text(errors="replace"))
+    except OSError:
+        return f" (no log at {log_path})"
+    return f": {cause}\n(the whole log: {log_path})" if cause else log_tail(log_path)
 
 
 def log_tail(log_path: Path | None, lines: int = 30) -> str:

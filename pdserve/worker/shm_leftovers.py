@@ -10,6 +10,7 @@ That is all it removes: what it can show was its engine's, never a file a live p
 """
 
 import contextlib
+import os
 import time
 from pathlib import Path
 
@@ -19,6 +20,8 @@ SHM = "/dev/shm/"
 EXIT_WAIT_S = 5.0  # how long the engine's processes get to exit after its shutdown returned
 POLL_S = 0.05
 REAPER_MODULE = "pdserve.worker.group_reaper"
+VLLM_PREFIXES = ("psm_", "vllm_dist_")  # its message queues, its CPU communicator's files
+UNMAPPED_S = 1.0  # how long a new file no process maps waits before it counts as left over
 
 
 def mapped_by(pids: list[int]) -> set[Path]:
@@ -53,18 +56,66 @@ def remove_once_gone(
     `files` that exist and that no process maps; returns them. vLLM's engine core returns from
     its shutdown before its ranks have gone, and a rank still maps its queues: processes left
     after `timeout_s` are killed, as the worker's group reaper would kill them anyway."""
+    _stop(processes, timeout_s)
+    return _remove(files - mapped_by(psutil.pids()))
+
+
+def vllm_files() -> set[Path]:
+    """vLLM's files in /dev/shm now (message queues, communicator files) that this user owns."""
+    uid = os.getuid()
+    files = set()
+    for path in Path(SHM).iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            if path.name.startswith(VLLM_PREFIXES) and path.stat().st_uid == uid:
+                files.add(path)
+    return files
+
+
+def remove_after_failed_start(
+    processes: list[psutil.Process], before: set[Path], timeout_s: float = EXIT_WAIT_S
+) -> list[Path]:
+    """After this worker's engine failed to start: once `processes` (its engine's processes
+    left, engine_processes()) have exited or are killed after `timeout_s`, remove the
+    vLLM files made since `before` (vllm_files() before the start) that no process maps; returns
+    them. A start can fail before the worker could note which files its engine mapped (a rank
+    dies loading the weights, its communicator files made), so what is new is the candidate; a
+    file another engine of this host makes meanwhile is mapped by it within microseconds of
+    its creation, so a candidate is removed only once no process has mapped it for UNMAPPED_S."""
+    _stop(processes, timeout_s)
+    candidates = vllm_files() - before
+    while candidates:
+        candidates -= mapped_by(psutil.pids())
+        young = [path for path in candidates if _age_s(path) < UNMAPPED_S]
+        if not young:
+            break
+        time.sleep(UNMAPPED_S - min(_age_s(path) for path in young))
+    return _remove(candidates)
+
+
+def _remove(files: set[Path]) -> list[Path]:
+    """Unlink `files`; those that existed, in order."""
+    removed = []
+    for path in sorted(files):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
+def _age_s(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_ctime
+    except FileNotFoundError:
+        return UNMAPPED_S
+
+
+def _stop(processes: list[psutil.Process], timeout_s: float) -> None:
+    """Wait up to `timeout_s` for `processes` to exit; kill those left, and wait for them."""
     alive = _wait_exited(processes, timeout_s)
     for process in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()
     _wait_exited(alive, timeout_s)
-    still_mapped = mapped_by(psutil.pids())
-    removed = []
-    for path in sorted(files - still_mapped):
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-            removed.append(path)
-    return removed
 
 
 def _wait_exited(processes: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:

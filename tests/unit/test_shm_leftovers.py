@@ -12,7 +12,13 @@ from pathlib import Path
 
 import psutil
 
-from pdserve.worker.shm_leftovers import engine_processes, mapped_by, remove_once_gone
+from pdserve.worker.shm_leftovers import (
+    engine_processes,
+    mapped_by,
+    remove_after_failed_start,
+    remove_once_gone,
+    vllm_files,
+)
 
 # Maps a new /dev/shm file of one page, says so, then sleeps until killed; never unlinks it.
 MAPPER = """
@@ -26,10 +32,10 @@ time.sleep(120)
 
 
 @contextlib.contextmanager
-def mapping_process():
-    """A process that maps a new /dev/shm file; yields (process, path). Killed, and the file
-    removed, on the way out."""
-    path = Path(f"/dev/shm/pdserve-test-{uuid.uuid4().hex}")
+def mapping_process(prefix: str = "pdserve-test-"):
+    """A process that maps a new /dev/shm file named `prefix`...; yields (process, path).
+    Killed, and the file removed, on the way out."""
+    path = Path(f"/dev/shm/{prefix}{uuid.uuid4().hex}")
     process = subprocess.Popen(
         [sys.executable, "-c", MAPPER, str(path)], stdout=subprocess.PIPE, text=True
     )
@@ -110,3 +116,23 @@ def test_an_engine_process_left_a_zombie_by_a_parent_that_never_reaps_counts_as_
         parent.kill()
         parent.wait(timeout=10)
         path.unlink(missing_ok=True)
+
+
+def test_a_failed_start_leaves_none_of_the_vllm_files_made_since_it_began():
+    """A TP rank that died loading its weights left its communicator's files: new since the
+    start, mapped by no process now. Files older than the start, and a new one a live process
+    maps (another engine of the host), stay."""
+    older = Path(f"/dev/shm/vllm_dist_pdserve-test-{uuid.uuid4().hex}")
+    older.write_bytes(b"x")
+    try:
+        before = vllm_files()
+        assert older in before
+        with mapping_process("vllm_dist_pdserve-test-") as (dead_rank, left):
+            with mapping_process("psm_pdserve-test-") as (_, in_use):
+                rank = psutil.Process(dead_rank.pid)
+                dead_rank.send_signal(signal.SIGKILL)
+                assert remove_after_failed_start([rank], before, timeout_s=5) == [left]
+                assert not left.exists()
+                assert in_use.exists() and older.exists()
+    finally:
+        older.unlink(missing_ok=True)
