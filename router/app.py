@@ -15,6 +15,7 @@ from router.api_keys import load_api_keys, open_paths
 from router.flex_roles import FlexRoles, RoleMetrics
 from router.lifespan import lifespan
 from router.metrics import RouterMetrics
+from router.openai_types import MAX_BATCH_PROMPTS
 from router.policies import POLICIES
 from router.request_flow import RequestFlow
 from router.routes import cluster, errors, generation, tokens
@@ -24,6 +25,19 @@ from router.wait_forecast import WaitForecast
 from router.worker_pool import WorkerPool
 
 MAX_BODY_BYTES = 32 << 20  # a request body beyond this is refused (413) before it is read whole
+# Below it, the limit follows the context (security review H2): what a request holds besides
+# its prompts (messages' fields, stop strings, logit_bias, structured outputs...), and per token
+# of each of MAX_BATCH_PROMPTS prompts as JSON (an id and its comma; text, escaped)
+BODY_BASE_BYTES = 4 << 20
+BODY_BYTES_PER_TOKEN = 16
+
+
+def body_limit(max_model_len: int) -> int:
+    """The largest request body taken with workers of this context (0: none known yet)."""
+    if not max_model_len:
+        return MAX_BODY_BYTES
+    prompts = MAX_BATCH_PROMPTS * max_model_len * BODY_BYTES_PER_TOKEN
+    return min(MAX_BODY_BYTES, BODY_BASE_BYTES + prompts)
 
 
 def create_app(settings: RouterSettings, model: str) -> FastAPI:
@@ -35,10 +49,10 @@ def create_app(settings: RouterSettings, model: str) -> FastAPI:
     )
     state = app.state
     state.settings, state.model, state.started = settings, model, int(time.time())
-    state.max_body_bytes = MAX_BODY_BYTES
     state.pool = pool = WorkerPool(list(settings.worker_addresses), POLICIES[settings.policy]())
+    state.max_body_bytes = lambda: body_limit(pool.max_model_len)
     state.metrics = metrics = RouterMetrics()
-    state.tokenizer = PromptTokenizer(model)
+    state.tokenizer = PromptTokenizer(model, lambda: pool.max_model_len)
     state.flow = RequestFlow(settings, pool, state.tokenizer, metrics)
     state.roles = FlexRoles(pool, RoleMetrics(metrics.registry))
     # Several routers (router/state_sync.py) split the cluster-wide bounds between them.

@@ -124,6 +124,19 @@ def context_length_exceeded(
     )
 
 
+def prompt_too_long(chars: int, max_chars: int, max_model_len: int, param: str) -> OpenAIError:
+    """A prompt refused by its length in characters, before it is tokenized."""
+    return OpenAIError(
+        400,
+        f"This model's maximum context length is {max_model_len} tokens. However, the "
+        f"{param} has {chars} characters, more than {max_model_len} tokens can hold "
+        f"({max_chars}). Please reduce the prompt.",
+        ErrorKind.CONTEXT_LENGTH,
+        param=param,
+        code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+    )
+
+
 def body_too_large(max_bytes: int) -> OpenAIError:
     return OpenAIError(
         413,

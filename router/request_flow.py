@@ -1,7 +1,7 @@
 """One request through the router, step by step; each step is a module of its own:
 
-    admit   validate the body, tokenize, build a run and a worker request per prompt
-            (router/admission.py, router/worker_request.py)
+    admit   validate the body, tokenize (off the event loop), build a run and a worker request
+            per prompt (router/admission.py, router/worker_request.py)
     start   send each run on its path (router/route_choice.py) and wait for its first chunk,
             trying other workers when one is unavailable (router/retries.py; the disaggregated
             path's two legs: router/disaggregation.py)
@@ -13,6 +13,7 @@ The HTTP layer (router/routes/) only calls these steps; they know nothing of Fas
 can be driven with fake workers. Every failure is an OpenAIError with its status code.
 """
 
+from pdserve.settings import json_logs
 from pdserve.settings.router import RouterSettings
 from pdserve.worker.protocol import worker_pb2
 from router.accounting import Accounting
@@ -23,6 +24,7 @@ from router.relay import Relay
 from router.request_run import Admitted, RequestRun, Started
 from router.responses import MAX_RESPONSE_ENTRIES, ResponseShape, logprob_entries
 from router.retries import Starter
+from router.tokenization import TokenizerThreads
 from router.worker_pool import WorkerPool
 
 
@@ -39,6 +41,17 @@ class RequestFlow:
         self.accounting = Accounting(metrics, pool.cache_lost)
         self.starter = Starter(settings, pool, metrics)
         self.relay = Relay(self.accounting)
+        self.tokenizing = TokenizerThreads()
+
+    async def admit_off_loop(self, *http_request, **options) -> Admitted:
+        """`admit`, in the tokenizer's threads: the event loop goes on serving meanwhile."""
+        admitted = await self.off_loop(self.admit, *http_request, **options)
+        json_logs.request_id.set(admitted.request_id)  # set in the thread's copy of the context
+        return admitted
+
+    async def off_loop(self, function, *args, **kwargs):
+        """`function(*args, **kwargs)` in the tokenizer's threads (router/tokenization.py)."""
+        return await self.tokenizing.run(function, *args, **kwargs)
 
     def admit(self, endpoint: str, *http_request, **options) -> Admitted:
         """router/admission.py's admit over this flow's settings, pool and tokenizer; a 400

@@ -2,13 +2,40 @@
 
 The router tokenizes so it can check the context length before any worker is involved, count
 prompt tokens for routing, and send the same token ids wherever the request goes.
+
+Tokenizing costs about a second of a core per MiB of text, so it never runs on the event loop
+(which would stall /health and every stream, security review H2): requests are admitted in
+`TokenizerThreads`, a few threads of their own (HF's fast tokenizers let go of the GIL while
+they encode). And a prompt longer in characters than the context can hold in tokens (each
+token is at most `max_token_chars` long) is refused before it is tokenized.
 """
 
+import asyncio
+import contextvars
+import functools
 import json
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from router.errors import invalid_request
+from router.errors import invalid_request, prompt_too_long
 from router.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+TOKENIZE_THREADS = min(4, os.cpu_count() or 1)  # admissions (and /tokenize calls) at once
+MIN_TOKEN_CHARS = 16  # the bound on one token's length is never taken below this
+
+
+class TokenizerThreads:
+    """Runs a function off the event loop, in one of a few threads kept for it; its caller's
+    context (the request's trace and log id) goes with it."""
+
+    def __init__(self, threads: int = TOKENIZE_THREADS) -> None:
+        self.executor = ThreadPoolExecutor(threads, thread_name_prefix="pdserve-tokenize")
+
+    async def run(self, function: Callable, *args, **kwargs):
+        call = functools.partial(contextvars.copy_context().run, function, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, call)
 
 
 def load_tokenizer(model: str):
@@ -31,10 +58,27 @@ def load_tokenizer(model: str):
     return AutoTokenizer.from_pretrained(model)
 
 
+def longest_token_chars(tokenizer) -> int:
+    """The most characters of text one token stands for: its vocabulary's longest entry (a
+    byte-level entry has a character per byte, so no fewer than the text's), special tokens
+    included; never below MIN_TOKEN_CHARS."""
+    return max(MIN_TOKEN_CHARS, max(map(len, tokenizer.get_vocab()), default=0))
+
+
 class PromptTokenizer:
-    def __init__(self, model: str) -> None:
+    """`max_model_len()`: the context of the smallest worker (0: none known yet, no check)."""
+
+    def __init__(self, model: str, max_model_len: Callable[[], int] = lambda: 0) -> None:
         self.tokenizer = load_tokenizer(model)
         self.vocab_size = len(self.tokenizer)
+        self.max_model_len = max_model_len
+        self.max_token_chars = longest_token_chars(self.tokenizer)
+
+    def check_length(self, chars: int, param: str) -> None:
+        """A 400 for text too long for the context whatever its tokens, before they are made."""
+        context = self.max_model_len()
+        if context and chars > context * self.max_token_chars:
+            raise prompt_too_long(chars, context * self.max_token_chars, context, param)
 
     def chat(self, request: ChatCompletionRequest) -> list[int]:
         """Apply the model's chat template, as vLLM's chat endpoint does."""
@@ -63,15 +107,18 @@ class PromptTokenizer:
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             for m in messages
         ]
+        self.check_length(sum(len(m["content"]) for m in conversation), "messages")
         text = self.tokenizer.apply_chat_template(
             conversation,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tokenize=False,
         )
+        self.check_length(len(text), "messages")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.check_length(len(text), "prompt")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def token_strs(self, token_ids: list[int]) -> list[str]:

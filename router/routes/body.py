@@ -8,8 +8,9 @@ from router.errors import body_too_large, invalid_request
 
 
 async def read_json(request: Request):
-    """The body as JSON, read no further than `app.state.max_body_bytes` (a 413 beyond)."""
-    limit = request.app.state.max_body_bytes
+    """The body as JSON, read no further than `app.state.max_body_bytes()` (a 413 beyond:
+    router/app.py's body_limit)."""
+    limit = request.app.state.max_body_bytes()
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise body_too_large(limit)

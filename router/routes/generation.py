@@ -61,7 +61,7 @@ async def serve(
     attached = otel_context.attach(trace_context)
     streaming = False
     try:
-        admitted = state.flow.admit(
+        admitted = await state.flow.admit_off_loop(
             endpoint,
             schema,
             await read_json(request),

@@ -1,4 +1,5 @@
-"""vLLM's /tokenize and /detokenize, answered by the router's own tokenizer."""
+"""vLLM's /tokenize and /detokenize, answered by the router's own tokenizer, off the event
+loop (router/tokenization.py)."""
 
 from fastapi import APIRouter, Request
 
@@ -22,21 +23,24 @@ async def tokenize(request: Request):
     chat = isinstance(body, dict) and "messages" in body
     parsed = parse_request(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
     check_model(parsed.model, state.settings.served_model)
-    tokenizer = state.tokenizer
+    tokenizer, off_loop = state.tokenizer, state.flow.off_loop  # router/tokenization.py
     if chat:
-        ids = tokenizer.chat_ids(
+        ids = await off_loop(
+            tokenizer.chat_ids,
             parsed.messages,
             parsed.add_generation_prompt,
             parsed.continue_final_message,
             parsed.add_special_tokens,
         )
     else:
-        ids = tokenizer.text_ids(parsed.prompt, parsed.add_special_tokens)
+        ids = await off_loop(tokenizer.text_ids, parsed.prompt, parsed.add_special_tokens)
     return {
         "count": len(ids),
         "max_model_len": state.pool.max_model_len,
         "tokens": ids,
-        "token_strs": tokenizer.token_strs(ids) if parsed.return_token_strs else None,
+        "token_strs": await off_loop(tokenizer.token_strs, ids)
+        if parsed.return_token_strs
+        else None,
     }
 
 
@@ -45,4 +49,4 @@ async def detokenize(request: Request):
     state = request.app.state
     parsed = parse_request(DetokenizeRequest, await read_json(request))
     check_model(parsed.model, state.settings.served_model)
-    return {"prompt": state.tokenizer.detokenize(parsed.tokens)}
+    return {"prompt": await state.flow.off_loop(state.tokenizer.detokenize, parsed.tokens)}

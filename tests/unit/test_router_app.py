@@ -84,11 +84,11 @@ def position(token_id: int) -> worker_pb2.PositionLogprobs:
     )
 
 
-def app_with_workers(monkeypatch, *workers: FakeWorker, **settings):
+def app_with_workers(monkeypatch, *workers: FakeWorker, tokenizer=FakeTokenizer, **settings):
     """The assembled app over `workers` (one AppWorker when none is given), with no lifespan
     (nothing polls them): drive it with TestClient(app) outside a `with`, or httpx's
-    ASGITransport."""
-    monkeypatch.setattr(router_app, "PromptTokenizer", FakeTokenizer)
+    ASGITransport. `tokenizer`: the class that stands for PromptTokenizer."""
+    monkeypatch.setattr(router_app, "PromptTokenizer", tokenizer)
     app = router_app.create_app(RouterSettings(model="m", worker_addresses=[], **settings), "m")
     app.state.pool.workers = list(workers) or [AppWorker("decode-a")]
     return app
