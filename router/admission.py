@@ -9,7 +9,7 @@ from pdserve.costs.path_prices import RouteDecision
 from pdserve.kinds import Role, RouteReason
 from pdserve.settings import json_logs
 from pdserve.settings.router import RouterSettings
-from router.api_keys import Caller, KeyRole
+from router.api_keys import Caller, KeyRole, request_salt
 from router.errors import ErrorCode, check_model, invalid_request, worker_unavailable
 from router.openai_types import (
     ChatCompletionRequest,
@@ -48,7 +48,8 @@ def admit(
     `priority_header`: its class in the router's queue (x-pdserve-priority), in place of the
     body's `priority`. `caller` (router/api_keys.py): the priority and the path (the body's
     `priority`, x-pdserve-priority, x-pdserve-route) are an operator's or an admin's to set;
-    a client's are ignored (class 0, the path the router chooses)."""
+    a client's are ignored (class 0, the path the router chooses). Every worker request
+    carries the cache salt of the caller's key and the body's `cache_salt`."""
     if not caller.steers:
         route_header = priority_header = None
     timeout_s = settings.request_timeout_s
@@ -67,6 +68,7 @@ def admit(
     json_logs.request_id.set(request_id)  # on every line logged for this request
     # The workers' ids stay unique when clients reuse their request_id.
     unique = request_id if parsed.request_id is None else f"{request_id}-{uuid.uuid4().hex[:8]}"
+    salt = request_salt(caller, parsed.cache_salt)  # its key's and its own (router/api_keys.py)
     runs, worker_requests = [], []
     for number, prompt_ids in enumerate(prompts):
         run_id = unique if len(prompts) == 1 else f"{unique}-{number}"
@@ -75,7 +77,13 @@ def admit(
         param = "messages" if endpoint == "chat" else "prompt"
         worker_requests.append(
             generate_request(
-                parsed, run_id, prompt_ids, pool.max_model_len, settings.default_max_tokens, param
+                parsed,
+                run_id,
+                prompt_ids,
+                pool.max_model_len,
+                settings.default_max_tokens,
+                param,
+                salt,
             )
         )
         runs.append(run)

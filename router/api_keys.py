@@ -15,6 +15,10 @@ Keys are compared in constant time, as SHA-256 digests (equal lengths, whatever 
 never logged; one revoked with `pdserve revoke-key` is refused by every router of the cluster
 within a second (router/shared_state.py). `/health` is always open (probes carry no key);
 `/metrics` is open unless `--no-public-metrics`.
+
+Each key also salts the prefix caches (`--cache-salt-per-key`, the default): its requests carry
+a cache salt derived from the key, so two keys never share a cached prefix, nor learn from
+`cached_tokens` or the routing what the other's prompts were.
 """
 
 import hashlib
@@ -36,6 +40,7 @@ OPERATOR_ENV = "PDSERVE_OPERATOR_API_KEYS"
 ADMIN_ENV = "PDSERVE_ADMIN_API_KEYS"
 ALLOW_UNAUTHENTICATED_ENV = "PDSERVE_ALLOW_UNAUTHENTICATED"
 ALWAYS_OPEN = ("/health",)
+SALT_CONTEXT = b"pdserve cache salt\0"  # a key's cache salt is not its revocation digest
 
 log = logging.getLogger("pdserve.router")
 
@@ -168,6 +173,7 @@ class Caller:
     """Who sent a request, as far as the router trusts it."""
 
     role: KeyRole
+    cache_salt: str = ""  # its key's salt of the prefix caches ("": none)
 
     @property
     def steers(self) -> bool:
@@ -184,7 +190,24 @@ def caller_of(state, headers) -> Caller:
     header = headers.get("authorization")
     revoked = state.sync.revoked if state.sync is not None else frozenset()
     role = role_of(header, keys, revoked)
-    return Caller(KeyRole.CLIENT if role is None else role)  # None: an open path
+    if role is None:  # an open path: no key, or a wrong one
+        return Caller(KeyRole.CLIENT, _salt("") if state.settings.cache_salt_per_key else "")
+    key = header.partition(" ")[2].strip()
+    return Caller(role, _salt(key) if state.settings.cache_salt_per_key else "")
+
+
+def _salt(key: str) -> str:
+    """A key's cache salt: a digest of it (no other key's, nor its revocation digest)."""
+    return hashlib.sha256(SALT_CONTEXT + key.encode()).hexdigest()
+
+
+def request_salt(caller: Caller, asked: str | None) -> str:
+    """What salts a request's prompts in the prefix caches: its key's salt and its own
+    `cache_salt` together, so that a request's salt partitions its key's cache but never
+    reaches another key's ("": neither, an unsalted request)."""
+    if not asked:
+        return caller.cache_salt
+    return hashlib.sha256(f"{caller.cache_salt}\0{asked}".encode()).hexdigest()
 
 
 def require(state, headers, role: KeyRole) -> None:

@@ -34,7 +34,6 @@ UNSUPPORTED = {
     "metadata": "stored completions are not supported",
     "web_search_options": "web search is not supported",
     "prompt_embeds": "prompt embeddings are not supported",
-    "cache_salt": "salted prefix caches are not supported",
     "kv_transfer_params": "pdserve moves KV itself; it takes no transfer parameters",
     "ec_transfer_params": "encoder caches are not supported",
     "vllm_xargs": "custom engine extensions are not supported",
@@ -83,6 +82,8 @@ MAX_CHOICES_CONSTRAINT = 1024  # strings of a `choice` constraint
 # A client's request_id goes into the x-request-id header and the workers' request ids:
 # visible ASCII only (no space, no control or non-Latin-1 character a header cannot carry).
 RequestId = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[!-~]+$")]
+# vLLM's limits on a cache salt: at most 128 characters, none of @ / \ NUL.
+CacheSalt = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^@/\\\x00]+$")]
 
 
 def _bounded_schema(schema):
@@ -229,6 +230,8 @@ class SamplingFields(RequestModel):
     # workers do not schedule by priority.
     priority: Annotated[int, Field(ge=-(2**63), lt=2**63)] = 0
     request_id: RequestId | None = None
+    # Salts the prompt's blocks in the prefix caches, within its API key's salt (router/api_keys.py)
+    cache_salt: CacheSalt | None = None
     return_tokens_as_token_ids: bool = False
     return_token_ids: bool = False
     stream: bool = False

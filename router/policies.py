@@ -8,7 +8,7 @@ every router ranks them alike; `cache-aware` adds the prefix each worker likely 
 import itertools
 from collections.abc import Callable
 
-from router.prefix_index import PrefixIndex, chunk_hashes
+from router.prefix_index import PrefixIndex, cache_salt, chunk_hashes
 from router.worker_client import WorkerClient
 
 DECODE_REQUEST_TOKENS = 32  # cache-aware: a running request counts as this much prompt work
@@ -117,14 +117,15 @@ class CacheAware:
 
     def __init__(self) -> None:
         self.index = PrefixIndex()
-        self._last: tuple[tuple[int, ...], list[bytes]] = ((), [])
+        self._last: tuple[tuple, list[bytes]] = ((), [])
 
     def _hashes(self, prompt: list[int]) -> list[bytes]:
-        """The prompt's chunk hashes, computed once for a request's several calls (its picks,
-        the path's prices, then `computes`)."""
-        key = tuple(prompt)
+        """The prompt's chunk hashes under the request's cache salt, computed once for a
+        request's several calls (its picks, the path's prices, then `computes`)."""
+        salt = cache_salt.get()
+        key = (salt, tuple(prompt))
         if key != self._last[0]:
-            self._last = (key, chunk_hashes(list(key)))
+            self._last = (key, chunk_hashes(list(key[1]), salt))
         return self._last[1]
 
     def choose(

@@ -7,19 +7,31 @@ used first out, bounded like the cache it estimates. The estimate is the router'
 does not see evictions, so it overestimates an old entry, and the bound keeps that short-lived.
 Several routers share what they sent (router/shared_state.py): each one's additions go out
 through `outbox` and come in to the others through `learn`.
+
+The engines' prefix caches are salted (vLLM's cache_salt: per API key, and by a request's own
+cache_salt, router/api_keys.py), so the chunk hashes are too: a prompt matches only the chunks
+of prompts of the same salt, as a block matches in the engine. The salt of the request being
+served is `cache_salt`, set once it is admitted (router/routes/generation.py) for the steps
+that follow in its task, which the policies are called from with its token ids alone.
 """
 
 import hashlib
 from collections import OrderedDict
+from contextvars import ContextVar
 
 CHUNK_TOKENS = 64  # a divisor of vLLM's block sizes (16 on GPU, 128 on CPU): chunk ends align
 MAX_CHUNKS_PER_WORKER = 65536  # 4M tokens: more than a CPU worker's KV cache holds
 DIGEST_BYTES = 16  # per chunk hash
+cache_salt: ContextVar[str] = ContextVar("pdserve_cache_salt", default="")  # the request's
 
 
-def chunk_hashes(prompt_ids: list[int]) -> list[bytes]:
-    """One hash per whole chunk of the prompt, each covering all tokens before its end."""
+def chunk_hashes(prompt_ids: list[int], salt: str | None = None) -> list[bytes]:
+    """One hash per whole chunk of the prompt, each covering all tokens before its end and
+    `salt` (default: the request's `cache_salt`; "": unsalted)."""
+    salt = cache_salt.get() if salt is None else salt
     hashes, running = [], hashlib.blake2b(digest_size=DIGEST_BYTES)
+    if salt:
+        running.update(b"cache_salt\0" + salt.encode() + b"\0")
     for end in range(CHUNK_TOKENS, len(prompt_ids) + 1, CHUNK_TOKENS):
         running.update(
             b"".join(t.to_bytes(4, "little") for t in prompt_ids[end - CHUNK_TOKENS : end])

@@ -15,12 +15,15 @@ def generate_request(
     max_model_len: int,
     default_max_tokens: int,
     param: str,
+    cache_salt: str = "",
 ) -> worker_pb2.GenerateRequest:
-    """`param`: the field that holds the prompt ("messages" or "prompt"), named in a 400."""
+    """`param`: the field that holds the prompt ("messages" or "prompt"), named in a 400.
+    `cache_salt`: what salts the prompt's blocks in the engine's prefix cache ("": none)."""
     return worker_pb2.GenerateRequest(
         request_id=request_id,
         prompt_token_ids=prompt_ids,
         sampling=sampling_params(parsed, len(prompt_ids), max_model_len, default_max_tokens, param),
+        cache_salt=cache_salt,
     )
 
 

@@ -173,6 +173,12 @@ class RouterSettings(Settings):
         description="serve with no API key on an address other than loopback (otherwise the "
         "router refuses to start so; PDSERVE_ALLOW_UNAUTHENTICATED=1 does the same)",
     )
+    cache_salt_per_key: bool = Field(
+        True,
+        description="salt the prefix caches (the engines' and the router's index) per API key, so "
+        "that requests of different keys never share a cached prefix nor learn of each other's "
+        "(a request's cache_salt salts within its key); --no-cache-salt-per-key: keys share",
+    )
     cluster_secret_file: ClusterSecretFile
     tls_dir: TlsDir
     public_metrics: bool = Field(

@@ -143,6 +143,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             )
         await self._validate(request, context)
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+        if request.cache_salt:  # only requests of one salt share the engine's cached blocks
+            prompt["cache_salt"] = request.cache_salt
         request_id = request.request_id
         span = tracing.tracer().start_span(
             "pdserve.worker.generate",

@@ -21,6 +21,7 @@ from router.admission_gate import Turn
 from router.api_keys import caller_of
 from router.errors import OpenAIError
 from router.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
+from router.prefix_index import cache_salt
 from router.request_run import Admitted, Started
 from router.responses import ChatShape, CompletionShape, ResponseShape
 from router.route_choice import ROUTE_HEADER
@@ -73,6 +74,7 @@ async def serve(
             caller=caller,
         )
         span.set_attribute("pdserve.request_id", admitted.request_id)
+        cache_salt.set(admitted.worker_requests[0].cache_salt)  # the prefix index salt
         for run in admitted.runs:
             run.trace = trace_context
         with tracing.tracer().start_as_current_span("pdserve.admission"):  # the queue's wait
