@@ -1,9 +1,10 @@
 """Traces an operator can follow: OpenTelemetry, one trace per request across the router and
 its workers, exported over OTLP/gRPC when `--otlp-endpoint` is set.
 
-The router makes a request's span (joining the client's `traceparent`, if it sent one) with
-children for its wait in the admission queue, its path choice, each worker call (the prefill
-leg, the decode leg, a migration's continuation), and the KV transfer; the W3C `traceparent`
+The router makes a request's span (joining a trusted client's `traceparent`, if it sent one;
+an untrusted client's is only linked from a new root: `from_client`) with children for its wait
+in the admission queue, its path choice, each worker call (the prefill leg, the decode leg, a
+migration's continuation), and the KV transfer; the W3C `traceparent`
 of each call goes to its worker in the gRPC metadata. A worker's span for the call is that
 call's child, and vLLM's own request span (`llm_request`: queue, prefill and decode times) is
 the worker span's child, since the worker hands vLLM the trace headers and vLLM exports to the
@@ -66,6 +67,19 @@ def joined(headers: Mapping[str, str]) -> otel_context.Context | None:
     if not _EXPORTING or TRACEPARENT not in headers:
         return None
     return propagate.extract({TRACEPARENT: headers[TRACEPARENT]})
+
+
+def from_client(headers: Mapping[str, str], trusted: bool) -> dict:
+    """Where a request's span starts (`start_span`'s context and links), from its client's
+    `traceparent`: a trusted client's trace goes on (the span is a child of its span); any
+    other's is only linked from a new root, so that a client chooses neither the trace id nor,
+    by clearing its sampled flag, whether the request is traced."""
+    context = joined(headers)
+    if context is None or trusted:
+        return {"context": context}
+    parent = trace.get_current_span(context).get_span_context()
+    links = [trace.Link(parent)] if parent.is_valid else []
+    return {"context": otel_context.Context(), "links": links}
 
 
 def trace_headers(span: trace.Span) -> dict[str, str]:

@@ -51,12 +51,14 @@ async def serve(
 ) -> Response:
     """Admit, wait for a turn, start every run, then stream or collect the response; every
     failure is answered as an OpenAI error and counted once. The request's span (its trace's
-    root, or a child of the client's `traceparent`) ends with its response."""
+    root, or a child of an operator's or admin's `traceparent`) ends with its response."""
     state = request.app.state
     arrival = time.monotonic()
     caller = caller_of(state, request.headers)  # what its API key may set (router/api_keys.py)
-    span = tracing.tracer().start_span(
-        f"pdserve {endpoint}", context=tracing.joined(request.headers), kind=trace.SpanKind.SERVER
+    span = tracing.tracer().start_span(  # a client's trace goes on only if it is trusted
+        f"pdserve {endpoint}",
+        **tracing.from_client(request.headers, caller.steers),
+        kind=trace.SpanKind.SERVER,
     )
     trace_context = trace.set_span_in_context(span)
     attached = otel_context.attach(trace_context)
