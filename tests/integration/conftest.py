@@ -103,6 +103,7 @@ STREAMS = {
         "test_flex_sweep",
         "test_bfloat16",
         "test_gpu_check",
+        "test_failed_start",
     ],
     "b": [
         "test_api_keys",
@@ -118,6 +119,7 @@ STREAMS = {
         "test_worker_observability",
         "test_flex_roles",
         "test_tensor_parallel",
+        "test_readme",  # last: it takes the README's port and two engines of 2 GiB KV each
     ],
 }
 _PLACES = {

@@ -2,8 +2,14 @@
 $COLUMNS where there is no terminal)."""
 
 import os
+import time
+from pathlib import Path
 
 import psutil
+
+from pdserve.worker.shm_leftovers import mapped_by
+
+SHM = Path("/dev/shm")
 
 
 def alive(pid: int) -> bool:
@@ -73,3 +79,14 @@ def worker_pids(server, role: str | None = None) -> list[int]:
         and "--settings-json" in (words := command_line(pid))
         and (role is None or any(f'"role":"{role}"' in word for word in words))
     ]
+
+
+def shm_left_since(before: set[Path], settle_s: float = 10.0) -> list[str]:
+    """Files in /dev/shm that are new since `before` and that no process maps (the other
+    stream's engines map theirs while they run), once `settle_s` has passed or none is left."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        left = set(SHM.iterdir()) - before - mapped_by(psutil.pids())
+        if not left or time.monotonic() > deadline:
+            return sorted(path.name for path in left if path.exists())
+        time.sleep(0.2)
