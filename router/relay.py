@@ -92,7 +92,7 @@ class Relay:
         except OpenAIError as error:
             self.accounting.error(error, endpoint)
             yield sse(error.body())
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # the client left (between two events)
             self.accounting.disconnect(endpoint)
             raise
         finally:

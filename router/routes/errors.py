@@ -9,6 +9,8 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
 
 from router.api_keys import is_authorized, unauthorized
 from router.errors import ErrorCode, ErrorKind, OpenAIError, internal_error, invalid_request
@@ -37,6 +39,11 @@ async def validation_error(request: Request, error: RequestValidationError):
     return JSONResponse(body.body(), status_code=body.status)
 
 
+async def client_gone(request: Request, error: ClientDisconnect):
+    """The client left while it sent its body: nobody reads the answer, nothing to log."""
+    return Response(status_code=499)
+
+
 async def unexpected_error(request: Request, error: Exception):
     """The details go to the log, under an id the client gets; not to the client."""
     error_id = uuid.uuid4().hex[:12]
@@ -49,6 +56,7 @@ HANDLERS = {
     OpenAIError: openai_error,
     StarletteHTTPException: http_error,
     RequestValidationError: validation_error,
+    ClientDisconnect: client_gone,
     Exception: unexpected_error,
 }
 

@@ -2,8 +2,8 @@
 
 The routes only translate HTTP to the request flow's steps (router/request_flow.py) and back.
 The first chunk is awaited before the HTTP status is sent, so a request the worker refuses gets
-a real 4xx/5xx even when streaming. A client that goes away cancels the relay, which aborts the
-request on the workers.
+a real 4xx/5xx even when streaming. A client that goes away, before its first token or after,
+cancels the request: a queued one leaves the queue, a started one is aborted on the workers.
 """
 
 import asyncio
@@ -13,8 +13,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import context as otel_context
 from opentelemetry import trace
+from starlette.requests import ClientDisconnect
 
 from pdserve import tracing
+from pdserve.settings import json_logs
 from router.accounting import DISCONNECTED, timing_breakdown
 from router.admission import PRIORITY_HEADER, TIMEOUT_HEADER, asking, sequences
 from router.admission_gate import Turn
@@ -64,28 +66,42 @@ async def serve(
     attached = otel_context.attach(trace_context)
     streaming = False
     try:
-        admitted = await state.flow.admit_off_loop(
-            endpoint,
-            schema,
-            await read_json(request),
-            id_prefix,
-            request.headers.get(ROUTE_HEADER),
-            arrival,
-            request.headers.get(TIMEOUT_HEADER),
-            request.headers.get(PRIORITY_HEADER),
-            caller=caller,
-        )
-        span.set_attribute("pdserve.request_id", admitted.request_id)
-        cache_salt.set(admitted.worker_requests[0].cache_salt)  # the prefix index salt
-        for run in admitted.runs:
-            run.trace = trace_context
-        with tracing.tracer().start_as_current_span("pdserve.admission"):  # the queue's wait
-            turn = await state.gate.enter(asking(admitted, state.settings), sequences(admitted))
-        try:
-            started = await state.flow.start_all(admitted)
-        except BaseException:
-            turn.give_back()
-            raise
+        body = await read_json(request)
+
+        async def begin() -> tuple[Admitted, Turn, list[Started]]:
+            """Admit, wait for a turn, and start every run (their first chunk come)."""
+            admitted = await state.flow.admit_off_loop(
+                endpoint,
+                schema,
+                body,
+                id_prefix,
+                request.headers.get(ROUTE_HEADER),
+                arrival,
+                request.headers.get(TIMEOUT_HEADER),
+                request.headers.get(PRIORITY_HEADER),
+                caller=caller,
+            )
+            span.set_attribute("pdserve.request_id", admitted.request_id)
+            cache_salt.set(admitted.worker_requests[0].cache_salt)  # the prefix index salt
+            for run in admitted.runs:
+                run.trace = trace_context
+            with tracing.tracer().start_as_current_span("pdserve.admission"):  # the queue's wait
+                turn = await state.gate.enter(asking(admitted, state.settings), sequences(admitted))
+            try:
+                started = await state.flow.start_all(admitted)
+            except BaseException:
+                turn.give_back()
+                raise
+            return admitted, turn, started
+
+        begun = await _unless_client_leaves(request, begin())
+        if begun is None:
+            state.flow.count_disconnect(endpoint)
+            return Response(status_code=DISCONNECTED)
+        admitted, turn, started = begun
+        # What `begin` set in its task's context, for the rest of the request's steps too.
+        json_logs.request_id.set(admitted.request_id)
+        cache_salt.set(admitted.worker_requests[0].cache_salt)
         turn.first_token()
         headers = started[0].headers
         headers["x-request-id"] = admitted.request_id
@@ -98,12 +114,24 @@ async def serve(
         if admitted.stream:
             events = state.flow.stream(admitted, started, shape, endpoint)
             streaming = True  # the span ends with the stream
-            return StreamingResponse(
-                _giving_back(turn, events, span, trace_context),
+
+            async def release() -> None:
+                await events.aclose()
+                for leg in started:  # when the stream never started, its own close did not
+                    await leg.chunks.aclose()
+                turn.give_back()
+                span.end()
+
+            return _ReleasingStream(
+                _in_context(events, trace_context),
+                release,
                 media_type="text/event-stream",
                 headers=headers,
             )
         return await _whole(request, endpoint, admitted, started, shape, turn)
+    except ClientDisconnect:  # it left while sending its body
+        state.flow.count_disconnect(endpoint)
+        return Response(status_code=DISCONNECTED)
     except OpenAIError as error:
         state.flow.count_error(error, endpoint)
         span.set_status(trace.StatusCode.ERROR, error.message)
@@ -114,6 +142,31 @@ async def serve(
         otel_context.detach(attached)
         if not streaming:
             span.end()
+
+
+async def _unless_client_leaves(request: Request, work):
+    """`work`'s result, or None when the client leaves first (security review M6): `work` is
+    cancelled then, so a request waiting in the admission queue leaves it, and one whose runs
+    are starting is aborted on its workers. uvicorn does not cancel a handler whose client
+    left, and nothing else reads the connection before the response starts."""
+    task = asyncio.ensure_future(work)
+    left = asyncio.ensure_future(_client_left(request))
+    try:
+        await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        return None
+    finally:
+        left.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
+
+
+async def _client_left(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read: nothing else comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _whole(
@@ -161,19 +214,33 @@ async def _until_disconnected(request: Request, work, endpoint: str):
             await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
 
 
-async def _giving_back(turn: Turn, events, span, trace_context):
+async def _in_context(events, trace_context):
     """The SSE events, made in the request's trace context (a migration's calls join its
-    trace); its turn goes back and its span ends when they end, however they end."""
-    try:
-        while True:
-            attached = otel_context.attach(trace_context)
-            try:
-                event = await anext(events)
-            except StopAsyncIteration:
-                return
-            finally:
-                otel_context.detach(attached)
-            yield event
-    finally:
-        turn.give_back()
-        span.end()
+    trace)."""
+    while True:
+        attached = otel_context.attach(trace_context)
+        try:
+            event = await anext(events)
+        except StopAsyncIteration:
+            return
+        finally:
+            otel_context.detach(attached)
+        yield event
+
+
+class _ReleasingStream(StreamingResponse):
+    """A stream whose request is released however the stream ends: its turn given back, its
+    runs' legs closed (which aborts them on the workers) and its span ended, even when the
+    client left before the first event was read (its generators never started, so their own
+    `finally` never runs) or between two events (they stay suspended)."""
+
+    def __init__(self, content, release, **options) -> None:
+        super().__init__(content, **options)
+        self.release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            await self.release()

@@ -1,0 +1,158 @@
+"""A client that leaves before its first token (security review M6): a request waiting in the
+admission queue leaves it and never reaches a worker; one whose run is starting is aborted on
+its worker; either way its turn goes back (`gate.running` returns to 0) at once, not when the
+garbage collector finds it. The assembled app is called as ASGI with a client that sends its
+body, then disconnects when told; the fake worker never sends a first chunk until released."""
+
+import asyncio
+import json
+
+import pytest
+
+from pdserve.worker.protocol import worker_pb2
+from tests.unit.test_request_flow import FakeWorker
+from tests.unit.test_router_app import app_with_workers
+
+WAIT_S = 5.0
+
+
+class StalledWorker(FakeWorker):
+    """Sends nothing until `go` is set (then one token per choice); records the requests it
+    got and those it saw end without finishing (aborted)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.max_num_seqs = 64
+        self.go = asyncio.Event()
+        self.aborted: list[str] = []
+
+    async def generate(self, request: worker_pb2.GenerateRequest, timeout: float):
+        self.requests.append(request)
+        finished = False
+        try:
+            await self.go.wait()
+            for index in range(max(request.sampling.n, 1)):
+                yield worker_pb2.GenerateChunk(index=index, token_ids=[104], text="h")
+                await asyncio.sleep(3600)  # the stream's rest never comes
+            finished = True
+        finally:
+            if not finished:
+                self.aborted.append(request.request_id)
+
+
+class Client:
+    """One HTTP request to the app, as ASGI: the body, then http.disconnect once `leave()`."""
+
+    def __init__(self, app, path: str, body: dict) -> None:
+        self.gone = asyncio.Event()
+        self.sent: list[dict] = []
+        self.messages = [{"type": "http.request", "body": json.dumps(body).encode()}]
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": b"",
+            "headers": [(b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 5000),
+            "server": ("127.0.0.1", 8000),
+        }
+        self.task = asyncio.create_task(app(scope, self.receive, self.send))
+
+    async def receive(self) -> dict:
+        if self.messages:
+            return self.messages.pop(0)
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict) -> None:
+        self.sent.append(message)
+
+    def leave(self) -> None:
+        self.gone.set()
+
+    def status(self) -> int | None:
+        starts = [m for m in self.sent if m["type"] == "http.response.start"]
+        return starts[0]["status"] if starts else None
+
+
+async def until(condition, what: str) -> None:
+    async with asyncio.timeout(WAIT_S):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+def served(monkeypatch):
+    worker = StalledWorker("decode-a")
+    app = app_with_workers(monkeypatch, worker, max_concurrent_requests=1)
+    return app, worker
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_gone_before_its_first_token_frees_its_place_and_aborts_its_run(served, stream):
+    app, worker = served
+    gate = app.state.gate
+    body = {"prompt": "hi", "max_tokens": 2, "stream": stream}
+
+    async def go():
+        first = Client(app, "/v1/completions", body)
+        await until(lambda: len(worker.requests) == 1, "the first request at the worker")
+        second = Client(
+            app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}
+        )
+        await until(lambda: len(gate.waiting) == 1, "the second request queued")
+        second.leave()  # while queued
+        await asyncio.wait_for(second.task, WAIT_S)
+        assert gate.waiting == [] and len(worker.requests) == 1  # it never reached the worker
+        first.leave()  # while its run starts (no first chunk yet)
+        await asyncio.wait_for(first.task, WAIT_S)
+        assert worker.aborted == [worker.requests[0].request_id]
+        assert gate.running == 0
+        return first.status(), second.status()
+
+    assert asyncio.run(go()) == (499, 499)
+    metrics = app.state.metrics.registry
+    assert (
+        metrics.get_sample_value(
+            "pdserve_requests_total", {"endpoint": "completions", "status": "499"}
+        )
+        == 1
+    )
+
+
+def test_a_client_gone_between_two_events_of_a_stream_frees_its_place_at_once(served):
+    app, worker = served
+    gate = app.state.gate
+
+    async def go():
+        worker.go.set()  # one chunk, then the stream stalls
+        client = Client(app, "/v1/completions", {"prompt": "hi", "max_tokens": 5, "stream": True})
+        await until(lambda: any(m.get("body") for m in client.sent), "the first event")
+        assert gate.running == 1
+        client.leave()
+        await asyncio.wait_for(client.task, WAIT_S)
+        assert gate.running == 0
+        assert worker.aborted == [worker.requests[0].request_id]
+        return client.status()
+
+    assert asyncio.run(go()) == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize"])
+def test_a_client_gone_while_sending_its_body_is_no_500(served, path, caplog):
+    app, worker = served
+
+    async def go():
+        client = Client(app, path, {})
+        client.messages = [{"type": "http.request", "body": b'{"prompt": "h', "more_body": True}]
+        client.leave()
+        await asyncio.wait_for(client.task, WAIT_S)
+        return client.status()
+
+    assert asyncio.run(go()) == 499
+    assert worker.requests == []
+    assert "unexpected error" not in caplog.text
