@@ -19,6 +19,7 @@ from pdserve.worker.engine_process import (
     bind_openmp_threads,
     start_method,
 )
+from pdserve.worker.gpu_environment import pin_model_runner
 from pdserve.worker.step_costs import StepCostLearner
 
 GIB = 1 << 30
@@ -302,6 +303,8 @@ def make_engine(
     if cpu and engine.tensor_parallel_size == 1:
         model_in_the_engine_core()
 
+    connector = kv_transfer_config(worker, kv_port)
+    pin_model_runner(connector is not None, cpu)
     args = AsyncEngineArgs(
         model=model,
         dtype=engine.dtype,
@@ -311,7 +314,7 @@ def make_engine(
         seed=engine.seed,
         tensor_parallel_size=engine.tensor_parallel_size,
         quantization=engine.quantization,
-        kv_transfer_config=kv_transfer_config(worker, kv_port),
+        kv_transfer_config=connector,
         disable_log_stats=True,
         otlp_traces_endpoint=worker.otlp_endpoint or None,  # vLLM's request spans
     )
