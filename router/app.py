@@ -19,6 +19,7 @@ from router.openai_types import MAX_BATCH_PROMPTS
 from router.policies import POLICIES
 from router.request_flow import RequestFlow
 from router.routes import cluster, errors, generation, tokens
+from router.routes.body import BodyBytes
 from router.shared_state import Peers
 from router.tokenization import PromptTokenizer
 from router.wait_forecast import WaitForecast
@@ -51,6 +52,7 @@ def create_app(settings: RouterSettings, model: str) -> FastAPI:
     state.settings, state.model, state.started = settings, model, int(time.time())
     state.pool = pool = WorkerPool(list(settings.worker_addresses), POLICIES[settings.policy]())
     state.max_body_bytes = lambda: body_limit(pool.max_model_len)
+    state.bodies = BodyBytes()  # the bodies being read, all connections together
     state.metrics = metrics = RouterMetrics()
     state.tokenizer = PromptTokenizer(model, lambda: pool.max_model_len)
     state.flow = RequestFlow(settings, pool, state.tokenizer, metrics)

@@ -16,6 +16,9 @@ from pdserve.settings.router import RouterSettings
 from pdserve.settings.tls import load_tls_dir
 from router.api_keys import load_api_keys
 
+LIMIT_CONCURRENCY = 8192  # connections (streams included) and requests one router holds at once
+KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -71,20 +74,29 @@ async def run_router(settings: RouterSettings, model: str, listener=None) -> Non
     from router.app import create_app
 
     tracing.export_to(settings.otlp_endpoint, "pdserve-router")
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(settings, model),
-            host=settings.host,
-            port=settings.port,
-            log_level="warning",
-        )
-    )
+    server = uvicorn.Server(server_config(create_app(settings, model), settings))
     announce = asyncio.create_task(_announce_when_started(server, settings))
     try:
         await server.serve(sockets=[listener] if listener is not None else None)
     finally:
         announce.cancel()
         tracing.flush()
+
+
+def server_config(app, settings: RouterSettings):
+    """uvicorn's settings for the router: at most LIMIT_CONCURRENCY connections and requests
+    at once (a 503 beyond), idle keep-alive connections closed after KEEP_ALIVE_S (security
+    review L11; router/routes/body.py bounds the time and bytes of the bodies being read)."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        limit_concurrency=LIMIT_CONCURRENCY,
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )
 
 
 async def _announce_when_started(server, settings: RouterSettings) -> None:

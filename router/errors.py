@@ -146,6 +146,15 @@ def body_too_large(max_bytes: int) -> OpenAIError:
     )
 
 
+def body_timeout(seconds: float) -> OpenAIError:
+    return OpenAIError(
+        408,
+        f"the request body did not arrive within {seconds:g} s",
+        ErrorKind.TIMEOUT,
+        code=ErrorCode.TIMEOUT,
+    )
+
+
 def invalid_api_key(message: str) -> OpenAIError:
     return OpenAIError(401, message, ErrorKind.INVALID_API_KEY, code=ErrorCode.INVALID_API_KEY)
 

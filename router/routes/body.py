@@ -1,24 +1,54 @@
-"""Reading a request body: JSON, read no further than the app's limit."""
+"""Reading a request body: JSON, read no further than the app's limit, within a deadline, and
+within what all the bodies being read at once may hold (security review L11: a client that
+sends its body slowly, or never ends it, holds its bytes no longer than BODY_TIMEOUT_S, and
+many such clients no more than MAX_BODIES_BYTES in all)."""
 
+import asyncio
 import json
 
 from fastapi import Request
 
-from router.errors import body_too_large, invalid_request
+from router.errors import body_timeout, body_too_large, invalid_request, too_many_requests
+
+BODY_TIMEOUT_S = 60.0  # from the first byte of the body to its last
+MAX_BODIES_BYTES = 1 << 30  # the bodies being read, all connections together
+
+
+class BodyBytes:
+    """The bytes of the request bodies being read now, all connections together."""
+
+    def __init__(self, limit: int = MAX_BODIES_BYTES) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, count: int) -> None:
+        """Count `count` more bytes held; a 429 when that is past the limit."""
+        if self.held + count > self.limit:
+            raise too_many_requests("the router is reading too many request bodies at once", 1)
+        self.held += count
 
 
 async def read_json(request: Request):
     """The body as JSON, read no further than `app.state.max_body_bytes()` (a 413 beyond:
-    router/app.py's body_limit)."""
+    router/app.py's body_limit), within BODY_TIMEOUT_S (a 408 beyond) and the app's
+    `BodyBytes` (a 429 beyond)."""
     limit = request.app.state.max_body_bytes()
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise body_too_large(limit)
+    bodies: BodyBytes = request.app.state.bodies
     raw = bytearray()
-    async for part in request.stream():
-        raw += part
-        if len(raw) > limit:
-            raise body_too_large(limit)
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            async for part in request.stream():
+                bodies.take(len(part))
+                raw += part
+                if len(raw) > limit:
+                    raise body_too_large(limit)
+    except TimeoutError:
+        raise body_timeout(BODY_TIMEOUT_S) from None
+    finally:
+        bodies.held -= len(raw)
     try:
         return json.loads(raw, parse_constant=_not_json)
     except ValueError as error:  # bad JSON or UTF-8, an integer over 4300 digits, NaN
