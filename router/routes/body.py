@@ -5,6 +5,7 @@ many such clients no more than MAX_BODIES_BYTES in all)."""
 
 import asyncio
 import json
+import re
 
 from fastapi import Request
 
@@ -12,6 +13,7 @@ from router.errors import body_timeout, body_too_large, invalid_request, too_man
 
 BODY_TIMEOUT_S = 60.0  # from the first byte of the body to its last
 MAX_BODIES_BYTES = 1 << 30  # the bodies being read, all connections together
+SURROGATE = re.compile("[\ud800-\udfff]")  # half of a UTF-16 pair: in no text
 
 
 class BodyBytes:
@@ -50,11 +52,44 @@ async def read_json(request: Request):
     finally:
         bodies.held -= len(raw)
     try:
-        return json.loads(raw, parse_constant=_not_json)
+        body = json.loads(raw, parse_constant=_not_json)
     except ValueError as error:  # bad JSON or UTF-8, an integer over 4300 digits, NaN
         raise invalid_request(f"the request body is not valid JSON: {error}") from None
     except RecursionError:  # json's C parser nests a call per array or object
         raise invalid_request("the request body is not valid JSON: nested too deeply") from None
+    if b"\\u" in raw or not raw.isascii():  # where a lone surrogate can hide
+        _check_text(body)
+    return body
+
+
+def _check_text(body) -> None:
+    """A 400 for a string that holds a lone UTF-16 surrogate: json reads one from a \\ud800
+    escape, or from its UTF-8 bytes, but it is no text: the tokenizer refuses it, and a response
+    that echoes it cannot be encoded (a 500 otherwise)."""
+    stack = [body]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if SURROGATE.search(item):
+                raise invalid_request(
+                    "the request body holds a lone UTF-16 surrogate (U+D800 to U+DFFF), "
+                    "which is not text"
+                )
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def json_body(*models) -> dict:
+    """A route's request body in its OpenAPI description (`openapi_extra`): the routes read
+    their bodies themselves (read_json), so FastAPI knows them only from this. Each model's
+    JSON schema keeps its own `$defs` (its `$ref`s are relative to it). The description is not
+    served (router/app.py), it is what scripts/fuzz_router.py draws requests from."""
+    schemas = [model.model_json_schema(by_alias=True) for model in models]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 def _not_json(constant: str):

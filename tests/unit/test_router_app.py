@@ -9,6 +9,7 @@ from fastapi.testclient import TestClient
 from pdserve.settings.router import RouterSettings
 from pdserve.worker.protocol import worker_pb2
 from router import app as router_app
+from router.errors import invalid_request
 from tests.unit.test_request_flow import FakeWorker
 
 
@@ -33,6 +34,8 @@ class FakeTokenizer:
         return [self.text_ids(p) if isinstance(p, str) else p for p in parsed.prompts()]
 
     def detokenize(self, ids: list[int]) -> str:
+        if bad := [i for i in ids if not 0 <= i < self.vocab_size]:  # as PromptTokenizer
+            raise invalid_request(f"token id {bad[0]} is outside the vocabulary", param="tokens")
         return "".join(chr(i) for i in ids)
 
     def token_strs(self, ids: list[int]) -> list[str]:
@@ -49,6 +52,7 @@ class AppWorker(FakeWorker):
     def __init__(self, name: str, role: str = "decode", **options) -> None:
         super().__init__(name, role, **options)
         self.max_num_seqs = 256  # room for n=128
+        self.flex = False
 
     async def generate(self, request: worker_pb2.GenerateRequest, timeout: float):
         self.requests.append(request)

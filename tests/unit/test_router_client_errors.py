@@ -41,6 +41,13 @@ BAD_JSON = {
     "an integer of 5000 digits": b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",
     "NaN": b'{"prompt": "hi", "max_tokens": 2, "temperature": NaN}',
     "Infinity": b'{"prompt": "hi", "max_tokens": 2, "logit_bias": {"5": -Infinity}}',
+    # a lone UTF-16 surrogate, escaped or as UTF-8 bytes (json reads both), echoed in the reply
+    "a lone surrogate escaped": (
+        b'{"messages": [{"role": "assistant", "content": "\\udc00"}], "echo": true,'
+        b' "prompt": "\\ud800"}'
+    ),
+    "a lone surrogate's bytes": '{"messages": [{"role": "user", "content": "\udc00"}], '
+    '"prompt": "\ud800", "echo": true}'.encode("utf-8", "surrogatepass"),
 }
 
 
@@ -65,7 +72,11 @@ def test_a_good_request_reaches_the_worker(served):
     response = client.post("/v1/chat/completions", json={**CHAT, "request_id": "my-id_1.2:3"})
     assert response.status_code == 200
     assert response.headers["x-request-id"] == "chatcmpl-my-id_1.2:3"
-    assert len(worker.requests) == 2
+    emoji = {"messages": [{"role": "assistant", "content": "\U0001f600"}], "echo": True}
+    response = client.post("/v1/chat/completions", json=emoji)  # an escaped surrogate pair
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["message"]["content"].startswith("\U0001f600")
+    assert len(worker.requests) == 3
 
 
 @pytest.mark.parametrize("case", BAD_BODIES)
