@@ -22,6 +22,16 @@ class ClusterState:
     cluster_secret: str = (
         ""  # pdserve/settings/cluster_secret.py: what `scale` calls the workers with
     )
+    ray_auth: str = "token"  # RAY_AUTH_CHOICES: "off" only for a loopback head `up` started
+    ray_token_path: str = ""  # the token of the head `up` started ("": the user's own Ray token)
+
+    def ray_token(self) -> str | None:
+        """What every command connects to Ray with (ray_launcher.connect): the token file, ""
+        for the user's own Ray token, None for no auth."""
+        return None if self.ray_auth == "off" else self.ray_token_path
+
+
+RAY_AUTH_CHOICES = ("token", "off")
 
 
 def state_dir() -> Path:
@@ -32,6 +42,11 @@ def state_dir() -> Path:
 
 def state_path(name: str) -> Path:
     return state_dir() / f"{name}.json"
+
+
+def ray_token_file(name: str) -> Path:
+    """Where `up` keeps the token of the Ray head it starts (0600, beside the cluster's logs)."""
+    return state_dir() / name / "ray-auth-token"
 
 
 def save_state(state: ClusterState) -> None:

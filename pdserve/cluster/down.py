@@ -1,10 +1,11 @@
 """`pdserve down`: remove exactly what `pdserve up` created — the replica keeper (first, so it
 starts nothing again), the router and worker actors and their placement groups in the cluster's
-namespace, the nodes' KV pool stores, the registry entries, and the Ray head and Redis server if
-`up` started them — and nothing else."""
+namespace, the nodes' KV pool stores, the cluster's secrets in Ray, the registry entries, and the
+Ray head (and its token) and Redis server if `up` started them — and nothing else."""
 
 import argparse
 import sys
+from pathlib import Path
 
 from pdserve.cluster import local_services, ray_launcher, replica_keeper
 from pdserve.cluster.cluster_state import ClusterState, forget_state
@@ -37,7 +38,9 @@ def run(args: argparse.Namespace) -> int:
 def tear_down(state: ClusterState) -> None:
     """Best effort on every step, so a half-started or half-dead cluster still goes away."""
     try:
-        ray_launcher.connect(state.ray_address, state.name)
+        if not state.ray_address:  # `up` failed before Ray: no address to connect to
+            raise RuntimeError("not started")
+        ray_launcher.connect(state.ray_address, state.name, state.ray_token())
         if replica_keeper.stop(state.name):
             say(f"stopped the {replica_keeper.KEEPER}")
         names = ray_launcher.actor_names(state.name)
@@ -53,6 +56,7 @@ def tear_down(state: ClusterState) -> None:
             say(f"still alive after ray.kill: {', '.join(left)}")
         if orphans := ray_launcher.remove_orphan_groups(state.name):
             say(f"freed the placement groups of dead workers: {', '.join(orphans)}")
+        ray_launcher.forget_member_secrets()
         ray_launcher.ray.shutdown()
     except Exception as error:  # Ray gone already: its actors went with it
         say(f"ray at {state.ray_address}: {error}")
@@ -65,6 +69,8 @@ def tear_down(state: ClusterState) -> None:
     if state.ray_group:
         say(f"stopping the ray head (process group {state.ray_group})")
         local_services.stop_ray_head(state.ray_group)
+    if state.ray_token_path:  # the token of the head `up` started: no use once it is gone
+        Path(state.ray_token_path).unlink(missing_ok=True)
     if state.redis_group:
         say(f"stopping the redis-server (process group {state.redis_group})")
         stop_group(state.redis_group)

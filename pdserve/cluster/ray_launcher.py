@@ -8,20 +8,32 @@ the worker, and the worker's registry entry then expires. Ray sets CUDA_VISIBLE_
 actor that holds GPUs, and the worker inherits it: each worker sees only its own GPU ids.
 `start_worker` is also how the replica keeper (pdserve/cluster/replica_keeper.py) replaces a dead
 worker.
+
+Secrets never travel in an actor's options: Ray shows every actor's `runtime_env` to whoever asks
+its state API. `up` puts the cluster secret and the Redis password in Ray's internal key-value
+store, under the cluster's namespace (`publish_member_secrets`), and each actor's process reads
+them from there before its actor starts (`receive_member_secrets`, Ray's worker process set-up
+hook): in its environment, its worker or router inherits them. Who can read that store can run
+code on every node anyway: Ray's token (pdserve/cluster/local_services.py) guards both.
 """
 
+import json
 import os
 import sys
 import time
 from pathlib import Path
 
 import ray
+from ray._private import ray_constants
+from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR as SETUP_HOOK_ENV
+from ray._raylet import AuthenticationTokenLoader, Config
 from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import (
     NodeAffinitySchedulingStrategy,
     PlacementGroupSchedulingStrategy,
 )
 
+from pdserve.cluster.local_services import RAY_TOKEN_ENV, use_ray_auth
 from pdserve.cluster.placement import WorkerSlot
 from pdserve.settings.cluster_secret import SECRET_ENV
 from pdserve.settings.redis_url import PASSWORD_ENV
@@ -34,18 +46,28 @@ ROUTER = "router"
 KV_POOL_PREFIX = "kv-pool-"  # a node's KV pool store's actor: kv-pool-<node id>-<group>
 PLACEMENT_TIMEOUT_S = 30.0
 ACTOR_CALL_TIMEOUT_S = 60.0
+MEMBER_SECRETS = (SECRET_ENV, PASSWORD_ENV)  # what each actor gets, never through its options
+MEMBER_SECRETS_KEY = "pdserve-member-secrets"  # in Ray's internal KV, the cluster's namespace
+MEMBER_NAMESPACE_ENV = "PDSERVE_RAY_NAMESPACE_OF_SECRETS"  # where an actor's hook finds them
 
 
 def namespace(cluster: str) -> str:
     return f"pdserve-{cluster}"
 
 
-def connect(address: str, cluster: str) -> None:
-    """Join the Ray cluster at `address` as a driver in the cluster's namespace; RuntimeError
-    saying so when it cannot be reached."""
+def connect(address: str, cluster: str, token_path: str | None = "") -> None:
+    """Join the Ray cluster at `address` as a driver in the cluster's namespace, with Ray's token
+    auth: the token in the file `token_path` (the head `up` started), or with "" the caller's own
+    Ray token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token); None only for a head
+    started with `--ray-auth off`. RuntimeError saying so when it cannot be reached."""
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    use_ray_auth(token_path)
+    # Ray read RAY_AUTH_MODE, its token and RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when it was
+    # imported: read them again (as its own `ray start` does after enabling token auth).
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+    ray_constants.ENABLE_RAY_CLUSTER = token_path is not None  # False: 127.0.0.1 stays itself
     try:
         ray.init(
             address=address,
@@ -58,14 +80,71 @@ def connect(address: str, cluster: str) -> None:
         raise RuntimeError(f"cannot connect to Ray at {address}: {error}") from None
 
 
+def check_loopback_nodes() -> None:
+    """RuntimeError unless every node of the connected cluster is at 127.0.0.1 (where Ray then
+    binds its ports: a cluster without auth must be this host's alone)."""
+    elsewhere = [
+        node["NodeManagerAddress"]
+        for node in ray.nodes()
+        if node["Alive"] and node["NodeManagerAddress"] != "127.0.0.1"
+    ]
+    if elsewhere:
+        raise RuntimeError(
+            "refusing to run Ray without auth: its node(s) listen at "
+            f"{', '.join(elsewhere)}, not only at 127.0.0.1 (drop --ray-auth off)"
+        )
+
+
+def publish_member_secrets() -> None:
+    """Put this process's cluster secret and Redis password where the cluster's actors read
+    them (Ray's internal KV, the driver's namespace): `up` does, before its first actor."""
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    values = {name: os.environ[name] for name in MEMBER_SECRETS if os.environ.get(name)}
+    _internal_kv_put(
+        MEMBER_SECRETS_KEY, json.dumps(values), overwrite=True, namespace=_secrets_namespace()
+    )
+
+
+def forget_member_secrets() -> None:
+    """Remove what `publish_member_secrets` put in Ray (`down`)."""
+    from ray.experimental.internal_kv import _internal_kv_del
+
+    _internal_kv_del(MEMBER_SECRETS_KEY, namespace=_secrets_namespace())
+
+
+def receive_member_secrets() -> None:
+    """Ray's worker process set-up hook of every pdserve actor (see `member_env`): the cluster's
+    secrets into this process's environment, before its actor starts. A cluster whose secrets
+    were never published fails the actor's start rather than run a worker without its secret
+    (an open worker)."""
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    where = os.environ[MEMBER_NAMESPACE_ENV]
+    value = _internal_kv_get(MEMBER_SECRETS_KEY, namespace=where)
+    if value is None:
+        raise RuntimeError(f"no member secrets in Ray's namespace {where}: `pdserve up` puts them")
+    os.environ.update(json.loads(value))
+
+
 def member_env() -> dict:
-    """Ray options giving an actor this process's cluster secret, Redis password and TLS
-    folder (the keeper's replacements get what `up`'s workers got): the actor checks its
-    worker's health with them, and the worker it starts inherits them. Never on a command
-    line."""
-    names = (SECRET_ENV, PASSWORD_ENV, TLS_DIR_ENV)
-    env_vars = {name: os.environ[name] for name in names if os.environ.get(name)}
-    return {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
+    """Ray options giving an actor this cluster's cluster secret and Redis password (the
+    keeper's replacements get what `up`'s workers got) without holding either: its process's
+    set-up hook fetches them (`receive_member_secrets`). The actor checks its worker's health
+    with them, and the worker it starts inherits them. The TLS folder (a path) is given as it
+    is. Never on a command line, never in the actor table."""
+    env_vars = {
+        SETUP_HOOK_ENV: f"{__name__}.{receive_member_secrets.__name__}",
+        MEMBER_NAMESPACE_ENV: _secrets_namespace(),
+    }
+    if os.environ.get(TLS_DIR_ENV):
+        env_vars[TLS_DIR_ENV] = os.environ[TLS_DIR_ENV]
+    return {"runtime_env": {"env_vars": env_vars}}
+
+
+def _secrets_namespace() -> str:
+    """The cluster's namespace: an actor's own (its hook was told), or the driver's."""
+    return os.environ.get(MEMBER_NAMESPACE_ENV) or ray.get_runtime_context().namespace
 
 
 def node_resources() -> list[dict[str, float]]:
@@ -131,10 +210,10 @@ class ProcessHost:
             "--settings-json",
             settings.model_copy(update={"port": port}).model_dump_json(),
         ]
+        # The router faces clients and needs no Ray: it does not get Ray's token.
+        env = {name: value for name, value in os.environ.items() if name not in RAY_TOKEN_ENV}
         self.process = spawn(
-            [sys.executable, "-m", "pdserve.cluster.process_keeper", *command],
-            log_path,
-            dict(os.environ),
+            [sys.executable, "-m", "pdserve.cluster.process_keeper", *command], log_path, env
         )
         reachable = (
             _node_address(ray.get_runtime_context().get_node_id())

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--prefill: must be >= 0")
         if config.is_flex:
             return move_roles(state, args.prefill, args.decode, started)
-        ray_launcher.connect(state.ray_address, state.name)
+        ray_launcher.connect(state.ray_address, state.name, state.ray_token())
         kept = replica_keeper.kept_names()
         current = {role: [name for name in kept if name.startswith(f"{role}-")] for role in ROLES}
         wanted = {

@@ -32,7 +32,7 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         state = target_state(args)
-        ray_launcher.connect(state.ray_address, state.name)
+        ray_launcher.connect(state.ray_address, state.name, state.ray_token())
     except (ConfigError, RuntimeError) as error:
         print(f"pdserve status: {error}", file=sys.stderr)
         return 1

@@ -19,7 +19,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from pdserve.cluster import local_services, ray_launcher, replica_keeper
-from pdserve.cluster.cluster_state import ClusterState, load_state, save_state, state_dir
+from pdserve.cluster.cluster_state import (
+    RAY_AUTH_CHOICES,
+    ClusterState,
+    load_state,
+    ray_token_file,
+    save_state,
+    state_dir,
+)
 from pdserve.cluster.console import say
 from pdserve.cluster.local_workers import threads_per_worker
 from pdserve.cluster.placement import (
@@ -53,6 +60,16 @@ def add_parser(subparsers) -> None:
         default="",
         help="an existing Ray cluster's address (default: start a local Ray "
         "head, which `pdserve down` stops)",
+    )
+    parser.add_argument(
+        "--ray-auth",
+        choices=RAY_AUTH_CHOICES,
+        default="token",
+        help="Ray's authentication (default: token: the local head `up` starts gets a new "
+        "token, kept with the cluster's state (0600) for `down`, `status` and `scale`; with "
+        "--address, your own Ray token: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
+        "~/.ray/auth_token). off: no auth, for a single-user host only: the local head is bound "
+        "to 127.0.0.1, and `up` refuses when Ray listens elsewhere or --address is given",
     )
     parser.add_argument(
         "--join-timeout",
@@ -96,6 +113,11 @@ def run(args: argparse.Namespace) -> int:
         memory = memory_use(config, model)
         check_memory(memory)
         slots = worker_slots(config)
+        if args.address and args.ray_auth == "off":
+            raise ConfigError(
+                "--ray-auth off: only for the local head `up` starts (it binds it to "
+                "127.0.0.1); a cluster given by --address must run Ray's token auth"
+            )
         if args.address:
             ray_launcher.connect(args.address, config.name)
             nodes = ray_launcher.node_resources()
@@ -132,7 +154,6 @@ def run(args: argparse.Namespace) -> int:
     state = None
     try:
         state = start_services(config, args, nodes)
-        ray_launcher.connect(state.ray_address, config.name)
         for slot in slots:
             ray_launcher.start_worker(
                 config.name,
@@ -158,8 +179,9 @@ def run(args: argparse.Namespace) -> int:
             state.loopback,
             [slot.name for slot in slots],
         )
-    except (RuntimeError, ConfigError, TimeoutError) as error:
+    except (RuntimeError, ConfigError, TimeoutError, OSError) as error:
         say(f"pdserve up: {error}")
+        state = state or load_state(config.name)  # start_services saves as it goes
         if state is not None:
             from pdserve.cluster.down import tear_down
 
@@ -184,7 +206,9 @@ def run(args: argparse.Namespace) -> int:
 
 def start_services(config: ClusterFile, args, nodes) -> ClusterState:
     """Ray and Redis as the file asks; the state is saved at once, so `down` can undo a
-    half-finished `up`."""
+    half-finished `up`. A local Ray head runs token auth, its token in a new 0600 file beside
+    the state (`--ray-auth off`: none, bound to 127.0.0.1, refused if Ray listens elsewhere);
+    the cluster's secrets go where its actors read them (ray_launcher.publish_member_secrets)."""
     log_dir = state_dir() / config.name / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     ensure_cluster_secret()  # one per cluster; its actors and workers get it (ray_launcher)
@@ -197,6 +221,7 @@ def start_services(config: ClusterFile, args, nodes) -> ClusterState:
         registry_url=config.registry.url,
         router_url="",
         log_dir=str(log_dir),
+        ray_auth=args.ray_auth,
     )
     if not config.registry.url:
         url, group = local_services.start_redis(log_dir / "redis.log")
@@ -204,13 +229,27 @@ def start_services(config: ClusterFile, args, nodes) -> ClusterState:
         save_state(state)
         say(f"registry: started redis-server at {url}")
     if not args.address:
+        token = ray_token_file(config.name) if args.ray_auth == "token" else None
+        if token is not None:
+            local_services.write_ray_token(token)
         totals = _totals(nodes)
         address, group = local_services.start_ray_head(
-            int(totals.get("CPU", 1)), int(totals.get("GPU", 0)), log_dir / "ray-head.log"
+            int(totals.get("CPU", 1)),
+            int(totals.get("GPU", 0)),
+            log_dir / "ray-head.log",
+            token_path=token,
+            auth=token is not None,
         )
-        state = replace(state, ray_address=address, ray_group=group)
-        say(f"ray: started a local head at {address}")
-    ray_launcher.connect(state.ray_address, config.name)
+        state = replace(
+            state, ray_address=address, ray_group=group, ray_token_path=str(token or "")
+        )
+        save_state(state)
+        auth = "token auth" if token else "no auth, bound to 127.0.0.1"
+        say(f"ray: started a local head at {address} ({auth})")
+    ray_launcher.connect(state.ray_address, config.name, state.ray_token())
+    if state.ray_auth == "off":
+        ray_launcher.check_loopback_nodes()
+    ray_launcher.publish_member_secrets()  # what the actors read: never in their options
     state = replace(state, loopback=len(ray_launcher.node_resources()) == 1)
     save_state(state)
     return state

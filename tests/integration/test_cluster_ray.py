@@ -3,6 +3,10 @@ server, both started here; real vLLM workers (the tiny random-weight Llama on CP
 launcher and the keeper are under test here, and its requests leave the cores to the engines
 that start under the stream) and the real router.
 
+Ray runs its token auth, as under `pdserve up` (review C1): the head started here keeps its token
+in a 0600 file, which every `pdserve` command and this process use, and a process without it
+cannot join the cluster; no actor's entry in Ray's actor table holds the cluster secret.
+
 One cluster for the module: 1P2D up; 1P1D -> 2P1D -> 1P2D under a steady stream of requests
 (each role's pool shrinks and grows); chaos under a mixed load on two routers (a killed worker
 actor and a killed worker process, both replaced by the replica keeper; a frozen worker; a
@@ -26,7 +30,7 @@ import ray
 from openai import OpenAI
 
 from pdserve.bench.chaos_load import Load
-from pdserve.cluster import local_services
+from pdserve.cluster import local_services, ray_launcher
 from pdserve.model_store.store import ensure_model
 from pdserve.worker.processes import free_port, spawn, stop_group
 from pdserve.worker.registry import read_members
@@ -53,6 +57,7 @@ ORPHAN_TIMEOUT_S = 10.0  # a SIGKILLed worker's engine processes are gone by the
 STOP_TIMEOUT_S = 30.0  # a worker whose actor was killed stops gracefully (SIGTERM) by then
 REPLACE_TIMEOUT_S = 300.0  # a replacement is placed in ~1 s; its engine loads in ~30-90 s here
 COMMAND_TIMEOUT_S = 600
+STRANGER_TIMEOUT_S = 120  # a refused ray.init returns in a few seconds
 PAUSE_S = 0.5  # between a stream thread's requests
 
 
@@ -70,9 +75,10 @@ def pdserve(
 
 @pytest.fixture(scope="module")
 def ray_and_redis(tmp_path_factory):
-    """A Ray head with 4 fake GPUs and a Redis server, stopped by process group at the end.
-    Yields Ray's address and the Redis server's {url, port, group, log} (a test that restarts
-    Redis puts its new group there)."""
+    """A Ray head with 4 fake GPUs (token auth, as `pdserve up` starts it: this process is its
+    driver, and the processes it starts inherit the token's path) and a Redis server, stopped by
+    process group at the end. Yields Ray's address and the Redis server's {url, port, group,
+    log} (a test that restarts Redis puts its new group there)."""
     logs = tmp_path_factory.mktemp("ray-redis")
     redis_url, redis_group = local_services.start_redis(logs / "redis.log")
     redis = {
@@ -114,14 +120,15 @@ def cluster(ray_and_redis, tmp_path_factory):
             kv_pool_gib=KV_POOL_GIB,
         )
     )
-    env = {**os.environ, "PDSERVE_STATE_DIR": str(folder / "state"), "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "PDSERVE_STATE_DIR": str(folder / "state")}  # with the Ray token's path
+    assert env["RAY_AUTH_MODE"] == "token" and Path(env["RAY_AUTH_TOKEN_PATH"]).is_file()
     started = time.monotonic()
     up = pdserve("up", "-f", str(config), "--address", address, env=env)
     up_seconds = time.monotonic() - started
     state_file = folder / "state" / f"{CLUSTER}.json"
     state = json.loads(state_file.read_text()) if state_file.is_file() else None
     info = {"config": config, "env": env, "state": state}
-    ray.init(address=address, namespace=f"pdserve-{CLUSTER}", log_to_driver=False)
+    ray_launcher.connect(address, CLUSTER, env["RAY_AUTH_TOKEN_PATH"])
     try:
         assert up.returncode == 0, up.stderr[-6000:]
         print(f"pdserve up (1P2D) took {up_seconds:.1f} s")
@@ -223,6 +230,47 @@ def test_up_gives_each_worker_its_own_placement_group_and_gpu(cluster, tiny_refe
         model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0
     )
     assert reply.choices[0].text == tiny_reference["prompts"][0]["text"]
+
+
+STRANGER = """
+import sys
+import ray
+try:
+    ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
+except Exception as error:
+    print("refused:", type(error).__name__, str(error)[:200])
+else:
+    print("JOINED", ray.cluster_resources())
+"""
+
+
+@pytest.mark.parametrize("mode", ["disabled", "token"])
+def test_a_process_without_the_ray_token_cannot_join_the_cluster(cluster, tmp_path, mode):
+    """After `pdserve up`: a fresh process that has no token (none in its environment, no
+    ~/.ray/auth_token), with auth off or on its side, is refused by the GCS."""
+    address = ray.get_runtime_context().gcs_address
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
+    env.update(RAY_AUTH_MODE=mode, HOME=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-c", STRANGER, address],
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=STRANGER_TIMEOUT_S,
+    )
+    assert "refused:" in done.stdout and "JOINED" not in done.stdout, done.stdout + done.stderr
+
+
+def test_no_actor_holds_a_secret_in_the_actor_table(cluster):
+    """Ray's actor table (what its state API shows any GCS client) holds each actor's options,
+    runtime_env included: the cluster secret reaches the actors' processes another way."""
+    from ray._private.state import state
+
+    secret = cluster["state"]["cluster_secret"].encode()
+    assert len(secret) >= 40
+    table = state._connect_and_get_accessor().get_actor_table(None, None)
+    assert len(table) >= 3  # the workers, the router, the keeper
+    assert not [entry for entry in table if secret in entry]
 
 
 def test_the_node_has_one_kv_pool_that_its_workers_fill(cluster):

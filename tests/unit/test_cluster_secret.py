@@ -106,28 +106,23 @@ def test_serve_and_up_generate_a_secret_when_none_is_given(monkeypatch):
     assert len(first) >= 40 and cluster_secret() != first
 
 
-def test_ray_actors_get_the_secret_redis_password_and_tls_folder_through_their_runtime_env(
+def test_ray_actors_get_the_tls_folder_but_never_a_secret_through_their_runtime_env(
     monkeypatch,
 ):
-    from pdserve.cluster.ray_launcher import member_env
+    """Ray shows every actor's runtime_env: the secrets reach an actor's process otherwise
+    (tests/unit/test_ray_auth.py follows them there)."""
+    from pdserve.cluster.ray_launcher import MEMBER_NAMESPACE_ENV, member_env
     from pdserve.settings.redis_url import PASSWORD_ENV
     from pdserve.settings.tls import TLS_DIR_ENV
 
-    for name in (SECRET_ENV, PASSWORD_ENV, TLS_DIR_ENV):
-        monkeypatch.delenv(name, raising=False)
-    assert member_env() == {}
+    monkeypatch.setenv(MEMBER_NAMESPACE_ENV, "pdserve-test")
     monkeypatch.setenv(SECRET_ENV, SECRET)
     monkeypatch.setenv(PASSWORD_ENV, "redis-password")
     monkeypatch.setenv(TLS_DIR_ENV, "/etc/pdserve/tls")
-    assert member_env() == {
-        "runtime_env": {
-            "env_vars": {
-                SECRET_ENV: SECRET,
-                PASSWORD_ENV: "redis-password",
-                TLS_DIR_ENV: "/etc/pdserve/tls",
-            }
-        }
-    }
+    env_vars = member_env()["runtime_env"]["env_vars"]
+    assert env_vars[TLS_DIR_ENV] == "/etc/pdserve/tls"
+    assert SECRET not in env_vars.values() and "redis-password" not in env_vars.values()
+    assert SECRET_ENV not in env_vars and PASSWORD_ENV not in env_vars
 
 
 def test_the_state_file_holding_the_secret_is_its_owners_only(tmp_path, monkeypatch):
