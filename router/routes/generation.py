@@ -27,19 +27,19 @@ from router.prefix_index import cache_salt
 from router.request_run import Admitted, Started
 from router.responses import ChatShape, CompletionShape, ResponseShape
 from router.route_choice import ROUTE_HEADER
-from router.routes.body import read_json
+from router.routes.body import json_body, read_json
 
 routes = APIRouter()
 TIMING_HEADER = "x-pdserve-timing"  # ask for the timing breakdown in a whole response
 CANCEL_GRACE_S = 5.0  # how long a cancelled relay may take to unwind
 
 
-@routes.post("/v1/chat/completions")
+@routes.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
 async def chat_completions(request: Request):
     return await serve(request, "chat", ChatCompletionRequest, ChatShape, "chatcmpl")
 
 
-@routes.post("/v1/completions")
+@routes.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
 async def completions(request: Request):
     return await serve(request, "completions", CompletionRequest, CompletionShape, "cmpl")
 

@@ -10,12 +10,15 @@ from router.openai_types import (
     TokenizeCompletionRequest,
     parse_request,
 )
-from router.routes.body import read_json
+from router.routes.body import json_body, read_json
 
 routes = APIRouter()
 
 
-@routes.post("/tokenize")
+@routes.post(
+    "/tokenize",
+    openapi_extra=json_body(TokenizeCompletionRequest, TokenizeChatRequest),
+)
 async def tokenize(request: Request):
     """A prompt, or messages with the chat template applied."""
     state = request.app.state
@@ -44,7 +47,7 @@ async def tokenize(request: Request):
     }
 
 
-@routes.post("/detokenize")
+@routes.post("/detokenize", openapi_extra=json_body(DetokenizeRequest))
 async def detokenize(request: Request):
     state = request.app.state
     parsed = parse_request(DetokenizeRequest, await read_json(request))
