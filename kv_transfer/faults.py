@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 
 from kv_transfer.host_staging import Staged
-from pdserve.settings.worker import KvFaultKind, parse_kv_fault
+from pdserve.kv_faults import KvFaultKind, parse_kv_fault
 
 log = logging.getLogger("pdserve.kv")
 

@@ -18,9 +18,10 @@ others); `--json PATH` writes them all. A SKIP says why: a CUDA-only check on CP
 GPU (NCCL needs a GPU per rank), or a part another change has "not built yet". Exits 1 if any
 check failed.
 
-Dependencies: torch and pdserve's own (grpcio, protobuf, pydantic); no numpy, no vLLM, no
-network (everything on 127.0.0.1): the data plane's classes import without vLLM (only the
-connectors, which this script does not use, subclass vLLM's).
+Dependencies: torch, grpcio and protobuf (what a bare GPU image holds); no pydantic, no numpy,
+no vLLM, no network (everything on 127.0.0.1): the data plane's classes import without them
+(only the connectors, which this script does not use, subclass vLLM's). Its first lines say
+which versions it found, so a failure on an unknown image reads against them.
 """
 
 import argparse
@@ -910,6 +911,21 @@ def run_check(name: str, run: Callable[[], str]) -> dict:
     return {"name": name, "status": status, "seconds": round(seconds, 3), "detail": detail}
 
 
+def versions() -> dict[str, str]:
+    """What this machine has of what the data plane needs (and of what it must do without)."""
+    found = {"python": sys.version.split()[0], "torch": torch.__version__}
+    found["cuda"] = str(torch.version.cuda)
+    found["nccl"] = (
+        ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "none"
+    )
+    for module in ("grpc", "google.protobuf", "pydantic", "numpy", "vllm"):
+        try:
+            found[module] = getattr(importlib.import_module(module), "__version__", "?")
+        except ImportError:
+            found[module] = "absent"
+    return found
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -927,6 +943,8 @@ def main() -> int:
     device = torch.device(args.device)
     megabytes = args.megabytes or (256 if device.type == "cuda" else 64)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    found = versions()
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in found.items()), flush=True)
     print(f"device {device} ({name}), torch {torch.__version__}", flush=True)
     started = time.perf_counter()
     results = [run_check(n, run) for n, run in checks(device, args.quick, megabytes, args.repeats)]
@@ -941,6 +959,7 @@ def main() -> int:
             "device": str(device),
             "device_name": name,
             "torch": torch.__version__,
+            "versions": found,
             "quick": args.quick,
             "seconds": round(total, 1),
             "counts": counts,

@@ -3,9 +3,7 @@
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-
-class ConfigError(ValueError):
-    """Settings refused, naming the field."""
+from pdserve.settings.config_error import ConfigError
 
 
 class Settings(BaseModel):

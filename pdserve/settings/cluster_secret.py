@@ -18,25 +18,11 @@ import hmac
 import os
 import secrets
 from pathlib import Path
-from typing import Annotated
 
-from pydantic import Field
-
-from pdserve.settings.base import ConfigError
+from pdserve.settings.config_error import ConfigError
 
 SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
 METADATA_KEY = "x-pdserve-cluster-secret"  # gRPC metadata of every worker call
-
-ClusterSecretFile = Annotated[
-    str,
-    Field(
-        default="",
-        description=f"a file holding the cluster secret that worker gRPC calls and KV streams "
-        f"must carry (default: ${SECRET_ENV}; `serve` and `up` generate one; with neither "
-        f"the cluster is open)",
-        json_schema_extra={"metavar": "PATH"},
-    ),
-]
 
 
 def cluster_secret() -> str:

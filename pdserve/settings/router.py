@@ -5,9 +5,8 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from pdserve.settings.base import Settings
-from pdserve.settings.cluster_secret import ClusterSecretFile
 from pdserve.settings.engine import Model
-from pdserve.settings.tls import TlsDir
+from pdserve.settings.secret_fields import ClusterSecretFile, TlsDir
 from pdserve.settings.worker import ClusterName, OtlpEndpoint
 
 POLICIES = ("least-loaded", "round-robin", "cache-aware")

@@ -16,27 +16,14 @@ import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
 
 import grpc
-from pydantic import Field
 
-from pdserve.settings.base import ConfigError
+from pdserve.settings.config_error import ConfigError
 
 TLS_DIR_ENV = "PDSERVE_TLS_DIR"
 TARGET_NAME = "pdserve"  # the DNS name in every member's certificate
 FILES = ("ca.pem", "cert.pem", "key.pem")
-
-TlsDir = Annotated[
-    str,
-    Field(
-        default="",
-        description=f"a folder with the cluster's ca.pem and this member's cert.pem and "
-        f"key.pem: every gRPC channel in the cluster uses mutual TLS (default: ${TLS_DIR_ENV}; "
-        f"none: plaintext)",
-        json_schema_extra={"metavar": "DIR"},
-    ),
-]
 
 
 @dataclass(frozen=True)

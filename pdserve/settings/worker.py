@@ -1,16 +1,14 @@
 """A worker's settings: its role, where it listens, its registry, and its engine."""
 
-from dataclasses import dataclass
-from enum import StrEnum
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field
 
 from pdserve.kinds import AUTO_TRANSPORT, Role, Transport
+from pdserve.kv_faults import parse_kv_fault
 from pdserve.settings.base import Settings
-from pdserve.settings.cluster_secret import ClusterSecretFile
 from pdserve.settings.engine import EngineSettings
-from pdserve.settings.tls import TlsDir
+from pdserve.settings.secret_fields import ClusterSecretFile, TlsDir
 
 ROLES = tuple(role.value for role in Role)
 RoleName = Literal[ROLES]
@@ -84,39 +82,6 @@ KvPoolAddress = Annotated[
         "one); `pdserve serve` starts one and sets it",
     ),
 ]
-
-
-class KvFaultKind(StrEnum):
-    """What `--kv-fault` does to a slice (kv_transfer/faults.py)."""
-
-    CORRUPT = "corrupt"
-    TRUNCATE = "truncate"
-    DUPLICATE = "duplicate"
-    REORDER = "reorder"
-    STALE = "stale"
-    DELAY = "delay"
-
-
-@dataclass(frozen=True)
-class KvFault:
-    kind: KvFaultKind
-    rate: float  # the fraction of slices it hits, in [0, 1]
-
-
-def parse_kv_fault(text: str) -> KvFault | None:
-    """ "KIND:RATE" -> a KvFault; "" -> None; ValueError saying what is wrong."""
-    if not text:
-        return None
-    kind, _, rate = text.partition(":")
-    if kind not in set(KvFaultKind):
-        raise ValueError(f"{text!r}: KIND must be one of {', '.join(KvFaultKind)}")
-    try:
-        value = float(rate)
-    except ValueError:
-        raise ValueError(f"{text!r}: RATE must be a number from 0 to 1") from None
-    if not 0 <= value <= 1:
-        raise ValueError(f"{text!r}: RATE must be from 0 to 1")
-    return KvFault(KvFaultKind(kind), value)
 
 
 def _valid_fault(text: str) -> str:

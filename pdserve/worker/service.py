@@ -294,7 +294,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def SetKvFault(self, request, context):
         """Tests only (a testing aid, as --kv-fault): the prefill legs this worker starts from
         now on inject `request.fault`."""
-        from pdserve.settings.worker import parse_kv_fault
+        from pdserve.kv_faults import parse_kv_fault
 
         try:
             parse_kv_fault(request.fault)

@@ -1,7 +1,8 @@
-"""scripts/gpu_check.py on CPU, as the lent GPU machine would run it: torch only (numpy and vLLM
-made unimportable in its process), every check through pdserve's real sender, transports,
-receiver and loader: a whole script's run (no engine, but ~20 s for its --quick subset here,
-the whole run ~40 s), so it is in this tier, not the unit tier."""
+"""scripts/gpu_check.py on CPU, as the lent GPU machine would run it: torch, grpcio and protobuf
+only (pydantic, numpy and vLLM made unimportable in its process, as a bare GPU image has none),
+every check through pdserve's real sender, transports, receiver and loader: a whole script's
+run (no engine, but ~20 s for its --quick subset here, the whole run ~40 s), so it is in this
+tier, not the unit tier."""
 
 import importlib.util
 import json
@@ -18,11 +19,11 @@ SCRIPT = ROOT / "scripts" / "gpu_check.py"
 ALLOWED_SKIPS = ("CUDA only",)
 
 
-def test_the_quick_check_passes_on_cpu_without_numpy_or_vllm(tmp_path):
+def test_the_quick_check_passes_on_cpu_without_pydantic_numpy_or_vllm(tmp_path):
     blocker = tmp_path / "site"
     blocker.mkdir()
     (blocker / "sitecustomize.py").write_text(
-        "import sys\nsys.modules['numpy'] = None\nsys.modules['vllm'] = None\n"
+        "import sys\nfor name in ('pydantic', 'numpy', 'vllm'):\n    sys.modules[name] = None\n"
     )
     report = tmp_path / "report.json"
     env = {**os.environ, "PYTHONPATH": str(blocker)}
@@ -35,6 +36,8 @@ def test_the_quick_check_passes_on_cpu_without_numpy_or_vllm(tmp_path):
         timeout=120,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    first = done.stdout.splitlines()[0]  # the versions it found come first
+    assert first.startswith("versions: python ") and "pydantic absent" in first, first
     checks = json.loads(report.read_text())["checks"]
     failed = [c for c in checks if c["status"] == "FAIL"]
     assert failed == []

@@ -19,7 +19,7 @@ from kv_transfer.kv_layout import BLOCK, CONTENT, HEAD, TOKEN, LayerLayout
 from kv_transfer.kv_receiver import KvReceiver
 from kv_transfer.metadata import Expected, SendSlice
 from kv_transfer.transport import TRANSPORTS, LayerSlice
-from pdserve.settings.worker import KvFaultKind, parse_kv_fault
+from pdserve.kv_faults import KvFaultKind, parse_kv_fault
 from prefill_workers.kv_sender import LayerSender
 from tests.unit.test_kv_transports import CONSUMER
 
