@@ -1,4 +1,5 @@
-"""Property-based fuzzing of both endpoints on a real router over real workers (hypothesis):
+"""Property-based fuzzing of both endpoints on a real router over real workers (hypothesis;
+every route over fake workers: tests/unit/test_router_fuzz.py and scripts/fuzz_router.py):
 bodies of every shape (right and wrong types, out-of-range values, unknown fields, non-JSON
 bytes) never get a 5xx, and every error has OpenAI's body. Generated tokens are capped (the
 router's --default-max-tokens 2, small max_tokens) so a few hundred cases run in seconds;
@@ -36,18 +37,23 @@ junk = st.recursive(
     max_leaves=8,
 )
 small_int = st.integers(min_value=-3, max_value=4)
+# The worker protocol's int32/uint32/int64 edges and past them (security review M5).
+edges = st.sampled_from([2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**63, -(2**63) - 1])
 common = {
     "model": st.sampled_from([SERVED_MODEL, "other", ""]) | junk,
     "max_tokens": small_int | junk,
     "temperature": st.floats(min_value=-1, max_value=3) | junk,
     "top_p": st.floats(min_value=-0.5, max_value=1.5) | junk,
-    "top_k": small_int | junk,
+    "top_k": small_int | edges | junk,
+    "min_tokens": small_int | edges | junk,
+    "prompt_logprobs": small_int | edges | junk,
+    "request_id": st.text(max_size=12) | junk,
     "seed": st.integers(min_value=-(2**64), max_value=2**64) | junk,
     "stop": st.lists(st.text(max_size=6), max_size=6) | st.text(max_size=6) | junk,
     "presence_penalty": st.floats(min_value=-3, max_value=3) | junk,
     "stream": st.booleans() | junk,
     "n": small_int | junk,
-    "logprobs": junk,
+    "logprobs": small_int | edges | junk,
     "ignore_eos": st.booleans() | junk,
     "unknown_field": junk,
 }
@@ -90,13 +96,18 @@ def check(url: str, endpoint: str, body) -> None:
         assert set(error) == {"message", "type", "param", "code"} and error["message"]
 
 
+not_json = st.binary(max_size=40) | st.sampled_from(
+    [b"[" * 100_000 + b"]" * 100_000, b'{"n": ' + b"9" * 5000 + b"}", b'{"prompt": NaN}']
+)
+
+
 @FUZZ
-@given(body=completion_bodies | st.binary(max_size=40))
+@given(body=completion_bodies | not_json)
 def test_completions_never_answer_5xx(fuzz_router, body):
     check(fuzz_router, "completions", body)
 
 
 @FUZZ
-@given(body=chat_bodies | st.binary(max_size=40))
+@given(body=chat_bodies | not_json)
 def test_chat_completions_never_answer_5xx(fuzz_router, body):
     check(fuzz_router, "chat/completions", body)

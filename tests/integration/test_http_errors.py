@@ -42,6 +42,29 @@ BAD_REQUESTS = [
     ("completions", {**COMPLETION, "logprobs": -2}, 400, "invalid_value"),
     ("completions", {**COMPLETION, "suffix": "!"}, 400, "unsupported_parameter"),
     ("completions", {**COMPLETION, "model": "nope"}, 404, "model_not_found"),
+    # security review M5: inputs that were 500s
+    ("completions", {**COMPLETION, "top_k": 2**31}, 400, "invalid_value"),
+    ("completions", {**COMPLETION, "min_tokens": 2**32}, 400, "invalid_value"),
+    ("completions", {**COMPLETION, "logprobs": 2**31}, 400, "invalid_value"),
+    ("completions", {**COMPLETION, "prompt_logprobs": 2**31}, 400, "invalid_value"),
+    ("chat/completions", {**CHAT, "request_id": "id-\u4e2d"}, 400, "invalid_value"),
+    ("chat/completions", b"[" * 100_000 + b"]" * 100_000, 400, None),
+    ("completions", b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", 400, None),
+    (
+        "chat/completions",
+        b'{"messages": [{"role": "assistant", "content": "\\udc00"}], "echo": true}',
+        400,
+        None,
+    ),
+    # security review H3: a response over the logprob budget, refused before any worker
+    (
+        "completions",
+        {**COMPLETION, "prompt": "word " * 1000, "echo": True, "logprobs": 20, "n": 100},
+        400,
+        None,
+    ),
+    # security review L6: a structured-output constraint over 64 KiB
+    ("chat/completions", {**CHAT, "structured_outputs": {"regex": "a" * 70_000}}, 400, None),
 ]
 
 
@@ -104,6 +127,18 @@ def test_the_server_still_serves_after_bad_input(server):
     response = HTTP.post(f"{server.base_url}/chat/completions", json=CHAT, timeout=60)
     assert response.status_code == 200
     assert response.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_a_prompt_longer_in_characters_than_the_context_holds_is_refused_untokenized(server):
+    """Security review H2: refused by its length before the router tokenizes it (megabytes of
+    text would hold a tokenizer thread for seconds)."""
+    context = HTTP.get(f"{server.base_url}/models", timeout=10).json()["data"][0]["max_model_len"]
+    prompt = "a" * (context * 100)  # no token of SmolLM2's vocabulary is 100 characters long
+    response = HTTP.post(
+        f"{server.base_url}/completions", json={**COMPLETION, "prompt": prompt}, timeout=30
+    )
+    assert response.status_code in (400, 413), response.text
+    assert response.json()["error"]["code"] in ("context_length_exceeded", "request_too_large")
 
 
 def test_unknown_routes_get_an_openai_error(server):
