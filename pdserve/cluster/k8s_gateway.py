@@ -18,6 +18,7 @@ EPP = f"{POOL}-epp"
 EPP_IMAGE = "registry.k8s.io/gateway-api-inference-extension/epp:v1.0.1"
 EPP_GRPC_PORT = 9002  # ext_proc, what the gateway calls
 EPP_HEALTH_PORT = 9003
+API_SERVER_PORTS = (443, 6443)  # the kubernetes Service's, and the control plane's own
 GATEWAY = "inference-gateway"  # the platform's Gateway (its class is the implementation's)
 INFERENCE_GROUP = "inference.networking.k8s.io"
 
@@ -29,7 +30,7 @@ def gateway_objects(router_port: int, namespace: str) -> list[dict]:
     return [
         inference_pool(router_port),
         http_route(),
-        *endpoint_picker(namespace),
+        *endpoint_picker(namespace, router_port),
     ]
 
 
@@ -73,8 +74,12 @@ def http_route() -> dict:
     }
 
 
-def endpoint_picker(namespace: str) -> list[dict]:
-    """The upstream reference EPP, watching this namespace's pool and the pods it selects."""
+def endpoint_picker(namespace: str, router_port: int) -> list[dict]:
+    """The upstream reference EPP, watching this namespace's pool and the pods it selects. A
+    third-party image holding an API token: it is in no flow of pdserve's NetworkPolicies (it
+    reaches neither Redis nor a worker), and besides DNS it reaches only the routers' port (the
+    pool's endpoints, whose metrics it reads) and the Kubernetes API (ports 443 and 6443,
+    wherever the control plane is): not the cloud's metadata service (port 80)."""
     account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": metadata(EPP, "epp")}
     role = {
         "apiVersion": "rbac.authorization.k8s.io/v1",
@@ -152,8 +157,8 @@ def endpoint_picker(namespace: str) -> list[dict]:
             ],
         },
     }
-    # The Gateway's proxy (in its own namespace) calls the picker; base/network-policy.yaml
-    # admits only pdserve pods otherwise.
+    # The Gateway's proxy (in its own namespace) calls the picker; pdserve.yaml's policies deny
+    # every pod of the namespace what they do not allow (k8s_base.py).
     reachable = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -164,4 +169,20 @@ def endpoint_picker(namespace: str) -> list[dict]:
             "ingress": [{"ports": [{"port": EPP_GRPC_PORT, "protocol": "TCP"}]}],
         },
     }
-    return [account, role, binding, deployment, service, reachable]
+    egress = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata(f"{EPP}-egress", "epp"),
+        "spec": {
+            "podSelector": {"matchLabels": labels("epp")},
+            "policyTypes": ["Egress"],
+            "egress": [
+                {
+                    "to": [{"podSelector": {"matchLabels": labels("router")}}],
+                    "ports": [{"port": router_port, "protocol": "TCP"}],
+                },
+                {"ports": [{"port": port, "protocol": "TCP"} for port in API_SERVER_PORTS]},
+            ],
+        },
+    }
+    return [account, role, binding, deployment, service, reachable, egress]

@@ -11,6 +11,11 @@ advertises one host for all of them, which the follower pods' ranks do not liste
 Why not a DisaggregatedSet: it makes prefill and decode one topology with vLLM-style sidecars
 between them; pdserve's pools are already separate and joined by its own registry and router,
 so only the multi-node group is needed, per pool.
+
+The group's Ray cluster runs Ray's token auth (review C1): every pod of it has RAY_AUTH_MODE=token
+and RAY_AUTH_TOKEN from the Secret `pdserve-ray-token` (key `token`, which the user creates, as
+the cluster secret), so a pod without the token can neither join it nor run code on it; the
+head has no dashboard.
 """
 
 import shlex
@@ -18,6 +23,15 @@ import shlex
 from pdserve.cluster.k8s_objects import NO_ESCALATION, labels, metadata
 
 RAY_PORT = 6379
+RANK_SUFFIX = "-rank"  # a group's pods but the leader: component <role>-rank
+RAY_TOKEN_SECRET = "pdserve-ray-token"
+RAY_AUTH_ENV = [
+    {"name": "RAY_AUTH_MODE", "value": "token"},
+    {
+        "name": "RAY_AUTH_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": RAY_TOKEN_SECRET, "key": "token"}},
+    },
+]
 
 
 def leader_worker_set(
@@ -25,13 +39,18 @@ def leader_worker_set(
 ) -> dict:
     """`leader_spec`: the pool's worker pod, whose one container runs `pdserve worker ...`."""
     (worker,) = leader_spec["containers"]
-    start = ["ray", "start", "--head", f"--port={RAY_PORT}", "--disable-usage-stats"]
+    start = ["ray", "start", "--head", f"--port={RAY_PORT}", "--include-dashboard=false"]
+    start.append("--disable-usage-stats")
     leader = dict(
         worker,
         command=["sh", "-c", f"{shlex.join(start)} && exec pdserve {shlex.join(worker['args'])}"],
     )
     del leader["args"]
-    leader["env"] = worker["env"] + [{"name": "RAY_ADDRESS", "value": f"127.0.0.1:{RAY_PORT}"}]
+    leader["env"] = [
+        *worker["env"],
+        *RAY_AUTH_ENV,
+        {"name": "RAY_ADDRESS", "value": f"127.0.0.1:{RAY_PORT}"},
+    ]
     leader["ports"] = worker["ports"] + [{"name": "ray", "containerPort": RAY_PORT}]
     return {
         "apiVersion": "leaderworkerset.x-k8s.io/v1",
@@ -52,7 +71,7 @@ def leader_worker_set(
                     "spec": dict(leader_spec, containers=[leader]),
                 },
                 "workerTemplate": {
-                    "metadata": {"labels": labels(f"{role}-rank")},
+                    "metadata": {"labels": labels(f"{role}{RANK_SUFFIX}")},
                     "spec": follower_spec,
                 },
             },
@@ -61,14 +80,14 @@ def leader_worker_set(
 
 
 def ray_follower_container(image: str, env: list[dict], resources: dict, gpus: int) -> dict:
-    """A group pod that only lends its GPUs to the leader's Ray cluster."""
+    """A group pod that only lends its GPUs to the leader's Ray cluster (with its token)."""
     join = ["ray", "start", "--address=$(LWS_LEADER_ADDRESS):" + str(RAY_PORT)]
     join += [f"--num-gpus={gpus}", "--block", "--disable-usage-stats"]
     return {
         "name": "ray-rank",
         "image": image,
         "command": join,
-        "env": env,
+        "env": [*env, *RAY_AUTH_ENV],
         "resources": resources,
         "securityContext": NO_ESCALATION,
         "volumeMounts": [

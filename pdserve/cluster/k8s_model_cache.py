@@ -6,7 +6,9 @@ the model.
 - A Job fills it (`hf download` of a Hugging Face id with HF_TOKEN from `--hf-token-secret`, or
   `pdserve model path` for pdserve's own models) and writes a marker last; each pod that loads
   the model waits for that marker in an init container. So no worker downloads on its own, races
-  another, or crash-loops on a gated model, and a half download never looks finished.
+  another, or crash-loops on a gated model, and a half download never looks finished. The Job
+  alone holds the hub token and reaches the internet; the pods that load the model read the
+  cache with the hub offline.
 - The time it may take: the workers' start-up probe and the Deployments' progress deadline are
   sized from the checkpoint's bytes, so a cold 70B start of many minutes is not a failure.
 
@@ -19,6 +21,7 @@ import math
 import shlex
 from dataclasses import dataclass
 
+from pdserve.cluster.k8s_base import network_policy
 from pdserve.cluster.k8s_objects import NO_ESCALATION, POD_SECURITY, labels, metadata
 from pdserve.cluster.k8s_options import RenderOptions
 from pdserve.cluster.placement import model_shape
@@ -28,6 +31,7 @@ from pdserve.planner.model_spec import hub_checkpoint
 from pdserve.settings.cluster_file import ClusterFile
 
 MOUNT = "/models"
+COMPONENT = "model-fetch"  # the fetch Job's pods
 CLAIM = "pdserve-models"
 READY = f"{MOUNT}/ready"  # one marker per model, written by the fetch Job once it is complete
 # Big Llama repositories also carry Meta's original checkpoint (as large again): vLLM reads
@@ -81,12 +85,22 @@ def start_budget(config: ClusterFile) -> StartBudget:
     return StartBudget(math.ceil(size / DOWNLOAD_BYTES_PER_S), start)
 
 
-def cache_env(options: RenderOptions) -> list[dict]:
-    """Where pdserve's and Hugging Face's caches live, and the hub token when there is one."""
-    env = [
-        {"name": "PDSERVE_CACHE", "value": f"{MOUNT}/pdserve"},
-        {"name": "HF_HOME", "value": f"{MOUNT}/huggingface"},
-    ]
+CACHE_ENV = [
+    {"name": "PDSERVE_CACHE", "value": f"{MOUNT}/pdserve"},
+    {"name": "HF_HOME", "value": f"{MOUNT}/huggingface"},
+]
+
+
+def cache_env() -> list[dict]:
+    """What a pod that reads the filled cache (a worker, a router, a Ray pod) needs: where
+    pdserve's and Hugging Face's caches live, and the hub offline. Never the hub token: only the
+    fetch Job downloads, and these pods reach no hub (their egress is denied: k8s_base.py)."""
+    return [*CACHE_ENV, {"name": "HF_HUB_OFFLINE", "value": "1"}]
+
+
+def fetch_env(options: RenderOptions) -> list[dict]:
+    """The fetch Job's: the caches, and the hub token when there is one (`--hf-token-secret`)."""
+    env = list(CACHE_ENV)
     if options.hf_token_secret:
         token = {"name": options.hf_token_secret, "key": "token", "optional": False}
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": token}})
@@ -151,7 +165,7 @@ def fetch_job(config: ClusterFile, options: RenderOptions) -> dict | None:
                 "name": "fetch",
                 "image": options.image("cpu"),
                 "command": ["sh", "-c", script],
-                "env": cache_env(options),
+                "env": fetch_env(options),
                 "resources": {
                     "requests": {"cpu": "1", "memory": "2Gi"},
                     "limits": {"memory": "4Gi"},
@@ -166,13 +180,32 @@ def fetch_job(config: ClusterFile, options: RenderOptions) -> dict | None:
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": metadata(f"pdserve-model-fetch-{digest}", "model-fetch"),
+        "metadata": metadata(f"pdserve-model-fetch-{digest}", COMPONENT),
         "spec": {
             "backoffLimit": 6,
             "activeDeadlineSeconds": 3 * start_budget(config).download_s,
-            "template": {"metadata": {"labels": labels("model-fetch")}, "spec": pod},
+            "template": {"metadata": {"labels": labels(COMPONENT)}, "spec": pod},
         },
     }
+
+
+def fetch_egress() -> dict:
+    """The fetch Job downloads from the internet (the hub, PyPI, a proxy): it may reach any
+    address but the link-local ones (the cloud's metadata service: 169.254.169.254,
+    fd00:ec2::254), which would hand it the node's credentials. It is in no flow of the
+    namespace's policies: nothing of pdserve's admits it (k8s_base.py)."""
+    anywhere = [
+        {"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.0.0/16"]}},
+        {"ipBlock": {"cidr": "::/0", "except": ["fe80::/10", "fd00:ec2::254/128"]}},
+    ]
+    return network_policy(
+        "pdserve-model-fetch",
+        {
+            "podSelector": {"matchLabels": labels(COMPONENT)},
+            "policyTypes": ["Egress"],
+            "egress": [{"to": anywhere}],
+        },
+    )
 
 
 def wait_for_model(config: ClusterFile, image: str) -> list[dict]:

@@ -28,17 +28,23 @@ import json
 import math
 import shlex
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import yaml
 
 from pdserve.cluster.k8s_autoscaling import scaled_object
-from pdserve.cluster.k8s_base import base_objects, network_policy
+from pdserve.cluster.k8s_base import REDIS_PORT, Flow, Tracing, base_objects, network_policy
 from pdserve.cluster.k8s_fabric import fabric_affinity, with_rdma
 from pdserve.cluster.k8s_gateway import gateway_objects
-from pdserve.cluster.k8s_leader_worker import leader_worker_set, ray_follower_container
+from pdserve.cluster.k8s_leader_worker import (
+    RANK_SUFFIX,
+    leader_worker_set,
+    ray_follower_container,
+)
 from pdserve.cluster.k8s_model_cache import (
     PROBE_PERIOD_S,
     cache_env,
+    fetch_egress,
     fetch_job,
     model_cache_claim,
     models_mount,
@@ -64,6 +70,10 @@ KV_POOL_CONTAINER = "kv-pool"
 MODES = ("deployments", "kuberay")
 RAY_DASHBOARD_PORT = 8265
 RAY_JOB_RETRIES = 3  # new clusters after a failed `pdserve up` or a lost head
+RAY_NODE_SUFFIX = "-node"  # kuberay mode: a pool's Ray worker pods, component <role>-node
+SUBMITTER = "ray-submitter"
+REGISTRY = "registry"  # Redis's component (k8s_base.py)
+OTLP_PORT = 4317  # an OTLP/gRPC collector's port when its URL names none
 
 # Pod sizes. CPU: a SmolLM2-class worker used 1.3 GiB beside its KV cache (measured).
 CPU_WORKER_OVERHEAD_GIB = 3
@@ -119,9 +129,13 @@ def render(config: ClusterFile, mode: str, options: RenderOptions | None = None)
     # "restricted" there rather than refusing the pods.
     # RDMA's IPC_LOCK is beyond "restricted" and "baseline" alike (k8s_fabric.py).
     enforced = "restricted" if mode == "deployments" and options.rdma is None else ""
-    objects = base_objects(options.namespace, enforced, ROUTER_PORT, METRICS_PORT)
+    flows = traffic(config, mode, gpus_per_node)
+    objects = base_objects(
+        options.namespace, enforced, ROUTER_PORT, METRICS_PORT, flows, tracing(config, flows)
+    )
     objects.append(model_cache_claim(config, options, gpus))
-    objects += [job for job in (fetch_job(config, options),) if job]
+    job = fetch_job(config, options)
+    objects += [job, fetch_egress()] if job else []
     if options.tls_issuer:
         objects.append(certificate(options.tls_issuer, options.tls_secret))
     if mode == "deployments":
@@ -160,6 +174,56 @@ def render(config: ClusterFile, mode: str, options: RenderOptions | None = None)
         files[f"{prefix}kustomization.yaml"] = header + _yaml(kustomization)
         files[prefix + name] = header + _yaml_stream(_namespaced(contents, options.namespace))
     return files
+
+
+def traffic(config: ClusterFile, mode: str, gpus_per_node: int) -> list[Flow]:
+    """Who calls whom inside the namespace (k8s_base.network_policies admits exactly these).
+
+    deployments: the router calls Redis and each pool's gRPC port; each worker, Redis. Prefill
+    workers fetch from each other's KV pools (gRPC). A prefill worker pushes KV to a decode
+    worker's KV ports, and with the nccl transport the decode side joins the group store the
+    prefill side hosts on a port chosen at run time, and NCCL connects both ways: the two pools
+    reach each other on any port; flex workers, each other. A LeaderWorkerSet's rank pods are a
+    Ray cluster with their leader (any port) and send KV as their leader does. Nobody but the
+    prefill side reaches a decode worker's KV ports.
+    kuberay: Ray's pods (the head, where the router runs, and each pool's nodes) reach each other
+    on any port (Ray's and NCCL's ports are chosen at run time) and Redis; KubeRay's submitter,
+    the head's dashboard."""
+    roles = list(_pools(config))
+    if mode == "kuberay":
+        ray = ["router", *(f"{role}{RAY_NODE_SUFFIX}" for role in roles)]
+        flows = [Flow(source, target) for source in ray for target in ray]
+        flows += [Flow(source, REGISTRY, (REDIS_PORT,)) for source in ray]
+        return [*flows, Flow(SUBMITTER, "router", (RAY_DASHBOARD_PORT,))]
+    flows = [Flow("router", REGISTRY, (REDIS_PORT,))]
+    for role in roles:
+        flows += [Flow("router", role, (GRPC_PORT,)), Flow(role, REGISTRY, (REDIS_PORT,))]
+    if Role.FLEX in roles:
+        flows.append(Flow(Role.FLEX, Role.FLEX))
+    if Role.PREFILL in roles:
+        senders = [Role.PREFILL.value]
+        if _spans_nodes(config.pool(Role.PREFILL), gpus_per_node):
+            senders.append(f"{Role.PREFILL}{RANK_SUFFIX}")
+            group = [Role.PREFILL.value, senders[-1]]
+            flows += [Flow(source, target) for source in group for target in group]
+        else:
+            flows.append(Flow(Role.PREFILL, Role.PREFILL, (GRPC_PORT,)))  # their KV pools
+        if Role.DECODE in roles:
+            flows += [Flow(sender, Role.DECODE) for sender in senders]
+            flows += [Flow(Role.DECODE, sender) for sender in senders]
+    return [Flow(str(f.source), str(f.target), f.ports) for f in flows]
+
+
+def tracing(config: ClusterFile, flows: list[Flow]) -> Tracing | None:
+    """With the cluster file's `otlp_endpoint`, the processes that export traces (the router and
+    the workers: every component in a flow but Redis, the submitter and the LWS ranks) reach the
+    collector's port, wherever it runs."""
+    if not config.otlp_endpoint:
+        return None
+    port = urlsplit(config.otlp_endpoint).port or OTLP_PORT
+    skipped = (REGISTRY, SUBMITTER)
+    components = {c for f in flows for c in (f.source, f.target) if c not in skipped}
+    return Tracing(tuple(sorted(c for c in components if not c.endswith(RANK_SUFFIX))), port)
 
 
 def default_out(cluster_file: Path, mode: str) -> Path:
@@ -219,7 +283,7 @@ def multi_node_workers(
     gpus_per_node = options.gpus_per_node
     resources = _gpu_resources(gpus_per_node, options)
     leader = worker_pod_spec(config, role, pool, resources, options)
-    env = SECRET_ENV + REDIS_ENV + cache_env(options) + LOG_ENV
+    env = SECRET_ENV + cache_env() + LOG_ENV  # its ranks send KV (the secret), reach no Redis
     follower = {
         **POD_SECURITY,
         "containers": [
@@ -277,7 +341,7 @@ def worker_pod_spec(
             "--advertise-host",
             "$(POD_IP)",
         ],
-        "env": POD_ENV + SECRET_ENV + REDIS_ENV + cache_env(options) + LOG_ENV,
+        "env": POD_ENV + SECRET_ENV + REDIS_ENV + cache_env() + LOG_ENV,
         "ports": ports,
         "resources": resources,
         # Readiness: SERVING only with the engine READY; liveness: the process answers and its
@@ -331,7 +395,7 @@ def router_deployment(config: ClusterFile, options: RenderOptions) -> dict:
             "--settings-json",
             json.dumps(settings.model_dump(mode="json", exclude_defaults=True)),
         ],
-        "env": SECRET_ENV + REDIS_ENV + API_KEYS_ENV + cache_env(options) + LOG_ENV,
+        "env": SECRET_ENV + REDIS_ENV + API_KEYS_ENV + cache_env() + LOG_ENV,
         "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
         "resources": {
             "requests": {"cpu": options.router_cpu, "memory": options.router_memory},
@@ -377,7 +441,7 @@ def router_deployment(config: ClusterFile, options: RenderOptions) -> dict:
 def kuberay(config: ClusterFile, options: RenderOptions) -> list[dict]:
     gpus = any(pool.uses_gpus for pool in _pools(config).values())
     image = options.worker_image(gpus)
-    env = SECRET_ENV + REDIS_ENV + cache_env(options) + LOG_ENV
+    env = SECRET_ENV + REDIS_ENV + cache_env() + LOG_ENV
     head = {
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
         "template": {
@@ -440,7 +504,7 @@ def kuberay(config: ClusterFile, options: RenderOptions) -> list[dict]:
         if pool.uses_gpus:
             spec.update(gpu_placement(pool.gpu_type, options.node_selector, options.tolerations))
             with_rdma(spec["containers"][0], options.rdma)
-        spec.update(fabric_affinity(role, options.fabric_key, suffix="-node"))
+        spec.update(fabric_affinity(role, options.fabric_key, suffix=RAY_NODE_SUFFIX))
         with_tls(spec, options.tls_secret)
         groups.append(
             {
@@ -450,7 +514,10 @@ def kuberay(config: ClusterFile, options: RenderOptions) -> list[dict]:
                 "maxReplicas": pool.replicas,
                 # One pdserve worker per pod: the pod offers exactly its TP group.
                 "rayStartParams": {resource: str(pool.tensor_parallel_size)},
-                "template": {"metadata": {"labels": labels(f"{role}-node")}, "spec": spec},
+                "template": {
+                    "metadata": {"labels": labels(f"{role}{RAY_NODE_SUFFIX}")},
+                    "spec": spec,
+                },
             }
         )
     up = ["pdserve", "up", "-f", "/etc/pdserve/cluster.yaml", "--address", "auto"]
@@ -458,7 +525,7 @@ def kuberay(config: ClusterFile, options: RenderOptions) -> list[dict]:
     # KubeRay's submitter pod (it runs `ray job submit` once the cluster is ready): ours, so that
     # it is a pdserve pod (the NetworkPolicies admit it to the dashboard) and non-root.
     submitter = {
-        "metadata": {"labels": labels("ray-submitter")},
+        "metadata": {"labels": labels(SUBMITTER)},
         "spec": {
             "restartPolicy": "Never",
             **POD_SECURITY,

@@ -9,6 +9,9 @@ scripts/make_tls_dir.py's folder: `kubectl create secret generic pdserve-tls
 --from-file=ca.crt=ca.pem --from-file=tls.crt=cert.pem --from-file=tls.key=key.pem`. Certificates
 are read when a process starts: after a renewal, restart the pods (`kubectl rollout restart`).
 
+The files are mode 0440 (the Secret volume's default is 0644): root, which owns them, and the pod's
+fsGroup, the group pdserve's processes run as, read them; no other user of the container does.
+
 Kubelet's gRPC probes speak no TLS, so a worker then also answers grpc.health.v1, and only that,
 in plaintext on HEALTH_PORT, and its probes ask there."""
 
@@ -21,6 +24,7 @@ VOLUME = "tls"
 FILES = {"ca.crt": "ca.pem", "tls.crt": "cert.pem", "tls.key": "key.pem"}
 CERTIFICATE_SECRET = "pdserve-tls"  # the Secret --tls-issuer's Certificate writes by default
 HEALTH_PORT = 50052
+MODE = 0o440  # the key: its owner (root) and the pod's group (fsGroup, pdserve's uid) read it
 ISSUER_KINDS = ("Issuer", "ClusterIssuer")
 
 
@@ -30,7 +34,8 @@ def with_tls(spec: dict, secret: str) -> dict:
     if not secret:
         return spec
     items = [{"key": key, "path": path} for key, path in FILES.items()]
-    volume = {"name": VOLUME, "secret": {"secretName": secret, "items": items}}
+    secret_volume = {"secretName": secret, "items": items, "defaultMode": MODE}
+    volume = {"name": VOLUME, "secret": secret_volume}
     spec["volumes"] = [*spec.get("volumes", []), volume]
     for container in spec["containers"]:
         mount = {"name": VOLUME, "mountPath": MOUNT, "readOnly": True}

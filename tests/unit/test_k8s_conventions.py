@@ -16,10 +16,7 @@ from pdserve.cluster.cli import main
 from pdserve.cluster.k8s_gateway import EPP
 from pdserve.cluster.k8s_options import RenderOptions
 from pdserve.cluster.k8s_render import (
-    GRPC_PORT,
     KV_POOL_CONTAINER,
-    KV_PORT,
-    METRICS_PORT,
     ROUTER_PORT,
     render,
     write,
@@ -253,69 +250,7 @@ def test_a_decode_group_larger_than_a_node_is_refused_by_name(tmp_path):
     assert not (tmp_path / "pdserve.yaml").exists()
 
 
-def selects(selector: dict, labels: dict) -> bool:
-    """A label selector (matchLabels, and matchExpressions with In) against a pod's labels."""
-    for expression in selector.get("matchExpressions", ()):
-        assert expression["operator"] == "In", expression
-        if labels.get(expression["key"]) not in expression["values"]:
-            return False
-    return selector.get("matchLabels", {}).items() <= labels.items()
-
-
-def admitted(policies: list[dict], source: tuple[str, dict], target: dict, port: int) -> bool:
-    """NetworkPolicy ingress semantics for a target pod of namespace pdserve: isolated once a
-    policy selects it; then some selecting policy's rule must admit the source and the port."""
-    namespace, labels = source
-    chosen = [p["spec"] for p in policies if selects(p["spec"]["podSelector"], target)]
-
-    def peer(rule: dict) -> bool:
-        namespaces = rule.get("namespaceSelector")
-        pods = rule.get("podSelector")
-        in_namespace = (
-            selects(namespaces, {"kubernetes.io/metadata.name": namespace})
-            if namespaces is not None
-            else namespace == "pdserve"
-        )
-        return in_namespace and (pods is None or selects(pods, labels))
-
-    return not chosen or any(
-        (not rule.get("from") or any(peer(p) for p in rule["from"]))
-        and (not rule.get("ports") or any(p["port"] == port for p in rule["ports"]))
-        for spec in chosen
-        for rule in spec.get("ingress", ())
-    )
-
-
-def test_only_pdserve_pods_reach_redis_and_the_workers():
-    overlay = OVERLAYS / "gpu-8b/deployments"
-    objects = build(overlay) + build(overlay / "gateway")
-    policies = list(by_kind(objects, "NetworkPolicy").values())
-    pods = {
-        obj["metadata"]["name"]: obj["spec"]["template"]["metadata"]["labels"]
-        for obj in objects
-        if obj["kind"] in ("Deployment", "StatefulSet")
-    }
-    redis, router, epp = pods["redis"], pods["pdserve-router"], pods[EPP]
-    prefill, decode = pods["pdserve-prefill"], pods["pdserve-decode"]
-    worker_ports = (GRPC_PORT, KV_PORT, METRICS_PORT)
-    strangers = [("pdserve", {}), ("default", {"app.kubernetes.io/part-of": "pdserve"})]
-    for stranger in strangers:
-        assert not admitted(policies, stranger, redis, 6379)
-        for port in worker_ports:
-            assert not admitted(policies, stranger, prefill, port)
-            assert not admitted(policies, stranger, decode, port)
-        assert admitted(policies, stranger, router, ROUTER_PORT)
-    for member in (router, prefill):
-        assert admitted(policies, ("pdserve", member), redis, 6379)
-        for port in worker_ports:
-            assert admitted(policies, ("pdserve", member), decode, port)
-    prometheus = ("monitoring", {"app.kubernetes.io/name": "prometheus"})
-    assert admitted(policies, prometheus, decode, METRICS_PORT)
-    assert not admitted(policies, prometheus, decode, GRPC_PORT)
-    assert not admitted(policies, prometheus, redis, 6379)
-    gateway = ("gateway-system", {"app": "envoy"})
-    assert admitted(policies, gateway, epp, 9002)
-    assert not admitted(policies, gateway, prefill, GRPC_PORT)
+# Who may reach whom (the NetworkPolicies, ingress and egress): tests/unit/test_k8s_trust.py.
 
 
 def test_several_routers_share_an_authenticated_redis_and_one_may_be_drained():

@@ -109,16 +109,18 @@ def test_the_70b_file_rendered_for_a_deployment_carries_its_choices_everywhere(t
     for name, pod in pdserve_pods.items():
         for container in containers(pod):
             assert container["image"].startswith("registry.example.com/ml/pdserve:2026.8.1-"), name
-    # Everything that may touch the hub (the fetch, the engines, the tokenizer) has the token.
+    # The fetch Job alone downloads, with the token; the engines and the tokenizer read the
+    # filled cache with the hub offline, and never hold the token (review M11).
     (fetch,) = by_kind(objects, "Job").values()
-    loaders = [fetch["spec"]["template"]["spec"]]
+    assert HF_TOKEN in main_container(fetch["spec"]["template"]["spec"])["env"]
     if mode == "deployments":
-        loaders += [pods[f"pdserve-{role}"] for role in ("router", "prefill", "decode")]
+        loaders = [pods[f"pdserve-{role}"] for role in ("router", "prefill", "decode")]
     else:
-        loaders += [pods[name] for name in ("ray-head", "ray-prefill", "ray-decode")]
+        loaders = [pods[name] for name in ("ray-head", "ray-prefill", "ray-decode")]
     for pod in loaders:
         container = main_container(pod)
-        assert HF_TOKEN in container["env"], container["name"]
+        assert HF_TOKEN not in container["env"], container["name"]
+        assert {"name": "HF_HUB_OFFLINE", "value": "1"} in container["env"], container["name"]
     # The registry every process joins is this namespace's Redis, which the pods can reach.
     redis = "redis://redis.llm-prod.svc:6379/0"
     if mode == "deployments":

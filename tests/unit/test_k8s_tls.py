@@ -39,6 +39,9 @@ def pdserve_pods(objects: list[dict]):
 def uses_the_tls_folder(pod: dict, secret: str) -> bool:
     (volume,) = [v for v in pod["volumes"] if "secret" in v and v["name"] == "tls"]
     files = {item["key"]: item["path"] for item in volume["secret"]["items"]}
+    # the key readable by root and the pod's group (fsGroup: pdserve's) only (review L2)
+    assert volume["secret"]["defaultMode"] == 0o440
+    assert all("mode" not in item for item in volume["secret"]["items"])
     mounted = all(
         {"name": "tls", "mountPath": MOUNT, "readOnly": True} in container["volumeMounts"]
         and {"name": tls.TLS_DIR_ENV, "value": MOUNT} in container["env"]
