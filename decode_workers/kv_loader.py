@@ -12,7 +12,9 @@ this rank (kv_transfer/head_shards.py). A transfer is reported once: loaded when
 every layer is in; failed when it passed its deadline or was cancelled, or its sender's
 handshake was refused (vLLM then recomputes or fails the request, per `kv_load_failure_policy`);
 loaded too when its request was aborted, so vLLM frees the blocks. Slices or cancels that come
-before their request are kept as orphans for ORPHAN_TTL_S, then dropped.
+before their request are kept as orphans for ORPHAN_TTL_S, then dropped; a cancel frees its
+transfer's orphan slices at once (and drops any that come after it): the router cancels a
+transfer whose decode leg will not run, and its KV must not hold the inbox meanwhile.
 
 Integrity (kv_transfer/integrity.py): before a slice is copied into the cache it must belong to
 this reservation (its epoch), come after every slice its sender sent before it (its sequence
@@ -102,6 +104,9 @@ class KvLoader:
                 self._load(piece)
         complete, cancelled = self.receiver.take()
         self.cancelled.update((transfer_id, (now, why)) for transfer_id, why in cancelled.items())
+        for transfer_id in cancelled:
+            if transfer_id not in self.incoming:
+                self._drop_cancelled(transfer_id, now)
         for piece in complete:
             if piece.transfer_id in self.incoming:
                 self._load(piece)
@@ -294,6 +299,22 @@ class KvLoader:
         ):
             return Damage.LENGTH
         return piece.damage
+
+    def _drop_cancelled(self, transfer_id: str, now: float) -> None:
+        """A transfer cancelled before any request here expected it (its decode leg will not
+        run, or its sender failed): what came for it is freed now, what comes is dropped, and
+        the cancel is kept (a request that does come for it fails at once). Its KV would
+        otherwise hold the inbox, which every other transfer needs, for ORPHAN_TTL_S."""
+        pieces = self.orphans.pop(transfer_id, [])
+        for piece in pieces:
+            piece.release()
+        if pieces:
+            log.info(
+                "KV transfer %s cancelled before its request came: %d slices freed",
+                transfer_id,
+                len(pieces),
+            )
+        self.ended.setdefault(transfer_id, now)
 
     def _drop_old_orphans(self, now: float) -> None:
         """Slices and cancels for transfers no request here expects (any more) are kept a

@@ -5,7 +5,10 @@ to the decode worker while later layers compute; the decode worker admits the re
 "waiting for KV" under the same transfer id, reserves its blocks and loads the KV, then decodes.
 The client's tokens come from the decode leg. If the prefill leg fails, the router cancels the
 transfer so the decode worker applies its policy (recompute or fail) at once instead of at the
-deadline.
+deadline. If the decode leg never runs (the prefill's first token ended the request, the client
+left between the legs, an error), the router cancels the transfer too: the decode worker then
+frees the KV that came for it at once, which would otherwise hold its KV inbox, and with it
+every other transfer to it, until the KV expired.
 
 Whether a request takes this path is decided in router/route_choice.py.
 """
@@ -34,6 +37,7 @@ class PrefillOutcome:
     error: str | None = None
     error_kind: ErrorKind | None = None  # WORKER_UNAVAILABLE marks the worker down
     ended_request: bool = False  # its first token ended the request: no decode leg ran
+    transfer_cancelled: bool = False  # the decode worker was told the KV will not come
     transport: Transport | str = ""  # what the router chose to carry the KV
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -78,6 +82,7 @@ async def generate_disaggregated(
     prefill_task = asyncio.create_task(
         _run_prefill(prefill, prefill_request, decode, timeout_s, outcome)
     )
+    decode_leg_ran = False
     with decode.in_use():  # its channel stays open while the prefill leg runs
         try:
             if outcome.admission == AFTER_PREFILL:
@@ -108,6 +113,7 @@ async def generate_disaggregated(
                     decode_request.prompt_token_ids.extend(first.token_ids)
                     decode_request.sampling.max_tokens -= len(first.token_ids)
                     decode_request.kv.kv_tokens = len(request.prompt_token_ids)
+            decode_leg_ran = True  # from here the decode worker frees the KV itself
             async for chunk in decode.generate(decode_request, timeout=timeout_s):
                 if wants_prompt_logprobs:
                     await _add_prompt_logprobs(chunk, outcome)
@@ -116,6 +122,15 @@ async def generate_disaggregated(
         finally:
             if not prefill_task.done():
                 prefill_task.cancel()
+            if not decode_leg_ran and not outcome.transfer_cancelled:
+                outcome.transfer_cancelled = True
+                cancel_transfer_soon(
+                    decode,
+                    transfer_id,
+                    "no decode leg: the prefill's first token ended the request"
+                    if outcome.ended_request
+                    else "no decode leg: the request ended before it",
+                )
 
 
 def _prefill_leg(
@@ -241,14 +256,36 @@ async def _run_prefill(
             outcome.chunk = chunk
     except OpenAIError as error:
         outcome.error, outcome.error_kind = error.message, error.kind
-        outcome.done.set()
         log.warning(
             "prefill of %s failed (%s); cancelling its KV transfer",
             request.kv.transfer_id,
             error.message,
         )
-        await decode.cancel_transfer(
-            request.kv.transfer_id, f"prefill worker failed: {error.message}"
+        outcome.transfer_cancelled = True
+        cancel_transfer_soon(
+            decode, request.kv.transfer_id, f"prefill worker failed: {error.message}"
         )
     finally:
         outcome.done.set()
+
+
+_cancelling: set[asyncio.Task] = set()  # cancels under way (a task needs a reference)
+
+
+def cancel_transfer_soon(decode: WorkerClient, transfer_id: str, reason: str) -> asyncio.Task:
+    """Tell the decode worker that a transfer's KV will not be used, from a task of its own:
+    the caller may be a closing generator or a cancelled task, whose cancellation must not
+    cancel the call. Best effort (WorkerClient.cancel_transfer logs a failure); the decode
+    worker is held meanwhile, so the pool does not close its channel under the call."""
+
+    async def cancel() -> None:
+        try:
+            with decode.in_use():
+                await decode.cancel_transfer(transfer_id, reason)
+        except Exception as error:  # not a gRPC error: its channel was closed, say
+            log.warning("could not cancel transfer %s: %s", transfer_id, error)
+
+    task = asyncio.create_task(cancel())
+    _cancelling.add(task)
+    task.add_done_callback(_cancelling.discard)
+    return task
