@@ -31,5 +31,8 @@ def kv_sender(
 ) -> KvSender:
     """`integrity`: every slice sent carries its digest (kv_transfer/integrity.py)."""
     return KvSender(
-        channel_opener(compatibility, host, device), cancel_transfer, integrity=integrity
+        channel_opener(compatibility, host, device),
+        cancel_transfer,
+        integrity=integrity,
+        num_layers=compatibility.num_layers,
     )

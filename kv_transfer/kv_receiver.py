@@ -85,7 +85,7 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
         if not answer.accepted:
             return answer
         log.info("KV stream from %s accepted", context.peer())
-        assembler = SliceAssembler(self.inbox, "grpc")
+        assembler = SliceAssembler(self.inbox, "grpc", self.compatibility)
         nccl: NcclReceiving | None = None
         try:
             for message in request_iterator:
@@ -93,7 +93,7 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
                 if body == "chunk" and nccl is None:
                     assembler.add(message.chunk, message.chunk.data)
                 elif body == "chunk":
-                    assembler.carried.add(message.chunk.transfer_id)  # its bytes may never come
+                    assembler.carried.begin(message.chunk.transfer_id)  # its bytes may never come
                     assembler.deliver(
                         message.chunk, nccl.receive(message.chunk.length, self.inbox.buffer)
                     )

@@ -286,7 +286,7 @@ class ShmListener:
         reader = FrameReader(connection)
         replies = Replies(connection)
         maps: dict[int, mmap.mmap] = {}
-        assembler = SliceAssembler(self.inbox, "shm")
+        assembler = SliceAssembler(self.inbox, "shm", self.compatibility)
         clean = False
         try:
             first = reader.read(WAIT_S)

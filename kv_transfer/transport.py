@@ -25,6 +25,7 @@ import queue
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -41,6 +42,8 @@ IDLE_CLOSE_S = 60.0  # a channel with nothing to send this long is closed (its p
 INBOX_WAIT_S = 10.0  # longest a receiver waits for room in the inbox before failing the stream
 SPARE_BYTES = 256 << 20  # receive buffers kept for reuse (a new one costs its page faults)
 REORDER_WAIT_S = 1.0  # a reorder fault's longest wait for the slice it sends first (tests)
+MAX_CARRIED = 1024  # unfinished transfers a stream remembers, to cancel them if it fails
+CANCEL_GIVE_UP = 3  # failed cancels in a row after which a receiver is taken to be gone
 _CLOSE = object()
 
 
@@ -114,7 +117,14 @@ class KvSender:
     a new channel.
 
     `open_channel(kind, destination)` makes the channel; `cancel(destination, transfer_id,
-    reason)` reaches the receiver's control service (gRPC for every transport)."""
+    reason)` reaches the receiver's control service (gRPC for every transport).
+
+    What a channel carried is what is in flight on it: a transfer leaves the set once its last
+    slice of every one of `num_layers` layers has been sent (0: the layers are not known, and
+    only the MAX_CARRIED bound applies), so a long-lived channel's set stays small, and a
+    failure cancels only what had not been sent whole, one cancel after another from one
+    thread (a transfer whose bytes were still queued when its stream failed is cancelled by
+    the receiver, which had begun it, or else waits for its deadline)."""
 
     def __init__(
         self,
@@ -122,11 +132,13 @@ class KvSender:
         cancel: Callable[[str, str, str], None],
         idle_close_s: float = IDLE_CLOSE_S,
         integrity: bool = True,
+        num_layers: int = 0,
     ) -> None:
         self.open_channel = open_channel
         self.integrity = integrity
         self.cancel_on_receiver = cancel
         self.idle_close_s = idle_close_s
+        self.num_layers = num_layers
         self.queues: dict[tuple[str, str], queue.Queue] = {}
         self.threads: dict[tuple[str, str], threading.Thread] = {}
         self.lock = threading.Lock()
@@ -149,7 +161,7 @@ class KvSender:
 
     def _run(self, key: tuple[str, str], pending: queue.Queue) -> None:
         destination, kind = key
-        carried: set[str] = set()
+        carried = Carried(self.num_layers)
         failure = None
         channel = None
         faults = FaultInjector()
@@ -173,8 +185,9 @@ class KvSender:
                 taken = [piece]
                 try:
                     for out in faults.pieces(self._sealed(piece), take_next):
-                        carried.add(out.transfer_id)
+                        carried.begin(out.transfer_id)
                         channel.send(out)
+                        carried.sent(out)
                 finally:
                     for done in taken:
                         done.data.release()
@@ -192,15 +205,15 @@ class KvSender:
                     del self.queues[key]
                 if self.threads.get(key) is threading.current_thread():
                     del self.threads[key]
-            carried |= _release_queued(pending)
+            for transfer_id in _release_queued(pending):
+                carried.begin(transfer_id)
             if channel is not None:
                 try:
                     channel.close()
                 except Exception as error:
                     log.warning("closing KV channel to %s: %s", destination, error)
         if failure is not None:
-            for transfer_id in sorted(carried):
-                self.cancel(destination, transfer_id, failure)
+            self.cancel_all(destination, carried.in_flight(), failure)
         else:
             log.info("KV channel (%s) to %s closed", kind, destination)
 
@@ -230,6 +243,32 @@ class KvSender:
 
         threading.Thread(target=call, name=f"kv-cancel-{transfer_id}", daemon=True).start()
 
+    def cancel_all(self, destination: str, transfer_ids: list[str], reason: str) -> None:
+        """Cancel each of `transfer_ids` on the receiver, one after another from one thread of
+        their own; after CANCEL_GIVE_UP failures in a row the receiver is taken to be gone
+        (its transfers' deadlines still apply)."""
+        if not transfer_ids:
+            return
+
+        def call() -> None:
+            failures = 0
+            for done, transfer_id in enumerate(transfer_ids, 1):
+                try:
+                    self.cancel_on_receiver(destination, transfer_id, reason)
+                    failures = 0
+                except Exception as error:
+                    failures += 1
+                    log.warning("could not cancel transfer %s: %s", transfer_id, error)
+                    if failures >= CANCEL_GIVE_UP:
+                        log.warning(
+                            "%s takes no cancels: %d more transfers left to their deadlines",
+                            destination,
+                            len(transfer_ids) - done,
+                        )
+                        return
+
+        threading.Thread(target=call, name=f"kv-cancel-{destination}", daemon=True).start()
+
     def close(self) -> None:
         with self.lock:
             for pending in self.queues.values():
@@ -237,6 +276,41 @@ class KvSender:
             threads = list(self.threads.values())
         for thread in threads:
             thread.join(timeout=5)
+
+
+class Carried:
+    """The transfers a stream has begun and not finished (one side of one channel), oldest
+    first: a transfer is finished once a last slice of each of `num_layers` layers went
+    through (0: never, the layers being unknown); at most MAX_CARRIED are kept (a transfer
+    its sender gave up, its request aborted, never finishes: the oldest are forgotten)."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.layers: OrderedDict[str, set[int]] = OrderedDict()  # transfer -> layers ended
+
+    def begin(self, transfer_id: str) -> None:
+        if transfer_id not in self.layers:
+            self.layers[transfer_id] = set()
+            while len(self.layers) > MAX_CARRIED:
+                self.layers.popitem(last=False)
+
+    def sent(self, piece) -> None:
+        """`piece` (a LayerSlice or a KvChunk of a whole slice) went through."""
+        ended = self.layers.get(piece.transfer_id)
+        if ended is None or not piece.last or not self.num_layers:
+            return
+        ended.add(piece.layer)
+        if len(ended) >= self.num_layers:
+            del self.layers[piece.transfer_id]
+
+    def in_flight(self) -> list[str]:
+        return sorted(self.layers)
+
+    def __contains__(self, transfer_id: str) -> bool:
+        return transfer_id in self.layers
+
+    def __len__(self) -> int:
+        return len(self.layers)
 
 
 def sealed(piece: LayerSlice) -> LayerSlice:
@@ -346,19 +420,22 @@ class Inbox:
 
 class SliceAssembler:
     """Puts a slice back together from its chunks (grpc, shm) on one stream and hands whole
-    slices to the inbox. It remembers the transfers the stream carried: when the stream breaks
-    (its sender died), `abandon` cancels them, so the decode worker does not wait for the
-    deadline (a transfer that did complete is still loaded: complete wins over cancelled)."""
+    slices to the inbox. It remembers the transfers the stream carried and has not finished
+    (a transfer is finished on the stream once its last slice of every layer of
+    `compatibility` came): when the stream breaks (its sender died), `abandon` cancels them,
+    so the decode worker does not wait for the deadline (a transfer that did complete is
+    still loaded: complete wins over cancelled)."""
 
-    def __init__(self, inbox: Inbox, transport: str) -> None:
+    def __init__(self, inbox: Inbox, transport: str, compatibility=None) -> None:
         self.inbox = inbox
         self.transport = transport
+        self.num_layers = compatibility.num_layers if compatibility is not None else 0
         self.buffers: dict[tuple, bytearray] = {}
-        self.carried: set[str] = set()
+        self.carried = Carried(self.num_layers)
 
     def add(self, chunk, data) -> None:
         """`chunk`: a KvChunk message; `data`: its bytes (a buffer), at chunk.offset."""
-        self.carried.add(chunk.transfer_id)
+        self.carried.begin(chunk.transfer_id)
         key = (chunk.transfer_id, chunk.layer, chunk.first_block, chunk.first_head)
         buffer = self.buffers.get(key)
         if buffer is None:
@@ -372,7 +449,7 @@ class SliceAssembler:
     def deliver(self, chunk, data, on_release: Callable[[], None] | None = None) -> None:
         """A whole slice (`data`: its bytes, or a device tensor) to the inbox; `on_release`
         runs once the loader is done with it."""
-        self.carried.add(chunk.transfer_id)
+        self.carried.begin(chunk.transfer_id)
         self.inbox.put(
             LayerSlice(
                 chunk.transfer_id,
@@ -391,9 +468,10 @@ class SliceAssembler:
                 digest=chunk.digest,
             )
         )
+        self.carried.sent(chunk)
 
     def abandon(self, reason: str) -> None:
-        for transfer_id in sorted(self.carried):
+        for transfer_id in self.carried.in_flight():
             self.inbox.cancel(transfer_id, reason)
         self.buffers.clear()
 
