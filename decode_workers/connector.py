@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from decode_workers.kv_loader import KvLoader
 from decode_workers.load_plan import LoadPlan
-from kv_transfer.compatibility import compatibility_of, integrity_of
+from kv_transfer.compatibility import compatibility_of, integrity_of, max_slice_bytes
 from kv_transfer.connector_base import PdserveConnectorBase, PdserveMetadata
 from kv_transfer.kv_receiver import KvReceiver
 
@@ -42,7 +42,12 @@ class DecodeConnector(PdserveConnectorBase):
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         rank = self.worker_rank()
         self.integrity = integrity_of(vllm_config)
-        self.receiver = KvReceiver(compatibility_of(vllm_config), integrity=self.integrity)
+        compatibility = compatibility_of(vllm_config)
+        self.receiver = KvReceiver(
+            compatibility,
+            integrity=self.integrity,
+            max_slice_bytes=max_slice_bytes(compatibility, vllm_config.model_config.max_model_len),
+        )
         host = transfer.get_from_extra_config("receiver_host", "127.0.0.1")
         port = int(transfer.get_from_extra_config("receiver_port", 0))
         advertised = transfer.get_from_extra_config("advertised_host", host)

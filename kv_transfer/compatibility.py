@@ -56,6 +56,18 @@ class Compatibility:
         )
 
 
+def max_slice_bytes(compatibility: Compatibility, max_model_len: int) -> int:
+    """The largest layer slice a sender can have for this engine: every head of one layer of
+    its longest request (a receiver refuses a larger one before making its buffer)."""
+    blocks = -(-max_model_len // compatibility.block_size)
+    return (
+        blocks
+        * compatibility.block_size
+        * compatibility.total_kv_heads
+        * compatibility.bytes_per_head_token
+    )
+
+
 def kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype) -> str:
     """vLLM's cache_dtype as the handshake names it: "auto" is the model's dtype, and "fp8" is
     fp8_e4m3 (vLLM: "fp8 (=fp8_e4m3)"), so two names for the same bytes compare equal."""

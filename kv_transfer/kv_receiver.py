@@ -35,11 +35,13 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
         inbox_bytes: int = INBOX_BYTES,
         inbox_wait_s: float = INBOX_WAIT_S,
         integrity: bool = True,
+        max_slice_bytes: int = 0,
     ) -> None:
-        """`integrity`: check every slice's digest where it lands (kv_transfer/integrity.py)."""
+        """`integrity`: check every slice's digest where it lands (kv_transfer/integrity.py);
+        `max_slice_bytes`: the largest slice a sender may announce (see Inbox)."""
         self.compatibility = compatibility
         self.secret = cluster_secret()  # what every stream and cancel must carry
-        self.inbox = Inbox(inbox_bytes, inbox_wait_s, verify=integrity)
+        self.inbox = Inbox(inbox_bytes, inbox_wait_s, integrity, max_slice_bytes)
         self.device = torch.device("cpu")  # where nccl receives: the rank's cache device
         self.host = "127.0.0.1"
         self.server = None
@@ -93,11 +95,17 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
                 if body == "chunk" and nccl is None:
                     assembler.add(message.chunk, message.chunk.data)
                 elif body == "chunk":
-                    assembler.carried.begin(message.chunk.transfer_id)  # its bytes may never come
-                    assembler.deliver(
-                        message.chunk, nccl.receive(message.chunk.length, self.inbox.buffer)
-                    )
+                    chunk = message.chunk
+                    if chunk.length != chunk.slice_bytes:
+                        raise ChannelError(
+                            f"an nccl slice of {chunk.length} bytes said {chunk.slice_bytes}"
+                        )
+                    assembler.check(chunk, chunk.length)  # before anything is allocated
+                    assembler.carried.begin(chunk.transfer_id)  # its bytes may never come
+                    assembler.deliver(chunk, nccl.receive(chunk.length, self.inbox.buffer))
                 elif body == "nccl_open":
+                    if nccl is not None:
+                        raise ChannelError("a second nccl_open on one stream")
                     nccl = NcclReceiving(message.nccl_open, self.host, self.device)
                     # the sender gone: a receive waiting on it fails now, not at its deadline
                     context.add_callback(partial(nccl.abort, "the KV stream ended"))
@@ -107,7 +115,7 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
                     )
                 elif body == "bye":
                     return wire.PushKvReply(accepted=True)
-        except (ChannelError, RuntimeError, grpc.RpcError) as failure:
+        except Exception as failure:  # whatever it was, the stream's transfers are cancelled
             log.error("KV stream from %s failed: %s", context.peer(), failure)
             assembler.abandon(f"the prefill worker's KV stream failed: {failure}")
             context.abort(grpc.StatusCode.UNAVAILABLE, str(failure))

@@ -268,6 +268,14 @@ class NcclChannel:
             self.store = None
 
 
+def group_timeout(asked_s: float) -> float:
+    """The receiver's group timeout for a sender's `timeout_s`: within [1, GROUP_TIMEOUT_S]
+    (a handler thread waits that long at most), GROUP_TIMEOUT_S when unset or not a number."""
+    if not math.isfinite(asked_s) or asked_s <= 0:
+        return GROUP_TIMEOUT_S
+    return min(max(asked_s, 1.0), GROUP_TIMEOUT_S)
+
+
 class NcclReceiving:
     """The receiving end (rank 1) of one channel, on the receiver's control stream thread."""
 
@@ -276,8 +284,10 @@ class NcclReceiving:
             raise ChannelError(
                 f"the sender uses {request.backend}, this rank's KV is on {device.type}"
             )
+        if not request.host or not 0 < request.port < 65536:
+            raise ChannelError(f"no group store at {request.host!r}:{request.port}")
         self.device = device
-        self.timeout_s = request.timeout_s or GROUP_TIMEOUT_S
+        self.timeout_s = group_timeout(request.timeout_s)
         timeout = timedelta(seconds=self.timeout_s)
         try:
             store = TCPStore(

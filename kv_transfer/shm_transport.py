@@ -18,6 +18,7 @@ sender reaches it only from the same host and network namespace (the router's `a
 checks that with transport.host_id).
 """
 
+import fcntl
 import logging
 import mmap
 import os
@@ -26,8 +27,6 @@ import struct
 import threading
 import time
 from collections import deque
-
-from google.protobuf.message import DecodeError
 
 from kv_transfer import kv_wire_pb2 as wire
 from kv_transfer.compatibility import Compatibility, check_hello
@@ -41,6 +40,7 @@ SEGMENT_BYTES = 8 << 20
 SEGMENTS = 8  # per channel: 64 MiB of shared memory at most
 WAIT_S = 30.0  # longest a sender waits for a free segment or a reply (the receiver's inbox may
 # hold it up to transport.INBOX_WAIT_S)
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _LENGTH = struct.Struct("<I")
 
 
@@ -91,9 +91,14 @@ class FrameReader:
 
 class Segment:
     def __init__(self) -> None:
-        self.fd = os.memfd_create("pdserve-kv", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, SEGMENT_BYTES)
-        self.map = mmap.mmap(self.fd, SEGMENT_BYTES)
+        self.fd = os.memfd_create("pdserve-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, SEGMENT_BYTES)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)  # the receiver checks them
+            self.map = mmap.mmap(self.fd, SEGMENT_BYTES)
+        except BaseException:
+            os.close(self.fd)
+            raise
         self.shared = False  # its descriptor has reached the receiver
 
     def close(self) -> None:
@@ -288,6 +293,7 @@ class ShmListener:
         maps: dict[int, mmap.mmap] = {}
         assembler = SliceAssembler(self.inbox, "shm", self.compatibility)
         clean = False
+        ended = "the prefill worker's shm KV channel ended mid-stream"
         try:
             first = reader.read(WAIT_S)
             if first is None or not self._accept_hello(connection, first):
@@ -298,10 +304,13 @@ class ShmListener:
                     clean = True
                     break
                 chunk = message.chunk
+                if chunk.segment >= SEGMENTS or chunk.length > SEGMENT_BYTES:
+                    raise ChannelError(
+                        f"{chunk.length} bytes in segment {chunk.segment}: a sender has "
+                        f"{SEGMENTS} of {SEGMENT_BYTES} bytes"
+                    )
                 if chunk.segment not in maps:
-                    fd = reader.fds.popleft()
-                    maps[chunk.segment] = mmap.mmap(fd, 0)
-                    os.close(fd)
+                    maps[chunk.segment] = _map_segment(reader.fds.popleft())
                 view = memoryview(maps[chunk.segment])[: chunk.length]
                 if chunk.length == chunk.slice_bytes and replies.may_lend():
                     # The whole slice in one segment: the loader reads it there, and frees it.
@@ -310,11 +319,12 @@ class ShmListener:
                 with view:
                     assembler.add(chunk, view)
                 replies.free(chunk.segment)
-        except (OSError, ChannelError, IndexError, DecodeError) as error:
+        except Exception as error:  # whatever it was, the stream's transfers are cancelled
             log.error("shm KV channel failed: %s", error)
+            ended = f"the prefill worker's shm KV channel failed: {error}"
         finally:
             if not clean:
-                assembler.abandon("the prefill worker's shm KV channel ended mid-stream")
+                assembler.abandon(ended)
             replies.close()
             for mapped in maps.values():
                 try:
@@ -332,3 +342,17 @@ class ShmListener:
         reply = wire.PushKvReply(accepted=not error, error=error)
         send_frame(connection, wire.ShmReply(handshake=reply))
         return not error
+
+
+def _map_segment(fd: int) -> mmap.mmap:
+    """Map a segment the sender passed (and close its descriptor): a memfd of SEGMENT_BYTES,
+    sealed against shrinking (a sender that shrank it would crash this process on a read)."""
+    try:
+        if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
+            raise ChannelError("a segment not sealed against shrinking")
+        size = os.fstat(fd).st_size
+        if size != SEGMENT_BYTES:
+            raise ChannelError(f"a segment of {size} bytes, not {SEGMENT_BYTES}")
+        return mmap.mmap(fd, SEGMENT_BYTES)
+    finally:
+        os.close(fd)

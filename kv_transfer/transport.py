@@ -344,9 +344,18 @@ class Inbox:
     the slice's transfer instead of loading it."""
 
     def __init__(
-        self, max_bytes: int = INBOX_BYTES, wait_s: float = INBOX_WAIT_S, verify: bool = True
+        self,
+        max_bytes: int = INBOX_BYTES,
+        wait_s: float = INBOX_WAIT_S,
+        verify: bool = True,
+        max_slice_bytes: int = 0,
     ) -> None:
+        """`max_slice_bytes`: the largest slice a sender may announce (its buffer is made
+        before its bytes come), compatibility.max_slice_bytes for the engine's longest
+        request; 0: the larger of `max_bytes` and INBOX_BYTES. A slice larger than `max_bytes`
+        is let in when the inbox is empty."""
         self.max_bytes = max_bytes
+        self.max_slice_bytes = max_slice_bytes or max(max_bytes, INBOX_BYTES)
         self.wait_s = wait_s
         self.verify = verify
         self.held = 0
@@ -357,11 +366,29 @@ class Inbox:
         self.cancelled: dict[str, str] = {}  # transfer id -> reason
         self.lock = threading.Condition()
 
-    def put(self, piece: LayerSlice) -> None:
-        """Hold `piece` (its release frees the room); ChannelError when no room came in time."""
+    def put(self, piece: LayerSlice, reserved: bool = False) -> None:
+        """Hold `piece` (its release frees the room); ChannelError when no room came in time.
+        `reserved`: its room was taken by `reserve` (its buffer was being filled)."""
         size = nbytes(piece.data)
         if self.verify and slice_digest(as_tensor(piece.data)) != piece.digest:
             piece = replace(piece, damage=Damage.DIGEST)
+        if not reserved:
+            self.reserve(size)
+        with self.lock:
+            released = threading.Event()
+
+            def release() -> None:
+                if not released.is_set():
+                    released.set()
+                    self._free(size, piece.data)
+                    piece.release()  # what the transport lent, if anything
+
+            self.complete.append(replace(piece, on_release=release))
+
+    def reserve(self, size: int) -> None:
+        """Take room for `size` bytes (a slice being received: before its buffer is made),
+        waiting for it as `put` does; ChannelError when no room came in time. `unreserve`
+        gives it back if the slice never comes whole."""
         timeout_s = self.wait_s
         deadline = time.monotonic() + timeout_s
         with self.lock:
@@ -374,15 +401,11 @@ class Inbox:
                     )
                 self.lock.wait(left)
             self.held += size
-            released = threading.Event()
 
-            def release() -> None:
-                if not released.is_set():
-                    released.set()
-                    self._free(size, piece.data)
-                    piece.release()  # what the transport lent, if anything
-
-            self.complete.append(replace(piece, on_release=release))
+    def unreserve(self, size: int) -> None:
+        with self.lock:
+            self.held -= size
+            self.lock.notify_all()
 
     def buffer(self, size: int):
         """A writable buffer of `size` bytes for a slice being received (contents undefined):
@@ -418,37 +441,92 @@ class Inbox:
             piece.release()
 
 
+@dataclass
+class _Partial:
+    key: tuple
+    buffer: object
+    size: int
+    filled: int = 0
+
+
 class SliceAssembler:
     """Puts a slice back together from its chunks (grpc, shm) on one stream and hands whole
-    slices to the inbox. It remembers the transfers the stream carried and has not finished
-    (a transfer is finished on the stream once its last slice of every layer of
-    `compatibility` came): when the stream breaks (its sender died), `abandon` cancels them,
-    so the decode worker does not wait for the deadline (a transfer that did complete is
-    still loaded: complete wins over cancelled)."""
+    slices to the inbox. It remembers the transfers the stream carried and has not finished:
+    when the stream breaks (its sender died), `abandon` cancels them, so the decode worker does
+    not wait for the deadline (a transfer that did complete is still loaded: complete wins over
+    cancelled).
+
+    What a peer declares is bounded before anything is allocated: a slice is at most the
+    inbox's `max_slice_bytes`, its layer and heads exist (`compatibility`, when given), its
+    chunks come in order and stay within it, and a stream has one slice being filled at a time
+    (a sender sends a slice's chunks one after another), whose room is taken in the inbox
+    before its buffer is made. A chunk that breaks any of these fails the stream
+    (ChannelError)."""
 
     def __init__(self, inbox: Inbox, transport: str, compatibility=None) -> None:
         self.inbox = inbox
         self.transport = transport
         self.num_layers = compatibility.num_layers if compatibility is not None else 0
-        self.buffers: dict[tuple, bytearray] = {}
+        self.total_heads = compatibility.total_kv_heads if compatibility is not None else 0
+        self.partial: _Partial | None = None
         self.carried = Carried(self.num_layers)
+
+    def check(self, chunk, size: int) -> None:
+        """ChannelError unless a slice of `size` bytes described by `chunk` may be received."""
+        if size > self.inbox.max_slice_bytes:
+            raise ChannelError(
+                f"a {size}-byte slice (transfer {chunk.transfer_id!r}): more than any request "
+                f"of this engine has ({self.inbox.max_slice_bytes} bytes)"
+            )
+        if self.num_layers and chunk.layer >= self.num_layers:
+            raise ChannelError(f"layer {chunk.layer}: the model has {self.num_layers}")
+        if self.total_heads and chunk.first_head + chunk.num_heads > self.total_heads:
+            raise ChannelError(
+                f"heads {chunk.first_head}+{chunk.num_heads}: the model has {self.total_heads}"
+            )
 
     def add(self, chunk, data) -> None:
         """`chunk`: a KvChunk message; `data`: its bytes (a buffer), at chunk.offset."""
-        self.carried.begin(chunk.transfer_id)
         key = (chunk.transfer_id, chunk.layer, chunk.first_block, chunk.first_head)
-        buffer = self.buffers.get(key)
-        if buffer is None:
-            buffer = self.buffers[key] = self.inbox.buffer(chunk.slice_bytes)
+        partial = self.partial
+        if partial is None:
+            self.check(chunk, chunk.slice_bytes)
+            self.carried.begin(chunk.transfer_id)
+            self.inbox.reserve(chunk.slice_bytes)
+            try:
+                buffer = self.inbox.buffer(chunk.slice_bytes)
+            except BaseException:
+                self.inbox.unreserve(chunk.slice_bytes)
+                raise
+            partial = self.partial = _Partial(key, buffer, chunk.slice_bytes)
+        elif partial.key != key or partial.size != chunk.slice_bytes:
+            raise ChannelError(
+                f"a chunk of another slice (transfer {chunk.transfer_id!r}, layer "
+                f"{chunk.layer}) before the last one was whole"
+            )
         end = chunk.offset + len(data)
-        buffer[chunk.offset : end] = data
-        if end >= chunk.slice_bytes:
-            del self.buffers[key]
-            self.deliver(chunk, buffer)
+        if chunk.offset != partial.filled or end > partial.size:
+            raise ChannelError(
+                f"bytes {chunk.offset}-{end} of a {partial.size}-byte slice after "
+                f"{partial.filled} bytes (chunks in order, within the slice)"
+            )
+        partial.buffer[chunk.offset : end] = data
+        partial.filled = end
+        if end == partial.size:
+            self.partial = None
+            self.deliver(chunk, partial.buffer, reserved=True)
 
-    def deliver(self, chunk, data, on_release: Callable[[], None] | None = None) -> None:
+    def deliver(
+        self,
+        chunk,
+        data,
+        on_release: Callable[[], None] | None = None,
+        reserved: bool = False,
+    ) -> None:
         """A whole slice (`data`: its bytes, or a device tensor) to the inbox; `on_release`
-        runs once the loader is done with it."""
+        runs once the loader is done with it. `reserved`: its room is taken (by `add`)."""
+        if not reserved:
+            self.check(chunk, nbytes(data))
         self.carried.begin(chunk.transfer_id)
         self.inbox.put(
             LayerSlice(
@@ -466,14 +544,19 @@ class SliceAssembler:
                 epoch=chunk.epoch,
                 seq=chunk.seq,
                 digest=chunk.digest,
-            )
+            ),
+            reserved=reserved,
         )
         self.carried.sent(chunk)
 
     def abandon(self, reason: str) -> None:
+        """The stream ended without finishing what it carried: cancel that, give back the
+        room of the slice being filled."""
         for transfer_id in self.carried.in_flight():
             self.inbox.cancel(transfer_id, reason)
-        self.buffers.clear()
+        if self.partial is not None:
+            self.inbox.unreserve(self.partial.size)
+            self.partial = None
 
 
 def host_id() -> str:

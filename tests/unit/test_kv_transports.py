@@ -226,7 +226,7 @@ def test_a_full_inbox_stops_the_sender_and_fails_its_transfer_instead_of_growing
     kv_receiver = KvReceiver(CONSUMER, inbox_bytes=2 << 20, inbox_wait_s=0.5)
     address = f"127.0.0.1:{kv_receiver.start('127.0.0.1', 0)}"
     sender = kv_sender(CONSUMER, "127.0.0.1", CPU)
-    sent = [piece("stalled", 1 << 20, layer=layer) for layer in range(6)]
+    sent = [piece("stalled", 1 << 20, layer=layer % 2, last=False) for layer in range(6)]
     try:
         for one in sent:
             sender.send(address, transport, one)
