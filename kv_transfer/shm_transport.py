@@ -28,6 +28,8 @@ import threading
 import time
 from collections import deque
 
+from google.protobuf.message import DecodeError
+
 from kv_transfer import kv_wire_pb2 as wire
 from kv_transfer.compatibility import Compatibility, check_hello
 from kv_transfer.grpc_transport import hello, slice_chunk
@@ -42,10 +44,24 @@ WAIT_S = 30.0  # longest a sender waits for a free segment or a reply (the recei
 # hold it up to transport.INBOX_WAIT_S)
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _LENGTH = struct.Struct("<I")
+_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 def socket_name(address: str) -> str:
     return f"\0pdserve-kv:{address}"
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The user the process at the other end of a connected Unix socket runs as."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size)
+    return _CREDENTIALS.unpack(creds)[1]
+
+
+def check_peer(sock: socket.socket) -> None:
+    """ChannelError unless the peer runs as this process's user."""
+    uid = peer_uid(sock)
+    if uid != os.getuid():
+        raise ChannelError(f"the peer runs as uid {uid}, not as this process's {os.getuid()}")
 
 
 def send_frame(sock: socket.socket, message, fds: tuple[int, ...] = ()) -> None:
@@ -114,16 +130,20 @@ class ShmChannel:
         try:
             self.sock.settimeout(WAIT_S)
             self.sock.connect(socket_name(destination))
+            check_peer(self.sock)  # whoever holds the name hears the secret: our user only
         except OSError as error:
             self.sock.close()
             raise ChannelError(
                 f"no shared-memory KV receiver for {destination} on this host ({error})"
             ) from None
+        except ChannelError as error:
+            self.sock.close()
+            raise ChannelError(f"the shm KV receiver for {destination}: {error}") from None
         self.reader = FrameReader(self.sock)
         try:
             send_frame(self.sock, hello(compatibility))
             reply = self._reply(WAIT_S)
-        except OSError as error:
+        except (OSError, ChannelError, DecodeError) as error:
             self.close()
             raise ChannelError(f"shm handshake with {destination}: {error}") from None
         if reply is None or not reply.handshake.accepted:
@@ -176,6 +196,8 @@ class ShmChannel:
                 return
             if reply is None:
                 raise ChannelError("the receiver closed the shared-memory channel")
+            if reply.free_segment >= len(self.segments) or reply.free_segment in self.free:
+                raise ChannelError(f"the receiver freed segment {reply.free_segment}, not lent")
             self.free.append(reply.free_segment)
             timeout_s = 0.0
 
