@@ -16,6 +16,14 @@ holding them, on completion, cancel, timeout or death alike.
 The receiver listens at "\\0pdserve-kv:<host>:<port>", the address the sender was given, so a
 sender reaches it only from the same host and network namespace (the router's `auto` choice
 checks that with transport.host_id).
+
+An abstract socket's name is open to every process in the network namespace, whatever its user,
+and any of them could bind it while the receiver is down. So each end checks that the other runs
+as its own user (SO_PEERCRED) before it says anything: the sender before its hello (which
+carries the cluster secret), the receiver at accept. Before a hello is accepted the receiver
+bounds what the peer can hold: HELLO_WAIT_S to send it, frames of MAX_FRAME_BYTES, no file
+descriptor kept (one sent before the hello refuses the connection), MAX_CONNECTIONS at once.
+After it, a segment must be a sealed memfd of SEGMENT_BYTES (it cannot shrink under a reader).
 """
 
 import fcntl
@@ -34,6 +42,7 @@ from kv_transfer import kv_wire_pb2 as wire
 from kv_transfer.compatibility import Compatibility, check_hello
 from kv_transfer.grpc_transport import hello, slice_chunk
 from kv_transfer.kv_copy import as_bytes
+from kv_transfer.log_limit import LogLimit
 from kv_transfer.transport import ChannelError, Inbox, LayerSlice, Refused, SliceAssembler
 
 log = logging.getLogger("pdserve.kv")
@@ -42,6 +51,9 @@ SEGMENT_BYTES = 8 << 20
 SEGMENTS = 8  # per channel: 64 MiB of shared memory at most
 WAIT_S = 30.0  # longest a sender waits for a free segment or a reply (the receiver's inbox may
 # hold it up to transport.INBOX_WAIT_S)
+HELLO_WAIT_S = 2.0  # longest a connected peer may take to send its hello
+MAX_FRAME_BYTES = 64 << 10  # every message is small: a chunk's bytes are in its segment
+MAX_CONNECTIONS = 48  # connected senders at once (each has a thread)
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _LENGTH = struct.Struct("<I")
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -73,12 +85,16 @@ def send_frame(sock: socket.socket, message, fds: tuple[int, ...] = ()) -> None:
 
 class FrameReader:
     """Length-prefixed messages from a Unix socket, and the file descriptors sent with them
-    (in the order they were sent)."""
+    (in the order they were sent). A frame above MAX_FRAME_BYTES fails the read (ChannelError)
+    before its bytes are awaited. At most `max_fds` descriptors are kept until taken: any other
+    is closed as it comes (counted in `dropped_fds`), and fails the read."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, max_fds: int = 0) -> None:
         self.sock = sock
         self.buffer = bytearray()
         self.fds: deque[int] = deque()
+        self.max_fds = max_fds
+        self.dropped_fds = 0
 
     def read(self, timeout_s: float | None) -> bytes | None:
         """The next frame; None at end of stream; socket.timeout if none came in time."""
@@ -86,6 +102,8 @@ class FrameReader:
         while True:
             if len(self.buffer) >= _LENGTH.size:
                 (size,) = _LENGTH.unpack_from(self.buffer)
+                if size > MAX_FRAME_BYTES:
+                    raise ChannelError(f"a {size}-byte frame (at most {MAX_FRAME_BYTES})")
                 end = _LENGTH.size + size
                 if len(self.buffer) >= end:
                     frame = bytes(self.buffer[_LENGTH.size : end])
@@ -95,10 +113,23 @@ class FrameReader:
                 None if deadline is None else max(0.0, deadline - time.monotonic())
             )
             data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 8)
-            self.fds.extend(fds)
+            self._keep(fds)
             if not data:
                 return None
             self.buffer += data
+
+    def _keep(self, fds: list[int]) -> None:
+        dropped = 0
+        for fd in fds:
+            if len(self.fds) < self.max_fds:
+                self.fds.append(fd)
+            else:
+                os.close(fd)
+                dropped += 1
+        if dropped:
+            self.dropped_fds += dropped
+            if self.max_fds:  # past what a sender can have in flight
+                raise ChannelError(f"more than {self.max_fds} file descriptors not yet used")
 
     def close(self) -> None:
         while self.fds:
@@ -139,7 +170,7 @@ class ShmChannel:
         except ChannelError as error:
             self.sock.close()
             raise ChannelError(f"the shm KV receiver for {destination}: {error}") from None
-        self.reader = FrameReader(self.sock)
+        self.reader = FrameReader(self.sock)  # a receiver sends no descriptors
         try:
             send_frame(self.sock, hello(compatibility))
             reply = self._reply(WAIT_S)
@@ -258,7 +289,7 @@ class Replies:
 
 
 class ShmListener:
-    """The receiving end: one thread per connected sender."""
+    """The receiving end: one thread per connected sender, MAX_CONNECTIONS at most."""
 
     def __init__(
         self, address: str, compatibility: Compatibility, secret: str, inbox: Inbox
@@ -271,6 +302,7 @@ class ShmListener:
         self.connections: set[socket.socket] = set()
         self.lock = threading.Lock()
         self.accepting = threading.Thread(target=self._accept, name="kv-shm-accept", daemon=True)
+        self.refusals = LogLimit(log)
 
     def start(self) -> None:
         self.sock.bind(socket_name(self.address))
@@ -303,23 +335,39 @@ class ShmListener:
                 connection, _ = self.sock.accept()
             except OSError:  # stopped
                 return
+            try:
+                check_peer(connection)
+            except (OSError, ChannelError) as error:
+                self.refusals.error("shm-peer", "shm KV connection refused: %s", error)
+                connection.close()
+                continue
             with self.lock:
-                self.connections.add(connection)
+                full = len(self.connections) >= MAX_CONNECTIONS
+                if not full:
+                    self.connections.add(connection)
+            if full:
+                self.refusals.error(
+                    "shm-connections",
+                    "shm KV connection refused: %d senders connected already",
+                    MAX_CONNECTIONS,
+                )
+                connection.close()
+                continue
             threading.Thread(
                 target=self._serve, args=(connection,), name="kv-shm-receive", daemon=True
             ).start()
 
     def _serve(self, connection: socket.socket) -> None:
-        reader = FrameReader(connection)
+        reader = FrameReader(connection)  # keeps no descriptor before the hello
         replies = Replies(connection)
         maps: dict[int, mmap.mmap] = {}
         assembler = SliceAssembler(self.inbox, "shm", self.compatibility)
         clean = False
         ended = "the prefill worker's shm KV channel ended mid-stream"
         try:
-            first = reader.read(WAIT_S)
-            if first is None or not self._accept_hello(connection, first):
+            if not self._hello(connection, reader):
                 return
+            reader.max_fds = SEGMENTS  # a sender's segments, each sent once
             while (frame := reader.read(None)) is not None:
                 message = wire.KvMessage.FromString(frame)
                 if message.HasField("bye"):
@@ -357,10 +405,25 @@ class ShmListener:
             with self.lock:
                 self.connections.discard(connection)
 
-    def _accept_hello(self, connection: socket.socket, frame: bytes) -> bool:
-        error = check_hello(wire.KvMessage.FromString(frame), self.compatibility, self.secret)
+    def _hello(self, connection: socket.socket, reader: FrameReader) -> bool:
+        """Read and answer the hello, within HELLO_WAIT_S: whether it was accepted."""
+        try:
+            frame = reader.read(HELLO_WAIT_S)
+        except (OSError, ChannelError) as error:  # TimeoutError is an OSError
+            self.refusals.error("shm-hello", "shm KV connection with no hello: %s", error)
+            return False
+        if frame is None:
+            return False
+        if reader.dropped_fds:
+            error = f"{reader.dropped_fds} file descriptors sent before the hello"
+        else:
+            try:
+                message = wire.KvMessage.FromString(frame)
+            except DecodeError:
+                message = None
+            error = check_hello(message, self.compatibility, self.secret)
         if error:
-            log.error("%s", error)
+            self.refusals.error("shm-refused", "shm KV hello refused: %s", error)
         reply = wire.PushKvReply(accepted=not error, error=error)
         send_frame(connection, wire.ShmReply(handshake=reply))
         return not error

@@ -1,11 +1,13 @@
 """The worker's gRPC gate: every call must carry the cluster secret in its metadata
 (pdserve/settings/cluster_secret.py), or it is answered UNAUTHENTICATED before the service sees
-it."""
+it. Refusals are logged at most once every log_limit.LOG_EVERY_S (with how many were not), so a
+caller without the secret cannot flood the log."""
 
 import logging
 
 import grpc
 
+from kv_transfer.log_limit import LogLimit
 from pdserve.settings.cluster_secret import METADATA_KEY, secret_matches
 
 log = logging.getLogger("pdserve.worker")
@@ -15,13 +17,16 @@ REFUSAL = "refused: the call did not carry this cluster's secret"
 class SecretCheck(grpc.aio.ServerInterceptor):
     def __init__(self, secret: str) -> None:
         self.secret = secret
+        self.refusals = LogLimit(log)
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         offered = dict(details.invocation_metadata or ()).get(METADATA_KEY, "")
         if handler is None or secret_matches(offered, self.secret):
             return handler
-        log.error("a %s call without this cluster's secret: refused", details.method)
+        self.refusals.error(
+            "no-secret", "a %s call without this cluster's secret: refused", details.method
+        )
 
         async def refuse(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
