@@ -193,6 +193,100 @@ class CudaSideStream:
     def synchronize(self) -> None:
         self.stream.synchronize()
 
+    def precede_forward(self) -> None:
+        """Later work on the forward stream waits (on the GPU) for what this stream has queued:
+        a fence, no host wait (before vLLM reuses blocks a queued copy still reads)."""
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
+class HostRegistration:
+    """Host memory torch did not allocate (a shared mapping: the KV pool's) registered with CUDA
+    as pinned, so copies between it and `device` are asynchronous DMA: a copy from or to
+    pageable memory makes the calling thread wait until it is done, i.e. behind whatever the
+    stream has queued first.
+
+    `pieces`: (address, bytes) ranges registered one by one (cudaHostRegister has a size limit;
+    a caller keeps every copy within one piece). The calls run on a thread of their own, which
+    sets `device` first (so no context is made on GPU 0 for another rank's device) and whose
+    failed call's error stays in that thread (CUDA's last error is per thread: left on vLLM's,
+    the next kernel launch check there would raise it). `wait`: return once registered (at an
+    engine's start); else `ready` turns true when it is done, and copies stage through pinned
+    memory until then. Registering pins every page: the whole range becomes resident.
+    `release()` unregisters; the caller first makes sure no queued copy still touches it.
+    `owner` (the mapping's tensors) is kept alive as long as the registration is."""
+
+    def __init__(self, pieces: list[tuple[int, int]], device, owner=None, wait: bool = True):
+        self.pieces = pieces
+        self.device = torch.device(device)
+        self.owner = owner
+        self.registered: list[int] = []
+        self.ok = False
+        self.error = ""
+        self.seconds = 0.0
+        self.done = threading.Event()
+        self._thread = threading.Thread(
+            target=self._register, name="pdserve-host-register", daemon=True
+        )
+        self._thread.start()
+        if wait:
+            self._thread.join()
+
+    @property
+    def ready(self) -> bool:
+        """Registered, every piece of it (False while registering, or if it failed)."""
+        return self.done.is_set() and self.ok
+
+    def _register(self) -> None:
+        started = time.perf_counter()
+        try:
+            torch.cuda.set_device(self.device)
+            cudart = torch.cuda.cudart()
+            for address, size in self.pieces:
+                code = int(cudart.cudaHostRegister(address, size, _HOST_REGISTER_PORTABLE))
+                if code != 0:
+                    self.error = f"cudaHostRegister of {size} B: CUDA error {code}"
+                    break
+                self.registered.append(address)
+            else:
+                self.ok = True
+        except Exception as error:  # no CUDA runtime: copies stay staged, as before
+            self.error = f"{type(error).__name__}: {error}"
+        finally:
+            if not self.ok:
+                self._unregister()
+            self.seconds = time.perf_counter() - started
+            self.done.set()
+
+    def _unregister(self) -> None:
+        addresses, self.registered = self.registered, []
+        if not addresses:
+            return
+        cudart = torch.cuda.cudart()
+        for address in reversed(addresses):
+            cudart.cudaHostUnregister(address)
+
+    def release(self, wait: bool = True) -> None:
+        """Unregister, once every copy that touches it is done (the caller's to know), on a
+        thread of its own as registering (`wait`: until it is done); the memory's owner is let
+        go after."""
+        self._thread.join()
+        self.ok = False
+        thread = threading.Thread(target=self._release, name="pdserve-host-unregister")
+        thread.start()
+        if wait:
+            thread.join()
+
+    def _release(self) -> None:
+        try:
+            if self.registered:
+                torch.cuda.set_device(self.device)
+                self._unregister()
+        finally:
+            self.owner = None
+
+
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
+
 
 class HostToDevice:
     """The decode side's loads: copy a wire tensor and its block index to the device and scatter

@@ -73,6 +73,36 @@ def slice_digest(data: torch.Tensor) -> int:
     return (int(mixed.item()) + size * _LENGTH) & _MASK
 
 
+def block_digests(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's `slice_digest`, as the int64 with the same bits (what a pool slot's header
+    holds), for a [n, bytes] uint8 tensor: one batch of tensor ops over all n rows, and the
+    result stays where `rows` is. On a device nothing comes to the host: a caller compares the
+    digests there, or copies them out asynchronously (kv_transfer/pool_copy.py), so no row costs
+    a synchronisation. Bit-identical to `slice_digest` of each row: a row is zero-padded to whole
+    rows of WORDS_PER_ROW words, as `slice_digest` pads its tail."""
+    if rows.dim() != 2:
+        raise ValueError(f"rows of bytes, not a tensor of shape {tuple(rows.shape)}")
+    rows = rows.view(torch.uint8) if rows.dtype != torch.uint8 else rows
+    count, size = rows.shape
+    row_bytes = 8 * WORDS_PER_ROW
+    words_rows = max(1, -(-size // row_bytes))
+    padded = words_rows * row_bytes
+    if padded != size or not rows.is_contiguous() or rows.storage_offset() % 8:
+        whole = torch.zeros((count, padded), dtype=torch.uint8, device=rows.device)
+        whole[:, :size] = rows
+        rows = whole
+    words = rows.view(torch.int64).view(count, words_rows, WORDS_PER_ROW)
+    row_weights, col_weights = _weights(words_rows, str(rows.device))
+    mixed = (words.sum(2) * row_weights).sum(1) + (words.sum(1) * col_weights).sum(1)
+    return mixed + _signed(size * _LENGTH & _MASK)  # wraps mod 2^64, as slice_digest's
+
+
+def prepare_block_digests(size: int, device) -> None:
+    """Make `block_digests`' constants for rows of `size` bytes on `device` now (a copy to the
+    device, once): a caller that must not wait for the device later calls this first."""
+    _weights(max(1, -(-size // (8 * WORDS_PER_ROW))), str(torch.device(device)))
+
+
 @functools.lru_cache(maxsize=64)
 def _weights(rows: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """ODD * s1 + EVEN * s2 as one weighted sum of the row and column sums (mod 2^64): row r

@@ -50,7 +50,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kv_transfer.pool_client import PoolClient
 from kv_transfer.pool_config import POOL_ADDRESS, POOL_NAMESPACE
-from kv_transfer.pool_copy import PoolMemory, cache_rows, load_blocks, store_blocks
+from kv_transfer.pool_copy import Copy, PoolCopier, PoolMemory, cache_rows
 
 log = logging.getLogger("pdserve.kv")
 # Store copies per engine step, at least one block (SmolLM2's 5.6 MiB block: ~3 ms of a CPU
@@ -132,23 +132,43 @@ class PoolManager(OffloadingManager):
 
 @dataclass
 class PendingStore:
-    """A store job being copied, block by block, over engine steps."""
+    """A store job, queued for copying a budget of blocks per engine step."""
 
     job_id: int
     blocks: list[int]
     memory: PoolMemory
     slots: list[int]
     keys: list[bytes]
-    done: int = 0  # blocks copied
+    started: float  # when vLLM submitted it
+    queued: int = 0  # blocks whose copy is queued
+    landed: int = 0  # blocks whose copy is done (their headers written)
     size: int = 0  # their bytes
-    seconds: float = 0.0  # their copies' time
+
+
+@dataclass
+class InFlight:
+    """A queued copy (PoolCopier's), in the order of the copier's stream: a batch of a store's
+    blocks (`store`, `count`), or a whole load (`load`: its job id and when it was submitted)."""
+
+    copy: Copy
+    memory: PoolMemory
+    store: PendingStore | None = None
+    count: int = 0
+    load: tuple[int, float] | None = None
 
 
 class PoolWorker(OffloadingWorker):
     """The worker's side, in rank `part` of the engine. `client` None: this engine does not use
-    the pool (no job comes)."""
+    the pool (no job comes). `side_stream`: where the copier queues its jobs (a fake in tests;
+    by default a CUDA side stream for a CUDA cache, none on CPU)."""
 
-    def __init__(self, kv_caches: CanonicalKVCaches, client: PoolClient | None, part: int):
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        client: PoolClient | None,
+        part: int,
+        side_stream=None,
+    ):
         # vLLM hands each cache tensor over as (blocks, bytes of one block): int8 rows, possibly
         # strided; a block's slot holds its rows, in this order (kv_transfer/pool_copy.py).
         self.pages = [cache_rows(t.tensor) for t in kv_caches.tensors]
@@ -163,9 +183,19 @@ class PoolWorker(OffloadingWorker):
             client = None
         self.client = client
         self.part = part
-        self.stores: deque[PendingStore] = deque()  # in vLLM's order
+        self.copier = PoolCopier(self.pages, part, side_stream)
+        self.stores: deque[PendingStore] = deque()  # not all queued yet, in vLLM's order
+        self.in_flight: deque[InFlight] = deque()  # queued copies, in the stream's order
         self.finished: list[TransferResult] = []
         self.failed_blocks: set[int] = set()  # cache blocks whose load failed its check
+        self._mapped: PoolMemory | None = None  # the store's memory as mapped now
+        self._mapped_from = None  # the client's mapping it views
+        self._retired: list[PoolMemory] = []  # earlier mappings, registered until unused
+        self._registering = None  # a registration whose outcome is not logged yet
+        if client is not None and self.copier.pin and client.connected():
+            # At the engine's start (before vLLM captures CUDA graphs): pinning the whole pool
+            # takes a while, better here than on the first step that copies.
+            self._mapping(wait=True)
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: PoolSlots) -> bool:
         memory = self._memory(dst_spec)
@@ -173,49 +203,67 @@ class PoolWorker(OffloadingWorker):
             self.finished.append(TransferResult(job_id, True, 0, 0.0))
             return True
         blocks = [int(block) for block in src_spec.block_ids]
-        self.stores.append(PendingStore(job_id, blocks, memory, dst_spec.slots, dst_spec.keys))
+        self.stores.append(
+            PendingStore(job_id, blocks, memory, dst_spec.slots, dst_spec.keys, time.perf_counter())
+        )
         return True
 
-    def _copy_stores(self, budget: int | None) -> None:
-        """Copy pending stores' blocks, oldest first, until `budget` bytes (None: all); a job
-        whose last block is copied is finished."""
-        copied = 0
-        while self.stores and (budget is None or copied < budget):
+    def _queue_stores(self, budget: int | None) -> None:
+        """Queue copies of pending stores' blocks, oldest first, up to `budget` bytes (at
+        least a block; None: all of them). Queued, not done: `_collect` finishes them."""
+        queued = 0
+        while self.stores and (budget is None or queued < budget):
             job = self.stores[0]
-            started, block = time.perf_counter(), slice(job.done, job.done + 1)
-            size = store_blocks(
-                self.pages,
-                job.blocks[block],
-                job.memory,
-                job.slots[block],
-                job.keys[block],
-                self.part,
+            take = len(job.blocks) - job.queued
+            if budget is not None:
+                take = min(take, max(1, -(-(budget - queued) // self.block_bytes)))
+            batch = slice(job.queued, job.queued + take)
+            copy = self.copier.store(
+                job.blocks[batch], job.memory, job.slots[batch], job.keys[batch]
             )
-            job.done, job.size, copied = job.done + 1, job.size + size, copied + size
-            job.seconds += time.perf_counter() - started
-            if job.done == len(job.blocks):
+            self.in_flight.append(InFlight(copy, job.memory, store=job, count=take))
+            job.queued += take
+            queued += take * self.block_bytes
+            if job.queued == len(job.blocks):
                 self.stores.popleft()
-                self.finished.append(TransferResult(job.job_id, True, job.size, job.seconds))
 
-    def submit_load(self, job_id: int, src_spec: PoolSlots, dst_spec: GPULoadStoreSpec) -> bool:
-        started = time.perf_counter()
-        blocks = [int(block) for block in dst_spec.block_ids]
-        planned = src_spec.slots is not None and len(src_spec.slots) == len(blocks)
-        memory = self._memory(src_spec) if planned else None
-        size = 0
-        if memory is None:
-            self.failed_blocks.update(blocks)
-        else:
-            size, refused, keys = load_blocks(
-                self.pages, blocks, memory, src_spec.slots, src_spec.keys, self.part
-            )
+    def _collect(self) -> None:
+        """Finish the copies that are done (an event query each, in the stream's order): a
+        store's headers are written, a whole store is finished; a load's refused blocks are
+        reported (dropped from the pool, recomputed) with the load."""
+        while self.in_flight and self.in_flight[0].copy.passed():
+            done = self.in_flight.popleft()
+            result = done.copy.result()
+            now = time.perf_counter()
+            if done.store is not None:
+                job = done.store
+                job.landed, job.size = job.landed + done.count, job.size + result
+                if job.landed == len(job.blocks):
+                    self.finished.append(
+                        TransferResult(job.job_id, True, job.size, now - job.started)
+                    )
+                continue
+            (job_id, started), (size, refused, keys) = done.load, result
             if refused:
                 self.failed_blocks.update(refused)
                 self.client.call("drop", keys)  # client set: memory came from it
                 log.warning(
                     "kv pool: %d block(s) failed their check: dropped, recomputed", len(keys)
                 )
-        self.finished.append(TransferResult(job_id, True, size, time.perf_counter() - started))
+            self.finished.append(TransferResult(job_id, True, size, now - started))
+
+    def submit_load(self, job_id: int, src_spec: PoolSlots, dst_spec: GPULoadStoreSpec) -> bool:
+        started = time.perf_counter()
+        blocks = [int(block) for block in dst_spec.block_ids]
+        planned = src_spec.slots is not None and len(src_spec.slots) == len(blocks)
+        memory = self._memory(src_spec) if planned else None
+        if memory is None:
+            self.failed_blocks.update(blocks)
+            self.finished.append(TransferResult(job_id, True, 0, time.perf_counter() - started))
+            return True
+        copy = self.copier.load(blocks, memory, src_spec.slots, src_spec.keys)
+        self.in_flight.append(InFlight(copy, memory, load=(job_id, started)))
+        self._collect()  # on a CPU it is done already
         return True
 
     def _memory(self, spec: PoolSlots) -> PoolMemory | None:
@@ -227,21 +275,79 @@ class PoolWorker(OffloadingWorker):
         if spec.store_id != self.client.store_id:
             self.client.call("stats")
             return None
+        return self._mapping()
+
+    def _mapping(self, wait: bool = False) -> PoolMemory:
+        """The client's mapping of the store's memory, registered with CUDA beside a CUDA cache
+        (`wait`: now; else on a thread of its own, copies staged through pinned memory until
+        it is done). A new mapping (a store reconnected to) retires the previous one."""
         client = self.client
-        return PoolMemory.over(client.memory, client.header_bytes, client.slots, client.parts)
+        if self._mapped is not None and self._mapped_from is client.memory:
+            return self._mapped
+        if self._mapped is not None:
+            self._retired.append(self._mapped)
+        memory = PoolMemory.over(client.memory, client.header_bytes, client.slots, client.parts)
+        if self.copier.pin:
+            self._registering = memory.register(self.copier.device, wait)
+            self._note_registration()
+        self._mapped, self._mapped_from = memory, client.memory
+        return memory
+
+    def _note_registration(self) -> None:
+        """Log how registering the pool's memory went, once it is done."""
+        registration = self._registering
+        if registration is None or not registration.done.is_set():
+            return
+        self._registering = None
+        size = sum(size for _, size in registration.pieces) / 2**30
+        if registration.ok:
+            log.info("kv pool: %.1f GiB pinned for CUDA in %.2f s", size, registration.seconds)
+        else:
+            log.warning(
+                "kv pool: its %.1f GiB could not be pinned for CUDA (%s): copies go through "
+                "pinned staging memory, with a host copy more each",
+                size,
+                registration.error,
+            )
+
+    def _release_retired(self) -> None:
+        """Unregister earlier mappings no queued copy uses any more (on a thread of their own)."""
+        if not self._retired:
+            return
+        busy = {id(f.memory) for f in self.in_flight} | {id(s.memory) for s in self.stores}
+        kept = []
+        for memory in self._retired:
+            registration = memory.registration
+            if id(memory) in busy or (registration and not registration.done.is_set()):
+                kept.append(memory)
+            elif registration is not None:
+                registration.release(wait=False)
+        self._retired = kept
 
     def shutdown(self) -> None:
+        if self.in_flight and self.copier.side is not None:
+            self.copier.side.synchronize()  # the engine is stopping: no step to hold up
+        for memory in [*self._retired, self._mapped]:
+            if memory is not None and memory.registration is not None:
+                memory.registration.release(wait=True)
         if self.client is not None:
             self.client.close()
 
     def get_finished(self) -> list[TransferResult]:
-        self._copy_stores(STORE_BYTES_PER_STEP)
+        self._queue_stores(STORE_BYTES_PER_STEP)
+        self._collect()
+        self._release_retired()
+        self._note_registration()
         finished, self.finished = self.finished, []
         return finished
 
     def wait(self, job_ids: set[int]) -> None:
-        """vLLM is about to reuse blocks these jobs read: every pending store is copied now."""
-        self._copy_stores(None)
+        """vLLM is about to reuse blocks these jobs read: every pending store is queued now,
+        and the forward stream waits for the copies on the device (a fence, not a wait here);
+        each is reported by `get_finished` once done, as any other."""
+        self._queue_stores(None)
+        self.copier.fence()
+        self._collect()
 
     def take_failed_blocks(self) -> set[int]:
         failed, self.failed_blocks = self.failed_blocks, set()

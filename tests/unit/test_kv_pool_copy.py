@@ -217,3 +217,147 @@ def test_a_store_is_copied_a_budget_a_step_and_wait_copies_all_that_is_pending(
     for a, b in zip(caches_a, caches_b, strict=True):
         for source, target in zip([0, 1, 2, 3], [5, 4, 3, 2], strict=True):
             assert torch.equal(a[source].view(torch.uint8), b[target].view(torch.uint8))
+
+
+def vllm_worker(address: str, layers: int, blocks: int, page: int, side_stream=None):
+    """A worker over a cache allocated as vLLM 0.32 allocates it (one buffer, a (blocks, page)
+    view per layer), with a pool of `blocks` slots of its size."""
+    from vllm.v1.kv_offload.base import CanonicalKVCaches, CanonicalKVCacheTensor
+
+    from kv_transfer.pool_offload import PoolManager, PoolWorker
+
+    buffer = torch.randint(-128, 128, (layers * blocks * page,), dtype=torch.int8)
+    caches = [layer.view(blocks, page) for layer in buffer.view(layers, -1)]
+    canonical = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(cache, page) for cache in caches], group_data_refs=[[]]
+    )
+    client = PoolClient(address, f"vllm-{layers}x{page}", layers * page)
+    manager = PoolManager(PoolClient(address, f"vllm-{layers}x{page}", layers * page))
+    return manager, PoolWorker(canonical, client, 0, side_stream), caches
+
+
+def test_the_worker_never_synchronises_a_job_of_8_blocks_x_32_layers(tmp_path, monkeypatch):
+    """vLLM's calls into the worker for a store and a load of 8 blocks x 32 layers make no
+    synchronising call (.item(), int() of a tensor, a stream or event synchronize) and copy in
+    a few launches, not one per block or layer (tests/unit/test_kv_pool_sync.py counts the
+    copier alone, before and after)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    layers, page = 32, 2048
+    address, process = start_kv_pool(tmp_path / "kv-pool.log", 16 * layers * page)
+    syncs = []
+    monkeypatch.setattr(torch.Tensor, "item", lambda *a: syncs.append("item"))
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda *a: syncs.append("event"))
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize", lambda *a: syncs.append("stream"))
+
+    class Counted(TorchDispatchMode):
+        ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    try:
+        manager, worker, caches = vllm_worker(address, layers, 16, page)
+        keys = [f"k{i}".encode() for i in range(8)]
+        plan = manager.prepare_store(keys, request())
+        with Counted() as counted:
+            worker.submit_store(1, gpu(list(range(8))), plan.store_spec)
+            (stored,) = worker.get_finished()
+        store_ops = list(counted.ops)
+        manager.complete_store(keys, request())
+        spec = manager.prepare_load(keys, request())
+        counted.ops.clear()
+        with Counted() as counted:
+            worker.submit_load(2, spec, gpu(list(range(8, 16))))
+            (loaded,) = worker.get_finished()
+        load_ops = list(counted.ops)
+        manager.complete_load(keys, request())
+    finally:
+        stop_group(process.pid, process=process)
+    assert stored.transfer_size == loaded.transfer_size == 8 * layers * page
+    assert worker.take_failed_blocks() == set()
+    for cache in caches:
+        assert torch.equal(cache[:8], cache[8:])
+    for ops in (store_ops, load_ops):
+        assert syncs == [] and "_local_scalar_dense" not in ops, (syncs, ops)
+        copies = [op for op in ops if op in {"copy_", "index_select", "index_copy_", "where"}]
+        assert len(copies) <= 4, copies
+
+
+class HeldEvent:
+    def __init__(self, stream):
+        self.stream = stream
+
+    def query(self) -> bool:
+        return self.stream.released
+
+    def synchronize(self) -> None:
+        raise AssertionError("vLLM's thread waited for the device")
+
+
+class HeldStream:
+    """A side stream whose work runs at once but whose events pass only when `released` (as
+    host_staging.CudaSideStream is driven)."""
+
+    released = False
+    fences = 0
+
+    def follow_forward(self) -> None:
+        pass
+
+    def submit(self, work) -> None:
+        work()
+
+    def record(self) -> HeldEvent:
+        return HeldEvent(self)
+
+    def synchronize(self) -> None:
+        raise AssertionError("vLLM's thread waited for the device")
+
+    def precede_forward(self) -> None:
+        self.fences += 1
+
+
+def test_on_a_stream_jobs_finish_by_event_query_and_a_refused_block_is_reported_with_its_load(
+    tmp_path,
+):
+    """With copies queued on a stream, a store is finished (and its blocks loadable) only once
+    its event passed, `wait` fences the forward stream instead of waiting, and a load's
+    refused block is reported in the same step as the load, once it is done (vLLM reads
+    get_finished, then the load errors)."""
+    layers, page = 4, 2048
+    address, process = start_kv_pool(tmp_path / "kv-pool.log", 16 * layers * page)
+    stream = HeldStream()
+    try:
+        manager, worker, caches = vllm_worker(address, layers, 16, page, stream)
+        keys = [f"k{i}".encode() for i in range(4)]
+        plan = manager.prepare_store(keys, request())
+        worker.submit_store(1, gpu([0, 1, 2, 3]), plan.store_spec)
+        assert worker.get_finished() == []
+        worker.wait({1})
+        assert stream.fences == 1 and worker.get_finished() == []
+        stream.released = True
+        (stored,) = worker.get_finished()
+        assert (stored.job_id, stored.transfer_size) == (1, 4 * layers * page)
+        manager.complete_store(keys, request())
+
+        stream.released = False
+        spec = manager.prepare_load(keys, request())
+        client = worker.client
+        memory = client.memory
+        memory[client.header_bytes + spec.slots[1] * layers * page + 3] ^= 1  # k1's bytes
+        before = [cache[9].clone() for cache in caches]
+        worker.submit_load(2, spec, gpu([8, 9, 10, 11]))
+        assert worker.get_finished() == [] and worker.take_failed_blocks() == set()
+        stream.released = True
+        (loaded,) = worker.get_finished()
+        assert (loaded.job_id, loaded.transfer_size) == (2, 3 * layers * page)
+        assert worker.take_failed_blocks() == {9}
+        manager.complete_load(keys, request())
+        for cache, old in zip(caches, before, strict=True):
+            assert torch.equal(cache[9], old)
+            assert torch.equal(cache[8], cache[0]) and torch.equal(cache[11], cache[3])
+        assert manager.client.call("stats")["dropped"] == 1
+    finally:
+        stop_group(process.pid, process=process)
