@@ -36,6 +36,7 @@ QUEUED_CALLS = 64  # calls that may wait for a thread; past them gRPC refuses at
 TOO_MANY_STREAMS = f"refused: this rank serves {MAX_STREAMS} KV streams at most"
 NO_HELLO_IN_TIME = f"a KV stream must say hello within {HELLO_WAIT_S:g} s"
 DISPLACED = "a KV stream waiting for its hello, displaced by a newer one"
+_GIVEN_UP = object()  # what _hello returns for a stream it gave up on
 
 
 class HelloGate:
@@ -134,7 +135,7 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
     def PushKv(self, request_iterator, context):
         peer = context.peer()
         first = self._hello(request_iterator, context, peer)
-        if first is None and not context.is_active():  # cancelled: by us, or by its peer
+        if first is _GIVEN_UP or not context.is_active():  # cancelled: by us, or by its peer
             return wire.PushKvReply(accepted=False, error=NO_HELLO_IN_TIME)
         answer = self._answer(first, peer)
         if not answer.accepted:
@@ -148,8 +149,9 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
             self.stream_slots.release()
 
     def _hello(self, request_iterator, context, peer: str):
-        """The stream's first message, or None: none came within HELLO_WAIT_S, or a newer
-        stream displaced this one (the call is cancelled then), or it ended or failed first."""
+        """The stream's first message; None when it ended or failed first; _GIVEN_UP when
+        none came within HELLO_WAIT_S or a newer stream displaced this one (the call is
+        cancelled then)."""
         lock = threading.Lock()
         why: list[str] = []  # why this stream was given up on, once it was
         said_hello: list[bool] = []  # once its first message came (or none will): too late
@@ -182,7 +184,7 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
             self.hello_gate.leave(token)
         kind = "hello-late" if why[0] == NO_HELLO_IN_TIME else "hello-displaced"
         self.refusals.error(kind, "KV stream from %s: %s", peer, why[0])
-        return None
+        return _GIVEN_UP
 
     def _receive(self, request_iterator, context):
         log.info("KV stream from %s accepted", context.peer())
