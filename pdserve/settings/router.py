@@ -181,7 +181,9 @@ class RouterSettings(Settings):
     cluster_secret_file: ClusterSecretFile
     tls_dir: TlsDir
     public_metrics: bool = Field(
-        True, description="/metrics answers without an API key (/health always does)"
+        True,
+        description="/metrics answers without an API key (/health always does); otherwise "
+        "it needs an operator or admin key (its labels name the workers)",
     )
     worker_ready_timeout_s: float = Field(
         600.0,

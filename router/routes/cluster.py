@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.kinds import Role
 from pdserve.worker.protocol import worker_pb2
-from router.api_keys import KeyRole, require
+from router.api_keys import KeyRole, caller_of, require
 from router.errors import invalid_request
 from router.routes.body import read_json
 
@@ -23,13 +23,22 @@ routes = APIRouter()
 
 @routes.get("/health")
 async def health(request: Request):
+    """Open to every probe; which workers are up (their ids: pod names, or addresses) only to
+    an admin key (security review M7)."""
     serving, report = request.app.state.pool.health()
+    if caller_of(request.app.state, request.headers).role < KeyRole.ADMIN:
+        report = {key: report[key] for key in ("status", "pools")}
     return JSONResponse(report, status_code=200 if serving else 503)
 
 
 @routes.get("/metrics")
 async def prometheus(request: Request):
-    registry = request.app.state.metrics.registry
+    """Open with --public-metrics; otherwise for operator and admin keys (a scraper's), as its
+    labels name the workers."""
+    state = request.app.state
+    if not state.settings.public_metrics:
+        require(state, request.headers, KeyRole.OPERATOR)
+    registry = state.metrics.registry
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -20,7 +20,7 @@ from pdserve.settings import json_logs
 from router.accounting import DISCONNECTED, timing_breakdown
 from router.admission import PRIORITY_HEADER, TIMEOUT_HEADER, asking, sequences
 from router.admission_gate import Turn
-from router.api_keys import caller_of
+from router.api_keys import Caller, caller_of
 from router.errors import OpenAIError
 from router.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
 from router.prefix_index import cache_salt
@@ -31,6 +31,7 @@ from router.routes.body import json_body, read_json
 
 routes = APIRouter()
 TIMING_HEADER = "x-pdserve-timing"  # ask for the timing breakdown in a whole response
+WORKER_HEADERS = ("x-pdserve-worker", "x-pdserve-prefill-worker")
 CANCEL_GRACE_S = 5.0  # how long a cancelled relay may take to unwind
 
 
@@ -103,7 +104,7 @@ async def serve(
         json_logs.request_id.set(admitted.request_id)
         cache_salt.set(admitted.worker_requests[0].cache_salt)
         turn.first_token()
-        headers = started[0].headers
+        headers = _visible_headers(started[0].headers, caller)
         headers["x-request-id"] = admitted.request_id
         shape = shape_class(
             admitted.request_id,
@@ -128,7 +129,7 @@ async def serve(
                 media_type="text/event-stream",
                 headers=headers,
             )
-        return await _whole(request, endpoint, admitted, started, shape, turn)
+        return await _whole(request, endpoint, admitted, started, shape, turn, headers, caller)
     except ClientDisconnect:  # it left while sending its body
         state.flow.count_disconnect(endpoint)
         return Response(status_code=DISCONNECTED)
@@ -142,6 +143,14 @@ async def serve(
         otel_context.detach(attached)
         if not streaming:
             span.end()
+
+
+def _visible_headers(headers: dict, caller: Caller) -> dict:
+    """The response's headers; which workers served it (their ids: pod names, or addresses)
+    only for operator and admin keys (security review M7)."""
+    if caller.steers:
+        return dict(headers)
+    return {key: value for key, value in headers.items() if key not in WORKER_HEADERS}
 
 
 async def _unless_client_leaves(request: Request, work):
@@ -176,8 +185,11 @@ async def _whole(
     started: list[Started],
     shape: ResponseShape,
     turn: Turn,
+    headers: dict,
+    caller: Caller,
 ) -> Response:
-    """The whole response, once every run has finished (499 when the client left first)."""
+    """The whole response, once every run has finished (499 when the client left first);
+    its timing breakdown for operator and admin keys that ask for it."""
     flow = request.app.state.flow
     try:
         whole = await _until_disconnected(
@@ -187,12 +199,11 @@ async def _whole(
         turn.give_back()
     if whole is None:
         return Response(status_code=DISCONNECTED)
-    headers = started[0].headers
     # Prompt tokens the serving worker did not compute itself (prefix cache + KV received); on
     # a disaggregated request it shows the decode worker's saving.
     cached = sum(run.cached_tokens for run in admitted.runs)
     headers["x-pdserve-decode-cached-tokens"] = str(cached)
-    if request.headers.get(TIMING_HEADER):
+    if request.headers.get(TIMING_HEADER) and caller.steers:
         whole["pdserve_timing"] = timing_breakdown(admitted.runs[0])
     return JSONResponse(whole, headers=headers)
 
