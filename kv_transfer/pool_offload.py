@@ -7,16 +7,24 @@ what any of them computed.
 - `PoolManager` (the engine's scheduler side) asks the store: lookup, pin for a load, make room
   for a store. The store being gone answers "miss" and "no room": the engine computes.
 - `PoolWorker` (each worker rank) copies between the engine's KV cache and the pool's memory
-  on the engine's thread (a block of SmolLM2 is ~3 ms of a CPU core; on a GPU a plain
-  device-to-host copy). A load is copied at once (the request waits for it); a store is copied
-  STORE_BYTES_PER_STEP at a time, one engine step after another, so the decode step after a
-  long prefill does not wait for the whole prompt's copy. vLLM keeps stepping while a store is
-  pending (idle engines included), and before it reuses a block a pending store reads it asks
-  `wait`, which copies everything pending at once. A tensor-parallel rank copies its own heads,
-  into and out of its part of each slot; vLLM completes a store only once every rank has done
-  its part, and recomputes a block any rank could not load. A writer puts its key's tag and its
-  bytes' digest (kv_transfer/integrity.py) in its part's header; a reader checks both before
-  one byte reaches the cache, and a block that fails is dropped from the pool, counted, and
+  through a PoolCopier (kv_transfer/pool_copy.py), called on the engine's thread but never
+  waiting for the device there: on a GPU a job is queued on a side stream after the step's
+  forward (one gather or scatter over its blocks x layers, one copy per run of slots into the
+  pool's memory, registered with CUDA as pinned at the engine's start, its digests taken on the
+  device) and finished in a later `get_finished`, once an event after it has passed (a query).
+  On a CPU the same job is copied in the call. A load is queued at once, in copies of at most
+  COPY_BYTES (CPU_COPY_BYTES on a CPU), and reported (with any block it refused) once done, so
+  its request waits for it; a store is queued STORE_BYTES_PER_STEP at a time, one engine step
+  after another, so the decode step after a long prefill does not pay for the whole prompt's
+  copy at once (on a CPU, where the copy runs in the step). vLLM keeps stepping while a store
+  is pending (idle engines included), and before it reuses a block a pending store reads it
+  asks `wait`, which queues everything pending and makes the forward stream wait for it on the
+  device (not the thread).
+  A tensor-parallel rank copies its own heads, into and out of its part of each slot; vLLM
+  completes a store only once every rank has done its part, and recomputes a block any rank
+  could not load. A writer puts its key's tag and its bytes' digest (kv_transfer/integrity.py)
+  in its part's header once its bytes landed; a reader checks both, on the device, before one
+  byte reaches the cache, and a block that fails is dropped from the pool, counted, and
   recomputed (kv_transfer/pool_connector.py reports it to vLLM as a load error), never used.
 
 vLLM 0.32's own CPU offloading worker needs CUDA streams (it refuses the CPU platform) and keeps
@@ -29,7 +37,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.v1.kv_offload.base import (
@@ -53,10 +61,16 @@ from kv_transfer.pool_config import POOL_ADDRESS, POOL_NAMESPACE
 from kv_transfer.pool_copy import Copy, PoolCopier, PoolMemory, cache_rows
 
 log = logging.getLogger("pdserve.kv")
-# Store copies per engine step, at least one block (SmolLM2's 5.6 MiB block: ~3 ms of a CPU
-# core; a 70B model's 16-token block per rank: 0.6 MiB, ~60 us over PCIe): ~4x what this host's
-# prefill computes, so stores never fall behind, and a few ms added to one step at most.
+# Store copies queued per engine step, at least one block (SmolLM2's 5.6 MiB block: ~3 ms of a
+# CPU core, in the step; a 70B model's 16-token block per rank: 0.6 MiB, ~13 us over pinned
+# PCIe, beside the forward): ~4x what this host's prefill computes, so stores never fall behind.
 STORE_BYTES_PER_STEP = 16 << 20
+# One queued copy's bytes at most (at least a block): on a GPU, what it holds of device memory
+# beside vLLM's cache while it runs is about twice that (the bytes, and a load's kept rows); on
+# a CPU, a copy small enough to stay in the L3 cache from its copy to its digest and scatter
+# (SmolLM2 on this host: stores 6.6 GB/s a block at a time, 4.9 by 8 blocks; loads 4.0 and 3.0).
+COPY_BYTES = 32 << 20
+CPU_COPY_BYTES = 8 << 20
 
 
 @dataclass
@@ -146,15 +160,28 @@ class PendingStore:
 
 
 @dataclass
+class PendingLoad:
+    """A load job, queued in copies of at most COPY_BYTES, reported once all are done."""
+
+    job_id: int
+    started: float
+    copies: int = 0  # queued
+    landed: int = 0  # done
+    size: int = 0  # bytes loaded
+    refused: list[int] = field(default_factory=list)  # blocks that failed their check
+    refused_keys: list[bytes] = field(default_factory=list)
+
+
+@dataclass
 class InFlight:
-    """A queued copy (PoolCopier's), in the order of the copier's stream: a batch of a store's
-    blocks (`store`, `count`), or a whole load (`load`: its job id and when it was submitted)."""
+    """A queued copy (PoolCopier's), in the order of the copier's stream: `count` blocks of a
+    store or of a load."""
 
     copy: Copy
     memory: PoolMemory
     store: PendingStore | None = None
+    load: PendingLoad | None = None
     count: int = 0
-    load: tuple[int, float] | None = None
 
 
 class PoolWorker(OffloadingWorker):
@@ -184,6 +211,8 @@ class PoolWorker(OffloadingWorker):
         self.client = client
         self.part = part
         self.copier = PoolCopier(self.pages, part, side_stream)
+        most = COPY_BYTES if self.copier.side is not None else CPU_COPY_BYTES
+        self._blocks_per_copy = max(1, most // self.block_bytes)
         self.stores: deque[PendingStore] = deque()  # not all queued yet, in vLLM's order
         self.in_flight: deque[InFlight] = deque()  # queued copies, in the stream's order
         self.finished: list[TransferResult] = []
@@ -214,7 +243,7 @@ class PoolWorker(OffloadingWorker):
         queued = 0
         while self.stores and (budget is None or queued < budget):
             job = self.stores[0]
-            take = len(job.blocks) - job.queued
+            take = min(len(job.blocks) - job.queued, self._blocks_per_copy)
             if budget is not None:
                 take = min(take, max(1, -(-(budget - queued) // self.block_bytes)))
             batch = slice(job.queued, job.queued + take)
@@ -243,14 +272,20 @@ class PoolWorker(OffloadingWorker):
                         TransferResult(job.job_id, True, job.size, now - job.started)
                     )
                 continue
-            (job_id, started), (size, refused, keys) = done.load, result
-            if refused:
-                self.failed_blocks.update(refused)
-                self.client.call("drop", keys)  # client set: memory came from it
+            job, (size, refused, keys) = done.load, result
+            job.landed, job.size = job.landed + 1, job.size + size
+            job.refused.extend(refused)
+            job.refused_keys.extend(keys)
+            if job.landed < job.copies:
+                continue
+            if job.refused:  # reported with the load, in the same step
+                self.failed_blocks.update(job.refused)
+                self.client.call("drop", job.refused_keys)  # client set: memory came from it
                 log.warning(
-                    "kv pool: %d block(s) failed their check: dropped, recomputed", len(keys)
+                    "kv pool: %d block(s) failed their check: dropped, recomputed",
+                    len(job.refused),
                 )
-            self.finished.append(TransferResult(job_id, True, size, now - started))
+            self.finished.append(TransferResult(job.job_id, True, job.size, now - job.started))
 
     def submit_load(self, job_id: int, src_spec: PoolSlots, dst_spec: GPULoadStoreSpec) -> bool:
         started = time.perf_counter()
@@ -261,8 +296,14 @@ class PoolWorker(OffloadingWorker):
             self.failed_blocks.update(blocks)
             self.finished.append(TransferResult(job_id, True, 0, time.perf_counter() - started))
             return True
-        copy = self.copier.load(blocks, memory, src_spec.slots, src_spec.keys)
-        self.in_flight.append(InFlight(copy, memory, load=(job_id, started)))
+        job = PendingLoad(job_id, started)
+        for first in range(0, len(blocks), self._blocks_per_copy):
+            batch = slice(first, first + self._blocks_per_copy)
+            copy = self.copier.load(
+                blocks[batch], memory, src_spec.slots[batch], src_spec.keys[batch]
+            )
+            job.copies += 1
+            self.in_flight.append(InFlight(copy, memory, load=job, count=len(blocks[batch])))
         self._collect()  # on a CPU it is done already
         return True
 

@@ -3,6 +3,7 @@ behind the GPU.
 
     python3 scripts/gpu_t2_pool_hold.py                 # CUDA when present, else SKIP
     python3 scripts/gpu_t2_pool_hold.py --json t2.json --busy-ms 50
+    python3 scripts/gpu_t2_pool_hold.py --device cpu --measure   # the times alone, no verdict
 
 vLLM runs the forward on a dedicated stream per thread, the current one (vllm/utils/
 torch_utils.py), and calls the pool's worker (kv_transfer/pool_offload.py) on that thread after
@@ -241,7 +242,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--busy-ms", type=float, default=BUSY_MS)
     parser.add_argument("--json", type=Path, help="write the result here")
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="print the copier's times on this device (a CPU too) and check nothing",
+    )
     args = parser.parse_args(argv)
+    if args.measure:
+        device = torch.device(args.device)
+        busy_ms = args.busy_ms if device.type == "cuda" else 0.0
+        for pinned in (True, False) if device.type == "cuda" else (True,):
+            print(summary(measure(device, pinned, busy_ms=busy_ms), busy_ms), flush=True)
+        return 0
     started = time.perf_counter()
     try:
         status, detail = "PASS", check_pool_hold(args.device, busy_ms=args.busy_ms)

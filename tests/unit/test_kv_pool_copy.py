@@ -361,3 +361,42 @@ def test_on_a_stream_jobs_finish_by_event_query_and_a_refused_block_is_reported_
         assert manager.client.call("stats")["dropped"] == 1
     finally:
         stop_group(process.pid, process=process)
+
+
+def test_a_large_load_or_flushed_store_is_copied_in_bounded_pieces_and_reported_once(
+    tmp_path, monkeypatch
+):
+    """A load larger than COPY_BYTES is several queued copies, reported as one load once all
+    are done, with a refused block among them; `wait` queues pending stores in pieces too."""
+    monkeypatch.setattr("kv_transfer.pool_offload.COPY_BYTES", 3 * 4 * 2048)  # 3 blocks
+    layers, page = 4, 2048
+    address, process = start_kv_pool(tmp_path / "kv-pool.log", 16 * layers * page)
+    stream = HeldStream()
+    try:
+        manager, worker, caches = vllm_worker(address, layers, 16, page, stream)
+        keys = [f"k{i}".encode() for i in range(7)]
+        plan = manager.prepare_store(keys, request())
+        worker.submit_store(1, gpu(list(range(7))), plan.store_spec)
+        worker.wait({1})
+        assert [flight.count for flight in worker.in_flight] == [3, 3, 1]
+        stream.released = True
+        assert [r.job_id for r in worker.get_finished()] == [1]
+        manager.complete_store(keys, request())
+
+        stream.released = False
+        spec = manager.prepare_load(keys, request())
+        client = worker.client
+        client.memory[client.header_bytes + spec.slots[4] * layers * page] ^= 1  # k4's bytes
+        worker.submit_load(2, spec, gpu(list(range(8, 15))))
+        assert [flight.count for flight in worker.in_flight] == [3, 3, 1]
+        assert worker.get_finished() == []
+        stream.released = True
+        (loaded,) = worker.get_finished()
+        assert (loaded.job_id, loaded.transfer_size) == (2, 6 * layers * page)
+        assert worker.take_failed_blocks() == {12}
+        manager.complete_load(keys, request())
+        for cache in caches:
+            for block in (0, 1, 2, 3, 5, 6):
+                assert torch.equal(cache[block], cache[block + 8])
+    finally:
+        stop_group(process.pid, process=process)
