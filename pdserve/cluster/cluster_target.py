@@ -13,6 +13,7 @@ from pdserve.settings.cluster_file import load_cluster_file
 from pdserve.settings.cluster_secret import SECRET_ENV
 
 ROUTER_KEYS_ENV = "PDSERVE_API_KEYS"  # the router's keys (router/api_keys.py)
+ADMIN_KEYS_ENV = "PDSERVE_ADMIN_API_KEYS"  # its admin keys
 
 
 def add_target_arguments(parser) -> None:
@@ -33,10 +34,16 @@ def target_state(args: argparse.Namespace) -> ClusterState:
 
 
 def router_api_key() -> str:
-    """The key this command calls the router with: $PDSERVE_API_KEY (as `pdserve roles`), else
-    the first of $PDSERVE_API_KEYS, the router's own keys (its actor inherits them under `up`)."""
-    own = [key.strip() for key in os.environ.get(ROUTER_KEYS_ENV, "").split(",") if key.strip()]
-    return os.environ.get(API_KEY_ENV) or (own[0] if own else "")
+    """The key this command calls the router's /pdserve/ routes with, which need an admin key
+    when the router has keys: $PDSERVE_API_KEY (as `pdserve roles`), else the first of
+    $PDSERVE_ADMIN_API_KEYS (the router's own admin keys: its actor inherits them under `up`),
+    else the first of $PDSERVE_API_KEYS (a router with no admin key refuses them all)."""
+    if given := os.environ.get(API_KEY_ENV):
+        return given
+    for variable in (ADMIN_KEYS_ENV, ROUTER_KEYS_ENV):
+        if own := [key.strip() for key in os.environ.get(variable, "").split(",") if key.strip()]:
+            return own[0]
+    return ""
 
 
 def router_roles(state: ClusterState, split: dict[str, int] | None = None) -> dict:

@@ -87,13 +87,27 @@ SECRET_ENV = [
         "valueFrom": {"secretKeyRef": {"name": "pdserve-cluster-secret", "key": "secret"}},
     }
 ]
+# Required: a router listening beyond loopback without a key refuses to start (security review
+# M7), where an optional Secret missing or misnamed published an open API. Admin keys (the
+# /pdserve/ routes) and operator keys (priority, path) are optional: without any, nobody has
+# those rights.
 API_KEYS_ENV = [
     {
         "name": "PDSERVE_API_KEYS",
-        "valueFrom": {
-            "secretKeyRef": {"name": "pdserve-api-keys", "key": "keys", "optional": True}
-        },
-    }
+        "valueFrom": {"secretKeyRef": {"name": "pdserve-api-keys", "key": "keys"}},
+    },
+    *(
+        {
+            "name": name,
+            "valueFrom": {
+                "secretKeyRef": {"name": "pdserve-api-keys", "key": key, "optional": True}
+            },
+        }
+        for name, key in (
+            ("PDSERVE_OPERATOR_API_KEYS", "operator-keys"),
+            ("PDSERVE_ADMIN_API_KEYS", "admin-keys"),
+        )
+    ),
 ]
 REDIS_ENV = [  # router/shared_state.py and the registry authenticate with it
     {

@@ -223,9 +223,13 @@ def test_status_shows_the_role_the_router_gave_each_flex_worker(tmp_path, monkey
     assert "cannot reach the router" in status.flex_roles(gone, rows)["error"]
 
 
-def test_the_router_key_is_the_clients_own_else_the_routers_first(monkeypatch):
+def test_the_router_key_is_the_clients_own_else_the_routers_first_admin_key(monkeypatch):
+    """The /pdserve/ routes need an admin key when the router has keys (review M7)."""
     monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    monkeypatch.delenv("PDSERVE_ADMIN_API_KEYS", raising=False)
     monkeypatch.setenv("PDSERVE_API_KEYS", " k1 , k2")
     assert router_api_key() == "k1"
+    monkeypatch.setenv("PDSERVE_ADMIN_API_KEYS", "a1,a2")
+    assert router_api_key() == "a1"
     monkeypatch.setenv("PDSERVE_API_KEY", "mine")
     assert router_api_key() == "mine"

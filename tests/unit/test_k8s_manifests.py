@@ -166,7 +166,7 @@ def check_deployments(config, objects: list[dict]) -> None:
     assert router["readinessProbe"]["httpGet"]["path"] == "/health"
     keys = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in router["env"] if "valueFrom" in e}
     assert keys["PDSERVE_CLUSTER_SECRET"]["name"] == "pdserve-cluster-secret"
-    assert keys["PDSERVE_API_KEYS"] == {"name": "pdserve-api-keys", "key": "keys", "optional": True}
+    assert keys["PDSERVE_API_KEYS"] == {"name": "pdserve-api-keys", "key": "keys"}
 
 
 def check_kv_pool(config, role: str, settings: dict, sidecars: dict[str, dict]) -> None:

@@ -327,3 +327,26 @@ def test_the_committed_overlays_carry_the_policies():
         deny = by_kind(objects, "NetworkPolicy")["pdserve-default-deny"]["spec"]
         assert deny == {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}, path
         assert json.dumps(objects).count('"HF_TOKEN"') == 0  # rendered without a token Secret
+
+
+@pytest.mark.parametrize("mode", ["deployments", "kuberay"])
+def test_every_router_needs_the_api_key_secret(mode):
+    """Review M7: the routers listen beyond loopback, where a router without a key refuses to
+    start; the keys' Secret is required (an optional one, missing or misnamed, served an open
+    API), the operator's and admin's keys in it are not."""
+    objects = objects_of(load_cluster_file(DEPLOY / "clusters/gpu-8b.yaml"), mode)
+    keyed = [
+        {
+            e["name"]: e["valueFrom"].get("secretKeyRef")
+            for e in c.get("env", [])
+            if "valueFrom" in e
+        }
+        for _, spec in pods(objects).values()
+        for c in spec["containers"]
+    ]
+    keyed = [refs for refs in keyed if "PDSERVE_API_KEYS" in refs]
+    assert keyed  # the router's container (kuberay: the Ray pod it runs in)
+    for refs in keyed:
+        assert refs["PDSERVE_API_KEYS"] == {"name": "pdserve-api-keys", "key": "keys"}
+        for name in ("PDSERVE_OPERATOR_API_KEYS", "PDSERVE_ADMIN_API_KEYS"):
+            assert refs[name]["name"] == "pdserve-api-keys" and refs[name]["optional"]
