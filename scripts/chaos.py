@@ -183,7 +183,6 @@ class RayCluster:
         self.env = {
             **os.environ,
             "PDSERVE_STATE_DIR": str(folder / "state"),
-            "RAY_AUTH_MODE": "disabled",
         }
         self.port_b = free_port()
         self.routers = [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{self.port_b}"]

@@ -11,6 +11,7 @@ issue the same shape of certificates from your own CA (e.g. cert-manager on Kube
 
 import argparse
 import datetime
+import os
 from pathlib import Path
 
 from cryptography import x509
@@ -59,8 +60,7 @@ def make_tls_dirs(out: Path, members: int = 1, days: int = 365) -> list[Path]:
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = _certificate("pdserve cluster CA", ca_key, "pdserve cluster CA", ca_key, days, True)
     ca_pem = ca.public_bytes(serialization.Encoding.PEM)
-    (out / "ca-key.pem").write_bytes(_pem(ca_key))
-    (out / "ca-key.pem").chmod(0o600)
+    _write_private(out / "ca-key.pem", _pem(ca_key))
     folders = []
     for index in range(members):
         folder = out / f"member-{index}"
@@ -69,10 +69,17 @@ def make_tls_dirs(out: Path, members: int = 1, days: int = 365) -> list[Path]:
         cert = _certificate(TARGET_NAME, key, "pdserve cluster CA", ca_key, days, False)
         (folder / "ca.pem").write_bytes(ca_pem)
         (folder / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        (folder / "key.pem").write_bytes(_pem(key))
-        (folder / "key.pem").chmod(0o600)
+        _write_private(folder / "key.pem", _pem(key))
         folders.append(folder)
     return folders
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Write a key readable by its owner only from its creation (a write, then a chmod, left
+    it readable by others meanwhile: security review L2)."""
+    path.unlink(missing_ok=True)
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as file:
+        file.write(data)
 
 
 def main() -> None:

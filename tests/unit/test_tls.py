@@ -5,6 +5,7 @@ sender. A member of the cluster gets through; a plaintext client, or one whose c
 another CA signed, does not."""
 
 import asyncio
+import os
 import runpy
 import time
 from pathlib import Path
@@ -155,3 +156,22 @@ def test_the_health_port_answers_probes_in_plaintext_and_nothing_else(monkeypatc
         ("health", True): health_pb2.HealthCheckResponse.SERVING,  # STARTING is alive
         ("health", False): grpc.StatusCode.UNIMPLEMENTED,  # no worker call in plaintext
     }
+
+
+def test_private_keys_are_never_readable_by_others(tmp_path, monkeypatch):
+    """Made 0600 from their creation (review L2: a write then a chmod left a window), also when
+    made again over an older one."""
+    make = runpy.run_path(str(SCRIPT))["make_tls_dirs"]
+    make(tmp_path, members=1)
+    modes = []
+    real_open = os.open
+
+    def recording_open(path, flags, mode=0o777):
+        modes.append(mode)
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(os, "open", recording_open)
+    (again,) = make(tmp_path, members=1)
+    assert modes and set(modes) == {0o600}
+    for key in (again / "key.pem", tmp_path / "ca-key.pem"):
+        assert key.stat().st_mode & 0o777 == 0o600
