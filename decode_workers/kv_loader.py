@@ -36,6 +36,7 @@ from kv_transfer.host_staging import HostToDevice
 from kv_transfer.integrity import Damage, transfer_epoch
 from kv_transfer.kv_copy import from_bytes, scatter, wire_shape
 from kv_transfer.kv_layout import LayerLayout
+from kv_transfer.memory_budget import INBOX_BYTES
 from kv_transfer.metadata import Expected
 from kv_transfer.transport import LayerSlice, nbytes
 from pdserve.kinds import KV_NOT_HELD
@@ -82,7 +83,12 @@ class KvLoader:
         self.tp = tp
         self.rank = rank
         self.own_heads = rank_heads(total_heads, tp, rank)
-        self.staging = HostToDevice(kv_caches[0].device)
+        inbox = getattr(receiver, "inbox", receiver)  # a KvReceiver's, or an Inbox itself
+        self.staging = HostToDevice(
+            kv_caches[0].device, receive_bytes=getattr(inbox, "max_bytes", INBOX_BYTES)
+        )
+        if hasattr(inbox, "free_buffer"):  # its receive buffers go back to the pinned arena
+            inbox.free_buffer = self.staging.free_receive_buffer
         self.incoming: dict[str, Incoming] = {}  # transfer id -> state
         self.orphans: dict[str, list[LayerSlice]] = {}
         self.cancelled: dict[str, tuple[float, str]] = {}  # transfer id -> (when, why)
@@ -202,18 +208,21 @@ class KvLoader:
         integrity: str = "",
         transports=(),
     ) -> None:
-        """A finished transfer's figures (kv_transfer/stats.py), for take_stats."""
-        self.finished.append(
-            {
-                "transfer_id": transfer_id,
-                "bytes": size,
-                "seconds": seconds,
-                "failed": bool(failure),
-                "failure": failure,
-                "integrity": integrity,
-                "transport": ",".join(sorted(transports)),
-            }
-        )
+        """A finished transfer's figures (kv_transfer/stats.py), for take_stats; beside CUDA
+        also the rank's pinned receive memory then (`pinned_bytes`: the inbox's size once the
+        first slice came, more only if a buffer had to be pinned beside it)."""
+        figures = {
+            "transfer_id": transfer_id,
+            "bytes": size,
+            "seconds": seconds,
+            "failed": bool(failure),
+            "failure": failure,
+            "integrity": integrity,
+            "transport": ",".join(sorted(transports)),
+        }
+        if self.staging.pin:
+            figures["pinned_bytes"] = self.staging.pinned_stats()["pinned_bytes"]
+        self.finished.append(figures)
 
     def take_stats(self) -> list[dict]:
         finished, self.finished = self.finished, []

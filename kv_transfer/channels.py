@@ -35,4 +35,5 @@ def kv_sender(
         cancel_transfer,
         integrity=integrity,
         num_layers=compatibility.num_layers,
+        device=device,
     )

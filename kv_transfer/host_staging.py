@@ -9,17 +9,22 @@ For a transport that sends device memory (nccl on CUDA) the gathered tensor stay
 On CPU the gathered tensor is the host tensor: no staging, no copy beyond the gather.
 Whatever is staged and not yet sent counts against one budget (`pool_bytes`): when it is spent
 the forward pass waits for the sender, up to POOL_WAIT_S, then the slice is given up.
+The pinned buffers are carved out of memory pinned once (`PinnedArena`, made with the sender),
+so the pinned footprint is the budget: torch's own host allocator keeps every buffer it ever
+pinned, by power-of-two size, and a pool of per-size buffers grew to the sum of the peaks.
 
 Receive (`HostToDevice`): on CUDA the host->device copies and scatters run on a side stream,
 queued from vLLM's thread without ever waiting there: receive buffers are pinned
 (`receive_buffer`, given to the receiver's inbox) and so is each block index, so every copy is
 asynchronous (a copy from pageable memory blocks the calling thread, here behind the forward
 pass the side stream waits for); a pageable slice (a lent shared-memory segment) is first
-copied into pinned memory. A transfer is reported loaded once an event recorded after its last
-scatter has passed (`mark()`, `passed()`: an event query, never a stream synchronize), i.e.
-before vLLM schedules the request; every tensor a queued scatter reads is held until an event
-after it has passed. On CPU the scatter happens at once, and nothing is pinned (there is no
-CUDA to pin for).
+copied into pinned memory. Receive buffers and those copies come from a `PinnedArena` of the
+inbox's size, made on first use (what the inbox lets in never needs more; a buffer it cannot
+place is pinned beside it, counted in `pinned_stats()`). A transfer is reported loaded once an
+event recorded after its last scatter has passed (`mark()`, `passed()`: an event query, never
+a stream synchronize), i.e. before vLLM schedules the request; every tensor a queued scatter
+reads is held until an event after it has passed. On CPU the scatter happens at once, and
+nothing is pinned (there is no CUDA to pin for).
 
 The host KV pool's copies (kv_transfer/pool_copy.py) use the same side stream, with two more
 pieces: `CudaSideStream.precede_forward()` (a fence the other way, before vLLM reuses blocks a
@@ -37,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from kv_transfer.kv_copy import as_bytes
+from kv_transfer.memory_budget import INBOX_BYTES
 
 POOL_WAIT_S = 10.0  # longest a sender waits for pinned memory before giving up on a slice
 
@@ -72,41 +78,120 @@ class ByteBudget:
             self.lock.notify_all()
 
 
-class PinnedPool(ByteBudget):
-    """Pinned host buffers, reused by size, at most `max_bytes` of them at once."""
+ARENA_ALIGN = 4096  # what a PinnedArena buffer's size is rounded up to
+ARENA_MIN_BLOCK = 1 << 20  # smallest block an arena pins (its capacity's remainder is left out)
 
-    def __init__(self, max_bytes: int) -> None:
+
+class PinnedArena:
+    """Host buffers carved out of pinned blocks made once, `capacity` bytes in all, handed out
+    first-fit and merged back when given back: the memory pinned never exceeds `capacity`
+    whatever sizes come and go (torch's host allocator keeps each buffer it pinned for reuse
+    at its power-of-two size, for ever). The blocks are powers of two (what that allocator
+    pins for them exactly), the capacity's binary digits down to ARENA_MIN_BLOCK, made on the
+    first `take` or on `reserve()`. `pin=False` (no CUDA) carves ordinary memory: the same
+    bookkeeping, for tests. Thread-safe."""
+
+    def __init__(self, capacity: int, pin: bool = True) -> None:
+        self.capacity = capacity
+        self.pin = pin
+        sizes = [
+            1 << bit for bit in range(capacity.bit_length() - 1, -1, -1) if capacity >> bit & 1
+        ]
+        self.sizes = [size for size in sizes if size >= ARENA_MIN_BLOCK] or [
+            max(ARENA_ALIGN, capacity - capacity % ARENA_ALIGN)
+        ]
+        self.largest = self.sizes[0]
+        self.blocks: list[torch.Tensor] = []
+        self.free: list[list[tuple[int, int]]] = []  # per block: (start, size), by start
+        self.lent: dict[int, tuple[int, int, int]] = {}  # data_ptr -> (block, start, size)
+        self.lock = threading.Lock()
+        self.in_use = 0
+        self.peak = 0
+
+    def reserve(self) -> None:
+        """Pin the blocks now (a worker's start), not on the first `take`."""
+        with self.lock:
+            self._make()
+
+    def _make(self) -> None:
+        if not self.blocks:
+            for size in self.sizes:
+                self.blocks.append(torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))
+                self.free.append([(0, size)])
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        """A uint8 buffer of at least `nbytes` (a view into a block), or None when no free
+        range holds it now."""
+        size = max(ARENA_ALIGN, -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN)
+        with self.lock:
+            self._make()
+            for index, ranges in enumerate(self.free):
+                for at, (start, length) in enumerate(ranges):
+                    if length < size:
+                        continue
+                    if length == size:
+                        del ranges[at]
+                    else:
+                        ranges[at] = (start + size, length - size)
+                    buffer = self.blocks[index][start : start + size]
+                    self.lent[buffer.data_ptr()] = (index, start, size)
+                    self.in_use += size
+                    self.peak = max(self.peak, self.in_use)
+                    return buffer
+        return None
+
+    def give(self, buffer: torch.Tensor) -> bool:
+        """Take back a buffer `take` gave; False for any other (left alone)."""
+        with self.lock:
+            found = self.lent.pop(buffer.data_ptr(), None)
+            if found is None:
+                return False
+            index, start, size = found
+            ranges = self.free[index]
+            at = next((i for i, (s, _) in enumerate(ranges) if s > start), len(ranges))
+            ranges.insert(at, (start, size))
+            if at + 1 < len(ranges) and start + size == ranges[at + 1][0]:  # merge the next
+                ranges[at] = (start, size + ranges.pop(at + 1)[1])
+            if at and ranges[at - 1][0] + ranges[at - 1][1] == start:  # and the previous
+                before = ranges.pop(at - 1)
+                ranges[at - 1] = (before[0], before[1] + ranges[at - 1][1])
+            self.in_use -= size
+            return True
+
+    def pinned_bytes(self) -> int:
+        """What it holds pinned: its blocks, once made."""
+        return sum(self.sizes) if self.blocks else 0
+
+
+class PinnedPool(ByteBudget):
+    """Pinned host buffers for staged slices, out of one PinnedArena of `max_bytes`: what is
+    pinned is the budget, never more; `acquire` waits for a free range that holds the slice."""
+
+    def __init__(self, max_bytes: int, pin: bool = True) -> None:
         super().__init__(max_bytes)
-        self.free: dict[int, list[torch.Tensor]] = {}
+        self.arena = PinnedArena(max_bytes, pin)
 
     def acquire(self, nbytes: int, timeout_s: float = POOL_WAIT_S) -> torch.Tensor:
-        size = _size_class(nbytes)
-        super().acquire(size, timeout_s)
+        if nbytes > self.arena.largest:
+            raise StagingError(
+                f"a {nbytes}-byte slice is larger than the KV send buffer's largest block "
+                f"({self.arena.largest} bytes)"
+            )
+        deadline = time.monotonic() + timeout_s
         with self.lock:
-            pooled = self.free.get(size)
-            if pooled:
-                return pooled.pop()
-            self._trim()  # room for the new buffer among the free ones
-        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            while (buffer := self.arena.take(nbytes)) is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StagingError(f"the KV send buffer stayed full for {timeout_s:g} s")
+                self.lock.wait(left)
+            self.in_use += buffer.numel()
+            return buffer
 
     def release(self, buffer: torch.Tensor) -> None:
-        """Back to the pool; buffers kept free count against `max_bytes` too, so pinned memory
-        never exceeds it (a free buffer of another size is dropped to make room)."""
         with self.lock:
-            self.free.setdefault(buffer.numel(), []).append(buffer)
-            super().release(buffer.numel())  # the lock is re-entrant: trimmed below, then woken
-            self._trim()
-
-    def _trim(self) -> None:
-        """Drop free buffers, largest first, until in use + free fits `max_bytes`."""
-        while self.in_use + sum(k * len(v) for k, v in self.free.items()) > self.max_bytes:
-            size = max(size for size, buffers in self.free.items() if buffers)
-            self.free[size].pop()
-
-
-def _size_class(nbytes: int) -> int:
-    """Round up to a power of two (at least 1 MiB), so buffers are reused across slices."""
-    return max(1 << 20, 1 << (max(nbytes, 1) - 1).bit_length())
+            if self.arena.give(buffer):
+                self.in_use -= buffer.numel()
+            self.lock.notify_all()
 
 
 @dataclass
@@ -139,6 +224,8 @@ class DeviceToHost:
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.pool = PinnedPool(pool_bytes) if self.cuda else None
+        if self.pool is not None:
+            self.pool.arena.reserve()  # pinned now (the worker's start), not on vLLM's thread
         self.budget = ByteBudget(pool_bytes)  # what is not in the pinned pool
 
     def stage(self, gather: Callable[[], torch.Tensor], to_host: bool = True) -> Staged:
@@ -170,6 +257,15 @@ class DeviceToHost:
         """The forward stream waits (on the GPU) for every copy staged so far."""
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def pinned_stats(self) -> dict[str, int]:
+        """Pinned host memory: held (the arena, the budget's size, on CUDA), in use, peak."""
+        arena = self.pool.arena if self.pool is not None else None
+        return {
+            "pinned_bytes": arena.pinned_bytes() if arena else 0,
+            "pinned_in_use": arena.in_use if arena else 0,
+            "pinned_peak": arena.peak if arena else 0,
+        }
 
 
 class CudaSideStream:
@@ -307,7 +403,10 @@ class HostToDevice:
     wait); `mark()` then `passed(mark)` before reporting a transfer loaded. vLLM's thread never
     waits for the device here: `wait()` (a stream synchronize) is for tools, not the loader."""
 
-    def __init__(self, device: torch.device, side_stream=None) -> None:
+    def __init__(
+        self, device: torch.device, side_stream=None, receive_bytes: int = INBOX_BYTES
+    ) -> None:
+        """`receive_bytes`: the pinned memory of receive buffers (the inbox's size)."""
         self.device = device
         if side_stream is None and device.type == "cuda":
             side_stream = CudaSideStream(device)
@@ -316,13 +415,61 @@ class HostToDevice:
         self.pin = device.type == "cuda"  # pinned host memory exists only beside CUDA
         self.held: list = []  # tensors read by loads submitted since the last release_after
         self.in_flight: list[tuple[object, list, Callable[[], None]]] = []  # (event, held, release)
+        self.arena = PinnedArena(receive_bytes) if self.pin else None  # made on first use
+        self.lent: dict[int, torch.Tensor] = {}  # id(receive buffer) -> the memory under it
+        self.given: list[torch.Tensor] = []  # pinned copies to give back at the next release
+        self.outside = 0  # bytes pinned beside the arena (what it could not place), now
+        self.outside_peak = 0
+        self.lock = threading.Lock()
 
     def receive_buffer(self, size: int):
         """A buffer for a slice being received (the inbox's `new_buffer`): pinned host memory
-        beside CUDA, so its copy to the device needs no staging; a bytearray otherwise."""
+        beside CUDA, from the arena, so its copy to the device needs no staging; a bytearray
+        otherwise. `free_receive_buffer` gives it back."""
         if not self.pin:
             return bytearray(size)
-        return as_bytes(torch.empty(size, dtype=torch.uint8, pin_memory=True))
+        memory = self._pinned(size)
+        buffer = as_bytes(memory[:size])
+        with self.lock:
+            self.lent[id(buffer)] = memory
+        return buffer
+
+    def free_receive_buffer(self, buffer) -> bool:
+        """Give back a buffer `receive_buffer` made (the inbox's `free_buffer`); False for any
+        other."""
+        with self.lock:
+            memory = self.lent.pop(id(buffer), None)
+        if memory is None:
+            return False
+        self._give(memory)
+        return True
+
+    def _pinned(self, size: int) -> torch.Tensor:
+        memory = self.arena.take(size)
+        if memory is None:  # no free range holds it: pinned beside, counted
+            memory = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            with self.lock:
+                self.outside += size
+                self.outside_peak = max(self.outside_peak, self.outside)
+        return memory
+
+    def _give(self, memory: torch.Tensor) -> None:
+        if not self.arena.give(memory):
+            with self.lock:
+                self.outside -= memory.numel()
+
+    def pinned_stats(self) -> dict[str, int]:
+        """Pinned host memory for receiving: held (the arena, once made, and what was pinned
+        beside it), in use, peaks."""
+        if self.arena is None:
+            return {"pinned_bytes": 0, "pinned_in_use": 0, "pinned_peak": 0}
+        with self.lock:
+            outside, outside_peak = self.outside, self.outside_peak
+        return {
+            "pinned_bytes": self.arena.pinned_bytes() + outside,
+            "pinned_in_use": self.arena.in_use + outside,
+            "pinned_peak": self.arena.peak + outside_peak,
+        }
 
     def index(self, block_ids: list[int]) -> torch.Tensor:
         """A block index on the host, pinned beside CUDA (its copy is then asynchronous)."""
@@ -344,8 +491,11 @@ class HostToDevice:
         self.side.follow_forward()
         source, held = host_wire, [host_wire, host_index]
         if source.device.type == "cpu" and self.pin and not source.is_pinned():
-            source = torch.empty_like(source, pin_memory=True).copy_(source)  # host memcpy
+            memory = self._pinned(source.numel() * source.element_size())
+            size = source.numel() * source.element_size()
+            source = memory[:size].view(source.dtype).view(source.shape).copy_(source)  # memcpy
             held.append(source)
+            self.given.append(memory)  # back to the arena with the slice's release
 
         def work() -> None:
             wire = source.to(self.device, non_blocking=True)
@@ -361,8 +511,21 @@ class HostToDevice:
         if self.side is None:
             release()
             return
+        given, self.given = self.given, []
+        if given:  # pinned copies this slice's loads read: back to the arena after them too
+            release = self._giving_back(release, given)
         self.in_flight.append((self.side.record(), self.held, release))
         self.held = []
+
+    def _giving_back(self, release: Callable[[], None], given: list) -> Callable[[], None]:
+        def both() -> None:
+            try:
+                release()
+            finally:
+                for memory in given:
+                    self._give(memory)
+
+        return both
 
     def collect(self) -> None:
         """Release what the side stream is done with (its events are in stream order)."""

@@ -23,7 +23,12 @@ from kv_transfer.log_limit import LogLimit
 from kv_transfer.memory_budget import INBOX_BYTES
 from kv_transfer.nccl_transport import NcclReceiving
 from kv_transfer.shm_transport import ShmListener
-from kv_transfer.transport import INBOX_WAIT_S, ChannelError, Inbox, SliceAssembler
+from kv_transfer.transport import (
+    INBOX_WAIT_S,
+    Inbox,
+    SliceAssembler,
+    bind_device,
+)
 from pdserve.settings import tls
 from pdserve.settings.cluster_secret import cluster_secret, secret_matches
 
@@ -108,7 +113,13 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
         if bound == 0:
             raise RuntimeError(f"cannot listen for KV on {host}:{port}")
         self.host = advertised_host or host
-        self.shm = ShmListener(f"{self.host}:{bound}", self.compatibility, self.secret, self.inbox)
+        self.shm = ShmListener(
+            f"{self.host}:{bound}",
+            self.compatibility,
+            self.secret,
+            self.inbox,
+            bind=lambda: bind_device(self.device),
+        )
         self.shm.start()
         self.server.start()
         return bound
@@ -133,6 +144,7 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
         return self._answer(wire.KvMessage(hello=request), context.peer())
 
     def PushKv(self, request_iterator, context):
+        bind_device(self.device)  # a pool thread: its CUDA calls (pinned buffers) go there
         peer = context.peer()
         first = self._hello(request_iterator, context, peer)
         if first is _GIVEN_UP or not context.is_active():  # cancelled: by us, or by its peer
@@ -193,20 +205,9 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
         try:
             for message in request_iterator:
                 body = message.WhichOneof("body")
-                if body == "chunk" and nccl is None:
+                if body == "chunk":
                     assembler.add(message.chunk, message.chunk.data)
-                elif body == "chunk":
-                    chunk = message.chunk
-                    if chunk.length != chunk.slice_bytes:
-                        raise ChannelError(
-                            f"an nccl slice of {chunk.length} bytes said {chunk.slice_bytes}"
-                        )
-                    assembler.check(chunk, chunk.length)  # before anything is allocated
-                    assembler.carried.begin(chunk.transfer_id)  # its bytes may never come
-                    assembler.deliver(chunk, nccl.receive(chunk.length, self.inbox.buffer))
                 elif body == "nccl_open":
-                    if nccl is not None:
-                        raise ChannelError("a second nccl_open on one stream")
                     nccl = NcclReceiving(message.nccl_open, self.host, self.device)
                     # the sender gone: a receive waiting on it fails now, not at its deadline
                     context.add_callback(partial(nccl.abort, "the KV stream ended"))
@@ -214,6 +215,18 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
                     log.info(
                         "KV %s group with %s joined", message.nccl_open.backend, context.peer()
                     )
+                    # The rest of the stream is slice descriptors, each slice's bytes over the
+                    # group, up to a window of receives posted at once.
+                    if nccl.serve(
+                        request_iterator,
+                        admit=partial(self._admit_nccl, assembler),
+                        reserve=self.inbox.reserve,  # its room, before its device memory
+                        unreserve=self.inbox.unreserve,
+                        buffer=self.inbox.buffer,
+                        deliver=partial(assembler.deliver, reserved=True),
+                    ):
+                        return wire.PushKvReply(accepted=True)
+                    break
                 elif body == "bye":
                     return wire.PushKvReply(accepted=True)
         except Exception as failure:  # whatever it was, the stream's transfers are cancelled
@@ -226,6 +239,12 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
         # The stream ended without a bye: its sender went away mid-stream.
         assembler.abandon("the prefill worker's KV stream ended mid-transfer")
         return wire.PushKvReply(accepted=True)
+
+    @staticmethod
+    def _admit_nccl(assembler: SliceAssembler, chunk) -> None:
+        """An nccl slice's descriptor, checked before its memory is made."""
+        assembler.check(chunk, chunk.length)
+        assembler.carried.begin(chunk.transfer_id)  # its bytes may never come
 
     def CancelTransfer(self, request, context):
         if not secret_matches(request.cluster_secret, self.secret):

@@ -35,6 +35,7 @@ import struct
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from google.protobuf.message import DecodeError
 
@@ -292,9 +293,17 @@ class ShmListener:
     """The receiving end: one thread per connected sender, MAX_CONNECTIONS at most."""
 
     def __init__(
-        self, address: str, compatibility: Compatibility, secret: str, inbox: Inbox
+        self,
+        address: str,
+        compatibility: Compatibility,
+        secret: str,
+        inbox: Inbox,
+        bind: Callable[[], None] = lambda: None,
     ) -> None:
+        """`bind()`: called first in each connection's thread (binds the rank's CUDA device:
+        its pinned receive buffers are CUDA calls)."""
         self.address = address
+        self.bind = bind
         self.compatibility = compatibility
         self.secret = secret
         self.inbox = inbox
@@ -365,6 +374,7 @@ class ShmListener:
         clean = False
         ended = "the prefill worker's shm KV channel ended mid-stream"
         try:
+            self.bind()
             if not self._hello(connection, reader):
                 return
             reader.max_fds = SEGMENTS  # a sender's segments, each sent once

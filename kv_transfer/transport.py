@@ -11,6 +11,11 @@ worker's KV loader empties each engine step. All start with the compatibility ha
 share the cancel and deadline semantics: a transfer whose channel fails or is refused is
 cancelled at once on the receiver, so the decode worker applies its policy then.
 
+Threads: every pdserve thread that may touch CUDA (a sender's thread, a receiver's stream and
+shm connection threads) first binds its rank's device (`bind_device`): a fresh thread's CUDA
+calls go to GPU 0, and would make a context there for another rank (~0.5 GiB each, outside the
+memory check).
+
 Backpressure: the sender's bytes in flight are bounded where they are staged
 (kv_transfer/host_staging.py), the receiver's by the inbox; a full inbox stops reading, which
 stalls the sender's channel, which fills the sender's budget, which makes the forward pass wait
@@ -25,10 +30,12 @@ import queue
 import socket
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
+
+import torch
 
 from kv_transfer.faults import FaultInjector
 from kv_transfer.integrity import Damage, as_tensor, slice_digest
@@ -39,6 +46,8 @@ log = logging.getLogger("pdserve.kv")
 
 TRANSPORTS = tuple(Transport)
 IDLE_CLOSE_S = 60.0  # a channel with nothing to send this long is closed (its peer may be gone)
+LIVENESS_S = 1.0  # how often an idle channel kept open (`keep_idle`) is asked if it is alive
+SETTLE_POLL_S = 0.0002  # how often a thread with slices in flight looks for the next one
 INBOX_WAIT_S = 10.0  # longest a receiver waits for room in the inbox before failing the stream
 SPARE_BYTES = 256 << 20  # receive buffers kept for reuse (a new one costs its page faults)
 REORDER_WAIT_S = 1.0  # a reorder fault's longest wait for the slice it sends first (tests)
@@ -93,17 +102,79 @@ class ChannelError(Exception):
 
 
 class Channel(Protocol):
-    """The sending end of one transport to one decode rank, used from one thread."""
+    """The sending end of one transport to one decode rank, used from one thread.
+
+    A pipelined channel (nccl) has slices in flight after `send` returns and also has
+    `done(wait) -> list[LayerSlice]`: the slices whose bytes went through since the last call,
+    in the order sent (`wait`: once all have); their staged buffers may be released then. A
+    channel with `keep_idle` true stays open while idle as long as `alive()` (its group costs
+    seconds to make again: the next request would pay them); any other is closed after
+    IDLE_CLOSE_S without slices."""
 
     def send(self, piece: LayerSlice) -> None:
-        """Move the slice's bytes; returns once its staged buffer may be released. Raises
-        Refused or ChannelError."""
+        """Move the slice's bytes; returns once its staged buffer may be released (a pipelined
+        channel: once it is on its way, see `done`). Raises Refused or ChannelError."""
 
     def close(self) -> None:
         """Tell the receiver the stream ends on purpose, and free the channel's resources."""
 
 
+def bind_device(device: torch.device | None) -> None:
+    """This thread's CUDA calls go to `device` (call it first in a thread that may touch CUDA:
+    otherwise they go to GPU 0, and would make a context there)."""
+    if device is not None and device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
+class InFlight:
+    """What one sending thread has handed its channel: the slices not yet through (a pipelined
+    channel's), and the staged buffers to release once every slice made from them is."""
+
+    def __init__(self, channel: Channel, carried: "Carried") -> None:
+        self.channel = channel
+        self.carried = carried
+        self.pipelined = callable(getattr(channel, "done", None))
+        self.posted = 0  # slices handed to the channel
+        self.settled = 0  # ... that went through
+        self.batches: deque[tuple[int, list[LayerSlice]]] = deque()  # (posted by then, staged)
+
+    @property
+    def busy(self) -> bool:
+        return self.settled < self.posted
+
+    def send(self, out: LayerSlice) -> None:
+        self.channel.send(out)
+        self.posted += 1
+        if not self.pipelined:
+            self._settled(out)
+
+    def staged(self, pieces: list[LayerSlice]) -> None:
+        """`pieces`' buffers are released once what was sent so far has gone through."""
+        self.batches.append((self.posted, pieces))
+        self.collect(wait=False)
+
+    def collect(self, wait: bool) -> None:
+        if self.pipelined and self.busy:
+            for out in self.channel.done(wait):
+                self._settled(out)
+        while self.batches and self.batches[0][0] <= self.settled:
+            for piece in self.batches.popleft()[1]:
+                piece.data.release()
+
+    def _settled(self, out: LayerSlice) -> None:
+        self.settled += 1
+        self.carried.sent(out)
+
+    def release_all(self) -> None:
+        """The channel failed: nothing more goes through (an NCCL group holds what its aborted
+        operations read until they end, so the memory is safe to lend again)."""
+        while self.batches:
+            for piece in self.batches.popleft()[1]:
+                piece.data.release()
+
+
 OpenChannel = Callable[[Transport, str], Channel]
+_GONE = object()  # an idle channel kept open found its receiver gone
 
 
 class KvSender:
@@ -111,10 +182,12 @@ class KvSender:
     forward pass never waits on the network. That thread computes each slice's digest as it
     sends it (`integrity`), and applies the slice's injected fault, if any (tests only). It
     opens its channel (handshake included) on the first slice and closes it after IDLE_CLOSE_S
-    without slices. When a channel fails or is refused, every slice still queued for it is
-    released and each transfer it carried is cancelled on the receiver with the reason, so the
-    decode worker applies its policy at once rather than at its deadline. The next slice opens
-    a new channel.
+    without slices (a channel that keeps idle is closed once it is no longer alive instead).
+    Slices a pipelined channel has in flight are finished while the thread waits for the next.
+    When a channel fails or is refused, every slice still queued or in flight on it is released
+    and each transfer it carried is cancelled on the receiver with the reason, so the decode
+    worker applies its policy at once rather than at its deadline. The next slice opens a new
+    channel.
 
     `open_channel(kind, destination)` makes the channel; `cancel(destination, transfer_id,
     reason)` reaches the receiver's control service (gRPC for every transport).
@@ -133,8 +206,11 @@ class KvSender:
         idle_close_s: float = IDLE_CLOSE_S,
         integrity: bool = True,
         num_layers: int = 0,
+        device: torch.device | None = None,
     ) -> None:
+        """`device`: where the staged slices are (its threads bind it)."""
         self.open_channel = open_channel
+        self.device = device
         self.integrity = integrity
         self.cancel_on_receiver = cancel
         self.idle_close_s = idle_close_s
@@ -164,7 +240,9 @@ class KvSender:
         carried = Carried(self.num_layers)
         failure = None
         channel = None
+        flight = None
         faults = FaultInjector()
+        bind_device(self.device)
         log.info("KV channel (%s) to %s opening", kind, destination)
 
         def take_next():
@@ -181,18 +259,33 @@ class KvSender:
 
         try:
             channel = self.open_channel(kind, destination)
-            while (piece := self._next(key, pending)) is not _CLOSE:
+            flight = InFlight(channel, carried)
+            while (piece := self._next(key, pending, flight)) is not _CLOSE and piece is not _GONE:
                 taken = [piece]
                 try:
                     for out in faults.pieces(self._sealed(piece), take_next):
                         carried.begin(out.transfer_id)
-                        channel.send(out)
-                        carried.sent(out)
-                finally:
+                        flight.send(out)
+                except BaseException:
                     for done in taken:
                         done.data.release()
-            closing, channel = channel, None
-            closing.close()  # says what the stream ended with, if it failed
+                    raise
+                flight.staged(taken)
+            if piece is _GONE:
+                closing, channel = channel, None
+                try:
+                    closing.close()
+                except Exception as error:  # it is gone: nothing was in flight
+                    log.info(
+                        "KV channel (%s) to %s: its receiver went away (%s)",
+                        kind,
+                        destination,
+                        error,
+                    )
+            else:
+                flight.collect(wait=True)
+                closing, channel = channel, None
+                closing.close()  # says what the stream ended with, if it failed
         except Refused as error:
             failure = str(error)
             log.error("KV channel (%s) to %s refused: %s", kind, destination, failure)
@@ -207,6 +300,8 @@ class KvSender:
                     del self.threads[key]
             for transfer_id in _release_queued(pending):
                 carried.begin(transfer_id)
+            if flight is not None:
+                flight.release_all()
             if channel is not None:
                 try:
                     channel.close()
@@ -220,16 +315,32 @@ class KvSender:
     def _sealed(self, piece: LayerSlice) -> LayerSlice:
         return sealed(piece) if self.integrity else piece
 
-    def _next(self, key: tuple[str, str], pending: queue.Queue):
-        """The next slice, or _CLOSE once the channel has been idle too long."""
-        while True:
+    def _next(self, key: tuple[str, str], pending: queue.Queue, flight: InFlight):
+        """The next slice (while waiting for it, the slices in flight are finished); _CLOSE
+        once the channel has been idle too long, _GONE once a channel kept idle is no longer
+        alive."""
+        while flight.busy:
             try:
-                return pending.get(timeout=self.idle_close_s)
+                return pending.get(timeout=SETTLE_POLL_S)
+            except queue.Empty:
+                flight.collect(wait=False)
+        channel = flight.channel
+        keep = bool(getattr(channel, "keep_idle", False))
+        idle_since = time.monotonic()
+        while True:
+            left = idle_since + self.idle_close_s - time.monotonic()
+            try:
+                return pending.get(timeout=LIVENESS_S if keep else max(left, 0.0))
             except queue.Empty:
                 with self.lock:
-                    if pending.empty():
-                        del self.queues[key]
-                        return _CLOSE
+                    if not pending.empty():
+                        continue
+                    if keep and channel.alive():
+                        continue
+                    if not keep and time.monotonic() < idle_since + self.idle_close_s:
+                        continue
+                    del self.queues[key]
+                    return _GONE if keep else _CLOSE
 
     def cancel(self, destination: str, transfer_id: str, reason: str) -> None:
         """Tell the receiver a transfer will not complete, from a thread of its own (the
@@ -360,6 +471,8 @@ class Inbox:
         self.verify = verify
         self.held = 0
         self.new_buffer: Callable[[int], object] = bytearray  # pinned beside CUDA (host_staging)
+        # Takes back a buffer new_buffer made (True), once its slice is released.
+        self.free_buffer: Callable[[object], bool] | None = None
         self.spare: dict[int, list[bytearray]] = {}
         self.spare_bytes = 0
         self.complete: list[LayerSlice] = []
@@ -409,7 +522,7 @@ class Inbox:
 
     def buffer(self, size: int):
         """A writable buffer of `size` bytes for a slice being received (contents undefined):
-        a bytearray, or pinned memory from `new_buffer` (torch keeps those for reuse itself)."""
+        a bytearray, or pinned memory from `new_buffer` (given back by `free_buffer`)."""
         with self.lock:
             spare = self.spare.get(size)
             if spare:
@@ -418,6 +531,8 @@ class Inbox:
         return self.new_buffer(size)
 
     def _free(self, size: int, data) -> None:
+        if self.free_buffer is not None and self.free_buffer(data):
+            data = None  # back where it came from (pinned memory's arena)
         with self.lock:
             self.held -= size
             if isinstance(data, bytearray) and self.spare_bytes + size <= SPARE_BYTES:

@@ -19,7 +19,7 @@ from pdserve.worker.engine_process import (
     bind_openmp_threads,
     start_method,
 )
-from pdserve.worker.gpu_environment import pin_model_runner
+from pdserve.worker.gpu_environment import prepare_environment
 from pdserve.worker.step_costs import StepCostLearner
 
 GIB = 1 << 30
@@ -304,7 +304,7 @@ def make_engine(
         model_in_the_engine_core()
 
     connector = kv_transfer_config(worker, kv_port)
-    pin_model_runner(connector is not None, cpu)
+    prepare_environment(connector is not None, cpu)  # before vLLM starts a thread
     args = AsyncEngineArgs(
         model=model,
         dtype=engine.dtype,

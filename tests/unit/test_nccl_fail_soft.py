@@ -3,7 +3,8 @@ NCCL runs; what only CUDA shows is in scripts/gpu_check.py): a peer that never j
 group's creation within its deadline, a peer that stops answering fails the operation at its
 deadline, a peer killed mid-send or between a slice's descriptor and its bytes fails the
 survivor's side at once, and the survivor serves the next transfer over a new group; every
-group is aborted on teardown (idle close included), and teardown is bounded."""
+group is aborted on teardown, and teardown is bounded; an idle channel keeps its group until
+its receiver ends the control stream."""
 
 import os
 import subprocess
@@ -91,15 +92,18 @@ def test_a_peer_that_stops_answering_fails_the_send_at_its_deadline_and_the_grou
 def test_an_nccl_group_is_made_with_its_own_error_handling_and_the_process_env_restored(
     monkeypatch,
 ):
-    """ProcessGroupNCCL reads these when constructed: only pdserve's groups get them."""
-    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    """ProcessGroupNCCL reads these when constructed: only pdserve's groups get them. What was
+    there comes back, or torch's default: a variable is never removed (a GPU worker has them
+    all from its start, so a group's are values replaced in place, never the environment
+    growing or shrinking under vLLM's threads)."""
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     monkeypatch.delenv("TORCH_NCCL_ENABLE_MONITORING", raising=False)
     monkeypatch.delenv("TORCH_NCCL_NONBLOCKING_TIMEOUT", raising=False)
     with nccl_transport._nccl_group_env(7.5):
         assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"  # CleanUpOnly
         assert os.environ["TORCH_NCCL_ENABLE_MONITORING"] == "0"
-    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
-    assert "TORCH_NCCL_ENABLE_MONITORING" not in os.environ
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"  # the user's
+    assert os.environ["TORCH_NCCL_ENABLE_MONITORING"] == "1"  # torch's default, not removed
     assert os.environ["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "8"  # read once per process: kept
     monkeypatch.setenv("TORCH_NCCL_NONBLOCKING_TIMEOUT", "99")
     with nccl_transport._nccl_group_env(7.5):
@@ -136,10 +140,11 @@ def test_a_receiver_killed_mid_send_fails_the_channel_at_once_and_the_sender_ser
         sent = [piece("doomed", SLICE_BYTES, layer=layer) for layer in range(4)]
         for one in sent:
             sender.send(doomed, "nccl", one)
-        # The receiver holds one slice, waits for room for the next: the third is mid-send.
-        until(lambda: sent[1].data.releases, 20, "the second slice sent")
+        # The receiver holds one slice and waits for room for the next before it receives
+        # it (a receive buffer is made only with room in the inbox): the second is mid-send.
+        until(lambda: sent[0].data.releases, 20, "the first slice sent")
         time.sleep(0.3)
-        assert sent[2].data.releases == 0, "the third slice should be blocked mid-send"
+        assert sent[1].data.releases == 0, "the second slice should be blocked mid-send"
         started = time.monotonic()
         process.kill()
         until(lambda: (doomed, "nccl") not in sender.threads, NOTICED_S, "the channel failed")
@@ -212,7 +217,14 @@ def test_a_sender_killed_between_descriptor_and_bytes_fails_the_receive_and_the_
     assert kv_receiver.inbox.held == 0
 
 
-def test_an_idle_channel_aborts_its_group_and_the_next_slice_makes_a_new_one(receiver):
+def test_an_idle_channel_keeps_its_group_until_its_receiver_ends_the_stream(receiver):
+    """Making a group costs a rendezvous and a communicator (seconds on GPUs): an idle nccl
+    channel is not closed after idle_close_s, so the next request does not pay them. Once its
+    receiver ends the control stream (a restart here), the idle channel is closed quietly (its
+    group aborted, nothing cancelled) and the next slice makes a new group."""
+    from kv_transfer.kv_receiver import KvReceiver
+    from kv_transfer.transport import LIVENESS_S
+
     kv_receiver, address = receiver
     opened: list[NcclChannel] = []
     open_channel = channel_opener(CONSUMER, "127.0.0.1", CPU)
@@ -221,17 +233,30 @@ def test_an_idle_channel_aborts_its_group_and_the_next_slice_makes_a_new_one(rec
         opened.append(open_channel(kind, destination))
         return opened[-1]
 
-    sender = KvSender(opening, lambda *cancel: None, idle_close_s=0.2)
+    sender = KvSender(opening, lambda *cancel: cancels.append(cancel), idle_close_s=0.2)
+    cancels: list = []
+    restarted = None
     try:
         for transfer_id in ("t-1", "t-2"):
             sender.send(address, "nccl", piece(transfer_id))
             (arrived,) = wait_for(kv_receiver, slices=1)[0]
             assert arrived.transfer_id == transfer_id
             arrived.release()
-            until(lambda: not sender.threads, 10, "the idle channel closed")
-            assert opened[-1].group.aborted  # aborted, not just dropped
-            assert opened[-1].group.group is None
+            time.sleep(0.6)  # three times idle_close_s
+            assert sender.threads and not opened[0].group.aborted, "closed while idle"
+        assert len(opened) == 1, "the second transfer paid for a new group"
+        kv_receiver.stop()  # ends the stream: the sender sees its channel gone
+        until(lambda: not sender.threads, LIVENESS_S + 10, "the dead idle channel closed")
+        assert opened[0].group.aborted and opened[0].group.group is None
+        restarted = KvReceiver(CONSUMER)
+        assert restarted.start("127.0.0.1", int(address.rsplit(":", 1)[1])) > 0
+        sender.send(address, "nccl", piece("t-3"))
+        (arrived,) = wait_for(restarted, slices=1)[0]
+        assert arrived.transfer_id == "t-3"
+        arrived.release()
         assert len(opened) == 2 and opened[0].group is not opened[1].group
-        assert kv_receiver.take()[1] == {}  # idle closes cancel nothing
+        assert cancels == [] and restarted.take()[1] == {}  # nothing was cancelled
     finally:
         sender.close()
+        if restarted is not None:
+            restarted.stop()
