@@ -77,11 +77,13 @@ def test_no_key_is_a_401_naming_the_header(guarded_router):
     assert HTTP.get(f"{guarded_router}/v1/models", timeout=10).status_code == 401
 
 
-def test_health_stays_open_and_metrics_needs_a_key_when_not_public(guarded_router):
+def test_health_stays_open_and_metrics_needs_an_operator_key_when_not_public(guarded_router):
     assert HTTP.get(f"{guarded_router}/health", timeout=10).status_code == 200
     assert HTTP.get(f"{guarded_router}/metrics", timeout=10).status_code == 401
-    metrics = HTTP.get(
-        f"{guarded_router}/metrics", headers={"authorization": f"Bearer {KEYS[0]}"}, timeout=10
+    as_client = {"authorization": f"Bearer {KEYS[0]}"}
+    assert HTTP.get(f"{guarded_router}/metrics", headers=as_client, timeout=10).status_code == 403
+    metrics = HTTP.get(  # its labels name the workers: an operator's (or an admin's) to read
+        f"{guarded_router}/metrics", headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=10
     )
     assert metrics.status_code == 200
     assert 'pdserve_errors_total{kind="invalid_api_key"}' in metrics.text

@@ -209,5 +209,7 @@ def test_without_the_cluster_secret_no_call_is_served_and_no_kv_is_written(
             assert f"did not arrive within {INTRUDER_WAIT_S:g} s" in caught.value.details()
         intruder.close()
     log = fail_policy_decoder.log_path.read_text()
-    # 4 refused calls, one refused hello per transport (and the intruder's refused cancels)
-    assert log.count("this cluster's secret") >= 4 + len(TRANSPORTS)
+    # The refused calls and the refused hellos, each kind logged once every 10 s at the most
+    # (kv_transfer/log_limit.py: an intruder cannot flood the log)
+    assert "call without this cluster's secret: refused" in log
+    assert "the KV stream did not carry this cluster's secret" in log
