@@ -23,7 +23,6 @@ a cache salt derived from the key, so two keys never share a cached prefix, nor 
 
 import hashlib
 import hmac
-import ipaddress
 import logging
 import os
 from dataclasses import dataclass
@@ -31,14 +30,18 @@ from enum import IntEnum
 from pathlib import Path
 
 from pdserve.settings.base import ConfigError
-from pdserve.settings.router import RouterSettings
+from pdserve.settings.router import (
+    ADMIN_ENV,
+    ENV,
+    OPERATOR_ENV,
+    RouterSettings,
+    is_loopback,
+    open_refusal,
+    unauthenticated_allowed,
+)
 from router.errors import ErrorKind, OpenAIError, invalid_api_key
 from router.shared_state import key_digest
 
-ENV = "PDSERVE_API_KEYS"
-OPERATOR_ENV = "PDSERVE_OPERATOR_API_KEYS"
-ADMIN_ENV = "PDSERVE_ADMIN_API_KEYS"
-ALLOW_UNAUTHENTICATED_ENV = "PDSERVE_ALLOW_UNAUTHENTICATED"
 ALWAYS_OPEN = ("/health",)
 SALT_CONTEXT = b"pdserve cache salt\0"  # a key's cache salt is not its revocation digest
 
@@ -105,15 +108,8 @@ def _env_keys(name: str) -> list[str]:
 def check_open(settings: RouterSettings) -> None:
     """A router with no key serves anyone who reaches it: refused on any address but loopback
     unless asked for (--allow-unauthenticated); logged loudly wherever it runs."""
-    allowed = settings.allow_unauthenticated or os.environ.get(
-        ALLOW_UNAUTHENTICATED_ENV, ""
-    ).lower() in ("1", "true", "yes")
-    if not is_loopback(settings.host) and not allowed:
-        raise ConfigError(
-            f"--host {settings.host}: no API key is set, so the router would serve anyone who "
-            f"reaches it (and let them change the flex workers' roles); give keys "
-            f"(--api-key-file, {ENV}), or --allow-unauthenticated to serve so anyway"
-        )
+    if not is_loopback(settings.host) and not unauthenticated_allowed(settings):
+        raise ConfigError(open_refusal(f"--host {settings.host}"))
     log.warning(
         "no API key is set: the router on %s:%s serves anyone who reaches it, the /pdserve/ "
         "routes included (--api-key-file, %s)",
@@ -121,15 +117,6 @@ def check_open(settings: RouterSettings) -> None:
         settings.port,
         ENV,
     )
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name, or every address ("")
 
 
 def open_paths(settings: RouterSettings) -> tuple[str, ...]:

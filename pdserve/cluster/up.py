@@ -43,6 +43,15 @@ from pdserve.gpu_spec import local_gpus
 from pdserve.settings.base import ConfigError
 from pdserve.settings.cluster_file import ClusterFile, load_cluster_file
 from pdserve.settings.cluster_secret import cluster_secret, ensure_cluster_secret
+from pdserve.settings.router import (
+    ADMIN_ENV,
+    ENV,
+    OPERATOR_ENV,
+    RouterSettings,
+    is_loopback,
+    open_refusal,
+    unauthenticated_allowed,
+)
 from pdserve.worker.registry import read_members
 
 JOIN_TIMEOUT_S = 600.0
@@ -104,6 +113,15 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(run=run)
 
 
+def check_router_keys(router: RouterSettings, environ=os.environ) -> None:
+    """The router `up` starts reads its keys from this environment (its actor inherits it): with
+    none, on an address beyond loopback, it would refuse to start; refused here, before
+    anything starts."""
+    keys = any(environ.get(name, "").strip(", ") for name in (ENV, OPERATOR_ENV, ADMIN_ENV))
+    if not keys and not is_loopback(router.host) and not unauthenticated_allowed(router, environ):
+        raise ConfigError(open_refusal(f"router.host {router.host}"))
+
+
 def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
@@ -113,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         memory = memory_use(config, model)
         check_memory(memory)
         slots = worker_slots(config)
+        check_router_keys(config.router_settings(""))
         if args.address and args.ray_auth == "off":
             raise ConfigError(
                 "--ray-auth off: only for the local head `up` starts (it binds it to "

@@ -1,5 +1,7 @@
 """The router's settings: where it listens, where its workers are, and how it routes."""
 
+import ipaddress
+import os
 from typing import Annotated, Literal
 
 from pydantic import Field
@@ -235,3 +237,35 @@ class RouterSettings(Settings):
     @property
     def served_model(self) -> str:
         return self.served_model_name or self.model
+
+
+ENV = "PDSERVE_API_KEYS"
+OPERATOR_ENV = "PDSERVE_OPERATOR_API_KEYS"
+ADMIN_ENV = "PDSERVE_ADMIN_API_KEYS"
+ALLOW_UNAUTHENTICATED_ENV = "PDSERVE_ALLOW_UNAUTHENTICATED"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name, or every address ("")
+
+
+def unauthenticated_allowed(settings: RouterSettings, environ=os.environ) -> bool:
+    """--allow-unauthenticated, or PDSERVE_ALLOW_UNAUTHENTICATED=1."""
+    chosen = environ.get(ALLOW_UNAUTHENTICATED_ENV, "").lower() in ("1", "true", "yes")
+    return settings.allow_unauthenticated or chosen
+
+
+def open_refusal(where: str) -> str:
+    """Why a router without an API key does not start at `where` (e.g. "--host 0.0.0.0"), an
+    address beyond loopback (security review M7: router/api_keys.py, and `pdserve up`'s checks
+    before anything starts)."""
+    return (
+        f"{where}: no API key is set, so the router would serve anyone who reaches it (and let "
+        f"them change the flex workers' roles); give keys ({ENV}, --api-key-file), or allow "
+        f"it ({ALLOW_UNAUTHENTICATED_ENV}=1, --allow-unauthenticated)"
+    )

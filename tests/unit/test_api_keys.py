@@ -7,12 +7,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pdserve.settings.base import ConfigError
-from pdserve.settings.router import RouterSettings
+from pdserve.settings.router import ALLOW_UNAUTHENTICATED_ENV, RouterSettings
 from router import api_keys
 from router import app as router_app
 from router.api_keys import (
     ADMIN_ENV,
-    ALLOW_UNAUTHENTICATED_ENV,
     ENV,
     OPERATOR_ENV,
     KeyRole,
@@ -179,3 +178,16 @@ def test_with_keys_but_no_admin_key_the_admin_routes_are_closed(monkeypatch, tmp
     with TestClient(guarded_app(monkeypatch, tmp_path, admin=False)) as http:
         refused = http.get("/pdserve/roles", headers={"authorization": "Bearer sk-client"})
     assert refused.status_code == 403 and "has none" in refused.json()["error"]["message"]
+
+
+def test_up_refuses_before_starting_a_router_that_would_refuse_to_start():
+    """`pdserve up` checks what its router would (review M7): beyond loopback, a key in the
+    environment its actor inherits, or unauthenticated serving allowed."""
+    from pdserve.cluster.up import check_router_keys
+
+    everywhere = settings(host="0.0.0.0")
+    with pytest.raises(ConfigError, match="router.host 0.0.0.0: no API key is set"):
+        check_router_keys(everywhere, environ={})
+    check_router_keys(everywhere, environ={ADMIN_ENV: "sk-admin"})
+    check_router_keys(everywhere, environ={ALLOW_UNAUTHENTICATED_ENV: "1"})
+    check_router_keys(settings(host="127.0.0.1"), environ={})

@@ -265,6 +265,7 @@ def up(tmp_path, monkeypatch, capsys):
     """`up(cluster_file, *arguments)`: `pdserve up`'s exit code and what it said, run here (as
     `pdserve` runs it, from its command line; in this process: each run is ~3 s less)."""
     monkeypatch.setenv("PDSERVE_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("PDSERVE_API_KEYS", "sk-test")  # GPU files: routers beyond loopback
 
     def run(cluster_file: Path, *extra: str) -> UpDone:
         capsys.readouterr()
