@@ -11,21 +11,24 @@ changing it needs no engine restart. Both halves run their scheduler and worker 
 side; the KV receiver listens from the start.
 """
 
+from dataclasses import replace
+
 from decode_workers.connector import DecodeConnector
-from kv_transfer.connector_base import PdserveMetadata
 from prefill_workers.connector import PrefillConnector
 
 
 class FlexConnector(PrefillConnector, DecodeConnector):
     """Method resolution runs the prefill half, then the decode half, then the shared base:
     every hook both halves answer (init, cache registration, request_finished) calls on with
-    super(); the two that return a value or stop things are joined here."""
+    super(); the two that return a value or stop things are joined here, each from what its
+    halves return (a step's metadata: the decode half's, with the prefill half's sends), so a
+    field either half adds reaches the worker (seen: the decode half's `abandoned` transfers
+    were dropped, and reached the worker as never held)."""
 
     def build_connector_meta(self, scheduler_output):
-        return PdserveMetadata(
-            sends=self.send_plan.sends(scheduler_output),
-            expected=self.load_plan.take_expected(),
-        )
+        receiving = DecodeConnector.build_connector_meta(self, scheduler_output)
+        sending = PrefillConnector.build_connector_meta(self, scheduler_output)
+        return replace(receiving, sends=sending.sends)
 
     def shutdown(self):
         PrefillConnector.shutdown(self)

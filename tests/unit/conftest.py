@@ -10,6 +10,7 @@ VLLM_MODULES = {
     "test_attention_support",
     "test_cluster_secret",  # a call let through reaches the worker's Generate, which imports vLLM
     "test_engine_stats",
+    "test_flex_connector",
     "test_bench_metrics",
     "test_kv_compatibility",
     "test_kv_pool_copy",
