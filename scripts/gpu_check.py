@@ -3,6 +3,7 @@
     python scripts/gpu_check.py                          # CUDA when present, else CPU
     python scripts/gpu_check.py --device cpu --json report.json
     python scripts/gpu_check.py --quick                  # a representative subset (unit test)
+    python3 scripts/gpu_check.py --json $OUT/gpu_check.json   # the lent GPU machine: ~3-4 min
 
 Every check runs pdserve's own sender -> transport -> receiver -> loader classes
 (prefill_workers.kv_sender.LayerSender, kv_transfer.transport.KvSender and its channels,
@@ -12,6 +13,16 @@ int8 buffer per layer group viewed as [layers, blocks, heads, tokens, content by
 its six KVCacheLayout stride orders, each layer a [blocks, heads, tokens, 2 * head_size] view
 (vllm/v1/kv_cache_interface.create_kv_cache_views), plus the older layouts the code still
 reads; bfloat16, float16 and fp8 (which vLLM stores as uint8). Byte-exact, on every decode rank.
+
+On CUDA every check's "forward" (what its own thread queues, as vLLM's engine thread does) runs
+on a dedicated current stream, as vLLM runs its forward (vllm/utils/torch_utils.py): a check on
+the default stream would hide work put on the wrong stream. The GPU tests of issue 46 are
+checks too: T1 (scripts/gpu_t1_pg0_kill.py: a pdserve NCCL group whose operation times out
+beside a vLLM-like process group 0 leaves the process alive; two processes of ~80 s, started
+first and collected last, `--no-t1` leaves it out), T2 (scripts/gpu_t2_pool_hold.py: the host
+KV pool's calls return in under 5 ms with 50 ms of forward work queued), T4 (the nccl sending
+half on one GPU: staged and digested on the device, received as a device tensor through the
+receiver's real checks and loader).
 
 Checks are isolated: each prints its own PASS, FAIL or SKIP line (a failure never stops the
 others); `--json PATH` writes them all. A SKIP says why: a CUDA-only check on CPU, nccl with one
@@ -25,6 +36,7 @@ which versions it found, so a failure on an unknown image reads against them.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -194,13 +206,15 @@ def transfer(
     skip_blocks: int = 0,
     faults: tuple[str, ...] = ("",),
     decode_device: torch.device | None = None,
+    loopback: bool = False,
 ) -> list[Outcome]:
     """Prefill one prompt per entry of `faults` (each its own transfer, one after the other on
     the same channels, the fault its sender injects) on `prefill_tp` ranks with `source`
     caches, in chunks of `chunk_tokens` (the real SendPlan picks each step's blocks), and load
     it on `decode_tp` ranks with `target` caches (on `decode_device`, default `device`);
-    `skip_blocks` are the decode worker's own prefix-cache hit. Returns each transfer's
-    outcome."""
+    `skip_blocks` are the decode worker's own prefix-cache hit; `loopback`: each slice goes from
+    the sender's thread straight to its decode rank's receiving end in this process
+    (LoopbackChannel), the network left out. Returns each transfer's outcome."""
     from decode_workers.kv_loader import KvLoader
     from kv_transfer.channels import kv_sender
     from kv_transfer.compatibility import Compatibility
@@ -235,9 +249,24 @@ def transfer(
     decode_canonical = [[decode_layout.canonical(c, HEAD_SIZE) for c in rank] for rank in decode]
     before = [[as_bits(c) for c in rank] for rank in decode_canonical]
     base, receivers = start_receivers(compatibility, decode_tp, decode_device)
+
+    def sending():
+        if not loopback:
+            return kv_sender(compatibility, "127.0.0.1", device)
+        from kv_transfer.transport import KvSender
+
+        return KvSender(
+            lambda kind, destination: LoopbackChannel(
+                receivers[int(destination.rsplit(":", 1)[1]) - base], compatibility
+            ),
+            lambda *cancel: None,
+            num_layers=LAYERS,
+            device=device,
+        )
+
     senders = [
         LayerSender(
-            kv_sender(compatibility, "127.0.0.1", device),
+            sending(),
             prefill_layout,
             HEAD_SIZE,
             total_heads,
@@ -336,6 +365,40 @@ def transfer(
     return outcomes
 
 
+class LoopbackChannel:
+    """The nccl channel with the network left out (test T4, one GPU): each slice's staged tensor
+    must still be on the device (staged for nccl: `to_host=False`) with its digest computed there
+    by the sending thread (`sealed`); a copy made on a stream of the receiving end's (as NCCL's
+    receive writes a fresh buffer) goes through the decode rank's real receiving path:
+    SliceAssembler's checks and room, then `deliver`, whose inbox checks the digest on the
+    device, and the KV loader scatters from the device tensor."""
+
+    def __init__(self, receiver, compatibility) -> None:
+        from kv_transfer.transport import SliceAssembler
+
+        self.receiver = receiver
+        self.assembler = SliceAssembler(receiver.inbox, "nccl", compatibility)
+        self.stream = torch.cuda.Stream(receiver.device)
+
+    def send(self, piece) -> None:
+        from kv_transfer.grpc_transport import slice_chunk
+
+        tensor = piece.data.ready()
+        if tensor.device.type != "cuda" or piece.data.tensor.device.type != "cuda":
+            raise AssertionError("a slice for nccl was staged to the host")
+        chunk = slice_chunk(piece, 0, tensor.numel())
+        self.assembler.check(chunk, chunk.length)
+        self.assembler.carried.begin(chunk.transfer_id)
+        self.receiver.inbox.reserve(chunk.length)
+        with torch.cuda.stream(self.stream):
+            received = tensor.to(self.receiver.device, copy=True)
+        self.stream.synchronize()  # as a polled-complete receive: written before it is read
+        self.assembler.deliver(chunk, received, reserved=True)
+
+    def close(self) -> None:
+        pass
+
+
 def forward_writes(cache, truth, block_ids, first_token, end_token) -> None:
     """The forward pass of tokens [first_token, end_token) writes their KV into the cache."""
     bits = {1: torch.uint8, 2: torch.int16}[cache.element_size()]  # a copy of bits, not values
@@ -399,6 +462,18 @@ def check_transport(device, transport: str) -> str:
         decode_device = torch.device("cuda", (device.index or 0) + 1)
     (outcome,) = transfer(device, transport=transport, decode_device=decode_device)
     return exact_outcome(outcome)
+
+
+def check_device_send(device, prefill_tp: int = 1, decode_tp: int = 1) -> str:
+    """T4: the nccl transport's sending half on one GPU (its two-GPU run is `transport nccl`):
+    staged on the device, digest computed there by the sending thread, received as a device
+    tensor whose digest the inbox checks on the device, scattered from the device."""
+    if device.type != "cuda":
+        raise Skip("CUDA only (on CPU the nccl transport sends host tensors over gloo)")
+    (outcome,) = transfer(
+        device, transport="nccl", prefill_tp=prefill_tp, decode_tp=decode_tp, loopback=True
+    )
+    return "staged and checked on the device; " + exact_outcome(outcome)
 
 
 def check_chunked_prefill(device) -> str:
@@ -778,6 +853,40 @@ def check_stream_ordering(device) -> str:
     return "staging after the forward write, load after it"
 
 
+def script(name: str):
+    """A module of scripts/ (the GPU tests T1 and T2 live in scripts of their own)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_pool_hold(device) -> str:
+    """T2 (scripts/gpu_t2_pool_hold.py): the host KV pool's copies never hold vLLM's thread
+    behind queued forward work."""
+    return script("gpu_t2_pool_hold").check_pool_hold(device, skip=Skip)
+
+
+_T1: dict[str, object] = {}
+
+
+def start_pg0_check(device) -> None:
+    """Start T1's two processes (~80 s, mostly waiting) so they run beside the other checks."""
+    if device.type == "cuda":
+        _T1.setdefault(str(device), script("gpu_t1_pg0_kill").Pg0Check(device, skip=Skip))
+        _T1[str(device)].start()
+
+
+def check_pg0_survives(device) -> str:
+    """T1 (scripts/gpu_t1_pg0_kill.py): a pdserve NCCL group whose operation times out beside a
+    vLLM-like process group 0 leaves the process alive (review §3.1)."""
+    if device.type != "cuda":
+        raise Skip("CUDA only: torch's ProcessGroupNCCL watchdog and heartbeat monitor")
+    start_pg0_check(device)
+    return _T1[str(device)].result()
+
+
 LOADER_BUSY_MS = 50.0  # forward work queued per engine step in the loader hold check
 
 
@@ -787,12 +896,7 @@ def check_loader_hold(device) -> str:
     forward work queued each step, the loader only queues its copies (pinned receive buffers
     and indexes, completion by event query): a loader that synchronised its stream or copied
     from pageable memory would wait behind that work in every call. Bytes exact everywhere."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_loader_hold", ROOT / "scripts" / "bench_loader_hold.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    bench = script("bench_loader_hold")
     shape = bench.Shape(LAYERS * 2, KV_HEADS, HEAD_SIZE, BLOCK_TOKENS, torch.bfloat16, 512)
     busy_ms = LOADER_BUSY_MS if device.type == "cuda" else 0.0
     bench.measure(device, shape, 1, 2, busy_ms)  # warm-up: pinned buffers, kernels
@@ -867,6 +971,13 @@ def checks(device, quick: bool, megabytes: int, repeats: int) -> list[tuple[str,
             )
     for transport in ("grpc", "shm", "nccl"):
         found.append((f"transport {transport}", lambda t=transport: check_transport(device, t)))
+    for p, d in ((1, 1), (2, 1), (1, 2)):
+        found.append(
+            (
+                f"T4 nccl sending half on the device, TP {p} -> {d}",
+                lambda p=p, d=d: check_device_send(device, p, d),
+            )
+        )
     found.append(("chunked prefill, mid-block boundary", lambda: check_chunked_prefill(device)))
     found.append(("prefix-cache skip", lambda: check_prefix_skip(device)))
     for heads, p, d in TP_PAIRS[:4] + TP_PAIRS[6:8] if quick else TP_PAIRS:
@@ -891,14 +1002,22 @@ def checks(device, quick: bool, megabytes: int, repeats: int) -> list[tuple[str,
     )
     found.append(("stream ordering", lambda: check_stream_ordering(device)))
     found.append(("decode loader hold on vLLM's thread", lambda: check_loader_hold(device)))
+    found.append(("T2 kv pool hold on vLLM's thread", lambda: check_pool_hold(device)))
     found.append(("bandwidth", lambda: check_bandwidth(device, megabytes, repeats)))
+    found.append(
+        ("T1 process group 0 survives a KV group's failure", lambda: check_pg0_survives(device))
+    )
     return found
 
 
-def run_check(name: str, run: Callable[[], str]) -> dict:
+def run_check(name: str, run: Callable[[], str], device=None) -> dict:
+    """One check, its "forward" (this thread's work) on a dedicated current stream on CUDA, as
+    vLLM runs its forward (vllm/utils/torch_utils.py): a check that used the default stream
+    would hide work put on the wrong stream."""
     started = time.perf_counter()
     try:
-        status, detail = "PASS", run()
+        with forward_stream(device):
+            status, detail = "PASS", run()
     except Skip as why:
         status, detail = "SKIP", str(why)
     except Exception as error:
@@ -909,6 +1028,20 @@ def run_check(name: str, run: Callable[[], str]) -> dict:
     seconds = time.perf_counter() - started
     print(f"{status:<4}  {name:<44} {seconds:6.2f} s  {detail}", flush=True)
     return {"name": name, "status": status, "seconds": round(seconds, 3), "detail": detail}
+
+
+@contextlib.contextmanager
+def forward_stream(device):
+    """A fresh stream as this thread's current one on CUDA, the default one back after."""
+    if device is None or device.type != "cuda":
+        yield
+        return
+    torch.cuda.set_stream(torch.cuda.Stream(device))
+    try:
+        yield
+    finally:
+        torch.cuda.current_stream(device).synchronize()
+        torch.cuda.set_stream(torch.cuda.default_stream(device))
 
 
 def versions() -> dict[str, str]:
@@ -934,6 +1067,9 @@ def main() -> int:
     parser.add_argument("--megabytes", type=int, help="bandwidth buffer (default 256, CPU 64)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--verbose", action="store_true", help="show pdserve's own logs")
+    parser.add_argument(
+        "--no-t1", action="store_true", help="leave out T1 (~80 s; scripts/gpu_t1_pg0_kill.py)"
+    )
     args = parser.parse_args()
     if args.verbose:
         logging.basicConfig(level=logging.INFO)
@@ -946,8 +1082,15 @@ def main() -> int:
     found = versions()
     print("versions: " + ", ".join(f"{k} {v}" for k, v in found.items()), flush=True)
     print(f"device {device} ({name}), torch {torch.__version__}", flush=True)
+    if device.type == "cuda":
+        print("every check's forward runs on a dedicated stream, as vLLM's does", flush=True)
     started = time.perf_counter()
-    results = [run_check(n, run) for n, run in checks(device, args.quick, megabytes, args.repeats)]
+    if not args.quick and not args.no_t1:
+        start_pg0_check(device)  # T1's processes run beside the other checks
+    found_checks = checks(device, args.quick, megabytes, args.repeats)
+    if args.quick or args.no_t1:
+        found_checks = [(n, run) for n, run in found_checks if not n.startswith("T1 ")]
+    results = [run_check(n, run, device) for n, run in found_checks]
     counts = {s: sum(r["status"] == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
     total = time.perf_counter() - started
     print(

@@ -61,7 +61,7 @@ def test_the_quick_check_passes_on_cpu_without_pydantic_numpy_or_vllm(tmp_path):
         assert must in passed, (must, done.stdout)
 
 
-def test_the_whole_run_covers_every_layout_dtype_and_tp_pair():
+def test_the_whole_run_covers_every_layout_dtype_and_tp_pair_and_the_gpu_tests():
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
@@ -70,3 +70,20 @@ def test_the_whole_run_covers_every_layout_dtype_and_tp_pair():
     assert len(layouts) == 10 * 3 == len(set(layouts))  # vLLM 0.32's six, four older
     assert sum(n.startswith("tp ") for n in names) == len(gpu_check.TP_PAIRS) == 10
     assert len(names) == len(set(names))
+    for test in ("T1 ", "T2 ", "T4 "):  # issue 46's GPU tests
+        assert any(name.startswith(test) for name in names), test
+    assert names[-1].startswith("T1 ")  # started first, collected last
+
+
+def test_the_gpu_tests_skip_on_cpu_with_cuda_only_and_t1s_child_compiles():
+    """T1, T2, T4 need CUDA: on CPU each says so; T1's child program (run only on a GPU) at
+    least compiles here."""
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    cpu = torch.device("cpu")
+    for name, run in gpu_check.checks(cpu, False, 1, 1):
+        if name.startswith(("T1 ", "T2 ", "T4 ")):
+            result = gpu_check.run_check(name, run, cpu)
+            assert result["status"] == "SKIP" and result["detail"].startswith(ALLOWED_SKIPS)
+    compile(gpu_check.script("gpu_t1_pg0_kill").CHILD, "gpu_t1_child", "exec")
