@@ -485,13 +485,14 @@ class ReadAhead:
         self.thread.start()
 
     def _read(self, messages) -> None:
+        last = _ENDED
         try:
             for message in messages:
                 if not self._put(message):
                     return
-            self._put(_ENDED)
-        except Exception as error:  # the stream failed: the receiving thread raises it
-            self._put(error)
+        except BaseException as error:  # the stream failed: the receiving thread raises it
+            last = error if isinstance(error, Exception) else ChannelError(repr(error))
+        self._put(last)  # always: the receiving thread may be waiting for a message
 
     def _put(self, item) -> bool:
         while not self.stopped.is_set():
