@@ -224,6 +224,7 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
                         unreserve=self.inbox.unreserve,
                         buffer=self.inbox.buffer,
                         deliver=partial(assembler.deliver, reserved=True),
+                        has_room=self.inbox.has_room,
                     ):
                         return wire.PushKvReply(accepted=True)
                     break

@@ -577,6 +577,7 @@ class NcclReceiving:
         unreserve: Callable[[int], None],
         buffer: Callable[[int], object],
         deliver: Callable[[object, object], None],
+        has_room: Callable[[int], bool] = lambda size: True,
     ) -> bool:
         """Receive the slices `messages` (the rest of the stream) describe, in order: for each
         descriptor, `admit(chunk)` (raises to refuse it), `reserve(length)` (its room in the
@@ -584,7 +585,9 @@ class NcclReceiving:
         `deliver(chunk, data)` (the room is the slice's then). Returns True at the sender's
         bye (everything received), False when the stream ended without one; raises
         ChannelError (or what the stream failed with). Room taken for a slice not delivered
-        is given back."""
+        is given back. When `has_room(length)` says the reservation would wait, the slices
+        pending are received and delivered first (the loader can free room only once it has
+        them)."""
         ahead = ReadAhead(messages)
         pending: deque[tuple[object, Posted | None, object]] = deque()
         try:
@@ -604,6 +607,10 @@ class NcclReceiving:
                             f"an nccl slice of {chunk.length} bytes said {chunk.slice_bytes}"
                         )
                     admit(chunk)  # before anything is allocated
+                    if pending and not has_room(chunk.length):
+                        while pending:  # their sends are posted: their bytes come
+                            self._through(pending[0][1], True)
+                            deliver(*_delivered(pending))
                     reserve(chunk.length)
                     try:  # (no local keeps the operation: see below)
                         pending.append((chunk, *self._post(chunk.length, buffer)))

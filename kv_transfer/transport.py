@@ -515,6 +515,11 @@ class Inbox:
                 self.lock.wait(left)
             self.held += size
 
+    def has_room(self, size: int) -> bool:
+        """Whether `reserve(size)` would not wait now."""
+        with self.lock:
+            return not self.held or self.held + size <= self.max_bytes
+
     def unreserve(self, size: int) -> None:
         with self.lock:
             self.held -= size

@@ -210,3 +210,36 @@ def _chunk(piece) -> wire.KvChunk:
     from kv_transfer.grpc_transport import slice_chunk
 
     return slice_chunk(piece, 0, piece.data.nbytes)
+
+
+def test_a_full_inbox_gets_the_pending_slices_delivered_before_the_receiver_waits_for_room():
+    """The loader frees inbox room only once it has slices: a receiver about to wait for room
+    first takes in the slices whose receives it posted (their sends are posted too)."""
+    link, sending, receiving = bench.pair(20e-6, timeout_s=5.0)
+    stream = bench.FakeStream()
+    pieces = bench.slices(3, 256)
+    for piece in pieces:
+        stream.put(wire.KvMessage(chunk=_chunk(piece)))
+    stream.close()
+    delivered: list[int] = []
+    delivered_when_reserving: list[list[int]] = []
+    result: list = []
+    thread = threading.Thread(
+        target=lambda: result.append(
+            NcclReceiving.over(receiving, CPU).serve(
+                stream.messages(),
+                admit=lambda chunk: None,
+                reserve=lambda size: delivered_when_reserving.append(list(delivered)),
+                unreserve=lambda size: None,
+                buffer=bytearray,
+                deliver=lambda chunk, data: delivered.append(chunk.seq),
+                has_room=lambda size: len(delivered_when_reserving) < 2,  # full at the third
+            )
+        )
+    )
+    thread.start()
+    for piece in pieces:
+        sending.send(piece.data.ready())
+    thread.join(10)
+    assert result == [True] and delivered == [0, 1, 2]
+    assert delivered_when_reserving == [[], [], [0, 1]]  # both taken in before it waited
