@@ -75,21 +75,13 @@ def pin_model_runner(has_connector: bool, cpu: bool, environ=os.environ) -> None
     prefill, decode or flex worker, or one with a KV pool), unless the user set it."""
     if cpu or not has_connector:
         return
-    chosen = environ.get(MODEL_RUNNER_ENV)
-    if chosen is None:
-        environ[MODEL_RUNNER_ENV] = "0"
-        log.info(
-            "vLLM's V1 model runner (%s=0): pdserve's KV connectors are not tested under "
-            "Model Runner V2, vLLM's default on GPUs",
-            MODEL_RUNNER_ENV,
-        )
-    elif chosen.strip().lower() not in ("0", "false"):
-        log.warning(
-            "%s=%s: pdserve's KV connectors run under vLLM's Model Runner V2, where they are "
-            "not tested",
-            MODEL_RUNNER_ENV,
-            chosen,
-        )
+    _off_unless_chosen(
+        environ,
+        MODEL_RUNNER_ENV,
+        "vLLM's V1 model runner: pdserve's KV connectors are not tested under Model Runner V2, "
+        "vLLM's default on GPUs",
+        "pdserve's KV connectors run under vLLM's Model Runner V2, where they are not tested",
+    )
 
 
 def nccl_environment(has_connector: bool, cpu: bool, environ=os.environ) -> None:
@@ -98,26 +90,30 @@ def nccl_environment(has_connector: bool, cpu: bool, environ=os.environ) -> None
     copied to vLLM's Ray workers. Call it before vLLM starts."""
     if cpu or not has_connector:
         return
-    chosen = environ.get(DUMP_ON_TIMEOUT_ENV)
-    if chosen is None:
-        environ[DUMP_ON_TIMEOUT_ENV] = "0"
-        log.info(
-            "%s=0: a failed KV transfer group cannot make torch's NCCL monitor of vLLM's "
-            "world group kill this worker",
-            DUMP_ON_TIMEOUT_ENV,
-        )
-    elif chosen.strip().lower() not in ("0", "false"):
-        log.warning(
-            "%s=%s: a KV transfer group that fails or times out makes torch's NCCL monitor "
-            "abort this worker minutes later (docs/architecture.md, the nccl transport)",
-            DUMP_ON_TIMEOUT_ENV,
-            chosen,
-        )
+    _off_unless_chosen(
+        environ,
+        DUMP_ON_TIMEOUT_ENV,
+        "a failed KV transfer group cannot make torch's NCCL monitor of vLLM's world group "
+        "kill this worker",
+        "a KV transfer group that fails or times out makes torch's NCCL monitor abort this "
+        "worker minutes later (docs/architecture.md, the nccl transport)",
+    )
     for name, value in NCCL_SEEDS.items():
         environ.setdefault(name, value)
     copied = [name for name in environ.get(RAY_COPY_ENV, "").split(",") if name]
     wanted = [DUMP_ON_TIMEOUT_ENV, *NCCL_SEEDS]
     environ[RAY_COPY_ENV] = ",".join([*copied, *(n for n in wanted if n not in copied)])
+
+
+def _off_unless_chosen(environ, name: str, why_off: str, risk: str) -> None:
+    """`name`=0 in `environ`, logged with `why_off`, unless the user set it: then their value
+    stands, with a warning of `risk` when it is on."""
+    chosen = environ.get(name)
+    if chosen is None:
+        environ[name] = "0"
+        log.info("%s=0: %s", name, why_off)
+    elif chosen.strip().lower() not in ("0", "false"):
+        log.warning("%s=%s: %s", name, chosen, risk)
 
 
 def prepare_environment(has_connector: bool, cpu: bool, environ=os.environ) -> None:
