@@ -251,12 +251,26 @@ def options_of(args: argparse.Namespace):
     )
 
 
+def check_fit(config) -> None:
+    """What `pdserve up` checks before it starts anything, checked before anything is rendered:
+    the model's heads against each pool's tensor-parallel size, and each GPU pool's weights, KV
+    cache, activations and buffers against its card (a file that did not fit was rendered, to
+    fail on the cluster: GPU review §1 row 6)."""
+    from pdserve.cluster.placement import check_layout, check_memory, memory_use, model_shape
+
+    model = model_shape(config)
+    check_layout(config, model)
+    check_memory(memory_use(config, model))
+
+
 def run(args: argparse.Namespace) -> int:
     from pdserve.cluster.k8s_render import default_out, render, write
 
     out = (args.out or default_out(args.file, args.mode)).resolve()
     try:
-        files = render(load_cluster_file(args.file), args.mode, options_of(args))
+        config = load_cluster_file(args.file)
+        check_fit(config)
+        files = render(config, args.mode, options_of(args))
     except ConfigError as error:
         print(f"pdserve k8s render: refused: {error}", file=sys.stderr)
         return 2

@@ -293,3 +293,24 @@ def test_render_needs_nothing_from_a_source_checkout():
         "package-data"
     ]
     assert any(fnmatch("k8s_alerts.yaml", pattern) for pattern in data["pdserve.cluster"])
+
+
+def test_a_file_that_does_not_fit_its_gpus_is_not_rendered(tmp_path, capsys):
+    """`k8s render` checks what `up` checks before anything starts (GPU review §1 row 6: a file
+    that did not fit was rendered, to fail on the cluster): one TP=1 prefill worker holding all
+    67.7 GiB of the 70B FP8 weights."""
+    too_big = tmp_path / "too-big.yaml"
+    too_big.write_text(
+        json.dumps(
+            {
+                "model": {"path": "RedHatAI/Meta-Llama-3.1-70B-Instruct-FP8", "dtype": "bfloat16"},
+                "engine": {"kv_cache_gib": 8},
+                "prefill": {"replicas": 1, "tensor_parallel_size": 1, "gpu_type": "H100-SXM"},
+                "decode": {"replicas": 1, "tensor_parallel_size": 4, "gpu_type": "H100-SXM"},
+            }
+        )
+    )
+    out = tmp_path / "out"
+    assert main(["k8s", "render", "-f", str(too_big), "--out", str(out)]) == 2
+    assert "does not fit in GPU memory: prefill TP 1 on H100-SXM" in capsys.readouterr().err
+    assert not out.exists()
