@@ -255,9 +255,12 @@ def check_fit(config) -> None:
     """What `pdserve up` checks before it starts anything, checked before anything is rendered:
     the model's heads against each pool's tensor-parallel size, and each GPU pool's weights, KV
     cache, activations and buffers against its card (a file that did not fit was rendered, to
-    fail on the cluster: GPU review §1 row 6)."""
+    fail on the cluster: GPU review §1 row 6). A file of CPU pools only is not checked: its
+    model need not be on the host that renders it."""
     from pdserve.cluster.placement import check_layout, check_memory, memory_use, model_shape
 
+    if not any(pool.replicas and pool.uses_gpus for pool in config.pools().values()):
+        return
     model = model_shape(config)
     check_layout(config, model)
     check_memory(memory_use(config, model))
