@@ -81,7 +81,8 @@ def send_frame(sock: socket.socket, message, fds: tuple[int, ...] = ()) -> None:
     data = message.SerializeToString()
     frame = _LENGTH.pack(len(data)) + data
     sent = socket.send_fds(sock, [frame], list(fds)) if fds else 0
-    sock.sendall(frame[sent:])
+    if sent < len(frame):  # nothing left to send: no send (a peer gone since would raise EPIPE)
+        sock.sendall(frame[sent:])
 
 
 class FrameReader:

@@ -233,7 +233,7 @@ def test_an_idle_channel_keeps_its_group_until_its_receiver_ends_the_stream(rece
         opened.append(open_channel(kind, destination))
         return opened[-1]
 
-    sender = KvSender(opening, lambda *cancel: cancels.append(cancel), idle_close_s=0.2)
+    sender = KvSender(opening, lambda *cancel: cancels.append(cancel), idle_close_s=0.1)
     cancels: list = []
     restarted = None
     try:
@@ -242,7 +242,7 @@ def test_an_idle_channel_keeps_its_group_until_its_receiver_ends_the_stream(rece
             (arrived,) = wait_for(kv_receiver, slices=1)[0]
             assert arrived.transfer_id == transfer_id
             arrived.release()
-            time.sleep(0.6)  # three times idle_close_s
+            time.sleep(0.3)  # three times idle_close_s
             assert sender.threads and not opened[0].group.aborted, "closed while idle"
         assert len(opened) == 1, "the second transfer paid for a new group"
         kv_receiver.stop()  # ends the stream: the sender sees its channel gone
