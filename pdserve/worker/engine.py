@@ -115,10 +115,13 @@ def _pool_namespace(worker: WorkerSettings) -> str:
 
 
 def merged(one: dict, other: dict) -> dict:
-    """Two ranks' figures of one transfer as the transfer's: the bytes summed, the longer time,
-    failed if either failed (with the first reason given), every transport that carried it."""
+    """Two ranks' figures of one transfer as the transfer's: the bytes summed (the ranks' pinned
+    receive memory too, where they report it), the longer time, failed if either failed (with
+    the first reason given), every transport that carried it."""
     transports = {t for entry in (one, other) for t in entry["transport"].split(",") if t}
+    pinned = [entry["pinned_bytes"] for entry in (one, other) if "pinned_bytes" in entry]
     return {
+        **({"pinned_bytes": sum(pinned)} if pinned else {}),
         "transfer_id": one["transfer_id"],
         "bytes": one["bytes"] + other["bytes"],
         "seconds": max(one["seconds"], other["seconds"]),

@@ -32,7 +32,11 @@ def test_a_transfer_counts_once_every_rank_reported_it_with_their_figures_merged
     whole = stats.kv_transfer_reported(report("t", 100, 0.3, transport="gloo"))
     assert (whole["bytes"], whole["seconds"], whole["failed"]) == (200, 0.3, False)
     assert whole["transport"] == "gloo,shm"
+    assert "pinned_bytes" not in whole  # no rank pinned memory (CPU)
     assert stats.take_kv_transfer("t") == whole
+    stats.kv_transfer_reported({**report("p", 1, 0.1), "pinned_bytes": 1 << 30})
+    pinned = stats.kv_transfer_reported({**report("p", 1, 0.1), "pinned_bytes": 1 << 30})
+    assert pinned["pinned_bytes"] == 2 << 30  # each CUDA rank's receive arena
 
 
 def test_one_failed_rank_fails_the_transfer_and_one_rank_engines_report_at_once():
