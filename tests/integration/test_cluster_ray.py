@@ -250,7 +250,9 @@ def test_a_process_without_the_ray_token_cannot_join_the_cluster(cluster, tmp_pa
     ~/.ray/auth_token), with auth off or on its side, is refused by the GCS."""
     address = ray.get_runtime_context().gcs_address
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
-    env.update(RAY_AUTH_MODE=mode, HOME=str(tmp_path))
+    # Ray's driver retries the GCS once a second, 20 times by default: 3 tries say the same
+    # (a refused join) without waiting 20 s for it
+    env.update(RAY_AUTH_MODE=mode, HOME=str(tmp_path), RAY_NUM_REDIS_GET_RETRIES="3")
     done = subprocess.run(
         [sys.executable, "-c", STRANGER, address],
         env=env,
