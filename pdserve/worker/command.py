@@ -151,8 +151,8 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
         starting.result()
         engine = started.pop()
     except Exception as error:  # the engine could not start: say why, then exit
+        log.exception("engine failed to start")  # in the log before the health says so
         service.engine_failed(f"engine failed to start: {error}")
-        log.exception("engine failed to start")
         await stop_serving(server, health, grace=1)
         if removed := shm_leftovers.remove_after_failed_start(
             shm_leftovers.engine_processes(), shm_before

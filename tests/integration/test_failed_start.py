@@ -3,6 +3,7 @@ cause, not vLLM's "Engine core initialization failed. See root cause above.") an
 is, exits 1, and leaves nothing in /dev/shm (seen: a TP-2 engine that failed to start left its
 communicator's `vllm_dist_*` files, 8 MiB)."""
 
+import re
 import subprocess
 import sys
 
@@ -35,8 +36,8 @@ def test_a_refused_model_gives_the_root_cause_and_leaves_nothing(tmp_path):
     )
     assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-4000:]
     output = done.stdout + done.stderr
-    (refusal,) = [line for line in output.splitlines() if "exited with code 1: " in line]
-    cause = refusal.split("exited with code 1: ")[1]
+    # Seen exiting, or first reporting its engine failed through its health: either way, why
+    (cause,) = re.findall(r"worker \S+ (?:exited with code 1|failed): (.*)", output) or [output]
     assert cause.startswith("ValueError: ") and MISSING in cause, output[-4000:]
     assert f"(the whole log: {tmp_path / 'logs'}/" in output
     assert not shm_left_since(shm_before), "a failed start left files in /dev/shm"
