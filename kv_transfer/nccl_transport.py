@@ -163,6 +163,14 @@ def _make_backend(store, backend: str, rank: int, host: str, device, timeout_s: 
     return nccl_backend(store, rank, 2, device, timeout_s)
 
 
+def on_stream(cuda_stream):
+    """Operations are posted, and their completion taken, on a channel end's own CUDA stream
+    (none on CPU)."""
+    if cuda_stream is None:
+        return contextlib.nullcontext()
+    return torch.cuda.stream(cuda_stream)
+
+
 @dataclass
 class Posted:
     """An operation posted on a PairGroup, and when pdserve gives up on it."""
@@ -404,10 +412,7 @@ class NcclChannel:
         return made
 
     def _on_stream(self):
-        """Operations are posted, and their completion taken, on this channel's stream."""
-        if self.cuda_stream is None:
-            return contextlib.nullcontext()
-        return torch.cuda.stream(self.cuda_stream)
+        return on_stream(self.cuda_stream)
 
     def send(self, piece: LayerSlice) -> None:
         """Post the slice (its descriptor first: the receiver posts its receive on it); once
@@ -565,9 +570,7 @@ class NcclReceiving:
         return made
 
     def _on_stream(self):
-        if self.cuda_stream is None:
-            return contextlib.nullcontext()
-        return torch.cuda.stream(self.cuda_stream)
+        return on_stream(self.cuda_stream)
 
     def serve(
         self,
