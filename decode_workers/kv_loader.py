@@ -39,7 +39,7 @@ from kv_transfer.kv_layout import LayerLayout
 from kv_transfer.memory_budget import INBOX_BYTES
 from kv_transfer.metadata import Expected
 from kv_transfer.transport import LayerSlice, nbytes
-from pdserve.kinds import KV_NOT_HELD
+from pdserve.core.kinds import KV_NOT_HELD
 
 log = logging.getLogger("pdserve.kv")
 ORPHAN_TTL_S = 120.0  # slices or cancels for a transfer no request expects: dropped after

@@ -7,7 +7,7 @@ from kv_transfer.grpc_transport import GrpcChannel, cancel_transfer
 from kv_transfer.nccl_transport import NcclChannel
 from kv_transfer.shm_transport import ShmChannel
 from kv_transfer.transport import Channel, KvSender, OpenChannel
-from pdserve.kinds import Transport
+from pdserve.core.kinds import Transport
 
 
 def channel_opener(compatibility: Compatibility, host: str, device: torch.device) -> OpenChannel:

@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 
 from kv_transfer.host_staging import Staged
-from pdserve.kv_faults import KvFaultKind, parse_kv_fault
+from pdserve.core.kv_faults import KvFaultKind, parse_kv_fault
 
 log = logging.getLogger("pdserve.kv")
 

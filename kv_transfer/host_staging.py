@@ -26,7 +26,7 @@ a stream synchronize), i.e. before vLLM schedules the request; every tensor a qu
 reads is held until an event after it has passed. On CPU the scatter happens at once, and
 nothing is pinned (there is no CUDA to pin for).
 
-The host KV pool's copies (kv_transfer/pool_copy.py) use the same side stream, with two more
+The host KV pool's copies (kv_transfer/pool/copy.py) use the same side stream, with two more
 pieces: `CudaSideStream.precede_forward()` (a fence the other way, before vLLM reuses blocks a
 queued copy still reads), and `HostRegistration`, which registers memory torch did not allocate
 (the pool's shared mapping) with CUDA as pinned, so its copies are asynchronous too.

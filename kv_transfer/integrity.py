@@ -77,7 +77,7 @@ def block_digests(rows: torch.Tensor) -> torch.Tensor:
     """Each row's `slice_digest`, as the int64 with the same bits (what a pool slot's header
     holds), for a [n, bytes] uint8 tensor: one batch of tensor ops over all n rows, and the
     result stays where `rows` is. On a device nothing comes to the host: a caller compares the
-    digests there, or copies them out asynchronously (kv_transfer/pool_copy.py), so no row costs
+    digests there, or copies them out asynchronously (kv_transfer/pool/copy.py), so no row costs
     a synchronisation. Bit-identical to `slice_digest` of each row: a row is zero-padded to whole
     rows of WORDS_PER_ROW words, as `slice_digest` pads its tail."""
     if rows.dim() != 2:

@@ -8,7 +8,7 @@ vLLM's internal ones, transfer ids are pdserve's (shared by the prefill and deco
 
 from dataclasses import dataclass
 
-from pdserve.kinds import Transport
+from pdserve.core.kinds import Transport
 
 
 @dataclass(frozen=True)

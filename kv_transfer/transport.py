@@ -1,6 +1,6 @@
 """What every KV transport shares: the layer slice, the sender's per-destination threads, the
 receiver's bounded inbox and slice assembly. Which transport a worker pair uses is chosen from
-their Health (pdserve/worker/protocol/transport_choice.py).
+their Health (pdserve/protocol/transport_choice.py).
 
 A transport moves layer slices from a prefill rank to a decode rank. Three implement
 `Channel` (the sending end of one destination): `grpc` (kv_transfer/grpc_transport.py,
@@ -40,7 +40,7 @@ import torch
 from kv_transfer.faults import FaultInjector
 from kv_transfer.integrity import Damage, as_tensor, slice_digest
 from kv_transfer.memory_budget import INBOX_BYTES
-from pdserve.kinds import Transport
+from pdserve.core.kinds import Transport
 
 log = logging.getLogger("pdserve.kv")
 

@@ -25,7 +25,7 @@ from kv_transfer.kv_copy import gather
 from kv_transfer.kv_layout import LayerLayout
 from kv_transfer.metadata import SendSlice
 from kv_transfer.transport import KvSender, LayerSlice
-from pdserve.kinds import Transport
+from pdserve.core.kinds import Transport
 
 log = logging.getLogger("pdserve.kv")
 MAX_SEQUENCES = 4096  # transfers whose sequence numbers are kept (a finished one is dropped)

@@ -3,7 +3,7 @@
 A request with `SendKv` params has its blocks sent as its prompt is computed: blocks touched by
 each step are sent after that step's forward (so long prompts split by chunked prefill stream
 chunk by chunk), starting from block 0 so a local prefix-cache hit is sent too, or from the first
-block the decode worker does not hold already (`skip_tokens`: router/disaggregation.py).
+block the decode worker does not hold already (`skip_tokens`: router/flow/disaggregation.py).
 """
 
 from dataclasses import dataclass

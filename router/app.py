@@ -1,7 +1,7 @@
 """The router's HTTP app: the OpenAI endpoints, health, metrics, and a worker stats view.
 
 `create_app` only assembles: it makes the router's parts, keeps them in `app.state` (where
-the routes of router/routes/ reach them), and adds the routes, the error handlers, the API-key
+the routes of router/http/ reach them), and adds the routes, the error handlers, the API-key
 check and the background tasks (router/lifespan.py).
 """
 
@@ -10,20 +10,21 @@ import time
 from fastapi import FastAPI
 
 from pdserve.settings.router import RouterSettings
-from router.admission_gate import AdmissionGate
-from router.api_keys import load_api_keys, open_paths
-from router.flex_roles import FlexRoles, RoleMetrics
+from router.flow.admission_gate import AdmissionGate
+from router.flow.request_flow import RequestFlow
+from router.flow.tokenization import PromptTokenizer
+from router.flow.wait_forecast import WaitForecast
+from router.http import cluster, generation, tokens
+from router.http import error_handlers as errors
+from router.http.api_keys import load_api_keys, open_paths
+from router.http.body import BodyBytes
+from router.http.openai_types import MAX_BATCH_PROMPTS
 from router.lifespan import lifespan
 from router.metrics import RouterMetrics
-from router.openai_types import MAX_BATCH_PROMPTS
-from router.policies import POLICIES
-from router.request_flow import RequestFlow
-from router.routes import cluster, errors, generation, tokens
-from router.routes.body import BodyBytes
-from router.shared_state import Peers
-from router.tokenization import PromptTokenizer
-from router.wait_forecast import WaitForecast
-from router.worker_pool import WorkerPool
+from router.shared.state import Peers
+from router.workers.flex_roles import FlexRoles, RoleMetrics
+from router.workers.policies import POLICIES
+from router.workers.pool import WorkerPool
 
 MAX_BODY_BYTES = 32 << 20  # a request body beyond this is refused (413) before it is read whole
 # Below it, the limit follows the context (security review H2): what a request holds besides
@@ -57,9 +58,9 @@ def create_app(settings: RouterSettings, model: str) -> FastAPI:
     state.tokenizer = PromptTokenizer(model, lambda: pool.max_model_len)
     state.flow = RequestFlow(settings, pool, state.tokenizer, metrics)
     state.roles = FlexRoles(pool, RoleMetrics(metrics.registry))
-    # Several routers (router/state_sync.py) split the cluster-wide bounds between them.
+    # Several routers (router/shared/sync.py) split the cluster-wide bounds between them.
     state.peers = peers = Peers()
-    state.sync = None  # router/state_sync.py's StateSync, with a registry
+    state.sync = None  # router/shared/sync.py's StateSync, with a registry
     state.gate = AdmissionGate(
         lambda: peers.share(settings.max_concurrent_requests or pool.capacity()),
         lambda: peers.share(

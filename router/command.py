@@ -14,7 +14,7 @@ from pdserve.settings.command_line import add_arguments, add_settings_json, from
 from pdserve.settings.json_logs import configure_logging
 from pdserve.settings.router import RouterSettings
 from pdserve.settings.tls import load_tls_dir
-from router.api_keys import load_api_keys
+from router.http.api_keys import load_api_keys
 
 LIMIT_CONCURRENCY = 8192  # connections (streams included) and requests one router holds at once
 KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this
@@ -70,7 +70,7 @@ async def run_router(settings: RouterSettings, model: str, listener=None) -> Non
     """Serve until stopped; on `listener` (a bound, listening socket) when given."""
     import uvicorn
 
-    from pdserve import tracing
+    from pdserve.core import tracing
     from router.app import create_app
 
     tracing.export_to(settings.otlp_endpoint, "pdserve-router")
@@ -86,7 +86,7 @@ async def run_router(settings: RouterSettings, model: str, listener=None) -> Non
 def server_config(app, settings: RouterSettings):
     """uvicorn's settings for the router: at most LIMIT_CONCURRENCY connections and requests
     at once (a 503 beyond), idle keep-alive connections closed after KEEP_ALIVE_S (security
-    review L11; router/routes/body.py bounds the time and bytes of the bodies being read)."""
+    review L11; router/http/body.py bounds the time and bytes of the bodies being read)."""
     import uvicorn
 
     return uvicorn.Config(

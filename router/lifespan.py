@@ -9,11 +9,11 @@ import logging
 
 from fastapi import FastAPI
 
-from pdserve.worker.registry import Registry
-from router.flex_roles import AutoRatio, AutoRatioSettings, follow_ratio
-from router.shared_state import SharedState, router_id
-from router.state_sync import StateSync
-from router.worker_pool import WorkerPool, follow_load, follow_registry
+from pdserve.protocol.registry import Registry
+from router.shared.state import SharedState, router_id
+from router.shared.sync import StateSync
+from router.workers.flex_roles import AutoRatio, AutoRatioSettings, follow_ratio
+from router.workers.pool import WorkerPool, follow_load, follow_registry
 
 log = logging.getLogger("pdserve.router")
 DOWN_WORKER_CHECK_S = 2.0  # how often workers marked down are asked whether they are back

@@ -33,7 +33,7 @@ def worker_trees() -> dict[str, list[psutil.Process]]:
     trees = {}
     for process in psutil.Process().children(recursive=True):
         command = " ".join(process.cmdline())
-        if "pdserve.cluster.cli worker" in command:
+        if "pdserve.cli worker" in command:
             role = command.split("--role ")[1].split()[0]
             trees[f"{role}-{process.pid}"] = [process, *process.children(recursive=True)]
     return trees

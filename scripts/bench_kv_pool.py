@@ -217,7 +217,7 @@ def one_run(number: int, pool: str, model_dir: Path, folder: Path, args) -> dict
 def bench(url: str, model_dir: Path, result: Path, log_path: Path, args) -> None:
     """`pdserve bench` (conversations, or the trace) in its own process group, within a
     deadline."""
-    command = [sys.executable, "-m", "pdserve.cluster.cli", "bench", "--url", url]
+    command = [sys.executable, "-m", "pdserve.cli", "bench", "--url", url]
     command += ["--model", MODEL, "--tokenizer", str(model_dir), "--ignore-eos"]
     if args.trace:
         command += ["--workload", "trace", "--trace-format", "mooncake", "--trace", str(args.trace)]

@@ -25,14 +25,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kv_transfer.pool_client import PoolClient
-from kv_transfer.pool_copy import PoolMemory, store_blocks
+from kv_transfer.pool.client import PoolClient
+from kv_transfer.pool.copy import PoolMemory, store_blocks
 from pdserve.cluster.local_services import start_kv_pool
-from pdserve.pool_keys import block_keys
+from pdserve.core.pool_keys import block_keys
+from pdserve.protocol import GRPC_OPTIONS, worker_pb2, worker_pb2_grpc
 from pdserve.worker.engine import EngineStats
 from pdserve.worker.pool_peers import PoolPeers
 from pdserve.worker.processes import free_port, stop_group
-from pdserve.worker.protocol import GRPC_OPTIONS, worker_pb2, worker_pb2_grpc
 from pdserve.worker.service import WorkerService
 
 BLOCK_TOKENS = 16

@@ -14,7 +14,7 @@ tokens, one every --token-interval-s): streamed tokens/s at the client and the r
 token. The router runs on core 0, the fakes and the client on the others: with two cores the
 client shares one with the fakes, so a rate it cannot offer shows as achieved < offered with the
 router's CPU below one core (then the router is not the limit). Numbers print as a table.
-`--api-key`: the router guards its API with a key (router/api_keys.py) and the client sends it,
+`--api-key`: the router guards its API with a key (router/http/api_keys.py) and the client sends it,
 for what the check costs.
 """
 
@@ -35,8 +35,8 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.model_store.store import ensure_model
+from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from pdserve.worker.processes import free_port, stop_group
-from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 
 READY_TIMEOUT_S = 120
 API_KEY = "sk-bench-router"
@@ -230,7 +230,7 @@ async def run(args) -> None:
         "worker_addresses": [f"127.0.0.1:{port}" for port in ports],
         "api_key": [API_KEY] if args.api_key else [],
     }
-    router_command = [sys.executable, "-m", "pdserve.cluster.cli", "router"]
+    router_command = [sys.executable, "-m", "pdserve.cli", "router"]
     router_command += ["--settings-json", json.dumps(settings)]
     router = start(router_command, {0}, logs / "router.log")
     os.sched_setaffinity(0, others)

@@ -260,9 +260,9 @@ def idle_cpu(url: str) -> dict[str, float]:
 def worker_transport(address: str) -> str:
     """The worker's --kv-transport setting, from its Health."""
 
+    from pdserve.protocol import worker_pb2, worker_pb2_grpc
     from pdserve.settings import tls
     from pdserve.settings.cluster_secret import secret_metadata
-    from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 
     with tls.channel(address) as channel:
         health = worker_pb2_grpc.WorkerStub(channel).Health(

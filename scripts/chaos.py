@@ -80,7 +80,7 @@ def say(text: str) -> None:
 
 
 def pdserve(*args: str, env: dict, timeout: float = 900) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "pdserve.cluster.cli", *args]
+    command = [sys.executable, "-m", "pdserve.cli", *args]
     return subprocess.run(command, env=env, text=True, capture_output=True, timeout=timeout)
 
 
@@ -201,7 +201,7 @@ class RayCluster:
 
     def _start_router_b(self):
         command = [
-            sys.executable, "-m", "pdserve.cluster.cli", "router", "--registry", self.redis_url,
+            sys.executable, "-m", "pdserve.cli", "router", "--registry", self.redis_url,
             "--cluster", NAME, "--port", str(self.port_b), "--model", MODEL,
         ]  # fmt: skip
         process = spawn(command, self.folder / "router-b.log", self.env)
@@ -251,7 +251,7 @@ class ServedCluster:
         while is_listening(port + 1):  # serve's second router listens on --port + 1
             port = free_port()
         self.command = [
-            sys.executable, "-m", "pdserve.cluster.cli", "serve", "--port", str(port),
+            sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port),
             "--routers", "2", "--log-dir", str(folder), *extra,
         ]  # fmt: skip
         self.routers = [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]

@@ -1,6 +1,6 @@
 """Fuzz every HTTP route of the router (issue 45; security review M5, L8): requests drawn from
 the app's own OpenAPI description (each route and method, its query parameters, and the JSON
-bodies the generation and tokenize routes describe: router/routes/body.py's json_body), mixed
+bodies the generation and tokenize routes describe: router/http/body.py's json_body), mixed
 with values at and past every bound, wrong types, junk JSON, bytes that are not JSON, and the
 router's own headers. The app runs in this process over fake workers
 (tests/unit/test_router_app.py: one token per choice, logprobs as asked), so what is fuzzed is
@@ -63,8 +63,8 @@ not_json = st.binary(max_size=40) | st.sampled_from(
         '{"prompt": "\ud800"}'.encode("utf-8", "surrogatepass"),
     ]
 )
-# The router's own request headers (router/admission.py, router/route_choice.py,
-# router/routes/generation.py), with right and wrong values. A deadline the client sets and
+# The router's own request headers (router/flow/admission.py, router/flow/route_choice.py,
+# router/http/generation.py), with right and wrong values. A deadline the client sets and
 # the router cannot meet is a 504 by design, so the timeouts drawn are long or malformed.
 HEADERS = {
     "x-pdserve-route": st.sampled_from(

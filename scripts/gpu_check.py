@@ -515,15 +515,15 @@ def check_digest_on_device(device) -> str:
 
 
 def check_kv_pool(device) -> str:
-    """The host KV pool's copy path (kv_transfer/pool_copy.py) through a real store process, for
+    """The host KV pool's copy path (kv_transfer/pool/copy.py) through a real store process, for
     an engine of two tensor-parallel ranks: each rank's blocks of a bfloat16 and an fp8 (uint8)
     cache on the device go into its part of the slots and come back bit for bit into another
     cache's blocks; a byte changed in one rank's part is refused by that rank alone (its block
     left as it was), and the other rank still loads its part."""
-    if not built("kv_transfer.pool_copy"):
-        raise Skip("not built yet: kv_transfer/pool_copy.py")
-    from kv_transfer.pool_client import PoolClient
-    from kv_transfer.pool_copy import PoolMemory, cache_rows, load_blocks, store_blocks
+    if not built("kv_transfer.pool.copy"):
+        raise Skip("not built yet: kv_transfer/pool/copy.py")
+    from kv_transfer.pool.client import PoolClient
+    from kv_transfer.pool.copy import PoolMemory, cache_rows, load_blocks, store_blocks
     from pdserve.cluster.local_services import start_kv_pool
     from pdserve.worker.processes import stop_group
 
@@ -591,17 +591,17 @@ def check_kv_pool(device) -> str:
 
 
 def check_kv_pool_peer(device) -> str:
-    """A fetch between two hosts' KV pools (kv_transfer/pool_peer.py; what two workers' gRPC
+    """A fetch between two hosts' KV pools (kv_transfer/pool/peer.py; what two workers' gRPC
     carries between them is left out): blocks a 2-rank engine stored from its device caches into
     one store are read out of it, written into another store and checked there, and another
     2-rank engine loads them onto the device bit for bit; a bit flipped in the first store's
     memory makes that block fail its check on arrival, and it never becomes loadable."""
-    if not built("kv_transfer.pool_peer"):
-        raise Skip("not built yet: kv_transfer/pool_peer.py")
-    from kv_transfer.pool_client import PoolClient
-    from kv_transfer.pool_copy import PoolMemory, cache_rows, load_blocks, store_blocks
-    from kv_transfer.pool_peer import BlockWriter, Damaged, read_blocks
-    from kv_transfer.pool_store import PEER
+    if not built("kv_transfer.pool.peer"):
+        raise Skip("not built yet: kv_transfer/pool/peer.py")
+    from kv_transfer.pool.client import PoolClient
+    from kv_transfer.pool.copy import PoolMemory, cache_rows, load_blocks, store_blocks
+    from kv_transfer.pool.peer import BlockWriter, Damaged, read_blocks
+    from kv_transfer.pool.store import PEER
     from pdserve.cluster.local_services import start_kv_pool
     from pdserve.worker.processes import stop_group
 

@@ -6,7 +6,7 @@ behind the GPU.
     python3 scripts/gpu_t2_pool_hold.py --device cpu --measure   # the times alone, no verdict
 
 vLLM runs the forward on a dedicated stream per thread, the current one (vllm/utils/
-torch_utils.py), and calls the pool's worker (kv_transfer/pool_offload.py) on that thread after
+torch_utils.py), and calls the pool's worker (kv_transfer/pool/offload.py) on that thread after
 launching the step. This stands in for the step with BUSY_MS of GPU work (`torch.cuda._sleep`)
 queued on a dedicated current stream before every call, then times each call of the real copier
 (kv_transfer/pool_copy.PoolCopier) for a store and a load job of 8 blocks of a Llama-3.1-8B
@@ -39,8 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kv_transfer.pool_copy import PoolCopier, PoolMemory, cache_rows
-from kv_transfer.pool_store import header_bytes
+from kv_transfer.pool.copy import PoolCopier, PoolMemory, cache_rows
+from kv_transfer.pool.store import header_bytes
 
 BUSY_MS = 50.0  # forward work queued before each call
 LIMIT_MS = 5.0  # longest a call may hold the thread

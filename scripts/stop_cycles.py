@@ -47,7 +47,7 @@ def tree(pid: int) -> list[int]:
 def cycle(stop: str, serve_args: list[str], log_dir: Path) -> dict:
     shm_before = set(SHM.iterdir())
     port = free_port()
-    command = [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--port", str(port)]
+    command = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port)]
     process = spawn([*command, "--log-dir", str(log_dir), *serve_args], log_dir / "serve.log")
     url = f"http://127.0.0.1:{port}"
     started = time.monotonic()

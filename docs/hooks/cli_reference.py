@@ -1,5 +1,5 @@
 """The CLI reference page, rendered at build time from the parsers `pdserve` itself runs
-(`pdserve.cluster.cli.build_parser`), so each flag's help and default are written once, in code.
+(`pdserve.cli.build_parser`), so each flag's help and default are written once, in code.
 
 An mkdocs hook (mkdocs.yml `hooks:`): a page holding MARKER gets the reference in its place.
 tests/unit/test_cli_docs.py calls `render` to check that no flag of any sub-command is missing.
@@ -7,7 +7,7 @@ tests/unit/test_cli_docs.py calls `render` to check that no flag of any sub-comm
 
 import argparse
 
-from pdserve.cluster.cli import build_parser
+from pdserve.cli import build_parser
 
 MARKER = "<!-- cli-reference -->"
 

@@ -11,7 +11,7 @@ import asyncio
 
 import grpc
 
-from pdserve.worker.protocol import GRPC_OPTIONS, worker_pb2, worker_pb2_grpc
+from pdserve.protocol import GRPC_OPTIONS, worker_pb2, worker_pb2_grpc
 
 MAX_MODEL_LEN = 2048
 TOKEN_ID = 42  # what every fake token is

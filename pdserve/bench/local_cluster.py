@@ -39,7 +39,7 @@ def local_cluster(
     command = [
         sys.executable,
         "-m",
-        "pdserve.cluster.cli",
+        "pdserve.cli",
         "serve",
         *workers,
         "--port",

@@ -1,5 +1,5 @@
 """Drives a benchmark: sends the requests open-loop (at scheduled times) or closed-loop (a fixed
-number in flight), with an optional deadline and its progress on stderr (pdserve/progress.py).
+number in flight), with an optional deadline and its progress on stderr (pdserve/core/progress.py).
 
 The benchmark duration runs, as in `vllm bench serve`, from just before the first request is
 scheduled until the last one has finished. At the deadline no new request is sent (those are
@@ -20,7 +20,7 @@ import httpx
 from pdserve.bench.client import Target, make_http_client, send
 from pdserve.bench.records import RequestRecord
 from pdserve.bench.workload import BenchRequest
-from pdserve.progress import Progress
+from pdserve.core.progress import Progress
 
 
 @dataclass

@@ -24,7 +24,7 @@ from pdserve.bench.runner import run as run_benchmark
 from pdserve.bench.runner import warm_up
 from pdserve.bench.sweep import Ratio, SweepPoint, sweep_table, write_sweep_json
 from pdserve.bench.workload import BenchRequest
-from pdserve.cluster.roles import API_KEY_ENV, ask_roles
+from pdserve.protocol.router_admin import API_KEY_ENV, ask_roles
 from pdserve.settings.base import ConfigError
 
 

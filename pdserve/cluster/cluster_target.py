@@ -7,12 +7,12 @@ import os
 from pathlib import Path
 
 from pdserve.cluster.cluster_state import ClusterState, load_state, state_path
-from pdserve.cluster.roles import API_KEY_ENV, ask_roles
+from pdserve.protocol.router_admin import API_KEY_ENV, ask_roles
 from pdserve.settings.base import ConfigError
 from pdserve.settings.cluster_file import load_cluster_file
 from pdserve.settings.cluster_secret import SECRET_ENV
 
-ROUTER_KEYS_ENV = "PDSERVE_API_KEYS"  # the router's keys (router/api_keys.py)
+ROUTER_KEYS_ENV = "PDSERVE_API_KEYS"  # the router's keys (router/http/api_keys.py)
 ADMIN_KEYS_ENV = "PDSERVE_ADMIN_API_KEYS"  # its admin keys
 
 

@@ -11,10 +11,10 @@ from pdserve.cluster import local_services, ray_launcher, replica_keeper
 from pdserve.cluster.cluster_state import ClusterState, forget_state
 from pdserve.cluster.cluster_target import add_target_arguments, target_state
 from pdserve.cluster.console import say
+from pdserve.protocol.registry import clear_members
 from pdserve.settings.base import ConfigError
 from pdserve.settings.redis_url import masked
 from pdserve.worker.processes import stop_group
-from pdserve.worker.registry import clear_members
 
 
 def add_parser(subparsers) -> None:

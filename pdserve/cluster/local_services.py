@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kv_transfer.pool_store import pool_listening
+from kv_transfer.pool.store import pool_listening
 from pdserve.worker.processes import (
     ChildError,
     free_port,
@@ -210,11 +210,11 @@ def start_redis(
 def start_kv_pool(
     log_path: Path, budget_bytes: int, address: str = ""
 ) -> tuple[str, subprocess.Popen]:
-    """The host KV pool (kv_transfer/pool_store.py) at `address` (default: an abstract Unix
+    """The host KV pool (kv_transfer/pool/store.py) at `address` (default: an abstract Unix
     socket of its own), ending with this process (`pdserve serve`); returns (address, process)
     once it accepts connections."""
     address = address or f"@pdserve-kv-pool-{secrets.token_hex(6)}"
-    command = [sys.executable, "-m", "kv_transfer.pool_store", "--address", address]
+    command = [sys.executable, "-m", "kv_transfer.pool.store", "--address", address]
     process = spawn([*command, "--budget-bytes", str(budget_bytes)], log_path, dict(os.environ))
     what = f"the KV pool at {address}"
     _wait_ready(process, lambda: pool_listening(address), KV_POOL_START_TIMEOUT_S, what, log_path)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 
+from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from pdserve.settings import tls
 from pdserve.settings.cluster_secret import secret_metadata
 from pdserve.settings.worker import WorkerSettings
@@ -24,7 +25,6 @@ from pdserve.worker.processes import (
     stop_group,
     wait_until,
 )
-from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 
 
 @dataclass
@@ -65,7 +65,7 @@ def start_worker(
     command = [
         sys.executable,
         "-m",
-        "pdserve.cluster.cli",
+        "pdserve.cli",
         "worker",
         "--role",
         settings.role,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kv_transfer.head_shards import check_shardable
-from pdserve.gpu_spec import GPU_PRESETS
+from pdserve.core.gpu_spec import GPU_PRESETS
 from pdserve.model_store.store import ModelError, resolve_model
 from pdserve.planner.capacity import GIB
 from pdserve.planner.memory_fit import GpuMemoryUse, gpu_memory_use, misfits

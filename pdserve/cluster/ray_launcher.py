@@ -205,7 +205,7 @@ class ProcessHost:
         command = [
             sys.executable,
             "-m",
-            "pdserve.cluster.cli",
+            "pdserve.cli",
             "router",
             "--settings-json",
             settings.model_copy(update={"port": port}).model_dump_json(),
@@ -246,8 +246,8 @@ class ProcessHost:
         return self.info
 
     def kv_pool_stats(self) -> dict | None:
-        """The store's own figures (kv_transfer/pool_store.py); None while it does not answer."""
-        from kv_transfer.pool_client import store_stats
+        """The store's own figures (kv_transfer/pool/store.py); None while it does not answer."""
+        from kv_transfer.pool.client import store_stats
 
         return store_stats(self.info["address"])
 
@@ -327,7 +327,7 @@ def start_worker(
 
 
 def node_kv_pool(cluster: str, node: str, group: str, log_dir: str, budget_bytes: int) -> str:
-    """The address of node `node`'s KV pool store (kv_transfer/pool_store.py) for its workers
+    """The address of node `node`'s KV pool store (kv_transfer/pool/store.py) for its workers
     of `group` (WorkerSettings.kv_pool_group: their tensor-parallel size), held by a named
     actor pinned to that node (`kv-pool-<node>-<group>`) and started by the first worker there
     that asks; `pdserve down` stops it with the other actors."""

@@ -11,7 +11,7 @@ worker, which joins the pools once its engine is ready. Each slot waits out a cr
 back-off first (pdserve/cluster/crash_loop.py). It replaces; it never adds or removes: `scale`
 tells it what to keep (`keep`) after its new workers joined and before its surplus workers
 drain, and `down` kills it first, so neither is fought. A replaced flex worker joins with no
-role, and the router gives it the role the split lacks (router/flex_roles.py).
+role, and the router gives it the role the split lacks (router/workers/flex_roles.py).
 
 Ray restarts the keeper itself when its process dies (`max_restarts=-1`; `down` kills it with
 no restart); a restarted keeper keeps the workers whose actors live then, which is what it kept
@@ -38,8 +38,8 @@ from pdserve.cluster.crash_loop import CrashLoopBackoff
 from pdserve.cluster.hung_workers import why_hung
 from pdserve.cluster.local_workers import threads_per_worker
 from pdserve.cluster.placement import slot_named
+from pdserve.protocol.registry import read_members
 from pdserve.settings.cluster_file import ClusterFile
-from pdserve.worker.registry import read_members
 
 KEEPER = "replica-keeper"
 POLL_S = 1.0

@@ -5,12 +5,8 @@ import argparse
 import os
 import sys
 
-import httpx
-
+from pdserve.protocol.router_admin import API_KEY_ENV, ask_roles
 from pdserve.settings.base import ConfigError
-
-API_KEY_ENV = "PDSERVE_API_KEY"
-ROUTER_CALL_TIMEOUT_S = 10.0
 
 
 def add_parser(subparsers) -> None:
@@ -33,30 +29,6 @@ def add_parser(subparsers) -> None:
         help=f"the router's API key, if it has keys (default: ${API_KEY_ENV})",
     )
     parser.set_defaults(run=run)
-
-
-def ask_roles(router_url: str, split: dict | None = None, api_key: str = "") -> dict:
-    """The router's roles (`GET /pdserve/roles`), or its reply to setting `split` (`POST`:
-    {"prefill": N, "decode": M}, either may be missing). ConfigError with the router's reason
-    when it refuses the split; RuntimeError when it cannot be asked."""
-    url = f"{router_url.rstrip('/')}/pdserve/roles"
-    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        if split is None:
-            response = httpx.get(url, headers=headers, timeout=ROUTER_CALL_TIMEOUT_S)
-        else:
-            response = httpx.post(url, json=split, headers=headers, timeout=ROUTER_CALL_TIMEOUT_S)
-    except httpx.HTTPError as error:
-        raise RuntimeError(f"cannot reach the router at {url}: {error}") from None
-    if response.status_code == 200:
-        return response.json()
-    try:
-        reason = response.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        reason = response.text
-    if response.status_code == 400:
-        raise ConfigError(reason)
-    raise RuntimeError(f"the router at {url} answered {response.status_code}: {reason}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -25,7 +25,7 @@ from pdserve.cluster.console import say
 from pdserve.cluster.local_workers import threads_per_worker
 from pdserve.cluster.placement import check_resources, worker_slots
 from pdserve.cluster.up import wait_joined
-from pdserve.kinds import Role
+from pdserve.core.kinds import Role
 from pdserve.settings.base import ConfigError
 from pdserve.settings.cluster_file import load_cluster_file
 from pdserve.worker.drain import request_drain

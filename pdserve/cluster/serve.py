@@ -4,7 +4,7 @@ routers share it).
 Starts the workers as child processes, waits until their engines are ready, then runs the
 router in this process. With `--routers N`, N-1 more routers run as child processes on the
 next ports, sharing the flex split, the prefix index, the admission capacity and revoked keys
-through a Redis server started here with a password (router/shared_state.py). Ctrl-C or
+through a Redis server started here with a password (router/shared/state.py). Ctrl-C or
 SIGTERM stops the routers and every child it started.
 """
 
@@ -27,7 +27,7 @@ from pdserve.cluster.local_workers import (
     threads_per_worker,
     wait_ready,
 )
-from pdserve.kinds import AUTO_TRANSPORT, Role, Transport
+from pdserve.core.kinds import AUTO_TRANSPORT, Role, Transport
 from pdserve.model_store.store import ModelError, resolve_model
 from pdserve.settings.base import ConfigError
 from pdserve.settings.cluster_secret import ensure_cluster_secret
@@ -114,7 +114,7 @@ def add_parser(subparsers) -> None:
         default=2.0,
         metavar="GIB",
         help="with --kv-pool on: the host KV pool's memory (serve starts its store for the "
-        "workers, kv_transfer/pool_store.py; one per tensor-parallel size among them, each of "
+        "workers, kv_transfer/pool/store.py; one per tensor-parallel size among them, each of "
         "this size); a store never holds more, and evicts the least "
         "recently used blocks (a block read since it was last considered gets another round) "
         "(default: 2)",
@@ -318,7 +318,7 @@ def _start_other_routers(
             port = free_port() if free_ports else serving.port + i
             log = log_dir / f"router-{i}.log"
             settings = serving.model_copy(update={"port": port}).model_dump_json()
-            command = [sys.executable, "-m", "pdserve.cluster.cli", "router"]
+            command = [sys.executable, "-m", "pdserve.cli", "router"]
             process = spawn([*command, "--settings-json", settings], log)
             started.append(process)
             wait_until(lambda p=port: is_listening(p), process, 120, f"router {i}", log)

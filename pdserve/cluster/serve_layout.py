@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.bench.metrics import Slo
-from pdserve.gpu_spec import GPU_PRESETS, gpu_preset, local_gpus
+from pdserve.core.gpu_spec import GPU_PRESETS, gpu_preset, local_gpus
+from pdserve.core.progress import Progress
 from pdserve.model_store.store import cache_dir, is_hub_id, resolve_model
 from pdserve.planner.calibration import Calibration
 from pdserve.planner.command import search_table
@@ -33,7 +34,6 @@ from pdserve.planner.host_layouts import (
 )
 from pdserve.planner.model_spec import MODEL_PRESETS, ModelSpec, load_model_spec
 from pdserve.planner.search import Candidate, RooflineHardware, Scenario, search
-from pdserve.progress import Progress
 
 AUTO = "auto"
 REFERENCE_CALIBRATION = Path(__file__).parents[1] / "planner" / "reference_calibration.json"

@@ -12,10 +12,10 @@ from dataclasses import asdict
 from pdserve.cluster import ray_launcher, replica_keeper
 from pdserve.cluster.cluster_state import ClusterState
 from pdserve.cluster.cluster_target import add_target_arguments, router_roles, target_state
-from pdserve.kinds import Role
+from pdserve.core.kinds import Role
+from pdserve.protocol.registry import read_members
 from pdserve.settings.base import ConfigError
 from pdserve.settings.redis_url import masked
-from pdserve.worker.registry import read_members
 
 
 def add_parser(subparsers) -> None:

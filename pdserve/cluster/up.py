@@ -39,7 +39,8 @@ from pdserve.cluster.placement import (
     model_shape,
     worker_slots,
 )
-from pdserve.gpu_spec import local_gpus
+from pdserve.core.gpu_spec import local_gpus
+from pdserve.protocol.registry import read_members
 from pdserve.settings.base import ConfigError
 from pdserve.settings.cluster_file import ClusterFile, load_cluster_file
 from pdserve.settings.cluster_secret import cluster_secret, ensure_cluster_secret
@@ -52,7 +53,6 @@ from pdserve.settings.router import (
     open_refusal,
     unauthenticated_allowed,
 )
-from pdserve.worker.registry import read_members
 
 JOIN_TIMEOUT_S = 600.0
 ROUTER_TIMEOUT_S = 60.0

@@ -1,5 +1,5 @@
 """What each path would cost a request, priced from the live state of the workers it could use;
-the router takes the cheapest (`--route-policy estimate`, router/route_choice.py), and the
+the router takes the cheapest (`--route-policy estimate`, router/flow/route_choice.py), and the
 planner's simulator asks the same function, so a plan models the router that runs.
 
 Three paths, none best everywhere:
@@ -28,8 +28,8 @@ is not worth a transfer.
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
+from pdserve.core.kinds import RoutePath, RouteReason
 from pdserve.costs.step_costs import StepCosts
-from pdserve.kinds import RoutePath, RouteReason
 
 MAX_EXPECTED_OUTPUT_TOKENS = 256  # a request's max_tokens is a bound, rarely all used
 MAX_PREFILL_SHARE = 0.9  # a worker past this share of its time prefilling is taken as at it

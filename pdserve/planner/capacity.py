@@ -8,7 +8,7 @@ split by heads) and reading its share with its own bandwidth, so TP must divide 
 import math
 from dataclasses import dataclass
 
-from pdserve.gpu_spec import GpuSpec
+from pdserve.core.gpu_spec import GpuSpec
 from pdserve.planner.model_spec import QUANTIZED_BYTES, ModelSpec
 
 GIB = 2**30

@@ -14,8 +14,9 @@ from dataclasses import asdict
 
 from pdserve.bench.metrics import Slo
 from pdserve.bench.workload import DEFAULT_INPUT_LEN, Length
-from pdserve.gpu_spec import GB, GPU_PRESETS, GpuSpec, gpu_preset
-from pdserve.kinds import Role
+from pdserve.core.gpu_spec import GB, GPU_PRESETS, GpuSpec, gpu_preset
+from pdserve.core.kinds import Role
+from pdserve.core.progress import Progress
 from pdserve.planner.calibration import Calibration
 from pdserve.planner.capacity import (
     DEFAULT_RESERVE_FRACTION,
@@ -41,7 +42,6 @@ from pdserve.planner.search import (
     search,
 )
 from pdserve.planner.sim_workload import WorkloadSpec
-from pdserve.progress import Progress
 
 DEFAULT_GPU = "A100-80GB"
 

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from pdserve.core.gpu_spec import GpuSpec
 from pdserve.costs.step_costs import StepCosts
-from pdserve.gpu_spec import GpuSpec
 from pdserve.planner.capacity import decode_step_lower_bound, prefill_time
 from pdserve.planner.model_spec import ModelSpec
 

@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass
 
 from kv_transfer.memory_budget import INBOX_BYTES
-from pdserve.gpu_spec import GB, GpuSpec
-from pdserve.kinds import Role
+from pdserve.core.gpu_spec import GB, GpuSpec
+from pdserve.core.kinds import Role
 from pdserve.planner.capacity import DEFAULT_RESERVE_FRACTION, GIB, weight_bytes
 from pdserve.planner.model_spec import ModelSpec
 from pdserve.settings.worker import WorkerSettings

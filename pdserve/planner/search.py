@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pdserve.bench.metrics import Slo, Summary, summarize
-from pdserve.gpu_spec import GpuSpec
-from pdserve.kinds import Role
+from pdserve.core.gpu_spec import GpuSpec
+from pdserve.core.kinds import Role
 from pdserve.planner.calibration import Calibration
 from pdserve.planner.capacity import DEFAULT_RESERVE_FRACTION, GIB, kv_bytes_per_token
 from pdserve.planner.cost_model import RooflineCost

@@ -42,9 +42,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.bench.records import RequestRecord
+from pdserve.core.kinds import RoutePath
 from pdserve.costs.path_prices import Arrivals, WorkerState, by_length, estimate
 from pdserve.costs.step_costs import StepCosts
-from pdserve.kinds import RoutePath
 from pdserve.planner.cost_model import StepCost, linearized
 from pdserve.settings.router import ESTIMATE, LENGTH, RouterSettings
 

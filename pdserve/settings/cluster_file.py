@@ -12,8 +12,8 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from pdserve.gpu_spec import GPU_PRESETS
-from pdserve.kinds import Role
+from pdserve.core.gpu_spec import GPU_PRESETS
+from pdserve.core.kinds import Role
 from pdserve.settings.base import ConfigError, Settings, refusal
 from pdserve.settings.engine import (
     Dtype,
@@ -92,7 +92,7 @@ class DecodePoolSection(PoolSection):
 
 class FlexPoolSection(PoolSection):
     """Workers that can play either role: the router gives each one prefill, decode or standby
-    and changes it live (router/flex_roles.py), so they carry both pools' knobs."""
+    and changes it live (router/workers/flex_roles.py), so they carry both pools' knobs."""
 
     replicas: int = Field(0, ge=0)  # 0: none, the cluster has prefill and decode pools
     kv_send_buffer_mib: KvSendBufferMib

@@ -9,7 +9,7 @@ With none set at all the cluster is open (a worker started by hand, as before). 
 compared in constant time and never logged.
 
 It also signs what the cluster keeps in Redis (`signature`): the workers' registry records
-(pdserve/worker/registry.py) and the routers' shared state (router/shared_state.py), so a
+(pdserve/protocol/registry.py) and the routers' shared state (router/shared/state.py), so a
 process that can write to Redis but lacks the secret cannot forge them.
 """
 

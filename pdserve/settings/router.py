@@ -12,9 +12,10 @@ from pdserve.settings.secret_fields import ClusterSecretFile, TlsDir
 from pdserve.settings.worker import ClusterName, OtlpEndpoint
 
 POLICIES = ("least-loaded", "round-robin", "cache-aware")
-ESTIMATE, LENGTH = "estimate", "length"  # how a request's path is chosen (router/route_choice.py)
+# How a request's path is chosen (router/flow/route_choice.py).
+ESTIMATE, LENGTH = "estimate", "length"
 ROUTE_POLICIES = (ESTIMATE, LENGTH)
-# When the decode worker of a disaggregated request hears of it (router/disaggregation.py).
+# When the decode worker of a disaggregated request hears of it (router/flow/disaggregation.py).
 WITH_PREFILL, AFTER_PREFILL = "with-prefill", "after-prefill"
 ADMISSIONS = (WITH_PREFILL, AFTER_PREFILL)
 UNRESPONSIVE_TIMEOUT_S = 10.0  # a worker answering nothing this long leaves the pools
@@ -262,7 +263,7 @@ def unauthenticated_allowed(settings: RouterSettings, environ=os.environ) -> boo
 
 def open_refusal(where: str) -> str:
     """Why a router without an API key does not start at `where` (e.g. "--host 0.0.0.0"), an
-    address beyond loopback (security review M7: router/api_keys.py, and `pdserve up`'s checks
+    address beyond loopback (security review M7: router/http/api_keys.py, and `pdserve up`'s checks
     before anything starts)."""
     return (
         f"{where}: no API key is set, so the router would serve anyone who reaches it (and let "

@@ -4,8 +4,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field
 
-from pdserve.kinds import AUTO_TRANSPORT, Role, Transport
-from pdserve.kv_faults import parse_kv_fault
+from pdserve.core.kinds import AUTO_TRANSPORT, Role, Transport
+from pdserve.core.kv_faults import parse_kv_fault
 from pdserve.settings.base import Settings
 from pdserve.settings.engine import EngineSettings
 from pdserve.settings.secret_fields import ClusterSecretFile, TlsDir

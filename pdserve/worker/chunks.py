@@ -1,7 +1,7 @@
 """vLLM's request outputs as the worker protocol's chunks: new tokens, text, logprobs, stop
 reason and engine timing, for the router to shape into OpenAI responses."""
 
-from pdserve.worker.protocol import worker_pb2
+from pdserve.protocol import worker_pb2
 
 
 def position_logprobs(positions) -> list[worker_pb2.PositionLogprobs]:

@@ -21,8 +21,9 @@ from typing import NoReturn
 
 import grpc
 
-from pdserve.kinds import Role
+from pdserve.core.kinds import Role
 from pdserve.model_store.store import ModelError, resolve_model
+from pdserve.protocol import GRPC_OPTIONS, worker_pb2_grpc
 from pdserve.settings import tls
 from pdserve.settings.base import ConfigError
 from pdserve.settings.cluster_secret import cluster_secret, load_cluster_secret
@@ -35,7 +36,6 @@ from pdserve.worker.engine_process import EngineProcessStart
 from pdserve.worker.grpc_health import SecretCheckButHealth, add_health, serve_health_alone
 from pdserve.worker.metrics_server import WorkerMetrics, serve_metrics
 from pdserve.worker.processes import free_port
-from pdserve.worker.protocol import GRPC_OPTIONS, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.worker")
 SHUTDOWN_DEADLINE_S = 30.0  # longest a stop may take (the drain, if any, came before it)
@@ -204,8 +204,8 @@ async def stop_serving(server, health, grace: float) -> None:
 
 async def _join_registry(settings: WorkerSettings, service, address: str, engine):
     """Join the pools; None (and the worker stops) when the registry cannot be reached."""
+    from pdserve.protocol.registry import Registry, WorkerRecord
     from pdserve.worker.membership import WorkerMembership, load_of, placement_from_environment
-    from pdserve.worker.registry import Registry, WorkerRecord
 
     node, gpu_ids = placement_from_environment()
     record = WorkerRecord(

@@ -12,9 +12,9 @@ import sys
 
 import grpc
 
+from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from pdserve.settings import tls
 from pdserve.settings.cluster_secret import secret_metadata
-from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 
 GRACE_S = 2.0  # the routers read membership every 0.1 s; margin for a busy host
 

@@ -6,9 +6,9 @@ between a prefill and a decode worker (dtype, block size, max length) come from 
 
 import os
 
-from kv_transfer.pool_config import pool_kv_transfer_config
-from pdserve import tracing
-from pdserve.kinds import Role
+from kv_transfer.pool.config import pool_kv_transfer_config
+from pdserve.core import tracing
+from pdserve.core.kinds import Role
 from pdserve.settings.cluster_secret import SECRET_ENV
 from pdserve.settings.tls import TLS_DIR_ENV
 from pdserve.settings.worker import WorkerSettings
@@ -29,7 +29,7 @@ MAX_UNCLAIMED_TRANSFERS = 4096
 def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
     """The role's connector: the producer in prefill_workers/, the consumer in decode_workers/,
     both for a flex worker (pdserve/worker/flex_connector.py); a colocated worker has the host
-    KV pool's (kv_transfer/pool_connector.py) if it has a pool, and a prefill, decode or flex
+    KV pool's (kv_transfer/pool/connector.py) if it has a pool, and a prefill, decode or flex
     worker with a pool has both its own and the pool's (`_with_pool`). A decode
     (or flex) worker's KV receiver binds to its gRPC host, rank r on `kv_port` + r; the
     advertised host is where peers reach either side (a decode rank's shared-memory socket is
@@ -325,7 +325,7 @@ def make_engine(
         tracing.engine_exports(f"pdserve-{worker.role}")
     group = _ray_placement_group(engine.tensor_parallel_size)
     # A TP group larger than this host's GPUs (a LeaderWorkerSet's leader, its Ray cluster made
-    # of the group's pods: pdserve/cluster/k8s_leader_worker.py) runs on Ray's executor too.
+    # of the group's pods: pdserve/cluster/k8s/leader_worker.py) runs on Ray's executor too.
     if group is not None or (
         not cpu and current_platform.device_count() < args.tensor_parallel_size
     ):

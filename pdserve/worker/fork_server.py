@@ -38,7 +38,7 @@ from pdserve.worker.processes import spawn
 # What a worker imports before its engine starts (pdserve/worker/command.py, engine.py), on any
 # platform: a platform's own modules (vLLM's CPU or GPU worker) load after the fork.
 PRELOAD = (
-    "pdserve.cluster.cli",
+    "pdserve.cli",
     "pdserve.worker.command",
     "pdserve.worker.service",
     "pdserve.worker.engine",

@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kv_transfer.log_limit import LogLimit
-from pdserve.worker.protocol import worker_pb2
+from pdserve.protocol import worker_pb2
 from pdserve.worker.secret_check import SecretCheck
 
 log = logging.getLogger("pdserve.worker")

@@ -9,7 +9,7 @@ import os
 import socket
 from dataclasses import replace
 
-from pdserve.worker.registry import TTL_HEARTBEATS, RecordedLoad, Registry, WorkerRecord
+from pdserve.protocol.registry import TTL_HEARTBEATS, RecordedLoad, Registry, WorkerRecord
 
 log = logging.getLogger("pdserve.worker")
 

@@ -13,8 +13,8 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_se
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kv_transfer.pool_client import PoolClient
-from pdserve.worker.protocol import worker_pb2
+from kv_transfer.pool.client import PoolClient
+from pdserve.protocol import worker_pb2
 
 log = logging.getLogger("pdserve.worker")
 State = worker_pb2.HealthReply.State
@@ -72,7 +72,7 @@ class WorkerMetrics:
         self.kv_pool_hits = Counter(
             "pdserve_kv_pool_hits",
             "Prompt tokens this worker loaded from the KV pool instead of computing them, by "
-            "the pool's tier (host: the host's pool, kv_transfer/pool_store.py; peer: fetched "
+            "the pool's tier (host: the host's pool, kv_transfer/pool/store.py; peer: fetched "
             "from another host's pool into this host's first, then loaded from it as host "
             "hits, pdserve/worker/pool_peers.py)",
             ["tier"],

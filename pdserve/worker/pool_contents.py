@@ -1,12 +1,12 @@
-"""What the host KV pool holds, for the routers (router/pool_contents.py): a worker in a pool
-asks its store for the changes after what a router already has, and says how the keys are
+"""What the host KV pool holds, for the routers (router/workers/kv_pool_contents.py): a worker in a
+pool asks its store for the changes after what a router already has, and says how the keys are
 computed from a prompt (vLLM's chained sha256 block hash: its block size and first parent), so
 the router prices a load from the pool on what the pool holds, not on a guess."""
 
 import logging
 
-from kv_transfer.pool_client import PoolClient
-from pdserve.worker.protocol import worker_pb2
+from kv_transfer.pool.client import PoolClient
+from pdserve.protocol import worker_pb2
 
 log = logging.getLogger("pdserve.worker")
 

@@ -1,7 +1,7 @@
 """Reuse across hosts: this worker serves its host KV pool's blocks to other workers
 (`serve`: the ReadPoolBlocks call), and fetches into its own pool what a router says another
 worker's pool holds of a prompt (`fetch`: the request's pool_fetch) before its engine computes
-the prompt, so that the engine loads those blocks instead (kv_transfer/pool_peer.py moves
+the prompt, so that the engine loads those blocks instead (kv_transfer/pool/peer.py moves
 and checks them).
 
 A fetch is an optimisation, never a dependency: it is bounded by what computing its tokens
@@ -17,13 +17,13 @@ from itertools import islice
 
 import grpc
 
-from kv_transfer.pool_client import PoolClient
-from kv_transfer.pool_peer import BlockChunk, BlockWriter, Damaged, read_blocks
-from kv_transfer.pool_store import PEER
-from pdserve.pool_keys import block_keys
+from kv_transfer.pool.client import PoolClient
+from kv_transfer.pool.peer import BlockChunk, BlockWriter, Damaged, read_blocks
+from kv_transfer.pool.wire import PEER
+from pdserve.core.pool_keys import block_keys
+from pdserve.protocol import GRPC_OPTIONS, worker_pb2, worker_pb2_grpc
 from pdserve.settings import tls
 from pdserve.settings.cluster_secret import secret_metadata
-from pdserve.worker.protocol import GRPC_OPTIONS, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.worker")
 MIN_FETCH_S = 0.05  # the least a fetch is given: a call's set-up on a fast engine's budget

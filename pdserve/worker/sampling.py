@@ -10,7 +10,7 @@ import functools
 import inspect
 import json
 
-from pdserve.worker.protocol import worker_pb2
+from pdserve.protocol import worker_pb2
 
 # Parameters the protocol carries as typed fields (or the worker sets), never by name.
 TYPED = frozenset(

@@ -14,16 +14,16 @@ import time
 import grpc
 from opentelemetry import trace
 
-from pdserve import tracing
-from pdserve.kinds import AUTO_TRANSPORT, Transport
+from pdserve.core import tracing
+from pdserve.core.fan_out import fan_out
+from pdserve.core.kinds import AUTO_TRANSPORT, Transport
+from pdserve.protocol import worker_pb2, worker_pb2_grpc
+from pdserve.protocol.status import ENGINE_FAILED, KV_TRANSFER_FAILED
 from pdserve.settings import json_logs
 from pdserve.worker.chunks import to_chunk
 from pdserve.worker.engine import EngineStats
-from pdserve.worker.fan_out import fan_out
 from pdserve.worker.pool_contents import PoolContentsSource
 from pdserve.worker.pool_peers import PoolPeers
-from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
-from pdserve.worker.protocol.status import ENGINE_FAILED, KV_TRANSFER_FAILED
 from pdserve.worker.sampling import choice_count, to_vllm_sampling
 
 State = worker_pb2.HealthReply.State
@@ -294,7 +294,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def SetKvFault(self, request, context):
         """Tests only (a testing aid, as --kv-fault): the prefill legs this worker starts from
         now on inject `request.fault`."""
-        from pdserve.kv_faults import parse_kv_fault
+        from pdserve.core.kv_faults import parse_kv_fault
 
         try:
             parse_kv_fault(request.fault)

@@ -200,7 +200,7 @@ def start_server(log_dir: Path, *args: str) -> Server:
         [
             sys.executable,
             "-m",
-            "pdserve.cluster.cli",
+            "pdserve.cli",
             "serve",
             "--port",
             str(port),
@@ -509,7 +509,7 @@ def router_over(addresses: list[str], folder: Path, **settings):
         [
             sys.executable,
             "-m",
-            "pdserve.cluster.cli",
+            "pdserve.cli",
             "router",
             "--settings-json",
             json.dumps(document),

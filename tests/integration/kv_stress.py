@@ -15,9 +15,9 @@ import grpc
 import httpx
 import psutil
 
-from pdserve.kinds import RoutePath
+from pdserve.core.kinds import RoutePath
+from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from pdserve.settings.cluster_secret import secret_metadata
-from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 from tests.integration.conftest import SERVED_MODEL
 from tests.integration.http_client import HTTP
 from tests.integration.processes import command_line, worker_pids

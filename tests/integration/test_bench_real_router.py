@@ -11,7 +11,7 @@ def test_bench_measures_the_real_router(server, tmp_path):
         [
             sys.executable,
             "-m",
-            "pdserve.cluster.cli",
+            "pdserve.cli",
             "bench",
             "--url",
             server.url,

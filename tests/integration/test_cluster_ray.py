@@ -32,8 +32,8 @@ from openai import OpenAI
 from pdserve.bench.chaos_load import Load
 from pdserve.cluster import local_services, ray_launcher
 from pdserve.model_store.store import ensure_model
+from pdserve.protocol.registry import read_members
 from pdserve.worker.processes import free_port, spawn, stop_group
-from pdserve.worker.registry import read_members
 from tests.integration.http_client import HTTP
 from tests.integration.processes import (
     alive,
@@ -65,7 +65,7 @@ def pdserve(
     *args: str, env: dict, timeout: float = COMMAND_TIMEOUT_S
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pdserve.cluster.cli", *args],
+        [sys.executable, "-m", "pdserve.cli", *args],
         env=env,
         text=True,
         capture_output=True,
@@ -141,7 +141,7 @@ def cluster(ray_and_redis, tmp_path_factory):
         ]
         pool_pids = [
             pid
-            for pid in pids_running("kv_transfer.pool_store")
+            for pid in pids_running("kv_transfer.pool.store")
             if any(word.startswith(f"@pdserve-kv-pool-{CLUSTER}-") for word in command_line(pid))
         ]
         down = pdserve("down", "-f", str(config), env=env)
@@ -475,7 +475,7 @@ def second_router(redis_url: str, folder: Path):
     that SIGKILLs it and starts it again on its port, and its URL."""
     port = free_port()
     command = [
-        sys.executable, "-m", "pdserve.cluster.cli", "router", "--registry", redis_url,
+        sys.executable, "-m", "pdserve.cli", "router", "--registry", redis_url,
         "--cluster", CLUSTER, "--port", str(port), "--model", MODEL,
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"

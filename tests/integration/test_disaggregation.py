@@ -9,9 +9,9 @@ prefix of it: its count of tokens it did not compute is then exactly what it rec
 import httpx
 import pytest
 
-from kv_transfer.pool_client import PoolClient
-from kv_transfer.pool_store import PEER
-from pdserve.pool_keys import block_keys
+from kv_transfer.pool.client import PoolClient
+from kv_transfer.pool.wire import PEER
+from pdserve.core.pool_keys import block_keys
 from tests.integration.conftest import SERVED_MODEL, router_over
 from tests.integration.http_client import HTTP
 from tests.integration.prompts import (

@@ -27,7 +27,7 @@ def test_a_refused_model_gives_the_root_cause_and_leaves_nothing(tmp_path):
     shm_before = set(SHM.iterdir())
 
     done = subprocess.run(
-        [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--model", str(model)]
+        [sys.executable, "-m", "pdserve.cli", "serve", "--model", str(model)]
         + ["--prefill-tensor-parallel-size", "2", "--kv-cache-gib", "0.25", "--port", "0"]
         + ["--log-dir", str(tmp_path / "logs")],
         capture_output=True,

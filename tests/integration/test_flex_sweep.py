@@ -17,7 +17,7 @@ def test_a_flex_sweep_starts_each_engine_once(tmp_path):
         [
             sys.executable,
             "-m",
-            "pdserve.cluster.cli",
+            "pdserve.cli",
             "sweep",
             "--flex",
             "--ratios",

@@ -16,10 +16,10 @@ from kv_transfer.host_staging import Staged
 from kv_transfer.kv_layout import WIRE_LAYOUT
 from kv_transfer.transport import TRANSPORTS, LayerSlice
 from pdserve.cluster.local_workers import start_worker, stop_worker, wait_ready
+from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from pdserve.settings.cluster_secret import SECRET_ENV, secret_metadata
 from pdserve.settings.engine import EngineSettings
 from pdserve.settings.worker import WorkerSettings
-from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 from tests.integration.conftest import KV_CACHE_GIB
 from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS
 from tests.waiting import wait_for

@@ -1,10 +1,10 @@
-"""The KV pool (kv_transfer/pool_store.py) on a real cluster: `pdserve serve --colocated
+"""The KV pool (kv_transfer/pool/store.py) on a real cluster: `pdserve serve --colocated
 --workers 2 --kv-pool-scope worker`, a pool beside each worker as in Kubernetes (two hosts'
 pools, as far as the workers can tell), with round-robin routing, so a conversation's next turn
 lands on the worker that did not compute its history.
 
 That turn's worker fetches the history from the other worker's pool into its own over gRPC (the
-router named it: router/worker_pool.py's pool_fetch; pdserve/worker/pool_peers.py) and its
+router named it: router/workers/pool.py's pool_fetch; pdserve/worker/pool_peers.py) and its
 engine loads it from there (the worker's pool-hit counters and the response's cached tokens say
 how much) and answers exactly as vLLM's offline engine; the router's copy of each pool's
 contents follows what its store holds (its stores, its evictions, its death); blocks whose
@@ -20,10 +20,10 @@ import signal
 import httpx
 import pytest
 
-from kv_transfer.pool_client import PoolClient
-from kv_transfer.pool_copy import PoolMemory, key_tag
-from kv_transfer.pool_store import PEER
-from pdserve.pool_keys import block_keys
+from kv_transfer.pool.client import PoolClient
+from kv_transfer.pool.copy import PoolMemory, key_tag
+from kv_transfer.pool.wire import PEER
+from pdserve.core.pool_keys import block_keys
 from tests.integration.conftest import SERVED_MODEL, _stop_and_check, start_server
 from tests.integration.http_client import HTTP
 from tests.integration.processes import command_line, descendants
@@ -99,7 +99,7 @@ def store_pids(server) -> list[int]:
     return [
         pid
         for pid in descendants(server.process.pid)
-        if "kv_transfer.pool_store" in command_line(pid)
+        if "kv_transfer.pool.store" in command_line(pid)
     ]
 
 
@@ -108,8 +108,8 @@ def stored_blocks(server) -> int:
 
 
 def routers_copy(server) -> int:
-    """The blocks the router's copies of the pools hold (router/pool_contents.py), what it
-    prices loads and fetches on; 0 when it has none."""
+    """The blocks the router's copies of the pools hold (router/workers/kv_pool_contents.py), what
+    it prices loads and fetches on; 0 when it has none."""
     copies = HTTP.get(f"{server.url}/pdserve/workers", timeout=30).json()["kv_pools"]
     assert len(copies) <= 2, copies  # a pool per worker
     return sum(row["blocks"] for row in copies)

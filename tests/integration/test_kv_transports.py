@@ -13,8 +13,8 @@ import grpc
 import httpx
 import pytest
 
+from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from pdserve.settings.cluster_secret import secret_metadata
-from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 from tests.integration.conftest import FORCED_TRANSPORTS as FORCED
 from tests.integration.conftest import SERVED_MODEL
 from tests.integration.http_client import HTTP

@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from kv_transfer.pool_client import PoolClient
+from kv_transfer.pool.client import PoolClient
 from pdserve.model_store.store import ensure_model
 from tests.integration.conftest import _stop_and_check, router_over, start_server, tiny_completion
 from tests.integration.http_client import HTTP

@@ -13,8 +13,8 @@ import jsonschema
 import openai
 import pytest
 
-from pdserve.kinds import RoutePath
-from router.route_choice import ROUTE_HEADER
+from pdserve.core.kinds import RoutePath
+from router.flow.route_choice import ROUTE_HEADER
 from tests.integration.conftest import SERVED_MODEL
 from tests.integration.http_client import HTTP
 from tests.integration.prompts import CHATS, PROMPTS

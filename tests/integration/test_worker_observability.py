@@ -12,10 +12,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from pdserve.settings.cluster_secret import secret_metadata
 from pdserve.worker.grpc_health import LIVENESS, READINESS
 from pdserve.worker.processes import free_port, spawn, stop_group, wait_until
-from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 from tests.integration.conftest import KV_CACHE_GIB, SERVED_MODEL
 from tests.integration.http_client import HTTP
 from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS
@@ -83,7 +83,7 @@ def test_a_loading_worker_is_alive_but_not_serving(smollm2_dir, tmp_path):
     port, metrics_port = free_port(), free_port()
     log_path = tmp_path / "worker.log"
     process = spawn(
-        [sys.executable, "-m", "pdserve.cluster.cli", "worker", "--port", str(port),
+        [sys.executable, "-m", "pdserve.cli", "worker", "--port", str(port),
          "--metrics-port", str(metrics_port), "--kv-cache-gib", KV_CACHE_GIB],
         log_path,
     )  # fmt: skip

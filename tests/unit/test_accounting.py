@@ -1,17 +1,17 @@
-"""What a request counts (router/accounting.py): pdserve_requests_total once per HTTP request
+"""What a request counts (router/flow/accounting.py): pdserve_requests_total once per HTTP request
 whatever its prompts, and a disaggregated request's KV metrics labelled by what carried the KV
 (gloo between CPU workers) next to the transport the router chose. Fake workers, no network."""
 
 import asyncio
 import time
 
-from pdserve.kinds import RoutePath, Transport
-from pdserve.worker.protocol import worker_pb2
-from router.accounting import Accounting, timing_breakdown
-from router.disaggregation import PrefillOutcome
+from pdserve.core.kinds import RoutePath, Transport
+from pdserve.protocol import worker_pb2
+from router.flow.accounting import Accounting, timing_breakdown
+from router.flow.disaggregation import PrefillOutcome
+from router.flow.request_run import Admitted, RequestRun
+from router.http.responses import CompletionShape, OutputOptions, Prompt
 from router.metrics import RouterMetrics
-from router.request_run import Admitted, RequestRun
-from router.responses import CompletionShape, OutputOptions, Prompt
 from tests.unit.test_request_flow import PROMPT, FakeWorker, answering, flow_over
 
 

@@ -1,5 +1,5 @@
-"""router/admission_gate.py, driven with asyncio.run: turns up to the capacity, a FIFO queue up to
-its bound, 429s (never an unbounded wait) beyond, and every turn given back exactly once; with
+"""router/flow/admission_gate.py, driven with asyncio.run: turns up to the capacity, a FIFO queue up
+to its bound, 429s (never an unbounded wait) beyond, and every turn given back exactly once; with
 limits and classes, the forecast's refusals at once (tests/unit/test_admission_forecast.py
 covers the forecast's figures). A fake forecast with fixed figures."""
 
@@ -9,17 +9,17 @@ import time
 
 import pytest
 
-from router.admission_gate import AdmissionGate
-from router.errors import OpenAIError
+from router.flow.admission_gate import AdmissionGate
+from router.flow.wait_forecast import Ask
+from router.http.errors import OpenAIError
 from router.metrics import RouterMetrics
-from router.wait_forecast import Ask
 from tests.waiting import until
 
 ANY = Ask()  # no limit, class 0
 
 
 class FakeForecast:
-    """Stands in for router/wait_forecast.py's WaitForecast: a turn held `hold_s`, `backlog_s`
+    """Stands in for router/flow/wait_forecast.py's WaitForecast: a turn held `hold_s`, `backlog_s`
     of prompts queued on the workers; it records the unreported tokens it was asked about."""
 
     def __init__(self, hold_s: float = 1.0, backlog_s: float = 0.0) -> None:

@@ -1,18 +1,18 @@
-"""What admission is told of a request (router/admission.py's `asking`, its priority from the
+"""What admission is told of a request (router/flow/admission.py's `asking`, its priority from the
 x-pdserve-priority header or the body) and the workers' side of its forecast wait
-(router/wait_forecast.py) from the pool's live state. A fake pool and tokenizer."""
+(router/flow/wait_forecast.py) from the pool's live state. A fake pool and tokenizer."""
 
 import math
 
 import pytest
 
+from pdserve.protocol import worker_pb2
 from pdserve.settings.router import RouterSettings
-from pdserve.worker.protocol import worker_pb2
-from router.admission import asking
-from router.errors import OpenAIError
-from router.policies import RoundRobin
-from router.wait_forecast import Ask, WaitForecast
-from router.worker_pool import WorkerPool
+from router.flow.admission import asking
+from router.flow.wait_forecast import Ask, WaitForecast
+from router.http.errors import OpenAIError
+from router.workers.policies import RoundRobin
+from router.workers.pool import WorkerPool
 from tests.unit.test_request_admission import admitted
 from tests.unit.test_request_flow import answering
 

@@ -1,20 +1,20 @@
-"""Review H4 at admission (router/admission.py) and through the app: a request's turn weighs its
-engine sequences (prompts × choices), a request no worker or cluster could run at once is a
+"""Review H4 at admission (router/flow/admission.py) and through the app: a request's turn weighs
+its engine sequences (prompts × choices), a request no worker or cluster could run at once is a
 400, and only operator and admin keys may set a request's priority and path. Fake workers and
 tokenizer; the gate is watched, not run, in the app test."""
 
 import pytest
 from fastapi.testclient import TestClient
 
-from pdserve.kinds import RoutePath
+from pdserve.core.kinds import RoutePath
 from pdserve.settings.router import RouterSettings
 from router import app as router_app
-from router.admission import admit, sequences
-from router.api_keys import ADMIN_ENV, ENV, OPERATOR_ENV, Caller, KeyRole
-from router.errors import OpenAIError, too_many_requests
-from router.openai_types import CompletionRequest
-from router.policies import RoundRobin
-from router.worker_pool import WorkerPool
+from router.flow.admission import admit, sequences
+from router.http.api_keys import ADMIN_ENV, ENV, OPERATOR_ENV, Caller, KeyRole
+from router.http.errors import OpenAIError, too_many_requests
+from router.http.openai_types import CompletionRequest
+from router.workers.policies import RoundRobin
+from router.workers.pool import WorkerPool
 from tests.unit.test_request_flow import answering
 from tests.unit.test_router_app import FakeTokenizer
 

@@ -1,4 +1,4 @@
-"""router/api_keys.py: where keys come from, how the header is checked, what stays open, what
+"""router/http/api_keys.py: where keys come from, how the header is checked, what stays open, what
 each key's role may do, and that an open router serves on loopback only."""
 
 import logging
@@ -8,9 +8,9 @@ from fastapi.testclient import TestClient
 
 from pdserve.settings.base import ConfigError
 from pdserve.settings.router import ALLOW_UNAUTHENTICATED_ENV, RouterSettings
-from router import api_keys
 from router import app as router_app
-from router.api_keys import (
+from router.http import api_keys
+from router.http.api_keys import (
     ADMIN_ENV,
     ENV,
     OPERATOR_ENV,
@@ -21,7 +21,7 @@ from router.api_keys import (
     role_of,
     unauthorized,
 )
-from router.shared_state import key_digest
+from router.shared.state import key_digest
 from tests.unit.test_router_app import FakeTokenizer
 
 

@@ -8,8 +8,8 @@ import time
 import grpc
 
 from pdserve.bench.fake_worker import FakeWorker
-from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
-from router.worker_client import WorkerClient
+from pdserve.protocol import worker_pb2, worker_pb2_grpc
+from router.workers.client import WorkerClient
 
 
 async def stream_from_a_fake(max_tokens: int, interval_s: float):

@@ -1,11 +1,16 @@
-"""router/prefix_index.py and the cache-aware policy over fake workers (named fakes: an address
-and a load report): prompts that share a prefix go where it is cached, unless that worker is
+"""router/workers/prefix_index.py and the cache-aware policy over fake workers (named fakes: an
+address and a load report): prompts that share a prefix go where it is cached, unless that worker is
 far busier; prompts that share nothing spread by load."""
 
-from pdserve.worker.protocol import worker_pb2
-from router.policies import DECODE_REQUEST_TOKENS, POOL_LOAD_SAVES, CacheAware, pool_load_saves
-from router.prefix_index import CHUNK_TOKENS, PrefixIndex, chunk_hashes
-from router.worker_load import WorkerLoad
+from pdserve.protocol import worker_pb2
+from router.workers.load import WorkerLoad
+from router.workers.policies import (
+    DECODE_REQUEST_TOKENS,
+    POOL_LOAD_SAVES,
+    CacheAware,
+    pool_load_saves,
+)
+from router.workers.prefix_index import CHUNK_TOKENS, PrefixIndex, chunk_hashes
 
 
 class FakeWorker:
@@ -74,8 +79,8 @@ def test_a_worker_picked_but_not_used_is_not_taken_to_hold_the_prompt():
 
 
 def test_a_pool_mate_of_a_busy_worker_takes_its_history_and_a_stranger_does_not():
-    """a computed the prompt and its host KV pool holds it (what router/pool_contents.py would
-    report); b shares that pool, c is on another host whose pool holds none of it. With a
+    """a computed the prompt and its host KV pool holds it (what router/workers/kv_pool_contents.py
+    would report); b shares that pool, c is on another host whose pool holds none of it. With a
     moderately busy, b can load the history and wins; c would compute it all."""
     policy = CacheAware()
     a, b, c = FakeWorker("a", "@pool"), FakeWorker("b", "@pool"), FakeWorker("c", "@pool", "other")

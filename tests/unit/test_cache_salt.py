@@ -9,13 +9,13 @@ import asyncio
 import pytest
 from fastapi.testclient import TestClient
 
+from pdserve.protocol import worker_pb2
 from pdserve.settings.router import RouterSettings
-from pdserve.worker.protocol import worker_pb2
 from pdserve.worker.service import State, WorkerService
 from router import app as router_app
-from router.api_keys import ADMIN_ENV, ENV, OPERATOR_ENV
-from router.policies import CacheAware
-from router.prefix_index import CHUNK_TOKENS, cache_salt, chunk_hashes
+from router.http.api_keys import ADMIN_ENV, ENV, OPERATOR_ENV
+from router.workers.policies import CacheAware
+from router.workers.prefix_index import CHUNK_TOKENS, cache_salt, chunk_hashes
 from tests.unit.test_request_flow import answering
 from tests.unit.test_router_app import FakeTokenizer
 

@@ -14,9 +14,9 @@ import pytest
 from kv_transfer.compatibility import Compatibility
 from kv_transfer.kv_layout import WIRE_LAYOUT
 from kv_transfer.kv_receiver import KvReceiver
-from pdserve.worker.protocol import worker_pb2_grpc
+from pdserve.protocol import worker_pb2_grpc
 from pdserve.worker.service import WorkerService
-from router.worker_client import WorkerClient
+from router.workers.client import WorkerClient
 
 CONSUMER = Compatibility("m", "float32", 16, 2, 2, 4, WIRE_LAYOUT, "0.32.0", 32, "none")
 

@@ -54,7 +54,7 @@ class FakeProcess:
 
 def worker_command(role: str, cluster: str) -> list[str]:
     settings = json.dumps({"role": role, "cluster": cluster}, separators=(",", ":"))
-    return [sys.executable, "-m", "pdserve.cluster.cli", "worker", "--settings-json", settings]
+    return [sys.executable, "-m", "pdserve.cli", "worker", "--settings-json", settings]
 
 
 def test_a_flex_cluster_kills_flex_workers_and_a_fixed_one_each_role_in_turn(chaos):
@@ -99,7 +99,7 @@ def test_workers_are_told_by_role_and_cluster_and_keepers_routers_and_zombies_ar
         FakeProcess(3, worker_command("prefill", "chaos")),
         FakeProcess(4, [*worker_command("decode", "chaos"), "pdserve.cluster.process_keeper"]),
         FakeProcess(5, worker_command("decode", "chaos"), status=psutil.STATUS_ZOMBIE),
-        FakeProcess(6, ["python", "-m", "pdserve.cluster.cli", "router", "--settings-json", "{}"]),
+        FakeProcess(6, ["python", "-m", "pdserve.cli", "router", "--settings-json", "{}"]),
     ]
     assert chaos.worker_pids(processes, "decode", "chaos") == [1]
     assert chaos.worker_pids(processes, "decode") == [1, 2]  # serve's: its own children

@@ -12,12 +12,12 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from pdserve.cluster.cli import build_parser
-from pdserve.kinds import RoutePath, RouteReason
+from pdserve.cli import build_parser
+from pdserve.core.kinds import RoutePath, RouteReason
 from pdserve.worker.metrics_server import WorkerMetrics
-from router.errors import ErrorKind
-from router.flex_roles import RoleMetrics
+from router.http.errors import ErrorKind
 from router.metrics import RouterMetrics
+from router.workers.flex_roles import RoleMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 README_MAX_LINES = 150

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cluster.cli import COMMAND_MODULES, build_parser
+from pdserve.cli import COMMAND_MODULES, build_parser
 
 ROOT = Path(__file__).parents[2]
 

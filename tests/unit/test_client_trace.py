@@ -6,7 +6,7 @@ traced. An in-memory SDK tracer stands in for the OTLP exporter."""
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
-from pdserve import tracing
+from pdserve.core import tracing
 
 TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C
 SPAN_ID = 0xB7AD6B7169203331
@@ -50,7 +50,7 @@ def test_through_the_app_only_an_operator_keys_trace_goes_on(monkeypatch, tmp_pa
 
     from pdserve.settings.router import RouterSettings
     from router import app as router_app
-    from router.api_keys import ADMIN_ENV, ENV, OPERATOR_ENV
+    from router.http.api_keys import ADMIN_ENV, ENV, OPERATOR_ENV
     from tests.unit.test_router_app import FakeTokenizer
 
     for name in (ENV, OPERATOR_ENV, ADMIN_ENV):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdserve.cluster import cli
+from pdserve import cli
 from pdserve.cluster.placement import (
     check_layout,
     check_memory,

@@ -92,7 +92,7 @@ def test_a_dry_run_plans_flex_workers(tmp_path):
     }
     path.write_text(yaml.safe_dump(document))
     done = subprocess.run(
-        [sys.executable, "-m", "pdserve.cluster.cli", "up", "-f", str(path), "--dry-run"],
+        [sys.executable, "-m", "pdserve.cli", "up", "-f", str(path), "--dry-run"],
         capture_output=True,
         text=True,
         timeout=120,

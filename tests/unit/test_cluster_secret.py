@@ -8,6 +8,7 @@ import asyncio
 import grpc
 import pytest
 
+from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from pdserve.settings.base import ConfigError
 from pdserve.settings.cluster_secret import (
     METADATA_KEY,
@@ -17,7 +18,6 @@ from pdserve.settings.cluster_secret import (
     load_cluster_secret,
     secret_matches,
 )
-from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 from pdserve.worker.secret_check import SecretCheck
 from pdserve.worker.service import WorkerService
 

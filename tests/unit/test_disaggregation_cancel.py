@@ -1,5 +1,5 @@
 """The router tells the decode worker when no decode leg will run (security review 2026-12, H6):
-router/disaggregation.py's generate_disaggregated with fake workers, in after-prefill mode; a
+router/flow/disaggregation.py's generate_disaggregated with fake workers, in after-prefill mode; a
 request the prefill's first token ends (max_tokens 1, or EOS first), one whose client leaves
 between the legs, and one whose prefill worker fails each cancel the transfer on the decode
 worker exactly once; one whose decode leg runs cancels nothing. No engine, no network."""
@@ -7,14 +7,14 @@ worker exactly once; one whose decode leg runs cancels nothing. No engine, no ne
 import asyncio
 import contextlib
 
-from pdserve.worker.protocol import worker_pb2
-from router import disaggregation
-from router.disaggregation import PrefillOutcome, generate_disaggregated
-from router.errors import worker_failed
+from pdserve.protocol import worker_pb2
+from router.flow import disaggregation
+from router.flow.disaggregation import PrefillOutcome, generate_disaggregated
+from router.http.errors import worker_failed
 
 
 class Worker:
-    """Stands in for router.worker_client.WorkerClient."""
+    """Stands in for router.workers.client.WorkerClient."""
 
     def __init__(self, name: str, chunks=(), error=None) -> None:
         self.worker_id = name

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cluster.cli import build_parser
+from pdserve.cli import build_parser
 
 ROOT = Path(__file__).parents[2]
 SHELL_BLOCK = re.compile(r"^```(?:bash|sh|shell|console)\n(.*?)^```", re.S | re.M)

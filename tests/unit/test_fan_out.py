@@ -1,4 +1,4 @@
-"""pdserve/worker/fan_out.py with fake streams standing in for engine requests: the first choice
+"""pdserve/core/fan_out.py with fake streams standing in for engine requests: the first choice
 runs
 alone until its first output, errors end every stream, and closing early cancels them all."""
 
@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 
-from pdserve.worker.fan_out import fan_out
+from pdserve.core.fan_out import fan_out
 
 
 class FakeEngineRequest:

@@ -1,16 +1,16 @@
-"""router/flex_roles.py over a real WorkerPool of fake flex workers (named fakes: a worker id,
-a role and a load report, no engine): the initial split, set_split's choices and refusals, and
+"""router/workers/flex_roles.py over a real WorkerPool of fake flex workers (named fakes: a worker
+id, a role and a load report, no engine): the initial split, set_split's choices and refusals, and
 AutoRatio's decisions with their hysteresis and rate limit."""
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pdserve.worker.protocol import worker_pb2
-from router.errors import OpenAIError
-from router.flex_roles import AutoRatio, AutoRatioSettings, FlexRoles, RoleMetrics
-from router.policies import RoundRobin
-from router.worker_load import WorkerLoad
-from router.worker_pool import WorkerPool
+from pdserve.protocol import worker_pb2
+from router.http.errors import OpenAIError
+from router.workers.flex_roles import AutoRatio, AutoRatioSettings, FlexRoles, RoleMetrics
+from router.workers.load import WorkerLoad
+from router.workers.policies import RoundRobin
+from router.workers.pool import WorkerPool
 
 
 class FakeFlexWorker:

@@ -1,7 +1,7 @@
 """Hung and flapping workers. Router side: a worker whose calls go unanswered (its process
 alive, its port open: SIGSTOP, a blocked event loop) leaves the pools after the deadline and
-returns once it answers again, later each time it flaps (router/worker_liveness.py,
-router/worker_pool.py). Keeper side: which workers whose process runs the replica keeper
+returns once it answers again, later each time it flaps (router/workers/liveness.py,
+router/workers/pool.py). Keeper side: which workers whose process runs the replica keeper
 replaces anyway (pdserve/cluster/hung_workers.py).
 
 The rules are tested with times passed in; the router's whole loop with its real WorkerClient
@@ -14,11 +14,11 @@ import grpc
 import pytest
 
 from pdserve.cluster.hung_workers import READY_DEADLINE_S, SILENT_S, why_hung
-from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
+from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from router.metrics import RouterMetrics
-from router.policies import RoundRobin
-from router.worker_liveness import BACK_AFTER_S, FLAP_WINDOW_S, MAX_BACK_AFTER_S, Liveness
-from router.worker_pool import WorkerPool, follow_load
+from router.workers.liveness import BACK_AFTER_S, FLAP_WINDOW_S, MAX_BACK_AFTER_S, Liveness
+from router.workers.policies import RoundRobin
+from router.workers.pool import WorkerPool, follow_load
 
 DEADLINE_S = 10.0
 

@@ -12,15 +12,10 @@ import kubernetes_validate
 import yaml
 from prometheus_client import CollectorRegistry
 
-from pdserve.cluster.cli import main
-from pdserve.cluster.k8s_gateway import EPP
-from pdserve.cluster.k8s_options import RenderOptions
-from pdserve.cluster.k8s_render import (
-    KV_POOL_CONTAINER,
-    ROUTER_PORT,
-    render,
-    write,
-)
+from pdserve.cli import main
+from pdserve.cluster.k8s.gateway import EPP
+from pdserve.cluster.k8s.options import RenderOptions
+from pdserve.cluster.k8s.render import KV_POOL_CONTAINER, ROUTER_PORT, render, write
 from pdserve.settings.cluster_file import parse_cluster
 from pdserve.worker.metrics_server import KvPoolCollector, WorkerMetrics
 from router.metrics import RouterMetrics

@@ -1,14 +1,14 @@
-"""KV between worker pods over the fabric, rendered offline (pdserve/cluster/k8s_fabric.py): each
+"""KV between worker pods over the fabric, rendered offline (pdserve/cluster/k8s/fabric.py): each
 pool's pods prefer the nodes of the pods they move KV with on the fabric label; `--rdma` gives GPU
 worker containers (a LeaderWorkerSet's ranks too) the RDMA resource and IPC_LOCK, and the
 namespace then enforces no Pod Security level; every object still validates."""
 
 import pytest
 
-from pdserve.cluster.cli import main
-from pdserve.cluster.k8s_fabric import ZONE, Rdma
-from pdserve.cluster.k8s_options import RenderOptions
-from pdserve.cluster.k8s_render import render, write
+from pdserve.cli import main
+from pdserve.cluster.k8s.fabric import ZONE, Rdma
+from pdserve.cluster.k8s.options import RenderOptions
+from pdserve.cluster.k8s.render import render, write
 from pdserve.settings.cluster_file import parse_cluster
 from tests.unit.test_k8s_conventions import seventy_b
 from tests.unit.test_k8s_manifests import build, by_kind, main_container, validate_custom

@@ -14,9 +14,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pdserve.cluster.cli import main
-from pdserve.cluster.k8s_options import RenderOptions
-from pdserve.cluster.k8s_render import (
+from pdserve.cli import main
+from pdserve.cluster.k8s.options import RenderOptions
+from pdserve.cluster.k8s.render import (
     GRPC_PORT,
     KV_POOL_ADDRESS,
     KV_POOL_CONTAINER,

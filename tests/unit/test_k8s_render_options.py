@@ -13,12 +13,12 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 
-from pdserve.cluster.cli import main
-from pdserve.cluster.k8s_model_cache import start_budget
-from pdserve.cluster.k8s_options import RenderOptions
-from pdserve.cluster.k8s_render import MODES, render, write
-from pdserve.cluster.k8s_scheduling import GPU_PRODUCT_LABEL, GPU_PRODUCTS
-from pdserve.gpu_spec import GPU_PRESETS
+from pdserve.cli import main
+from pdserve.cluster.k8s.model_cache import start_budget
+from pdserve.cluster.k8s.options import RenderOptions
+from pdserve.cluster.k8s.render import MODES, render, write
+from pdserve.cluster.k8s.scheduling import GPU_PRODUCT_LABEL, GPU_PRODUCTS
+from pdserve.core.gpu_spec import GPU_PRESETS
 from pdserve.settings.cluster_file import load_cluster_file
 from tests.unit.test_k8s_manifests import (
     DEPLOY,
@@ -285,14 +285,14 @@ def test_a_model_folder_is_not_fetched_and_nothing_waits_for_it(tmp_path):
 
 def test_render_needs_nothing_from_a_source_checkout():
     """What the render reads at run time is package data a wheel carries."""
-    source = (ROOT / "pdserve/cluster").glob("k8s_*.py")
+    source = (ROOT / "pdserve/cluster/k8s").glob("*.py")
     assert not any(
         "deploy" in line and "Path(" in line for f in source for line in f.read_text().splitlines()
     )
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
         "package-data"
     ]
-    assert any(fnmatch("k8s_alerts.yaml", pattern) for pattern in data["pdserve.cluster"])
+    assert any(fnmatch("alerts.yaml", pattern) for pattern in data["pdserve.cluster.k8s"])
 
 
 def test_a_file_that_does_not_fit_its_gpus_is_not_rendered(tmp_path, capsys):

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from pdserve.cluster.cli import main
-from pdserve.cluster.k8s_options import RenderOptions
-from pdserve.cluster.k8s_render import GRPC_PORT, MODES, render, write
-from pdserve.cluster.k8s_tls import FILES, HEALTH_PORT, MOUNT
+from pdserve.cli import main
+from pdserve.cluster.k8s.options import RenderOptions
+from pdserve.cluster.k8s.render import GRPC_PORT, MODES, render, write
+from pdserve.cluster.k8s.tls import FILES, HEALTH_PORT, MOUNT
 from pdserve.settings import tls
 from pdserve.settings.base import ConfigError
 from pdserve.settings.cluster_file import parse_cluster

@@ -11,10 +11,10 @@ import json
 import pytest
 import yaml
 
-from pdserve.cluster.k8s_gateway import EPP, EPP_GRPC_PORT
-from pdserve.cluster.k8s_leader_worker import RAY_TOKEN_SECRET
-from pdserve.cluster.k8s_options import RenderOptions
-from pdserve.cluster.k8s_render import (
+from pdserve.cluster.k8s.gateway import EPP, EPP_GRPC_PORT
+from pdserve.cluster.k8s.leader_worker import RAY_TOKEN_SECRET
+from pdserve.cluster.k8s.options import RenderOptions
+from pdserve.cluster.k8s.render import (
     GRPC_PORT,
     KV_PORT,
     METRICS_PORT,

@@ -18,11 +18,11 @@ from kv_transfer.compatibility import (
     compatibility_of,
 )
 from kv_transfer.grpc_transport import hello
-from pdserve.kinds import Role
+from pdserve.core.kinds import Role
 from pdserve.settings.cluster_secret import SECRET_ENV
-from router.errors import OpenAIError
-from router.policies import RoundRobin
-from router.worker_pool import WorkerPool
+from router.http.errors import OpenAIError
+from router.workers.policies import RoundRobin
+from router.workers.pool import WorkerPool
 
 
 @dataclass
@@ -119,7 +119,7 @@ def test_the_fingerprint_changes_with_what_the_kv_bytes_mean(other):
 
 @dataclass
 class FakeWorkerRow:
-    """Stands in for router.worker_client.WorkerClient as WorkerPool.pick reads it."""
+    """Stands in for router.workers.client.WorkerClient as WorkerPool.pick reads it."""
 
     worker_id: str
     role: str

@@ -19,7 +19,7 @@ from kv_transfer.kv_layout import BLOCK, CONTENT, HEAD, TOKEN, LayerLayout
 from kv_transfer.kv_receiver import KvReceiver
 from kv_transfer.metadata import Expected, SendSlice
 from kv_transfer.transport import TRANSPORTS, LayerSlice
-from pdserve.kv_faults import KvFaultKind, parse_kv_fault
+from pdserve.core.kv_faults import KvFaultKind, parse_kv_fault
 from prefill_workers.kv_sender import LayerSender
 from tests.unit.test_kv_transports import CONSUMER
 
@@ -266,7 +266,7 @@ def test_integrity_is_on_by_default_and_reaches_both_connectors():
 
 def test_a_prefill_leg_carries_the_workers_fault_to_its_sender():
     from kv_transfer.params import from_request
-    from pdserve.worker.protocol import worker_pb2
+    from pdserve.protocol import worker_pb2
     from pdserve.worker.service import kv_extra_args
 
     request = worker_pb2.GenerateRequest(

@@ -1,4 +1,4 @@
-"""The host KV pool's batched copier (kv_transfer/pool_copy.py): a cache allocated as vLLM 0.32
+"""The host KV pool's batched copier (kv_transfer/pool/copy.py): a cache allocated as vLLM 0.32
 allocates it is one index over blocks x layers whatever its layout, and caches allocated apart
 still land in the same slot layout; the device digests are slice_digest's, bit for bit; on a
 stream (a fake one here, whose events pass when told, as host_staging.CudaSideStream's do on
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kv_transfer.integrity import _signed, block_digests, slice_digest
-from kv_transfer.pool_copy import (
+from kv_transfer.pool.copy import (
     MIN_ROW_BYTES,
     CacheRows,
     PoolCopier,

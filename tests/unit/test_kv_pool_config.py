@@ -24,7 +24,7 @@ def test_a_colocated_worker_uses_the_pools_connector_only_with_an_address_and_on
 
 
 def test_a_tensor_parallel_worker_uses_the_pool_too():
-    """Each rank copies its own heads of a block (kv_transfer/pool_copy.py)."""
+    """Each rank copies its own heads of a block (kv_transfer/pool/copy.py)."""
     engine = EngineSettings(tensor_parallel_size=2)
     settings = WorkerSettings(role="prefill", kv_pool_address=POOL, engine=engine)
     assert settings.wants_kv_pool and settings.pooled

@@ -1,4 +1,4 @@
-"""What pdserve's offloading worker (kv_transfer/pool_offload.py) copies through a real pool
+"""What pdserve's offloading worker (kv_transfer/pool/offload.py) copies through a real pool
 store: a block stored by one engine's worker lands bit for bit in another's cache; a block
 whose bytes changed in the pool, or whose slot holds another key, is refused (reported for
 recomputation and dropped from the pool), never copied; a load planned against a store that is
@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from kv_transfer.pool_client import PoolClient
+from kv_transfer.pool.client import PoolClient
 from pdserve.cluster.local_services import start_kv_pool
 from pdserve.worker.processes import stop_group
 
 if TYPE_CHECKING:  # vLLM is imported where a test runs, not where every test process collects
-    from kv_transfer.pool_offload import PoolManager, PoolWorker
+    from kv_transfer.pool.offload import PoolManager, PoolWorker
 
 BLOCKS = 6
 PAGES = (1024, 512)  # two cache tensors: bytes of one block in each
@@ -32,7 +32,7 @@ def address(tmp_path):
 
 def engine(address: str) -> tuple["PoolManager", "PoolWorker", list[torch.Tensor]]:
     """One engine's two halves over a cache of random bytes (float16 and bfloat16 tensors)."""
-    from kv_transfer.pool_offload import PoolManager
+    from kv_transfer.pool.offload import PoolManager
 
     manager = PoolManager(PoolClient(address, "ns", SLOT))
     worker, caches = rank_worker(address, "ns", 1, 0)
@@ -44,7 +44,7 @@ def rank_worker(address: str, namespace: str, ranks: int, rank: int):
     (float16 and bfloat16 tensors), with its own connection (a rank is a process)."""
     from vllm.v1.kv_offload.base import CanonicalKVCaches, CanonicalKVCacheTensor
 
-    from kv_transfer.pool_offload import PoolWorker
+    from kv_transfer.pool.offload import PoolWorker
 
     caches = [
         torch.randn(BLOCKS, PAGES[0] // 2, dtype=torch.float16),
@@ -93,7 +93,7 @@ def test_a_stored_block_lands_bit_for_bit_in_another_engines_cache(address):
 
 
 def test_a_changed_byte_or_another_keys_slot_is_refused_and_dropped(address):
-    from kv_transfer.pool_offload import PoolSlots
+    from kv_transfer.pool.offload import PoolSlots
 
     manager_a, worker_a, _ = engine(address)
     manager_b, worker_b, caches_b = engine(address)
@@ -116,7 +116,7 @@ def test_a_changed_byte_or_another_keys_slot_is_refused_and_dropped(address):
 
 
 def test_a_load_planned_against_a_store_that_is_gone_is_refused(address):
-    from kv_transfer.pool_offload import PoolSlots
+    from kv_transfer.pool.offload import PoolSlots
 
     manager, worker, caches = engine(address)
     store(manager, worker, [b"k0"], [0])
@@ -146,7 +146,7 @@ def test_each_tensor_parallel_rank_stores_and_checks_its_own_part_of_a_block(tmp
     """An engine of two ranks: each rank's blocks land bit for bit in the same rank of another
     engine; a byte changed in rank 1's part is refused by rank 1 alone (vLLM then recomputes the
     block on every rank) and the block is dropped; an engine of another TP is refused."""
-    from kv_transfer.pool_offload import PoolManager
+    from kv_transfer.pool.offload import PoolManager
 
     address, process = start_kv_pool(tmp_path / "kv-pool.log", 4 * 2 * SLOT)
     try:
@@ -196,7 +196,7 @@ def test_a_store_is_copied_a_budget_a_step_and_wait_copies_all_that_is_pending(
     """A store larger than a step's budget finishes over several engine steps (its job is
     reported once, whole); vLLM's `wait` before reusing blocks copies every pending store at
     once; what was stored loads bit for bit."""
-    monkeypatch.setattr("kv_transfer.pool_offload.STORE_BYTES_PER_STEP", SLOT)  # one block a step
+    monkeypatch.setattr("kv_transfer.pool.offload.STORE_BYTES_PER_STEP", SLOT)  # one block a step
     manager_a, worker_a, caches_a = engine(address)
     manager_b, worker_b, caches_b = engine(address)
     plan = manager_a.prepare_store([b"k0", b"k1", b"k2"], request())
@@ -224,7 +224,7 @@ def vllm_worker(address: str, layers: int, blocks: int, page: int, side_stream=N
     view per layer), with a pool of `blocks` slots of its size."""
     from vllm.v1.kv_offload.base import CanonicalKVCaches, CanonicalKVCacheTensor
 
-    from kv_transfer.pool_offload import PoolManager, PoolWorker
+    from kv_transfer.pool.offload import PoolManager, PoolWorker
 
     buffer = torch.randint(-128, 128, (layers * blocks * page,), dtype=torch.int8)
     caches = [layer.view(blocks, page) for layer in buffer.view(layers, -1)]
@@ -368,7 +368,7 @@ def test_a_large_load_or_flushed_store_is_copied_in_bounded_pieces_and_reported_
 ):
     """A load larger than COPY_BYTES is several queued copies, reported as one load once all
     are done, with a refused block among them; `wait` queues pending stores in pieces too."""
-    monkeypatch.setattr("kv_transfer.pool_offload.COPY_BYTES", 3 * 4 * 2048)  # 3 blocks
+    monkeypatch.setattr("kv_transfer.pool.offload.COPY_BYTES", 3 * 4 * 2048)  # 3 blocks
     layers, page = 4, 2048
     address, process = start_kv_pool(tmp_path / "kv-pool.log", 16 * layers * page)
     stream = HeldStream()

@@ -1,9 +1,9 @@
-"""The host KV pool's index (kv_transfer/pool_index.py): a byte budget it never exceeds,
+"""The host KV pool's index (kv_transfer/pool/index.py): a byte budget it never exceeds,
 pinned and half-written blocks never evicted, eviction by recency weighted by reuse, and a dead
 client's holdings released."""
 
-from kv_transfer import pool_index
-from kv_transfer.pool_index import PoolIndex
+from kv_transfer.pool import index as pool_index
+from kv_transfer.pool.index import PoolIndex
 
 A, B, C, D = b"a", b"b", b"c", b"d"
 

@@ -1,4 +1,4 @@
-"""Reuse across hosts (kv_transfer/pool_peer.py, pdserve/worker/pool_peers.py): two real host
+"""Reuse across hosts (kv_transfer/pool/peer.py, pdserve/worker/pool_peers.py): two real host
 KV pool stores, blocks computed into one by an engine's own copy code, and a worker of the other
 host fetching them over real gRPC on loopback from the first host's worker service (no engine:
 the service's ReadPoolBlocks needs only its pool).
@@ -22,17 +22,17 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from kv_transfer import pool_peer
-from kv_transfer.pool_client import PoolClient
-from kv_transfer.pool_copy import PoolMemory, load_blocks, store_blocks
+from kv_transfer.pool import peer as pool_peer
+from kv_transfer.pool.client import PoolClient
+from kv_transfer.pool.copy import PoolMemory, load_blocks, store_blocks
 from pdserve.cluster.local_services import start_kv_pool
-from pdserve.pool_keys import block_keys
+from pdserve.core.pool_keys import block_keys
+from pdserve.protocol import GRPC_OPTIONS, worker_pb2, worker_pb2_grpc
 from pdserve.worker import pool_peers
 from pdserve.worker.engine import EngineStats
 from pdserve.worker.metrics_server import WorkerMetrics
 from pdserve.worker.pool_peers import PoolPeers
 from pdserve.worker.processes import free_port, stop_group
-from pdserve.worker.protocol import GRPC_OPTIONS, worker_pb2, worker_pb2_grpc
 from pdserve.worker.service import WorkerService
 from tests.waiting import wait_for
 

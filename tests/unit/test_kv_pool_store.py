@@ -1,5 +1,5 @@
-"""The host KV pool's store (kv_transfer/pool_store.py) as a real process, and its clients
-(kv_transfer/pool_client.py) over a real Unix socket: the memory is shared and named nowhere,
+"""The host KV pool's store (kv_transfer/pool/store.py) as a real process, and its clients
+(kv_transfer/pool/client.py) over a real Unix socket: the memory is shared and named nowhere,
 a client of another namespace is refused, a client that goes away releases what it held, and a
 store that dies makes calls answer None at once and is found again when it comes back."""
 
@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from kv_transfer import pool_client
-from kv_transfer.pool_client import PoolClient
-from kv_transfer.pool_store import HELLO_BYTES, header_bytes, socket_address
+from kv_transfer.pool import client as pool_client
+from kv_transfer.pool.client import PoolClient
+from kv_transfer.pool.store import header_bytes
+from kv_transfer.pool.wire import HELLO_BYTES, socket_address
 from pdserve.cluster.local_services import start_kv_pool
 from pdserve.worker.processes import stop_group
 from tests.waiting import wait_for
@@ -143,7 +144,7 @@ def test_an_observer_gets_the_figures_and_no_memory(store, address):
 
 
 def test_an_observer_follows_the_contents_as_changes_after_what_it_has(store, address):
-    """What the routers' copies of a pool are built from (router/pool_contents.py)."""
+    """What the routers' copies of a pool are built from (router/workers/kv_pool_contents.py)."""
     observer, worker = PoolClient(address, namespace=None), PoolClient(address, NAMESPACE, SLOT)
     for key in (b"k1", b"k2"):
         assert worker.call("prepare_store", [key])["stored"]["keys"] == [key.hex()]
@@ -179,12 +180,12 @@ def test_no_client_can_resize_the_memory_and_an_absurd_slot_size_is_refused(addr
 
 
 def test_the_probe_passes_only_while_the_store_answers(store, address):
-    """The Kubernetes probe of a worker's store (pdserve/cluster/k8s_render.py): a store that
+    """The Kubernetes probe of a worker's store (pdserve/cluster/k8s/render.py): a store that
     answers passes; a stopped one (its socket still accepts) and a gone one fail, in bounded
     time."""
 
     def probe() -> int:
-        command = [sys.executable, "-m", "kv_transfer.pool_store", "--address", address, "--probe"]
+        command = [sys.executable, "-m", "kv_transfer.pool.store", "--address", address, "--probe"]
         return subprocess.run(command, timeout=30).returncode
 
     assert probe() == 0

@@ -1,4 +1,4 @@
-"""The host KV pool's copies (kv_transfer/pool_copy.py) never make the thread that asks for them
+"""The host KV pool's copies (kv_transfer/pool/copy.py) never make the thread that asks for them
 wait for the device, which in an engine is vLLM's: counted at torch's dispatcher on CPU, a store
 or load job of 8 blocks x 32 layers makes no synchronising call (no `.item()` or `int()` of a
 tensor, no stream or event synchronize) and as many copy launches as one of 2 blocks x 4 layers
@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kv_transfer.pool_copy import PoolMemory, cache_rows, load_blocks, store_blocks
-from kv_transfer.pool_store import header_bytes
+from kv_transfer.pool.copy import PoolMemory, cache_rows, load_blocks, store_blocks
+from kv_transfer.pool.store import header_bytes
 
 PAGE = 2048  # one block's bytes of one layer
 # The dispatcher's names of what copies bytes (one launch each on a device).

@@ -1,4 +1,4 @@
-"""Migration of requests with several choices and of seeded ones (router/migration.py), through
+"""Migration of requests with several choices and of seeded ones (router/flow/migration.py), through
 the real request flow and relay over fake workers: the first decode worker streams some chunks
 and is lost (UNAVAILABLE), the next one answers each continuation by what it was asked. The
 client's view is read from the SSE events or the whole body it would get. No engine, no
@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from pdserve.kinds import RoutePath
-from pdserve.worker.protocol import worker_pb2
-from router.errors import OpenAIError, worker_unavailable
-from router.request_run import Admitted, RequestRun
-from router.responses import CompletionShape, OutputOptions, Prompt
+from pdserve.core.kinds import RoutePath
+from pdserve.protocol import worker_pb2
+from router.flow.request_run import Admitted, RequestRun
+from router.http.errors import OpenAIError, worker_unavailable
+from router.http.responses import CompletionShape, OutputOptions, Prompt
 from tests.unit.test_request_flow import PROMPT, FakeWorker, flow_over
 
 LOST = worker_unavailable("worker decode-a is unavailable: Socket closed")

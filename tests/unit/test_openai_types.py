@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from router.errors import OpenAIError
-from router.openai_types import ChatCompletionRequest, CompletionRequest, parse_request
+from router.http.errors import OpenAIError
+from router.http.openai_types import ChatCompletionRequest, CompletionRequest, parse_request
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

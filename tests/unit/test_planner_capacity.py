@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from pdserve.gpu_spec import GPU_PRESETS, GpuSpec
+from pdserve.core.gpu_spec import GPU_PRESETS, GpuSpec
 from pdserve.planner.capacity import (
     decode_step_lower_bound,
     kv_bytes_per_request,

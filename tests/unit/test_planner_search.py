@@ -16,7 +16,7 @@ from pdserve.cluster.placement import (
     model_shape,
     worker_slots,
 )
-from pdserve.gpu_spec import GB, GPU_PRESETS
+from pdserve.core.gpu_spec import GB, GPU_PRESETS
 from pdserve.planner.command import add_parser
 from pdserve.planner.model_spec import MODEL_PRESETS
 from pdserve.planner.search import (

@@ -1,14 +1,14 @@
-"""router/pool_contents.py: the router computes a prompt's KV pool keys as vLLM computes its
-block hashes (checked against vLLM's own request block hasher and offload keys), keeps each
+"""router/workers/kv_pool_contents.py: the router computes a prompt's KV pool keys as vLLM computes
+its block hashes (checked against vLLM's own request block hasher and offload keys), keeps each
 pool's copy up to date from its workers' answers (changes, resets, answers overtaken by a
 pool-mate's), and prices a worker's load from its own pool only (fake workers, named fakes: an
 address, a host and a pool)."""
 
 import pytest
 
-from pdserve.pool_keys import block_keys
-from pdserve.worker.protocol import worker_pb2
-from router.pool_contents import PoolContents
+from pdserve.core.pool_keys import block_keys
+from pdserve.protocol import worker_pb2
+from router.workers.kv_pool_contents import PoolContents
 
 BLOCK = 16
 PROMPT = list(range(500, 500 + 5 * BLOCK + 7))  # 5 whole blocks and a partial one

@@ -1,6 +1,6 @@
 import io
 
-from pdserve.progress import Progress
+from pdserve.core.progress import Progress
 
 
 class FakeTerminal(io.StringIO):

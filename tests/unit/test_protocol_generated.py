@@ -2,7 +2,7 @@
 
 import pytest
 
-from pdserve.worker.protocol.generate import PROTOS, generate, generated_names
+from pdserve.protocol.generate import PROTOS, generate, generated_names
 
 
 @pytest.mark.parametrize("proto", PROTOS, ids=lambda p: p.name)
@@ -10,5 +10,5 @@ def test_generated_modules_match_the_proto(proto, tmp_path):
     generate(proto, tmp_path)
     for name in generated_names(proto):
         assert (tmp_path / name).read_text() == (proto.parent / name).read_text(), (
-            f"{name} is stale: run `python -m pdserve.worker.protocol.generate`"
+            f"{name} is stale: run `python -m pdserve.protocol.generate`"
         )

@@ -16,7 +16,8 @@ import pytest
 import ray
 from ray._private import ray_constants
 
-from pdserve.cluster import cli, down, local_services, ray_launcher
+from pdserve import cli
+from pdserve.cluster import down, local_services, ray_launcher
 from pdserve.cluster.cluster_state import (
     ClusterState,
     load_state,

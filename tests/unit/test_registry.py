@@ -9,9 +9,9 @@ import time
 import pytest
 
 from pdserve.cluster import local_services
+from pdserve.protocol.registry import RecordedLoad, Registry, WorkerRecord
 from pdserve.settings.cluster_secret import SECRET_ENV, signature
 from pdserve.worker.processes import stop_group
-from pdserve.worker.registry import RecordedLoad, Registry, WorkerRecord
 from tests.integration.processes import group_members
 
 

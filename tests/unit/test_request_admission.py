@@ -1,17 +1,18 @@
-"""Admission (router/admission.py) and the worker request it builds (router/worker_request.py):
-one run per prompt of a batch, under one deadline, the x-pdserve-route header on every run, and
-the 400s a request gets before any worker sees it. A fake pool and tokenizer."""
+"""Admission (router/flow/admission.py) and the worker request it builds
+(router/flow/worker_request.py): one run per prompt of a batch, under one deadline, the
+x-pdserve-route header on every run, and the 400s a request gets before any worker sees it. A fake
+pool and tokenizer."""
 
 import pytest
 
-from pdserve.kinds import RoutePath, RouteReason
+from pdserve.core.kinds import RoutePath, RouteReason
 from pdserve.settings.router import RouterSettings
-from router.admission import admit
-from router.errors import OpenAIError
-from router.openai_types import CompletionRequest
-from router.policies import RoundRobin
-from router.route_choice import ROUTE_HEADER
-from router.worker_pool import WorkerPool
+from router.flow.admission import admit
+from router.flow.route_choice import ROUTE_HEADER
+from router.http.errors import OpenAIError
+from router.http.openai_types import CompletionRequest
+from router.workers.policies import RoundRobin
+from router.workers.pool import WorkerPool
 from tests.unit.test_request_flow import answering
 from tests.unit.test_router_app import FakeTokenizer
 

@@ -1,5 +1,5 @@
-"""The router's request steps after admission (router/request_flow.py): `start`'s retry loop over
-decode workers, and `collect`/`finish` of a local request. A real WorkerPool with a round-robin
+"""The router's request steps after admission (router/flow/request_flow.py): `start`'s retry loop
+over decode workers, and `collect`/`finish` of a local request. A real WorkerPool with a round-robin
 policy holds fake workers whose `generate` either fails before its first chunk or streams
 canned chunks; each test drives the coroutines with asyncio.run. No engine, no network."""
 
@@ -10,28 +10,28 @@ import time
 
 import pytest
 
+from pdserve.core.kinds import RoutePath, RouteReason
 from pdserve.costs.path_prices import RouteDecision
-from pdserve.kinds import RoutePath, RouteReason
+from pdserve.protocol import worker_pb2
 from pdserve.settings.router import RouterSettings
-from pdserve.worker.protocol import worker_pb2
-from router.accounting import timing_breakdown
-from router.errors import OpenAIError, invalid_request, worker_unavailable
+from router.flow.accounting import timing_breakdown
+from router.flow.request_flow import RequestFlow
+from router.flow.request_run import Admitted, RequestRun
+from router.flow.retries import MAX_ATTEMPTS
+from router.flow.route_choice import ROUTE_HEADER
+from router.http.errors import OpenAIError, invalid_request, worker_unavailable
+from router.http.responses import CompletionShape, OutputOptions, Prompt
 from router.metrics import RouterMetrics
-from router.policies import PEER_FETCH_SAVES, POOL_LOAD_SAVES, CacheAware, RoundRobin
-from router.pool_contents import block_keys
-from router.request_flow import RequestFlow
-from router.request_run import Admitted, RequestRun
-from router.responses import CompletionShape, OutputOptions, Prompt
-from router.retries import MAX_ATTEMPTS
-from router.route_choice import ROUTE_HEADER
-from router.worker_load import WorkerLoad
-from router.worker_pool import WorkerPool
+from router.workers.kv_pool_contents import block_keys
+from router.workers.load import WorkerLoad
+from router.workers.policies import PEER_FETCH_SAVES, POOL_LOAD_SAVES, CacheAware, RoundRobin
+from router.workers.pool import WorkerPool
 
 PROMPT = [11, 12, 13, 14, 15]
 
 
 class FakeWorker:
-    """Stands in for router.worker_client.WorkerClient: `generate` streams `chunks`, then
+    """Stands in for router.workers.client.WorkerClient: `generate` streams `chunks`, then
     fails with `error` if it has one (before any chunk when there are none: it is down); it
     records every request it got."""
 
@@ -346,7 +346,7 @@ def test_every_leg_and_retry_shares_the_one_deadline_set_at_arrival():
 
 @pytest.mark.parametrize("header", ["0", "-3", "soon", "nan", "inf"])
 def test_a_bad_client_timeout_is_a_400(header):
-    from router.admission import parse_timeout
+    from router.flow.admission import parse_timeout
 
     with pytest.raises(OpenAIError) as caught:
         parse_timeout(header)
@@ -354,7 +354,7 @@ def test_a_bad_client_timeout_is_a_400(header):
 
 
 def test_a_client_timeout_is_read_in_seconds():
-    from router.admission import parse_timeout
+    from router.flow.admission import parse_timeout
 
     assert parse_timeout("2.5") == 2.5
 
@@ -462,7 +462,7 @@ def test_the_decode_worker_is_held_while_the_prefill_leg_runs():
 
 
 def test_a_closed_worker_client_is_unavailable_not_an_internal_error():
-    from router.worker_client import WorkerClient
+    from router.workers.client import WorkerClient
 
     async def go():
         client = WorkerClient("127.0.0.1:1")
@@ -582,7 +582,7 @@ def test_a_retry_after_a_lost_prefill_worker_skips_what_the_first_attempt_did():
 
 def pool_holds(pool: WorkerPool, worker, prompt: list[int], blocks: int) -> None:
     """`worker`'s host KV pool's store reported holding the prompt's first `blocks` blocks of
-    128 tokens (router/pool_contents.py's copy of it)."""
+    128 tokens (router/workers/kv_pool_contents.py's copy of it)."""
     none_hash = b"n" * 32
     held = list(block_keys(prompt, 128, none_hash))[:blocks]
     pool.pool_contents.update(
@@ -595,7 +595,7 @@ def pool_holds(pool: WorkerPool, worker, prompt: list[int], blocks: int) -> None
 
 def test_a_prefill_worker_is_priced_as_loading_what_its_host_pool_holds():
     """Two prefill workers sharing a host KV pool whose store reported it holds a prompt's
-    first two blocks: each one's price counts most of them as loaded (router/policies.py's
+    first two blocks: each one's price counts most of them as loaded (router/workers/policies.py's
     reusable_tokens, whatever the policy), on top of its own cache; a worker of another host's
     pool would fetch them first (counted at what a fetch saves, and told where to fetch them
     from), and a decode worker (in no pool) has its own cache only."""

@@ -1,5 +1,5 @@
 """The streamed chunks of text alone (most of a stream) are written from a template
-(router/responses.py's text_choice): byte for byte what the general path's json.dumps writes,
+(router/http/responses.py's text_choice): byte for byte what the general path's json.dumps writes,
 for any text; every other chunk (a choice's first or last, or one with logprobs, token ids or
 usage asked for) takes the general path."""
 
@@ -8,8 +8,8 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.worker.protocol import worker_pb2
-from router.responses import ChatShape, CompletionShape, OutputOptions, Prompt, sse
+from pdserve.protocol import worker_pb2
+from router.http.responses import ChatShape, CompletionShape, OutputOptions, Prompt, sse
 
 SHAPES = (ChatShape, CompletionShape)
 PROMPT = Prompt(token_ids=[1, 2, 3], echo_text="hi")

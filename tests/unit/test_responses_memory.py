@@ -10,8 +10,8 @@ import tracemalloc
 import pytest
 from fastapi.testclient import TestClient
 
-from pdserve.worker.protocol import worker_pb2
-from router.responses import (
+from pdserve.protocol import worker_pb2
+from router.http.responses import (
     MAX_RESPONSE_ENTRIES,
     Choice,
     CompletionShape,

@@ -1,18 +1,18 @@
-"""The path estimate (pdserve/costs/path_prices.py) as the router feeds it (router/route_choice.py),
-over fake workers (named fakes: a WorkerClient's `load`, its report set by hand), and the figures
-the workers learn (pdserve/worker/step_costs.py)."""
+"""The path estimate (pdserve/costs/path_prices.py) as the router feeds it
+(router/flow/route_choice.py), over fake workers (named fakes: a WorkerClient's `load`, its report
+set by hand), and the figures the workers learn (pdserve/worker/step_costs.py)."""
 
 from types import SimpleNamespace
 
 import pytest
 
+from pdserve.core.kinds import RoutePath
 from pdserve.costs.path_prices import RATE_WINDOW_S, WorkerState, estimate
 from pdserve.costs.step_costs import DEFAULT_COSTS
-from pdserve.kinds import RoutePath
-from pdserve.worker.protocol import worker_pb2
+from pdserve.protocol import worker_pb2
 from pdserve.worker.step_costs import DEFAULT_SEQUENCE_SHARE, MIN_PREFILL_TOKENS, StepCostLearner
-from router.route_choice import cluster_costs, worker_state
-from router.worker_load import WorkerLoad
+from router.flow.route_choice import cluster_costs, worker_state
+from router.workers.load import WorkerLoad
 
 FLOOR = 256
 LONG, SHORT = 1500, 100

@@ -1,4 +1,4 @@
-"""The assembled app (router/app.py over router/routes/): its routes answer from app.state,
+"""The assembled app (router/app.py over router/http/): its routes answer from app.state,
 errors keep the OpenAI body, an API key guards all but the open paths, and a request with no
 worker joined yet is a 503 counted once. No worker runs: the pool is empty; the tokenizer is a
 fake (the real one needs a model folder)."""
@@ -6,15 +6,15 @@ fake (the real one needs a model folder)."""
 import pytest
 from fastapi.testclient import TestClient
 
+from pdserve.protocol import worker_pb2
 from pdserve.settings.router import RouterSettings
-from pdserve.worker.protocol import worker_pb2
 from router import app as router_app
-from router.errors import invalid_request
+from router.http.errors import invalid_request
 from tests.unit.test_request_flow import FakeWorker
 
 
 class FakeTokenizer:
-    """Stands in for router.tokenization.PromptTokenizer: one token per character."""
+    """Stands in for router.flow.tokenization.PromptTokenizer: one token per character."""
 
     vocab_size = 0x110000
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from pdserve.worker.protocol import worker_pb2
+from pdserve.protocol import worker_pb2
 from tests.unit.test_request_flow import FakeWorker
 from tests.unit.test_router_app import app_with_workers
 

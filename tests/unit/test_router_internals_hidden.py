@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 
 from pdserve.settings.router import RouterSettings
 from router import app as router_app
-from router.api_keys import ADMIN_ENV, ENV, OPERATOR_ENV
+from router.http.api_keys import ADMIN_ENV, ENV, OPERATOR_ENV
 from tests.unit.test_request_flow import answering
 from tests.unit.test_router_app import FakeTokenizer
 

@@ -8,7 +8,7 @@ import json
 
 from pdserve.settings.router import RouterSettings
 from router import command
-from router.routes import body
+from router.http import body
 from tests.unit.test_router_app import app_with_workers
 from tests.unit.test_router_disconnect import WAIT_S, Client
 

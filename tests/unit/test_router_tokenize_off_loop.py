@@ -12,9 +12,9 @@ import time
 import httpx
 import pytest
 
-from router import tokenization
 from router.app import BODY_BASE_BYTES, MAX_BODY_BYTES, body_limit
-from router.openai_types import MAX_BATCH_PROMPTS
+from router.flow import tokenization
+from router.http.openai_types import MAX_BATCH_PROMPTS
 from tests.unit.test_router_app import AppWorker, app_with_workers
 
 TOKENIZE_S = 0.5

@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from router.tokenization import load_tokenizer
+from router.flow.tokenization import load_tokenizer
 from tests.integration.prompts import CHATS, PROMPTS, long_prompt
 
 TEXTS = [*PROMPTS, long_prompt(200), "日本語 é <|im_start|> \n\t  spaces", ""]
@@ -30,7 +30,7 @@ def test_a_tokenizersbackend_folder_gives_autotokenizers_ids(smollm2_dir):
 
 def test_loading_it_imports_no_torch(smollm2_dir):
     probe = (
-        "import sys; from router.tokenization import load_tokenizer; "
+        "import sys; from router.flow.tokenization import load_tokenizer; "
         f"load_tokenizer({str(smollm2_dir)!r}); print('torch' in sys.modules)"
     )
     done = subprocess.run(

@@ -15,7 +15,7 @@ for name in ("torch", "vllm", "accelerate"):
 from fastapi.testclient import TestClient
 from pdserve.settings.router import RouterSettings
 from router.app import create_app
-from pdserve.cluster.cli import main  # `pdserve router` starts here
+from pdserve.cli import main  # `pdserve router` starts here
 import router.command  # and runs this
 
 app = create_app(RouterSettings(model="smollm2", worker_addresses=[]), sys.argv[1])

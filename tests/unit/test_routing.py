@@ -2,13 +2,13 @@
 
 import pytest
 
+from pdserve.core.kinds import RoutePath
 from pdserve.costs.path_prices import by_length
-from pdserve.kinds import RoutePath
-from pdserve.worker.protocol import worker_pb2
-from router.errors import OpenAIError
-from router.policies import LeastLoaded, RoundRobin
-from router.route_choice import forced_route
-from router.worker_load import WorkerLoad
+from pdserve.protocol import worker_pb2
+from router.flow.route_choice import forced_route
+from router.http.errors import OpenAIError
+from router.workers.load import WorkerLoad
+from router.workers.policies import LeastLoaded, RoundRobin
 
 
 class FakeWorker:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench.metrics import Slo
+from pdserve.cli import main
 from pdserve.cluster import serve_layout
-from pdserve.cluster.cli import main
 from pdserve.cluster.serve_layout import REFERENCE_CALIBRATION, PlannedLayout
 from pdserve.planner.calibration import Calibration
 from pdserve.planner.host_layouts import (

@@ -28,7 +28,7 @@ def test_a_host_has_a_store_for_each_tensor_parallel_size(monkeypatch, tmp_path)
     decode worker get one store each (a shared one refused whichever joined second)."""
     started = []
 
-    def fake_store(log_path, budget_bytes):  # stands in for starting kv_transfer/pool_store.py
+    def fake_store(log_path, budget_bytes):  # stands in for starting kv_transfer/pool/store.py
         started.append(log_path.name)
         return f"@pool-{len(started)}", object()
 

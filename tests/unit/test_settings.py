@@ -5,14 +5,14 @@ import argparse
 
 import pytest
 
-from pdserve.cluster.cli import build_parser
+from pdserve.cli import build_parser
 from pdserve.settings.base import ConfigError
 from pdserve.settings.cluster_file import parse_cluster
 from pdserve.settings.command_line import add_arguments, add_settings_json, from_arguments
 from pdserve.settings.router import POLICIES as POLICY_NAMES
 from pdserve.settings.router import RouterSettings
 from pdserve.settings.worker import WorkerSettings
-from router.policies import POLICIES
+from router.workers.policies import POLICIES
 
 
 def worker_parser() -> argparse.ArgumentParser:

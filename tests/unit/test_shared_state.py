@@ -1,4 +1,4 @@
-"""Several routers' shared state (router/shared_state.py, router/state_sync.py) over a real
+"""Several routers' shared state (router/shared/state.py, router/shared/sync.py) over a real
 redis-server with a password: the flex split set through one router in effect at another, a
 restarted router taking the split it was given, one --flex-auto decider at a time, prefix-index
 additions crossing routers, the admission capacity split by the live routers, API keys revoked
@@ -14,16 +14,17 @@ import pytest
 import redis.exceptions
 from prometheus_client import CollectorRegistry
 
-from pdserve.cluster import cli, local_services
+from pdserve import cli
+from pdserve.cluster import local_services
 from pdserve.settings.redis_url import PASSWORD_ENV, connect, masked
 from pdserve.worker.processes import free_port, stop_group
-from router.api_keys import is_authorized
-from router.flex_roles import FlexRoles, RoleMetrics
-from router.policies import RoundRobin
-from router.prefix_index import CHUNK_TOKENS, PrefixIndex, chunk_hashes
-from router.shared_state import Peers, SharedState
-from router.state_sync import StateSync
-from router.worker_pool import WorkerPool
+from router.http.api_keys import is_authorized
+from router.shared.state import Peers, SharedState
+from router.shared.sync import StateSync
+from router.workers.flex_roles import FlexRoles, RoleMetrics
+from router.workers.policies import RoundRobin
+from router.workers.pool import WorkerPool
+from router.workers.prefix_index import CHUNK_TOKENS, PrefixIndex, chunk_hashes
 from tests.integration.processes import group_members
 from tests.unit.test_flex_roles import FakeFlexWorker
 

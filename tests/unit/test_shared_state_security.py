@@ -1,4 +1,4 @@
-"""The routers' shared state (router/shared_state.py, router/state_sync.py) against what a Redis
+"""The routers' shared state (router/shared/state.py, router/shared/sync.py) against what a Redis
 restart and a Redis writer without the cluster secret do to it (review 2026-12: H5, M2, L5),
 over real redis-servers started here. The routers are tests/unit/test_shared_state.py's."""
 
@@ -9,13 +9,14 @@ import os
 import pytest
 import redis.exceptions
 
-from pdserve.cluster import cli, local_services
+from pdserve import cli
+from pdserve.cluster import local_services
 from pdserve.settings.cluster_secret import SECRET_ENV
 from pdserve.worker.processes import stop_group
-from router import shared_state
-from router.api_keys import is_authorized
-from router.prefix_index import CHUNK_TOKENS
-from router.shared_state import key_digest
+from router.http.api_keys import is_authorized
+from router.shared import state as shared_state
+from router.shared.state import key_digest
+from router.workers.prefix_index import CHUNK_TOKENS
 from tests.integration.processes import group_members
 from tests.unit.test_shared_state import Router
 

@@ -7,8 +7,8 @@ import pytest
 
 from pdserve.bench.metrics import Slo, summarize
 from pdserve.bench.workload import Length
+from pdserve.core.gpu_spec import GPU_PRESETS
 from pdserve.costs.step_costs import StepCosts
-from pdserve.gpu_spec import GPU_PRESETS
 from pdserve.planner.cost_model import RooflineCost
 from pdserve.planner.model_spec import MODEL_PRESETS
 from pdserve.planner.sim_workload import WorkloadSpec

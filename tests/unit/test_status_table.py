@@ -5,7 +5,7 @@ token's fetch from another host's KV pool, its load from its own and its compute
 from dataclasses import asdict
 
 from pdserve.cluster.status import _table
-from pdserve.worker.registry import RecordedLoad
+from pdserve.protocol.registry import RecordedLoad
 
 
 def row(worker: str, load: RecordedLoad | None) -> dict:

@@ -21,12 +21,12 @@ from kv_transfer.host_staging import Staged
 from kv_transfer.kv_layout import WIRE_LAYOUT
 from kv_transfer.kv_receiver import KvReceiver
 from kv_transfer.transport import LayerSlice
+from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from pdserve.settings import tls
 from pdserve.settings.base import ConfigError
 from pdserve.worker.command import stop_serving
 from pdserve.worker.grpc_health import add_health, serve_health_alone
 from pdserve.worker.processes import free_port
-from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
 from pdserve.worker.service import WorkerService
 
 SCRIPT = Path(__file__).parents[2] / "scripts" / "make_tls_dir.py"

@@ -4,7 +4,7 @@ end to end in tests/integration/test_tracing.py."""
 
 from opentelemetry import trace
 
-from pdserve import tracing
+from pdserve.core import tracing
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 

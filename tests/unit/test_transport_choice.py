@@ -1,9 +1,9 @@
-"""Which KV transport a worker pair uses (pdserve/worker/protocol/transport_choice.py)."""
+"""Which KV transport a worker pair uses (pdserve/protocol/transport_choice.py)."""
 
 import pytest
 
-from pdserve.kinds import Transport
-from pdserve.worker.protocol.transport_choice import choose_transport
+from pdserve.core.kinds import Transport
+from pdserve.protocol.transport_choice import choose_transport
 
 
 @pytest.mark.parametrize(

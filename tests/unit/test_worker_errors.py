@@ -8,12 +8,12 @@ import asyncio
 import grpc
 import pytest
 
-from pdserve.worker.protocol import worker_pb2, worker_pb2_grpc
+from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from pdserve.worker.service import WorkerService
-from router.accounting import Accounting
-from router.errors import OpenAIError
+from router.flow.accounting import Accounting
+from router.http.errors import OpenAIError
 from router.metrics import RouterMetrics
-from router.worker_client import WorkerClient
+from router.workers.client import WorkerClient
 
 
 class EngineEndsWithError(WorkerService):

@@ -11,9 +11,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.protocol import worker_pb2
 from pdserve.worker import grpc_health
 from pdserve.worker.grpc_health import MAX_WATCHES, add_health
-from pdserve.worker.protocol import worker_pb2
 from pdserve.worker.secret_check import SecretCheck
 
 READY = SimpleNamespace(state=worker_pb2.HealthReply.READY)  # the worker service's state

@@ -1,4 +1,4 @@
-"""The router's pool membership (router/worker_pool.py): `sync` to a list of addresses,
+"""The router's pool membership (router/workers/pool.py): `sync` to a list of addresses,
 `follow_registry`, `refresh` of workers marked down, and `max_model_len`. The pool's
 WorkerClient is replaced by a fake whose Health answers from a table the test edits (READY,
 STARTING, or an UNAVAILABLE gRPC error), and the registry by a fake; asyncio.run drives the
@@ -12,12 +12,12 @@ import time
 import grpc
 import pytest
 
-import router.worker_pool
-from pdserve.worker.protocol import worker_pb2
-from pdserve.worker.registry import WorkerRecord
-from router.policies import RoundRobin
-from router.worker_load import WorkerLoad
-from router.worker_pool import WorkerPool, follow_load, follow_registry
+import router.workers.pool
+from pdserve.protocol import worker_pb2
+from pdserve.protocol.registry import WorkerRecord
+from router.workers.load import WorkerLoad
+from router.workers.policies import RoundRobin
+from router.workers.pool import WorkerPool, follow_load, follow_registry
 
 READY, STARTING = worker_pb2.HealthReply.READY, worker_pb2.HealthReply.STARTING
 
@@ -56,7 +56,7 @@ class FakeWorkers:
 
 
 class FakeWorkerClient:
-    """Stands in for router.worker_client.WorkerClient: `health` answers from its FakeWorkers
+    """Stands in for router.workers.client.WorkerClient: `health` answers from its FakeWorkers
     table and, when READY, takes the worker's id, role and context like the real client does;
     `close` is recorded."""
 
@@ -127,7 +127,7 @@ class FakeRegistry:
 @pytest.fixture
 def workers(monkeypatch) -> FakeWorkers:
     workers = FakeWorkers()
-    monkeypatch.setattr(router.worker_pool, "WorkerClient", workers.client)
+    monkeypatch.setattr(router.workers.pool, "WorkerClient", workers.client)
     return workers
 
 
@@ -267,7 +267,7 @@ def test_after_a_registry_restart_no_worker_leaves_while_they_register_again(wor
     """A restarted Redis has lost every record until the workers' next heartbeats (a chaos soak
     once failed 60 requests with "no decode worker" in that second): the pool holds its
     members for RESTART_HOLD_S; one still missing after it leaves."""
-    monkeypatch.setattr(router.worker_pool, "RESTART_HOLD_S", 0.3)
+    monkeypatch.setattr(router.workers.pool, "RESTART_HOLD_S", 0.3)
     workers.up("a:1")
     workers.up("b:1")
     registry = FakeRegistry(["a:1", "b:1"])
@@ -402,7 +402,8 @@ def test_following_load_takes_each_report_and_marks_a_worker_that_is_gone_down(w
 
 def test_following_load_keeps_the_copy_of_a_host_kv_pool_and_asks_for_what_is_new(workers):
     """A worker in a host KV pool is asked for the pool's changes after the router's copy, and
-    its answer updates the copy (router/pool_contents.py); a worker in no pool is not asked."""
+    its answer updates the copy (router/workers/kv_pool_contents.py); a worker in no pool is not
+    asked."""
     workers.up("a:1")
     workers.up("b:1")
     contents = worker_pb2.KvPoolContents(

@@ -1,0 +1,217 @@
+"""Admission of one HTTP request: validate the body, tokenize its prompts, and build a run and
+a worker request per prompt, under the request's one deadline. Nothing is sent yet; a request
+that fails here is a 4xx (or a 503 before any worker has joined)."""
+
+import math
+import uuid
+
+from pdserve.core.kinds import Role, RouteReason
+from pdserve.costs.path_prices import RouteDecision
+from pdserve.settings import json_logs
+from pdserve.settings.router import RouterSettings
+from router.flow.request_run import Admitted, RequestRun
+from router.flow.route_choice import forced_route
+from router.flow.wait_forecast import Ask
+from router.flow.worker_request import generate_request
+from router.http.api_keys import Caller, KeyRole, request_salt
+from router.http.errors import ErrorCode, check_model, invalid_request, worker_unavailable
+from router.http.openai_types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    parse_request,
+)
+from router.http.responses import OutputOptions, Prompt
+from router.workers.pool import TAKES_REQUESTS, WorkerPool
+
+TIMEOUT_HEADER = "x-pdserve-timeout"
+PRIORITY_HEADER = "x-pdserve-priority"  # the request's admission class, over its body's priority
+TRUSTED = Caller(KeyRole.ADMIN)  # a caller of an open router (no API key configured)
+
+
+def admit(
+    settings: RouterSettings,
+    pool: WorkerPool,
+    tokenizer,
+    endpoint: str,
+    schema: type[SamplingFields],
+    body,
+    id_prefix: str,
+    route_header: str | None,
+    arrival: float,
+    timeout_header: str | None = None,
+    priority_header: str | None = None,
+    caller: Caller = TRUSTED,
+) -> Admitted:
+    """`tokenizer`: router/flow/tokenization.py's PromptTokenizer. `timeout_header`: the client's
+    own limit in seconds (x-pdserve-timeout), used when it is below --request-timeout.
+    `priority_header`: its class in the router's queue (x-pdserve-priority), in place of the
+    body's `priority`. `caller` (router/http/api_keys.py): the priority and the path (the body's
+    `priority`, x-pdserve-priority, x-pdserve-route) are an operator's or an admin's to set;
+    a client's are ignored (class 0, the path the router chooses). Every worker request
+    carries the cache salt of the caller's key and the body's `cache_salt`."""
+    if not caller.steers:
+        route_header = priority_header = None
+    timeout_s = settings.request_timeout_s
+    if timeout_header is not None:
+        timeout_s = min(timeout_s, parse_timeout(timeout_header))
+    priority = None if priority_header is None else parse_priority(priority_header)
+    parsed = parse_request(schema, body)
+    check_model(parsed.model, settings.served_model)
+    if not caller.steers:
+        priority = 0
+    check_sequences(parsed, pool)
+    prompts, echo_texts = _prompts(parsed, tokenizer)
+    if not pool.max_model_len:
+        raise worker_unavailable("no worker has joined the pools yet; retry later")
+    request_id = f"{id_prefix}-{parsed.request_id or uuid.uuid4().hex}"
+    json_logs.request_id.set(request_id)  # on every line logged for this request
+    # The workers' ids stay unique when clients reuse their request_id.
+    unique = request_id if parsed.request_id is None else f"{request_id}-{uuid.uuid4().hex[:8]}"
+    # Its key's salt and its own (router/http/api_keys.py).
+    salt = request_salt(caller, parsed.cache_salt)
+    runs, worker_requests = [], []
+    for number, prompt_ids in enumerate(prompts):
+        run_id = unique if len(prompts) == 1 else f"{unique}-{number}"
+        run = RequestRun(run_id, len(prompt_ids), arrival, timeout_s)
+        run.choices = parsed.choice_count()
+        param = "messages" if endpoint == "chat" else "prompt"
+        worker_requests.append(
+            generate_request(
+                parsed,
+                run_id,
+                prompt_ids,
+                pool.max_model_len,
+                settings.default_max_tokens,
+                param,
+                salt,
+            )
+        )
+        runs.append(run)
+    if forced := forced_route(route_header, bool(pool.live((Role.PREFILL,)))):
+        for run in runs:
+            run.route_forced = RouteDecision(forced, RouteReason.HEADER)
+    return Admitted(
+        request_id,
+        runs,
+        worker_requests,
+        [Prompt(ids, text) for ids, text in zip(prompts, echo_texts, strict=True)],
+        output_options(parsed),
+        parsed.stream,
+        parsed.include_usage_in_stream(),
+        returned=parsed.n,
+        priority=parsed.priority if priority is None else priority,
+    )
+
+
+def asking(admitted: Admitted, settings: RouterSettings) -> Ask:
+    """What the admission gate is told of a request: its size, its class and its limit: its
+    prompt must start computing within --max-queue-wait of its arrival, and before its own
+    deadline when it set one (x-pdserve-timeout below --request-timeout); no limit without
+    either."""
+    run = admitted.runs[0]  # every run shares the request's arrival and deadline
+    give_up_at = math.inf
+    if settings.max_queue_wait_s:
+        give_up_at = run.arrival + settings.max_queue_wait_s
+    if run.timeout_s < settings.request_timeout_s:
+        give_up_at = min(give_up_at, run.arrival + run.timeout_s)
+    return Ask(
+        prompt_tokens=sum(run.prompt_tokens for run in admitted.runs),
+        max_tokens=max(request.sampling.max_tokens for request in admitted.worker_requests),
+        priority=admitted.priority,
+        give_up_at=give_up_at,
+    )
+
+
+def sequences(admitted: Admitted) -> int:
+    """The engine sequences a request runs at once: its prompts times their choices (n, or
+    best_of), what its turn in the admission gate weighs."""
+    return sum(run.choices for run in admitted.runs)
+
+
+def check_sequences(parsed: SamplingFields, pool: WorkerPool) -> None:
+    """A 400 for a request that no worker, or not the whole cluster, could run at once: more
+    choices of one prompt than the largest engine's max_num_seqs (the choices of a prompt run
+    on one worker), or more sequences in all (prompts × choices) than the live decode and
+    colocated workers' max_num_seqs add up to. No check before any worker has said its size."""
+    sizes = [w.max_num_seqs for w in pool.live(TAKES_REQUESTS) if w.max_num_seqs > 0]
+    if not sizes:
+        return
+    choices = parsed.choice_count()
+    prompts = 1 if isinstance(parsed, ChatCompletionRequest) else len(parsed.prompts())
+    param = "best_of" if choices > parsed.n else "n"
+    if choices > max(sizes):
+        raise invalid_request(
+            f"{param} ({choices}) is more choices than a worker runs at once ({max(sizes)}, "
+            f"its engine's max_num_seqs)",
+            param=param,
+            code=ErrorCode.INVALID_VALUE,
+        )
+    if prompts * choices > sum(sizes):
+        raise invalid_request(
+            f"{prompts} prompts × {choices} choices are {prompts * choices} sequences, more than "
+            f"the cluster runs at once ({sum(sizes)}, its engines' max_num_seqs); send fewer "
+            f"prompts or choices per request",
+            param=param,
+            code=ErrorCode.INVALID_VALUE,
+        )
+
+
+def _prompts(parsed: SamplingFields, tokenizer) -> tuple[list[list[int]], list[str]]:
+    """Each prompt's token ids, and the text echo puts first for it."""
+    if isinstance(parsed, ChatCompletionRequest):
+        return [tokenizer.chat(parsed)], [chat_echo_text(parsed)]
+    prompts = tokenizer.completion_prompts(parsed)
+    echo_texts = [
+        prompt if isinstance(prompt, str) else tokenizer.detokenize(prompt_ids)
+        for prompt, prompt_ids in zip(parsed.prompts(), prompts, strict=True)
+    ]
+    return prompts, echo_texts
+
+
+def parse_timeout(header: str) -> float:
+    try:
+        seconds = float(header)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0 or seconds != seconds or seconds == float("inf"):
+        raise invalid_request(
+            f"{TIMEOUT_HEADER} must be a number of seconds > 0, not {header!r}",
+            param=TIMEOUT_HEADER,
+        )
+    return seconds
+
+
+def parse_priority(header: str) -> int:
+    try:
+        return int(header)
+    except ValueError:
+        raise invalid_request(
+            f"{PRIORITY_HEADER} must be an integer (smaller is served first), not {header!r}",
+            param=PRIORITY_HEADER,
+        ) from None
+
+
+def output_options(parsed: SamplingFields) -> OutputOptions:
+    echo_only = isinstance(parsed, CompletionRequest) and parsed.echo and parsed.max_tokens == 0
+    return OutputOptions(
+        logprobs=parsed.output_logprobs(),
+        all_top=bool(parsed.logprob_token_ids),
+        prompt_logprobs=parsed.prompt_logprobs_asked() is not None,
+        echo=parsed.echo,
+        echo_only=echo_only,
+        as_token_ids=parsed.return_tokens_as_token_ids,
+        return_token_ids=parsed.return_token_ids,
+        continuous_usage=parsed.stream_options is not None
+        and parsed.stream_options.continuous_usage_stats,
+    )
+
+
+def chat_echo_text(parsed: ChatCompletionRequest) -> str:
+    """What chat's echo puts first: the last message, when it is the assistant's (vLLM)."""
+    last = parsed.messages[-1]
+    if not parsed.echo or last.role != "assistant":
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(part.text for part in last.content)

@@ -1,0 +1,190 @@
+"""The router's gRPC client for one worker, with deadlines on every call.
+
+gRPC failures become OpenAIErrors here, so the HTTP layer only ever sees one error type:
+INVALID_ARGUMENT from a worker is the client's fault (400), UNAVAILABLE (or CANCELLED, which only
+the worker's side sends: a stopping worker's streams) means the worker is not there (503), a
+passed deadline is a timeout (504), KV_TRANSFER_FAILED (ABORTED) means the prompt's KV did not
+reach a decode worker (502 kv_transfer_failed), the rest, engine errors included, is a worker
+failure (502 worker_error).
+"""
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from opentelemetry import trace
+
+from pdserve.core import tracing
+from pdserve.core.kinds import Role
+from pdserve.protocol import GRPC_OPTIONS, worker_pb2, worker_pb2_grpc
+from pdserve.protocol.status import KV_TRANSFER_FAILED
+from pdserve.settings import tls
+from pdserve.settings.cluster_secret import secret_metadata
+from router.http.errors import (
+    OpenAIError,
+    invalid_request,
+    kv_transfer_failed,
+    request_timeout,
+    worker_failed,
+    worker_unavailable,
+)
+from router.workers.load import WorkerLoad
+
+log = logging.getLogger("pdserve.router")
+CONTROL_TIMEOUT_S = 5.0
+
+
+class WorkerClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: worker_pb2_grpc.WorkerStub | None = None
+        self.worker_id = address
+        self.role = ""  # the pool it serves: its own, or the one the router gave a flex worker
+        self.flex = False  # can play either role (router/workers/flex_roles.py assigns it)
+        self.max_model_len = 0
+        self.kv_address = ""
+        self.tensor_parallel_size = 1
+        self.kv_transport = ""  # the worker's setting (auto, grpc, nccl, shm)
+        self.host_id = ""  # equal on workers that can share memory
+        self.device = ""  # cuda or cpu
+        self.max_num_seqs = 0  # requests its engine runs at once
+        self.kv_compatibility = ""  # equal on workers that can exchange KV
+        self.kv_pool = ""  # with host_id: workers that share a host KV pool (docs/kv-pool.md)
+        self.users = 0  # requests using it now (in a call, or about to call it): see in_use
+        self.load = WorkerLoad()  # what it reports, and what this router sent since
+        self._pending_aborts: set[asyncio.Task] = set()
+        self._closed = False
+        self.metadata = secret_metadata()  # every call carries the cluster secret
+
+    @property
+    def stub(self) -> worker_pb2_grpc.WorkerStub:
+        """Made on first use: a grpc.aio channel belongs to the event loop that creates it."""
+        if self._stub is None:
+            self._channel = tls.aio_channel(self.address, GRPC_OPTIONS)
+            self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+        return self._stub
+
+    async def health(self, timeout: float = CONTROL_TIMEOUT_S) -> worker_pb2.HealthReply:
+        reply = await self.stub.Health(
+            worker_pb2.HealthRequest(), timeout=timeout, metadata=self.metadata
+        )
+        if reply.state == worker_pb2.HealthReply.READY:
+            self.worker_id, self.flex = reply.worker_id, reply.role == Role.FLEX
+            if not self.flex:
+                self.role = reply.role
+            self.max_model_len, self.kv_address = reply.max_model_len, reply.kv_address
+            self.tensor_parallel_size = reply.tensor_parallel_size
+            self.kv_transport, self.host_id = reply.kv_transport, reply.host_id
+            self.device, self.max_num_seqs = reply.device, reply.max_num_seqs
+            self.kv_compatibility, self.kv_pool = reply.kv_compatibility, reply.kv_pool
+        return reply
+
+    async def stats(
+        self, request: worker_pb2.StatsRequest | None = None, timeout: float = CONTROL_TIMEOUT_S
+    ) -> worker_pb2.StatsReply:
+        request = request if request is not None else worker_pb2.StatsRequest()
+        return await self.stub.Stats(request, timeout=timeout, metadata=self.metadata)
+
+    async def abort(self, request_id: str) -> None:
+        """Best effort: the worker also aborts when the Generate call is cancelled."""
+        try:
+            await self.stub.Abort(
+                worker_pb2.AbortRequest(request_id=request_id),
+                timeout=CONTROL_TIMEOUT_S,
+                metadata=self.metadata,
+            )
+        except grpc.aio.AioRpcError as error:
+            log.warning("abort of %s on %s failed: %s", request_id, self.address, error.code())
+
+    async def cancel_transfer(self, transfer_id: str, reason: str) -> None:
+        """Best effort, on a decode worker: its receivers learn that a transfer's KV will not
+        come, so its kv failure policy applies now rather than at the KV deadline (which still
+        applies when this fails)."""
+        try:
+            await self.stub.CancelTransfer(
+                worker_pb2.CancelTransferRequest(transfer_id=transfer_id, reason=reason),
+                timeout=CONTROL_TIMEOUT_S,
+                metadata=self.metadata,
+            )
+        except grpc.aio.AioRpcError as error:
+            log.warning(
+                "could not cancel transfer %s on %s: %s: %s",
+                transfer_id,
+                self.address,
+                error.code().name,
+                error.details(),
+            )
+
+    async def generate(
+        self, request: worker_pb2.GenerateRequest, timeout: float
+    ) -> AsyncIterator[worker_pb2.GenerateChunk]:
+        """Stream a request's chunks. Leaving early (break, cancel, error) aborts it on the
+        worker: the call is cancelled and an explicit Abort follows."""
+        if self._closed:  # it left the pools while the request waited for it (never a 500)
+            raise worker_unavailable(f"worker {self.worker_id} left the pools")
+        span = tracing.tracer().start_span(
+            _call_name(request),
+            kind=trace.SpanKind.CLIENT,
+            attributes={"pdserve.worker": self.worker_id, "pdserve.request_id": request.request_id},
+        )
+        metadata = self.metadata + tuple(tracing.trace_headers(span).items())
+        call = self.stub.Generate(request, timeout=timeout, metadata=metadata)
+        finished = False
+        self.users += 1
+        self.load.sent(len(request.prompt_token_ids))
+        try:
+            async for chunk in call:
+                finished = bool(chunk.finish_reason)
+                yield chunk
+        except grpc.aio.AioRpcError as error:
+            span.set_status(trace.StatusCode.ERROR, f"{error.code().name}: {error.details()}")
+            raise self._to_openai_error(error, timeout) from None
+        finally:
+            span.end()
+            self.users -= 1
+            if not finished:
+                call.cancel()
+                # A task, not an await: this generator may be inside a cancelled scope.
+                task = asyncio.create_task(self.abort(request.request_id))
+                self._pending_aborts.add(task)
+                task.add_done_callback(self._pending_aborts.discard)
+
+    def _to_openai_error(self, error: grpc.aio.AioRpcError, timeout: float) -> OpenAIError:
+        code, details = error.code(), error.details() or ""
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return invalid_request(details)
+        if code == KV_TRANSFER_FAILED:  # an engine error is ENGINE_FAILED: a worker error
+            return kv_transfer_failed(f"worker {self.worker_id}: {details}")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return request_timeout(timeout)
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            # CANCELLED here is the worker's doing (a call the router cancels raises
+            # CancelledError): a stopping worker ended it, so it is gone as UNAVAILABLE is.
+            return worker_unavailable(f"worker {self.worker_id} is unavailable: {details}")
+        return worker_failed(f"worker {self.worker_id} failed: {code.name}: {details}")
+
+    @contextlib.contextmanager
+    def in_use(self):
+        """Held by a request between choosing this worker and calling it (a decode worker
+        while the prefill leg runs): the pool does not close a leaving worker's channel under
+        it."""
+        self.users += 1
+        try:
+            yield self
+        finally:
+            self.users -= 1
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._channel is not None:
+            await self._channel.close()
+
+
+def _call_name(request: worker_pb2.GenerateRequest) -> str:
+    """The span of a call: a prefill leg sends the prompt's KV, a decode leg receives it."""
+    if not request.HasField("kv"):
+        return "pdserve.generate"
+    return "pdserve.prefill_leg" if request.kv.send_to else "pdserve.decode_leg"
