@@ -3,14 +3,14 @@
 Every command module exposes `add_parser(subparsers)`, which adds its sub-command and sets
 `run=<function(args) -> int>`. Modules import their heavy dependencies (vLLM, torch) inside
 `run`, so `pdserve --help` stays fast. A command whose optional extra is not installed says which
-one to install (pdserve/extras.py).
+one to install (pdserve/core/extras.py).
 """
 
 import argparse
 import importlib
 import sys
 
-from pdserve.extras import missing_extra
+from pdserve.core.extras import missing_extra
 
 COMMAND_MODULES = {  # sub-command -> the module that registers it
     "model": "pdserve.model_store.command",

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pdserve.extras import missing_extra
+from pdserve.core.extras import missing_extra
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(120)
 def pdserve_without(package: str, *argv: str) -> subprocess.CompletedProcess:
     code = (
         f"import sys; sys.modules[{package!r}] = None\n"
-        "from pdserve.cluster.cli import main\n"
+        "from pdserve.cli import main\n"
         f"sys.exit(main({list(argv)!r}))\n"
     )
     return subprocess.run(
