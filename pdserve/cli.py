@@ -2,12 +2,15 @@
 
 Every command module exposes `add_parser(subparsers)`, which adds its sub-command and sets
 `run=<function(args) -> int>`. Modules import their heavy dependencies (vLLM, torch) inside
-`run`, so `pdserve --help` stays fast.
+`run`, so `pdserve --help` stays fast. A command whose optional extra is not installed says which
+one to install (pdserve/core/extras.py).
 """
 
 import argparse
 import importlib
 import sys
+
+from pdserve.core.extras import missing_extra
 
 COMMAND_MODULES = {  # sub-command -> the module that registers it
     "model": "pdserve.model_store.command",
@@ -34,15 +37,27 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMAND_MODULES.items():
         if command in (None, name):
-            importlib.import_module(module).add_parser(subparsers)
+            try:
+                importlib.import_module(module).add_parser(subparsers)
+            except ModuleNotFoundError as error:  # listed by `pdserve --help`, with what it needs
+                if command is not None or missing_extra(error) is None:
+                    raise
+                subparsers.add_parser(name, help=f"(unavailable: {missing_extra(error)})")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = argv[0] if argv and argv[0] in COMMAND_MODULES else None
-    args = build_parser(command).parse_args(argv)
-    return args.run(args)
+    try:
+        args = build_parser(command).parse_args(argv)
+        return args.run(args)
+    except ModuleNotFoundError as error:
+        message = missing_extra(error)
+        if message is None:
+            raise
+        print(f"pdserve {argv[0] if argv else ''}: {message}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ then the same with --max-queue-wait. Prints one table. Takes a few minutes (two 
 import argparse
 import asyncio
 import shlex
-import statistics
 import sys
 import tempfile
 import time
@@ -24,6 +23,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.bench.local_cluster import local_cluster
+from pdserve.bench.metrics import percentile
+from pdserve.bench.runner import run_jobs
 from pdserve.worker.processes import free_port
 
 MODEL = "smollm2"  # the name the clusters serve
@@ -60,19 +61,15 @@ async def one(http: httpx.AsyncClient, url: str, i: int, max_tokens: int) -> tup
 
 
 async def burst(url: str, count: int, max_tokens: int) -> list[tuple]:
+    results: list[tuple] = [()] * count
+
+    async def send(i: int) -> None:
+        results[i] = await one(http, url, i, max_tokens)
+
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=None)) as http:
         await one(http, url, 0, 2)  # warm: the learned costs exist before the burst
-        return await asyncio.gather(*(one(http, url, i, max_tokens) for i in range(count)))
-
-
-def p99(values: list[float]) -> float:
-    if not values:
-        return float("nan")
-    return (
-        statistics.quantiles(values, n=100, method="inclusive")[98]
-        if len(values) > 1
-        else values[0]
-    )
+        await run_jobs(send, offsets=[0.0] * count)  # all at once
+    return results
 
 
 def row(name: str, results: list[tuple], wall_s: float) -> str:
@@ -80,12 +77,11 @@ def row(name: str, results: list[tuple], wall_s: float) -> str:
     refused = [r for r in results if r[0] == 429]
     others = [r[0] for r in results if r[0] not in (200, 429)]
     by_class = "/".join(str(sum(r[1] == c for r in refused)) for c in CLASSES)
-    refused_in = p99([r[2] for r in refused]) if refused else float("nan")
+    refused_in = percentile([r[2] for r in refused], 99)
     retry = sorted({int(r[3]) for r in refused if r[3]})
     return (
         f"| {name} | {len(results)} | {len(admitted)} | {len(refused)} ({by_class}) "
-        f"| {statistics.median(admitted) if admitted else float('nan'):.2f} "
-        f"| {p99(admitted):.2f} | {refused_in:.2f} "
+        f"| {percentile(admitted, 50):.2f} | {percentile(admitted, 99):.2f} | {refused_in:.2f} "
         f"| {retry[0] if retry else '-'}-{retry[-1] if retry else '-'} | {others or '-'} "
         f"| {wall_s:.1f} |"
     )

@@ -10,6 +10,7 @@ through it. Prints one table. Takes a few minutes (two cluster starts).
 
 import argparse
 import asyncio
+import contextlib
 import shlex
 import statistics
 import sys
@@ -23,6 +24,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.bench.local_cluster import local_cluster
+from pdserve.bench.runner import run_jobs
 from pdserve.worker.processes import free_port
 
 MODEL = "smollm2"  # the name the clusters serve
@@ -55,27 +57,31 @@ def idle_cost(idle_s: float) -> dict[str, tuple[float, float]]:
 
 async def role_changes(url: str, changes: int) -> list[float]:
     """Seconds per POST /pdserve/roles while 2 clients keep requests in flight."""
-    stop = asyncio.Event()
-    body = {"prompt": "Once upon a time " * 40, "max_tokens": 16, "temperature": 0}
+    body = {"model": MODEL, "prompt": "Once upon a time " * 40, "max_tokens": 16, "temperature": 0}
+    failed = 0
 
-    async def load(http: httpx.AsyncClient) -> int:
-        failed = 0
-        while not stop.is_set():
-            reply = await http.post(f"{url}/v1/completions", json={"model": MODEL, **body})
+    async def request(_: int) -> None:
+        nonlocal failed
+        try:
+            reply = await http.post(f"{url}/v1/completions", json=body)
             failed += reply.status_code != 200
-        return failed
+        except httpx.HTTPError:  # a dropped connection or a timeout is a failed request too
+            failed += 1
 
     async with httpx.AsyncClient(timeout=120) as http:
-        clients = [asyncio.create_task(load(http)) for _ in range(2)]
+        load = asyncio.create_task(run_jobs(request, concurrency=2))
         took = []
-        for change in range(changes):
-            await asyncio.sleep(1.0)
-            started = time.monotonic()
-            reply = await http.post(f"{url}/pdserve/roles", json={"prefill": (change + 1) % 2})
-            took.append(time.monotonic() - started)
-            assert reply.status_code == 200, reply.text
-        stop.set()
-        failed = sum([await client for client in clients])
+        try:
+            for change in range(changes):
+                await asyncio.sleep(1.0)
+                started = time.monotonic()
+                reply = await http.post(f"{url}/pdserve/roles", json={"prefill": (change + 1) % 2})
+                took.append(time.monotonic() - started)
+                assert reply.status_code == 200, reply.text
+        finally:  # the requests still in flight are left out
+            load.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await load
     print(f"requests failed during the role changes: {failed}", file=sys.stderr)
     return took
 

@@ -35,6 +35,7 @@ from kv_transfer.integrity import transfer_epoch
 from kv_transfer.kv_layout import BLOCK, CONTENT, HEAD, TOKEN, LayerLayout
 from kv_transfer.metadata import Expected
 from kv_transfer.transport import Inbox, LayerSlice
+from pdserve.bench.metrics import percentile
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.uint8}
 LAYOUT = LayerLayout((BLOCK, HEAD, TOKEN, CONTENT))  # vLLM 0.32's layer view
@@ -168,18 +169,14 @@ def _clock_hz(device: torch.device) -> float:
     return rate * 1e3 if rate else 1.5e9
 
 
-def p90(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
-
-
 def summary(holds: Holds) -> str:
     ms = [t * 1e3 for t in holds.per_transfer_s]
     call_ms = [t * 1e3 for t in holds.per_call_s]
+    steps = statistics.median(holds.steps_after_last_slice)
     return (
-        f"hold per transfer: median {statistics.median(ms):.2f} ms, p90 {p90(ms):.2f} ms, "
-        f"max {max(ms):.2f} ms; per call: median {statistics.median(call_ms):.3f} ms, "
-        f"p90 {p90(call_ms):.3f} ms; reported {statistics.median(holds.steps_after_last_slice):g}"
+        f"hold per transfer: median {percentile(ms, 50):.2f} ms, p90 {percentile(ms, 90):.2f} ms, "
+        f"max {max(ms):.2f} ms; per call: median {percentile(call_ms, 50):.3f} ms, "
+        f"p90 {percentile(call_ms, 90):.3f} ms; reported {steps:g}"
         f" step(s) after its last slice (median); bytes exact: {holds.exact}"
     )
 

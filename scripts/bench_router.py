@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -34,17 +33,14 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pdserve.bench.metrics import percentile
+from pdserve.bench.runner import run_jobs
 from pdserve.model_store.store import ensure_model
 from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from pdserve.worker.processes import free_port, stop_group
 
 READY_TIMEOUT_S = 120
 API_KEY = "sk-bench-router"
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 def start(command: list[str], cores: set[int], log: Path) -> subprocess.Popen:
@@ -71,9 +67,9 @@ async def wait_ready(url: str) -> None:
 
 async def open_loop(rate: float, duration_s: float, one_request) -> tuple[list[float], int, float]:
     """Start one_request() every 1/rate s for duration_s; (latencies, errors, wall seconds)."""
-    latencies, errors, tasks = [], 0, []
+    latencies, errors = [], 0
 
-    async def timed() -> None:
+    async def timed(_: int) -> None:
         nonlocal errors
         began = time.perf_counter()
         try:
@@ -83,13 +79,7 @@ async def open_loop(rate: float, duration_s: float, one_request) -> tuple[list[f
             errors += 1
 
     began = time.perf_counter()
-    count = int(rate * duration_s)
-    for index in range(count):
-        delay = began + index / rate - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(timed()))
-    await asyncio.gather(*tasks)
+    await run_jobs(timed, offsets=[i / rate for i in range(int(rate * duration_s))], start=began)
     return latencies, errors, time.perf_counter() - began
 
 
@@ -141,10 +131,10 @@ async def short_completions(args, router_url: str, worker: str, router: psutil.P
                     "errors": errors,
                     "router_cpu_core": round(used / wall, 2),
                     "router_cpu_ms_per_request": round(1000 * used / max(served, 1), 3),
-                    "p50_ms": round(1000 * statistics.median(latencies), 2),
-                    "p99_ms": round(1000 * percentile(latencies, 0.99), 2),
-                    "direct_p50_ms": round(1000 * statistics.median(direct_latencies), 2),
-                    "direct_p99_ms": round(1000 * percentile(direct_latencies, 0.99), 2),
+                    "p50_ms": round(1000 * percentile(latencies, 50), 2),
+                    "p99_ms": round(1000 * percentile(latencies, 99), 2),
+                    "direct_p50_ms": round(1000 * percentile(direct_latencies, 50), 2),
+                    "direct_p99_ms": round(1000 * percentile(direct_latencies, 99), 2),
                 }
             )
             row = rows[-1]
@@ -167,18 +157,17 @@ async def streams(args, router_url: str, router: psutil.Process) -> list:
     async with aiohttp.ClientSession(connector=connector, headers=client_headers(args)) as session:
         for concurrency in args.streams:
             tokens = 0
-            deadline = time.perf_counter() + args.duration_s
 
-            async def client(deadline: float) -> None:
+            async def stream(_: int) -> None:
                 nonlocal tokens
-                while time.perf_counter() < deadline:
-                    async with session.post(f"{router_url}/v1/completions", json=body) as reply:
-                        async for line in reply.content:
-                            if line.startswith(b"data: {"):
-                                tokens += 1
+                async with session.post(f"{router_url}/v1/completions", json=body) as reply:
+                    async for line in reply.content:
+                        if line.startswith(b"data: {"):
+                            tokens += 1
 
             before, began = cpu_seconds(router), time.perf_counter()
-            await asyncio.gather(*(client(deadline) for _ in range(concurrency)))
+            deadline = began + args.duration_s
+            await run_jobs(stream, concurrency=concurrency, start=began, deadline=deadline)
             wall = time.perf_counter() - began
             used = cpu_seconds(router) - before
             rows.append(

@@ -33,7 +33,6 @@ import re
 import secrets
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.bench.chaos_load import Load
+from pdserve.bench.metrics import percentile
 from pdserve.cluster import local_services
 from pdserve.settings.cluster_secret import SECRET_ENV
 from pdserve.settings.redis_url import PASSWORD_ENV
@@ -494,7 +494,6 @@ async def soak(args) -> int:
             time.sleep(0.5)
         shm_left = sorted(p.name for p in set(SHM.iterdir()) - shm_before)
     calm, busy = load.latencies["calm"], load.latencies["chaos"]
-    p99 = lambda xs: statistics.quantiles(xs, n=100)[98] if len(xs) > 1 else float("nan")  # noqa: E731
     sent, retried = sum(load.outcomes.values()), load.outcomes["retried"]
     rows = [
         ("chaos", f"{args.duration:g} s, an event every {args.kill_every:g} s"),
@@ -506,7 +505,10 @@ async def soak(args) -> int:
         ("deadline passed", load.outcomes["deadline passed"]),
         ("failed", f"{failed} {json.dumps(dict(load.failures)) if failed else ''}"),
         ("migrated (router counters)", f"{migrations:g}"),
-        ("whole-response latency p99, calm -> chaos", f"{p99(calm):.2f} s -> {p99(busy):.2f} s"),
+        (
+            "whole-response latency p99, calm -> chaos",
+            f"{percentile(calm, 99):.2f} s -> {percentile(busy, 99):.2f} s",
+        ),
         ("pools back to the layout after", f"{healed_s:.0f} s"),
         ("KV blocks in use, baseline -> end", f"{kv_baseline} -> {kv_now}"),
     ]

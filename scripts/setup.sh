@@ -7,8 +7,8 @@
 # needs torch's CPU build, which PyPI does not host: PyTorch's CPU index is added unless a
 # configured wheel folder holds it.
 #
-# PDSERVE_EXTRAS: pyproject's extras to install (default cpu,test: this machine and CI; the
-#   container images use cpu or gpu). PDSERVE_MODEL: the model to fetch (default smollm2;
+# PDSERVE_EXTRAS: pyproject's extras to install (default cpu,test,ray,ops: this machine and CI,
+#   whose tests use them all; the container images use cpu,ray, gpu,ray or none: the router). PDSERVE_MODEL: the model to fetch (default smollm2;
 #   none for no model). PDSERVE_TORCH_CPU_INDEX: where torch's CPU build comes from.
 # PDSERVE_INSTALL=dependencies installs what pyproject.toml lists for those extras and not pdserve
 #   itself, from pyproject.toml alone: a container image's dependency layer, which a source edit
@@ -16,7 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-EXTRAS=${PDSERVE_EXTRAS-cpu,test}  # set but empty: no extra (the router image)
+EXTRAS=${PDSERVE_EXTRAS-cpu,test,ray,ops}  # set but empty: no extra (the router image)
 MODEL=${PDSERVE_MODEL:-smollm2}
 INSTALL=${PDSERVE_INSTALL:-all}
 CHECKOV=checkov==3.3.30

@@ -5,7 +5,8 @@ Definitions follow `vllm bench serve` (vllm/benchmarks/serve.py `calculate_metri
   completion) and count successful requests only (their server-reported token counts);
 - TTFT, ITL and E2E statistics are over successful requests, ITL pooled over all of them;
 - TPOT = (E2E - TTFT) / (output tokens - 1), left out of the statistics for 1-token outputs;
-- percentiles are numpy's (linear interpolation); std is the population std (numpy's default);
+- percentiles interpolate linearly between the closest ranks (numpy's default, which vLLM
+  uses); std is the population std (numpy's default);
 - goodput = requests meeting every SLO / duration; a 1-token output counts TPOT as 0 there.
 Differences: a statistic with no samples is None here (vLLM reports 0), and `slo_attainment`
 (good requests / all requests, failed ones included) is added.
@@ -17,10 +18,11 @@ report them; the bound, what an infinite prefix cache would hold of the same pro
 conversation workload) also gets both, and TTFT, per turn number.
 """
 
+import math
 import re
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from pdserve.bench.records import RequestRecord
 
@@ -40,12 +42,29 @@ class Distribution:
     p99: float | None = None
 
 
-def distribution(values: list[float]) -> Distribution:
+def percentile(values: Sequence[float], q: float) -> float:
+    """The `q`th percentile (0-100), interpolated linearly between the closest ranks as numpy's
+    default and vLLM's bench do, so every pdserve bench and script reports the same statistic;
+    NaN (a table's blank) when there are no values."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile must be within 0-100, got {q}")
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    rank = (len(ordered) - 1) * q / 100
+    below = math.floor(rank)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (rank - below)
+
+
+def distribution(values: Sequence[float]) -> Distribution:
     if not values:
         return Distribution(count=0)
-    array = np.asarray(values, dtype=float)
-    p50, p90, p95, p99 = (float(v) for v in np.percentile(array, PERCENTILES))
-    return Distribution(len(array), float(array.mean()), float(array.std()), p50, p90, p95, p99)
+    p50, p90, p95, p99 = (percentile(values, q) for q in PERCENTILES)
+    mean = statistics.fmean(values)
+    # The population std as numpy computes it (statistics.pstdev is exact, and slow on pooled ITL).
+    std = math.sqrt(statistics.fmean((v - mean) ** 2 for v in values))
+    return Distribution(len(values), mean, std, p50, p90, p95, p99)
 
 
 _SLO_ITEM = re.compile(r"^(ttft|tpot|e2e)=([0-9]*\.?[0-9]+)(ms|s)?$")

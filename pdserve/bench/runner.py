@@ -5,10 +5,12 @@ The benchmark duration runs, as in `vllm bench serve`, from just before the firs
 scheduled until the last one has finished. At the deadline no new request is sent (those are
 left out of the records) and requests still in flight are cut off by their timeout, so they
 count as failed. A `Session` is one such run; the unit it schedules is a job, which sends one
-request here and a whole conversation in bench.conversation.
+request here and a whole conversation in bench.conversation. `run_jobs` is the loop itself:
+scripts/ drive it with jobs of their own (a request with headers, a gRPC call).
 """
 
 import asyncio
+import itertools
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -56,33 +58,60 @@ class Session:
         offsets: list[float] | None,
         concurrency: int | None,
     ) -> None:
-        """Run job(0) ... job(count - 1): each at its offset from the start (open loop), or
-        `concurrency` at a time, each finished job replaced by the next (closed loop); none is
-        started after the deadline."""
-        if (offsets is None) == (concurrency is None):
-            raise ValueError("give exactly one of offsets (open loop) or concurrency (closed loop)")
-        if offsets is not None and len(offsets) != count:
-            raise ValueError(f"{len(offsets)} send times for {count} jobs")
-        if concurrency is not None and concurrency < 1:
-            raise ValueError(f"concurrency must be at least 1, got {concurrency}")
-        if offsets is not None:
-            tasks = []
+        """run_jobs on this session's clock and deadline."""
+        await run_jobs(
+            job,
+            count=count,
+            offsets=offsets,
+            concurrency=concurrency,
+            start=self.start,
+            deadline=self.deadline,
+        )
+
+
+async def run_jobs(
+    job: Callable[[int], Awaitable[None]],
+    *,
+    count: int | None = None,
+    offsets: list[float] | None = None,
+    concurrency: int | None = None,
+    start: float | None = None,
+    deadline: float = math.inf,
+) -> None:
+    """The one load loop of `pdserve bench` and scripts/: run job(0), job(1), ... each at its
+    offset in seconds from `start` (open loop; default start: now), or `concurrency` at a time,
+    each finished job replaced by the next (closed loop: `count` jobs, or until the deadline or
+    cancellation when None). No job starts at or after `deadline` (time.perf_counter()); the
+    job records what it measured."""
+    if (offsets is None) == (concurrency is None):
+        raise ValueError("give exactly one of offsets (open loop) or concurrency (closed loop)")
+    if offsets is not None and count is not None and len(offsets) != count:
+        raise ValueError(f"{len(offsets)} send times for {count} jobs")
+    if concurrency is not None and concurrency < 1:
+        raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+    start = time.perf_counter() if start is None else start
+    if offsets is not None:
+        tasks = []
+        try:
             for i, offset in enumerate(offsets):
-                if self.start + offset >= self.deadline:
+                if start + offset >= deadline:
                     break
-                await asyncio.sleep(self.start + offset - time.perf_counter())  # no-op if late
+                await asyncio.sleep(start + offset - time.perf_counter())  # no-op if late
                 tasks.append(asyncio.create_task(job(i)))
             await asyncio.gather(*tasks)
-        else:
-            indices = iter(range(count))
+        finally:  # cancelled: the jobs started go too
+            for task in tasks:
+                task.cancel()
+    else:
+        indices = iter(range(count) if count is not None else itertools.count())
 
-            async def worker() -> None:
-                for i in indices:  # shared iterator: each free worker takes the next job
-                    if self.past_deadline():
-                        return
-                    await job(i)
+        async def worker() -> None:
+            for i in indices:  # shared iterator: each free worker takes the next job
+                if time.perf_counter() >= deadline:
+                    return
+                await job(i)
 
-            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
 @asynccontextmanager

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pdserve.bench.arrivals import arrival_times
-from pdserve.bench.metrics import Slo, distribution, summarize
+from pdserve.bench.metrics import Slo, distribution, percentile, summarize
 from pdserve.bench.records import RequestRecord
 
 pytestmark = pytest.mark.timeout(60)
@@ -225,3 +225,19 @@ def test_infinite_rate_and_bad_arguments():
     for rate, burstiness in ((0.0, 1.0), (-1.0, 1.0), (1.0, 0.0)):
         with pytest.raises(ValueError):
             arrival_times(3, rate, burstiness)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 10, 101, 1000])
+def test_percentile_is_numpys_linear_interpolation(size):
+    values = np.random.default_rng(size).lognormal(size=size).tolist()
+    for q in (0, 1, 25, 50, 90, 95, 99, 99.9, 100):
+        assert percentile(values, q) == pytest.approx(np.percentile(values, q), rel=1e-12)
+    assert distribution(values).std == pytest.approx(np.std(values), rel=1e-9)
+
+
+def test_percentile_edges():
+    assert math.isnan(percentile([], 99))
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([4.0, 1.0, 2.0, 3.0], 50) == 2.5  # unsorted input, between two ranks
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)

