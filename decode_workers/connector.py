@@ -8,8 +8,8 @@
                                                         "advertised_host": ...,
                                                         "integrity": true}}
 
-Scheduler side: the load plan admits requests with `ReceiveKv` params as loading
-asynchronously and reserves their blocks. Worker side: the KV receiver takes KV from every
+Scheduler half: the load plan admits requests with `ReceiveKv` params as loading
+asynchronously and reserves their blocks. Worker half: the KV receiver takes KV from every
 transport (rank r listens on receiver_port + r, kv_transfer/kv_receiver.py), and the KV loader
 copies it into the reserved blocks, reporting each transfer loaded or failed; vLLM applies
 `kv_load_failure_policy` to failures.
@@ -18,13 +18,22 @@ copies it into the reserved blocks, reporting each transfer loaded or failed; vL
 import logging
 import sys
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from decode_workers.kv_loader import KvLoader
 from decode_workers.load_plan import LoadPlan
 from kv_transfer.compatibility import compatibility_of, integrity_of, max_slice_bytes
-from kv_transfer.connector_base import PdserveConnectorBase, PdserveMetadata
+from kv_transfer.connector_base import (
+    KvCaches,
+    KvShape,
+    PdserveConnectorBase,
+    PdserveMetadata,
+    SchedulerHalf,
+    WorkerHalf,
+    tensor_parallel_rank,
+)
 from kv_transfer.kv_receiver import KvReceiver
+from kv_transfer.transfer_report import TransferReport
 
 log = logging.getLogger("pdserve.kv")
 # vLLM's worker loop spins in Python while a request waits for KV; with the default 5 ms GIL
@@ -32,15 +41,33 @@ log = logging.getLogger("pdserve.kv")
 GIL_SWITCH_INTERVAL_S = 0.0002
 
 
-class DecodeConnector(PdserveConnectorBase):
-    def __init__(self, vllm_config, role, kv_cache_config=None):
-        super().__init__(vllm_config, role, kv_cache_config)
-        if self.is_scheduler:
-            self.load_plan = LoadPlan(self.block_size)
-            return
+class DecodeScheduler(SchedulerHalf):
+    def __init__(self, block_size: int) -> None:
+        self.load_plan = LoadPlan(block_size)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        return self.load_plan.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self.load_plan.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def metadata(self, scheduler_output) -> PdserveMetadata:
+        return PdserveMetadata(
+            expected=self.load_plan.take_expected(), abandoned=self.load_plan.take_abandoned()
+        )
+
+    def request_finished(self, request) -> None:
+        self.load_plan.forget(request.request_id)
+
+
+class DecodeWorker(WorkerHalf):
+    """The KV receiver listens from the start; the loader comes once the caches are known."""
+
+    def __init__(self, vllm_config, shape: KvShape) -> None:
         transfer = vllm_config.kv_transfer_config
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-        rank = self.worker_rank()
+        self.shape = shape
+        self.rank = tensor_parallel_rank()
         self.integrity = integrity_of(vllm_config)
         compatibility = compatibility_of(vllm_config)
         self.receiver = KvReceiver(
@@ -51,57 +78,44 @@ class DecodeConnector(PdserveConnectorBase):
         host = transfer.get_from_extra_config("receiver_host", "127.0.0.1")
         port = int(transfer.get_from_extra_config("receiver_port", 0))
         advertised = transfer.get_from_extra_config("advertised_host", host)
-        bound = self.receiver.start(host, port + rank if port else 0, advertised)
-        log.info("KV receiver (rank %d) listening on %s:%d", rank, host, bound)
-        self.rank = rank
-        self.loader: KvLoader | None = None  # once the caches are known
+        bound = self.receiver.start(host, port + self.rank if port else 0, advertised)
+        log.info("KV receiver (rank %d) listening on %s:%d", self.rank, host, bound)
+        self.loader: KvLoader | None = None
 
-    # Worker side ---------------------------------------------------------------------------
-
-    def register_kv_caches(self, kv_caches):
-        super().register_kv_caches(kv_caches)
-        self.receiver.device = self.kv_caches[0].device  # where nccl receives
+    def register_kv_caches(self, caches: KvCaches) -> None:
+        self.receiver.device = caches.device  # where nccl receives
         self.loader = KvLoader(
             self.receiver,
-            self.kv_caches,
-            self.layout,
-            self.head_size,
-            self.total_kv_heads,
-            self.tp,
+            caches.layers,
+            caches.layout,
+            self.shape.head_size,
+            self.shape.total_kv_heads,
+            self.shape.tp,
             self.rank,
             integrity=self.integrity,
         )
         # Slices land in pinned memory beside CUDA: their copies never block vLLM's thread.
         self.receiver.inbox.new_buffer = self.loader.staging.receive_buffer
 
-    def get_transfer_results(self, finished_req_ids):
-        metadata = self.metadata or PdserveMetadata()
+    def transfer_results(
+        self, metadata: PdserveMetadata, finished_req_ids: set[str]
+    ) -> tuple[set[str], set[str]]:
         self.loader.abandon(metadata.abandoned)
-        loaded, failed = self.loader.transfer_results(metadata.expected, finished_req_ids)
-        return KVConnectorTransferResults(
-            finished_sending=set(), finished_recving=loaded, failed_recving=failed
+        return self.loader.transfer_results(metadata.expected, finished_req_ids)
+
+    def take_reports(self) -> list[TransferReport]:
+        return self.loader.take_reports()
+
+    def shutdown(self) -> None:
+        self.receiver.stop()
+
+
+class DecodeConnector(PdserveConnectorBase):
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.scheduler = (
+            DecodeScheduler(self.shape.block_size) if role == KVConnectorRole.SCHEDULER else None
         )
-
-    def finished_transfers(self) -> list[dict]:
-        return self.loader.take_stats()
-
-    def shutdown(self):
-        if not self.is_scheduler:
-            self.receiver.stop()
-
-    # Scheduler side ------------------------------------------------------------------------
-
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        return self.load_plan.get_num_new_matched_tokens(request, num_computed_tokens)
-
-    def update_state_after_alloc(self, request, blocks, num_external_tokens):
-        self.load_plan.update_state_after_alloc(request, blocks, num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output):
-        return PdserveMetadata(
-            expected=self.load_plan.take_expected(), abandoned=self.load_plan.take_abandoned()
+        self.worker = (
+            DecodeWorker(vllm_config, self.shape) if role == KVConnectorRole.WORKER else None
         )
-
-    def request_finished(self, request, block_ids):
-        self.load_plan.forget(request.request_id)
-        return super().request_finished(request, block_ids)

@@ -26,11 +26,10 @@ failure, so vLLM applies the policy): never a token computed from wrong KV.
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from kv_transfer.compatibility import REFUSAL_PREFIX
 from kv_transfer.head_shards import head_routes, rank_heads
 from kv_transfer.host_staging import HostToDevice
 from kv_transfer.integrity import Damage, transfer_epoch
@@ -38,11 +37,19 @@ from kv_transfer.kv_copy import from_bytes, scatter, wire_shape
 from kv_transfer.kv_layout import LayerLayout
 from kv_transfer.memory_budget import INBOX_BYTES
 from kv_transfer.metadata import Expected
+from kv_transfer.transfer_report import Cancel, Failure, TransferReport
 from kv_transfer.transport import LayerSlice, nbytes
-from pdserve.core.kinds import KV_NOT_HELD
 
 log = logging.getLogger("pdserve.kv")
 ORPHAN_TTL_S = 120.0  # slices or cancels for a transfer no request expects: dropped after
+
+
+@dataclass(frozen=True)
+class Outcome:
+    failure: Failure | None = None  # None: loaded (or its request aborted: vLLM frees the blocks)
+
+
+LOADED = Outcome()
 
 
 @dataclass
@@ -56,8 +63,8 @@ class Incoming:
     first_slice_at: float | None = None
     last_slice_at: float = 0.0
     last_seq: dict[int, int] = field(default_factory=dict)  # first head -> sequence number
-    damage: str = ""  # the integrity.Damage that failed it, once one was found
-    outcome: str | None = None  # once known: "" loaded (or aborted), else the failure kind
+    damage: Damage | None = None  # what failed its integrity check, once one was found
+    outcome: Outcome | None = None  # once known
     landed: object = None  # HostToDevice.mark() taken when the outcome was known
 
 
@@ -74,7 +81,7 @@ class KvLoader:
         clock=time.monotonic,
         integrity: bool = True,
     ) -> None:
-        self.receiver = receiver  # take() -> (complete slices, {transfer id: cancel reason})
+        self.receiver = receiver  # take() -> (complete slices, {transfer id: Cancel})
         self.integrity = integrity  # check each slice's epoch and sequence number
         self.clock = clock
         self.caches = [layout.canonical(cache, head_size) for cache in kv_caches]  # by layer
@@ -91,9 +98,9 @@ class KvLoader:
             inbox.free_buffer = self.staging.free_receive_buffer
         self.incoming: dict[str, Incoming] = {}  # transfer id -> state
         self.orphans: dict[str, list[LayerSlice]] = {}
-        self.cancelled: dict[str, tuple[float, str]] = {}  # transfer id -> (when, why)
+        self.cancelled: dict[str, tuple[float, Cancel]] = {}  # transfer id -> (when, cancel)
         self.ended: dict[str, float] = {}  # transfers reported (when): later slices are dropped
-        self.finished: list[dict] = []  # per-transfer figures not yet reported
+        self.finished: list[TransferReport] = []  # not yet taken
 
     def transfer_results(
         self, expected: list[Expected], finished_req_ids: set[str]
@@ -109,7 +116,7 @@ class KvLoader:
             for piece in self.orphans.pop(entry.transfer_id, []):
                 self._load(piece)
         complete, cancelled = self.receiver.take()
-        self.cancelled.update((transfer_id, (now, why)) for transfer_id, why in cancelled.items())
+        self.cancelled.update((transfer_id, (now, c)) for transfer_id, c in cancelled.items())
         for transfer_id in cancelled:
             if transfer_id not in self.incoming:
                 self._drop_cancelled(transfer_id, now)
@@ -128,13 +135,13 @@ class KvLoader:
                 state.outcome = self._outcome(transfer_id, state, finished_req_ids, now)
                 if state.outcome is None:
                     continue
-                self._record(transfer_id, state, state.outcome, now=now)
+                self._record(transfer_id, state, state.outcome.failure, now=now)
                 state.landed = self.staging.mark()
             elif state.expected.req_id in finished_req_ids:  # aborted while its copies land
-                state.outcome = ""  # reported as an aborted one is: vLLM frees the blocks
+                state.outcome = LOADED  # reported as an aborted one is: vLLM frees the blocks
             if not self.staging.passed(state.landed):  # a copy into its blocks is queued
                 continue
-            (failed if state.outcome else loaded).add(state.expected.req_id)
+            (loaded if state.outcome.failure is None else failed).add(state.expected.req_id)
             del self.incoming[transfer_id]
             self.ended[transfer_id] = now
         self.staging.collect()  # slices whose copies the side stream has passed
@@ -143,52 +150,52 @@ class KvLoader:
 
     def _outcome(
         self, transfer_id: str, state: Incoming, finished_req_ids: set[str], now: float
-    ) -> str | None:
-        """Empty when the transfer is loaded (or its request aborted: vLLM frees the blocks), the
-        failure kind when it failed, None while it is still coming."""
+    ) -> Outcome | None:
+        """How the transfer ended, None while it is still coming."""
         if state.expected.req_id in finished_req_ids:  # aborted while loading
-            return ""
-        if state.damage:
-            return "integrity"
+            return LOADED
+        if state.damage is not None:
+            return Outcome(Failure.INTEGRITY)
         if self._complete(state):
-            return ""
+            return LOADED
         if transfer_id in self.cancelled or now > state.deadline:
-            why = self.cancelled.pop(transfer_id, (now, None))[1]
-            failure = failure_kind(why)
-            why = why or f"no KV after {state.expected.timeout_s:g} s"
+            timeout = Cancel(Failure.TIMEOUT, f"no KV after {state.expected.timeout_s:g} s")
+            _, ended = self.cancelled.pop(transfer_id, (now, timeout))
             log.warning(
                 "KV transfer %s failed (%s): %s; rank %d had %d bytes, last slices %s of %d "
                 "per layer, orphans %s",
                 transfer_id,
-                failure,
-                why,
+                ended.failure,
+                ended.reason,
                 self.rank,
                 state.bytes,
                 state.last_slices,
                 state.slices_per_layer,
                 sorted(self.orphans),
             )
-            return failure
+            return Outcome(ended.failure)
         return None
 
     def abandon(self, transfer_ids: list[str]) -> None:
         """Transfers whose requests this worker computes itself (the prefill worker skipped
         blocks this worker no longer holds: decode_workers/load_plan.py): what came for them is
         freed, what comes is dropped, and each is reported failed (by every rank, as every
-        transfer is: pdserve/worker/engine.py merges the ranks' reports)."""
+        transfer is: pdserve/worker/engine_stats.py merges the ranks' reports)."""
         now = self.clock()
         for transfer_id in transfer_ids:
             for piece in self.orphans.pop(transfer_id, []):
                 piece.release()
             self.ended[transfer_id] = now
-            self._report(transfer_id, KV_NOT_HELD)
+            self._report(TransferReport(transfer_id, failure=Failure.NOT_HELD))
 
     def _complete(self, state: Incoming) -> bool:
         return len(state.last_slices) == len(self.caches) and all(
             count >= state.slices_per_layer for count in state.last_slices.values()
         )
 
-    def _record(self, transfer_id: str, state: Incoming, failure: str, now: float) -> None:
+    def _record(
+        self, transfer_id: str, state: Incoming, failure: Failure | None, now: float
+    ) -> None:
         """Transfer time: first slice received -> last slice received (when the transfer
         completed; `now` when it failed)."""
         if state.first_slice_at is None:
@@ -196,35 +203,25 @@ class KvLoader:
         else:
             started, ended = state.first_slice_at, now if failure else state.last_slice_at
         self._report(
-            transfer_id, failure, state.bytes, ended - started, state.damage, state.transports
+            TransferReport(
+                transfer_id,
+                state.bytes,
+                ended - started,
+                failure,
+                state.damage,
+                frozenset(state.transports),
+            )
         )
 
-    def _report(
-        self,
-        transfer_id: str,
-        failure: str,
-        size: int = 0,
-        seconds: float = 0.0,
-        integrity: str = "",
-        transports=(),
-    ) -> None:
-        """A finished transfer's figures (kv_transfer/stats.py), for take_stats; beside CUDA
-        also the rank's pinned receive memory then (`pinned_bytes`: the inbox's size once the
-        first slice came, more only if a buffer had to be pinned beside it)."""
-        figures = {
-            "transfer_id": transfer_id,
-            "bytes": size,
-            "seconds": seconds,
-            "failed": bool(failure),
-            "failure": failure,
-            "integrity": integrity,
-            "transport": ",".join(sorted(transports)),
-        }
+    def _report(self, report: TransferReport) -> None:
+        """A finished transfer's report, for take_reports; beside CUDA with the rank's pinned
+        receive memory then (the inbox's size once the first slice came, more only if a buffer
+        had to be pinned beside it)."""
         if self.staging.pin:
-            figures["pinned_bytes"] = self.staging.pinned_stats()["pinned_bytes"]
-        self.finished.append(figures)
+            report = replace(report, pinned_bytes=self.staging.pinned_stats()["pinned_bytes"])
+        self.finished.append(report)
 
-    def take_stats(self) -> list[dict]:
+    def take_reports(self) -> list[TransferReport]:
         finished, self.finished = self.finished, []
         return finished
 
@@ -238,11 +235,11 @@ class KvLoader:
 
     def _copy(self, piece: LayerSlice) -> None:
         state = self.incoming[piece.transfer_id]
-        if state.damage or state.outcome is not None:  # failed or ended: nothing more loaded
+        if state.damage is not None or state.outcome is not None:  # failed or ended
             return
         cache = self.caches[piece.layer] if piece.layer < len(self.caches) else None
         damage = self._damage(piece, state, cache)
-        if damage:
+        if damage is not None:
             state.damage = damage
             state.transports.add(piece.transport)
             log.error(
@@ -294,8 +291,8 @@ class KvLoader:
         if piece.last:
             state.last_slices[piece.layer] = state.last_slices.get(piece.layer, 0) + 1
 
-    def _damage(self, piece: LayerSlice, state: Incoming, cache) -> str:
-        """What is wrong with the slice for this reservation, or ""."""
+    def _damage(self, piece: LayerSlice, state: Incoming, cache) -> Damage | None:
+        """What is wrong with the slice for this reservation, if anything."""
         if self.integrity:
             if piece.epoch != transfer_epoch(piece.transfer_id):
                 return Damage.STALE
@@ -307,7 +304,7 @@ class KvLoader:
             piece.num_blocks * piece.num_heads * cache[0, 0].numel() * cache.element_size()
         ):
             return Damage.LENGTH
-        return piece.damage
+        return piece.damage or None  # the receiving thread's digest check
 
     def _drop_cancelled(self, transfer_id: str, now: float) -> None:
         """A transfer cancelled before any request here expected it (its decode leg will not
@@ -340,11 +337,3 @@ class KvLoader:
             del self.cancelled[transfer_id]
         for transfer_id in [t for t, when in self.ended.items() if now - when > ORPHAN_TTL_S]:
             del self.ended[transfer_id]
-
-
-def failure_kind(reason: str | None) -> str:
-    """The metric label of a failed transfer: its handshake was refused, it was cancelled (its
-    prefill failed), or nothing came in time."""
-    if reason is None:
-        return "timeout"
-    return "refused" if reason.startswith(REFUSAL_PREFIX) else "cancelled"

@@ -16,6 +16,7 @@ from kv_transfer import kv_wire_pb2 as wire
 from kv_transfer import kv_wire_pb2_grpc as wire_grpc
 from kv_transfer.compatibility import Compatibility
 from kv_transfer.kv_copy import as_bytes
+from kv_transfer.transfer_report import Cancel, Failure
 from kv_transfer.transport import ChannelError, LayerSlice, Refused
 from pdserve.settings import tls
 from pdserve.settings.cluster_secret import cluster_secret
@@ -152,7 +153,7 @@ def rank_address(address: str, rank: int) -> str:
 def cancel_transfer(
     destination: str,
     transfer_id: str,
-    reason: str,
+    cancel: Cancel,
     ranks: int = 1,
     timeout: float = CONTROL_TIMEOUT_S,
 ) -> None:
@@ -162,10 +163,21 @@ def cancel_transfer(
         with tls.channel(rank_address(destination, rank)) as channel:
             wire_grpc.KvReceiverStub(channel).CancelTransfer(
                 wire.CancelTransferRequest(
-                    transfer_id=transfer_id, reason=reason, cluster_secret=cluster_secret()
+                    transfer_id=transfer_id,
+                    reason=cancel.reason,
+                    cluster_secret=cluster_secret(),
+                    failure=cancel.failure,
                 ),
                 timeout=timeout,
             )
+
+
+def cancel_failure(request: wire.CancelTransferRequest) -> Failure:
+    """The Failure a CancelTransfer names (`cancelled` if none, or unknown: an older sender)."""
+    try:
+        return Failure(request.failure or Failure.CANCELLED)
+    except ValueError:  # a kind this worker does not know
+        return Failure.CANCELLED
 
 
 def handshake(destination: str, compatibility: Compatibility) -> None:

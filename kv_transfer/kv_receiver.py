@@ -18,11 +18,12 @@ import torch
 from kv_transfer import kv_wire_pb2 as wire
 from kv_transfer import kv_wire_pb2_grpc as wire_grpc
 from kv_transfer.compatibility import NO_HELLO, NO_SECRET, Compatibility, check_hello
-from kv_transfer.grpc_transport import GRPC_OPTIONS
+from kv_transfer.grpc_transport import GRPC_OPTIONS, cancel_failure
 from kv_transfer.log_limit import LogLimit
 from kv_transfer.memory_budget import INBOX_BYTES
 from kv_transfer.nccl_transport import NcclReceiving
 from kv_transfer.shm_transport import ShmListener
+from kv_transfer.transfer_report import Cancel
 from kv_transfer.transport import (
     INBOX_WAIT_S,
     Inbox,
@@ -255,7 +256,8 @@ class KvReceiver(wire_grpc.KvReceiverServicer):
                 context.peer(),
             )
             context.abort(grpc.StatusCode.UNAUTHENTICATED, NO_SECRET)
-        self.inbox.cancel(request.transfer_id, request.reason)
+        failure = cancel_failure(request)
+        self.inbox.cancel(request.transfer_id, Cancel(failure, request.reason))
         return wire.CancelTransferReply(known=True)
 
 

@@ -108,14 +108,16 @@ class PushKvReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class CancelTransferRequest(_message.Message):
-    __slots__ = ("transfer_id", "reason", "cluster_secret")
+    __slots__ = ("transfer_id", "reason", "cluster_secret", "failure")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_SECRET_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     reason: str
     cluster_secret: str
-    def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ..., cluster_secret: _Optional[str] = ...) -> None: ...
+    failure: str
+    def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ..., cluster_secret: _Optional[str] = ..., failure: _Optional[str] = ...) -> None: ...
 
 class CancelTransferReply(_message.Message):
     __slots__ = ("known",)

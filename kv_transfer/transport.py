@@ -40,6 +40,7 @@ import torch
 from kv_transfer.faults import FaultInjector
 from kv_transfer.integrity import Damage, as_tensor, slice_digest
 from kv_transfer.memory_budget import INBOX_BYTES
+from kv_transfer.transfer_report import Cancel, Failure
 from pdserve.core.kinds import Transport
 
 log = logging.getLogger("pdserve.kv")
@@ -190,7 +191,7 @@ class KvSender:
     channel.
 
     `open_channel(kind, destination)` makes the channel; `cancel(destination, transfer_id,
-    reason)` reaches the receiver's control service (gRPC for every transport).
+    Cancel)` reaches the receiver's control service (gRPC for every transport).
 
     What a channel carried is what is in flight on it: a transfer leaves the set once its last
     slice of every one of `num_layers` layers has been sent (0: the layers are not known, and
@@ -202,7 +203,7 @@ class KvSender:
     def __init__(
         self,
         open_channel: OpenChannel,
-        cancel: Callable[[str, str, str], None],
+        cancel: Callable[[str, str, Cancel], None],
         idle_close_s: float = IDLE_CLOSE_S,
         integrity: bool = True,
         num_layers: int = 0,
@@ -287,11 +288,13 @@ class KvSender:
                 closing, channel = channel, None
                 closing.close()  # says what the stream ended with, if it failed
         except Refused as error:
-            failure = str(error)
-            log.error("KV channel (%s) to %s refused: %s", kind, destination, failure)
+            failure = Cancel(Failure.REFUSED, str(error))
+            log.error("KV channel (%s) to %s refused: %s", kind, destination, error)
         except Exception as error:
-            failure = f"KV channel ({kind}) to {destination} failed: {error}"
-            log.error("%s", failure)
+            failure = Cancel(
+                Failure.CANCELLED, f"KV channel ({kind}) to {destination} failed: {error}"
+            )
+            log.error("%s", failure.reason)
         finally:
             with self.lock:  # later slices for this destination go to a new channel
                 if self.queues.get(key) is pending:
@@ -342,19 +345,19 @@ class KvSender:
                     del self.queues[key]
                     return _GONE if keep else _CLOSE
 
-    def cancel(self, destination: str, transfer_id: str, reason: str) -> None:
+    def cancel(self, destination: str, transfer_id: str, cancel: Cancel) -> None:
         """Tell the receiver a transfer will not complete, from a thread of its own (the
         caller may be the forward pass)."""
 
         def call() -> None:
             try:
-                self.cancel_on_receiver(destination, transfer_id, reason)
+                self.cancel_on_receiver(destination, transfer_id, cancel)
             except Exception as error:
                 log.warning("could not cancel transfer %s: %s", transfer_id, error)
 
         threading.Thread(target=call, name=f"kv-cancel-{transfer_id}", daemon=True).start()
 
-    def cancel_all(self, destination: str, transfer_ids: list[str], reason: str) -> None:
+    def cancel_all(self, destination: str, transfer_ids: list[str], cancel: Cancel) -> None:
         """Cancel each of `transfer_ids` on the receiver, one after another from one thread of
         their own; after CANCEL_GIVE_UP failures in a row the receiver is taken to be gone
         (its transfers' deadlines still apply)."""
@@ -365,7 +368,7 @@ class KvSender:
             failures = 0
             for done, transfer_id in enumerate(transfer_ids, 1):
                 try:
-                    self.cancel_on_receiver(destination, transfer_id, reason)
+                    self.cancel_on_receiver(destination, transfer_id, cancel)
                     failures = 0
                 except Exception as error:
                     failures += 1
@@ -476,7 +479,7 @@ class Inbox:
         self.spare: dict[int, list[bytearray]] = {}
         self.spare_bytes = 0
         self.complete: list[LayerSlice] = []
-        self.cancelled: dict[str, str] = {}  # transfer id -> reason
+        self.cancelled: dict[str, Cancel] = {}  # transfer id -> why it will not complete
         self.lock = threading.Condition()
 
     def put(self, piece: LayerSlice, reserved: bool = False) -> None:
@@ -545,11 +548,11 @@ class Inbox:
                 self.spare_bytes += size
             self.lock.notify_all()
 
-    def cancel(self, transfer_id: str, reason: str) -> None:
+    def cancel(self, transfer_id: str, cancel: Cancel) -> None:
         with self.lock:
-            self.cancelled[transfer_id] = reason or "cancelled"
+            self.cancelled[transfer_id] = cancel
 
-    def take(self) -> tuple[list[LayerSlice], dict[str, str]]:
+    def take(self) -> tuple[list[LayerSlice], dict[str, Cancel]]:
         with self.lock:
             complete, self.complete = self.complete, []
             cancelled, self.cancelled = self.cancelled, {}
@@ -673,7 +676,7 @@ class SliceAssembler:
         """The stream ended without finishing what it carried: cancel that, give back the
         room of the slice being filled."""
         for transfer_id in self.carried.in_flight():
-            self.inbox.cancel(transfer_id, reason)
+            self.inbox.cancel(transfer_id, Cancel(Failure.CANCELLED, reason))
         if self.partial is not None:
             self.inbox.unreserve(self.partial.size)
             self.partial = None

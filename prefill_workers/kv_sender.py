@@ -24,6 +24,7 @@ from kv_transfer.integrity import transfer_epoch
 from kv_transfer.kv_copy import gather
 from kv_transfer.kv_layout import LayerLayout
 from kv_transfer.metadata import SendSlice
+from kv_transfer.transfer_report import Cancel, Failure
 from kv_transfer.transport import KvSender, LayerSlice
 from pdserve.core.kinds import Transport
 
@@ -91,7 +92,7 @@ class LayerSender:
                         self.sender.cancel(
                             rank_address(piece.destination, decode_rank),
                             piece.transfer_id,
-                            f"prefill worker: {error}",
+                            Cancel(Failure.CANCELLED, f"prefill worker: {error}"),
                         )
                     break
                 self.sender.send(

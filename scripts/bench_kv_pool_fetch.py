@@ -30,7 +30,7 @@ from kv_transfer.pool.copy import PoolMemory, store_blocks
 from pdserve.cluster.local_services import start_kv_pool
 from pdserve.core.pool_keys import block_keys
 from pdserve.protocol import GRPC_OPTIONS, worker_pb2, worker_pb2_grpc
-from pdserve.worker.engine import EngineStats
+from pdserve.worker.engine_stats import EngineStats
 from pdserve.worker.pool_peers import PoolPeers
 from pdserve.worker.processes import free_port, stop_group
 from pdserve.worker.service import WorkerService

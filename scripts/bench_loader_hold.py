@@ -137,7 +137,7 @@ def measure(
             landed = LAYOUT.canonical(caches[layer], shape.head_size)[ids]
             if not torch.equal(landed.cpu().view(torch.uint8), truth[layer].view(torch.uint8)):
                 holds.exact = False
-        loader.take_stats()
+        loader.take_reports()
     return holds
 
 

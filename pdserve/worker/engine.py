@@ -5,6 +5,7 @@ between a prefill and a decode worker (dtype, block size, max length) come from 
 """
 
 import os
+from typing import TYPE_CHECKING
 
 from kv_transfer.pool.config import pool_kv_transfer_config
 from pdserve.core import tracing
@@ -20,10 +21,11 @@ from pdserve.worker.engine_process import (
     start_method,
 )
 from pdserve.worker.gpu_environment import prepare_environment
-from pdserve.worker.step_costs import StepCostLearner
+
+if TYPE_CHECKING:  # its reports import torch, which the launchers importing this module need not
+    from pdserve.worker.engine_stats import EngineStats
 
 GIB = 1 << 30
-MAX_UNCLAIMED_TRANSFERS = 4096
 
 
 def kv_transfer_config(worker: WorkerSettings, kv_port: int) -> dict | None:
@@ -114,162 +116,6 @@ def _pool_namespace(worker: WorkerSettings) -> str:
     return f"quantization={worker.engine.quantization}, hash=sha256, PYTHONHASHSEED={seed}"
 
 
-def merged(one: dict, other: dict) -> dict:
-    """Two ranks' figures of one transfer as the transfer's: the bytes summed (the ranks' pinned
-    receive memory too, where they report it), the longer time, failed if either failed (with
-    the first reason given), every transport that carried it."""
-    transports = {t for entry in (one, other) for t in entry["transport"].split(",") if t}
-    pinned = [entry["pinned_bytes"] for entry in (one, other) if "pinned_bytes" in entry]
-    return {
-        **({"pinned_bytes": sum(pinned)} if pinned else {}),
-        "transfer_id": one["transfer_id"],
-        "bytes": one["bytes"] + other["bytes"],
-        "seconds": max(one["seconds"], other["seconds"]),
-        "failed": one["failed"] or other["failed"],
-        "failure": one["failure"] or other["failure"],
-        "integrity": one["integrity"] or other["integrity"],
-        "transport": ",".join(sorted(transports)),
-    }
-
-
-class EngineStats:
-    """The engine's latest scheduler report, kept by a vLLM stat logger.
-
-    vLLM reports scheduler stats after each engine step, so an idle engine keeps its last
-    report (a fresh Stats call runs a probe step first).
-    """
-
-    def __init__(self) -> None:
-        self.running = 0
-        self.waiting = 0
-        self.kv_cache_usage = 0.0
-        self.ranks = 1  # the engine's tensor-parallel ranks, each reporting its part of a transfer
-        self.kv_transfers: dict[str, dict] = {}  # transfer id -> connector's figures
-        self.partial: dict[str, tuple[int, dict]] = {}  # ... reported by some ranks so far
-        self.step_costs = StepCostLearner()
-        self.pool_load_seconds = 0.0  # copying blocks in from the host KV pool, all ranks
-        self.pool_loaded_tokens = 0  # prompt tokens loaded from it
-        self.pool_fetch_seconds = 0.0  # fetching blocks from other hosts' pools into it
-        self.pool_fetched_tokens = 0  # prompt tokens fetched so
-
-    def pool_load_seconds_per_token(self) -> float:
-        """What loading a prompt token from the host KV pool has taken here (0: none yet)."""
-        if not self.pool_loaded_tokens:
-            return 0.0
-        return self.pool_load_seconds / self.ranks / self.pool_loaded_tokens
-
-    def pool_fetch_seconds_per_token(self) -> float:
-        """What fetching a prompt token from another host's pool has taken here (0: none yet;
-        pdserve/worker/pool_peers.py)."""
-        if not self.pool_fetched_tokens:
-            return 0.0
-        return self.pool_fetch_seconds / self.pool_fetched_tokens
-
-    def take_kv_transfer(self, transfer_id: str) -> dict | None:
-        return self.kv_transfers.pop(transfer_id, None)
-
-    def kv_transfer_reported(self, transfer: dict) -> dict | None:
-        """One rank's figures of a transfer (kv_transfer/stats.py); the whole transfer's, its
-        ranks merged, once every rank has reported it (else None)."""
-        transfer_id = transfer["transfer_id"]
-        count, so_far = self.partial.pop(transfer_id, (0, None))
-        whole = transfer if so_far is None else merged(so_far, transfer)
-        if count + 1 < self.ranks:
-            self.partial[transfer_id] = (count + 1, whole)
-            _keep_newest(self.partial)  # a rank that never reported
-            return None
-        self.kv_transfers[transfer_id] = whole
-        _keep_newest(self.kv_transfers)  # their requests were aborted
-        return whole
-
-    def update(self, running: int, waiting: int, kv_cache_usage: float) -> None:
-        self.running, self.waiting, self.kv_cache_usage = running, waiting, kv_cache_usage
-
-
-def _keep_newest(entries: dict) -> None:
-    """The newest MAX_UNCLAIMED_TRANSFERS entries (the oldest are forgotten)."""
-    while len(entries) > MAX_UNCLAIMED_TRANSFERS:
-        entries.pop(next(iter(entries)))
-
-
-POOL_LOAD_TIME = "vllm:kv_offload_load_time"  # vLLM's offloading connector's counter
-
-
-def connector_reports(connector_stats: dict | None) -> list[dict]:
-    """One report of an engine's connector stats, as each connector's: the engine's one
-    connector's, or each of a MultiConnector's (a pooled prefill or decode worker's:
-    {connector class name: its stats})."""
-    if not connector_stats:
-        return []
-    return [connector_stats, *(v for v in connector_stats.values() if isinstance(v, dict))]
-
-
-def pool_load_seconds(connector_stats: dict | None) -> float:
-    """The seconds vLLM's offloading connector (the host KV pool's: {"types", "data"}) spent
-    loading blocks, in one report of an engine's connector stats."""
-    return sum(
-        float(seconds)
-        for part in connector_reports(connector_stats)
-        if isinstance(part.get("data"), dict)
-        for seconds in (part["data"].get(POOL_LOAD_TIME) or {}).values()
-    )
-
-
-def pool_loaded_tokens(connector_hits) -> int:
-    """Of an engine step's prompt tokens loaded by its connectors (vLLM's PrefixCacheStats),
-    those the host KV pool's connector loaded: all but those a prefill worker sent a decode
-    worker (kv_transfer/connector_base.py names their source "p2p"), a preempted request's
-    included (vLLM counts them apart, with no source: only the pool loads a request again,
-    and the load time per token counts their loads)."""
-    if connector_hits is None:
-        return 0
-    sent = connector_hits.hits_by_source.get("p2p", 0)
-    return connector_hits.hits + connector_hits.preempted_hits - sent
-
-
-def kv_transfers(connector_stats: dict | None) -> list[dict]:
-    """The KV transfers a decode worker's connector finished (kv_transfer/stats.py), in one
-    report of its engine's connector stats."""
-    return [t for part in connector_reports(connector_stats) for t in part.get("transfers", ())]
-
-
-def _stat_logger_factory(stats: EngineStats, metrics, pooled: bool):
-    """Keeps the scheduler's figures and the learned step costs in `stats` (Health, Stats, the
-    routers' load and route estimates) and counts each finished KV transfer, and (`pooled`: the
-    connector is the KV pool's) the prompt tokens loaded from the pool, in the worker's
-    Prometheus `metrics` (pdserve/worker/metrics_server.py)."""
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    class SchedulerStatsLogger(StatLoggerBase):
-        def __init__(self, vllm_config, engine_index: int = 0):
-            pass
-
-        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
-            if iteration_stats is not None:
-                stats.step_costs.record_iteration(iteration_stats)
-            if scheduler_stats is None:
-                return
-            stats.update(
-                scheduler_stats.num_running_reqs,
-                scheduler_stats.num_waiting_reqs,
-                scheduler_stats.kv_cache_usage,
-            )
-            loaded = pool_loaded_tokens(scheduler_stats.connector_prefix_cache_stats)
-            if pooled and loaded:
-                metrics.kv_pool_hits.labels("host").inc(loaded)
-                stats.pool_loaded_tokens += loaded
-            if pooled:
-                stats.pool_load_seconds += pool_load_seconds(scheduler_stats.kv_connector_stats)
-            for transfer in kv_transfers(scheduler_stats.kv_connector_stats):
-                if (whole := stats.kv_transfer_reported(transfer)) is not None:
-                    metrics.kv_transfer_finished(whole)
-
-        def log_engine_initialized(self):
-            pass
-
-    return SchedulerStatsLogger
-
-
 PLACEMENT_GROUP_ENV = (
     "PDSERVE_PLACEMENT_GROUP"  # set by pdserve/cluster/ray_launcher for TP > 1 on GPUs
 )
@@ -280,7 +126,7 @@ def make_engine(
     worker: WorkerSettings,
     model: str,
     kv_port: int,
-    stats: EngineStats,
+    stats: "EngineStats",
     metrics,
     process_start: EngineProcessStart | None = None,
 ):
@@ -300,6 +146,8 @@ def make_engine(
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.platforms import current_platform
     from vllm.v1.engine.async_llm import AsyncLLM
+
+    from pdserve.worker.engine_stats import stat_logger_factory
 
     cpu = current_platform.is_cpu()
     eager = engine.enforce_eager if engine.enforce_eager is not None else cpu
@@ -345,7 +193,7 @@ def make_engine(
         process_start.no_fork_coming()
     return AsyncLLM.from_vllm_config(
         config,
-        stat_loggers=[_stat_logger_factory(stats, metrics, worker.pooled)],
+        stat_loggers=[stat_logger_factory(stats, metrics, worker.pooled)],
         disable_log_stats=True,
     )
 

@@ -4,32 +4,104 @@
                           "kv_connector_module_path": "pdserve.worker.flex_connector",
                           "kv_role": "kv_both", ...both halves' extra config...}
 
-It is the prefill half (prefill_workers/) and the decode half (decode_workers/) together: each
-request's own params say what it does (`SendKv`: push its prompt's KV; `ReceiveKv`: wait for
-it; neither: a plain request), so the worker's role is only which legs the router sends it, and
-changing it needs no engine restart. Both halves run their scheduler and worker parts side by
-side; the KV receiver listens from the start.
+It holds the prefill role's half (prefill_workers/) and the decode role's (decode_workers/) for
+its process: each request's own params say what it does (`SendKv`: push its prompt's KV;
+`ReceiveKv`: wait for it; neither: a plain request), so the worker's role is only which legs the
+router sends it, and changing it needs no engine restart. The KV receiver listens from the start.
 """
 
-from dataclasses import replace
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from decode_workers.connector import DecodeConnector
-from prefill_workers.connector import PrefillConnector
+from decode_workers.connector import DecodeScheduler, DecodeWorker
+from kv_transfer.connector_base import (
+    KvCaches,
+    PdserveConnectorBase,
+    PdserveMetadata,
+    SchedulerHalf,
+    WorkerHalf,
+)
+from kv_transfer.transfer_report import TransferReport
+from prefill_workers.connector import PrefillConnector, PrefillScheduler, PrefillWorker
 
 
-class FlexConnector(PrefillConnector, DecodeConnector):
-    """Method resolution runs the prefill half, then the decode half, then the shared base:
-    every hook both halves answer (init, cache registration, request_finished) calls on with
-    super(); the two that return a value or stop things are joined here, each from what its
-    halves return (a step's metadata: the decode half's, with the prefill half's sends), so a
-    field either half adds reaches the worker (seen: the decode half's `abandoned` transfers
-    were dropped, and reached the worker as never held)."""
+class FlexScheduler(SchedulerHalf):
+    """Every call to both roles' scheduler halves, their answers joined."""
 
-    def build_connector_meta(self, scheduler_output):
-        receiving = DecodeConnector.build_connector_meta(self, scheduler_output)
-        sending = PrefillConnector.build_connector_meta(self, scheduler_output)
-        return replace(receiving, sends=sending.sends)
+    def __init__(self, prefill: SchedulerHalf, decode: SchedulerHalf) -> None:
+        self.halves = (prefill, decode)
 
-    def shutdown(self):
-        PrefillConnector.shutdown(self)
-        DecodeConnector.shutdown(self)
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        """The half that loads the request's KV answers (at most one does: its params are
+        either `SendKv` or `ReceiveKv`)."""
+        answers = [h.get_num_new_matched_tokens(request, num_computed_tokens) for h in self.halves]
+        return max(answers)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        for half in self.halves:
+            half.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def metadata(self, scheduler_output) -> PdserveMetadata:
+        return PdserveMetadata.merge(*(h.metadata(scheduler_output) for h in self.halves))
+
+    def request_finished(self, request) -> None:
+        for half in self.halves:
+            half.request_finished(request)
+
+
+class FlexWorker(WorkerHalf):
+    """Every call to both roles' worker halves, their answers joined."""
+
+    def __init__(self, prefill: WorkerHalf, decode: WorkerHalf) -> None:
+        self.halves = (prefill, decode)
+
+    def register_kv_caches(self, caches: KvCaches) -> None:
+        for half in self.halves:
+            half.register_kv_caches(caches)
+
+    def bind(self, metadata: PdserveMetadata) -> None:
+        for half in self.halves:
+            half.bind(metadata)
+
+    def save_kv_layer(self, layer_name: str, kv_layer, metadata: PdserveMetadata) -> None:
+        for half in self.halves:
+            half.save_kv_layer(layer_name, kv_layer, metadata)
+
+    def wait_for_save(self, metadata: PdserveMetadata) -> None:
+        for half in self.halves:
+            half.wait_for_save(metadata)
+
+    def transfer_results(
+        self, metadata: PdserveMetadata, finished_req_ids: set[str]
+    ) -> tuple[set[str], set[str]]:
+        done, failed = set(), set()
+        for half in self.halves:
+            half_done, half_failed = half.transfer_results(metadata, finished_req_ids)
+            done |= half_done
+            failed |= half_failed
+        return done, failed
+
+    def take_reports(self) -> list[TransferReport]:
+        return [report for half in self.halves for report in half.take_reports()]
+
+    def shutdown(self) -> None:
+        for half in self.halves:
+            half.shutdown()
+
+
+class FlexConnector(PdserveConnectorBase):
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config) -> bool:
+        """As a prefill worker's: the prefill half sends from the `save_kv_layer` hook."""
+        return PrefillConnector.requires_piecewise_for_cudagraph(extra_config)
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        shape = self.shape
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = FlexScheduler(
+                PrefillScheduler(shape.block_size), DecodeScheduler(shape.block_size)
+            )
+        if role == KVConnectorRole.WORKER:
+            self.worker = FlexWorker(
+                PrefillWorker(vllm_config, shape), DecodeWorker(vllm_config, shape)
+            )

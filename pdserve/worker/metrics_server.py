@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kv_transfer.pool.client import PoolClient
+from kv_transfer.transfer_report import TransferReport
 from pdserve.protocol import worker_pb2
 
 log = logging.getLogger("pdserve.worker")
@@ -126,16 +127,16 @@ class WorkerMetrics:
             lambda: service.engine_stats.step_costs.costs().prefill_s_per_token
         )
 
-    def kv_transfer_finished(self, transfer: dict) -> None:
-        """One entry of the decode connector's stats (kv_transfer/stats.py)."""
-        transport = transfer.get("transport") or "none"  # failed before any slice came
-        self.kv_bytes.labels(transport).inc(transfer["bytes"])
-        self.kv_seconds.labels(transport).observe(transfer["seconds"])
-        self.kv_transfer_size.labels(transport).observe(transfer["bytes"])
-        if transfer["failed"]:
-            self.kv_failures.labels(transport, transfer["failure"] or "unknown").inc()
-        if transfer.get("integrity"):
-            self.kv_integrity_failures.labels(transport, transfer["integrity"]).inc()
+    def kv_transfer_finished(self, report: TransferReport) -> None:
+        """One finished transfer, its ranks' reports merged (pdserve/worker/engine_stats.py)."""
+        transport = report.transport or "none"  # failed before any slice came
+        self.kv_bytes.labels(transport).inc(report.bytes)
+        self.kv_seconds.labels(transport).observe(report.seconds)
+        self.kv_transfer_size.labels(transport).observe(report.bytes)
+        if report.failure is not None:
+            self.kv_failures.labels(transport, report.failure).inc()
+        if report.damage is not None:
+            self.kv_integrity_failures.labels(transport, report.damage).inc()
 
 
 class KvPoolCollector(Collector):

@@ -21,7 +21,7 @@ from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from pdserve.protocol.status import ENGINE_FAILED, KV_TRANSFER_FAILED
 from pdserve.settings import json_logs
 from pdserve.worker.chunks import to_chunk
-from pdserve.worker.engine import EngineStats
+from pdserve.worker.engine_stats import EngineStats
 from pdserve.worker.pool_contents import PoolContentsSource
 from pdserve.worker.pool_peers import PoolPeers
 from pdserve.worker.sampling import choice_count, to_vllm_sampling
@@ -228,11 +228,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             if transfer is not None:
                 chunk.kv.CopyFrom(
                     worker_pb2.KvTransferStats(
-                        bytes=transfer["bytes"],
-                        seconds=transfer["seconds"],
-                        failed=transfer["failed"],
-                        failure=transfer["failure"],
-                        transport=transfer.get("transport", ""),
+                        bytes=transfer.bytes,
+                        seconds=transfer.seconds,
+                        failed=transfer.failed,
+                        failure=transfer.failure or "",
+                        transport=transfer.transport,
                     )
                 )
         return chunk
@@ -258,6 +258,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         the call's deadline. UNAVAILABLE when a rank could not be told: the request's own KV
         deadline still applies."""
         from kv_transfer.grpc_transport import cancel_transfer
+        from kv_transfer.transfer_report import Cancel, Failure
 
         if not self.kv_address:
             await context.abort(
@@ -270,7 +271,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 cancel_transfer,
                 self.kv_address,
                 request.transfer_id,
-                request.reason,
+                Cancel(Failure.CANCELLED, request.reason),
                 ranks,
                 per_rank_s,
             )

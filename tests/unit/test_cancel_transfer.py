@@ -14,6 +14,7 @@ import pytest
 from kv_transfer.compatibility import Compatibility
 from kv_transfer.kv_layout import WIRE_LAYOUT
 from kv_transfer.kv_receiver import KvReceiver
+from kv_transfer.transfer_report import Cancel, Failure
 from pdserve.protocol import worker_pb2_grpc
 from pdserve.worker.service import WorkerService
 from router.workers.client import WorkerClient
@@ -55,7 +56,7 @@ def test_the_decode_workers_receiver_learns_the_transfer_is_cancelled(kv_address
     receiver, address = kv_address
     asyncio.run(cancel_on(decode_service(address), "cmpl-1"))
     _, cancelled = receiver.take()
-    assert cancelled == {"cmpl-1": "prefill worker failed: gone"}
+    assert cancelled == {"cmpl-1": Cancel(Failure.CANCELLED, "prefill worker failed: gone")}
 
 
 def test_an_unreachable_receiver_is_logged_within_the_deadline_not_raised(caplog):

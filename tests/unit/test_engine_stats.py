@@ -1,9 +1,16 @@
-"""What a worker keeps of its engine's KV transfer reports (pdserve/worker/engine.py's
+"""What a worker keeps of its engine's KV transfer reports (pdserve/worker/engine_stats.py's
 EngineStats): a tensor-parallel decode worker's ranks each report their part of a transfer, and
 the transfer counts once, its ranks' figures merged, when the last rank has reported; and the
 host KV pool's load time per token, from vLLM's offloading connector's stats."""
 
-from pdserve.worker.engine import (
+from dataclasses import fields
+
+import msgspec
+
+from kv_transfer.integrity import Damage
+from kv_transfer.stats import PdserveKvStats
+from kv_transfer.transfer_report import TRANSFERS, Failure, TransferReport
+from pdserve.worker.engine_stats import (
     POOL_LOAD_TIME,
     EngineStats,
     kv_transfers,
@@ -12,16 +19,10 @@ from pdserve.worker.engine import (
 )
 
 
-def report(transfer_id: str, size: int, seconds: float, failure: str = "", transport="shm"):
-    return {
-        "transfer_id": transfer_id,
-        "bytes": size,
-        "seconds": seconds,
-        "failed": bool(failure),
-        "failure": failure,
-        "integrity": "",
-        "transport": transport,
-    }
+def report(transfer_id: str, size: int, seconds: float, failure=None, transport="shm"):
+    return TransferReport(
+        transfer_id, size, seconds, failure, transports=frozenset({transport} - {""})
+    )
 
 
 def test_a_transfer_counts_once_every_rank_reported_it_with_their_figures_merged():
@@ -29,24 +30,40 @@ def test_a_transfer_counts_once_every_rank_reported_it_with_their_figures_merged
     stats.ranks = 2
     assert stats.kv_transfer_reported(report("t", 100, 0.2)) is None
     assert stats.take_kv_transfer("t") is None  # half of it: not the transfer's figures yet
-    whole = stats.kv_transfer_reported(report("t", 100, 0.3, transport="gloo"))
-    assert (whole["bytes"], whole["seconds"], whole["failed"]) == (200, 0.3, False)
-    assert whole["transport"] == "gloo,shm"
-    assert "pinned_bytes" not in whole  # no rank pinned memory (CPU)
+    whole = stats.kv_transfer_reported(report("t", 100, 0.3, transport="grpc"))
+    assert (whole.bytes, whole.seconds, whole.failed) == (200, 0.3, False)
+    assert whole.transport == "grpc,shm"
+    assert whole.pinned_bytes is None  # no rank pinned memory (CPU)
     assert stats.take_kv_transfer("t") == whole
-    stats.kv_transfer_reported({**report("p", 1, 0.1), "pinned_bytes": 1 << 30})
-    pinned = stats.kv_transfer_reported({**report("p", 1, 0.1), "pinned_bytes": 1 << 30})
-    assert pinned["pinned_bytes"] == 2 << 30  # each CUDA rank's receive arena
+    stats.kv_transfer_reported(TransferReport("p", 1, 0.1, pinned_bytes=1 << 30))
+    pinned = stats.kv_transfer_reported(TransferReport("p", 1, 0.1, pinned_bytes=1 << 30))
+    assert pinned.pinned_bytes == 2 << 30  # each CUDA rank's receive arena
 
 
 def test_one_failed_rank_fails_the_transfer_and_one_rank_engines_report_at_once():
     stats = EngineStats()
     stats.ranks = 2
-    stats.kv_transfer_reported(report("t", 0, 1.0, failure="timeout", transport=""))
+    stats.kv_transfer_reported(report("t", 0, 1.0, failure=Failure.TIMEOUT, transport=""))
     whole = stats.kv_transfer_reported(report("t", 50, 0.5))
-    assert (whole["failed"], whole["failure"], whole["bytes"]) == (True, "timeout", 50)
+    assert (whole.failed, whole.failure, whole.bytes) == (True, Failure.TIMEOUT, 50)
     single = EngineStats()
     assert single.kv_transfer_reported(report("u", 10, 0.1)) == report("u", 10, 0.1)
+
+
+def test_a_report_survives_vllms_trip_to_the_stat_logger_with_every_field():
+    """vLLM pickles the worker's stats to its engine core, which sends `to_dict()` on through
+    msgspec: the stat logger decodes the same reports, every field set or unset."""
+    full = TransferReport(
+        "t", 7, 0.5, Failure.INTEGRITY, Damage.DIGEST, frozenset({"grpc", "shm"}), 1 << 20
+    )
+    empty = TransferReport("u")
+    assert all(getattr(full, f.name) != getattr(empty, f.name) for f in fields(TransferReport))
+    stats = PdserveKvStats(data={TRANSFERS: [full]}).aggregate(
+        PdserveKvStats(data={TRANSFERS: [empty]})
+    )
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode({"DecodeConnector": stats.to_dict()}))
+    assert kv_transfers(wire) == [full, empty]
+    assert isinstance(kv_transfers(wire)[0].failure, Failure)
 
 
 def test_the_pool_load_time_is_read_from_the_offloading_connectors_stats_alone_or_among_several():
@@ -66,10 +83,11 @@ def test_a_decode_workers_transfers_are_read_from_its_connector_alone_or_beside_
     """A decode worker in a KV pool runs pdserve's consumer and the pool's connector in vLLM's
     MultiConnector, whose report nests each connector's: the transfers are found either way
     (read only at the top, the decode leg and /metrics lost every pooled decode worker's)."""
-    sent = [{"transfer_id": "a", "bytes": 7}, {"transfer_id": "b", "bytes": 9}]
+    sent = [TransferReport("a", 7), TransferReport("b", 9, failure=Failure.NOT_HELD)]
+    data = [report.to_data() for report in sent]
     pool = {"types": {POOL_LOAD_TIME: "counter"}, "data": {POOL_LOAD_TIME: {(): 0.5}}}
-    assert kv_transfers({"transfers": sent}) == sent
-    assert kv_transfers({"DecodeConnector": {"transfers": sent}, "PoolConnector": pool}) == sent
+    assert kv_transfers({TRANSFERS: data}) == sent
+    assert kv_transfers({"DecodeConnector": {TRANSFERS: data}, "PoolConnector": pool}) == sent
     assert kv_transfers(pool) == kv_transfers(None) == []
 
 

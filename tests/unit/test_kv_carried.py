@@ -6,6 +6,7 @@ unfinished ones, one after another from one thread."""
 import threading
 import time
 
+from kv_transfer.transfer_report import Cancel, Failure
 from kv_transfer.transport import (
     CANCEL_GIVE_UP,
     MAX_CARRIED,
@@ -40,7 +41,7 @@ def test_a_failed_channel_cancels_only_the_transfers_it_had_not_sent_whole():
     threads: set[str] = set()
     done = threading.Event()
 
-    def cancel(destination: str, transfer_id: str, reason: str) -> None:
+    def cancel(destination: str, transfer_id: str, cancel: Cancel) -> None:
         cancels.append((destination, transfer_id))
         threads.add(threading.current_thread().name)
         if len(cancels) == 2:
@@ -82,7 +83,8 @@ def test_the_receiver_forgets_a_transfer_once_every_layer_ended_and_abandons_onl
     for arrived in inbox.take()[0]:
         arrived.release()
     assembler.abandon("the stream failed")
-    assert inbox.take()[1] == {"half": "the stream failed", "early": "the stream failed"}
+    failed = Cancel(Failure.CANCELLED, "the stream failed")
+    assert inbox.take()[1] == {"half": failed, "early": failed}
 
 
 def test_a_stream_remembers_at_most_max_carried_unfinished_transfers():
@@ -98,14 +100,15 @@ def test_cancels_stop_once_the_receiver_takes_none():
     calls: list[str] = []
     finished = threading.Event()
 
-    def cancel(destination: str, transfer_id: str, reason: str) -> None:
+    def cancel(destination: str, transfer_id: str, cancel: Cancel) -> None:
         calls.append(transfer_id)
         if len(calls) >= failing_cancels:
             finished.set()
         raise ChannelError("unreachable")
 
     sender = KvSender(lambda kind, destination: None, cancel)
-    sender.cancel_all("decode:1", [f"t-{n}" for n in range(100)], "the channel failed")
+    failed = Cancel(Failure.CANCELLED, "the channel failed")
+    sender.cancel_all("decode:1", [f"t-{n}" for n in range(100)], failed)
     assert finished.wait(5)
     time.sleep(0.2)
     assert len(calls) == failing_cancels

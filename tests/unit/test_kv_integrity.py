@@ -18,6 +18,7 @@ from kv_transfer.integrity import Damage, as_tensor, slice_digest, transfer_epoc
 from kv_transfer.kv_layout import BLOCK, CONTENT, HEAD, TOKEN, LayerLayout
 from kv_transfer.kv_receiver import KvReceiver
 from kv_transfer.metadata import Expected, SendSlice
+from kv_transfer.transfer_report import Failure
 from kv_transfer.transport import TRANSPORTS, LayerSlice
 from pdserve.core.kv_faults import KvFaultKind, parse_kv_fault
 from prefill_workers.kv_sender import LayerSender
@@ -34,7 +35,7 @@ CAUGHT_AS = {
     KvFaultKind.DUPLICATE: Damage.DUPLICATE,
     KvFaultKind.REORDER: Damage.ORDER,
     KvFaultKind.STALE: Damage.STALE,
-    KvFaultKind.DELAY: "",  # late, not wrong: loaded
+    KvFaultKind.DELAY: None,  # late, not wrong: loaded
 }
 
 
@@ -165,19 +166,19 @@ def test_each_fault_fails_its_transfer_as_what_it_is_and_writes_nothing_wrong(tr
     finally:
         sender.close()
         receiver.stop()
-    stats = {entry["transfer_id"]: entry for entry in loader.take_stats()}
+    reports = {report.transfer_id: report for report in loader.take_reports()}
     assert "clean-req" in loaded
-    assert stats["clean"]["integrity"] == ""
+    assert reports["clean"].damage is None
     for layer in range(CONSUMER.num_layers):
         assert torch.equal(decode[layer][1:5], prefill[layer][1:5])
     caught = CAUGHT_AS[kind]
-    assert stats["faulty"]["integrity"] == caught
+    assert reports["faulty"].damage == caught
     if not caught:
         assert "faulty-req" in loaded
         for layer in range(CONSUMER.num_layers):
             assert torch.equal(decode[layer][[5, 6, 7, 0]], prefill[layer][1:5])
         return
-    assert "faulty-req" in failed and stats["faulty"]["failure"] == "integrity"
+    assert "faulty-req" in failed and reports["faulty"].failure == Failure.INTEGRITY
     for layer in range(CONSUMER.num_layers):  # nothing of it differs from what was sent
         for decode_block, prefill_block in zip([5, 6, 7, 0], range(1, 5), strict=True):
             written = decode[layer][decode_block]
@@ -223,8 +224,8 @@ def test_a_damaged_slice_fails_its_transfer_and_is_not_loaded(slices, damage, ca
         {"req-t"},
         {"req-t"},
     )
-    [entry] = loader.take_stats()
-    assert (entry["failure"], entry["integrity"]) == ("integrity", damage)
+    [report] = loader.take_reports()
+    assert (report.failure, report.damage) == (Failure.INTEGRITY, damage)
     assert "KV transfer t (request req-t) failed its integrity check" in caplog.text
     assert not cache[1][1].any()  # the second slice came after the failure: not loaded either
 
@@ -243,7 +244,7 @@ def test_with_integrity_off_only_the_size_is_checked():
     short = one_block("u", epoch=0)
     receiver.slices = [replace(short, data=short.data[:-4])]
     assert loader.transfer_results([Expected("req-u", "u", [0], 0, 5.0)], set())[1] == {"req-u"}
-    assert loader.take_stats()[-1]["integrity"] == Damage.LENGTH
+    assert loader.take_reports()[-1].damage == Damage.LENGTH
 
 
 # The settings' way to the connectors ----------------------------------------------------------

@@ -17,6 +17,7 @@ from kv_transfer.host_staging import HostToDevice
 from kv_transfer.integrity import transfer_epoch
 from kv_transfer.kv_layout import BLOCK, CONTENT, HEAD, TOKEN, LayerLayout
 from kv_transfer.metadata import Expected
+from kv_transfer.transfer_report import Cancel, Failure
 from kv_transfer.transport import Inbox, LayerSlice
 
 LAYOUT = LayerLayout((BLOCK, HEAD, TOKEN, CONTENT))
@@ -153,7 +154,7 @@ def test_a_transfer_is_reported_once_its_scatters_landed_without_waiting_for_the
     assert loader.staging.in_flight == [] and inbox.held == 0
     assert all(torch.equal(cache[1:3], sent) for cache in caches)
     assert loader.transfer_results([], set()) == (set(), set())  # reported once
-    assert [t["transfer_id"] for t in loader.take_stats()] == ["t"]
+    assert [report.transfer_id for report in loader.take_reports()] == ["t"]
 
 
 def test_an_aborted_transfer_frees_its_blocks_only_after_its_queued_scatter_ran():
@@ -174,7 +175,7 @@ def test_a_failed_transfer_aborted_before_its_copies_landed_is_reported_as_abort
     inbox = Inbox(verify=False)
     loader, caches, stream = loader_with_fake_stream(inbox)
     received(inbox, 0, torch.full((2, *BLOCK_SHAPE), 3.0), last=True)
-    inbox.cancel("t", "the prefill worker failed")
+    inbox.cancel("t", Cancel(Failure.CANCELLED, "the prefill worker failed"))
     assert loader.transfer_results([Expected("r", "t", [1, 2], 0, 5.0)], set()) == (set(), set())
     loader.transfer_results([], {"r"})  # its request is gone before the scatter ran
     stream.run()

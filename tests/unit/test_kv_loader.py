@@ -13,6 +13,7 @@ from decode_workers.kv_loader import ORPHAN_TTL_S, KvLoader
 from kv_transfer.integrity import transfer_epoch
 from kv_transfer.kv_layout import BLOCK, CONTENT, HEAD, TOKEN, LayerLayout
 from kv_transfer.metadata import Expected
+from kv_transfer.transfer_report import Cancel, Failure, TransferReport
 from kv_transfer.transport import LayerSlice
 
 NUM_LAYERS = 2
@@ -30,7 +31,7 @@ class FakeReceiver:
 
     def __init__(self) -> None:
         self.slices: list[LayerSlice] = []
-        self.cancels: dict[str, str] = {}
+        self.cancels: dict[str, Cancel] = {}
 
     def feed(self, slices=(), cancels=None) -> None:
         self.slices.extend(slices)
@@ -171,42 +172,33 @@ def test_a_partly_arrived_transfer_past_its_deadline_fails(loader, receiver, clo
 
 def test_a_cancelled_transfer_fails_at_once_with_its_reason_logged(loader, receiver, caplog):
     loader.transfer_results([expected()], set())
-    receiver.feed(cancels={"t-1": "prefill worker failed: out of memory"})
+    receiver.feed(cancels={"t-1": Cancel(Failure.CANCELLED, "prefill worker failed: no memory")})
     with caplog.at_level(logging.WARNING, logger="pdserve.kv"):
         assert loader.transfer_results([], set()) == ({"req-1"}, {"req-1"})
-    assert "prefill worker failed: out of memory" in caplog.text
+    assert "prefill worker failed: no memory" in caplog.text
     assert loader.transfer_results([], set()) == (set(), set())
 
 
-@pytest.mark.parametrize(
-    "reason, failure",
-    [
-        (
-            "incompatible KV layout, refused: dtype: producer 'bfloat16' != consumer 'float32'",
-            "refused",
-        ),
-        ("prefill worker failed: out of memory", "cancelled"),
-    ],
-)
-def test_a_failed_transfer_says_why_in_its_stats(loader, receiver, reason, failure):
+@pytest.mark.parametrize("failure", [Failure.REFUSED, Failure.CANCELLED])
+def test_a_failed_transfer_reports_the_failure_its_cancel_named(loader, receiver, failure):
     loader.transfer_results([expected()], set())
-    receiver.feed(cancels={"t-1": reason})
+    receiver.feed(cancels={"t-1": Cancel(failure, "whatever the sender said")})
     loader.transfer_results([], set())
-    [entry] = loader.take_stats()
-    assert (entry["failed"], entry["failure"]) == (True, failure)
+    [report] = loader.take_reports()
+    assert (report.failed, report.failure) == (True, failure)
 
 
 def test_a_cancel_that_comes_before_its_request_fails_the_request_when_it_comes(
     loader, receiver, clock
 ):
-    receiver.feed(cancels={"t-1": "prefill worker failed"})
+    receiver.feed(cancels={"t-1": Cancel(Failure.CANCELLED, "prefill worker failed")})
     assert loader.transfer_results([], set()) == (set(), set())
     clock.advance(1.0)
     assert loader.transfer_results([expected()], set()) == ({"req-1"}, {"req-1"})
 
 
 def test_a_cancel_no_request_claimed_within_the_ttl_is_forgotten(loader, receiver, clock):
-    receiver.feed(cancels={"t-1": "prefill worker failed"})
+    receiver.feed(cancels={"t-1": Cancel(Failure.CANCELLED, "prefill worker failed")})
     loader.transfer_results([], set())
     clock.advance(ORPHAN_TTL_S + 1)
     loader.transfer_results([], set())
@@ -268,33 +260,29 @@ def test_stats_give_bytes_and_first_to_last_slice_time_per_finished_transfer(
     ]
     receiver.feed(slices)
     loader.transfer_results([expected()], set())
-    stats = loader.take_stats()
-    assert stats == [
-        {
-            "transfer_id": "t-1",
-            "bytes": sum(len(piece.data) for piece in slices),
-            "seconds": pytest.approx(0.25),
-            "failed": False,
-            "failure": "",
-            "integrity": "",
-            "transport": "shm",
-        }
-    ]
-    assert stats[0]["bytes"] == NUM_LAYERS * 4 * torch.zeros(BLOCK_SHAPE).numel() * 4
-    assert loader.take_stats() == []
+    [report] = loader.take_reports()
+    assert report == TransferReport(
+        "t-1",
+        sum(len(piece.data) for piece in slices),
+        pytest.approx(0.25),
+        transports=frozenset({"shm"}),
+    )
+    assert report.bytes == NUM_LAYERS * 4 * torch.zeros(BLOCK_SHAPE).numel() * 4
+    assert not report.failed and report.damage is None
+    assert loader.take_reports() == []
 
 
 def test_stats_of_a_failed_transfer_run_to_the_failure_and_say_failed(loader, receiver, clock):
     receiver.feed([layer_slice(0, at=clock.now)])
     loader.transfer_results([expected()], set())
-    assert loader.take_stats() == []  # nothing finished yet
+    assert loader.take_reports() == []  # nothing finished yet
     clock.advance(TIMEOUT_S + 1)
     loader.transfer_results([], set())
-    [entry] = loader.take_stats()
-    assert (entry["failed"], entry["failure"]) == (True, "timeout")
-    assert entry["bytes"] == len(layer_slice(0).data)
-    assert entry["seconds"] == pytest.approx(TIMEOUT_S + 1)
-    assert loader.take_stats() == []
+    [report] = loader.take_reports()
+    assert (report.failed, report.failure) == (True, Failure.TIMEOUT)
+    assert report.bytes == len(layer_slice(0).data)
+    assert report.seconds == pytest.approx(TIMEOUT_S + 1)
+    assert loader.take_reports() == []
 
 
 def test_each_of_two_transfers_is_reported_on_its_own(loader, receiver, clock):
@@ -305,7 +293,7 @@ def test_each_of_two_transfers_is_reported_on_its_own(loader, receiver, clock):
     assert loader.transfer_results([first, second], set()) == ({"req-1"}, set())
     clock.advance(TIMEOUT_S + 1)
     assert loader.transfer_results([], set()) == ({"req-2"}, {"req-2"})
-    assert [entry["transfer_id"] for entry in loader.take_stats()] == ["t-1", "t-2"]
+    assert [report.transfer_id for report in loader.take_reports()] == ["t-1", "t-2"]
 
 
 def released_slices(slices: list[LayerSlice], releases: list[str]) -> list[LayerSlice]:
@@ -348,5 +336,6 @@ def test_an_abandoned_transfer_frees_what_came_drops_what_comes_and_says_why(
     receiver.feed(released_slices([layer_slice(1, transfer_id="t-9")], releases))
     assert loader.transfer_results([], set()) == (set(), set())
     assert releases == ["t-9/0", "t-9/1"]
-    (stats,) = loader.take_stats()
-    assert (stats["transfer_id"], stats["failed"], stats["failure"]) == ("t-9", True, "not_held")
+    [report] = loader.take_reports()
+    assert (report.transfer_id, report.failure) == ("t-9", Failure.NOT_HELD)
+    assert report.failure == "not_held"  # what the router reads (pdserve.core.kinds.KV_NOT_HELD)

@@ -13,6 +13,7 @@ from decode_workers.kv_loader import ORPHAN_TTL_S, KvLoader
 from kv_transfer.integrity import slice_digest, transfer_epoch
 from kv_transfer.kv_layout import BLOCK, CONTENT, HEAD, TOKEN, LayerLayout
 from kv_transfer.metadata import Expected
+from kv_transfer.transfer_report import Cancel, Failure
 from kv_transfer.transport import Inbox, LayerSlice
 from tests.unit.test_kv_loader import FakeClock
 
@@ -69,7 +70,7 @@ def test_a_cancel_frees_an_orphans_room_at_the_next_step_and_the_next_transfer_g
 ):
     inbox.put(piece("orphan", 0, 2048, clock.now))  # its KV fills the inbox ...
     inbox.put(piece("orphan", 1, 2048, clock.now))
-    inbox.cancel("orphan", "no decode leg: the prefill's first token ended the request")
+    inbox.cancel("orphan", Cancel(Failure.CANCELLED, "no decode leg: the first token ended it"))
     loader.transfer_results([], set())  # ... one engine step
     assert inbox.held == 0
     assert loader.orphans == {}
@@ -80,7 +81,7 @@ def test_a_cancel_frees_an_orphans_room_at_the_next_step_and_the_next_transfer_g
 
 
 def test_slices_that_come_after_their_transfers_cancel_are_dropped_at_once(inbox, loader, clock):
-    inbox.cancel("orphan", "no decode leg: the request ended before it")
+    inbox.cancel("orphan", Cancel(Failure.CANCELLED, "no decode leg: the request ended first"))
     loader.transfer_results([], set())
     inbox.put(piece("orphan", 0, 2048, clock.now))  # still on its way when the cancel came
     inbox.put(piece("orphan", 1, 2048, clock.now))
@@ -90,7 +91,7 @@ def test_slices_that_come_after_their_transfers_cancel_are_dropped_at_once(inbox
 
 def test_a_request_that_comes_after_its_transfers_cancel_fails_at_once(inbox, loader, clock):
     inbox.put(piece("t-1", 0, 2048, clock.now))
-    inbox.cancel("t-1", "prefill worker failed: gone")
+    inbox.cancel("t-1", Cancel(Failure.CANCELLED, "prefill worker failed: gone"))
     loader.transfer_results([], set())
     clock.advance(1.0)
     entry = Expected("req-1", "t-1", [7], 0, 5.0)

@@ -14,6 +14,7 @@ from kv_transfer.grpc_transport import GrpcChannel
 from kv_transfer.kv_receiver import KvReceiver
 from kv_transfer.nccl_transport import GROUP_TIMEOUT_S, group_timeout
 from kv_transfer.shm_transport import ShmChannel
+from kv_transfer.transfer_report import Cancel, Failure
 from kv_transfer.transport import ChannelError, Inbox, SliceAssembler, sealed
 from tests.unit.test_kv_transports import CONSUMER, piece, wait_for
 
@@ -84,7 +85,7 @@ def test_a_slice_being_filled_is_charged_to_the_inbox_and_only_one_per_stream(in
     assert inbox.allocated == [4096]
     assembler.abandon("stream failed")
     assert inbox.held == 0
-    assert inbox.take()[1] == {"t-1": "stream failed"}
+    assert inbox.take()[1] == {"t-1": Cancel(Failure.CANCELLED, "stream failed")}
 
 
 def test_partial_slices_cannot_take_more_than_the_inbox():
@@ -140,7 +141,8 @@ def test_a_stream_that_fails_with_any_exception_cancels_what_it_carried(receiver
         with contextlib.suppress(ChannelError):  # shm: more than a segment, so copied out
             channel.send(sealed(piece("t-1", 12 << 20, layer=1)))
         cancelled = wait_for(kv_receiver, cancels={"t-1"})[1]
-        assert "cannot allocate" in cancelled.get("t-1", "")
+        assert cancelled["t-1"].failure == Failure.CANCELLED
+        assert "cannot allocate" in cancelled["t-1"].reason
         assert kv_receiver.inbox.held == 0
     finally:
         with contextlib.suppress(ChannelError):

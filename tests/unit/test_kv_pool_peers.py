@@ -29,7 +29,7 @@ from pdserve.cluster.local_services import start_kv_pool
 from pdserve.core.pool_keys import block_keys
 from pdserve.protocol import GRPC_OPTIONS, worker_pb2, worker_pb2_grpc
 from pdserve.worker import pool_peers
-from pdserve.worker.engine import EngineStats
+from pdserve.worker.engine_stats import EngineStats
 from pdserve.worker.metrics_server import WorkerMetrics
 from pdserve.worker.pool_peers import PoolPeers
 from pdserve.worker.processes import free_port, stop_group

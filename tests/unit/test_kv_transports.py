@@ -21,6 +21,7 @@ from kv_transfer.compatibility import Compatibility
 from kv_transfer.host_staging import ByteBudget, DeviceToHost, Staged, StagingError
 from kv_transfer.kv_layout import WIRE_LAYOUT
 from kv_transfer.kv_receiver import KvReceiver
+from kv_transfer.transfer_report import Cancel, Failure
 from kv_transfer.transport import TRANSPORTS, LayerSlice
 from pdserve.settings.cluster_secret import SECRET_ENV
 
@@ -120,8 +121,10 @@ def test_a_refused_handshake_cancels_its_transfers_and_a_later_send_opens_a_new_
         sender.send(address, transport, piece("t-2"))  # while the first channel may be ending
         seen = wait_for(kv_receiver, cancels={"t-1", "t-2"})[1]
         assert set(seen) == {"t-1", "t-2"}
+        assert {cancel.failure for cancel in seen.values()} == {Failure.REFUSED}
         assert all(
-            "dtype: producer 'bfloat16' != consumer 'float32'" in why for why in seen.values()
+            "dtype: producer 'bfloat16' != consumer 'float32'" in cancel.reason
+            for cancel in seen.values()
         )
         sender.send(address, transport, piece("t-3"))  # after it ended: a new channel
         assert set(wait_for(kv_receiver, cancels={"t-3"})[1]) == {"t-3"}
@@ -148,7 +151,7 @@ def test_a_sender_without_the_cluster_secret_is_refused_and_writes_nothing(monke
             time.sleep(0.02)
         assert refused.data.releases == 1  # its channel was refused: the sender let it go
         with pytest.raises(grpc.RpcError) as caught:  # nor may it cancel others' transfers
-            cancel_transfer(address, "someone-else's", "intruder")
+            cancel_transfer(address, "someone-else's", Cancel(Failure.CANCELLED, "intruder"))
         assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # Final, not a snapshot: the sender let go of the refused slice (it cannot come
         # anymore) and the cancel was refused before it answered.
@@ -210,7 +213,8 @@ def test_a_sender_killed_mid_transfer_gets_its_transfer_cancelled_on_the_receive
         process.kill()
         cancelled = wait_for(kv_receiver, cancels={"dying"})[1]
         assert "dying" in cancelled, "the dead sender's transfer was left to its deadline"
-        assert "mid" in cancelled["dying"] or "failed" in cancelled["dying"]
+        assert cancelled["dying"].failure == Failure.CANCELLED
+        assert "mid" in cancelled["dying"].reason or "failed" in cancelled["dying"].reason
         print(f"{transport}: cancelled {time.monotonic() - started:.2f} s after the kill")
     finally:
         process.kill()
