@@ -73,8 +73,8 @@ def main() -> int:
     parser.add_argument(
         "--cli-module",
         default="pdserve.cli",
-        help="the module `python -m` runs as pdserve's CLI (default: pdserve.cli; "
-        "pdserve.cluster.cli before the layered house)",
+        help="the module `python -m` runs as pdserve's CLI (default: pdserve.cli; an older "
+        "tree's, to count its files)",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = parser.parse_args()
