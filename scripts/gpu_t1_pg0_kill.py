@@ -29,10 +29,10 @@ Each variant is a process of its own, on GPU 0:
 The check passes when `fixed` is alive, failed within its deadline, and no thread was held
 long. `unfixed` is reported: dead with torch's "Terminating the process after attempting to dump
 debug info" reproduces the review's reading of torch (its §3.1); alive means this torch does not
-do that (the fix is then harmless). Torch only (no pydantic, numpy or vLLM); scripts/gpu_check.py
-runs it as one of its checks, started first and collected last:
+do that (the fix is then harmless). Torch only (no pydantic, numpy or vLLM); the GPU checks run
+it as tests/gpu/test_pg0_survives.py, started before the first check and judged last:
 
-    Pg0Check(device, skip=Skip).start(); ...; .result() -> str  # skip(reason) on CPU
+    Pg0Check(device).start(); ...; .result() -> str; .stop()  # kills what still runs
 """
 
 import argparse
@@ -124,21 +124,16 @@ CHILD = textwrap.dedent(
 
 
 class Unavailable(Exception):
-    """The check cannot run here (gpu_check passes its own Skip instead)."""
+    """The check cannot run here."""
 
 
 class Pg0Check:
-    """Both variants' processes, started together (`start`, gpu_check does so first, so they
-    run while the other checks do) and judged once both are done (`result`)."""
+    """Both variants' processes, started together (`start`: the GPU checks do so first, so they
+    run while the other checks do), judged once both are done (`result`), and killed if the run
+    ends before that (`stop`)."""
 
-    def __init__(
-        self,
-        device: torch.device,
-        skip: type[Exception] = Unavailable,
-        alive_s: float = ALIVE_S,
-    ) -> None:
+    def __init__(self, device: torch.device, alive_s: float = ALIVE_S) -> None:
         self.device = device
-        self.skip = skip
         self.alive_s = alive_s
         self.processes: dict[str, subprocess.Popen] = {}
         self.found: dict[str, dict] | None = None
@@ -191,9 +186,16 @@ class Pg0Check:
                 found[variant] = {"alive": False, "died": how, "tail": err[-600:]}
         return found
 
+    def stop(self) -> None:
+        """Kill the variants' processes still running (their pipes closed too)."""
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.kill()
+            process.communicate(timeout=30)
+
     def result(self) -> str:
         if self.device.type != "cuda":
-            raise self.skip(
+            raise Unavailable(
                 "CUDA only: torch's ProcessGroupNCCL watchdog and heartbeat monitor (review §3.1)"
             )
         found = self.outcomes()

@@ -1,89 +1,82 @@
-"""scripts/gpu_check.py on CPU, as the lent GPU machine would run it: torch, grpcio and protobuf
-only (pydantic, numpy and vLLM made unimportable in its process, as a bare GPU image has none),
-every check through pdserve's real sender, transports, receiver and loader: a whole script's
-run (no engine, but ~20 s for its --quick subset here, the whole run ~40 s), so it is in this
-tier, not the unit tier."""
+"""scripts/gpu_check.py on CPU, as the lent GPU machine runs it: torch, grpcio, protobuf and pytest
+only (pydantic, numpy and vLLM made unimportable in its processes, as a bare GPU image has none).
+The checks themselves are tests/gpu's, which the unit tier runs; this runs the runner, which
+imports every check module, over a few of them, and imports what the processes the checks start
+import (the KV pool's store, a group's peer, T1's child): whole-script runs, so in this tier."""
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
-# What a CPU run may skip: what only CUDA shows.
-ALLOWED_SKIPS = ("CUDA only",)
+BARE_GPU_IMAGE_LACKS = ("pydantic", "numpy", "vllm")
 
 
-def test_the_quick_check_passes_on_cpu_without_pydantic_numpy_or_vllm(tmp_path):
+def env_without(tmp_path: Path, modules: tuple[str, ...]) -> dict[str, str]:
+    """This environment with `modules` unimportable in every Python process started with it."""
     blocker = tmp_path / "site"
     blocker.mkdir()
     (blocker / "sitecustomize.py").write_text(
-        "import sys\nfor name in ('pydantic', 'numpy', 'vllm'):\n    sys.modules[name] = None\n"
+        f"import sys\nfor name in {modules!r}:\n    sys.modules[name] = None\n"
     )
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocker), str(ROOT)])}
+
+
+def test_the_runner_reports_each_check_and_a_module_that_fails_to_import(tmp_path):
+    """Versions first; a line and a JSON row per check, CUDA's own skipped as "CUDA only", T1's
+    last; a check module that fails to import (the KV pool's here) is a FAIL of its own, the
+    others still run, and the run exits 1."""
     report = tmp_path / "report.json"
-    env = {**os.environ, "PYTHONPATH": str(blocker)}
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--json", str(report)],
+        [
+            *(sys.executable, str(SCRIPT), "--device", "cpu", "--json", str(report)),
+            *("-k", "bandwidth or nccl_send or pg0"),
+        ],
         cwd=tmp_path,
-        env=env,
+        env=env_without(tmp_path, (*BARE_GPU_IMAGE_LACKS, "kv_transfer.pool_peer")),
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert done.returncode == 0, done.stdout + done.stderr
-    first = done.stdout.splitlines()[0]  # the versions it found come first
+    assert done.returncode == 1, done.stdout + done.stderr
+    first = done.stdout.splitlines()[0]
     assert first.startswith("versions: python ") and "pydantic absent" in first, first
-    checks = json.loads(report.read_text())["checks"]
-    failed = [c for c in checks if c["status"] == "FAIL"]
-    assert failed == []
-    skipped = [c for c in checks if c["status"] == "SKIP"]
-    assert all(c["detail"].startswith(ALLOWED_SKIPS) for c in skipped), skipped
-    passed = {c["name"] for c in checks if c["status"] == "PASS"}
-    for must in (
-        "layout LBHNC fp8 (uint8)",
-        "layout BHLNC bfloat16",
-        "layout old kv,block,token,head,dim float16",
-        "transport grpc",
-        "transport shm",
-        "transport nccl",  # gloo on CPU
-        "chunked prefill, mid-block boundary",
-        "prefix-cache skip",
-        "tp 8 KV heads, prefill TP 4 -> decode TP 1",
-        "tp 2 KV heads, prefill TP 1 -> decode TP 4",
-        "group whose peer never joins",
-        "bandwidth",
-    ):
-        assert must in passed, (must, done.stdout)
+    found = json.loads(report.read_text())
+    assert found["versions"]["numpy"] == "absent" and found["device"] == "cpu"
+    checks = {c["name"]: c for c in found["checks"]}
+    assert found["counts"] == {"PASS": 1, "FAIL": 1, "SKIP": 4}, checks
+    broken = checks["test_kv_pool_on_device.py"]
+    assert broken["status"] == "FAIL" and "kv_transfer.pool_peer" in broken["detail"], broken
+    bandwidth = checks["test_bandwidth.py::test_staging_bandwidth[cpu]"]
+    assert bandwidth["status"] == "PASS" and "GB/s" in bandwidth["detail"], bandwidth
+    skipped = [c for c in checks.values() if c["status"] == "SKIP"]
+    assert all(c["detail"].startswith("CUDA only") for c in skipped), skipped
+    assert found["checks"][-1]["name"].startswith("test_pg0_survives.py::")  # T1 judged last
+    rows = [line for line in done.stdout.splitlines() if "test_staging_bandwidth[cpu]" in line]
+    assert rows[-1].startswith("PASS") and "GB/s" in rows[-1], rows
 
 
-def test_the_whole_run_covers_every_layout_dtype_and_tp_pair_and_the_gpu_tests():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
-    names = [name for name, _ in gpu_check.checks(torch.device("cpu"), False, 1, 1)]
-    layouts = [n for n in names if n.startswith("layout ")]
-    assert len(layouts) == 10 * 3 == len(set(layouts))  # vLLM 0.32's six, four older
-    assert sum(n.startswith("tp ") for n in names) == len(gpu_check.TP_PAIRS) == 10
-    assert len(names) == len(set(names))
-    for test in ("T1 ", "T2 ", "T4 "):  # issue 46's GPU tests
-        assert any(name.startswith(test) for name in names), test
-    assert names[-1].startswith("T1 ")  # started first, collected last
-
-
-def test_the_gpu_tests_skip_on_cpu_with_cuda_only_and_t1s_child_compiles():
-    """T1, T2, T4 need CUDA: on CPU each says so; T1's child program (run only on a GPU) at
-    least compiles here."""
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
-    cpu = torch.device("cpu")
-    for name, run in gpu_check.checks(cpu, False, 1, 1):
-        if name.startswith(("T1 ", "T2 ", "T4 ")):
-            result = gpu_check.run_check(name, run, cpu)
-            assert result["status"] == "SKIP" and result["detail"].startswith(ALLOWED_SKIPS)
-    compile(gpu_check.script("gpu_t1_pg0_kill").CHILD, "gpu_t1_child", "exec")
+def test_what_the_checks_child_processes_import_needs_no_pydantic_numpy_or_vllm(tmp_path):
+    """The KV pool's store, a group's peer and T1's child program (compiled here: T1 runs only
+    on a GPU)."""
+    child = (
+        "import importlib.util\n"
+        "spec = importlib.util.spec_from_file_location('t1', 'scripts/gpu_t1_pg0_kill.py')\n"
+        "t1 = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(t1)\n"
+        "compile(t1.CHILD, 'gpu_t1_child', 'exec')\n"
+        "import kv_transfer.pool_store, kv_transfer.pool_peer, kv_transfer.nccl_transport\n"
+        "import pdserve.worker.gpu_environment\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", child],
+        cwd=ROOT,
+        env=env_without(tmp_path, BARE_GPU_IMAGE_LACKS),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr

@@ -1,0 +1,31 @@
+"""Every `--kv-fault` kind injected by the real sender: the decode ranks refuse the damaged
+transfer as the damage it is (a delayed one loads), after a clean one on the same channels."""
+
+import pytest
+
+from tests.gpu.transfer import assert_exact, transfer
+
+pytestmark = pytest.mark.gpu
+
+FAULT_DAMAGE = {  # --kv-fault kind -> what the decode worker must find (None: loads fine)
+    "corrupt": "digest",
+    "truncate": "length",
+    "duplicate": "duplicate",
+    "reorder": "order",
+    "stale": "stale",
+    "delay": None,
+}
+
+
+@pytest.mark.parametrize("kind", FAULT_DAMAGE)
+def test_a_damaged_transfer_is_refused_as_its_damage(device, kind, record_property):
+    # A stale slice is one kept from the transfer before (its sender marked for the fault too).
+    first = f"{kind}:1" if kind == "stale" else ""
+    clean, faulty = transfer(device, faults=(first, f"{kind}:1"))
+    assert_exact(clean)
+    want = FAULT_DAMAGE[kind]
+    if want is None:
+        record_property("detail", assert_exact(faulty))
+        return
+    assert not faulty.loaded and want in faulty.damage, f"expected {want}, got {faulty}"
+    record_property("detail", f"refused as {want} on every rank, nothing loaded")
