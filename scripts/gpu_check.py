@@ -2,7 +2,7 @@
 
     python3 scripts/gpu_check.py --json $OUT/gpu_check.json   # the lent GPU machine: ~3-4 min
     python scripts/gpu_check.py --device cpu                  # what CI runs of them, ~25 s here
-    python3 scripts/gpu_check.py -k "not pg0" -x              # pytest's own options pass on
+    python3 scripts/gpu_check.py -- -k "not pg0" -x           # pytest's own arguments after --
 
 It prints the versions it found first (a failure on an unknown image reads against them), runs
 pytest over tests/gpu on `--device` (CUDA when present, else the CPU), then one line per check
@@ -79,14 +79,13 @@ def versions() -> dict[str, str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], epilog="Other arguments go to pytest."
-    )
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu"
     )
     parser.add_argument("--json", type=Path, help="write every check's result here")
-    args, pytest_args = parser.parse_known_args()
+    parser.add_argument("pytest_args", nargs="*", help="pytest's own arguments, after --")
+    args = parser.parse_args()
     found = versions()
     print("versions: " + ", ".join(f"{k} {v}" for k, v in found.items()), flush=True)
     device = torch.device(args.device)
@@ -111,7 +110,7 @@ def main() -> int:
             "-p",
             "no:cacheprovider",
             "--tb=short",
-            *pytest_args,
+            *args.pytest_args,
         ],
         plugins=[report],
     )

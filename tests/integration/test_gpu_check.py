@@ -33,7 +33,7 @@ def test_the_runner_reports_each_check_and_a_module_that_fails_to_import(tmp_pat
     done = subprocess.run(
         [
             *(sys.executable, str(SCRIPT), "--device", "cpu", "--json", str(report)),
-            *("-k", "bandwidth or nccl_send or pg0"),
+            *("--", "-k", "bandwidth or nccl_send or pg0"),
         ],
         cwd=tmp_path,
         env=env_without(tmp_path, (*BARE_GPU_IMAGE_LACKS, "kv_transfer.pool_peer")),
