@@ -13,6 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
 BARE_GPU_IMAGE_LACKS = ("pydantic", "numpy", "vllm")
+DIGEST_TEST = "test_the_digest_on_the_device_equals_the_cpus_and_catches_a_flipped_bit"
 
 
 def env_without(tmp_path: Path, modules: tuple[str, ...]) -> dict[str, str]:
@@ -33,7 +34,7 @@ def test_the_runner_reports_each_check_and_a_module_that_fails_to_import(tmp_pat
     done = subprocess.run(
         [
             *(sys.executable, str(SCRIPT), "--device", "cpu", "--json", str(report)),
-            *("--", "-k", "bandwidth or nccl_send or pg0"),
+            *("--", "-k", "digest or nccl_send or pg0"),
         ],
         cwd=tmp_path,
         env=env_without(tmp_path, (*BARE_GPU_IMAGE_LACKS, "kv_transfer.pool_peer")),
@@ -50,12 +51,12 @@ def test_the_runner_reports_each_check_and_a_module_that_fails_to_import(tmp_pat
     assert found["counts"] == {"PASS": 1, "FAIL": 1, "SKIP": 4}, checks
     broken = checks["test_kv_pool_on_device.py"]
     assert broken["status"] == "FAIL" and "kv_transfer.pool_peer" in broken["detail"], broken
-    bandwidth = checks["test_bandwidth.py::test_staging_bandwidth[cpu]"]
-    assert bandwidth["status"] == "PASS" and "GB/s" in bandwidth["detail"], bandwidth
+    digest = checks[f"test_digest_on_device.py::{DIGEST_TEST}[cpu]"]
+    assert digest["status"] == "PASS" and "GB/s" in digest["detail"], digest
     skipped = [c for c in checks.values() if c["status"] == "SKIP"]
     assert all(c["detail"].startswith("CUDA only") for c in skipped), skipped
     assert found["checks"][-1]["name"].startswith("test_pg0_survives.py::")  # T1 judged last
-    rows = [line for line in done.stdout.splitlines() if "test_staging_bandwidth[cpu]" in line]
+    rows = [line for line in done.stdout.splitlines() if f"{DIGEST_TEST}[cpu]" in line]
     assert rows[-1].startswith("PASS") and "GB/s" in rows[-1], rows
 
 
