@@ -18,6 +18,7 @@ the conftest files above tests/gpu, which import more, are not loaded.
 import argparse
 import importlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -96,6 +97,8 @@ def main() -> int:
         return 2
     import pytest  # present: checked just above, after the versions were printed
 
+    # The checks' child processes (the KV pool's store) import this tree, wherever this runs from.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getenv("PYTHONPATH"), str(ROOT)]))
     report = Report()
     started = time.perf_counter()
     code = pytest.main(

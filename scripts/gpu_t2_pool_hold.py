@@ -21,9 +21,9 @@ call and per token, the device's time per token (the copy itself, which overlaps
 and the same calls against an unregistered mapping (copies staged through pinned memory).
 
 Torch only: no pydantic, no numpy, no vLLM (a bare GPU image has torch, grpcio and protobuf).
-scripts/gpu_check.py runs it as one of its checks:
+The GPU checks run it as T2 (tests/gpu/test_thread_holds.py, on CUDA):
 
-    check_pool_hold(device, skip=Skip) -> str   # raises skip(reason) on CPU, AssertionError
+    check_pool_hold(device) -> str   # raises Unavailable (or `skip`) on CPU, AssertionError
 """
 
 import argparse
@@ -49,7 +49,7 @@ JOB_BLOCKS = 8
 
 
 class Unavailable(Exception):
-    """The check cannot run here (gpu_check passes its own Skip instead)."""
+    """The check cannot run here (a caller may pass its own exception as `skip`)."""
 
 
 @dataclass
