@@ -1,7 +1,7 @@
 """Run the GPU checks (tests/gpu, pytest marker `gpu`) on one device in one call, with a report.
 
     python3 scripts/gpu_check.py --json $OUT/gpu_check.json   # the lent GPU machine: ~3-4 min
-    python scripts/gpu_check.py --device cpu                  # what CI runs of them, ~25 s here
+    python scripts/gpu_check.py --device cpu                  # on the CPU: ~25 s here
     python3 scripts/gpu_check.py -- -k "not pg0" -x           # pytest's own arguments after --
 
 It prints the versions it found first (a failure on an unknown image reads against them), runs
