@@ -13,5 +13,5 @@ docs=$(NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir .cache/d
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
-.venv/bin/python -m pytest tests/unit -n auto
+.venv/bin/python -m pytest tests/unit tests/gpu -n auto
 exec .venv/bin/python -m pytest tests/integration -n 2

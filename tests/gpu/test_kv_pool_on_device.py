@@ -1,4 +1,4 @@
-"""The host KV pool's copy path (kv_transfer/pool_copy.py) between device caches and real store
+"""The host KV pool's copy path (kv_transfer/pool/copy.py) between device caches and real store
 processes: bit-exact for each tensor-parallel rank's part, a changed byte refused by its rank
 alone, and a fetch between two hosts' pools that refuses a damaged block on arrival."""
 
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kv_transfer.pool_client import PoolClient
-from kv_transfer.pool_copy import PoolMemory, cache_rows, load_blocks, store_blocks
-from kv_transfer.pool_peer import BlockWriter, Damaged, read_blocks
-from kv_transfer.pool_store import PEER
+from kv_transfer.pool.client import PoolClient
+from kv_transfer.pool.copy import PoolMemory, cache_rows, load_blocks, store_blocks
+from kv_transfer.pool.peer import BlockWriter, Damaged, read_blocks
+from kv_transfer.pool.wire import PEER
 from pdserve.cluster.local_services import start_kv_pool
 from pdserve.worker.processes import stop_group
 from tests.gpu.kv_caches import BLOCKS, as_bits, random_bytes
@@ -102,7 +102,7 @@ def test_a_fetch_between_hosts_pools_is_bit_exact_and_refuses_a_damaged_block(
     device, kv_pools, record_property
 ):
     """Blocks a 2-rank engine stored from its device caches into one store are read out of it,
-    written into another store and checked there (kv_transfer/pool_peer.py; what two workers'
+    written into another store and checked there (kv_transfer/pool/peer.py; what two workers'
     gRPC carries between them is left out), and another 2-rank engine loads them onto the
     device bit for bit; a bit flipped in the first store's memory makes that block fail its
     check on arrival, and it never becomes loadable."""

@@ -199,7 +199,7 @@ def transfer(
                 "decode-req", transfer_id, dst_ids, skip_blocks, DEADLINE_S, prefill_tp
             )
             reports = [wait_reported(loader, expected) for loader in loaders]
-            stats = [loader.take_stats() for loader in loaders]
+            stats = [loader.take_reports() for loader in loaders]
             kept = [dst_ids[i] for i in range(blocks) if i >= skip_blocks]
             exact = all(  # the prompt's tokens of every sent block (a last block's tail is unused)
                 torch.equal(
@@ -226,7 +226,7 @@ def transfer(
                     exact=exact,
                     untouched=untouched,
                     failures=failures,
-                    damage=[str(s[-1].get("integrity", "")) if s else "" for s in stats],
+                    damage=[str(s[-1].damage or "") if s else "" for s in stats],
                     hold_s=max(report[2] for report in reports),
                 )
             )
@@ -294,7 +294,7 @@ def wait_reported(loader, expected) -> tuple[bool, str, float]:
         if expected.req_id in finished:
             if expected.req_id not in failed:
                 return True, "", held
-            return True, loader.finished[-1]["failure"] if loader.finished else "failed", held
+            return True, loader.finished[-1].failure if loader.finished else "failed", held
         time.sleep(0.002)
     return False, "not reported", held
 
