@@ -21,7 +21,7 @@ from kv_transfer.metadata import Expected, SendSlice
 from kv_transfer.transport import TRANSPORTS, LayerSlice
 from pdserve.core.kv_faults import KvFaultKind, parse_kv_fault
 from prefill_workers.kv_sender import LayerSender
-from tests.unit.test_kv_transports import CONSUMER
+from tests.unit.kv_endpoints import CONSUMER
 
 CPU = torch.device("cpu")
 LAYOUT = LayerLayout((BLOCK, HEAD, TOKEN, CONTENT))
