@@ -524,6 +524,7 @@ def check_kv_pool(device) -> str:
         raise Skip("not built yet: kv_transfer/pool/copy.py")
     from kv_transfer.pool.client import PoolClient
     from kv_transfer.pool.copy import PoolMemory, cache_rows, load_blocks, store_blocks
+    from kv_transfer.pool.wire import CompleteStore, PrepareLoad, PrepareStore
     from pdserve.cluster.local_services import start_kv_pool
     from pdserve.worker.processes import stop_group
 
@@ -534,7 +535,7 @@ def check_kv_pool(device) -> str:
         for _ in range(ranks)
     ]
     targets = [[torch.zeros_like(cache) for cache in rank] for rank in caches]
-    keys = [f"block {i}".encode() for i in range(4)]
+    keys = tuple(f"block {i}".encode() for i in range(4))
     sources, destinations = [1, 3, 5, 7], [0, 2, 4, 6]
     slot = ranks * 2 * page
     log_path = Path(tempfile.mkdtemp(prefix="gpu-check-")) / "kv-pool.log"
@@ -544,15 +545,15 @@ def check_kv_pool(device) -> str:
             PoolClient(address, "gpu_check", slot, ranks),
             PoolClient(address, "gpu_check", slot, ranks),
         )
-        slots = writer.call("prepare_store", keys)["stored"]["slots"]
+        slots = writer.call(PrepareStore(keys)).stored.slots
         memory = PoolMemory.over(writer.memory, writer.header_bytes, writer.slots, ranks)
         started = time.perf_counter()
         for rank, rank_caches in enumerate(caches):
             pages = [cache_rows(c) for c in rank_caches]
             store_blocks(pages, sources, memory, slots, keys, rank)
         stored_s = time.perf_counter() - started
-        writer.call("complete_store", keys, success=True)
-        loaded_slots = reader.call("prepare_load", keys)["slots"]
+        writer.call(CompleteStore(keys, success=True))
+        loaded_slots = reader.call(PrepareLoad(keys)).slots
         memory = PoolMemory.over(reader.memory, reader.header_bytes, reader.slots, ranks)
         started = time.perf_counter()
         for rank, rank_targets in enumerate(targets):
@@ -601,14 +602,22 @@ def check_kv_pool_peer(device) -> str:
     from kv_transfer.pool.client import PoolClient
     from kv_transfer.pool.copy import PoolMemory, cache_rows, load_blocks, store_blocks
     from kv_transfer.pool.peer import BlockWriter, Damaged, read_blocks
-    from kv_transfer.pool.store import PEER
+    from kv_transfer.pool.wire import (
+        PEER,
+        CompleteLoad,
+        CompleteStore,
+        Drop,
+        Lookup,
+        PrepareLoad,
+        PrepareStore,
+    )
     from pdserve.cluster.local_services import start_kv_pool
     from pdserve.worker.processes import stop_group
 
     page, ranks = 256 << 10, 2
     caches = [[random_bytes((BLOCKS, page), torch.uint8, device)] for _ in range(ranks)]
     targets = [[torch.zeros_like(rank[0])] for rank in caches]
-    keys = [f"peer block {i}".encode() for i in range(4)]
+    keys = tuple(f"peer block {i}".encode() for i in range(4))
     blocks = [1, 3, 5, 7]
     slot = ranks * page
     stores = []
@@ -620,11 +629,11 @@ def check_kv_pool_peer(device) -> str:
             addresses.append(address)
             stores.append(store)
         engines = [PoolClient(address, "gpu_check", slot, ranks) for address in addresses]
-        slots = engines[0].call("prepare_store", keys)["stored"]["slots"]
+        slots = engines[0].call(PrepareStore(keys)).stored.slots
         memory = PoolMemory.over(engines[0].memory, engines[0].header_bytes, len(keys), ranks)
         for rank, rank_caches in enumerate(caches):
             store_blocks([cache_rows(c) for c in rank_caches], blocks, memory, slots, keys, rank)
-        engines[0].call("complete_store", keys, success=True)
+        engines[0].call(CompleteStore(keys, success=True))
         engines[1].connected()  # the destination pool's namespace, as its engine would set it
         source, destination = PoolClient(addresses[0], PEER), PoolClient(addresses[1], PEER)
         started = time.perf_counter()
@@ -635,7 +644,7 @@ def check_kv_pool_peer(device) -> str:
         fetch_s = time.perf_counter() - started
         if fetched != len(keys):
             raise AssertionError(f"{fetched} of {len(keys)} blocks fetched")
-        loaded = engines[1].call("prepare_load", keys)["slots"]
+        loaded = engines[1].call(PrepareLoad(keys)).slots
         target_memory = PoolMemory.over(
             engines[1].memory, engines[1].header_bytes, len(keys), ranks
         )
@@ -646,9 +655,9 @@ def check_kv_pool_peer(device) -> str:
                 raise AssertionError(f"rank {rank}: fetched blocks refused: {refused}")
             if not torch.equal(rank_targets[0][blocks], caches[rank][0][blocks]):
                 raise AssertionError(f"rank {rank}: fetched blocks came back changed")
-        engines[1].call("complete_load", keys)
+        engines[1].call(CompleteLoad(keys))
         memory.part(slots[0], 1)[5] ^= 1  # the source's first block, rank 1's part
-        engines[1].call("drop", keys)
+        engines[1].call(Drop(keys))
         writer = BlockWriter(destination, keys)
         try:
             for chunk in read_blocks(source, writer.wanted):
@@ -656,7 +665,7 @@ def check_kv_pool_peer(device) -> str:
             raise AssertionError("a block with a flipped bit passed its check on arrival")
         except Damaged:
             pass
-        if writer.finish() or engines[1].call("lookup", keys)["found"]:
+        if writer.finish() or engines[1].call(Lookup(keys)).blocks:
             raise AssertionError("a damaged block became loadable")
     finally:
         for store in stores:
