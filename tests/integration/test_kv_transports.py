@@ -10,18 +10,16 @@ path's; fifty aborts leave no KV behind and open no new process group per transf
 kill tests are in test_migration.py.)"""
 
 import grpc
-import httpx
 import pytest
 
 from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from pdserve.settings.cluster_secret import secret_metadata
 from tests.integration.conftest import FORCED_TRANSPORTS as FORCED
-from tests.integration.conftest import SERVED_MODEL
+from tests.integration.helpers import complete, metrics_url, router_sample, scrape
 from tests.integration.http_client import HTTP
-from tests.integration.kv_stress import abort_fifty_requests, metric_value
+from tests.integration.kv_stress import abort_fifty_requests
 from tests.integration.processes import worker_pids
 from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS, long_prompt
-from tests.integration.test_worker_observability import metrics_url, scrape
 from tests.waiting import wait_for
 
 # Two prompts per transport in round-robin order: a short one (at most just past one 128-token
@@ -41,19 +39,10 @@ CAUGHT_AS = {
 }
 
 
-def complete(server, prompt: str, route: str, max_tokens: int) -> httpx.Response:
-    return HTTP.post(
-        f"{server.base_url}/completions",
-        json={"model": SERVED_MODEL, "prompt": prompt, "temperature": 0, "max_tokens": max_tokens},
-        headers={"x-pdserve-route": route, "x-pdserve-timing": "1"},
-        timeout=300,
-    )
-
-
 def failed_transfers(server) -> dict[str, float]:
     """The router's failed KV transfers so far, by the prefill worker's transport."""
     return {
-        kind: metric_value(
+        kind: router_sample(
             server, f'pdserve_kv_transfers_total{{outcome="failed",transport="{kind}"}}'
         )
         for kind in FORCED
