@@ -12,6 +12,7 @@ import kubernetes_validate
 import yaml
 from prometheus_client import CollectorRegistry
 
+from kv_transfer.pool.wire import GetStats, PoolStats
 from pdserve.cli import main
 from pdserve.cluster.k8s.gateway import EPP
 from pdserve.cluster.k8s.options import RenderOptions
@@ -80,10 +81,9 @@ class FakePoolStore:
     """Answers a worker's KV pool collector as an empty store would (its figures' names are
     what is checked here)."""
 
-    def call(self, op: str) -> dict:
-        assert op == "stats"
-        fields = ("bytes", "used", "slots", "slot_bytes", "budget_bytes", "evictions", "dropped")
-        return dict.fromkeys(fields, 0)
+    def call(self, request: GetStats) -> PoolStats:
+        assert request == GetStats()
+        return PoolStats(None, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
 def pdserve_metric_names() -> set[str]:
