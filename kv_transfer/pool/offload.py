@@ -161,8 +161,8 @@ class PendingStore:
     job_id: int
     blocks: list[int]
     memory: PoolMemory
-    slots: list[int]
-    keys: list[bytes]
+    slots: tuple[int, ...]
+    keys: tuple[bytes, ...]
     started: float  # when vLLM submitted it
     queued: int = 0  # blocks whose copy is queued
     landed: int = 0  # blocks whose copy is done (their headers written)
