@@ -4,22 +4,20 @@ round-robin, so consecutive requests go through each prefill worker in turn and 
 own transport.
 
 Greedy outputs equal vLLM's own on every transport, each transfer labelled with what carried
-it; an injected fault of each kind (SetKvFault, rate 1: no engine restarts) is caught on every
-transport by the integrity check, counted by transport and kind, and the output stays the local
-path's; fifty aborts leave no KV behind and open no new process group per transfer. (The pool's
-kill tests are in test_migration.py.)"""
+it; an injected fault of each kind (tests/kv_faults.py, rate 1, set in the running workers: no
+engine restarts) is caught on every transport by the integrity check, counted by transport and
+kind, and the output stays the local path's; fifty aborts leave no KV behind and open no new
+process group per transfer. (The pool's kill tests are in test_migration.py.)"""
 
-import grpc
 import pytest
 
-from pdserve.protocol import worker_pb2, worker_pb2_grpc
-from pdserve.settings.cluster_secret import secret_metadata
 from tests.integration.conftest import FORCED_TRANSPORTS as FORCED
 from tests.integration.helpers import complete, metrics_url, router_sample, scrape
 from tests.integration.http_client import HTTP
 from tests.integration.kv_stress import abort_fifty_requests
 from tests.integration.processes import worker_pids
 from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS, long_prompt
+from tests.kv_faults import set_fault
 from tests.waiting import wait_for
 
 # Two prompts per transport in round-robin order: a short one (at most just past one 128-token
@@ -81,15 +79,6 @@ def local_outputs(mixed_pool) -> dict[str, str]:
     }
 
 
-def set_fault(server, fault: str) -> None:
-    for worker in server.workers():
-        if worker["role"] == "prefill":
-            with grpc.insecure_channel(worker["address"]) as channel:
-                worker_pb2_grpc.WorkerStub(channel).SetKvFault(
-                    worker_pb2.KvFault(fault=fault), timeout=10, metadata=secret_metadata()
-                )
-
-
 def integrity_failures(server) -> dict[tuple[str, str], float]:
     """The decode workers' pdserve_kv_integrity_failures_total, by (transport, kind)."""
     counts: dict[tuple[str, str], float] = {}
@@ -136,9 +125,9 @@ def blocks_back_to_baseline(server) -> None:
 def fault(mixed_pool, request):
     """Sets the test's fault kind on every prefill worker (rate 1), and none after it."""
     server = mixed_pool()
-    set_fault(server, f"{request.param}:1")
+    set_fault(server.log_dir, f"{request.param}:1")
     yield request.param
-    set_fault(server, "")
+    set_fault(server.log_dir, "")
 
 
 def test_without_faults_every_transfer_loads_and_nothing_is_counted(mixed_pool, local_outputs):
