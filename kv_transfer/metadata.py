@@ -23,7 +23,6 @@ class SendSlice:
     last: bool  # this step completes the prompt
     decode_tp: int = 1  # the decode worker's TP: which of its ranks get which heads
     transport: str = Transport.GRPC  # what carries it (kv_transfer/transport.py)
-    fault: str = ""  # tests only: the fault its sender injects (kv_transfer/faults.py)
 
 
 @dataclass(frozen=True)

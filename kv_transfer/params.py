@@ -20,7 +20,6 @@ class SendKv:
     destination: str  # host:port of the decode worker's KV receiver (rank r: port + r)
     decode_tp: int = 1  # the decode worker's tensor-parallel size
     transport: str = Transport.GRPC  # a pdserve.core.kinds.Transport (a string on the wire)
-    fault: str = ""  # tests only: "KIND:RATE" the sender injects (kv_transfer/faults.py)
     skip_tokens: int = 0  # the decode worker holds these already: their whole blocks stay here
 
 

@@ -37,7 +37,6 @@ from typing import Protocol
 
 import torch
 
-from kv_transfer.faults import FaultInjector
 from kv_transfer.integrity import Damage, as_tensor, slice_digest
 from kv_transfer.memory_budget import INBOX_BYTES
 from kv_transfer.transfer_report import Cancel, Failure
@@ -51,7 +50,6 @@ LIVENESS_S = 1.0  # how often an idle channel kept open (`keep_idle`) is asked i
 SETTLE_POLL_S = 0.0002  # how often a thread with slices in flight looks for the next one
 INBOX_WAIT_S = 10.0  # longest a receiver waits for room in the inbox before failing the stream
 SPARE_BYTES = 256 << 20  # receive buffers kept for reuse (a new one costs its page faults)
-REORDER_WAIT_S = 1.0  # a reorder fault's longest wait for the slice it sends first (tests)
 MAX_CARRIED = 1024  # unfinished transfers a stream remembers, to cancel them if it fails
 CANCEL_GIVE_UP = 3  # failed cancels in a row after which a receiver is taken to be gone
 _CLOSE = object()
@@ -79,7 +77,6 @@ class LayerSlice:
     epoch: int = 0  # its transfer's identity (kv_transfer/integrity.transfer_epoch)
     seq: int = 0  # its place among its sender's slices of the transfer to this rank: 0, 1, ...
     digest: int = 0  # of its bytes (integrity.slice_digest), set by the sending thread
-    fault: str = ""  # sender side: the fault to inject, "KIND:RATE" (kv_transfer/faults.py)
     damage: str = ""  # receiver side: an integrity.Damage its bytes were found with, or ""
 
     def release(self) -> None:
@@ -129,7 +126,7 @@ def bind_device(device: torch.device | None) -> None:
 
 class InFlight:
     """What one sending thread has handed its channel: the slices not yet through (a pipelined
-    channel's), and the staged buffers to release once every slice made from them is."""
+    channel's), and the staged buffers to release once their slices are."""
 
     def __init__(self, channel: Channel, carried: "Carried") -> None:
         self.channel = channel
@@ -137,7 +134,7 @@ class InFlight:
         self.pipelined = callable(getattr(channel, "done", None))
         self.posted = 0  # slices handed to the channel
         self.settled = 0  # ... that went through
-        self.batches: deque[tuple[int, list[LayerSlice]]] = deque()  # (posted by then, staged)
+        self.batches: deque[tuple[int, LayerSlice]] = deque()  # (posted by then, staged)
 
     @property
     def busy(self) -> bool:
@@ -149,9 +146,9 @@ class InFlight:
         if not self.pipelined:
             self._settled(out)
 
-    def staged(self, pieces: list[LayerSlice]) -> None:
-        """`pieces`' buffers are released once what was sent so far has gone through."""
-        self.batches.append((self.posted, pieces))
+    def staged(self, piece: LayerSlice) -> None:
+        """`piece`'s buffer is released once what was sent so far has gone through."""
+        self.batches.append((self.posted, piece))
         self.collect(wait=False)
 
     def collect(self, wait: bool) -> None:
@@ -159,8 +156,7 @@ class InFlight:
             for out in self.channel.done(wait):
                 self._settled(out)
         while self.batches and self.batches[0][0] <= self.settled:
-            for piece in self.batches.popleft()[1]:
-                piece.data.release()
+            self.batches.popleft()[1].data.release()
 
     def _settled(self, out: LayerSlice) -> None:
         self.settled += 1
@@ -170,8 +166,7 @@ class InFlight:
         """The channel failed: nothing more goes through (an NCCL group holds what its aborted
         operations read until they end, so the memory is safe to lend again)."""
         while self.batches:
-            for piece in self.batches.popleft()[1]:
-                piece.data.release()
+            self.batches.popleft()[1].data.release()
 
 
 OpenChannel = Callable[[Transport, str], Channel]
@@ -181,14 +176,13 @@ _GONE = object()  # an idle channel kept open found its receiver gone
 class KvSender:
     """Sends layer slices from one background thread per (destination, transport), so the
     forward pass never waits on the network. That thread computes each slice's digest as it
-    sends it (`integrity`), and applies the slice's injected fault, if any (tests only). It
-    opens its channel (handshake included) on the first slice and closes it after IDLE_CLOSE_S
-    without slices (a channel that keeps idle is closed once it is no longer alive instead).
-    Slices a pipelined channel has in flight are finished while the thread waits for the next.
-    When a channel fails or is refused, every slice still queued or in flight on it is released
-    and each transfer it carried is cancelled on the receiver with the reason, so the decode
-    worker applies its policy at once rather than at its deadline. The next slice opens a new
-    channel.
+    sends it (`integrity`). It opens its channel (handshake included) on the first slice and
+    closes it after IDLE_CLOSE_S without slices (a channel that keeps idle is closed once it is
+    no longer alive instead). Slices a pipelined channel has in flight are finished while the
+    thread waits for the next. When a channel fails or is refused, every slice still queued or
+    in flight on it is released and each transfer it carried is cancelled on the receiver with
+    the reason, so the decode worker applies its policy at once rather than at its deadline.
+    The next slice opens a new channel.
 
     `open_channel(kind, destination)` makes the channel; `cancel(destination, transfer_id,
     Cancel)` reaches the receiver's control service (gRPC for every transport).
@@ -242,36 +236,19 @@ class KvSender:
         failure = None
         channel = None
         flight = None
-        faults = FaultInjector()
         bind_device(self.device)
         log.info("KV channel (%s) to %s opening", kind, destination)
-
-        def take_next():
-            """The next slice already queued, sealed (what a reorder fault sends first)."""
-            try:
-                piece = pending.get(timeout=REORDER_WAIT_S)
-            except queue.Empty:
-                return None
-            if piece is _CLOSE:
-                pending.put(piece)
-                return None
-            taken.append(piece)
-            return self._sealed(piece)
-
         try:
             channel = self.open_channel(kind, destination)
             flight = InFlight(channel, carried)
             while (piece := self._next(key, pending, flight)) is not _CLOSE and piece is not _GONE:
-                taken = [piece]
+                carried.begin(piece.transfer_id)
                 try:
-                    for out in faults.pieces(self._sealed(piece), take_next):
-                        carried.begin(out.transfer_id)
-                        flight.send(out)
+                    flight.send(self._sealed(piece))
                 except BaseException:
-                    for done in taken:
-                        done.data.release()
+                    piece.data.release()
                     raise
-                flight.staged(taken)
+                flight.staged(piece)
             if piece is _GONE:
                 closing, channel = channel, None
                 try:

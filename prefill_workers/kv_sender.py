@@ -109,7 +109,6 @@ class LayerSender:
                         piece.last,
                         epoch=transfer_epoch(piece.transfer_id),
                         seq=self._next_seq(piece.transfer_id, route.decode_rank),
-                        fault=piece.fault,
                     ),
                 )
 

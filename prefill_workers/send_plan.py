@@ -53,7 +53,6 @@ class SendPlan:
                     finished,
                     state.params.decode_tp,
                     state.params.transport,
-                    state.params.fault,
                 )
             )
             if finished:

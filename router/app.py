@@ -10,9 +10,11 @@ import time
 from fastapi import FastAPI
 
 from pdserve.settings.router import RouterSettings
+from router.flow.accounting import Accounting
 from router.flow.admission_gate import AdmissionGate
-from router.flow.request_flow import RequestFlow
-from router.flow.tokenization import PromptTokenizer
+from router.flow.relay import Relay
+from router.flow.retries import Starter
+from router.flow.tokenization import PromptTokenizer, TokenizerThreads
 from router.flow.wait_forecast import WaitForecast
 from router.http import cluster, generation, tokens
 from router.http import error_handlers as errors
@@ -22,6 +24,7 @@ from router.http.openai_types import MAX_BATCH_PROMPTS
 from router.lifespan import lifespan
 from router.metrics import RouterMetrics
 from router.shared.state import Peers
+from router.workers.choice import WorkerChoice
 from router.workers.flex_roles import FlexRoles, RoleMetrics
 from router.workers.policies import POLICIES
 from router.workers.pool import WorkerPool
@@ -51,12 +54,16 @@ def create_app(settings: RouterSettings, model: str) -> FastAPI:
     )
     state = app.state
     state.settings, state.model, state.started = settings, model, int(time.time())
-    state.pool = pool = WorkerPool(list(settings.worker_addresses), POLICIES[settings.policy]())
+    state.pool = pool = WorkerPool(list(settings.worker_addresses))
+    state.choice = choice = WorkerChoice(pool, POLICIES[settings.policy]())
     state.max_body_bytes = lambda: body_limit(pool.max_model_len)
     state.bodies = BodyBytes()  # the bodies being read, all connections together
     state.metrics = metrics = RouterMetrics()
     state.tokenizer = PromptTokenizer(model, lambda: pool.max_model_len)
-    state.flow = RequestFlow(settings, pool, state.tokenizer, metrics)
+    state.tokenizing = TokenizerThreads()  # admission and /tokenize, off the event loop
+    state.starter = Starter(settings, pool, choice, metrics)
+    state.accounting = accounting = Accounting(metrics, choice.policy.cache_lost)
+    state.relay = Relay(accounting)
     state.roles = FlexRoles(pool, RoleMetrics(metrics.registry))
     # Several routers (router/shared/sync.py) split the cluster-wide bounds between them.
     state.peers = peers = Peers()

@@ -59,7 +59,7 @@ async def lifespan(app: FastAPI):
         roles.place_new()
     if settings.registry:
         shared = SharedState(settings.registry, settings.cluster, router_id(settings.port))
-        index = getattr(pool.policy, "index", None)  # cache-aware's
+        index = getattr(state.choice.policy, "index", None)  # cache-aware's
         state.sync = StateSync(shared, roles, index, state.peers, settings.flex_auto, state.metrics)
         syncing = asyncio.create_task(state.sync.follow(settings.registry_refresh_s))
         tasks.append(syncing)

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kv_transfer.pool.client import PoolClient
 from kv_transfer.pool.copy import PoolMemory, store_blocks
+from kv_transfer.pool.wire import CompleteStore, PrepareStore
 from pdserve.cluster.local_services import start_kv_pool
 from pdserve.core.pool_keys import block_keys
 from pdserve.protocol import GRPC_OPTIONS, worker_pb2, worker_pb2_grpc
@@ -87,14 +88,14 @@ async def fetches(addresses: list[str], slot: int, blocks: int, rounds: int) -> 
     try:
         for number in range(rounds):
             prompt = [number * 100_000 + i for i in range(blocks * BLOCK_TOKENS)]
-            keys = list(block_keys(prompt, BLOCK_TOKENS, NONE_HASH))
+            keys = tuple(block_keys(prompt, BLOCK_TOKENS, NONE_HASH))
             page = torch.randint(0, 256, (blocks, slot), dtype=torch.uint8)
-            slots = source_engine.call("prepare_store", keys)["stored"]["slots"]
+            slots = source_engine.call(PrepareStore(keys)).stored.slots
             memory = PoolMemory.over(
                 source_engine.memory, source_engine.header_bytes, source_engine.slots
             )
             store_blocks([page], list(range(blocks)), memory, slots, keys)
-            source_engine.call("complete_store", keys, success=True)
+            source_engine.call(CompleteStore(keys, success=True))
             wall, cpu = time.perf_counter(), time.process_time()
             fetch = worker_pb2.PoolFetch(source=source, tokens=len(prompt))
             fetched = await peers.fetch(prompt, fetch)

@@ -3,7 +3,7 @@ the app's own OpenAPI description (each route and method, its query parameters, 
 bodies the generation and tokenize routes describe: router/http/body.py's json_body), mixed
 with values at and past every bound, wrong types, junk JSON, bytes that are not JSON, and the
 router's own headers. The app runs in this process over fake workers
-(tests/unit/test_router_app.py: one token per choice, logprobs as asked), so what is fuzzed is
+(tests/fakes.py: one token per choice, logprobs as asked), so what is fuzzed is
 the router's own handling: no answer may be a 5xx, and every 4xx has OpenAI's error body.
 
     python scripts/fuzz_router.py [--examples 500] [--seed N] [--model FOLDER]
@@ -253,7 +253,7 @@ def fuzz_app(model: str | None = None):
     fake one (a token per character) without one."""
     from pdserve.settings.router import RouterSettings
     from router import app as router_app
-    from tests.unit.test_router_app import AppWorker, FakeTokenizer
+    from tests.fakes import AppWorker, FakeTokenizer
 
     settings = RouterSettings(model=SERVED_MODEL, worker_addresses=[])
     if model is not None:

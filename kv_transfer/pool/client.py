@@ -8,7 +8,6 @@ loaded, or skips a store). A failed store is asked again after a back-off (1 s, 
 is refused (a load names the store it was planned against).
 """
 
-import json
 import logging
 import mmap
 import os
@@ -17,7 +16,20 @@ import struct
 import threading
 import time
 
-from kv_transfer.pool.wire import HELLO_BYTES, socket_address
+from kv_transfer.pool.wire import (
+    HELLO_BYTES,
+    GetStats,
+    Hello,
+    Joined,
+    Observing,
+    PoolRequest,
+    PoolStats,
+    Refused,
+    Reply,
+    decode,
+    encode,
+    socket_address,
+)
 
 log = logging.getLogger("pdserve.kv")
 
@@ -51,20 +63,19 @@ class PoolClient:
         self._retry_s = FIRST_RETRY_S
         self._refused = False
 
-    def call(self, op: str, keys: list[bytes] = (), **fields) -> dict | None:
+    def call(self, request: PoolRequest[Reply]) -> Reply | None:
         """The store's answer to one request, or None (no store, or it failed to answer)."""
         with self._lock:
             if not self._connected():
                 return None
-            line = json.dumps({"op": op, "keys": [key.hex() for key in keys], **fields}) + "\n"
             try:
-                self._sock.sendall(line.encode())
-                answer = json.loads(self._stream.readline() or "null")
-            except (OSError, ValueError) as error:
-                self._failed(f"{op}: {error}")
+                self._sock.sendall(encode(request))
+                answer = decode(self._stream.readline(), request.reply)
+            except (OSError, ValueError) as error:  # a WireError is a ValueError
+                self._failed(f"{request.op}: {error}")
                 return None
-            if not isinstance(answer, dict) or "error" in answer:
-                self._failed(f"{op}: {answer}")
+            if isinstance(answer, Refused):
+                self._failed(f"{request.op}: {answer.error}")
                 return None
             return answer
 
@@ -84,32 +95,24 @@ class PoolClient:
         try:
             sock.connect(socket_address(self.address))
             _check_peer(sock)
-            hello = {
-                "op": "hello",
-                "namespace": self.namespace,
-                "slot_bytes": self.slot_bytes,
-                "parts": self.parts,
-            }
-            sock.sendall((json.dumps(hello) + "\n").encode())
+            sock.sendall(encode(Hello(self.namespace, self.slot_bytes, self.parts)))
             data, fds, _flags, _addr = socket.recv_fds(sock, HELLO_BYTES, 1)
-            reply = json.loads(data.decode() or "null")
-            if self.namespace is None and reply == {}:
+            reply = decode(data, Joined if self.namespace is not None else Observing)
+            if isinstance(reply, Observing):
                 self._sock, self._stream = sock, sock.makefile("rb")
                 return True
-            if isinstance(reply, dict) and reply.get("later"):  # a peer, before any engine
-                raise ValueError(reply["error"])
-            if not fds or not isinstance(reply, dict) or "error" in reply:
+            if isinstance(reply, Refused) and reply.later:  # a peer, before any engine
+                raise ValueError(reply.error)
+            if not fds or isinstance(reply, Refused):
                 self._refused = True  # a namespace the store does not hold: it will not change
                 log.warning("kv pool at %s refused this worker: %s", self.address, reply)
                 sock.close()
                 return False
-            size = reply["header_bytes"] + reply["slots"] * reply["slot_bytes"]
-            memory = mmap.mmap(fds[0], size)
-            store_id, slots, header_bytes = reply["store_id"], reply["slots"], reply["header_bytes"]
+            memory = mmap.mmap(fds[0], reply.header_bytes + reply.slots * reply.slot_bytes)
             # a peer's are the pool's
-            self.slot_bytes, self.parts = reply["slot_bytes"], reply["parts"]
-            self.pool_namespace = reply["namespace"]
-        except (OSError, ValueError, KeyError, TypeError) as error:
+            self.slot_bytes, self.parts = reply.slot_bytes, reply.parts
+            self.pool_namespace = reply.namespace
+        except (OSError, ValueError) as error:  # a WireError is a ValueError
             sock.close()
             self._backoff()
             log.debug("kv pool at %s: not reachable (%s)", self.address, error)
@@ -118,7 +121,11 @@ class PoolClient:
             for fd in fds:
                 os.close(fd)
         self.memory = memory  # an old store's mapping goes with the last view of it
-        self.store_id, self.slots, self.header_bytes = store_id, slots, header_bytes
+        self.store_id, self.slots, self.header_bytes = (
+            reply.store_id,
+            reply.slots,
+            reply.header_bytes,
+        )
         self._sock, self._stream = sock, sock.makefile("rb")
         self._retry_s = FIRST_RETRY_S
         log.info("kv pool at %s: %d slots of %d B", self.address, self.slots, self.slot_bytes)
@@ -143,12 +150,12 @@ class PoolClient:
             self._close()
 
 
-def store_stats(address: str) -> dict | None:
+def store_stats(address: str) -> PoolStats | None:
     """The figures of the store at `address` (an observer's one question), or None when it
     does not answer within the call deadline (a hung store's socket still takes connections)."""
     client = PoolClient(address, namespace=None)
     try:
-        return client.call("stats")
+        return client.call(GetStats())
     finally:
         client.close()
 

@@ -21,6 +21,7 @@ it to the workers of its host.
 """
 
 from collections import Counter, OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -39,14 +40,26 @@ class Entry:
     writer: int | None = None  # the owner writing it, until complete
 
 
-@dataclass
+@dataclass(frozen=True)
 class Stored:
     """What `prepare_store` hands a writer: the keys it should write (those not already
     stored), their slots, and the keys evicted to make room."""
 
-    keys: list[bytes]
-    slots: list[int]
-    evicted: list[bytes]
+    keys: tuple[bytes, ...]
+    slots: tuple[int, ...]
+    evicted: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class Changes:
+    """What `contents_since` answers: the change number now, and the keys that became
+    loadable (`added`) or stopped being loadable (`removed`) since the reader's; `reset`: the
+    reader's copy is replaced, by every loadable key (in `added`)."""
+
+    sequence: int
+    reset: bool
+    added: tuple[bytes, ...]
+    removed: tuple[bytes, ...]
 
 
 class PoolIndex:
@@ -64,7 +77,7 @@ class PoolIndex:
     def used(self) -> int:
         return len(self._entries)
 
-    def lookup(self, keys: list[bytes]) -> int:
+    def lookup(self, keys: Sequence[bytes]) -> int:
         """How many of `keys`, from the first, are stored and readable."""
         found = 0
         for key in keys:
@@ -74,7 +87,7 @@ class PoolIndex:
             found += 1
         return found
 
-    def prepare_load(self, keys: list[bytes], owner: int) -> list[int] | None:
+    def prepare_load(self, keys: Sequence[bytes], owner: int) -> tuple[int, ...] | None:
         """Pins `keys` for `owner` and gives their slots; None (nothing pinned) if any is not
         readable any more."""
         entries = [self._entries.get(key) for key in keys]
@@ -85,9 +98,9 @@ class PoolIndex:
             entry.reuse = min(entry.reuse + 1, MAX_REUSE)
             self._entries.move_to_end(key)
         self.hits += len(keys)
-        return [entry.slot for entry in entries]
+        return tuple(entry.slot for entry in entries)
 
-    def complete_load(self, keys: list[bytes], owner: int) -> None:
+    def complete_load(self, keys: Sequence[bytes], owner: int) -> None:
         for key in keys:
             entry = self._entries.get(key)
             if entry is not None and entry.pins[owner] > 0:
@@ -97,12 +110,12 @@ class PoolIndex:
                 if not entry.ready and self._evictable(entry):  # dropped while it was read
                     self._remove(key)
 
-    def touch(self, keys: list[bytes]) -> None:
+    def touch(self, keys: Sequence[bytes]) -> None:
         for key in keys:
             if key in self._entries:
                 self._entries.move_to_end(key)
 
-    def prepare_store(self, keys: list[bytes], owner: int) -> Stored | None:
+    def prepare_store(self, keys: Sequence[bytes], owner: int) -> Stored | None:
         """Slots for the keys not stored yet, evicting unpinned blocks to make room; None (and
         nothing changed) if there is not room for all of them."""
         for key in keys:  # a dropped block, no longer read, is written again
@@ -119,9 +132,9 @@ class PoolIndex:
             self._entries[key] = entry
             slots.append(entry.slot)
         self.touch(keys)
-        return Stored(keys=new, slots=slots, evicted=evicted)
+        return Stored(keys=tuple(new), slots=tuple(slots), evicted=tuple(evicted))
 
-    def complete_store(self, keys: list[bytes], owner: int, success: bool) -> None:
+    def complete_store(self, keys: Sequence[bytes], owner: int, success: bool) -> None:
         for key in keys:
             entry = self._entries.get(key)
             if entry is None or entry.writer != owner:
@@ -133,7 +146,7 @@ class PoolIndex:
             else:
                 self._remove(key)
 
-    def drop(self, keys: list[bytes]) -> None:
+    def drop(self, keys: Sequence[bytes]) -> None:
         """Forget `keys` (a block whose bytes failed their check); a pinned one is kept until
         its reads end, but is no longer readable."""
         for key in keys:
@@ -186,13 +199,11 @@ class PoolIndex:
         self.sequence += 1
         self._changes.append((key, loadable))
 
-    def contents_since(self, since: int) -> dict:
-        """What changed after change number `since`: {"sequence": now, "reset": False, "added":
-        keys now loadable, "removed": keys no longer loadable}; when those changes are not all
-        logged any more (or `since` is not one of this index's), {"reset": True, "added": the
-        loadable keys, "removed": []}, at most MAX_LOGGED_CHANGES of them, the most recently
-        used (a reader's copy may then lack some old keys: it underestimates, never claims a
-        block that is not here)."""
+    def contents_since(self, since: int) -> Changes:
+        """What changed after change number `since`; when those changes are not all logged any
+        more (or `since` is not one of this index's), a reset to the loadable keys, at most
+        MAX_LOGGED_CHANGES of them, the most recently used (a reader's copy may then lack some
+        old keys: it underestimates, never claims a block that is not here)."""
         behind = self.sequence - since
         if not 0 <= behind <= len(self._changes):
             added = []
@@ -201,13 +212,13 @@ class PoolIndex:
                     break
                 if entry.ready:
                     added.append(key)
-            return {"sequence": self.sequence, "reset": True, "added": added, "removed": []}
+            return Changes(self.sequence, reset=True, added=tuple(added), removed=())
         last: dict[bytes, bool] = {}  # each key's latest change
         for key, loadable in islice(reversed(self._changes), behind):
             last.setdefault(key, loadable)
-        return {
-            "sequence": self.sequence,
-            "reset": False,
-            "added": [key for key, loadable in last.items() if loadable],
-            "removed": [key for key, loadable in last.items() if not loadable],
-        }
+        return Changes(
+            self.sequence,
+            reset=False,
+            added=tuple(key for key, loadable in last.items() if loadable),
+            removed=tuple(key for key, loadable in last.items() if not loadable),
+        )

@@ -59,6 +59,17 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kv_transfer.pool.client import PoolClient
 from kv_transfer.pool.config import POOL_ADDRESS, POOL_NAMESPACE
 from kv_transfer.pool.copy import Copy, PoolCopier, PoolMemory, cache_rows
+from kv_transfer.pool.wire import (
+    CompleteLoad,
+    CompleteStore,
+    Drop,
+    GetStats,
+    Lookup,
+    PoolRequest,
+    PrepareLoad,
+    PrepareStore,
+    Reply,
+)
 
 log = logging.getLogger("pdserve.kv")
 # Store copies queued per engine step, at least one block (SmolLM2's 5.6 MiB block: ~3 ms of a
@@ -80,8 +91,8 @@ class PoolSlots(LoadStoreSpec):
     key. `slots` is None for a load the store could not pin any more."""
 
     store_id: str | None
-    slots: list[int] | None
-    keys: list[bytes]
+    slots: tuple[int, ...] | None
+    keys: tuple[bytes, ...]
 
 
 class PoolManager(OffloadingManager):
@@ -92,20 +103,20 @@ class PoolManager(OffloadingManager):
         self.client = client
         self._unpinned: set[str] = set()  # requests whose last load found its blocks gone
 
-    def _call(self, op: str, keys, **fields) -> dict | None:
-        return self.client.call(op, list(keys), **fields) if self.client is not None else None
+    def _call(self, request: PoolRequest[Reply]) -> Reply | None:
+        return self.client.call(request) if self.client is not None else None
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        answer = self._call("lookup", [key])
-        return LookupResult.HIT if answer and answer.get("found") else LookupResult.MISS
+        found = self._call(Lookup((key,)))
+        return LookupResult.HIT if found and found.blocks else LookupResult.MISS
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return CacheHitSource.HOST
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PoolSlots:
-        keys = list(keys)
-        answer = self._call("prepare_load", keys)
-        slots = answer.get("slots") if answer else None
+        keys = tuple(keys)
+        pinned = self._call(PrepareLoad(keys))
+        slots = pinned.slots if pinned else None
         if slots is None:  # nothing pinned: its complete_load must not unpin another load's
             self._unpinned.add(req_context.req_id)
         store_id = self.client.store_id if self.client is not None else None
@@ -115,26 +126,25 @@ class PoolManager(OffloadingManager):
         if req_context.req_id in self._unpinned:
             self._unpinned.discard(req_context.req_id)
             return
-        self._call("complete_load", keys)
+        self._call(CompleteLoad(tuple(keys)))
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        answer = self._call("prepare_store", keys)
-        stored = answer.get("stored") if answer else None
+        reserved = self._call(PrepareStore(tuple(keys)))
+        stored = reserved.stored if reserved else None
         if stored is None:
             return None
-        new = [OffloadKey(bytes.fromhex(key)) for key in stored["keys"]]
         return PrepareStoreOutput(
-            keys_to_store=new,
-            store_spec=PoolSlots(self.client.store_id, stored["slots"], new),
-            evicted_keys=[OffloadKey(bytes.fromhex(key)) for key in stored["evicted"]],
+            keys_to_store=[OffloadKey(key) for key in stored.keys],
+            store_spec=PoolSlots(self.client.store_id, stored.slots, stored.keys),
+            evicted_keys=[OffloadKey(key) for key in stored.evicted],
         )
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        self._call("complete_store", keys, success=success)
+        self._call(CompleteStore(tuple(keys), success))
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -151,8 +161,8 @@ class PendingStore:
     job_id: int
     blocks: list[int]
     memory: PoolMemory
-    slots: list[int]
-    keys: list[bytes]
+    slots: tuple[int, ...]
+    keys: tuple[bytes, ...]
     started: float  # when vLLM submitted it
     queued: int = 0  # blocks whose copy is queued
     landed: int = 0  # blocks whose copy is done (their headers written)
@@ -280,7 +290,7 @@ class PoolWorker(OffloadingWorker):
                 continue
             if job.refused:  # reported with the load, in the same step
                 self.failed_blocks.update(job.refused)
-                self.client.call("drop", job.refused_keys)  # client set: memory came from it
+                self.client.call(Drop(tuple(job.refused_keys)))  # client set: memory came from it
                 log.warning(
                     "kv pool: %d block(s) failed their check: dropped, recomputed",
                     len(job.refused),
@@ -314,7 +324,7 @@ class PoolWorker(OffloadingWorker):
         if self.client is None or not self.client.connected():
             return None
         if spec.store_id != self.client.store_id:
-            self.client.call("stats")
+            self.client.call(GetStats())
             return None
         return self._mapping()
 

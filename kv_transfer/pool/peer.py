@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from kv_transfer.pool.client import PoolClient
 from kv_transfer.pool.copy import PoolMemory, record
+from kv_transfer.pool.wire import CompleteLoad, CompleteStore, Lookup, PrepareLoad, PrepareStore
 
 CHUNK_BYTES = 4 << 20
 
@@ -38,18 +39,19 @@ class BlockChunk:
     header: list[int] = field(default_factory=list)
 
 
-def read_blocks(client: PoolClient, keys: list[bytes]) -> Iterator[BlockChunk]:
+def read_blocks(client: PoolClient, keys: tuple[bytes, ...]) -> Iterator[BlockChunk]:
     """The leading `keys` the pool holds, chunk by chunk, pinned until the last is read (or
     the reader stops: closing the generator unpins them)."""
-    found = (client.call("lookup", keys) or {}).get("found", 0)
-    pinned = (client.call("prepare_load", keys[:found]) or {}).get("slots") if found else None
-    if not pinned:
+    found = client.call(Lookup(keys))
+    held = keys[: found.blocks] if found else ()
+    pinned = client.call(PrepareLoad(held)) if held else None
+    if not pinned or not pinned.slots:
         return
     try:
         # The store's memory as planned: the client may reconnect while the chunks are read.
         memory, start, slot_bytes = client.memory, client.header_bytes, client.slot_bytes
         headers = PoolMemory.over(memory, start, client.slots, client.parts).headers
-        for block, slot in enumerate(pinned):
+        for block, slot in enumerate(pinned.slots):
             header = headers[slot].reshape(-1).tolist()
             base = start + slot * slot_bytes
             for offset in range(0, slot_bytes, CHUNK_BYTES):
@@ -57,7 +59,7 @@ def read_blocks(client: PoolClient, keys: list[bytes]) -> Iterator[BlockChunk]:
                 data = memory[base + offset : base + end]
                 yield BlockChunk(block, offset, data, header if offset == 0 else [])
     finally:
-        client.call("complete_load", keys[:found])
+        client.call(CompleteLoad(held))
 
 
 class Damaged(ValueError):
@@ -69,11 +71,12 @@ class BlockWriter:
     `wanted`), filled by the chunks a peer sends and checked before any becomes loadable.
     `finish` (on every path) makes the checked blocks loadable and frees the others' slots."""
 
-    def __init__(self, client: PoolClient, keys: list[bytes]):
+    def __init__(self, client: PoolClient, keys: tuple[bytes, ...]):
         self.client = client
-        stored = (client.call("prepare_store", keys) or {}).get("stored") if keys else None
-        self.wanted = [bytes.fromhex(key) for key in stored["keys"]] if stored else []
-        self.slots = stored["slots"] if stored else []
+        reserved = client.call(PrepareStore(keys)) if keys else None
+        stored = reserved.stored if reserved else None
+        self.wanted = stored.keys if stored else ()
+        self.slots = stored.slots if stored else ()
         self.written = 0  # bytes of the block being written
         self.checked: list[bytes] = []  # blocks that passed their check, in order
         if self.wanted:
@@ -122,7 +125,7 @@ class BlockWriter:
         if self.client.store_id != self.store_id:
             return 0
         if self.checked:
-            self.client.call("complete_store", self.checked, success=True)
+            self.client.call(CompleteStore(tuple(self.checked), success=True))
         if unwritten:
-            self.client.call("complete_store", unwritten, success=False)
+            self.client.call(CompleteStore(unwritten, success=False))
         return len(self.checked)

@@ -22,19 +22,20 @@ kv_transfer/pool/peer.py) takes the namespace the engines set. A slot of a
 tensor-parallel engine holds one part per rank (each rank's heads of the block), each with its
 own header entry, written and checked by that rank alone.
 
-Protocol: JSON lines. The hello's answer comes with the memory's descriptor: {"slots",
-"slot_bytes", "parts", "header_bytes", "store_id", "namespace"}; a hello without a namespace is
-an observer's (a worker's /metrics and Stats), which gets no memory and may only ask for "stats" or
-"contents" (the keys that became loadable or stopped being loadable since a change number:
-routers keep a copy of what the pool holds). Then each request {"op", ...} gets one answer line;
-keys travel in hex. The memory: a header of HEADER_BYTES_PER_PART per part of every slot (its
-writer's key tag and digest, which a reader checks: kv_transfer/pool/copy.py), then the slots,
-page-aligned.
+Protocol (kv_transfer/pool/wire.py): JSON lines, one frozen dataclass per request and per
+reply, keys in hex. A connection's first line is a Hello; an engine's or a peer's is answered
+with Joined (the memory's layout, store_id, namespace) and the memory's descriptor; one without
+a namespace is an observer's (a worker's /metrics and Stats), which gets Observing, no memory,
+and may only ask GetStats or GetContents (the keys that became loadable or stopped being
+loadable since a change number: routers keep a copy of what the pool holds). Then each request
+line gets one reply line, of the type the request names; a line that is no request (not JSON,
+an unknown op, a field missing or of the wrong type) gets a Refused, and the store reads on.
+The memory: a header of HEADER_BYTES_PER_PART per part of every slot (its writer's key tag and
+digest, which a reader checks: kv_transfer/pool/copy.py), then the slots, page-aligned.
 """
 
 import argparse
 import fcntl
-import json
 import mmap
 import os
 import signal
@@ -46,7 +47,32 @@ import uuid
 
 from kv_transfer.pool.client import store_stats
 from kv_transfer.pool.index import PoolIndex
-from kv_transfer.pool.wire import PEER, socket_address
+from kv_transfer.pool.wire import (
+    PEER,
+    CompleteLoad,
+    CompleteStore,
+    Contents,
+    Done,
+    Drop,
+    Found,
+    GetContents,
+    GetStats,
+    Hello,
+    Joined,
+    Lookup,
+    Observing,
+    Pinned,
+    PoolRequest,
+    PoolStats,
+    PrepareLoad,
+    PrepareStore,
+    Refused,
+    Reserved,
+    WireError,
+    decode,
+    encode,
+    socket_address,
+)
 
 HEADER_BYTES_PER_PART = 16  # key tag (8) and digest (8) of what the writer put there
 PAGE = mmap.PAGESIZE
@@ -80,25 +106,26 @@ class PoolStore:
         self.fd = -1
         self._owners = 0
 
-    def hello(self, namespace: str, slot_bytes: int, parts: int = 1) -> dict:
+    def join(self, hello: Hello) -> Joined | Refused:
         """The first client's namespace, slot size and parts per slot make the memory; later
         ones must match. A peer (namespace PEER: the worker's process that copies blocks
         between this pool and another host's) takes whatever this pool holds, once a worker's
         engine said what that is."""
+        namespace, slot_bytes, parts = hello.namespace, hello.slot_bytes, hello.parts
         with self.lock:
             if namespace == PEER:
                 if self.namespace is None:
-                    return {"error": "no worker's engine joined this pool yet", "later": True}
+                    return Refused("no worker's engine joined this pool yet", later=True)
                 namespace, slot_bytes, parts = self.namespace, self.slot_bytes, self.parts
             if self.namespace is None:
                 slots = self.budget_bytes // max(1, slot_bytes)
                 if not 1 <= slots <= MAX_SLOTS or slot_bytes < 1:
-                    return {
-                        "error": f"a budget of {self.budget_bytes} B in {slot_bytes} B blocks: "
+                    return Refused(
+                        f"a budget of {self.budget_bytes} B in {slot_bytes} B blocks: "
                         f"{slots} slots, not 1 to {MAX_SLOTS}"
-                    }
+                    )
                 if not 1 <= parts <= MAX_PARTS or slot_bytes % parts:
-                    return {"error": f"{slot_bytes} B slots in {parts} parts"}
+                    return Refused(f"{slot_bytes} B slots in {parts} parts")
                 self.fd = os.memfd_create("pdserve-kv-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
                 os.ftruncate(self.fd, header_bytes(slots, parts) + slots * slot_bytes)
                 # No client may resize it (a shrink would fault every other client's reads).
@@ -107,86 +134,65 @@ class PoolStore:
                 self.namespace, self.slot_bytes, self.parts = namespace, slot_bytes, parts
                 self.index = PoolIndex(slots)
             elif (namespace, slot_bytes, parts) != (self.namespace, self.slot_bytes, self.parts):
-                return {
-                    "error": f"this store holds {self.namespace} in {self.slot_bytes} B blocks "
+                return Refused(
+                    f"this store holds {self.namespace} in {self.slot_bytes} B blocks "
                     f"of {self.parts} parts, not {namespace} in {slot_bytes} B of {parts}"
-                }
+                )
             self._owners += 1
-            return {
-                "owner": self._owners,
-                "slots": self.index.slots,
-                "slot_bytes": self.slot_bytes,
-                "parts": self.parts,
-                "header_bytes": header_bytes(self.index.slots, self.parts),
-                "store_id": self.store_id,
-                "namespace": self.namespace,
-            }
+            return Joined(
+                owner=self._owners,
+                slots=self.index.slots,
+                slot_bytes=self.slot_bytes,
+                parts=self.parts,
+                header_bytes=header_bytes(self.index.slots, self.parts),
+                store_id=self.store_id,
+                namespace=self.namespace,
+            )
 
-    def answer(self, request: dict, owner: int) -> dict:
-        keys = [bytes.fromhex(key) for key in request.get("keys", ())]
-        op = request.get("op")
+    def answer(self, request: PoolRequest, owner: int | None):
+        """The reply (of the request's `reply` type) to an engine's or a peer's request
+        (`owner`: its connection), or an observer's (owner None: stats and contents only)."""
         with self.lock:
             index = self.index
-            if op == "lookup":
-                return {"found": index.lookup(keys)}
-            if op == "prepare_load":
-                return {"slots": index.prepare_load(keys, owner)}
-            if op == "complete_load":
-                index.complete_load(keys, owner)
-            elif op == "prepare_store":
-                stored = index.prepare_store(keys, owner)
-                if stored is None:
-                    return {"stored": None}
-                return {
-                    "stored": {
-                        "keys": [key.hex() for key in stored.keys],
-                        "slots": stored.slots,
-                        "evicted": [key.hex() for key in stored.evicted],
-                    }
-                }
-            elif op == "complete_store":
-                index.complete_store(keys, owner, bool(request.get("success")))
-            elif op == "drop":
-                index.drop(keys)
-            elif op == "stats":
-                return self._stats()
-            else:
-                return {"error": f"unknown op {op!r}"}
-            return {}
+            match request:
+                case GetStats():
+                    return self._stats()
+                case GetContents(store_id, since):
+                    since = since if store_id == self.store_id else -1  # another store's: all
+                    return Contents(self.store_id, (index or PoolIndex(0)).contents_since(since))
+                case _ if owner is None:
+                    return Refused(f"an observer asks for stats or contents, not {request.op}")
+                case Lookup(keys):
+                    return Found(index.lookup(keys))
+                case PrepareLoad(keys):
+                    return Pinned(index.prepare_load(keys, owner))
+                case CompleteLoad(keys):
+                    index.complete_load(keys, owner)
+                    return Done()
+                case PrepareStore(keys):
+                    return Reserved(index.prepare_store(keys, owner))
+                case CompleteStore(keys, success):
+                    index.complete_store(keys, owner, success)
+                    return Done()
+                case Drop(keys):
+                    index.drop(keys)
+                    return Done()
+            return Refused(f"no answer to {request.op}")
 
-    def observe(self, request: dict) -> dict:
-        """An observer's question: the figures, or (op "contents") what the pool holds."""
-        with self.lock:
-            return self._contents(request) if request.get("op") == "contents" else self._stats()
-
-    def _contents(self, request: dict) -> dict:
-        """The loadable keys added and removed since change number `since` of the store
-        `store_id` (every loadable key when that is another store's, or too far back)."""
-        index = self.index or PoolIndex(0)
-        since = int(request.get("since", 0)) if request.get("store_id") == self.store_id else -1
-        changes = index.contents_since(since)
-        return {
-            "store_id": self.store_id,
-            "sequence": changes["sequence"],
-            "reset": changes["reset"],
-            "added": [key.hex() for key in changes["added"]],
-            "removed": [key.hex() for key in changes["removed"]],
-        }
-
-    def _stats(self) -> dict:
+    def _stats(self) -> PoolStats:
         """The pool's figures; zeros before its first worker said what it holds."""
         index = self.index or PoolIndex(0)
-        return {
-            "namespace": self.namespace,
-            "budget_bytes": self.budget_bytes,
-            "slots": index.slots,
-            "used": index.used,
-            "slot_bytes": self.slot_bytes,
-            "bytes": index.used * self.slot_bytes,
-            "hits": index.hits,
-            "evictions": index.evictions,
-            "dropped": index.dropped,
-        }
+        return PoolStats(
+            namespace=self.namespace,
+            budget_bytes=self.budget_bytes,
+            slots=index.slots,
+            used=index.used,
+            slot_bytes=self.slot_bytes,
+            bytes=index.used * self.slot_bytes,
+            hits=index.hits,
+            evictions=index.evictions,
+            dropped=index.dropped,
+        )
 
     def release(self, owner: int) -> None:
         with self.lock:
@@ -194,6 +200,8 @@ class PoolStore:
                 self.index.release_owner(owner)
 
     def serve_client(self, conn: socket.socket) -> None:
+        """One connection: its hello (answered with the memory's descriptor), then one answer
+        line per request line; a line that is no request gets a Refused, and the next is read."""
         owner = None
         try:
             creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -201,28 +209,28 @@ class PoolStore:
             if uid != os.getuid():
                 return
             stream = conn.makefile("rb")
-            hello = json.loads(stream.readline() or "null")
-            if not isinstance(hello, dict) or hello.get("op") != "hello":
+            try:
+                hello = decode(stream.readline(), Hello)
+            except WireError as error:
+                conn.sendall(encode(Refused(f"no hello: {error}")))
                 return
-            if hello.get("namespace") is None:  # an observer (a worker's /metrics, Stats)
-                conn.sendall(b"{}\n")
-                for raw in stream:
-                    conn.sendall((json.dumps(self.observe(json.loads(raw))) + "\n").encode())
-                return
-            reply = self.hello(
-                str(hello["namespace"]), int(hello.get("slot_bytes", 0)), int(hello.get("parts", 1))
-            )
-            line = (json.dumps(reply) + "\n").encode()
-            if "error" in reply:
-                conn.sendall(line)
-                return
-            owner = reply["owner"]
-            socket.send_fds(conn, [line], [self.fd])
-            for raw in stream:
-                answer = self.answer(json.loads(raw), owner)
-                conn.sendall((json.dumps(answer) + "\n").encode())
-        except (OSError, ValueError):
-            pass  # the client went away, or spoke nonsense: its holdings are released below
+            if hello.namespace is None:  # an observer (a worker's /metrics, Stats)
+                conn.sendall(encode(Observing()))
+            else:
+                reply = self.join(hello)
+                if isinstance(reply, Refused):
+                    conn.sendall(encode(reply))
+                    return
+                owner = reply.owner
+                socket.send_fds(conn, [encode(reply)], [self.fd])
+            for line in stream:
+                try:
+                    answer = self.answer(decode(line, PoolRequest), owner)
+                except WireError as error:
+                    answer = Refused(str(error))
+                conn.sendall(encode(answer))
+        except OSError:
+            pass  # the client went away: its holdings are released below
         finally:
             if owner is not None:
                 self.release(owner)

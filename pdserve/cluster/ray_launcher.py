@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import ray
@@ -246,10 +247,12 @@ class ProcessHost:
         return self.info
 
     def kv_pool_stats(self) -> dict | None:
-        """The store's own figures (kv_transfer/pool/store.py); None while it does not answer."""
+        """The store's own figures (kv_transfer/pool/store.py), for `status`'s JSON report;
+        None while it does not answer."""
         from kv_transfer.pool.client import store_stats
 
-        return store_stats(self.info["address"])
+        stats = store_stats(self.info["address"])
+        return None if stats is None else asdict(stats)
 
     def describe(self) -> dict:
         return {**self.info, "exit_code": self.process.poll() if self.process else None}

@@ -161,7 +161,6 @@ def add_parser(subparsers) -> None:
             "kv_transport",
             "kv_integrity",
             "kv_pool",
-            "kv_fault",
             "otlp_endpoint",
         ),
     )

@@ -324,9 +324,3 @@ class CancelTransferRequest(_message.Message):
 class CancelTransferReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
-
-class KvFault(_message.Message):
-    __slots__ = ("fault",)
-    FAULT_FIELD_NUMBER: _ClassVar[int]
-    fault: str
-    def __init__(self, fault: _Optional[str] = ...) -> None: ...

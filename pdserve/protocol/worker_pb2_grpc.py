@@ -64,11 +64,6 @@ class WorkerStub:
                 request_serializer=worker__pb2.CancelTransferRequest.SerializeToString,
                 response_deserializer=worker__pb2.CancelTransferReply.FromString,
                 _registered_method=True)
-        self.SetKvFault = channel.unary_unary(
-                '/pdserve.worker.v1.Worker/SetKvFault',
-                request_serializer=worker__pb2.KvFault.SerializeToString,
-                response_deserializer=worker__pb2.KvFault.FromString,
-                _registered_method=True)
         self.ReadPoolBlocks = channel.unary_stream(
                 '/pdserve.worker.v1.Worker/ReadPoolBlocks',
                 request_serializer=worker__pb2.PoolBlocksRequest.SerializeToString,
@@ -123,14 +118,6 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def SetKvFault(self, request, context):
-        """Tests only: the KV fault this worker's sender injects in the transfers it starts from now
-        on ("KIND:RATE", kv_transfer/faults.py; "" for none), without restarting its engine.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def ReadPoolBlocks(self, request, context):
         """Another worker fetching a prompt's prefix from this worker's host KV pool: the leading
         blocks of those asked for that the pool holds, chunk by chunk (kv_transfer/pool/peer.py).
@@ -171,11 +158,6 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.CancelTransfer,
                     request_deserializer=worker__pb2.CancelTransferRequest.FromString,
                     response_serializer=worker__pb2.CancelTransferReply.SerializeToString,
-            ),
-            'SetKvFault': grpc.unary_unary_rpc_method_handler(
-                    servicer.SetKvFault,
-                    request_deserializer=worker__pb2.KvFault.FromString,
-                    response_serializer=worker__pb2.KvFault.SerializeToString,
             ),
             'ReadPoolBlocks': grpc.unary_stream_rpc_method_handler(
                     servicer.ReadPoolBlocks,
@@ -345,33 +327,6 @@ class Worker:
             '/pdserve.worker.v1.Worker/CancelTransfer',
             worker__pb2.CancelTransferRequest.SerializeToString,
             worker__pb2.CancelTransferReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def SetKvFault(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.worker.v1.Worker/SetKvFault',
-            worker__pb2.KvFault.SerializeToString,
-            worker__pb2.KvFault.FromString,
             options,
             channel_credentials,
             insecure,

@@ -2,10 +2,9 @@
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field
+from pydantic import Field
 
 from pdserve.core.kinds import AUTO_TRANSPORT, Role, Transport
-from pdserve.core.kv_faults import parse_kv_fault
 from pdserve.settings.base import Settings
 from pdserve.settings.engine import EngineSettings
 from pdserve.settings.secret_fields import ClusterSecretFile, TlsDir
@@ -84,22 +83,6 @@ KvPoolAddress = Annotated[
 ]
 
 
-def _valid_fault(text: str) -> str:
-    parse_kv_fault(text)
-    return text
-
-
-KvFaultSetting = Annotated[
-    str,
-    AfterValidator(_valid_fault),
-    Field(
-        default="",
-        description="a testing aid, never for production: the sending transport damages a "
-        "fraction RATE of the KV slices this prefill worker sends, KIND one of corrupt, "
-        "truncate, duplicate, reorder, stale, delay (docs/development.md) (default: none)",
-        json_schema_extra={"metavar": "KIND:RATE"},
-    ),
-]
 OtlpEndpoint = Annotated[
     str,
     Field(
@@ -160,7 +143,6 @@ class WorkerSettings(Settings):
     kv_integrity: KvIntegrity
     kv_pool: KvPool
     kv_pool_address: KvPoolAddress
-    kv_fault: KvFaultSetting
     otlp_endpoint: OtlpEndpoint
     cluster_secret_file: ClusterSecretFile
     tls_dir: TlsDir

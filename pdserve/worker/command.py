@@ -85,7 +85,6 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
         kv_address,
         settings.kv_failure_policy if receives else "",
         settings.kv_transport,
-        settings.kv_fault,
         settings.kv_pool_address if settings.pooled else "",
         metrics,
     )

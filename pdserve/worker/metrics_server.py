@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kv_transfer.pool.client import PoolClient
+from kv_transfer.pool.wire import GetStats
 from kv_transfer.transfer_report import TransferReport
 from pdserve.protocol import worker_pb2
 
@@ -147,24 +148,24 @@ class KvPoolCollector(Collector):
         self.client = client
 
     def collect(self):
-        stats = self.client.call("stats")
+        stats = self.client.call(GetStats())
         if stats is None:
             return
         for name, help_text, kind, value in (
-            ("bytes", "KV bytes the pool holds", GaugeMetricFamily, stats["bytes"]),
-            ("blocks", "KV blocks the pool holds", GaugeMetricFamily, stats["used"]),
+            ("bytes", "KV bytes the pool holds", GaugeMetricFamily, stats.bytes),
+            ("blocks", "KV blocks the pool holds", GaugeMetricFamily, stats.used),
             (
                 "capacity_bytes",
                 "the pool's byte budget, in whole blocks (it never holds more)",
                 GaugeMetricFamily,
-                stats["slots"] * stats["slot_bytes"] or stats["budget_bytes"],
+                stats.slots * stats.slot_bytes or stats.budget_bytes,
             ),
-            ("evictions", "blocks evicted to make room", CounterMetricFamily, stats["evictions"]),
+            ("evictions", "blocks evicted to make room", CounterMetricFamily, stats.evictions),
             (
                 "dropped",
                 "blocks dropped because their bytes failed the reader's check (recomputed)",
                 CounterMetricFamily,
-                stats["dropped"],
+                stats.dropped,
             ),
         ):
             family = kind(f"pdserve_kv_pool_{name}", help_text, labels=["tier"])

@@ -6,6 +6,7 @@ the router prices a load from the pool on what the pool holds, not on a guess.""
 import logging
 
 from kv_transfer.pool.client import PoolClient
+from kv_transfer.pool.wire import GetContents
 from pdserve.protocol import worker_pb2
 
 log = logging.getLogger("pdserve.worker")
@@ -34,16 +35,17 @@ class PoolContentsSource:
     def changes(self, store_id: str, since: int) -> worker_pb2.KvPoolContents | None:
         """The store's changes after change `since` of store `store_id` (blocking, within the
         store's call deadline); None when it does not answer."""
-        answer = self.client.call("contents", store_id=store_id, since=since)
-        if answer is None:
+        contents = self.client.call(GetContents(store_id, since))
+        if contents is None:
             return None
+        changes = contents.changes
         return worker_pb2.KvPoolContents(
-            store_id=answer["store_id"],
+            store_id=contents.store_id,
             since=since,
-            sequence=answer["sequence"],
-            reset=answer["reset"],
-            added=[bytes.fromhex(key) for key in answer["added"]],
-            removed=[bytes.fromhex(key) for key in answer["removed"]],
+            sequence=changes.sequence,
+            reset=changes.reset,
+            added=changes.added,
+            removed=changes.removed,
             block_size=self.block_size,
             none_hash=self.none_hash,
         )

@@ -64,7 +64,7 @@ class PoolPeers:
             )
         # On this loop, not a thread: a chunk is a copy of at most 4 MiB, and a cancelled call
         # must close the generator (which unpins the blocks) while nothing else runs it.
-        chunks = read_blocks(self.client, list(request.keys))
+        chunks = read_blocks(self.client, tuple(request.keys))
         try:
             for chunk in chunks:
                 yield worker_pb2.PoolBlockChunk(
@@ -77,7 +77,7 @@ class PoolPeers:
         """Fetch the prompt's leading blocks that `fetch.source`'s pool holds and this one
         lacks; the prompt tokens now in this pool because of it."""
         blocks = fetch.tokens // self.block_size
-        keys = list(islice(block_keys(prompt, self.block_size, self.none_hash), blocks))
+        keys = tuple(islice(block_keys(prompt, self.block_size, self.none_hash), blocks))
         if not keys or not await asyncio.to_thread(self.client.connected):
             return 0
         started = time.monotonic()

@@ -37,9 +37,8 @@ async def _nothing_to_leave() -> None:
     """A worker outside any registry (`pdserve serve`) is in no pool to leave."""
 
 
-def kv_extra_args(request: worker_pb2.GenerateRequest, kv_fault: str = "") -> dict | None:
-    """The request's KV transfer, as the connector reads it from vLLM's extra_args (a prefill
-    leg carries the fault its sender injects, `kv_fault`: tests only)."""
+def kv_extra_args(request: worker_pb2.GenerateRequest) -> dict | None:
+    """The request's KV transfer, as the connector reads it from vLLM's extra_args."""
     from kv_transfer.params import ReceiveKv, SendKv, to_extra_args
 
     if not request.HasField("kv"):
@@ -53,7 +52,6 @@ def kv_extra_args(request: worker_pb2.GenerateRequest, kv_fault: str = "") -> di
                 kv.send_to,
                 peer_tp,
                 kv.transport or Transport.GRPC,
-                kv_fault,
                 kv.skip_tokens,
             )
         )
@@ -77,7 +75,6 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         kv_address: str = "",
         kv_failure_policy: str = "",
         kv_transport: str = AUTO_TRANSPORT,
-        kv_fault: str = "",
         kv_pool: str = "",
         metrics=None,
     ) -> None:
@@ -89,7 +86,6 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.kv_address = kv_address
         self.kv_failure_policy = kv_failure_policy
         self.kv_transport = kv_transport
-        self.kv_fault = kv_fault  # tests only: what the prefill legs started from now inject
         self.kv_pool = kv_pool  # the host KV pool's address, if its engine uses one
         self.pool_contents: PoolContentsSource | None = None  # once the engine runs
         self.pool_peers: PoolPeers | None = None  # ... and the routers can name its blocks
@@ -163,9 +159,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             if request.HasField("pool_fetch") and self.pool_peers is not None:
                 await self.pool_peers.fetch(prompt["prompt_token_ids"], request.pool_fetch)
             samplings = [
-                to_vllm_sampling(
-                    request.sampling, kv_extra_args(request, self.kv_fault) if i == 0 else None, i
-                )
+                to_vllm_sampling(request.sampling, kv_extra_args(request) if i == 0 else None, i)
                 for i in range(choices)
             ]
             streams = [
@@ -291,19 +285,6 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             )
         async for chunk in self.pool_peers.serve(request, context):
             yield chunk
-
-    async def SetKvFault(self, request, context):
-        """Tests only (a testing aid, as --kv-fault): the prefill legs this worker starts from
-        now on inject `request.fault`."""
-        from pdserve.core.kv_faults import parse_kv_fault
-
-        try:
-            parse_kv_fault(request.fault)
-        except ValueError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        previous, self.kv_fault = self.kv_fault, request.fault
-        log.warning("KV fault injection set to %r (was %r)", request.fault, previous)
-        return worker_pb2.KvFault(fault=previous)
 
     async def Health(self, request, context):
         return worker_pb2.HealthReply(

@@ -1,9 +1,11 @@
 """Admission of one HTTP request: validate the body, tokenize its prompts, and build a run and
 a worker request per prompt, under the request's one deadline. Nothing is sent yet; a request
-that fails here is a 4xx (or a 503 before any worker has joined)."""
+that fails here is a 4xx (or a 503 before any worker has joined). It runs in the tokenizer's
+threads (router/flow/tokenization.py): the event loop goes on serving meanwhile."""
 
 import math
 import uuid
+from dataclasses import dataclass
 
 from pdserve.core.kinds import Role, RouteReason
 from pdserve.costs.path_prices import RouteDecision
@@ -21,7 +23,7 @@ from router.http.openai_types import (
     SamplingFields,
     parse_request,
 )
-from router.http.responses import OutputOptions, Prompt
+from router.http.responses import MAX_RESPONSE_ENTRIES, OutputOptions, Prompt, logprob_entries
 from router.workers.pool import TAKES_REQUESTS, WorkerPool
 
 TIMEOUT_HEADER = "x-pdserve-timeout"
@@ -29,34 +31,36 @@ PRIORITY_HEADER = "x-pdserve-priority"  # the request's admission class, over it
 TRUSTED = Caller(KeyRole.ADMIN)  # a caller of an open router (no API key configured)
 
 
-def admit(
-    settings: RouterSettings,
-    pool: WorkerPool,
-    tokenizer,
-    endpoint: str,
-    schema: type[SamplingFields],
-    body,
-    id_prefix: str,
-    route_header: str | None,
-    arrival: float,
-    timeout_header: str | None = None,
-    priority_header: str | None = None,
-    caller: Caller = TRUSTED,
-) -> Admitted:
-    """`tokenizer`: router/flow/tokenization.py's PromptTokenizer. `timeout_header`: the client's
-    own limit in seconds (x-pdserve-timeout), used when it is below --request-timeout.
-    `priority_header`: its class in the router's queue (x-pdserve-priority), in place of the
-    body's `priority`. `caller` (router/http/api_keys.py): the priority and the path (the body's
-    `priority`, x-pdserve-priority, x-pdserve-route) are an operator's or an admin's to set;
-    a client's are ignored (class 0, the path the router chooses). Every worker request
-    carries the cache salt of the caller's key and the body's `cache_salt`."""
-    if not caller.steers:
-        route_header = priority_header = None
+@dataclass(frozen=True)
+class HttpAsk:
+    """What admission takes from one HTTP request."""
+
+    endpoint: str  # "chat" or "completions"
+    schema: type[SamplingFields]
+    body: object  # the parsed JSON
+    id_prefix: str  # of the request id: "chatcmpl", "cmpl"
+    arrival: float  # monotonic seconds
+    route: str | None = None  # x-pdserve-route
+    timeout: str | None = None  # x-pdserve-timeout: the client's own limit, in seconds
+    priority: str | None = None  # x-pdserve-priority: its class in the router's queue
+    caller: Caller = TRUSTED  # what its API key may set (router/http/api_keys.py)
+    trace: object = None  # the OpenTelemetry context of its span (pdserve/core/tracing.py)
+
+
+def admit(settings: RouterSettings, pool: WorkerPool, tokenizer, ask: HttpAsk) -> Admitted:
+    """`tokenizer`: router/flow/tokenization.py's PromptTokenizer. The client's timeout is used
+    when it is below --request-timeout; its priority header replaces the body's `priority`.
+    The priority and the path (the body's `priority`, x-pdserve-priority, x-pdserve-route) are
+    an operator's or an admin's to set; a client's are ignored (class 0, the path the router
+    chooses). Every worker request carries the cache salt of the caller's key and the body's
+    `cache_salt`. A 400 for a response over MAX_RESPONSE_ENTRIES logprob entries."""
+    caller = ask.caller
+    route_header, priority_header = (ask.route, ask.priority) if caller.steers else (None, None)
     timeout_s = settings.request_timeout_s
-    if timeout_header is not None:
-        timeout_s = min(timeout_s, parse_timeout(timeout_header))
+    if ask.timeout is not None:
+        timeout_s = min(timeout_s, parse_timeout(ask.timeout))
     priority = None if priority_header is None else parse_priority(priority_header)
-    parsed = parse_request(schema, body)
+    parsed = parse_request(ask.schema, ask.body)
     check_model(parsed.model, settings.served_model)
     if not caller.steers:
         priority = 0
@@ -64,44 +68,71 @@ def admit(
     prompts, echo_texts = _prompts(parsed, tokenizer)
     if not pool.max_model_len:
         raise worker_unavailable("no worker has joined the pools yet; retry later")
-    request_id = f"{id_prefix}-{parsed.request_id or uuid.uuid4().hex}"
+    request_id = f"{ask.id_prefix}-{parsed.request_id or uuid.uuid4().hex}"
     json_logs.request_id.set(request_id)  # on every line logged for this request
     # The workers' ids stay unique when clients reuse their request_id.
     unique = request_id if parsed.request_id is None else f"{request_id}-{uuid.uuid4().hex[:8]}"
     # Its key's salt and its own (router/http/api_keys.py).
     salt = request_salt(caller, parsed.cache_salt)
-    runs, worker_requests = [], []
-    for number, prompt_ids in enumerate(prompts):
-        run_id = unique if len(prompts) == 1 else f"{unique}-{number}"
-        run = RequestRun(run_id, len(prompt_ids), arrival, timeout_s)
-        run.choices = parsed.choice_count()
-        param = "messages" if endpoint == "chat" else "prompt"
-        worker_requests.append(
-            generate_request(
-                parsed,
-                run_id,
-                prompt_ids,
-                pool.max_model_len,
-                settings.default_max_tokens,
-                param,
-                salt,
-            )
+    param = "messages" if ask.endpoint == "chat" else "prompt"
+    run_ids = [unique] if len(prompts) == 1 else [f"{unique}-{n}" for n in range(len(prompts))]
+    worker_requests = [
+        generate_request(
+            parsed, run_id, prompt_ids, pool.max_model_len, settings.default_max_tokens, param, salt
         )
-        runs.append(run)
-    if forced := forced_route(route_header, bool(pool.live((Role.PREFILL,)))):
-        for run in runs:
-            run.route_forced = RouteDecision(forced, RouteReason.HEADER)
+        for run_id, prompt_ids in zip(run_ids, prompts, strict=True)
+    ]
+    forced = forced_route(route_header, bool(pool.live((Role.PREFILL,))))
+    runs = [
+        RequestRun(
+            run_id,
+            len(prompt_ids),
+            ask.arrival,
+            timeout_s,
+            choices=parsed.choice_count(),
+            route_forced=RouteDecision(forced, RouteReason.HEADER) if forced else None,
+            trace=ask.trace,
+        )
+        for run_id, prompt_ids in zip(run_ids, prompts, strict=True)
+    ]
+    options = output_options(parsed)
+    check_logprob_entries(worker_requests, options, ask.endpoint, tokenizer)
     return Admitted(
         request_id,
         runs,
         worker_requests,
         [Prompt(ids, text) for ids, text in zip(prompts, echo_texts, strict=True)],
-        output_options(parsed),
+        options,
         parsed.stream,
         parsed.include_usage_in_stream(),
         returned=parsed.n,
         priority=parsed.priority if priority is None else priority,
     )
+
+
+def check_logprob_entries(
+    worker_requests: list, options: OutputOptions, endpoint: str, tokenizer
+) -> None:
+    """A 400 for a response that would carry over MAX_RESPONSE_ENTRIES logprob entries."""
+    vocab_size = getattr(tokenizer, "vocab_size", 0) or 1 << 20
+    entries = sum(
+        logprob_entries(
+            request.sampling,
+            len(request.prompt_token_ids),
+            options,
+            endpoint == "completions",
+            vocab_size,
+        )
+        for request in worker_requests
+    )
+    if entries > MAX_RESPONSE_ENTRIES:
+        raise invalid_request(
+            f"the response would carry up to {entries} logprob entries, more than "
+            f"{MAX_RESPONSE_ENTRIES} (choices x (echoed prompt + max_tokens) x "
+            "(logprobs + 1)): ask for fewer choices, tokens or logprobs",
+            param="logprobs",
+            code=ErrorCode.INVALID_VALUE,
+        )
 
 
 def asking(admitted: Admitted, settings: RouterSettings) -> Ask:

@@ -23,7 +23,7 @@ from pdserve.protocol import worker_pb2
 from pdserve.protocol.transport_choice import choose_transport
 from pdserve.settings.router import AFTER_PREFILL
 from router.http.errors import ErrorKind, OpenAIError, prefill_lost, worker_failed
-from router.workers.client import WorkerClient
+from router.workers.handle import WorkerHandle
 
 log = logging.getLogger("pdserve.router")
 
@@ -52,8 +52,8 @@ class PrefillOutcome:
 
 
 async def generate_disaggregated(
-    prefill: WorkerClient,
-    decode: WorkerClient,
+    prefill: WorkerHandle,
+    decode: WorkerHandle,
     request: worker_pb2.GenerateRequest,
     kv_timeout_s: float,
     timeout_s: float,
@@ -136,7 +136,7 @@ async def generate_disaggregated(
 def _prefill_leg(
     request: worker_pb2.GenerateRequest,
     transfer_id: str,
-    decode: WorkerClient,
+    decode: WorkerHandle,
     transport: Transport,
     skip_tokens: int,
 ) -> worker_pb2.GenerateRequest:
@@ -163,7 +163,7 @@ def _prefill_leg(
 def _decode_leg(
     request: worker_pb2.GenerateRequest,
     transfer_id: str,
-    prefill: WorkerClient,
+    prefill: WorkerHandle,
     kv_timeout_s: float,
     skip_tokens: int,
 ) -> worker_pb2.GenerateRequest:
@@ -184,7 +184,7 @@ def _decode_leg(
     return leg
 
 
-def pair_transport(prefill: WorkerClient, decode: WorkerClient) -> Transport:
+def pair_transport(prefill: WorkerHandle, decode: WorkerHandle) -> Transport:
     """The KV transport for this pair, from what both workers said in Health."""
     return choose_transport(
         prefill.kv_transport,
@@ -245,9 +245,9 @@ def continues_from_first_token(request: worker_pb2.GenerateRequest) -> bool:
 
 
 async def _run_prefill(
-    prefill: WorkerClient,
+    prefill: WorkerHandle,
     request: worker_pb2.GenerateRequest,
-    decode: WorkerClient,
+    decode: WorkerHandle,
     timeout_s: float,
     outcome: PrefillOutcome,
 ) -> None:
@@ -272,10 +272,10 @@ async def _run_prefill(
 _cancelling: set[asyncio.Task] = set()  # cancels under way (a task needs a reference)
 
 
-def cancel_transfer_soon(decode: WorkerClient, transfer_id: str, reason: str) -> asyncio.Task:
+def cancel_transfer_soon(decode: WorkerHandle, transfer_id: str, reason: str) -> asyncio.Task:
     """Tell the decode worker that a transfer's KV will not be used, from a task of its own:
     the caller may be a closing generator or a cancelled task, whose cancellation must not
-    cancel the call. Best effort (WorkerClient.cancel_transfer logs a failure); the decode
+    cancel the call. Best effort (WorkerHandle.cancel_transfer logs a failure); the decode
     worker is held meanwhile, so the pool does not close its channel under the call."""
 
     async def cancel() -> None:

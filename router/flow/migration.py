@@ -35,6 +35,8 @@ from pdserve.protocol import worker_pb2
 from router.flow.request_run import RequestRun
 from router.http.errors import ErrorKind, OpenAIError, worker_failed
 from router.metrics import RouterMetrics
+from router.workers.choice import WorkerChoice
+from router.workers.handle import WorkerHandle
 from router.workers.pool import TAKES_REQUESTS, WorkerPool
 
 log = logging.getLogger("pdserve.router")
@@ -66,15 +68,17 @@ async def migrating(
     first: worker_pb2.GenerateChunk,
     chunks,
     pool: WorkerPool,
+    choice: WorkerChoice,
     metrics: RouterMetrics,
     worker_wait_s: float,
 ):
-    """The request's chunks after `first`, from `chunks` and, each time its decode worker is
-    lost, from the next one (up to MAX_MIGRATIONS; with none live, waiting up to
-    `worker_wait_s` for one, within the request's deadline)."""
+    """The request's chunks after `first`, from `chunks` (from the run's attempt's decode
+    worker) and, each time its decode worker is lost, from the next one (up to MAX_MIGRATIONS;
+    with none live, waiting up to `worker_wait_s` for one, within the request's deadline)."""
     relayed = [Relayed() for _ in range(run.choices)]
     relayed[first.index].add(first)
     current = chunks
+    worker = run.decode_worker
     lost_at = None
     try:
         while True:
@@ -92,17 +96,20 @@ async def migrating(
                 if error.kind != ErrorKind.WORKER_UNAVAILABLE or run.migrations >= MAX_MIGRATIONS:
                     raise
                 lost_at = time.monotonic()
-                pool.mark_down(run.decode_worker)
+                pool.mark_down(worker)
                 await current.aclose()
                 await pool.wait_for_live(TAKES_REQUESTS, min(worker_wait_s, run.time_left()))
-                current = continuation(run, request, relayed, pool, metrics)
+                run.migrations += 1
+                metrics.migrations.inc()
+                lost, worker = worker, choice.pick(TAKES_REQUESTS)
+                current = continuation(run, request, relayed, lost, worker)
                 log.warning(
                     "request %s (%d choices): %s after %d tokens; continuing on %s%s",
                     run.request_id,
                     run.choices,
                     error.message,
-                    sum(len(choice.token_ids) for choice in relayed),
-                    run.decode_worker.worker_id,
+                    sum(len(one.token_ids) for one in relayed),
+                    worker.worker_id,
                     " by seeded replay" if replays(request.sampling) else "",
                 )
     finally:
@@ -119,17 +126,15 @@ def continuation(
     run: RequestRun,
     request: worker_pb2.GenerateRequest,
     relayed: list[Relayed],
-    pool: WorkerPool,
-    metrics: RouterMetrics,
+    lost: WorkerHandle | None,
+    worker: WorkerHandle,
 ):
-    """The rest of every unfinished choice on another decode worker (local path: it computes
-    the prompt, and the relayed tokens, itself), within the request's remaining time."""
-    run.migrations += 1
-    metrics.migrations.inc()
-    lost = run.decode_worker.worker_id if run.decode_worker is not None else ""
-    worker = run.decode_worker = pool.pick(TAKES_REQUESTS)
+    """The rest of every unfinished choice on `worker`, a decode worker other than the `lost`
+    one (local path: it computes the prompt, and the relayed tokens, itself), within the
+    request's remaining time."""
+    lost_id = lost.worker_id if lost is not None else ""
     trace.get_current_span().add_event(
-        "pdserve.migration", {"pdserve.from": lost, "pdserve.to": worker.worker_id}
+        "pdserve.migration", {"pdserve.from": lost_id, "pdserve.to": worker.worker_id}
     )
     timeout = run.time_left()
     streams = [

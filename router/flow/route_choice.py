@@ -7,18 +7,100 @@ steps (pdserve/worker/step_costs.py), or, for a worker that has run no such step
 the others' (DEFAULT_COSTS when none has). `length` disaggregates every prompt of at least
 --disaggregate-min-tokens tokens when a prefill worker exists, and prefills the others locally.
 A request may force its path with the x-pdserve-route header.
+
+`choose` makes one attempt's whole choice (decode worker, path, prefill worker, pool fetch) from
+the run's PromptView, with no I/O and no await: the retry loop (router/flow/retries.py) sends
+what it returns, and counts it.
 """
 
-from pdserve.core.kinds import RoutePath
-from pdserve.costs.path_prices import WorkerState
+from dataclasses import dataclass
+
+from pdserve.core.kinds import Role, RoutePath, RouteReason
+from pdserve.costs.path_prices import RouteDecision, WorkerState, by_length, estimate
 from pdserve.costs.step_costs import DEFAULT_COSTS, StepCosts
-from router.http.errors import invalid_request, worker_unavailable
-from router.workers.client import WorkerClient
+from pdserve.protocol import worker_pb2
+from pdserve.settings.router import LENGTH, RouterSettings
+from router.http.errors import OpenAIError, invalid_request, worker_unavailable
+from router.workers.choice import WorkerChoice
+from router.workers.handle import WorkerHandle
+from router.workers.pool import TAKES_REQUESTS
+from router.workers.prompt_view import PromptView
 
 ROUTE_HEADER = "x-pdserve-route"
 
 
-def worker_state(worker: WorkerClient, cluster: StepCosts, cached_tokens: int = 0) -> WorkerState:
+@dataclass(frozen=True)
+class Attempt:
+    """One attempt's choice: who serves it, on which path and why, and what its computing
+    worker fetches first."""
+
+    decode: WorkerHandle  # takes the request (local, stay-on-prefill) or its decode leg
+    prefill: WorkerHandle | None  # the prefill leg's worker: on the disaggregated path only
+    decision: RouteDecision
+    fetch: worker_pb2.PoolFetch | None = None  # for the worker that computes the prompt
+    # Why no prefill worker could be paired with `decode` (the path fell back to local), if so.
+    unpaired: str | None = None
+
+    @property
+    def route(self) -> RoutePath:
+        return self.decision.route
+
+
+@dataclass(frozen=True)
+class Tried:
+    """Workers an earlier attempt of the run found unavailable, by address."""
+
+    decode: frozenset[str] = frozenset()
+    prefill: frozenset[str] = frozenset()
+
+
+def choose(
+    choice: WorkerChoice,
+    view: PromptView,
+    settings: RouterSettings,
+    sampling: worker_pb2.SamplingParams,
+    forced: RouteDecision | None = None,
+    tried: Tried = Tried(),
+) -> Attempt:
+    """The attempt's decode worker, then its path given that worker (`forced`, when the header
+    or a lost prefill pool fixed it), the prefill worker when the path uses one (only one whose
+    KV `decode` can take; with none the path is local), and the pool fetch of the worker that
+    computes the prompt (none for a request that asks for its prompt's logprobs: vLLM computes
+    its whole prompt, reading no cached KV). A 503 when no decode worker is left to try."""
+    decode = choice.pick(TAKES_REQUESTS, view, tried.decode)
+    floor = settings.disaggregate_min_tokens
+    decision, prefill, unpaired = forced, None, None
+    prefills = [w for w in choice.pool.live((Role.PREFILL,)) if w.address not in tried.prefill]
+    if decision is None and not prefills:
+        decision = RouteDecision(RoutePath.LOCAL, RouteReason.NO_PREFILL_WORKER)
+    elif decision is None and settings.route_policy == LENGTH:
+        decision = by_length(len(view.tokens), floor)
+    if decision is None or decision.route != RoutePath.LOCAL:
+        try:
+            prefill = choice.pick((Role.PREFILL,), view, tried.prefill, pairs_with=decode)
+        except OpenAIError as error:
+            unpaired = error.message
+            decision = RouteDecision(RoutePath.LOCAL, RouteReason.NO_PREFILL_WORKER)
+    if decision is None:
+        cluster = cluster_costs(choice.pool.live((Role.PREFILL, *TAKES_REQUESTS)))
+        decision = estimate(
+            len(view.tokens),
+            sampling.max_tokens * max(1, sampling.n),
+            worker_state(decode, cluster, choice.reusable_tokens(decode, view)),
+            worker_state(prefill, cluster, choice.reusable_tokens(prefill, view)),
+            floor,
+            decode_full=decode.load.full(decode.max_num_seqs),
+        )
+    if decision.route == RoutePath.LOCAL:
+        prefill = None
+    elif decision.route == RoutePath.STAY_ON_PREFILL:  # the prefill worker takes it whole
+        decode, prefill = prefill, None
+    computing = prefill or decode
+    fetch = None if sampling.HasField("prompt_logprobs") else choice.pool_fetch(computing, view)
+    return Attempt(decode, prefill, decision, fetch, unpaired)
+
+
+def worker_state(worker: WorkerHandle, cluster: StepCosts, cached_tokens: int = 0) -> WorkerState:
     """What the estimate knows of `worker`: its last Stats plus what this router sent it since;
     `cluster`'s figures for those it has not learned yet."""
     load = worker.load
@@ -42,7 +124,7 @@ def worker_state(worker: WorkerClient, cluster: StepCosts, cached_tokens: int = 
     )
 
 
-def cluster_costs(workers: list[WorkerClient]) -> StepCosts:
+def cluster_costs(workers: list[WorkerHandle]) -> StepCosts:
     """The mean of what the workers learned, field by field; DEFAULT_COSTS where none has."""
 
     def mean(field: str, default: float) -> float:

@@ -1,6 +1,8 @@
 """The OpenAI generation endpoints: /v1/chat/completions and /v1/completions.
 
-The routes only translate HTTP to the request flow's steps (router/flow/request_flow.py) and back.
+The routes only translate HTTP to the request's steps and back: admit (router/flow/admission.py,
+in the tokenizer's threads), a turn (router/flow/admission_gate.py), start (router/flow/retries.py),
+relay (router/flow/relay.py), each failure counted (router/flow/accounting.py).
 The first chunk is awaited before the HTTP status is sent, so a request the worker refuses gets
 a real 4xx/5xx even when streaming. A client that goes away, before its first token or after,
 cancels the request: a queued one leaves the queue, a started one is aborted on the workers.
@@ -18,7 +20,14 @@ from starlette.requests import ClientDisconnect
 from pdserve.core import tracing
 from pdserve.settings import json_logs
 from router.flow.accounting import DISCONNECTED, timing_breakdown
-from router.flow.admission import PRIORITY_HEADER, TIMEOUT_HEADER, asking, sequences
+from router.flow.admission import (
+    PRIORITY_HEADER,
+    TIMEOUT_HEADER,
+    HttpAsk,
+    admit,
+    asking,
+    sequences,
+)
 from router.flow.admission_gate import Turn
 from router.flow.request_run import Admitted, Started
 from router.flow.route_choice import ROUTE_HEADER
@@ -71,25 +80,28 @@ async def serve(
 
         async def begin() -> tuple[Admitted, Turn, list[Started]]:
             """Admit, wait for a turn, and start every run (their first chunk come)."""
-            admitted = await state.flow.admit_off_loop(
+            ask = HttpAsk(
                 endpoint,
                 schema,
                 body,
                 id_prefix,
-                request.headers.get(ROUTE_HEADER),
                 arrival,
+                request.headers.get(ROUTE_HEADER),
                 request.headers.get(TIMEOUT_HEADER),
                 request.headers.get(PRIORITY_HEADER),
-                caller=caller,
+                caller,
+                trace_context,
             )
+            admitted = await state.tokenizing.run(
+                admit, state.settings, state.pool, state.tokenizer, ask
+            )
+            json_logs.request_id.set(admitted.request_id)  # set in the thread's copy of it
             span.set_attribute("pdserve.request_id", admitted.request_id)
             cache_salt.set(admitted.worker_requests[0].cache_salt)  # the prefix index salt
-            for run in admitted.runs:
-                run.trace = trace_context
             with tracing.tracer().start_as_current_span("pdserve.admission"):  # the queue's wait
                 turn = await state.gate.enter(asking(admitted, state.settings), sequences(admitted))
             try:
-                started = await state.flow.start_all(admitted)
+                started = await state.starter.start_all(admitted)
             except BaseException:
                 turn.give_back()
                 raise
@@ -97,7 +109,7 @@ async def serve(
 
         begun = await _unless_client_leaves(request, begin())
         if begun is None:
-            state.flow.count_disconnect(endpoint)
+            state.accounting.disconnect(endpoint)
             return Response(status_code=DISCONNECTED)
         admitted, turn, started = begun
         # What `begin` set in its task's context, for the rest of the request's steps too.
@@ -113,7 +125,7 @@ async def serve(
             state.tokenizer.token_text,
         )
         if admitted.stream:
-            events = state.flow.stream(admitted, started, shape, endpoint)
+            events = state.relay.stream(admitted, started, shape, endpoint)
             streaming = True  # the span ends with the stream
 
             async def release() -> None:
@@ -131,10 +143,10 @@ async def serve(
             )
         return await _whole(request, endpoint, admitted, started, shape, turn, headers, caller)
     except ClientDisconnect:  # it left while sending its body
-        state.flow.count_disconnect(endpoint)
+        state.accounting.disconnect(endpoint)
         return Response(status_code=DISCONNECTED)
     except OpenAIError as error:
-        state.flow.count_error(error, endpoint)
+        state.accounting.error(error, endpoint)
         span.set_status(trace.StatusCode.ERROR, error.message)
         span.set_attribute("http.response.status_code", error.status)
         retry = {"retry-after": str(error.retry_after_s)} if error.retry_after_s else None
@@ -190,10 +202,10 @@ async def _whole(
 ) -> Response:
     """The whole response, once every run has finished (499 when the client left first);
     its timing breakdown for operator and admin keys that ask for it."""
-    flow = request.app.state.flow
+    relay = request.app.state.relay
     try:
         whole = await _until_disconnected(
-            request, flow.collect(admitted, started, shape, endpoint), endpoint
+            request, relay.collect(admitted, started, shape, endpoint), endpoint
         )
     finally:
         turn.give_back()
@@ -216,7 +228,7 @@ async def _until_disconnected(request: Request, work, endpoint: str):
         while not task.done():
             await asyncio.wait({task}, timeout=0.5)
             if not task.done() and await request.is_disconnected():
-                request.app.state.flow.count_disconnect(endpoint)
+                request.app.state.accounting.disconnect(endpoint)
                 return None
         return task.result()
     finally:

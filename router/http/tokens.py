@@ -26,7 +26,7 @@ async def tokenize(request: Request):
     chat = isinstance(body, dict) and "messages" in body
     parsed = parse_request(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
     check_model(parsed.model, state.settings.served_model)
-    tokenizer, off_loop = state.tokenizer, state.flow.off_loop  # router/flow/tokenization.py
+    tokenizer, off_loop = state.tokenizer, state.tokenizing.run  # router/flow/tokenization.py
     if chat:
         ids = await off_loop(
             tokenizer.chat_ids,
@@ -52,4 +52,4 @@ async def detokenize(request: Request):
     state = request.app.state
     parsed = parse_request(DetokenizeRequest, await read_json(request))
     check_model(parsed.model, state.settings.served_model)
-    return {"prompt": await state.flow.off_loop(state.tokenizer.detokenize, parsed.tokens)}
+    return {"prompt": await state.tokenizing.run(state.tokenizer.detokenize, parsed.tokens)}

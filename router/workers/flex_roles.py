@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from pdserve.core.kinds import Role
 from router.http.errors import invalid_request
 from router.shared.state import STANDBY  # a flex worker in no pool (a sweep's ratio with fewer)
-from router.workers.client import WorkerClient
+from router.workers.handle import WorkerHandle
 from router.workers.load import LOAD_POLL_S
 from router.workers.pool import TAKES_REQUESTS
 
@@ -66,7 +66,7 @@ class RoleMetrics:
         for role in FLEX_ROLES + (STANDBY,):
             self.workers.labels(role).set(0)
 
-    def count(self, flex: list[WorkerClient]) -> None:
+    def count(self, flex: list[WorkerHandle]) -> None:
         for role in FLEX_ROLES + (STANDBY,):
             self.workers.labels(role).set(sum(w.role == role for w in flex))
 
@@ -83,7 +83,7 @@ class FlexRoles:
         self.shared: dict[str, str] = {}  # worker id -> role, as the routers last shared it
         self.leads_ratio = True  # --flex-auto decides here (one router of several does)
 
-    def flex(self) -> list[WorkerClient]:
+    def flex(self) -> list[WorkerHandle]:
         return [w for w in self.pool.workers if w.flex]
 
     def place_new(self) -> None:
@@ -188,11 +188,11 @@ class FlexRoles:
     def _count(self, role: str) -> int:
         return sum(w.role == role for w in self.flex())
 
-    def move(self, worker: WorkerClient, role: str, by: str, reason: str) -> RoleChange:
+    def move(self, worker: WorkerHandle, role: str, by: str, reason: str) -> RoleChange:
         (change,) = self._move([worker], role, by, reason)
         return change
 
-    def _move(self, workers: list[WorkerClient], role: str, by: str, reason: str):
+    def _move(self, workers: list[WorkerHandle], role: str, by: str, reason: str):
         changes = []
         for worker in workers:
             change = RoleChange(worker.worker_id, worker.role, role, reason)

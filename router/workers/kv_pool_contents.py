@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from pdserve.core.pool_keys import block_keys
 from pdserve.protocol import worker_pb2
-from router.workers.client import WorkerClient
+from router.workers.handle import WorkerHandle
 
 
 @dataclass
@@ -46,54 +46,33 @@ class PromptKeys:
         return self._known[index]
 
 
-@dataclass
-class AskedPrompt:
-    """The last prompt asked about: what each pool holds of it, and its keys, computed once
-    for every pool of one block size and first parent (all pools of one model)."""
+PoolName = tuple[str, str]  # a host KV pool: its workers' (host_id, kv_pool)
 
-    prompt: tuple[int, ...] = ()
-    held: dict[tuple[str, str], int] = field(default_factory=dict)
-    _keys: dict[tuple[int, bytes], PromptKeys] = field(default_factory=dict)
 
-    def keys(self, block_size: int, none_hash: bytes) -> PromptKeys:
-        found = self._keys.get((block_size, none_hash))
-        if found is None:
-            found = self._keys[block_size, none_hash] = PromptKeys(
-                self.prompt, block_size, none_hash
-            )
-        return found
+def pool_name(worker: WorkerHandle) -> PoolName:
+    return worker.host_id, worker.kv_pool
 
 
 class PoolContents:
     def __init__(self) -> None:
-        self._pools: dict[tuple[str, str], PoolCopy] = {}
-        # The last prompt asked about and what each pool holds of it: a request asks of every
-        # pool (where to fetch from), once per candidate, and again for the path's price.
-        self._asked = AskedPrompt()
+        self._pools: dict[PoolName, PoolCopy] = {}
 
-    @staticmethod
-    def _name(worker: WorkerClient) -> tuple[str, str]:
-        return worker.host_id, worker.kv_pool
-
-    def same_pool(self, one: WorkerClient, other: WorkerClient) -> bool:
-        return self._name(one) == self._name(other)
-
-    def stats_request(self, worker: WorkerClient) -> worker_pb2.StatsRequest:
+    def stats_request(self, worker: WorkerHandle) -> worker_pb2.StatsRequest:
         """The Stats question for `worker`: the changes after this router's copy of its pool."""
         if not worker.kv_pool:
             return worker_pb2.StatsRequest()
-        copy = self._pools.get(self._name(worker), PoolCopy())
+        copy = self._pools.get(pool_name(worker), PoolCopy())
         return worker_pb2.StatsRequest(
             kv_pool_contents=True, kv_pool_store_id=copy.store_id, kv_pool_since=copy.sequence
         )
 
-    def update(self, worker: WorkerClient, contents: worker_pb2.KvPoolContents) -> None:
+    def update(self, worker: WorkerHandle, contents: worker_pb2.KvPoolContents) -> None:
         """A worker's answer: applied when it continues this copy (the changes after its
         change number) or replaces it (reset); an answer to an older question, which a
         pool-mate's answer overtook, is left for the next poll."""
         if not worker.kv_pool:
             return
-        copy = self._pools.setdefault(self._name(worker), PoolCopy())
+        copy = self._pools.setdefault(pool_name(worker), PoolCopy())
         if contents.reset:
             copy.keys = set(contents.added)
         elif (contents.store_id, contents.since) == (copy.store_id, copy.sequence):
@@ -103,31 +82,27 @@ class PoolContents:
             return
         copy.store_id, copy.sequence = contents.store_id, contents.sequence
         copy.block_size, copy.none_hash = contents.block_size, contents.none_hash
-        self._asked = AskedPrompt()  # what each pool holds of the last prompt may have changed
 
-    def lost(self, worker: WorkerClient) -> None:
+    def lost(self, worker: WorkerHandle) -> None:
         """`worker` could not say what its pool holds (its store is gone or hung): the copy
         goes, and the next answer starts a new one."""
-        if self._pools.pop(self._name(worker), None) is not None:
-            self._asked = AskedPrompt()
+        self._pools.pop(pool_name(worker), None)
 
-    def loadable_tokens(self, worker: WorkerClient, prompt: list[int]) -> int:
-        """Of `prompt`, the leading tokens `worker`'s host KV pool holds (0: no pool, or none
-        of its contents known yet)."""
-        name = self._name(worker)
-        copy = self._pools.get(name) if worker.kv_pool else None
-        if copy is None or not copy.keys or not copy.block_size:
-            return 0
-        asked = tuple(prompt)
-        if asked != self._asked.prompt:
-            self._asked = AskedPrompt(asked)
-        held = self._asked.held.get(name)
-        if held is None:
-            keys = self._asked.keys(copy.block_size, copy.none_hash)
+    def held(self, prompt: tuple[int, ...]) -> dict[PoolName, int]:
+        """Of `prompt`, the leading tokens each known pool holds; its keys computed once for
+        every pool of one block size and first parent (all pools of one model), and only as
+        far as a pool holds them."""
+        keys: dict[tuple[int, bytes], PromptKeys] = {}
+        held = {}
+        for name, copy in self._pools.items():
+            if not copy.keys or not copy.block_size:
+                continue
+            kind = (copy.block_size, copy.none_hash)
+            prompt_keys = keys.get(kind) or keys.setdefault(kind, PromptKeys(prompt, *kind))
             blocks = 0
-            while (key := keys.key(blocks)) is not None and key in copy.keys:
+            while (key := prompt_keys.key(blocks)) is not None and key in copy.keys:
                 blocks += 1
-            held = self._asked.held[name] = blocks * copy.block_size
+            held[name] = blocks * copy.block_size
         return held
 
     def view(self) -> list[dict]:
@@ -146,8 +121,8 @@ class PoolContents:
             for (host_id, kv_pool), copy in sorted(self._pools.items())
         ]
 
-    def forget_unused(self, workers: list[WorkerClient]) -> None:
+    def forget_unused(self, workers: list[WorkerHandle]) -> None:
         """Drop the copies of pools no member uses any more."""
-        used = {self._name(worker) for worker in workers if worker.kv_pool}
+        used = {pool_name(worker) for worker in workers if worker.kv_pool}
         for name in [name for name in self._pools if name not in used]:
             del self._pools[name]

@@ -6,30 +6,24 @@ every router ranks them alike; `cache-aware` adds the prefix each worker likely 
 """
 
 import itertools
-from collections.abc import Callable
 
-from router.workers.client import WorkerClient
+from router.workers.handle import WorkerHandle
 from router.workers.prefix_index import PrefixIndex, cache_salt, chunk_hashes
+from router.workers.prompt_view import NO_PROMPT, PromptView
 
 DECODE_REQUEST_TOKENS = 32  # cache-aware: a running request counts as this much prompt work
-Loadable = Callable[[WorkerClient], int]  # of the prompt, the leading tokens a worker's pool holds
-
-
-def nothing(worker: WorkerClient) -> int:
-    """No KV pool holds any of the prompt."""
-    return 0
 
 
 class NoCacheIndex:
     """A policy that keeps no index of the workers' prefix caches."""
 
-    def computes(self, worker: WorkerClient, prompt: list[int]) -> None:
+    def computes(self, worker: WorkerHandle, prompt: list[int]) -> None:
         """Nothing to keep."""
 
-    def cached_tokens(self, worker: WorkerClient, prompt: list[int]) -> int:
+    def cached_tokens(self, worker: WorkerHandle, prompt: list[int]) -> int:
         return 0  # unknown
 
-    def cache_lost(self, worker: WorkerClient) -> None:
+    def cache_lost(self, worker: WorkerHandle) -> None:
         """Nothing to forget."""
 
 
@@ -43,9 +37,7 @@ class RoundRobin(NoCacheIndex):
     def __init__(self) -> None:
         self._turns: dict[str, itertools.count] = {}
 
-    def choose(
-        self, candidates: list[WorkerClient], prompt: list[int] = (), loadable: Loadable = nothing
-    ) -> WorkerClient:
+    def choose(self, candidates: list[WorkerHandle], view: PromptView = NO_PROMPT) -> WorkerHandle:
         turn = self._turns.setdefault(candidates[0].role, itertools.count())
         return candidates[next(turn) % len(candidates)]
 
@@ -56,9 +48,7 @@ class LeastLoaded(NoCacheIndex):
 
     name = "least-loaded"
 
-    def choose(
-        self, candidates: list[WorkerClient], prompt: list[int] = (), loadable: Loadable = nothing
-    ) -> WorkerClient:
+    def choose(self, candidates: list[WorkerHandle], view: PromptView = NO_PROMPT) -> WorkerHandle:
         return min(candidates, key=lambda worker: worker.load.busyness(worker.role))
 
 
@@ -73,7 +63,7 @@ POOL_LOAD_SAVES = 0.9
 PEER_FETCH_SAVES = 0.5
 
 
-def pool_load_saves(worker: WorkerClient, fetched: bool = False) -> float:
+def pool_load_saves(worker: WorkerHandle, fetched: bool = False) -> float:
     """Of a prompt token's compute, what loading it from its host KV pool saves `worker` (or,
     `fetched`, fetching it from another host's pool into that one first): one less the ratio
     of its measured load (and fetch) time and compute time per token (all in its Stats), or
@@ -109,7 +99,7 @@ class CacheAware:
     cache (router/workers/prefix_index.py, from the prompts this router sent it) less the work it
     has queued (prompt tokens yet to compute, running requests at DECODE_REQUEST_TOKENS each), as
     SGLang's and Dynamo's routers weigh them. A worker in a host KV pool can load what the pool
-    holds (`loadable`: router/workers/kv_pool_contents.py, as the pool's store reports it), at what
+    holds (router/workers/prompt_view.py, as the pool's store reports it), at what
     a load saves it (pool_load_saves), so a busy worker's history no longer holds the conversation
     to it. Ties go to the first candidate."""
 
@@ -121,20 +111,15 @@ class CacheAware:
 
     def _hashes(self, prompt: list[int]) -> list[bytes]:
         """The prompt's chunk hashes under the request's cache salt, computed once for a
-        request's several calls (its picks, the path's prices, then `computes`)."""
+        run's two calls (its prompt view, then `computes`)."""
         salt = cache_salt.get()
         key = (salt, tuple(prompt))
         if key != self._last[0]:
             self._last = (key, chunk_hashes(list(key[1]), salt))
         return self._last[1]
 
-    def choose(
-        self, candidates: list[WorkerClient], prompt: list[int] = (), loadable: Loadable = nothing
-    ) -> WorkerClient:
-        hashes = self._hashes(prompt)
-        cached = {w.address: self.index.cached_tokens(w.address, hashes) for w in candidates}
-
-        def gain(worker: WorkerClient) -> float:
+    def choose(self, candidates: list[WorkerHandle], view: PromptView = NO_PROMPT) -> WorkerHandle:
+        def gain(worker: WorkerHandle) -> float:
             report = worker.load.report
             queued = worker.load.prompt_tokens_since + worker.load.requests_since * (
                 DECODE_REQUEST_TOKENS
@@ -142,22 +127,22 @@ class CacheAware:
             if report is not None:
                 queued += report.outstanding_prefill_tokens
                 queued += report.running_requests * DECODE_REQUEST_TOKENS
-            own, pooled = cached[worker.address], loadable(worker)
+            own, pooled = view.cached_on(worker), view.pooled_for(worker)
             return reusable_tokens(own, pooled, pool_load_saves(worker)) - queued
 
         return max(candidates, key=gain)
 
-    def computes(self, worker: WorkerClient, prompt: list[int]) -> None:
+    def computes(self, worker: WorkerHandle, prompt: list[int]) -> None:
         """The worker computes the prompt (or receives its KV) now: its prefix is cached there
         from now on. Told once the request's path is chosen, which may not use every worker
         `choose` picked."""
         self.index.sent(worker.address, self._hashes(prompt))
 
-    def cached_tokens(self, worker: WorkerClient, prompt: list[int]) -> int:
+    def cached_tokens(self, worker: WorkerHandle, prompt: list[int]) -> int:
         """Leading prompt tokens the worker likely has in its prefix cache."""
         return self.index.cached_tokens(worker.address, self._hashes(prompt))
 
-    def cache_lost(self, worker: WorkerClient) -> None:
+    def cache_lost(self, worker: WorkerHandle) -> None:
         """The worker lacked what the index said it held (it evicted it): its estimate starts
         again from what it is sent next."""
         self.index.forget(worker.address)

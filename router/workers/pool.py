@@ -1,4 +1,5 @@
-"""The workers the router may send a request to, by role, and the choice among them.
+"""The workers the router may send a request to, by role: membership, liveness and load. Which
+of them takes a request is router/workers/choice.py's.
 
 Membership comes from one of two places: a fixed list of addresses (`pdserve serve`, one host,
 no Redis), or the cluster's Redis registry (`pdserve up`), which `follow_registry` reads every
@@ -18,18 +19,18 @@ colocated worker to try waits up to --worker-wait for one, then answers 503
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 
 from pdserve.core.kinds import Role
 from pdserve.protocol import worker_pb2
 from pdserve.settings.router import UNRESPONSIVE_TIMEOUT_S
-from router.http.errors import worker_unavailable
 from router.workers.client import WorkerClient
+from router.workers.handle import WorkerHandle
 from router.workers.kv_pool_contents import PoolContents
 from router.workers.liveness import Liveness
 from router.workers.load import LOAD_POLL_S
-from router.workers.policies import pool_load_saves, reusable_tokens
 
 log = logging.getLogger("pdserve.router")
 TAKES_REQUESTS = (Role.DECODE, Role.COLOCATED)  # whole requests, and disaggregated decode legs
@@ -40,14 +41,14 @@ LIVE_POLL_S = 0.05  # how often a request waiting for a live worker looks at the
 
 
 class WorkerPool:
-    def __init__(self, addresses: list[str], policy) -> None:
-        self.workers = [WorkerClient(address) for address in addresses]
+    def __init__(self, addresses: list[str], clock: Callable[[], float] = time.monotonic) -> None:
+        self.workers: list[WorkerHandle] = [WorkerClient(address) for address in addresses]
         self.down: set[str] = set()  # answered UNAVAILABLE: back when Health says READY
-        now = time.monotonic()
+        self.clock = clock  # monotonic seconds: liveness, and a wait for a live worker
+        now = clock()
         self.liveness = {address: Liveness(now) for address in addresses}  # by address
-        self.policy = policy
         self.pool_contents = PoolContents()  # what the members' host KV pools hold
-        self.leaving: list[WorkerClient] = []  # out of membership, requests still in flight
+        self.leaving: list[WorkerHandle] = []  # out of membership, requests still in flight
         self._max_model_len = 0
 
     async def wait_ready(self, deadline_s: float) -> None:
@@ -66,7 +67,7 @@ class WorkerPool:
             if pending:
                 await asyncio.sleep(0.5)
 
-    async def _is_ready(self, worker: WorkerClient) -> bool:
+    async def _is_ready(self, worker: WorkerHandle) -> bool:
         try:
             state = (await worker.health(timeout=2.0)).state
         except grpc.aio.AioRpcError:  # not listening yet, or gone
@@ -75,37 +76,36 @@ class WorkerPool:
         self.heard(worker, answered=True)
         return state == worker_pb2.HealthReply.READY
 
-    def heard(self, worker: WorkerClient, answered: bool) -> None:
+    def heard(self, worker: WorkerHandle, answered: bool) -> None:
         """A member's call was answered, or failed (refused, timed out): for its liveness."""
         if worker not in self.workers:  # a joining worker: its liveness starts when it joins
             return
         if answered:
-            self._liveness(worker).answered(time.monotonic())
+            self._liveness(worker).answered(self.clock())
         else:
             self._liveness(worker).missed()
 
-    def _liveness(self, worker: WorkerClient) -> Liveness:
-        return self.liveness.setdefault(worker.address, Liveness(time.monotonic()))
+    def _liveness(self, worker: WorkerHandle) -> Liveness:
+        return self.liveness.setdefault(worker.address, Liveness(self.clock()))
 
-    def serving(self, worker: WorkerClient) -> bool:
+    def serving(self, worker: WorkerHandle) -> bool:
         """Neither marked down nor taken out for not answering."""
         return worker.address not in self.down and self._liveness(worker).serving
 
-    def live(self, roles: tuple[Role, ...]) -> list[WorkerClient]:
+    def live(self, roles: tuple[Role, ...]) -> list[WorkerHandle]:
         return [w for w in self.workers if w.role in roles and self.serving(w)]
 
     async def wait_for_live(
         self, roles: tuple[Role, ...], wait_s: float, avoid: frozenset[str] = frozenset()
     ) -> None:
         """Return once a worker of `roles` not in `avoid` is live, or after `wait_s`."""
-        deadline = time.monotonic() + wait_s
-        while (
-            not [w for w in self.live(roles) if w.address not in avoid]
-            and time.monotonic() < deadline
-        ):
+        deadline = self.clock() + wait_s
+        while self.clock() < deadline and not [
+            w for w in self.live(roles) if w.address not in avoid
+        ]:
             await asyncio.sleep(LIVE_POLL_S)
 
-    def unresponsive(self) -> list[WorkerClient]:
+    def unresponsive(self) -> list[WorkerHandle]:
         """Members out of the pools for not answering."""
         return [w for w in self.workers if not self._liveness(w).serving]
 
@@ -154,95 +154,7 @@ class WorkerPool:
             "unresponsive": sorted(w.worker_id for w in self.unresponsive()),
         }
 
-    def pick(
-        self,
-        roles: tuple[Role, ...],
-        avoid: frozenset[str] = frozenset(),
-        pairs_with: WorkerClient | None = None,
-        prompt: list[int] = (),
-    ) -> WorkerClient:
-        """`pairs_with`: only workers whose KV that worker can take (equal compatibility
-        fingerprints: the handshake between them would succeed). `prompt`: the request's token
-        ids, for a policy that weighs prefix-cache hits."""
-        candidates = [w for w in self.live(roles) if w.address not in avoid]
-        if not candidates:
-            raise worker_unavailable(f"no {' or '.join(roles)} worker is available; retry later")
-        if pairs_with is not None:
-            fingerprint = pairs_with.kv_compatibility
-            others = candidates
-            candidates = [w for w in candidates if w.kv_compatibility == fingerprint]
-            if not candidates:
-                theirs = "; ".join(f"{w.worker_id} has {w.kv_compatibility}" for w in others)
-                raise worker_unavailable(
-                    f"no {' or '.join(roles)} worker's KV is compatible with worker "
-                    f"{pairs_with.worker_id}'s ({fingerprint}): {theirs}"
-                )
-        return self.policy.choose(
-            candidates, prompt, lambda worker: self.pool_contents.loadable_tokens(worker, prompt)
-        )
-
-    def computes(self, worker: WorkerClient, prompt: list[int]) -> None:
-        """`worker` computes `prompt` (or receives its KV): for a policy that tracks caches."""
-        self.policy.computes(worker, prompt)
-
-    def cached_tokens(self, worker: WorkerClient, prompt: list[int]) -> int:
-        """Of `prompt`, the leading tokens `worker` likely has cached (0 when the policy keeps
-        no index)."""
-        return self.policy.cached_tokens(worker, prompt)
-
-    def reusable_tokens(self, worker: WorkerClient, prompt: list[int]) -> int:
-        """Of `prompt`, the tokens `worker` likely need not compute: its cached ones, those its
-        host KV pool holds at what a load saves it, and those another host's pool holds at what
-        fetching them saves it (router/workers/policies.py's reusable_tokens): what the path's price
-        counts as not computed."""
-        pooled = self.pool_contents.loadable_tokens(worker, prompt)
-        own = self.cached_tokens(worker, prompt)
-        _source, fetchable = self.pool_source(worker, prompt)
-        saves, fetch_saves = pool_load_saves(worker), pool_load_saves(worker, fetched=True)
-        return int(reusable_tokens(own, pooled, saves, fetchable, fetch_saves))
-
-    def pool_source(
-        self, worker: WorkerClient, prompt: list[int]
-    ) -> tuple[WorkerClient | None, int]:
-        """The serving worker of another host KV pool that holds more of `prompt`'s leading
-        blocks than `worker`'s pool does, and the tokens it holds: (None, 0) when none does (or
-        `worker` is in no pool). Only a pool of workers whose KV is compatible with `worker`'s
-        and of its tensor-parallel size: the blocks must mean the same to its engine, and a
-        pool's blocks hold a part per rank (another size's pool refuses the fetch)."""
-        if not worker.kv_pool:
-            return None, 0
-        contents = self.pool_contents
-        best, most = None, contents.loadable_tokens(worker, prompt)
-        for other in self.workers:
-            if (
-                other.kv_pool
-                and other.kv_compatibility == worker.kv_compatibility
-                and other.tensor_parallel_size == worker.tensor_parallel_size
-                and not contents.same_pool(other, worker)
-                and self.serving(other)
-            ):
-                held = contents.loadable_tokens(other, prompt)
-                if held > most:
-                    best, most = other, held
-        return (best, most) if best is not None else (None, 0)
-
-    def pool_fetch(self, worker: WorkerClient, prompt: list[int]) -> worker_pb2.PoolFetch | None:
-        """What `worker` should fetch into its host KV pool before computing `prompt`
-        (pdserve/worker/pool_peers.py): another pool's leading blocks of it, when a fetch
-        saves it time (not when its own prefix cache likely holds them: the cache-aware
-        policy's estimate)."""
-        source, tokens = self.pool_source(worker, prompt)
-        if source is None or pool_load_saves(worker, fetched=True) <= 0:
-            return None
-        if tokens <= self.cached_tokens(worker, prompt):
-            return None
-        return worker_pb2.PoolFetch(source=source.address, tokens=tokens)
-
-    def cache_lost(self, worker: WorkerClient) -> None:
-        """`worker` lacked a prefix it was thought to hold: the policy forgets its estimate."""
-        self.policy.cache_lost(worker)
-
-    def mark_down(self, worker: WorkerClient) -> None:
+    def mark_down(self, worker: WorkerHandle) -> None:
         log.warning("worker %s marked down", worker.address)
         self.down.add(worker.address)
 
@@ -262,7 +174,7 @@ class WorkerPool:
                 if await self._is_ready(joining):
                     log.info("worker %s (%s) joined", joining.worker_id, joining.role)
                     self.workers.append(joining)
-                    self.liveness[address] = Liveness(time.monotonic())
+                    self.liveness[address] = Liveness(self.clock())
                 else:
                     await joining.close()
         for worker in [w for w in self.workers if w.address not in addresses]:
@@ -300,7 +212,7 @@ async def follow_load(
     whose calls go unanswered is taken out once it has been silent `unresponsive_s` (a slow
     answer from a busy host is only late, not held against it), and counted in `metrics`
     (RouterMetrics)."""
-    polls: dict[WorkerClient, asyncio.Task] = {}
+    polls: dict[WorkerHandle, asyncio.Task] = {}
     try:
         while True:
             for worker in pool.workers:
@@ -315,7 +227,7 @@ async def follow_load(
                 elif poll.done():
                     del polls[worker]
                     _take_stats(pool, worker, poll)
-            out, back = pool.judge(time.monotonic(), unresponsive_s)
+            out, back = pool.judge(pool.clock(), unresponsive_s)
             if metrics is not None:
                 for worker in out:
                     metrics.unresponsive.labels(worker.role).inc()
@@ -325,7 +237,7 @@ async def follow_load(
             poll.cancel()
 
 
-def _take_stats(pool: WorkerPool, worker: WorkerClient, poll: asyncio.Task) -> None:
+def _take_stats(pool: WorkerPool, worker: WorkerHandle, poll: asyncio.Task) -> None:
     error = poll.exception()
     pool.heard(worker, answered=error is None)
     if error is None:
@@ -367,9 +279,9 @@ async def follow_registry(
                     registry.url,
                     RESTART_HOLD_S,
                 )
-                hold_until = time.monotonic() + RESTART_HOLD_S
+                hold_until = pool.clock() + RESTART_HOLD_S
             run_id = now_id
-            if time.monotonic() < hold_until:
+            if pool.clock() < hold_until:
                 addresses += [w.address for w in pool.workers if w.address not in addresses]
             await pool.sync(addresses)
             if metrics is not None and registry.refused > counted:

@@ -12,7 +12,15 @@ import torch
 from kv_transfer.pool.client import PoolClient
 from kv_transfer.pool.copy import PoolMemory, cache_rows, load_blocks, store_blocks
 from kv_transfer.pool.peer import BlockWriter, Damaged, read_blocks
-from kv_transfer.pool.wire import PEER
+from kv_transfer.pool.wire import (
+    PEER,
+    CompleteLoad,
+    CompleteStore,
+    Drop,
+    Lookup,
+    PrepareLoad,
+    PrepareStore,
+)
 from pdserve.cluster.local_services import start_kv_pool
 from pdserve.worker.processes import stop_group
 from tests.gpu.kv_caches import BLOCKS, as_bits, random_bytes
@@ -48,22 +56,22 @@ def test_kv_pool_store_and_load_is_bit_exact_per_rank(device, kv_pools, record_p
         for _ in range(ranks)
     ]
     targets = [[torch.zeros_like(cache) for cache in rank] for rank in caches]
-    keys = [f"block {i}".encode() for i in range(4)]
+    keys = tuple(f"block {i}".encode() for i in range(4))
     sources, destinations = [1, 3, 5, 7], [0, 2, 4, 6]
     slot = ranks * 2 * page
     address = kv_pools("store", len(keys) * slot)
     writer = PoolClient(address, "gpu_check", slot, ranks)
     reader = PoolClient(address, "gpu_check", slot, ranks)
     try:
-        slots = writer.call("prepare_store", keys)["stored"]["slots"]
+        slots = writer.call(PrepareStore(keys)).stored.slots
         memory = PoolMemory.over(writer.memory, writer.header_bytes, writer.slots, ranks)
         started = time.perf_counter()
         for rank, rank_caches in enumerate(caches):
             pages = [cache_rows(c) for c in rank_caches]
             store_blocks(pages, sources, memory, slots, keys, rank)
         stored_s = time.perf_counter() - started
-        writer.call("complete_store", keys, success=True)
-        loaded_slots = reader.call("prepare_load", keys)["slots"]
+        writer.call(CompleteStore(keys, success=True))
+        loaded_slots = reader.call(PrepareLoad(keys)).slots
         memory = PoolMemory.over(reader.memory, reader.header_bytes, reader.slots, ranks)
         started = time.perf_counter()
         for rank, rank_targets in enumerate(targets):
@@ -109,18 +117,18 @@ def test_a_fetch_between_hosts_pools_is_bit_exact_and_refuses_a_damaged_block(
     page, ranks = 256 << 10, 2
     caches = [[random_bytes((BLOCKS, page), torch.uint8, device)] for _ in range(ranks)]
     targets = [[torch.zeros_like(rank[0])] for rank in caches]
-    keys = [f"peer block {i}".encode() for i in range(4)]
+    keys = tuple(f"peer block {i}".encode() for i in range(4))
     blocks = [1, 3, 5, 7]
     slot = ranks * page
     addresses = [kv_pools(name, len(keys) * slot) for name in ("source", "destination")]
     engines = [PoolClient(address, "gpu_check", slot, ranks) for address in addresses]
     source, destination = PoolClient(addresses[0], PEER), PoolClient(addresses[1], PEER)
     try:
-        slots = engines[0].call("prepare_store", keys)["stored"]["slots"]
+        slots = engines[0].call(PrepareStore(keys)).stored.slots
         memory = PoolMemory.over(engines[0].memory, engines[0].header_bytes, len(keys), ranks)
         for rank, rank_caches in enumerate(caches):
             store_blocks([cache_rows(c) for c in rank_caches], blocks, memory, slots, keys, rank)
-        engines[0].call("complete_store", keys, success=True)
+        engines[0].call(CompleteStore(keys, success=True))
         engines[1].connected()  # the destination pool's namespace, as its engine would set it
         started = time.perf_counter()
         writer = BlockWriter(destination, keys)
@@ -129,7 +137,7 @@ def test_a_fetch_between_hosts_pools_is_bit_exact_and_refuses_a_damaged_block(
         fetched = writer.finish()
         fetch_s = time.perf_counter() - started
         assert fetched == len(keys), f"{fetched} of {len(keys)} blocks fetched"
-        loaded = engines[1].call("prepare_load", keys)["slots"]
+        loaded = engines[1].call(PrepareLoad(keys)).slots
         target_memory = PoolMemory.over(
             engines[1].memory, engines[1].header_bytes, len(keys), ranks
         )
@@ -140,15 +148,15 @@ def test_a_fetch_between_hosts_pools_is_bit_exact_and_refuses_a_damaged_block(
             assert torch.equal(rank_targets[0][blocks], caches[rank][0][blocks]), (
                 f"rank {rank}: fetched blocks came back changed"
             )
-        engines[1].call("complete_load", keys)
+        engines[1].call(CompleteLoad(keys))
         memory.part(slots[0], 1)[5] ^= 1  # the source's first block, rank 1's part
-        engines[1].call("drop", keys)
+        engines[1].call(Drop(keys))
         writer = BlockWriter(destination, keys)
         with pytest.raises(Damaged):
             for chunk in read_blocks(source, writer.wanted):
                 writer.write(chunk)
         assert not writer.finish(), "a damaged block was written"
-        assert not engines[1].call("lookup", keys)["found"], "a damaged block became loadable"
+        assert not engines[1].call(Lookup(keys)).blocks, "a damaged block became loadable"
     finally:
         for client in (*engines, source, destination):
             client.close()

@@ -1,5 +1,6 @@
-"""Every `--kv-fault` kind injected by the real sender: the decode ranks refuse the damaged
-transfer as the damage it is (a delayed one loads), after a clean one on the same channels."""
+"""Every KV fault kind (tests/kv_faults.py) injected in the real sender's channels: the decode ranks
+refuse the damaged transfer as the damage it is (a delayed one loads), after a clean one on the same
+channels."""
 
 import pytest
 
@@ -7,7 +8,7 @@ from tests.gpu.transfer import assert_exact, transfer
 
 pytestmark = pytest.mark.gpu
 
-FAULT_DAMAGE = {  # --kv-fault kind -> what the decode worker must find (None: loads fine)
+FAULT_DAMAGE = {  # fault kind -> what the decode worker must find (None: loads fine)
     "corrupt": "digest",
     "truncate": "length",
     "duplicate": "duplicate",

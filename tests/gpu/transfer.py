@@ -9,9 +9,9 @@ import types
 import torch
 
 from decode_workers.kv_loader import KvLoader
-from kv_transfer.channels import kv_sender
+from kv_transfer.channels import channel_opener
 from kv_transfer.compatibility import Compatibility
-from kv_transfer.grpc_transport import slice_chunk
+from kv_transfer.grpc_transport import cancel_transfer, slice_chunk
 from kv_transfer.head_shards import rank_heads
 from kv_transfer.kv_layout import WIRE_LAYOUT
 from kv_transfer.kv_receiver import KvReceiver
@@ -31,6 +31,7 @@ from tests.gpu.kv_caches import (
     random_bytes,
     vllm_caches,
 )
+from tests.kv_faults import faulty, parse_kv_fault
 
 SEND_BUFFER_BYTES = 256 << 20
 DEADLINE_S = 30.0  # longest a transfer may take to be reported by every decode rank
@@ -93,11 +94,11 @@ def transfer(
     loopback: bool = False,
 ) -> list[Outcome]:
     """Prefill one prompt per entry of `faults` (each its own transfer, one after the other on
-    the same channels, the fault its sender injects) on `prefill_tp` ranks with `source`
-    caches, in chunks of `chunk_tokens` (the real SendPlan picks each step's blocks), and load
-    it on `decode_tp` ranks with `target` caches (on `decode_device`, default `device`);
-    `skip_blocks` are the decode worker's own prefix-cache hit; `loopback`: each slice goes from
-    the sender's thread straight to its decode rank's receiving end in this process
+    the same channels, the fault the test's channel wrapper injects: tests/kv_faults.py) on
+    `prefill_tp` ranks with `source` caches, in chunks of `chunk_tokens` (the real SendPlan picks
+    each step's blocks), and load it on `decode_tp` ranks with `target` caches (on `decode_device`,
+    default `device`); `skip_blocks` are the decode worker's own prefix-cache hit; `loopback`: each
+    slice goes from the sender's thread straight to its decode rank's receiving end in this process
     (LoopbackChannel), the network left out. Returns each transfer's outcome."""
     width = torch.empty(0, dtype=dtype).element_size()
     compatibility = Compatibility(
@@ -124,12 +125,23 @@ def transfer(
     before = [[as_bits(c) for c in rank] for rank in decode_canonical]
     base, receivers = start_receivers(compatibility, decode_tp, decode_device)
 
+    # Each transfer's fault, injected by the test wrapper around the sender's channels.
+    fault_of = {f"check-{i}": parse_kv_fault(fault) for i, fault in enumerate(faults) if fault}
+
     def sending():
         if not loopback:
-            return kv_sender(compatibility, "127.0.0.1", device)
+            return KvSender(
+                faulty(channel_opener(compatibility, "127.0.0.1", device), fault_of.get),
+                cancel_transfer,
+                num_layers=LAYERS,
+                device=device,
+            )
         return KvSender(
-            lambda kind, destination: LoopbackChannel(
-                receivers[int(destination.rsplit(":", 1)[1]) - base], compatibility
+            faulty(
+                lambda kind, destination: LoopbackChannel(
+                    receivers[int(destination.rsplit(":", 1)[1]) - base], compatibility
+                ),
+                fault_of.get,
             ),
             lambda *cancel: None,
             num_layers=LAYERS,
@@ -157,7 +169,7 @@ def transfer(
         ]
         blocks = -(-prompt_tokens // BLOCK_TOKENS)
         outcomes = []
-        for index, fault in enumerate(faults):
+        for index in range(len(faults)):
             # Distinct blocks per transfer, scattered over the cache, in request order.
             src_ids = [(7 + 5 * (b + index * blocks)) % BLOCKS for b in range(blocks)]
             dst_ids = [(3 + 11 * (b + index * blocks)) % BLOCKS for b in range(blocks)]
@@ -168,8 +180,7 @@ def transfer(
                 random_bytes((blocks, total_heads, BLOCK_TOKENS, 2, HEAD_SIZE), dtype, device)
                 for _ in range(LAYERS)
             ]
-            fields = {"fault": fault} if fault else {}
-            params = SendKv(transfer_id, f"127.0.0.1:{base}", decode_tp, transport, **fields)
+            params = SendKv(transfer_id, f"127.0.0.1:{base}", decode_tp, transport)
             request = types.SimpleNamespace(
                 req_id="prefill-req",
                 prompt_token_ids=list(range(prompt_tokens)),

@@ -51,6 +51,7 @@ from tests.integration.prompts import (
     TINY_PROMPTS,
 )
 from tests.integration.trace_collector import TraceCollector
+from tests.kv_faults import injectable_environment
 from tests.xdist_groups import ModuleGroups
 
 SERVED_MODEL = "smollm2"
@@ -194,7 +195,8 @@ def one_cluster_secret():
     del os.environ[SECRET_ENV]
 
 
-def start_server(log_dir: Path, *args: str) -> Server:
+def start_server(log_dir: Path, *args: str, env: dict[str, str] | None = None) -> Server:
+    """`pdserve serve ARGS`, its environment this one's with `env` added."""
     port = free_port()
     process = spawn(
         [
@@ -211,6 +213,7 @@ def start_server(log_dir: Path, *args: str) -> Server:
             *args,
         ],
         log_dir / "serve.log",
+        env={**os.environ, **(env or {})},
     )
     server = Server(f"http://127.0.0.1:{port}", process, log_dir)
     try:
@@ -292,7 +295,8 @@ def mixed_pool(smollm2_dir, tmp_path_factory):
     """`mixed_pool(prefill, decode)`: three prefill workers forced onto grpc, nccl (gloo on CPU)
     and shm, two decode workers on auto (policy recompute), round-robin, with at least `prefill`
     and `decode` of them alive (started again when a test before killed more, so each test
-    passes alone and in any order). The transport tests and the kill tests share it."""
+    passes alone and in any order), taking KV faults from tests/kv_faults.set_fault(its
+    log_dir, ...). The transport tests and the kill tests share it."""
     servers = []
 
     def with_alive(prefill: int = len(FORCED_TRANSPORTS), decode: int = 2) -> Server:
@@ -302,9 +306,10 @@ def mixed_pool(smollm2_dir, tmp_path_factory):
         ):
             _stop_and_check(servers.pop())
         if not servers:
+            log_dir = tmp_path_factory.mktemp("mixed-pool")
             servers.append(
                 start_server(
-                    tmp_path_factory.mktemp("mixed-pool"),
+                    log_dir,
                     "--prefill",
                     str(len(FORCED_TRANSPORTS)),
                     "--prefill-kv-transports",
@@ -315,6 +320,7 @@ def mixed_pool(smollm2_dir, tmp_path_factory):
                     "round-robin",
                     "--kv-timeout",
                     "30",
+                    env=injectable_environment(log_dir),
                 )
             )
         return servers[-1]

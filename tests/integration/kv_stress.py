@@ -19,9 +19,9 @@ from pdserve.core.kinds import RoutePath
 from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from pdserve.settings.cluster_secret import secret_metadata
 from tests.integration.conftest import SERVED_MODEL
-from tests.integration.http_client import HTTP
+from tests.integration.helpers import complete, router_sample
 from tests.integration.processes import command_line, worker_pids
-from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS, long_prompt
+from tests.integration.prompts import DISAGGREGATED_PROMPTS, long_prompt
 from tests.waiting import wait_for
 
 
@@ -35,7 +35,7 @@ def kill_prefill_workers_mid_transfer(server) -> None:
     pids = worker_pids(server, "prefill")
     ports = [worker_port(pid) for pid in pids]
     prompts = [f"Request {uuid.uuid4()}. {DISAGGREGATED_PROMPTS[-1]}" for _ in pids]
-    before = metric_value(server, LOST_TO_LOCAL)
+    before = router_sample(server, LOST_TO_LOCAL)
     started = time.monotonic()
     with ThreadPoolExecutor(len(pids)) as pool:
         sent = [
@@ -55,7 +55,7 @@ def kill_prefill_workers_mid_transfer(server) -> None:
         assert response.status_code == 200, response.text
         local = complete(server, prompt, RoutePath.LOCAL)
         assert response.json()["choices"][0]["text"] == local.json()["choices"][0]["text"]
-    assert metric_value(server, LOST_TO_LOCAL) - before == len(pids)
+    assert router_sample(server, LOST_TO_LOCAL) - before == len(pids)
     # The decode workers still alive (a test before may have killed one: its row has an error).
     decodes = [w for w in server.workers(fresh=True) if w["role"] == "decode" and "error" not in w]
     assert decodes
@@ -85,29 +85,7 @@ def computing_a_prompt(port: int) -> bool:
     return stats.outstanding_prefill_tokens > 0
 
 
-def complete(server, prompt: str, route: str) -> httpx.Response:
-    return HTTP.post(
-        f"{server.base_url}/completions",
-        timeout=120,
-        headers={"x-pdserve-route": route},
-        json={
-            "model": SERVED_MODEL,
-            "prompt": prompt,
-            "temperature": 0,
-            "max_tokens": DISAGGREGATED_MAX_TOKENS,
-        },
-    )
-
-
 LOST_TO_LOCAL = 'pdserve_prefill_lost_total{next="local"}'
-
-
-def metric_value(server, sample: str) -> float:
-    """One sample of the router's metrics (0 when it has not been counted yet)."""
-    for line in HTTP.get(f"{server.url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(sample + " "):
-            return float(line.split()[-1])
-    return 0.0
 
 
 def abort_fifty_requests(server) -> None:

@@ -34,6 +34,7 @@ from pdserve.cluster import local_services, ray_launcher
 from pdserve.model_store.store import ensure_model
 from pdserve.protocol.registry import read_members
 from pdserve.worker.processes import free_port, spawn, stop_group
+from tests.integration.helpers import scrape
 from tests.integration.http_client import HTTP
 from tests.integration.processes import (
     alive,
@@ -412,14 +413,6 @@ def _running_everywhere(cluster, workers: set[str]) -> bool:
     return workers <= running
 
 
-def _sample(metrics: str, series: str) -> float:
-    """A series' value in a Prometheus scrape (0 before its first increment)."""
-    for line in metrics.splitlines():
-        if line.startswith(series + " "):
-            return float(line.split()[-1])
-    return 0.0
-
-
 def _in_pools(cluster) -> set[str]:
     return set(HTTP.get(f"{cluster['state']['router_url']}/health", timeout=5).json()["workers"])
 
@@ -529,7 +522,7 @@ def test_chaos_under_a_mixed_load_fails_no_request_and_every_baseline_comes_back
     _, redis = ray_and_redis
     rows = {row["worker"]: row for row in _layout(cluster, 1, 2)}
     keeper_before = _status(cluster)["keeper"]
-    metrics_before = HTTP.get(keeper_before["metrics_url"], timeout=5).text
+    metrics_before = scrape(keeper_before["metrics_url"])
     (process_victim,) = [name for name, row in rows.items() if row["role"] == "prefill"]
     actor_victim = max(name for name, row in rows.items() if row["role"] == "decode")
     frozen = min(name for name, row in rows.items() if row["role"] == "decode")
@@ -628,10 +621,10 @@ def test_chaos_under_a_mixed_load_fails_no_request_and_every_baseline_comes_back
         assert keeper["replacements"][role] == replaced_before + 1, keeper
         failed_before = keeper_before["failed_starts"].get(role, 0)
         assert keeper["failed_starts"].get(role, 0) == failed_before, keeper
-    metrics = HTTP.get(keeper["metrics_url"], timeout=5).text
+    metrics = scrape(keeper["metrics_url"])
     for role in ("prefill", "decode"):
         series = f'pdserve_worker_replacements_total{{role="{role}"}}'
-        assert _sample(metrics, series) == _sample(metrics_before, series) + 1, metrics
+        assert metrics.get(series, 0.0) == metrics_before.get(series, 0.0) + 1, metrics
     for name, group in old_groups.items():  # a new placement group; the old one removed
         assert _group_id(name) != group
         assert ray.util.placement_group_table()[group]["state"] == "REMOVED"

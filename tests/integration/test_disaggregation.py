@@ -6,61 +6,35 @@ colocated truth). Each disaggregated prompt is sent here first, so the decode wo
 prefix of it: its count of tokens it did not compute is then exactly what it received.
 """
 
-import httpx
 import pytest
 
 from kv_transfer.pool.client import PoolClient
-from kv_transfer.pool.wire import PEER
+from kv_transfer.pool.wire import PEER, Lookup
 from pdserve.core.pool_keys import block_keys
-from tests.integration.conftest import SERVED_MODEL, router_over
+from tests.integration.conftest import router_over
+from tests.integration.helpers import (
+    complete,
+    complete_at,
+    first_parent,
+    metrics_url,
+    router_total,
+    scrape,
+)
 from tests.integration.http_client import HTTP
 from tests.integration.prompts import (
     DECODE_POOL_CONVERSATIONS,
-    DISAGGREGATED_MAX_TOKENS,
     DISAGGREGATED_PROMPTS,
     POOL_MAX_TOKENS,
     long_prompt,
 )
-from tests.integration.test_kv_pool import first_parent
-from tests.integration.test_worker_observability import metrics_url, scrape
 from tests.waiting import wait_for
-
-
-def complete(server, prompt: str, route: str, **extra) -> httpx.Response:
-    return complete_at(server.base_url, prompt, route, **extra)
-
-
-def complete_at(base_url: str, prompt: str, route: str, **extra) -> httpx.Response:
-    body = {
-        "model": SERVED_MODEL,
-        "prompt": prompt,
-        "temperature": 0,
-        "max_tokens": DISAGGREGATED_MAX_TOKENS,
-        **extra,
-    }
-    return HTTP.post(
-        f"{base_url}/completions",
-        json=body,
-        timeout=300,
-        headers={"x-pdserve-route": route, "x-pdserve-timing": "1"},
-    )
-
-
-def metric(server, name: str) -> float:
-    text = HTTP.get(f"{server.url}/metrics", timeout=10).text
-    values = [
-        float(line.split()[-1])
-        for line in text.splitlines()
-        if line.startswith(name + " ") or line.startswith(name + "{")
-    ]
-    return sum(values)
 
 
 @pytest.mark.parametrize("index", range(len(DISAGGREGATED_PROMPTS)))
 def test_disaggregated_output_equals_colocated_and_skips_the_prompt(
     server, offline_reference, index
 ):
-    fallbacks_before = metric(server, "pdserve_kv_fallbacks_total")
+    fallbacks_before = router_total(server, "pdserve_kv_fallbacks_total")
     response = complete(server, DISAGGREGATED_PROMPTS[index], "disaggregated")
     assert response.status_code == 200, response.text
     body = response.json()
@@ -75,7 +49,7 @@ def test_disaggregated_output_equals_colocated_and_skips_the_prompt(
     # ...and the decode worker computed none of the prompt: vLLM counted every prompt token
     # as already there (received KV), and nothing fell back to local prefill.
     assert int(response.headers["x-pdserve-decode-cached-tokens"]) == body["usage"]["prompt_tokens"]
-    assert metric(server, "pdserve_kv_fallbacks_total") == fallbacks_before
+    assert router_total(server, "pdserve_kv_fallbacks_total") == fallbacks_before
     timing = body["pdserve_timing"]
     blocks = -(-body["usage"]["prompt_tokens"] // 128)
     assert timing["kv_bytes"] == blocks * 30 * 3 * 128 * 2 * 64 * 4
@@ -207,7 +181,7 @@ def pool_holds(server, token_ids: list[int], blocks: int) -> bool:
     keys = list(block_keys(token_ids, 128, first_parent(server)))[:blocks]
     client = PoolClient(address, PEER)
     try:
-        return client.call("lookup", keys)["found"] == blocks
+        return client.call(Lookup(tuple(keys))).blocks == blocks
     finally:
         client.close()
 

@@ -22,7 +22,7 @@ import pytest
 
 from kv_transfer.pool.client import PoolClient
 from kv_transfer.pool.copy import PoolMemory, key_tag
-from kv_transfer.pool.wire import PEER
+from kv_transfer.pool.wire import PEER, CompleteStore, PrepareStore
 from pdserve.core.pool_keys import block_keys
 from tests.integration.conftest import SERVED_MODEL, _stop_and_check, start_server
 from tests.integration.http_client import HTTP
@@ -190,15 +190,15 @@ def write_damaged(address: str, keys: list[bytes]) -> None:
     a digest its bytes do not have (the store hands its memory to any client of its user)."""
     client = PoolClient(address, PEER)
     assert client.connected()
-    stored = client.call("prepare_store", keys)["stored"]
-    assert [bytes.fromhex(key) for key in stored["keys"]] == keys, "a key was stored already"
+    stored = client.call(PrepareStore(tuple(keys))).stored
+    assert list(stored.keys) == keys, "a key was stored already"
     memory = PoolMemory.over(client.memory, client.header_bytes, client.slots, client.parts)
-    for key, slot in zip(keys, stored["slots"], strict=True):
+    for key, slot in zip(keys, stored.slots, strict=True):
         memory.slots[slot].fill_(7)
         for part in range(client.parts):
             memory.headers[slot, part, 0] = key_tag(key)
             memory.headers[slot, part, 1] = 12345
-    client.call("complete_store", keys, success=True)
+    client.call(CompleteStore(tuple(keys), success=True))
     client.close()
 
 

@@ -4,24 +4,20 @@ round-robin, so consecutive requests go through each prefill worker in turn and 
 own transport.
 
 Greedy outputs equal vLLM's own on every transport, each transfer labelled with what carried
-it; an injected fault of each kind (SetKvFault, rate 1: no engine restarts) is caught on every
-transport by the integrity check, counted by transport and kind, and the output stays the local
-path's; fifty aborts leave no KV behind and open no new process group per transfer. (The pool's
-kill tests are in test_migration.py.)"""
+it; an injected fault of each kind (tests/kv_faults.py, rate 1, set in the running workers: no
+engine restarts) is caught on every transport by the integrity check, counted by transport and
+kind, and the output stays the local path's; fifty aborts leave no KV behind and open no new
+process group per transfer. (The pool's kill tests are in test_migration.py.)"""
 
-import grpc
-import httpx
 import pytest
 
-from pdserve.protocol import worker_pb2, worker_pb2_grpc
-from pdserve.settings.cluster_secret import secret_metadata
 from tests.integration.conftest import FORCED_TRANSPORTS as FORCED
-from tests.integration.conftest import SERVED_MODEL
+from tests.integration.helpers import complete, metrics_url, router_sample, scrape
 from tests.integration.http_client import HTTP
-from tests.integration.kv_stress import abort_fifty_requests, metric_value
+from tests.integration.kv_stress import abort_fifty_requests
 from tests.integration.processes import worker_pids
 from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS, long_prompt
-from tests.integration.test_worker_observability import metrics_url, scrape
+from tests.kv_faults import set_fault
 from tests.waiting import wait_for
 
 # Two prompts per transport in round-robin order: a short one (at most just past one 128-token
@@ -41,19 +37,10 @@ CAUGHT_AS = {
 }
 
 
-def complete(server, prompt: str, route: str, max_tokens: int) -> httpx.Response:
-    return HTTP.post(
-        f"{server.base_url}/completions",
-        json={"model": SERVED_MODEL, "prompt": prompt, "temperature": 0, "max_tokens": max_tokens},
-        headers={"x-pdserve-route": route, "x-pdserve-timing": "1"},
-        timeout=300,
-    )
-
-
 def failed_transfers(server) -> dict[str, float]:
     """The router's failed KV transfers so far, by the prefill worker's transport."""
     return {
-        kind: metric_value(
+        kind: router_sample(
             server, f'pdserve_kv_transfers_total{{outcome="failed",transport="{kind}"}}'
         )
         for kind in FORCED
@@ -90,15 +77,6 @@ def local_outputs(mixed_pool) -> dict[str, str]:
         prompt: complete(server, prompt, "local", FAULT_MAX_TOKENS).json()["choices"][0]["text"]
         for prompt in FAULT_PROMPTS
     }
-
-
-def set_fault(server, fault: str) -> None:
-    for worker in server.workers():
-        if worker["role"] == "prefill":
-            with grpc.insecure_channel(worker["address"]) as channel:
-                worker_pb2_grpc.WorkerStub(channel).SetKvFault(
-                    worker_pb2.KvFault(fault=fault), timeout=10, metadata=secret_metadata()
-                )
 
 
 def integrity_failures(server) -> dict[tuple[str, str], float]:
@@ -147,9 +125,9 @@ def blocks_back_to_baseline(server) -> None:
 def fault(mixed_pool, request):
     """Sets the test's fault kind on every prefill worker (rate 1), and none after it."""
     server = mixed_pool()
-    set_fault(server, f"{request.param}:1")
+    set_fault(server.log_dir, f"{request.param}:1")
     yield request.param
-    set_fault(server, "")
+    set_fault(server.log_dir, "")
 
 
 def test_without_faults_every_transfer_loads_and_nothing_is_counted(mixed_pool, local_outputs):

@@ -18,11 +18,11 @@ import httpx
 import pytest
 
 from tests.integration.conftest import FORCED_TRANSPORTS, SERVED_MODEL
+from tests.integration.helpers import router_sample
 from tests.integration.http_client import HTTP
 from tests.integration.kv_stress import (
     computing_a_prompt,
     kill_prefill_workers_mid_transfer,
-    metric_value,
     worker_port,
     worker_row,
 )
@@ -159,12 +159,12 @@ def test_a_decode_worker_killed_mid_stream_fails_no_request(mixed_pool, undistur
     # The n > 1 requests first: the kill comes at the first moment the victim decodes.
     order = [(i + len(CASES)) % len(every) for i in range(REQUESTS)]
     cases = [every[j] for j in order]
-    before = {name: metric_value(server, name) for name in (MIGRATIONS, MIGRATION_GAP)}
+    before = {name: router_sample(server, name) for name in (MIGRATIONS, MIGRATION_GAP)}
     results, seconds = kill_under_fire(server, victim, cases, when=decoding)
     for i, result in enumerate(results):
         assert result == undisturbed[order[i]], f"request {i} differs from undisturbed"
-    migrations = metric_value(server, MIGRATIONS) - before[MIGRATIONS]
-    gap = (metric_value(server, MIGRATION_GAP) - before[MIGRATION_GAP]) / max(migrations, 1)
+    migrations = router_sample(server, MIGRATIONS) - before[MIGRATIONS]
+    gap = (router_sample(server, MIGRATION_GAP) - before[MIGRATION_GAP]) / max(migrations, 1)
     with_choices = (server.log_dir / "serve.log").read_text().count("(2 choices)")  # the router's
     print(
         f"{REQUESTS} requests, 0 failed, one decode worker killed: {seconds:.1f} s; "
@@ -188,7 +188,7 @@ def test_a_prefill_worker_killed_under_load_fails_no_request(mixed_pool, undistu
         if route == "disaggregated":
             prompt = f"Request {i} {nonce}. {prompt}"
         cases.append((prompt, route))
-    before = {name: metric_value(server, name) for name in (RETRIED, LOST_TO_LOCAL, RECOMPUTED)}
+    before = {name: router_sample(server, name) for name in (RETRIED, LOST_TO_LOCAL, RECOMPUTED)}
     results, seconds = kill_under_fire(server, victim, cases, when=lambda: computing_a_prompt(port))
 
     async def as_if_undisturbed(i: int, prompt: str, route: str):
@@ -200,7 +200,7 @@ def test_a_prefill_worker_killed_under_load_fails_no_request(mixed_pool, undistu
     for i, (case, result) in enumerate(zip(cases, results, strict=True)):
         assert result == asyncio.run(as_if_undisturbed(i, *case)), f"request {i} differs"
     retried, local, recomputed = (
-        metric_value(server, name) - before[name] for name in (RETRIED, LOST_TO_LOCAL, RECOMPUTED)
+        router_sample(server, name) - before[name] for name in (RETRIED, LOST_TO_LOCAL, RECOMPUTED)
     )
     print(
         f"{REQUESTS} requests, 0 failed, one prefill worker killed: {seconds:.1f} s; prompts "

@@ -10,6 +10,7 @@ import pytest
 from tests.integration.conftest import SERVED_MODEL
 from tests.integration.http_client import HTTP
 from tests.integration.kv_stress import kv_baseline, wait_for_kv_baseline
+from tests.waiting import wait_for
 
 
 def test_client_disconnect_aborts_the_request_on_the_worker(server):
@@ -32,10 +33,11 @@ def test_client_disconnect_aborts_the_request_on_the_worker(server):
                 events += next(lines).startswith("data:")
             assert server.worker("decode")["running_requests"] == 1
     # Leaving the `with` closed the connection mid-stream.
-    deadline = time.monotonic() + 2.0
-    while server.worker("decode")["running_requests"] != 0:
-        assert time.monotonic() < deadline, "the worker still runs the abandoned request"
-        time.sleep(0.05)
+    wait_for(
+        lambda: server.worker("decode")["running_requests"] == 0,
+        2.0,
+        "the worker no longer running the abandoned request",
+    )
     metrics = HTTP.get(f"{server.url}/metrics", timeout=10).text
     assert 'pdserve_errors_total{kind="client_disconnect"}' in metrics
 
@@ -51,10 +53,11 @@ def test_client_leaving_a_whole_response_aborts_it_too(server):
     with pytest.raises(httpx.ReadTimeout):
         # The client gives up after 3 s, closing its connection.
         HTTP.post(f"{server.base_url}/completions", json=body, timeout=3)
-    deadline = time.monotonic() + 2.0
-    while server.worker("decode")["running_requests"] != 0:
-        assert time.monotonic() < deadline, "the worker still runs the abandoned request"
-        time.sleep(0.05)
+    wait_for(
+        lambda: server.worker("decode")["running_requests"] == 0,
+        2.0,
+        "the worker no longer running the abandoned request",
+    )
 
 
 def test_twenty_concurrent_streams_all_complete(server):

@@ -19,6 +19,7 @@ import os
 import pytest
 
 from kv_transfer.pool.client import PoolClient
+from kv_transfer.pool.wire import GetStats
 from pdserve.model_store.store import ensure_model
 from tests.integration.conftest import _stop_and_check, router_over, start_server, tiny_completion
 from tests.integration.http_client import HTTP
@@ -122,11 +123,11 @@ def test_a_tp2_prefill_worker_loads_from_the_pool_what_the_other_computed(prefil
     (address,) = {_pool_address(pid) for pid in worker_pids(prefill_tp2, "prefill")}
     store = PoolClient(address, namespace=None)
     first = _long_completion(prefill_tp2.url)
-    wait_for(lambda: store.call("stats")["used"] >= 2, 30, "the prompt's blocks in the pool")
-    hits = store.call("stats")["hits"]
+    wait_for(lambda: store.call(GetStats()).used >= 2, 30, "the prompt's blocks in the pool")
+    hits = store.call(GetStats()).hits
     second = _long_completion(prefill_tp2.url)  # round-robin: the other prefill worker
     assert len({first["worker"], second["worker"]}) == 2, (first["worker"], second["worker"])
-    assert store.call("stats")["hits"] > hits
+    assert store.call(GetStats()).hits > hits
     assert second["text"] == first["text"]
     assert second["logprobs"] == pytest.approx(first["logprobs"], abs=1e-4)
 

@@ -17,11 +17,11 @@ from pdserve.settings.cluster_secret import secret_metadata
 from pdserve.worker.grpc_health import LIVENESS, READINESS
 from pdserve.worker.processes import free_port, spawn, stop_group, wait_until
 from tests.integration.conftest import KV_CACHE_GIB, SERVED_MODEL
+from tests.integration.helpers import METRICS_URL, metrics_url, scrape, total
 from tests.integration.http_client import HTTP
 from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy/grafana/pdserve-dashboard.json"
-METRICS_URL = re.compile(r"metrics on (http://\S+/metrics)")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 METRIC_NAME = re.compile(r"(?<![\w:])(pdserve_\w+|vllm:[\w:]+|up(?=\{))")
@@ -36,23 +36,6 @@ def health(address: str, service: str) -> int:
             health_pb2.HealthCheckRequest(service=service), timeout=5
         )
     return reply.status
-
-
-def metrics_url(server, role: str, address: str) -> str:
-    """A worker logs its metrics URL; `serve` names its log after its role and gRPC port."""
-    log_path = server.log_dir / f"{role}-{address.rsplit(':', 1)[1]}.log"
-    (url,) = METRICS_URL.findall(log_path.read_text())
-    return url
-
-
-def scrape(url: str) -> dict[str, float]:
-    """Every sample of a Prometheus text scrape: 'name{labels}' -> value."""
-    samples = {}
-    for line in HTTP.get(url, timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            series, value = line.rsplit(" ", 1)
-            samples[series] = float(value)
-    return samples
 
 
 def exported(url: str) -> set[str]:
@@ -71,10 +54,6 @@ def exported(url: str) -> set[str]:
 
 def names(samples: dict[str, float]) -> set[str]:
     return {series.split("{", 1)[0] for series in samples}
-
-
-def total(samples: dict[str, float], name: str) -> float:
-    return sum(value for series, value in samples.items() if series.split("{", 1)[0] == name)
 
 
 def test_a_loading_worker_is_alive_but_not_serving(smollm2_dir, tmp_path):

@@ -33,3 +33,23 @@ MODEST_LONE = replace(
     alone_decode_base_s=TWO_CORES.decode_base_s / 1.15,
     alone_decode_per_request_s=TWO_CORES.decode_per_request_s / 1.15,
 )
+
+# A calibration as `pdserve calibrate` writes one: its shared step costs are those of
+# test_planner_calibration's KNOWN, a lone worker is faster, and workers on a host slow each other.
+CALIBRATION = Calibration(
+    model="smollm2",
+    measured_on="test",
+    prefill_base_s=0.05,
+    prefill_per_token_s=0.002,
+    decode_base_s=0.03,
+    decode_per_request_s=0.004,
+    prefill_contention=0.4,
+    decode_contention=0.7,
+    workers_per_host=2,
+    kv_capacity_tokens=26214,
+    block_size=128,
+    alone_prefill_base_s=0.03,
+    alone_prefill_per_token_s=0.0012,
+    alone_decode_base_s=0.025,
+    alone_decode_per_request_s=0.003,
+)

@@ -57,7 +57,7 @@ def pytest_collection_modifyitems(config, items):
 def receiver():
     """A real KV receiver on 127.0.0.1 (the transport tests' peer) and its address."""
     from kv_transfer.kv_receiver import KvReceiver
-    from tests.unit.test_kv_transports import CONSUMER
+    from tests.unit.kv_endpoints import CONSUMER
 
     kv_receiver = KvReceiver(CONSUMER)
     port = kv_receiver.start("127.0.0.1", 0)

@@ -5,14 +5,18 @@ whatever its prompts, and a disaggregated request's KV metrics labelled by what 
 import asyncio
 import time
 
-from pdserve.core.kinds import RoutePath, Transport
+from pdserve.core.kinds import RoutePath, RouteReason, Transport
+from pdserve.costs.path_prices import RouteDecision
 from pdserve.protocol import worker_pb2
 from router.flow.accounting import Accounting, timing_breakdown
 from router.flow.disaggregation import PrefillOutcome
 from router.flow.request_run import Admitted, RequestRun
+from router.flow.route_choice import Attempt
 from router.http.responses import CompletionShape, OutputOptions, Prompt
 from router.metrics import RouterMetrics
-from tests.unit.test_request_flow import PROMPT, FakeWorker, answering, flow_over
+from tests.fakes import FakeWorker, answering, router_over
+
+PROMPT = [11, 12, 13, 14, 15]
 
 
 def batch(size: int) -> Admitted:
@@ -36,13 +40,13 @@ def requests_total(flow, status: str) -> float | None:
 
 
 def test_a_batch_is_one_request_in_the_status_count_when_it_succeeds():
-    flow = flow_over(answering("decode-a"))
+    flow = router_over(answering("decode-a"))
     admitted = batch(3)
 
     async def go():
-        started = await flow.start_all(admitted)
+        started = await flow.starter.start_all(admitted)
         shape = CompletionShape("cmpl-1", "m")
-        return await flow.collect(admitted, started, shape, "completions")
+        return await flow.relay.collect(admitted, started, shape, "completions")
 
     body = asyncio.run(go())
     assert len(body["choices"]) == 3
@@ -59,13 +63,13 @@ def test_a_batch_is_one_request_in_the_status_count_when_its_stream_fails():
             worker_pb2.GenerateChunk(finish_reason="abort"),
         ],
     )
-    flow = flow_over(aborting)
+    flow = router_over(aborting)
     admitted = batch(2)
 
     async def go():
-        started = await flow.start_all(admitted)
+        started = await flow.starter.start_all(admitted)
         shape = CompletionShape("cmpl-1", "m")
-        return [event async for event in flow.stream(admitted, started, shape, "completions")]
+        return [event async for event in flow.relay.stream(admitted, started, shape, "completions")]
 
     events = asyncio.run(go())
     assert '"code":"worker_error"' in events[-2] and events[-1] == "data: [DONE]\n\n"
@@ -74,7 +78,9 @@ def test_a_batch_is_one_request_in_the_status_count_when_its_stream_fails():
 
 
 def disaggregated_run(carried_by: str, chosen: Transport) -> RequestRun:
-    run = RequestRun("cmpl-1", len(PROMPT), time.monotonic(), route=RoutePath.DISAGGREGATED)
+    decision = RouteDecision(RoutePath.DISAGGREGATED, RouteReason.HEADER)
+    attempt = Attempt(FakeWorker("decode-a"), FakeWorker("prefill-a", "prefill"), decision)
+    run = RequestRun("cmpl-1", len(PROMPT), time.monotonic(), attempt=attempt)
     run.prefill = PrefillOutcome(transport=chosen, chunk=worker_pb2.GenerateChunk())
     run.prefill.done.set()
     run.cached_tokens = len(PROMPT)  # the decode worker computed none of the prompt

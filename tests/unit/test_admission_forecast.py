@@ -8,20 +8,26 @@ import pytest
 
 from pdserve.protocol import worker_pb2
 from pdserve.settings.router import RouterSettings
-from router.flow.admission import asking
+from router.flow.admission import HttpAsk, admit, asking
 from router.flow.wait_forecast import Ask, WaitForecast
 from router.http.errors import OpenAIError
-from router.workers.policies import RoundRobin
+from router.http.openai_types import CompletionRequest
 from router.workers.pool import WorkerPool
-from tests.unit.test_request_admission import admitted
-from tests.unit.test_request_flow import answering
+from tests.fakes import FakeTokenizer, answering
+
+SETTINGS = RouterSettings(model="m", request_timeout_s=60)
 
 
 @pytest.fixture
 def pool() -> WorkerPool:
-    pool = WorkerPool([], RoundRobin())
+    pool = WorkerPool([])
     pool.workers = [answering("decode-a"), answering("decode-b"), answering("prefill-a", "prefill")]
     return pool
+
+
+def admitted(pool: WorkerPool, body: dict, priority=None, timeout=None):
+    ask = HttpAsk("completions", CompletionRequest, body, "cmpl", 100.0, None, timeout, priority)
+    return admit(SETTINGS, pool, FakeTokenizer("m"), ask)
 
 
 def reported(worker, queued_tokens: int, s_per_token: float = 0.01) -> None:
@@ -38,10 +44,10 @@ def reported(worker, queued_tokens: int, s_per_token: float = 0.01) -> None:
 def test_the_header_sets_the_class_over_the_body_and_a_bad_one_is_a_400(pool):
     body = {"prompt": "abc", "max_tokens": 4, "priority": 3}
     assert admitted(pool, body).priority == 3
-    assert admitted(pool, body, priority_header="-2").priority == -2
+    assert admitted(pool, body, priority="-2").priority == -2
     assert admitted(pool, {"prompt": "abc"}).priority == 0
     with pytest.raises(OpenAIError) as caught:
-        admitted(pool, body, priority_header="high")
+        admitted(pool, body, priority="high")
     assert (caught.value.status, caught.value.param) == (400, "x-pdserve-priority")
 
 
@@ -51,7 +57,7 @@ def test_a_request_has_a_limit_only_when_max_queue_wait_or_its_own_deadline_sets
     assert ask == Ask(prompt_tokens=5, max_tokens=4, priority=1, give_up_at=math.inf)
     limited = RouterSettings(model="m", request_timeout_s=60, max_queue_wait_s=2)
     assert asking(request, limited).give_up_at == 100.0 + 2  # arrival + the router's limit
-    own = admitted(pool, {"prompt": "ab"}, timeout_header="1.5")  # below --request-timeout
+    own = admitted(pool, {"prompt": "ab"}, timeout="1.5")  # below --request-timeout
     assert asking(own, RouterSettings(model="m", request_timeout_s=60)).give_up_at == 101.5
     assert asking(own, limited).give_up_at == 101.5  # the tighter of the two
 
@@ -80,4 +86,4 @@ def test_a_turn_is_held_for_its_prefill_and_its_expected_output(pool):
 
 
 def test_with_no_worker_there_is_no_backlog():
-    assert WaitForecast(WorkerPool([], RoundRobin())).backlog_s(1000) == 0.0
+    assert WaitForecast(WorkerPool([])).backlog_s(1000) == 0.0

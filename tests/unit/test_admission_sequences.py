@@ -3,27 +3,27 @@ its engine sequences (prompts × choices), a request no worker or cluster could 
 400, and only operator and admin keys may set a request's priority and path. Fake workers and
 tokenizer; the gate is watched, not run, in the app test."""
 
+import dataclasses
+
 import pytest
 from fastapi.testclient import TestClient
 
 from pdserve.core.kinds import RoutePath
 from pdserve.settings.router import RouterSettings
 from router import app as router_app
-from router.flow.admission import admit, sequences
+from router.flow.admission import HttpAsk, admit, sequences
 from router.http.api_keys import ADMIN_ENV, ENV, OPERATOR_ENV, Caller, KeyRole
 from router.http.errors import OpenAIError, too_many_requests
 from router.http.openai_types import CompletionRequest
-from router.workers.policies import RoundRobin
 from router.workers.pool import WorkerPool
-from tests.unit.test_request_flow import answering
-from tests.unit.test_router_app import FakeTokenizer
+from tests.fakes import FakeTokenizer, answering
 
 SETTINGS = RouterSettings(model="m", request_timeout_s=60)
 CLIENT, OPERATOR = Caller(KeyRole.CLIENT), Caller(KeyRole.OPERATOR)
 
 
 def pool_of(max_num_seqs: int = 256, workers: int = 1) -> WorkerPool:
-    pool = WorkerPool([], RoundRobin())
+    pool = WorkerPool([])
     pool.workers = [answering(f"decode-{i}") for i in range(workers)]
     for worker in pool.workers:
         worker.max_num_seqs = max_num_seqs
@@ -31,21 +31,10 @@ def pool_of(max_num_seqs: int = 256, workers: int = 1) -> WorkerPool:
 
 
 def admitted(pool: WorkerPool, body: dict, route=None, priority=None, caller=None):
-    options = {} if caller is None else {"caller": caller}
-    return admit(
-        SETTINGS,
-        pool,
-        FakeTokenizer("m"),
-        "completions",
-        CompletionRequest,
-        body,
-        "cmpl",
-        route,
-        100.0,
-        None,
-        priority,
-        **options,
-    )
+    ask = HttpAsk("completions", CompletionRequest, body, "cmpl", 100.0, route, None, priority)
+    if caller is not None:
+        ask = dataclasses.replace(ask, caller=caller)
+    return admit(SETTINGS, pool, FakeTokenizer("m"), ask)
 
 
 def test_a_request_weighs_its_prompts_times_its_choices():

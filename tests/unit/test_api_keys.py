@@ -22,7 +22,7 @@ from router.http.api_keys import (
     unauthorized,
 )
 from router.shared.state import key_digest
-from tests.unit.test_router_app import FakeTokenizer
+from tests.fakes import FakeTokenizer
 
 
 def settings(**fields) -> RouterSettings:

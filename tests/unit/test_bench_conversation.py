@@ -1,7 +1,7 @@
 """The conversation workload of `pdserve bench` against FakeOpenAIServer (a stand-in, not the
-pdserve router; see test_bench_client): each turn resends the history with the replies the fake
-actually streamed, after the reply and the think time; records carry their turn; per-turn TTFT
-and hit rates; bad options exit 2."""
+pdserve router; see tests/unit/fake_openai_server.py): each turn resends the history with the
+replies the fake actually streamed, after the reply and the think time; records carry their
+turn; per-turn TTFT and hit rates; bad options exit 2."""
 
 import argparse
 import asyncio
@@ -13,7 +13,7 @@ from pdserve.bench import command, conversation, sweep_command
 from pdserve.bench.client import Target
 from pdserve.bench.conversation import Conversation, Turn
 from pdserve.bench.workload import Length, PromptText
-from tests.unit.test_bench_client import FakeOpenAIServer
+from tests.unit.fake_openai_server import FakeOpenAIServer
 
 pytestmark = pytest.mark.timeout(60)
 

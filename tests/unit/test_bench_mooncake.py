@@ -1,6 +1,7 @@
 """Mooncake-format trace replay in `pdserve bench`: equal hash ids give equal text blocks (exact
 token blocks with a tokenizer), line errors name the line and exit 2, the infinite-cache bound
-from hash ids, and timestamps honoured against FakeOpenAIServer (see test_bench_client)."""
+from hash ids, and timestamps honoured against FakeOpenAIServer
+(tests/unit/fake_openai_server.py)."""
 
 import argparse
 import json
@@ -12,7 +13,7 @@ import pytest
 from pdserve.bench import command, mooncake_trace
 from pdserve.bench.infinite_cache import mark_cacheable
 from pdserve.bench.workload import WORDS, BenchRequest, Length, PromptText, shared_prefix
-from tests.unit.test_bench_client import FakeOpenAIServer
+from tests.unit.fake_openai_server import FakeOpenAIServer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,7 +15,7 @@ from pdserve.bench.records import RequestRecord
 from pdserve.bench.report import plot_sweep
 from pdserve.bench.sweep import Ratio, SweepPoint, best_ratio, sweep_table, write_sweep_json
 from pdserve.worker.processes import free_port
-from tests.unit.test_bench_client import FakeOpenAIServer
+from tests.unit.fake_openai_server import FakeOpenAIServer
 
 SLO = Slo(ttft=1.0)
 

@@ -16,8 +16,7 @@ from router import app as router_app
 from router.http.api_keys import ADMIN_ENV, ENV, OPERATOR_ENV
 from router.workers.policies import CacheAware
 from router.workers.prefix_index import CHUNK_TOKENS, cache_salt, chunk_hashes
-from tests.unit.test_request_flow import answering
-from tests.unit.test_router_app import FakeTokenizer
+from tests.fakes import FakeTokenizer, answering
 
 PROMPT = "x" * (2 * CHUNK_TOKENS)  # two whole chunks of the fake tokenizer's tokens
 
@@ -104,7 +103,7 @@ def test_two_keys_sending_the_same_prompt_never_share_a_salt(router):
 def test_the_router_index_is_salted_like_the_workers_caches(router):
     client, app, worker = router(api_key=["sk-a", "sk-b"], policy="cache-aware")
     [salt_a] = salts(client, worker, ("sk-a", {}))
-    index, ids = app.state.pool.policy.index, [ord(c) for c in PROMPT]
+    index, ids = app.state.choice.policy.index, [ord(c) for c in PROMPT]
     assert index.cached_tokens(worker.address, chunk_hashes(ids, salt_a)) == len(ids)
     assert index.cached_tokens(worker.address, chunk_hashes(ids, "")) == 0
 

@@ -51,7 +51,7 @@ def test_through_the_app_only_an_operator_keys_trace_goes_on(monkeypatch, tmp_pa
     from pdserve.settings.router import RouterSettings
     from router import app as router_app
     from router.http.api_keys import ADMIN_ENV, ENV, OPERATOR_ENV
-    from tests.unit.test_router_app import FakeTokenizer
+    from tests.fakes import FakeTokenizer
 
     for name in (ENV, OPERATOR_ENV, ADMIN_ENV):
         monkeypatch.delenv(name, raising=False)

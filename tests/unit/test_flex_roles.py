@@ -1,38 +1,26 @@
-"""router/workers/flex_roles.py over a real WorkerPool of fake flex workers (named fakes: a worker
-id, a role and a load report, no engine): the initial split, set_split's choices and refusals, and
+"""router/workers/flex_roles.py over a real WorkerPool of fake flex workers (tests/fakes.py's,
+no engine): the initial split, set_split's choices and refusals, and
 AutoRatio's decisions with their hysteresis and rate limit."""
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pdserve.protocol import worker_pb2
 from router.http.errors import OpenAIError
 from router.workers.flex_roles import AutoRatio, AutoRatioSettings, FlexRoles, RoleMetrics
-from router.workers.load import WorkerLoad
-from router.workers.policies import RoundRobin
 from router.workers.pool import WorkerPool
+from tests.fakes import FakeWorker
 
 
-class FakeFlexWorker:
-    def __init__(self, name: str, flex: bool = True, role: str = "") -> None:
-        self.worker_id = self.address = name
-        self.flex, self.role = flex, role
-        self.max_num_seqs = 4
-        self.load = WorkerLoad()
-
-    def reports(self, running: int = 0, waiting: int = 0, backlog: int = 0) -> None:
-        self.load.reported(
-            worker_pb2.StatsReply(
-                running_requests=running,
-                waiting_requests=waiting,
-                outstanding_prefill_tokens=backlog,
-            )
-        )
+def flex_worker(name: str, flex: bool = True, role: str = "") -> FakeWorker:
+    """A flex worker just joined (no role yet), or a fixed one of `role`."""
+    worker = FakeWorker(name, role, flex=flex, address=name)
+    worker.max_num_seqs = 4
+    return worker
 
 
-def flex_roles(count: int, fixed: list[FakeFlexWorker] = ()) -> FlexRoles:
-    pool = WorkerPool([], RoundRobin())
-    pool.workers = [FakeFlexWorker(f"w{i}") for i in range(count)] + list(fixed)
+def flex_roles(count: int, fixed: list[FakeWorker] = ()) -> FlexRoles:
+    pool = WorkerPool([])
+    pool.workers = [flex_worker(f"w{i}") for i in range(count)] + list(fixed)
     roles = FlexRoles(pool, RoleMetrics(CollectorRegistry()))
     roles.place_new()
     return roles
@@ -53,8 +41,8 @@ def test_half_the_flex_workers_start_as_prefill_rounded_down(count, expected):
 def test_set_split_moves_the_least_busy_and_counts_it():
     roles = flex_roles(3)
     busy, idle = roles.flex()[1], roles.flex()[2]
-    busy.reports(running=3)
-    idle.reports(running=0)
+    busy.reports(running_requests=3)
+    idle.reports(running_requests=0)
     [change] = roles.set_split(2, None, by="manual")
     assert (change.worker_id, change.before, change.after) == (idle.worker_id, "decode", "prefill")
     assert split(roles) == ["prefill", "decode", "prefill"]
@@ -89,7 +77,7 @@ def test_a_split_of_fewer_workers_puts_the_rest_on_standby_and_back():
 
 
 def test_with_a_fixed_decode_worker_every_flex_worker_may_prefill():
-    roles = flex_roles(2, fixed=[FakeFlexWorker("d", flex=False, role="decode")])
+    roles = flex_roles(2, fixed=[flex_worker("d", flex=False, role="decode")])
     roles.set_split(2, None, by="manual")
     assert split(roles) == ["prefill", "prefill"]
 
@@ -103,7 +91,7 @@ def auto_over(count: int) -> tuple[AutoRatio, FlexRoles]:
 def test_a_prefill_backlog_that_holds_moves_a_decode_worker_and_its_end_moves_it_back():
     auto, roles = auto_over(3)
     prefill = roles.flex()[0]
-    prefill.reports(backlog=5000)
+    prefill.reports(outstanding_prefill_tokens=5000)
     assert auto.check(0.0) is None  # patience: once is not enough
     change = auto.check(1.0)
     assert (change.before, change.after) == ("decode", "prefill")
@@ -120,7 +108,7 @@ def test_a_prefill_backlog_that_holds_moves_a_decode_worker_and_its_end_moves_it
 def test_a_full_decode_pool_takes_an_idle_prefill_worker_but_leaves_none_to_prefill_alone():
     auto, roles = auto_over(2)
     decode = [w for w in roles.flex() if w.role == "decode"][0]
-    decode.reports(running=4, waiting=2)
+    decode.reports(running_requests=4, waiting_requests=2)
     assert auto.check(0.0) is None
     change = auto.check(1.0)
     assert change.after == "decode" and split(roles) == ["decode", "decode"]
@@ -131,7 +119,7 @@ def test_at_most_max_changes_per_minute():
     moved_at = []
     for second in range(70):
         for worker in roles.flex():
-            worker.reports(backlog=5000 if worker.role == "prefill" else 0)
+            worker.reports(outstanding_prefill_tokens=5000 if worker.role == "prefill" else 0)
         if auto.check(float(second)) is not None:
             moved_at.append(second)
     assert len(moved_at) == 3 and moved_at[2] - moved_at[0] >= 60, moved_at
@@ -143,9 +131,9 @@ def test_a_replaced_flex_worker_comes_back_in_the_role_its_predecessor_held():
     pool = roles.pool
     lost = next(w for w in roles.flex() if w.role == "prefill")
     pool.workers.remove(lost)  # it died and left the pools
-    pool.workers.append(FakeFlexWorker("w-replacement"))  # the keeper's replacement joins
+    pool.workers.append(flex_worker("w-replacement"))  # the keeper's replacement joins
     roles.place_new()
     assert sorted(split(roles)) == ["decode", "prefill", "prefill", "prefill"]
-    pool.workers.append(FakeFlexWorker("w-new"))  # no role lacks one: the initial split's
+    pool.workers.append(flex_worker("w-new"))  # no role lacks one: the initial split's
     roles.place_new()
     assert split(roles)[-1] == "decode"

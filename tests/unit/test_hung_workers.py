@@ -17,7 +17,6 @@ from pdserve.cluster.hung_workers import READY_DEADLINE_S, SILENT_S, why_hung
 from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from router.metrics import RouterMetrics
 from router.workers.liveness import BACK_AFTER_S, FLAP_WINDOW_S, MAX_BACK_AFTER_S, Liveness
-from router.workers.policies import RoundRobin
 from router.workers.pool import WorkerPool, follow_load
 
 DEADLINE_S = 10.0
@@ -123,7 +122,7 @@ def test_a_hung_worker_leaves_the_pools_and_returns_when_it_answers_again():
     async def scenario():
         hung, healthy = FakeHangingWorker("decode-hung"), FakeHangingWorker("decode-ok")
         servers = [await serve(hung), await serve(healthy)]
-        pool = WorkerPool([address for _, address in servers], RoundRobin())
+        pool = WorkerPool([address for _, address in servers])
         metrics = RouterMetrics()
         following = asyncio.create_task(follow_load(pool, interval_s, deadline_s, metrics))
         try:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.unit.test_k8s_manifests import OVERLAYS
+from tests.unit.k8s_rendering import OVERLAYS
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKOV = ROOT / ".cache/checkov/bin/checkov"

@@ -12,6 +12,7 @@ import kubernetes_validate
 import yaml
 from prometheus_client import CollectorRegistry
 
+from kv_transfer.pool.wire import GetStats, PoolStats
 from pdserve.cli import main
 from pdserve.cluster.k8s.gateway import EPP
 from pdserve.cluster.k8s.options import RenderOptions
@@ -19,15 +20,15 @@ from pdserve.cluster.k8s.render import KV_POOL_CONTAINER, ROUTER_PORT, render, w
 from pdserve.settings.cluster_file import parse_cluster
 from pdserve.worker.metrics_server import KvPoolCollector, WorkerMetrics
 from router.metrics import RouterMetrics
-from tests.unit.test_k8s_manifests import (
-    DEPLOY,
+from tests.unit.k8s_rendering import (
     OVERLAY_DIRS,
     OVERLAYS,
     build,
     by_kind,
     main_container,
-    validate_custom,
+    seventy_b,
 )
+from tests.unit.k8s_validation import validate_custom
 
 LWS = "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
 CRDS = {
@@ -80,10 +81,9 @@ class FakePoolStore:
     """Answers a worker's KV pool collector as an empty store would (its figures' names are
     what is checked here)."""
 
-    def call(self, op: str) -> dict:
-        assert op == "stats"
-        fields = ("bytes", "used", "slots", "slot_bytes", "budget_bytes", "evictions", "dropped")
-        return dict.fromkeys(fields, 0)
+    def call(self, request: GetStats) -> PoolStats:
+        assert request == GetStats()
+        return PoolStats(None, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
 def pdserve_metric_names() -> set[str]:
@@ -203,13 +203,6 @@ def test_render_command_takes_a_flex_cluster_file(tmp_path):
     (job,) = by_kind(build(out), "RayJob").values()
     groups = job["spec"]["rayClusterSpec"]["workerGroupSpecs"]
     assert [group["groupName"] for group in groups] == ["flex"]
-
-
-def seventy_b(prefill_tp: int, decode_tp: int) -> dict:
-    document = yaml.safe_load((DEPLOY / "clusters/llama-3.1-70b-tp4-1p1d.yaml").read_text())
-    document["prefill"]["tensor_parallel_size"] = prefill_tp
-    document["decode"]["tensor_parallel_size"] = decode_tp
-    return document
 
 
 def test_a_prefill_group_larger_than_a_node_is_a_leader_worker_set(tmp_path):

@@ -10,9 +10,8 @@ from pdserve.cluster.k8s.fabric import ZONE, Rdma
 from pdserve.cluster.k8s.options import RenderOptions
 from pdserve.cluster.k8s.render import render, write
 from pdserve.settings.cluster_file import parse_cluster
-from tests.unit.test_k8s_conventions import seventy_b
-from tests.unit.test_k8s_manifests import build, by_kind, main_container, validate_custom
-from tests.unit.test_k8s_render_options import rendered, validate_strictly
+from tests.unit.k8s_rendering import build, by_kind, main_container, rendered, seventy_b
+from tests.unit.k8s_validation import validate_custom, validate_strictly
 
 RDMA = RenderOptions(rdma=Rdma("rdma/ib", 1), fabric_key="nvidia.com/gpu.clique")
 ENFORCE = "pod-security.kubernetes.io/enforce"

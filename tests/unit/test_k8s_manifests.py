@@ -4,10 +4,7 @@ kinds with kubernetes-validate, strictly; custom resources against their CRD sch
 pods ask for what the cluster file says (GPUs per worker = its tensor parallelism, replicas,
 probes, drain)."""
 
-import functools
 import json
-import subprocess
-from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
@@ -22,57 +19,21 @@ from pdserve.cluster.k8s.render import (
     KV_POOL_CONTAINER,
     KV_PORT,
     METRICS_PORT,
-    MODES,
     render,
 )
 from pdserve.settings.cluster_file import load_cluster_file, parse_cluster
-
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-OVERLAYS = DEPLOY / "k8s/overlays"
-SCHEMAS = Path(__file__).resolve().parents[3] / "shared/schemas"
-REDIS_URL = RenderOptions().redis_url
-# Cluster files with an embedded registry run on one host (`pdserve up` starts Redis there).
-CLUSTER_FILES = sorted(
-    path for path in (DEPLOY / "clusters").glob("*.yaml") if load_cluster_file(path).registry.url
+from tests.unit.k8s_rendering import (
+    CLUSTER_FILES,
+    DEPLOY,
+    OVERLAY_DIRS,
+    OVERLAYS,
+    build,
+    by_kind,
 )
-OVERLAY_DIRS = [(path, mode) for path in CLUSTER_FILES for mode in MODES]
+from tests.unit.k8s_validation import crd_validator, unknown_fields, validate_custom
+
+REDIS_URL = RenderOptions().redis_url
 PROMETHEUS_OPERATOR = "monitoring.coreos.com/v1"
-
-
-def build(folder: Path) -> list[dict]:
-    done = subprocess.run(
-        ["kubectl", "kustomize", str(folder)], capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 0, done.stderr
-    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
-
-
-def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
-    return {obj["metadata"]["name"]: obj for obj in objects if obj["kind"] == kind}
-
-
-def main_container(pod: dict) -> dict:
-    """A pod spec's pdserve process (a worker's pod also runs its KV pool's store)."""
-    (main,) = [c for c in pod["containers"] if c["name"] != KV_POOL_CONTAINER]
-    return main
-
-
-@functools.cache
-def crd_validator(file: str, version: str) -> jsonschema.Draft7Validator:
-    """A custom resource's schema from ../shared/schemas (its README says where each is from)."""
-    path = SCHEMAS / file
-    if not path.is_file():
-        pytest.skip(f"the CRD schema is not at {path}")
-    crd = yaml.load(path.read_text(), Loader=yaml.CSafeLoader)
-    (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
-    return jsonschema.Draft7Validator(served["schema"]["openAPIV3Schema"])
-
-
-def validate_custom(obj: dict, file: str) -> None:
-    """Valid against its CRD, and no field the CRD lacks (the API server would drop it)."""
-    validator = crd_validator(file, obj["apiVersion"].rsplit("/", 1)[1])
-    validator.validate(obj)
-    assert not unknown_fields(obj, validator.schema), obj["metadata"]["name"]
 
 
 @pytest.fixture(scope="module")
@@ -210,26 +171,6 @@ def check_kuberay(config, objects: list[dict]) -> None:
     assert up.startswith("pdserve up -f /etc/pdserve/cluster.yaml --address auto --join-timeout")
     assert stay == "exec sleep infinity"
     assert not by_kind(objects, "RayCluster")
-
-
-def unknown_fields(obj, schema: dict, path: str = "") -> list[str]:
-    """Fields the CRD does not define (jsonschema lets them through: the CRD has no
-    additionalProperties: false, but the API server prunes them silently)."""
-    if isinstance(obj, list):
-        return [
-            bad
-            for i, item in enumerate(obj)
-            for bad in unknown_fields(item, schema.get("items", {}), f"{path}[{i}]")
-        ]
-    if not isinstance(obj, dict) or "properties" not in schema:
-        return []
-    found = []
-    for key, value in obj.items():
-        if key in schema["properties"]:
-            found += unknown_fields(value, schema["properties"][key], f"{path}.{key}")
-        elif not schema.get("x-kubernetes-preserve-unknown-fields"):
-            found.append(f"{path}.{key}")
-    return found
 
 
 def test_monitoring_builds_with_a_monitor_per_component_and_the_dashboard():

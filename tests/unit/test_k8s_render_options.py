@@ -10,27 +10,28 @@ import tomllib
 from fnmatch import fnmatch
 from pathlib import Path
 
-import kubernetes_validate
 import pytest
 
 from pdserve.cli import main
 from pdserve.cluster.k8s.model_cache import start_budget
 from pdserve.cluster.k8s.options import RenderOptions
-from pdserve.cluster.k8s.render import MODES, render, write
+from pdserve.cluster.k8s.render import MODES
 from pdserve.cluster.k8s.scheduling import GPU_PRODUCT_LABEL, GPU_PRODUCTS
 from pdserve.core.gpu_spec import GPU_PRESETS
 from pdserve.settings.cluster_file import load_cluster_file
-from tests.unit.test_k8s_manifests import (
+from tests.unit.k8s_rendering import (
     DEPLOY,
     OVERLAYS,
+    SEVENTY_B,
     build,
     by_kind,
     main_container,
-    validate_custom,
+    pod_specs,
+    rendered,
 )
+from tests.unit.k8s_validation import validate_strictly
 
 ROOT = Path(__file__).resolve().parents[2]
-SEVENTY_B = DEPLOY / "clusters/llama-3.1-70b-tp4-1p1d.yaml"
 OPTIONS = RenderOptions(
     namespace="llm-prod",
     image_registry="registry.example.com/ml",
@@ -42,50 +43,6 @@ HF_TOKEN = {
     "name": "HF_TOKEN",
     "valueFrom": {"secretKeyRef": {"name": "hf-llama", "key": "token", "optional": False}},
 }
-CRDS = {
-    "RayJob": "ray.io_rayjobs.yaml",
-    "LeaderWorkerSet": "leaderworkerset.x-k8s.io_leaderworkersets.yaml",
-    "InferencePool": "inference.networking.k8s.io_inferencepools.yaml",
-    "HTTPRoute": "gateway.networking.k8s.io_httproutes.yaml",
-    "ScaledObject": "keda.sh_scaledobjects.yaml",
-    "ServiceMonitor": "monitoring.coreos.com_servicemonitors.yaml",
-    "PodMonitor": "monitoring.coreos.com_podmonitors.yaml",
-    "PrometheusRule": "monitoring.coreos.com_prometheusrules.yaml",
-}
-
-
-def rendered(tmp_path: Path, mode: str, options: RenderOptions, path: Path = SEVENTY_B) -> list:
-    """Every object of the output: pdserve.yaml and each folder beside it, built by kustomize."""
-    out = tmp_path / mode
-    write(render(load_cluster_file(path), mode, options), out)
-    folders = [out, *(folder for folder in out.iterdir() if folder.is_dir())]
-    return [obj for folder in folders for obj in build(folder)]
-
-
-def validate_strictly(objects: list[dict]) -> None:
-    for obj in objects:
-        if obj["kind"] in CRDS:
-            validate_custom(obj, CRDS[obj["kind"]])
-        else:
-            kubernetes_validate.validate(obj, kubernetes_validate.latest_version(), strict=True)
-
-
-def pod_specs(objects: list[dict]):
-    """(object name, pod spec) of every pod an object makes, the Ray and LWS groups' included."""
-    for obj in objects:
-        spec = obj.get("spec", {})
-        if "template" in spec:
-            yield obj["metadata"]["name"], spec["template"]["spec"]
-        cluster = spec.get("rayClusterSpec")
-        if cluster:
-            yield "ray-head", cluster["headGroupSpec"]["template"]["spec"]
-            for group in cluster["workerGroupSpecs"]:
-                yield f"ray-{group['groupName']}", group["template"]["spec"]
-            yield "ray-submitter", spec["submitterPodTemplate"]["spec"]
-        group = spec.get("leaderWorkerTemplate")
-        if group:
-            yield "leader", group["leaderTemplate"]["spec"]
-            yield "rank", group["workerTemplate"]["spec"]
 
 
 def containers(pod: dict) -> list[dict]:

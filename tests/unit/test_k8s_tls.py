@@ -15,9 +15,16 @@ from pdserve.cluster.k8s.tls import FILES, HEALTH_PORT, MOUNT
 from pdserve.settings import tls
 from pdserve.settings.base import ConfigError
 from pdserve.settings.cluster_file import parse_cluster
-from tests.unit.test_k8s_conventions import seventy_b
-from tests.unit.test_k8s_manifests import build, by_kind, main_container, validate_custom
-from tests.unit.test_k8s_render_options import SEVENTY_B, pod_specs, rendered, validate_strictly
+from tests.unit.k8s_rendering import (
+    SEVENTY_B,
+    build,
+    by_kind,
+    main_container,
+    pod_specs,
+    rendered,
+    seventy_b,
+)
+from tests.unit.k8s_validation import validate_custom, validate_strictly
 
 WITH_TLS = RenderOptions(tls_secret="cluster-tls")
 EXPECTED_PODS = {

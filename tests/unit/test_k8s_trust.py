@@ -24,8 +24,7 @@ from pdserve.cluster.k8s.render import (
     render,
 )
 from pdserve.settings.cluster_file import load_cluster_file, parse_cluster
-from tests.unit.test_k8s_conventions import seventy_b
-from tests.unit.test_k8s_manifests import DEPLOY, by_kind
+from tests.unit.k8s_rendering import DEPLOY, by_kind, seventy_b
 
 NAMESPACE = "pdserve"
 REDIS = 6379

@@ -16,7 +16,7 @@ from kv_transfer.transport import (
     KvSender,
     SliceAssembler,
 )
-from tests.unit.test_kv_transports import CONSUMER, piece  # CONSUMER has 2 layers
+from tests.unit.kv_endpoints import CONSUMER, piece  # CONSUMER has 2 layers
 
 FINISHED = 1000
 

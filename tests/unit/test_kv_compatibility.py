@@ -21,8 +21,10 @@ from kv_transfer.grpc_transport import hello
 from pdserve.core.kinds import Role
 from pdserve.settings.cluster_secret import SECRET_ENV
 from router.http.errors import OpenAIError
+from router.workers.choice import WorkerChoice
 from router.workers.policies import RoundRobin
 from router.workers.pool import WorkerPool
+from tests.fakes import FakeWorker
 
 
 @dataclass
@@ -117,41 +119,34 @@ def test_the_fingerprint_changes_with_what_the_kv_bytes_mean(other):
     assert engine(**other).fingerprint() != engine().fingerprint()
 
 
-@dataclass
-class FakeWorkerRow:
-    """Stands in for router.workers.client.WorkerClient as WorkerPool.pick reads it."""
-
-    worker_id: str
-    role: str
-    kv_compatibility: str
-
-    @property
-    def address(self) -> str:
-        return f"{self.worker_id}:50051"
+def worker(name: str, role: str, kv_compatibility: str) -> FakeWorker:
+    fake = FakeWorker(name, role)
+    fake.kv_compatibility = kv_compatibility
+    return fake
 
 
-def pool_of(*rows: FakeWorkerRow) -> WorkerPool:
-    pool = WorkerPool([], RoundRobin())
-    pool.workers = list(rows)
-    return pool
+def choice_of(*workers: FakeWorker) -> WorkerChoice:
+    pool = WorkerPool([])
+    pool.workers = list(workers)
+    return WorkerChoice(pool, RoundRobin())
 
 
 def test_an_fp8_kv_prefill_is_refused_for_a_bf16_kv_decode_at_pairing_naming_both():
-    prefill = FakeWorkerRow("prefill-fp8", Role.PREFILL, engine("fp8").fingerprint())
-    decode = FakeWorkerRow("decode-bf16", Role.DECODE, engine("auto").fingerprint())
+    prefill = worker("prefill-fp8", Role.PREFILL, engine("fp8").fingerprint())
+    decode = worker("decode-bf16", Role.DECODE, engine("auto").fingerprint())
     with pytest.raises(OpenAIError) as refused:
-        pool_of(prefill, decode).pick((Role.PREFILL,), pairs_with=decode)
+        choice_of(prefill, decode).pick((Role.PREFILL,), pairs_with=decode)
     message = refused.value.message
     assert "decode-bf16's (llama-8b KV bfloat16 (none scales, 512 B per head-token)" in message
     assert "prefill-fp8 has llama-8b KV fp8_e4m3 (fp8_per_tensor scales, 256 B" in message
 
 
 def test_workers_alike_in_everything_pair():
-    decode = FakeWorkerRow("decode-a", Role.DECODE, engine("fp8").fingerprint())
-    alike = FakeWorkerRow("prefill-a", Role.PREFILL, engine("fp8_e4m3").fingerprint())
-    other = FakeWorkerRow("prefill-b", Role.PREFILL, engine("auto").fingerprint())
-    pool = pool_of(other, alike, decode)
-    assert {pool.pick((Role.PREFILL,), pairs_with=decode).worker_id for _ in range(4)} == {
+    decode = worker("decode-a", Role.DECODE, engine("fp8").fingerprint())
+    alike = worker("prefill-a", Role.PREFILL, engine("fp8_e4m3").fingerprint())
+    other = worker("prefill-b", Role.PREFILL, engine("auto").fingerprint())
+    choice = choice_of(other, alike, decode)
+    assert {choice.pick((Role.PREFILL,), pairs_with=decode).worker_id for _ in range(4)} == {
         "prefill-a"
     }
 

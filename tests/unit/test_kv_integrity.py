@@ -1,4 +1,4 @@
-"""End-to-end KV integrity (kv_transfer/integrity.py) and fault injection (kv_transfer/faults.py):
+"""End-to-end KV integrity (kv_transfer/integrity.py) against injected faults (tests/kv_faults.py):
 the digest catches what it claims to, and every injected fault kind, on every transport (grpc,
 nccl on gloo, shm), through the real classes from a prefill cache to a decode cache (layer
 sender -> KV sender -> transport -> receiver -> loader), fails its transfer with the right
@@ -13,16 +13,27 @@ import pytest
 import torch
 
 from decode_workers.kv_loader import KvLoader
-from kv_transfer.channels import kv_sender
+from kv_transfer.channels import CHANNEL_WRAPPER_ENV, channel_opener, wrapped
+from kv_transfer.grpc_transport import cancel_transfer
+from kv_transfer.host_staging import Staged
 from kv_transfer.integrity import Damage, as_tensor, slice_digest, transfer_epoch
 from kv_transfer.kv_layout import BLOCK, CONTENT, HEAD, TOKEN, LayerLayout
 from kv_transfer.kv_receiver import KvReceiver
 from kv_transfer.metadata import Expected, SendSlice
 from kv_transfer.transfer_report import Failure
-from kv_transfer.transport import TRANSPORTS, LayerSlice
-from pdserve.core.kv_faults import KvFaultKind, parse_kv_fault
+from kv_transfer.transport import TRANSPORTS, KvSender, LayerSlice
 from prefill_workers.kv_sender import LayerSender
-from tests.unit.test_kv_transports import CONSUMER
+from tests.kv_faults import (
+    FAULT_FILE_ENV,
+    FaultyChannel,
+    KvFault,
+    KvFaultKind,
+    faulty,
+    injectable_environment,
+    parse_kv_fault,
+    set_fault,
+)
+from tests.unit.kv_endpoints import CONSUMER
 
 CPU = torch.device("cpu")
 LAYOUT = LayerLayout((BLOCK, HEAD, TOKEN, CONTENT))
@@ -110,12 +121,12 @@ def prefill_caches() -> list[torch.Tensor]:
     ]
 
 
-def send_prompt(sender: LayerSender, caches, transfer_id: str, destination: str, transport, fault):
+def send_prompt(sender: LayerSender, caches, transfer_id: str, destination: str, transport):
     """What a prefill worker's connector does for a 4-block prompt computed in two steps of two
     blocks: each step, each layer, the blocks it computed."""
     for first, last in ((0, False), (2, True)):
         step = [SendSlice(transfer_id, destination, first, [first + 1, first + 2], last, 1,
-                          transport, fault)]  # fmt: skip
+                          transport)]  # fmt: skip
         sender.new_step(step)
         for layer, cache in enumerate(caches):
             sender.save_layer(layer, cache, step)
@@ -142,8 +153,15 @@ def test_each_fault_fails_its_transfer_as_what_it_is_and_writes_nothing_wrong(tr
     port = receiver.start("127.0.0.1", 0)
     decode = [torch.zeros(NUM_BLOCKS, *BLOCK_SHAPE) for _ in range(CONSUMER.num_layers)]
     loader = KvLoader(receiver, decode, LAYOUT, CONSUMER.head_size, CONSUMER.total_kv_heads)
+    # A clean transfer first (rate 0: the one a stale slice is kept from), then the faulty one.
+    faults = {"clean": KvFault(kind, 0), "faulty": KvFault(kind, 1)}
     sender = LayerSender(
-        kv_sender(CONSUMER, "127.0.0.1", CPU),
+        KvSender(
+            faulty(channel_opener(CONSUMER, "127.0.0.1", CPU), faults.get),
+            cancel_transfer,
+            num_layers=CONSUMER.num_layers,
+            device=CPU,
+        ),
         LAYOUT,
         CONSUMER.head_size,
         CONSUMER.total_kv_heads,
@@ -154,10 +172,8 @@ def test_each_fault_fails_its_transfer_as_what_it_is_and_writes_nothing_wrong(tr
     )
     prefill = prefill_caches()
     try:
-        # A clean transfer first (rate 0: the one a stale slice is kept from), then the faulty
-        # one.
-        send_prompt(sender, prefill, "clean", f"127.0.0.1:{port}", transport, f"{kind}:0")
-        send_prompt(sender, prefill, "faulty", f"127.0.0.1:{port}", transport, f"{kind}:1")
+        send_prompt(sender, prefill, "clean", f"127.0.0.1:{port}", transport)
+        send_prompt(sender, prefill, "faulty", f"127.0.0.1:{port}", transport)
         expected = [
             Expected("clean-req", "clean", [1, 2, 3, 4], 0, DEADLINE_S),
             Expected("faulty-req", "faulty", [5, 6, 7, 0], 0, DEADLINE_S),
@@ -265,15 +281,59 @@ def test_integrity_is_on_by_default_and_reaches_both_connectors():
     assert parse_cluster({}).worker_settings("prefill", "").kv_integrity == "on"
 
 
-def test_a_prefill_leg_carries_the_workers_fault_to_its_sender():
-    from kv_transfer.params import from_request
-    from pdserve.protocol import worker_pb2
-    from pdserve.worker.service import kv_extra_args
+class FakeChannel:
+    """Stands in for a transport's channel: records what it was asked to send."""
 
-    request = worker_pb2.GenerateRequest(
-        prompt_token_ids=[1, 2],
-        kv=worker_pb2.KvTransfer(transfer_id="t", send_to="127.0.0.1:1", transport="shm"),
-    )
-    params = from_request(kv_extra_args(request, "corrupt:1")["kv_transfer_params"])
-    assert (params.transfer_id, params.fault) == ("t", "corrupt:1")
-    assert from_request(kv_extra_args(request)["kv_transfer_params"]).fault == ""
+    def __init__(self) -> None:
+        self.sent: list[LayerSlice] = []
+
+    def send(self, piece: LayerSlice) -> None:
+        self.sent.append(piece)
+
+    def close(self) -> None:
+        pass
+
+
+def staged_slice(transfer_id: str, seq: int) -> LayerSlice:
+    data = torch.arange(64, dtype=torch.uint8)
+    return LayerSlice(transfer_id, seq, 0, 1, 0, 1, Staged(data, data.numel()), True, seq=seq)
+
+
+def test_a_running_workers_channels_take_the_fault_file_at_each_transfers_start(
+    tmp_path, monkeypatch
+):
+    """The testing seam (kv_transfer/channels.py): the wrapper the environment names wraps the
+    sender's channels, and each transfer gets what the fault file says when it starts."""
+    for name, value in injectable_environment(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    channel = FakeChannel()
+    opened = wrapped(lambda kind, destination: channel)("grpc", "127.0.0.1:1")
+    assert isinstance(opened, FaultyChannel)
+    opened.send(staged_slice("before", 0))  # no file yet: no fault
+    set_fault(tmp_path, "duplicate:1")
+    opened.send(staged_slice("during", 0))
+    set_fault(tmp_path, "")
+    opened.send(staged_slice("during", 1))  # the transfer keeps the fault it started with
+    opened.send(staged_slice("after", 0))
+    assert [(p.transfer_id, p.seq) for p in channel.sent] == [
+        ("before", 0),
+        ("during", 0),
+        ("during", 0),
+        ("during", 1),
+        ("during", 1),
+        ("after", 0),
+    ]
+    # The sender counts each of its slices through once, the copies a fault added not at all.
+    assert [(p.transfer_id, p.seq) for p in opened.done(wait=True)] == [
+        ("before", 0),
+        ("during", 0),
+        ("during", 1),
+        ("after", 0),
+    ]
+
+
+def test_without_the_seam_set_the_channels_are_the_transports_own(monkeypatch):
+    monkeypatch.delenv(CHANNEL_WRAPPER_ENV, raising=False)
+    monkeypatch.delenv(FAULT_FILE_ENV, raising=False)
+    channel = FakeChannel()
+    assert wrapped(lambda kind, destination: channel)("grpc", "127.0.0.1:1") is channel

@@ -16,7 +16,7 @@ from kv_transfer.nccl_transport import GROUP_TIMEOUT_S, group_timeout
 from kv_transfer.shm_transport import ShmChannel
 from kv_transfer.transfer_report import Cancel, Failure
 from kv_transfer.transport import ChannelError, Inbox, SliceAssembler, sealed
-from tests.unit.test_kv_transports import CONSUMER, piece, wait_for
+from tests.unit.kv_endpoints import CONSUMER, piece, take_until
 
 
 class Chunk:
@@ -129,7 +129,7 @@ def test_a_stream_that_fails_with_any_exception_cancels_what_it_carried(receiver
     channel = (GrpcChannel if transport == "grpc" else ShmChannel)(address, CONSUMER)
     try:
         channel.send(sealed(piece("t-1", 64, layer=0, last=False)))
-        got, _ = wait_for(kv_receiver, slices=1)
+        got, _ = take_until(kv_receiver, slices=1)
         for arrived in got:
             arrived.release()
         del got, arrived
@@ -140,7 +140,7 @@ def test_a_stream_that_fails_with_any_exception_cancels_what_it_carried(receiver
         kv_receiver.inbox.new_buffer = out_of_memory
         with contextlib.suppress(ChannelError):  # shm: more than a segment, so copied out
             channel.send(sealed(piece("t-1", 12 << 20, layer=1)))
-        cancelled = wait_for(kv_receiver, cancels={"t-1"})[1]
+        cancelled = take_until(kv_receiver, cancels={"t-1"})[1]
         assert cancelled["t-1"].failure == Failure.CANCELLED
         assert "cannot allocate" in cancelled["t-1"].reason
         assert kv_receiver.inbox.held == 0

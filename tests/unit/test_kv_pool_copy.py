@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kv_transfer.pool.client import PoolClient
+from kv_transfer.pool.wire import GetStats, Lookup
 from pdserve.cluster.local_services import start_kv_pool
 from pdserve.worker.processes import stop_group
 
@@ -103,7 +104,7 @@ def test_a_changed_byte_or_another_keys_slot_is_refused_and_dropped(address):
     view = np.frombuffer(client.memory, np.uint8)
     spec = manager_b.prepare_load([b"k0", b"k1", b"k2"], request())
     view[client.header_bytes + spec.slots[0] * SLOT + 7] ^= 1  # k0's bytes changed
-    swapped = PoolSlots(spec.store_id, [spec.slots[0], spec.slots[1], spec.slots[1]], spec.keys)
+    swapped = PoolSlots(spec.store_id, (spec.slots[0], spec.slots[1], spec.slots[1]), spec.keys)
     worker_b.submit_load(2, swapped, gpu([3, 4, 5]))  # k0 damaged, k1 fine, k2 reads k1's slot
     assert worker_b.take_failed_blocks() == {3, 5}
     for cache, old in zip(caches_b, before, strict=True):
@@ -111,7 +112,7 @@ def test_a_changed_byte_or_another_keys_slot_is_refused_and_dropped(address):
         assert torch.equal(cache[5].view(torch.uint8), old[5].view(torch.uint8))
         assert not torch.equal(cache[4].view(torch.uint8), old[4].view(torch.uint8))
     manager_b.complete_load([b"k0", b"k1", b"k2"], request())
-    assert manager_b.client.call("stats")["dropped"] == 2
+    assert manager_b.client.call(GetStats()).dropped == 2
     assert manager_b.lookup(b"k0", request()).name == "MISS"
 
 
@@ -181,11 +182,11 @@ def test_each_tensor_parallel_rank_stores_and_checks_its_own_part_of_a_block(tmp
             failed.append(worker_b.take_failed_blocks())
         assert failed == [set(), {1}]
         manager_b.complete_load(keys, request())
-        assert manager_b.client.call("stats")["dropped"] == 1
+        assert manager_b.client.call(GetStats()).dropped == 1
         assert manager_b.lookup(b"k0", request()).name == "MISS"
         assert manager_b.lookup(b"k1", request()).name == "HIT"
 
-        assert PoolClient(address, "tp2", SLOT, 1).call("lookup", [b"k1"]) is None
+        assert PoolClient(address, "tp2", SLOT, 1).call(Lookup((b"k1",))) is None
     finally:
         stop_group(process.pid, process=process)
 
@@ -358,7 +359,7 @@ def test_on_a_stream_jobs_finish_by_event_query_and_a_refused_block_is_reported_
         for cache, old in zip(caches, before, strict=True):
             assert torch.equal(cache[9], old)
             assert torch.equal(cache[8], cache[0]) and torch.equal(cache[11], cache[3])
-        assert manager.client.call("stats")["dropped"] == 1
+        assert manager.client.call(GetStats()).dropped == 1
     finally:
         stop_group(process.pid, process=process)
 

@@ -17,7 +17,7 @@ def stored(index: PoolIndex, keys: list[bytes], owner: int = 1) -> list[int]:
 def test_a_block_is_readable_only_once_its_store_completes():
     index = PoolIndex(4)
     plan = index.prepare_store([A, B], owner=1)
-    assert plan.keys == [A, B] and len(set(plan.slots)) == 2 and plan.evicted == []
+    assert plan.keys == (A, B) and len(set(plan.slots)) == 2 and plan.evicted == ()
     assert index.lookup([A, B]) == 0
     assert index.prepare_load([A], owner=2) is None
     index.complete_store([A, B], owner=1, success=True)
@@ -37,14 +37,14 @@ def test_a_failed_store_frees_its_slots():
     plan = index.prepare_store([A, B], owner=1)
     index.complete_store(plan.keys, owner=1, success=False)
     assert index.used == 0
-    assert index.prepare_store([C, D], owner=1).evicted == []
+    assert index.prepare_store([C, D], owner=1).evicted == ()
 
 
 def test_keys_already_stored_are_not_written_again():
     index = PoolIndex(4)
     stored(index, [A])
     plan = index.prepare_store([A, B], owner=1)
-    assert plan.keys == [B] and len(plan.slots) == 1
+    assert plan.keys == (B,) and len(plan.slots) == 1
 
 
 def test_the_budget_holds_and_the_least_recently_used_block_goes_first():
@@ -53,7 +53,7 @@ def test_the_budget_holds_and_the_least_recently_used_block_goes_first():
     stored(index, [B])
     index.touch([A])  # B is now the least recently used
     plan = index.prepare_store([C], owner=1)
-    assert plan.evicted == [B]
+    assert plan.evicted == (B,)
     assert index.used == 2
 
 
@@ -64,7 +64,7 @@ def test_a_block_read_since_it_came_up_outlives_one_that_was_not():
     index.prepare_load([A], owner=2)
     index.complete_load([A], owner=2)
     index.touch([B])  # B more recent, but A was reused
-    assert index.prepare_store([C], owner=1).evicted == [B]
+    assert index.prepare_store([C], owner=1).evicted == (B,)
     assert index.lookup([A]) == 1
 
 
@@ -76,7 +76,7 @@ def test_pinned_and_half_written_blocks_are_never_evicted():
     assert index.prepare_store([C], owner=1) is None
     assert index.lookup([A]) == 1 and index.used == 2
     index.complete_load([A], owner=2)
-    assert index.prepare_store([C], owner=1).evicted == [A]
+    assert index.prepare_store([C], owner=1).evicted == (A,)
 
 
 def test_a_store_larger_than_the_pool_is_refused_and_changes_nothing():
@@ -105,12 +105,12 @@ def test_a_clients_pins_and_unfinished_writes_go_with_it():
     index.prepare_store([B], owner=2)
     index.release_owner(2)
     assert index.used == 1  # B discarded
-    assert index.prepare_store([C, D], owner=1).evicted == [A]  # A no longer pinned
+    assert index.prepare_store([C, D], owner=1).evicted == (A,)  # A no longer pinned
 
 
 def contents(index: PoolIndex, since: int) -> tuple[set[bytes], set[bytes], bool]:
-    answer = index.contents_since(since)
-    return set(answer["added"]), set(answer["removed"]), answer["reset"]
+    changes = index.contents_since(since)
+    return set(changes.added), set(changes.removed), changes.reset
 
 
 def test_contents_follow_what_is_loadable_stored_evicted_and_dropped():

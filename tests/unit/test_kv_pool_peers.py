@@ -25,6 +25,14 @@ from prometheus_client import CollectorRegistry
 from kv_transfer.pool import peer as pool_peer
 from kv_transfer.pool.client import PoolClient
 from kv_transfer.pool.copy import PoolMemory, load_blocks, store_blocks
+from kv_transfer.pool.wire import (
+    CompleteLoad,
+    CompleteStore,
+    Found,
+    Lookup,
+    PrepareLoad,
+    PrepareStore,
+)
 from pdserve.cluster.local_services import start_kv_pool
 from pdserve.core.pool_keys import block_keys
 from pdserve.protocol import GRPC_OPTIONS, worker_pb2, worker_pb2_grpc
@@ -42,7 +50,7 @@ BLOCK_TOKENS = 16
 NAMESPACE = "model x, layout y"
 NONE_HASH = b"n" * 32
 PROMPT = list(range(100, 100 + 3 * BLOCK_TOKENS + 5))  # three whole blocks
-KEYS = list(block_keys(PROMPT, BLOCK_TOKENS, NONE_HASH))
+KEYS = tuple(block_keys(PROMPT, BLOCK_TOKENS, NONE_HASH))
 
 
 @pytest.fixture
@@ -77,9 +85,9 @@ def computed(client: PoolClient, blocks: int) -> list[torch.Tensor]:
     cache's pages (two tensors, a block a row)."""
     pages = [torch.randint(0, 256, (blocks, SLOT // 2), dtype=torch.uint8) for _ in range(2)]
     keys = KEYS[:blocks]
-    slots = client.call("prepare_store", keys)["stored"]["slots"]
+    slots = client.call(PrepareStore(keys)).stored.slots
     store_blocks(pages, list(range(blocks)), memory(client), slots, keys)
-    client.call("complete_store", keys, success=True)
+    client.call(CompleteStore(keys, success=True))
     return pages
 
 
@@ -87,9 +95,9 @@ def loaded(client: PoolClient, blocks: int) -> list[torch.Tensor]:
     """Another engine loads the prompt's first `blocks` blocks from its pool, checked."""
     pages = [torch.zeros((blocks, SLOT // 2), dtype=torch.uint8) for _ in range(2)]
     keys = KEYS[:blocks]
-    slots = client.call("prepare_load", keys)["slots"]
+    slots = client.call(PrepareLoad(keys)).slots
     copied, refused, _ = load_blocks(pages, list(range(blocks)), memory(client), slots, keys)
-    client.call("complete_load", keys)
+    client.call(CompleteLoad(keys))
     assert not refused and copied == blocks * SLOT
     return pages
 
@@ -153,22 +161,22 @@ def test_fetched_blocks_land_bit_for_bit_chunk_by_chunk_and_the_sources_pins_end
             )
 
     assert asyncio.run(run()) == 3 * BLOCK_TOKENS
-    assert fetching_engine.call("lookup", KEYS) == {"found": 3}
+    assert fetching_engine.call(Lookup(KEYS)) == Found(3)
     got = loaded(fetching_engine, 3)
     assert all(torch.equal(a, b) for a, b in zip(pages, got, strict=True))
     assert metrics.kv_pool_hits.labels("peer")._value.get() == 3 * BLOCK_TOKENS
     assert peers.stats.pool_fetched_tokens == 3 * BLOCK_TOKENS
     assert peers.stats.pool_fetch_seconds_per_token() > 0
     # no pin outlives the call: the source's pool can replace all its blocks
-    assert source_engine.call("prepare_store", [b"a", b"b", b"c", b"d"])["stored"] is not None
+    assert source_engine.call(PrepareStore((b"a", b"b", b"c", b"d"))).stored is not None
 
 
 def test_a_damaged_block_is_never_loadable_and_what_came_before_it_is_kept(stores):
     here, there = stores
     source_engine, fetching_engine = engine(there), engine(here)
     computed(source_engine, 3)
-    slot = source_engine.call("prepare_load", [KEYS[1]])["slots"][0]
-    source_engine.call("complete_load", [KEYS[1]])
+    slot = source_engine.call(PrepareLoad(KEYS[1:2])).slots[0]
+    source_engine.call(CompleteLoad(KEYS[1:2]))
     memory(source_engine).slots[slot, 7] ^= 0x10  # one bit of the second block, in memory
     peers, metrics = fetcher(here)
 
@@ -179,10 +187,10 @@ def test_a_damaged_block_is_never_loadable_and_what_came_before_it_is_kept(store
             )
 
     assert asyncio.run(run()) == BLOCK_TOKENS
-    assert fetching_engine.call("lookup", KEYS) == {"found": 1}
+    assert fetching_engine.call(Lookup(KEYS)) == Found(1)
     assert failures(metrics, "damaged") == 1
     # the damaged block's and the unsent block's slots were freed: four new blocks fit
-    assert fetching_engine.call("prepare_store", [b"a", b"b", b"c"])["stored"] is not None
+    assert fetching_engine.call(PrepareStore((b"a", b"b", b"c"))).stored is not None
 
 
 def test_a_source_holding_fewer_blocks_sends_those_and_only_missing_ones_are_asked(stores):
@@ -199,7 +207,7 @@ def test_a_source_holding_fewer_blocks_sends_those_and_only_missing_ones_are_ask
             )
 
     assert asyncio.run(run()) == BLOCK_TOKENS  # the second block: the first was here
-    assert fetching_engine.call("lookup", KEYS) == {"found": 2}
+    assert fetching_engine.call(Lookup(KEYS)) == Found(2)
     assert torch.equal(loaded(fetching_engine, 1)[0], pages[0])  # not overwritten
     assert failures(metrics, "evicted") == 1
 
@@ -220,8 +228,8 @@ def test_a_source_that_is_gone_or_holds_another_models_blocks_brings_nothing(sto
 
     assert asyncio.run(run()) == 0
     assert failures(metrics, "refused") == 1
-    assert fetching_engine.call("lookup", KEYS) == {"found": 0}
-    assert fetching_engine.call("prepare_store", KEYS + [b"d"])["stored"] is not None
+    assert fetching_engine.call(Lookup(KEYS)) == Found(0)
+    assert fetching_engine.call(PrepareStore((*KEYS, b"d"))).stored is not None
 
 
 class HungSource(worker_pb2_grpc.WorkerServicer):
@@ -258,4 +266,4 @@ def test_a_hung_source_costs_what_computing_the_tokens_would_and_no_more(stores,
     fetched, took = asyncio.run(run())
     assert fetched == 0 and failures(metrics, "timeout") == 1
     assert 2 * BLOCK_TOKENS * prefill_s_per_token <= took < 2.0
-    assert fetching_engine.call("prepare_store", KEYS + [b"d"])["stored"] is not None
+    assert fetching_engine.call(PrepareStore((*KEYS, b"d"))).stored is not None

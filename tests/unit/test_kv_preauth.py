@@ -26,8 +26,7 @@ from kv_transfer.grpc_transport import handshake, hello
 from kv_transfer.kv_receiver import HELLO_STREAMS, HELLO_WAIT_S, MAX_STREAMS, KvReceiver
 from kv_transfer.shm_transport import MAX_FRAME_BYTES, FrameReader, send_frame, socket_name
 from pdserve.settings.cluster_secret import SECRET_ENV
-from tests.unit.test_kv_shm_sender_peer import another_users_peer
-from tests.unit.test_kv_transports import CONSUMER, piece, wait_for
+from tests.unit.kv_endpoints import CONSUMER, another_users_peer, piece, take_until
 
 CPU = torch.device("cpu")
 
@@ -78,7 +77,7 @@ def test_with_every_stream_held_by_silent_peers_a_handshake_and_a_transfer_get_t
         handshake(address, CONSUMER)  # raises past CONTROL_TIMEOUT_S (2 s)
         assert time.monotonic() - started < 2.0
         sender.send(address, "grpc", piece("t-1"))  # a sender's stream displaces a silent one
-        got, cancelled = wait_for(receiver, slices=1)
+        got, cancelled = take_until(receiver, slices=1)
         assert [p.transfer_id for p in got] == ["t-1"] and cancelled == {}
         got[0].release()
         assert until(lambda: all(call.done() for call in calls), 5.0 - (time.monotonic() - opened))

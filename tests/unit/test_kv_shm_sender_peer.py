@@ -4,9 +4,7 @@ the decode worker restarts; the sender checks SO_PEERCRED right after connecting
 hello (which carries the secret) or any KV. A real receiver on 127.0.0.1; SO_PEERCRED made to
 name another user."""
 
-import os
 import socket
-import struct
 
 import pytest
 
@@ -14,21 +12,7 @@ from kv_transfer.kv_receiver import KvReceiver
 from kv_transfer.shm_transport import ShmChannel
 from kv_transfer.transport import ChannelError
 from pdserve.settings.cluster_secret import SECRET_ENV
-from tests.unit.test_kv_transports import CONSUMER
-
-OTHER_UID = os.getuid() + 1
-
-
-def another_users_peer(monkeypatch) -> None:
-    """Every SO_PEERCRED in this process says the peer runs as another user."""
-    real = socket.socket.getsockopt
-
-    def getsockopt(sock, level, option, *size):
-        if (level, option) == (socket.SOL_SOCKET, socket.SO_PEERCRED):
-            return struct.pack("3i", 1, OTHER_UID, OTHER_UID)
-        return real(sock, level, option, *size)
-
-    monkeypatch.setattr(socket.socket, "getsockopt", getsockopt)
+from tests.unit.kv_endpoints import CONSUMER, OTHER_UID, another_users_peer
 
 
 def test_the_shm_sender_says_nothing_to_a_receiver_of_another_user(monkeypatch):

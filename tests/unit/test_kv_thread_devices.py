@@ -12,8 +12,8 @@ import torch
 from kv_transfer.channels import kv_sender
 from kv_transfer.kv_receiver import KvReceiver
 from kv_transfer.transport import KvSender, bind_device
-from tests.unit.test_kv_transports import CONSUMER, piece, wait_for
-from tests.waiting import wait_for as until
+from tests.unit.kv_endpoints import CONSUMER, piece, take_until
+from tests.waiting import wait_for
 
 RANK_1 = torch.device("cuda", 1)
 
@@ -46,7 +46,7 @@ def test_the_sender_thread_binds_its_device_before_it_opens_a_channel(bound):
     sender = KvSender(lambda kind, destination: Channel(), lambda *a: None, device=RANK_1)
     try:
         sender.send("10.0.0.1:5000", "grpc", piece("t-1"))
-        until(lambda: events, 10, "the channel opened")
+        wait_for(lambda: events, 10, "the channel opened")
         assert events == ["open in kv-send-grpc-10.0.0.1:5000"]
         assert bound[0] == ("kv-send-grpc-10.0.0.1:5000", RANK_1)  # before the channel
     finally:
@@ -74,7 +74,7 @@ def test_the_receivers_stream_and_shm_threads_bind_the_ranks_device(bound, trans
     sender = kv_sender(CONSUMER, "127.0.0.1", torch.device("cpu"))
     try:
         sender.send(f"127.0.0.1:{port}", transport, piece("t-1"))
-        (arrived,) = wait_for(receiver, slices=1)[0]
+        (arrived,) = take_until(receiver, slices=1)[0]
         arrived.release()
         prefix = "kv-receive" if transport == "grpc" else "kv-shm-receive"
         assert (prefix, RANK_1) in [(name.split("_")[0], device) for name, device in bound], bound

@@ -17,46 +17,15 @@ import pytest
 import torch
 
 from kv_transfer.channels import kv_sender
-from kv_transfer.compatibility import Compatibility
-from kv_transfer.host_staging import ByteBudget, DeviceToHost, Staged, StagingError
-from kv_transfer.kv_layout import WIRE_LAYOUT
+from kv_transfer.host_staging import ByteBudget, DeviceToHost, StagingError
 from kv_transfer.kv_receiver import KvReceiver
 from kv_transfer.transfer_report import Cancel, Failure
-from kv_transfer.transport import TRANSPORTS, LayerSlice
+from kv_transfer.transport import TRANSPORTS
 from pdserve.settings.cluster_secret import SECRET_ENV
+from tests.unit.kv_endpoints import CONSUMER, DEADLINE_S, piece, take_until
 
-CONSUMER = Compatibility("m", "float32", 16, 2, 2, 4, WIRE_LAYOUT, "0.32.0", 32, "none")
 CPU = torch.device("cpu")
-DEADLINE_S = 15.0
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class CountedStaged(Staged):
-    """A CPU `Staged` that counts its releases (stands in for a send-buffer allocation)."""
-
-    def __init__(self, data: torch.Tensor) -> None:
-        super().__init__(data, data.numel())
-        self.releases = 0
-        self.on_release = self._count
-
-    def _count(self, tensor) -> None:
-        self.releases += 1
-
-
-def piece(transfer_id: str, nbytes: int = 64, layer: int = 0, last: bool = True) -> LayerSlice:
-    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-    return LayerSlice(transfer_id, layer, 0, 1, 0, 2, CountedStaged(data), last)
-
-
-def wait_for(receiver: KvReceiver, slices: int = 0, cancels: set[str] = frozenset()):
-    got, cancelled = [], {}
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline and (len(got) < slices or not set(cancels) <= set(cancelled)):
-        more, why = receiver.take()
-        got += more
-        cancelled.update(why)
-        time.sleep(0.02)
-    return got, cancelled
 
 
 def memfds_after_close() -> int:
@@ -86,7 +55,7 @@ def test_slices_arrive_whole_labelled_and_every_buffer_is_released(receiver, tra
     try:
         for one in sent:
             sender.send(address, transport, one)
-        got, cancelled = wait_for(kv_receiver, slices=2)
+        got, cancelled = take_until(kv_receiver, slices=2)
         assert cancelled == {}
         carrier = "gloo" if transport == "nccl" else transport  # what carried it, on CPUs
         assert [(p.transfer_id, p.layer, p.transport) for p in got] == [
@@ -106,7 +75,7 @@ def test_slices_arrive_whole_labelled_and_every_buffer_is_released(receiver, tra
     assert [one.data.releases for one in sent] == [1, 1]
     assert set(os.listdir("/dev/shm")) == shm_before
     assert memfds_after_close() == 0, "the closed shm channel left segments mapped"
-    assert wait_for(kv_receiver)[1] == {}, "a channel closed on purpose cancelled its transfers"
+    assert take_until(kv_receiver)[1] == {}, "a channel closed on purpose cancelled its transfers"
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -119,7 +88,7 @@ def test_a_refused_handshake_cancels_its_transfers_and_a_later_send_opens_a_new_
         first = piece("t-1")
         sender.send(address, transport, first)
         sender.send(address, transport, piece("t-2"))  # while the first channel may be ending
-        seen = wait_for(kv_receiver, cancels={"t-1", "t-2"})[1]
+        seen = take_until(kv_receiver, cancels={"t-1", "t-2"})[1]
         assert set(seen) == {"t-1", "t-2"}
         assert {cancel.failure for cancel in seen.values()} == {Failure.REFUSED}
         assert all(
@@ -127,7 +96,7 @@ def test_a_refused_handshake_cancels_its_transfers_and_a_later_send_opens_a_new_
             for cancel in seen.values()
         )
         sender.send(address, transport, piece("t-3"))  # after it ended: a new channel
-        assert set(wait_for(kv_receiver, cancels={"t-3"})[1]) == {"t-3"}
+        assert set(take_until(kv_receiver, cancels={"t-3"})[1]) == {"t-3"}
         assert first.data.releases == 1
         assert kv_receiver.take() == ([], {})
     finally:
@@ -160,7 +129,7 @@ def test_a_sender_without_the_cluster_secret_is_refused_and_writes_nothing(monke
         member = kv_sender(CONSUMER, "127.0.0.1", CPU)
         try:
             member.send(address, transport, piece("t-2"))
-            got, cancelled = wait_for(kv_receiver, slices=1)
+            got, cancelled = take_until(kv_receiver, slices=1)
             assert [p.transfer_id for p in got] == ["t-2"] and cancelled == {}
             for arrived in got:
                 arrived.release()
@@ -206,12 +175,12 @@ def test_a_sender_killed_mid_transfer_gets_its_transfer_cancelled_on_the_receive
     )
     try:
         assert process.stdout.readline().strip() == "sent"
-        got, _ = wait_for(kv_receiver, slices=1)
+        got, _ = take_until(kv_receiver, slices=1)
         assert [p.transfer_id for p in got] == ["dying"]
         got[0].release()
         started = time.monotonic()
         process.kill()
-        cancelled = wait_for(kv_receiver, cancels={"dying"})[1]
+        cancelled = take_until(kv_receiver, cancels={"dying"})[1]
         assert "dying" in cancelled, "the dead sender's transfer was left to its deadline"
         assert cancelled["dying"].failure == Failure.CANCELLED
         assert "mid" in cancelled["dying"].reason or "failed" in cancelled["dying"].reason
@@ -258,7 +227,7 @@ def test_an_idle_channel_closes_on_purpose_and_the_next_slice_reopens_it(receive
     sender = KvSender(channel_opener(CONSUMER, "127.0.0.1", CPU), cancel_transfer, 0.2)
     try:
         sender.send(address, "shm", piece("t-1"))
-        (arrived,) = wait_for(kv_receiver, slices=1)[0]
+        (arrived,) = take_until(kv_receiver, slices=1)[0]
         arrived.release()
         del arrived  # a slice lent from a segment maps it until dropped
         deadline = time.monotonic() + DEADLINE_S
@@ -271,7 +240,7 @@ def test_an_idle_channel_closes_on_purpose_and_the_next_slice_reopens_it(receive
         assert sender.threads == {}  # the channel's thread is gone, not kept
         assert memfds_after_close() == 0
         sender.send(address, "shm", piece("t-2"))
-        assert [p.transfer_id for p in wait_for(kv_receiver, slices=1)[0]] == ["t-2"]
+        assert [p.transfer_id for p in take_until(kv_receiver, slices=1)[0]] == ["t-2"]
         assert kv_receiver.take()[1] == {}  # idle closes cancel nothing
     finally:
         sender.close()
@@ -288,7 +257,7 @@ def test_a_stopped_receiver_frees_its_address_at_once_even_with_a_sender_connect
     sender = KvSender(channel_opener(CONSUMER, "127.0.0.1", CPU), cancel_transfer)
     try:
         sender.send(f"127.0.0.1:{port}", "shm", piece("t-1"))
-        (arrived,) = wait_for(first, slices=1)[0]  # a connection thread is now blocked reading
+        (arrived,) = take_until(first, slices=1)[0]  # a connection thread is now blocked reading
         arrived.release()
         del arrived
         first.stop()

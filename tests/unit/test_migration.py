@@ -10,12 +10,13 @@ import time
 
 import pytest
 
-from pdserve.core.kinds import RoutePath
 from pdserve.protocol import worker_pb2
 from router.flow.request_run import Admitted, RequestRun
 from router.http.errors import OpenAIError, worker_unavailable
 from router.http.responses import CompletionShape, OutputOptions, Prompt
-from tests.unit.test_request_flow import PROMPT, FakeWorker, flow_over
+from tests.fakes import FakeWorker, router_over
+
+PROMPT = [11, 12, 13, 14, 15]
 
 LOST = worker_unavailable("worker decode-a is unavailable: Socket closed")
 
@@ -49,7 +50,7 @@ def chunk(index: int, *tokens: int, text: str = "", finish: str = "", logprob=No
 
 
 def two_choices(max_tokens: int = 4, **sampling) -> tuple[RequestRun, Admitted]:
-    run = RequestRun("cmpl-1", len(PROMPT), time.monotonic(), route=RoutePath.LOCAL, choices=2)
+    run = RequestRun("cmpl-1", len(PROMPT), time.monotonic(), choices=2)
     request = worker_pb2.GenerateRequest(
         request_id="cmpl-1",
         prompt_token_ids=PROMPT,
@@ -76,9 +77,9 @@ def streamed(flow, admitted: Admitted) -> tuple[dict[int, str], dict[int, str], 
 
     async def go():
         nonlocal usage
-        started = await flow.start_all(admitted)
+        started = await flow.starter.start_all(admitted)
         shape = CompletionShape("cmpl-1", "m")
-        async for event in flow.stream(admitted, started, shape, "completions"):
+        async for event in flow.relay.stream(admitted, started, shape, "completions"):
             data = event.removeprefix("data: ").strip()
             if data == "[DONE]":
                 continue
@@ -106,7 +107,7 @@ def test_each_choice_continues_from_its_own_tokens_with_its_index_and_usage():
         (*PROMPT, 5): [chunk(0, 6, text="Y"), chunk(0, 7, 8, text="ZW", finish="length")],
     }
     rest = FakeAnsweringWorker("decode-b", lambda r: answers[tuple(r.prompt_token_ids)])
-    flow = flow_over(dying, rest)
+    flow = router_over(dying, rest)
     run, admitted = two_choices()
 
     texts, finishes, usage = streamed(flow, admitted)
@@ -131,7 +132,7 @@ def test_a_choice_finished_before_the_loss_does_not_continue():
         error=LOST,
     )
     rest = FakeAnsweringWorker("decode-b", lambda r: [chunk(0, 6, text="Y", finish="stop")])
-    flow = flow_over(dying, rest)
+    flow = router_over(dying, rest)
     run, admitted = two_choices()
 
     texts, finishes, usage = streamed(flow, admitted)
@@ -160,7 +161,7 @@ def test_choices_whose_next_worker_is_lost_too_continue_from_all_they_relayed():
         yield from answers[tuple(request.prompt_token_ids)]
 
     second, third = FakeAnsweringWorker("decode-b", answer), FakeAnsweringWorker("decode-c", answer)
-    flow = flow_over(first, second, third)
+    flow = router_over(first, second, third)
     run, admitted = two_choices(max_tokens=3)
 
     texts, _, usage = streamed(flow, admitted)
@@ -186,13 +187,13 @@ def test_best_of_ranks_a_migrated_choice_by_every_token_it_sampled():
         final.cumulative_logprob = final.logprobs[0].entries[0].logprob  # the worker's sum
         return [final]
 
-    flow = flow_over(dying, FakeAnsweringWorker("decode-b", answer))
+    flow = router_over(dying, FakeAnsweringWorker("decode-b", answer))
     run, admitted = two_choices(max_tokens=2, logprobs=0)
     admitted.returned, admitted.stream = 1, False
 
     async def go():
-        started = await flow.start_all(admitted)
-        return await flow.collect(admitted, started, CompletionShape("c", "m"), "completions")
+        started = await flow.starter.start_all(admitted)
+        return await flow.relay.collect(admitted, started, CompletionShape("c", "m"), "completions")
 
     [best] = asyncio.run(go())["choices"]
     assert best["text"] == "X?"  # -1.5 in all, against choice 0's -5.1
@@ -215,7 +216,7 @@ def test_a_seeded_choice_is_replayed_with_its_own_seed_and_goes_on_after_what_wa
             8: [chunk(0, 5, 6, text="xy"), chunk(0, 7, text="z", finish="length")],
         }
     )
-    flow = flow_over(dying, rest)
+    flow = router_over(dying, rest)
     run, admitted = two_choices(max_tokens=3, seed=7, temperature=0.8)
 
     texts, finishes, usage = streamed(flow, admitted)
@@ -231,8 +232,8 @@ def test_a_seeded_choice_is_replayed_with_its_own_seed_and_goes_on_after_what_wa
 def test_a_seeded_replay_that_parts_from_what_was_sent_ends_in_a_502_not_other_tokens():
     dying = FakeWorker("decode-a", chunks=[chunk(0, 1, 2, text="ab")], error=LOST)
     rest = replaying_worker({7: [chunk(0, 1, 9, text="az", finish="length")]})
-    flow = flow_over(dying, rest)
-    run = RequestRun("cmpl-1", len(PROMPT), time.monotonic(), route=RoutePath.LOCAL)
+    flow = router_over(dying, rest)
+    run = RequestRun("cmpl-1", len(PROMPT), time.monotonic())
     request = worker_pb2.GenerateRequest(
         request_id="cmpl-1",
         prompt_token_ids=PROMPT,
@@ -240,7 +241,7 @@ def test_a_seeded_replay_that_parts_from_what_was_sent_ends_in_a_502_not_other_t
     )
 
     async def go():
-        started = await flow.start(run, request)
+        started = await flow.starter.start(run, request)
         return [c async for c in started.chunks]
 
     with pytest.raises(OpenAIError) as caught:
@@ -253,8 +254,8 @@ def test_a_greedy_request_with_a_seed_continues_from_its_tokens():
     """At temperature 0 the seed draws nothing: there is no random stream to replay."""
     dying = FakeWorker("decode-a", chunks=[chunk(0, 1, text="a")], error=LOST)
     rest = FakeWorker("decode-b", chunks=[chunk(0, 2, text="b", finish="length")])
-    flow = flow_over(dying, rest)
-    run = RequestRun("cmpl-1", len(PROMPT), time.monotonic(), route=RoutePath.LOCAL)
+    flow = router_over(dying, rest)
+    run = RequestRun("cmpl-1", len(PROMPT), time.monotonic())
     request = worker_pb2.GenerateRequest(
         request_id="cmpl-1",
         prompt_token_ids=PROMPT,
@@ -262,7 +263,7 @@ def test_a_greedy_request_with_a_seed_continues_from_its_tokens():
     )
 
     async def go():
-        started = await flow.start(run, request)
+        started = await flow.starter.start(run, request)
         return [c async for c in started.chunks]
 
     assert [list(c.token_ids) for c in asyncio.run(go())] == [[2]]

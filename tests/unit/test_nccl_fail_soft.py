@@ -13,6 +13,7 @@ import textwrap
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,10 +23,11 @@ from kv_transfer import nccl_transport
 from kv_transfer.channels import channel_opener
 from kv_transfer.nccl_transport import NcclChannel, PairGroup, rendezvous
 from kv_transfer.transport import ChannelError, KvSender
-from tests.unit.test_kv_transports import CONSUMER, ROOT, piece, wait_for
-from tests.waiting import wait_for as until
+from tests.unit.kv_endpoints import CONSUMER, piece, take_until
+from tests.waiting import wait_for
 
 CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 1.0  # the groups' deadline in these tests
 NOTICED_S = 5.0  # a dead peer must be noticed this fast: far less than any deadline
 SLICE_BYTES = 16 << 20  # more than loopback's socket buffers: a send blocks on its receiver
@@ -114,7 +116,7 @@ RECEIVER_PROCESS = textwrap.dedent(
     """
     import time
     from kv_transfer.kv_receiver import KvReceiver
-    from tests.unit.test_kv_transports import CONSUMER
+    from tests.unit.kv_endpoints import CONSUMER
 
     receiver = KvReceiver(CONSUMER, inbox_bytes=1 << 20, inbox_wait_s=120)  # nobody takes
     print(receiver.start("127.0.0.1", 0), flush=True)
@@ -142,18 +144,18 @@ def test_a_receiver_killed_mid_send_fails_the_channel_at_once_and_the_sender_ser
             sender.send(doomed, "nccl", one)
         # The receiver holds one slice and waits for room for the next before it receives
         # it (a receive buffer is made only with room in the inbox): the second is mid-send.
-        until(lambda: sent[0].data.releases, 20, "the first slice sent")
+        wait_for(lambda: sent[0].data.releases, 20, "the first slice sent")
         time.sleep(0.3)
         assert sent[1].data.releases == 0, "the second slice should be blocked mid-send"
         started = time.monotonic()
         process.kill()
-        until(lambda: (doomed, "nccl") not in sender.threads, NOTICED_S, "the channel failed")
+        wait_for(lambda: (doomed, "nccl") not in sender.threads, NOTICED_S, "the channel failed")
         noticed = time.monotonic() - started
-        until(lambda: cancels, NOTICED_S, "the carried transfer cancelled")
+        wait_for(lambda: cancels, NOTICED_S, "the carried transfer cancelled")
         assert cancels == [(doomed, "doomed")]
         assert [one.data.releases for one in sent] == [1] * 4  # the queued one too
         sender.send(address, "nccl", piece("next", 1 << 20))  # the survivor serves on
-        got, cancelled = wait_for(kv_receiver, slices=1)
+        got, cancelled = take_until(kv_receiver, slices=1)
         assert [(p.transfer_id, p.transport) for p in got] == [("next", "gloo")]
         assert cancelled == {}
         got[0].release()
@@ -171,7 +173,7 @@ SENDER_PROCESS = textwrap.dedent(
     from kv_transfer import kv_wire_pb2 as wire
     from kv_transfer.grpc_transport import slice_chunk
     from kv_transfer.nccl_transport import NcclChannel
-    from tests.unit.test_kv_transports import CONSUMER, piece
+    from tests.unit.kv_endpoints import CONSUMER, piece
 
     channel = NcclChannel(sys.argv[1], CONSUMER, "127.0.0.1", __import__("torch").device("cpu"))
     half = piece("dying", 1 << 20)
@@ -197,14 +199,14 @@ def test_a_sender_killed_between_descriptor_and_bytes_fails_the_receive_and_the_
         time.sleep(0.3)  # the receiver is now waiting in its receive
         started = time.monotonic()
         process.kill()
-        cancelled = wait_for(kv_receiver, cancels={"dying"})[1]
+        cancelled = take_until(kv_receiver, cancels={"dying"})[1]
         noticed = time.monotonic() - started
         assert "dying" in cancelled, "the dead sender's transfer was left to its deadline"
         assert noticed < NOTICED_S
         channel = NcclChannel(address, CONSUMER, "127.0.0.1", CPU, timeout_s=TIMEOUT_S)
         try:
             channel.send(piece("next", 1 << 20))
-            got, _ = wait_for(kv_receiver, slices=1)
+            got, _ = take_until(kv_receiver, slices=1)
             assert [p.transfer_id for p in got] == ["next"]
             got[0].release()
         finally:
@@ -239,19 +241,19 @@ def test_an_idle_channel_keeps_its_group_until_its_receiver_ends_the_stream(rece
     try:
         for transfer_id in ("t-1", "t-2"):
             sender.send(address, "nccl", piece(transfer_id))
-            (arrived,) = wait_for(kv_receiver, slices=1)[0]
+            (arrived,) = take_until(kv_receiver, slices=1)[0]
             assert arrived.transfer_id == transfer_id
             arrived.release()
             time.sleep(0.3)  # three times idle_close_s
             assert sender.threads and not opened[0].group.aborted, "closed while idle"
         assert len(opened) == 1, "the second transfer paid for a new group"
         kv_receiver.stop()  # ends the stream: the sender sees its channel gone
-        until(lambda: not sender.threads, LIVENESS_S + 10, "the dead idle channel closed")
+        wait_for(lambda: not sender.threads, LIVENESS_S + 10, "the dead idle channel closed")
         assert opened[0].group.aborted and opened[0].group.group is None
         restarted = KvReceiver(CONSUMER)
         assert restarted.start("127.0.0.1", int(address.rsplit(":", 1)[1])) > 0
         sender.send(address, "nccl", piece("t-3"))
-        (arrived,) = wait_for(restarted, slices=1)[0]
+        (arrived,) = take_until(restarted, slices=1)[0]
         assert arrived.transfer_id == "t-3"
         arrived.release()
         assert len(opened) == 2 and opened[0].group is not opened[1].group

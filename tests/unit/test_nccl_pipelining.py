@@ -10,6 +10,7 @@ import importlib.util
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,10 +18,10 @@ import torch
 from kv_transfer import kv_wire_pb2 as wire
 from kv_transfer.nccl_transport import WINDOW, NcclChannel, NcclReceiving, PairGroup
 from kv_transfer.transport import ChannelError, KvSender
-from tests.unit.test_kv_transports import ROOT
 from tests.waiting import wait_for
 
 CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parents[2]
 SLICES = 80
 
 

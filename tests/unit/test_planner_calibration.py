@@ -14,6 +14,7 @@ from pdserve.bench.report import write_json
 from pdserve.costs.step_costs import StepCosts
 from pdserve.planner.calibration import Calibration, FittedSteps, fit_steps, load_requests
 from pdserve.planner.simulator import SimCluster, SimRequest, simulate
+from tests.unit.calibrations import CALIBRATION
 
 KNOWN = StepCosts(
     prefill_base_s=0.05, prefill_s_per_token=0.002, decode_base_s=0.03, decode_s_per_sequence=0.004
@@ -114,25 +115,6 @@ def test_fit_recovers_the_contention_of_a_shared_host(tmp_path, contention):
     assert fitted.cost.decode_base_s == pytest.approx(KNOWN.decode_base_s, rel=0.03)
     assert fitted.prefill_contention == pytest.approx(contention, abs=0.02)
     assert fitted.decode_contention == pytest.approx(contention, abs=0.02)
-
-
-CALIBRATION = Calibration(
-    model="smollm2",
-    measured_on="test",
-    prefill_base_s=0.05,
-    prefill_per_token_s=0.002,
-    decode_base_s=0.03,
-    decode_per_request_s=0.004,
-    prefill_contention=0.4,
-    decode_contention=0.7,
-    workers_per_host=2,
-    kv_capacity_tokens=26214,
-    block_size=128,
-    alone_prefill_base_s=0.03,
-    alone_prefill_per_token_s=0.0012,
-    alone_decode_base_s=0.025,
-    alone_decode_per_request_s=0.003,
-)
 
 
 def test_calibration_file_round_trips(tmp_path):

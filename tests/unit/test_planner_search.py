@@ -29,6 +29,7 @@ from pdserve.planner.search import (
 )
 from pdserve.planner.sim_workload import WorkloadSpec
 from pdserve.settings.cluster_file import load_cluster_file
+from tests.unit.calibrations import CALIBRATION
 
 LLAMA_8B = MODEL_PRESETS["llama-3.1-8b"]
 H100 = GPU_PRESETS["H100-SXM"]
@@ -185,8 +186,6 @@ def test_plan_recommends_colocated_where_one_gpu_meets_the_slo(tmp_path, capsys)
 
 
 def test_plan_with_a_calibration_searches_measured_workers_and_their_contention(tmp_path, capsys):
-    from tests.unit.test_planner_calibration import CALIBRATION
-
     argv = ["--model", "smollm2-135m", "--gpus", "2", "--slo", "ttft=2s,tpot=150ms"]
     argv += ["--workload", "mixed", "--output-len", "64", "--num-requests", "40"]
     argv += ["--kv-bandwidth-gbs", "0.5", "--kv-latency-ms", "5"]

@@ -9,15 +9,20 @@ import pytest
 from pdserve.core.pool_keys import block_keys
 from pdserve.protocol import worker_pb2
 from router.workers.kv_pool_contents import PoolContents
+from router.workers.prompt_view import PromptView
+from tests.fakes import FakeWorker
 
 BLOCK = 16
 PROMPT = list(range(500, 500 + 5 * BLOCK + 7))  # 5 whole blocks and a partial one
 
 
-class FakeWorker:
-    def __init__(self, name: str, kv_pool: str = "@pool", host_id: str = "host-1") -> None:
-        self.address = self.worker_id = name
-        self.kv_pool, self.host_id = kv_pool, host_id
+def pool_worker(name: str, kv_pool: str = "@pool", host_id: str = "host-1") -> FakeWorker:
+    return FakeWorker(name, kv_pool=kv_pool, host_id=host_id)
+
+
+def loadable(pools: PoolContents, worker: FakeWorker) -> int:
+    """Of PROMPT, the leading tokens `worker`'s pool holds, as a run's PromptView sees it."""
+    return PromptView(tuple(PROMPT), pooled=pools.held(tuple(PROMPT))).pooled_for(worker)
 
 
 @pytest.fixture(scope="module")
@@ -69,32 +74,32 @@ def contents(keys, sequence: int, since: int = 0, reset: bool = False, removed=(
 
 
 def test_a_pool_is_priced_on_what_its_store_reported_up_to_the_first_missing_block(none_hash):
-    pools, worker, mate = PoolContents(), FakeWorker("a"), FakeWorker("b")
+    pools, worker, mate = PoolContents(), pool_worker("a"), pool_worker("b")
     keys = list(block_keys(PROMPT, BLOCK, none_hash))
-    assert pools.loadable_tokens(worker, PROMPT) == 0  # nothing known yet
+    assert loadable(pools, worker) == 0  # nothing known yet
     request = pools.stats_request(worker)
     assert request.kv_pool_contents and (request.kv_pool_store_id, request.kv_pool_since) == ("", 0)
     pools.update(worker, contents(keys[:2] + keys[3:], 4, reset=True, none_hash=none_hash))
-    assert pools.loadable_tokens(worker, PROMPT) == 2 * BLOCK
-    assert pools.loadable_tokens(mate, PROMPT) == 2 * BLOCK  # same host and pool: same copy
+    assert loadable(pools, worker) == 2 * BLOCK
+    assert loadable(pools, mate) == 2 * BLOCK  # same host and pool: same copy
     assert pools.stats_request(mate).kv_pool_since == 4
     pools.update(mate, contents([keys[2]], 5, since=4, removed=[keys[0]], none_hash=none_hash))
-    assert pools.loadable_tokens(worker, PROMPT) == 0  # the first block was evicted
+    assert loadable(pools, worker) == 0  # the first block was evicted
     pools.update(worker, contents([keys[0]], 6, since=4, none_hash=none_hash))  # overtaken
-    assert pools.loadable_tokens(worker, PROMPT) == 0
+    assert loadable(pools, worker) == 0
     pools.update(worker, contents([keys[0]], 6, since=5, none_hash=none_hash))
-    assert pools.loadable_tokens(worker, PROMPT) == 5 * BLOCK
+    assert loadable(pools, worker) == 5 * BLOCK
     pools.lost(mate)  # its store did not answer
-    assert pools.loadable_tokens(worker, PROMPT) == 0
+    assert loadable(pools, worker) == 0
     assert pools.stats_request(worker).kv_pool_store_id == ""  # the next answer: a reset
 
 
 def test_another_hosts_pool_and_a_worker_without_one_load_nothing(none_hash):
     pools = PoolContents()
     keys = list(block_keys(PROMPT, BLOCK, none_hash))
-    pools.update(FakeWorker("a"), contents(keys, 5, reset=True, none_hash=none_hash))
-    assert pools.loadable_tokens(FakeWorker("c", host_id="host-2"), PROMPT) == 0
-    assert pools.loadable_tokens(FakeWorker("d", kv_pool=""), PROMPT) == 0
-    assert not pools.stats_request(FakeWorker("d", kv_pool="")).kv_pool_contents
-    pools.forget_unused([FakeWorker("c", host_id="host-2")])
-    assert pools.loadable_tokens(FakeWorker("a"), PROMPT) == 0
+    pools.update(pool_worker("a"), contents(keys, 5, reset=True, none_hash=none_hash))
+    assert loadable(pools, pool_worker("c", host_id="host-2")) == 0
+    assert loadable(pools, pool_worker("d", kv_pool="")) == 0
+    assert not pools.stats_request(pool_worker("d", kv_pool="")).kv_pool_contents
+    pools.forget_unused([pool_worker("c", host_id="host-2")])
+    assert loadable(pools, pool_worker("a")) == 0

@@ -7,41 +7,26 @@ import pytest
 
 from pdserve.core.kinds import RoutePath, RouteReason
 from pdserve.settings.router import RouterSettings
-from router.flow.admission import admit
+from router.flow.admission import HttpAsk, admit
 from router.flow.route_choice import ROUTE_HEADER
 from router.http.errors import OpenAIError
 from router.http.openai_types import CompletionRequest
-from router.workers.policies import RoundRobin
 from router.workers.pool import WorkerPool
-from tests.unit.test_request_flow import answering
-from tests.unit.test_router_app import FakeTokenizer
+from tests.fakes import FakeTokenizer, answering
 
 SETTINGS = RouterSettings(model="m", request_timeout_s=60)
 
 
 @pytest.fixture
 def pool() -> WorkerPool:
-    pool = WorkerPool([], RoundRobin())
+    pool = WorkerPool([])
     pool.workers = [answering("decode-a"), answering("prefill-a", role="prefill")]
     return pool
 
 
-def admitted(
-    pool: WorkerPool, body: dict, route_header=None, timeout_header=None, priority_header=None
-):
-    return admit(
-        SETTINGS,
-        pool,
-        FakeTokenizer("m"),
-        "completions",
-        CompletionRequest,
-        body,
-        "cmpl",
-        route_header,
-        100.0,
-        timeout_header,
-        priority_header,
-    )
+def admitted(pool: WorkerPool, body: dict, route=None, timeout=None):
+    ask = HttpAsk("completions", CompletionRequest, body, "cmpl", 100.0, route, timeout)
+    return admit(SETTINGS, pool, FakeTokenizer("m"), ask)
 
 
 def test_a_batch_is_one_run_per_prompt_each_forced_onto_the_asked_path(pool):
@@ -74,5 +59,5 @@ def test_a_prompt_beyond_the_context_is_a_400_naming_the_prompt(pool):
 
 def test_an_unknown_route_header_is_a_400(pool):
     with pytest.raises(OpenAIError) as caught:
-        admitted(pool, {"prompt": "ab", "max_tokens": 1}, route_header="sideways")
+        admitted(pool, {"prompt": "ab", "max_tokens": 1}, route="sideways")
     assert (caught.value.status, caught.value.param) == (400, ROUTE_HEADER)

@@ -1,10 +1,10 @@
-"""The router's request steps after admission (router/flow/request_flow.py): `start`'s retry loop
-over decode workers, and `collect`/`finish` of a local request. A real WorkerPool with a round-robin
-policy holds fake workers whose `generate` either fails before its first chunk or streams
-canned chunks; each test drives the coroutines with asyncio.run. No engine, no network."""
+"""The router's request steps after admission: `start`'s retry loop over decode workers
+(router/flow/retries.py, its choices from router/flow/route_choice.py), and `collect`/`finish`
+of a local request. A real WorkerPool with a round-robin policy holds fake workers
+(tests/fakes.py) whose `generate` either fails before its first chunk or streams canned chunks;
+each test drives the coroutines with asyncio.run. No engine, no network."""
 
 import asyncio
-import contextlib
 import threading
 import time
 
@@ -15,88 +15,22 @@ from pdserve.costs.path_prices import RouteDecision
 from pdserve.protocol import worker_pb2
 from pdserve.settings.router import RouterSettings
 from router.flow.accounting import timing_breakdown
-from router.flow.request_flow import RequestFlow
 from router.flow.request_run import Admitted, RequestRun
 from router.flow.retries import MAX_ATTEMPTS
 from router.flow.route_choice import ROUTE_HEADER
 from router.http.errors import OpenAIError, invalid_request, worker_unavailable
 from router.http.responses import CompletionShape, OutputOptions, Prompt
-from router.metrics import RouterMetrics
+from router.workers.choice import WorkerChoice
 from router.workers.kv_pool_contents import block_keys
-from router.workers.load import WorkerLoad
 from router.workers.policies import PEER_FETCH_SAVES, POOL_LOAD_SAVES, CacheAware, RoundRobin
 from router.workers.pool import WorkerPool
+from tests.fakes import FakeWorker, RouterParts, answering, router_over, unavailable
 
 PROMPT = [11, 12, 13, 14, 15]
 
 
-class FakeWorker:
-    """Stands in for router.workers.client.WorkerClient: `generate` streams `chunks`, then
-    fails with `error` if it has one (before any chunk when there are none: it is down); it
-    records every request it got."""
-
-    def __init__(self, name: str, role: str = "decode", chunks=(), error=None) -> None:
-        self.address = f"{name}:50051"
-        self.worker_id = name
-        self.role = role
-        self.max_model_len = 4096
-        self.kv_address = f"{name}:6000"
-        self.tensor_parallel_size = 1
-        self.kv_transport, self.host_id, self.device = "grpc", "", "cpu"
-        self.kv_pool = ""  # in no host KV pool
-        self.kv_compatibility = "smollm2-float32"
-        self.users = 0
-        self.load = WorkerLoad()  # no report: the route estimate prices it like the cluster
-        self.max_num_seqs = 16
-        self.chunks = list(chunks)
-        self.error = error
-        self.requests: list[worker_pb2.GenerateRequest] = []
-        self.timeouts: list[float] = []
-        self.cancelled: list[str] = []  # transfer ids whose KV it was told will not come
-
-    @contextlib.contextmanager
-    def in_use(self):
-        self.users += 1
-        try:
-            yield self
-        finally:
-            self.users -= 1
-
-    async def cancel_transfer(self, transfer_id: str, reason: str) -> None:
-        self.cancelled.append(transfer_id)
-
-    async def generate(self, request: worker_pb2.GenerateRequest, timeout: float):
-        self.requests.append(request)
-        self.timeouts.append(timeout)
-        for chunk in self.chunks:
-            yield chunk
-        if self.error is not None:
-            raise self.error
-
-
-def unavailable(name: str, role: str = "decode") -> FakeWorker:
-    return FakeWorker(name, role, error=worker_unavailable(f"worker {name} is unavailable"))
-
-
-def answering(name: str, role: str = "decode") -> FakeWorker:
-    return FakeWorker(
-        name,
-        role,
-        chunks=[
-            worker_pb2.GenerateChunk(token_ids=[1, 2], text="Hello"),
-            worker_pb2.GenerateChunk(token_ids=[3], text=" world", finish_reason="length"),
-        ],
-    )
-
-
-def flow_over(*workers: FakeWorker, settings: RouterSettings | None = None) -> RequestFlow:
-    pool = WorkerPool([], RoundRobin())
-    pool.workers = list(workers)
-    return RequestFlow(settings or RouterSettings(model="m"), pool, None, RouterMetrics())
-
-
 def new_request(request_id: str = "cmpl-1") -> tuple[RequestRun, worker_pb2.GenerateRequest]:
-    run = RequestRun(request_id, len(PROMPT), time.monotonic(), route=RoutePath.LOCAL)
+    run = RequestRun(request_id, len(PROMPT), time.monotonic())
     request = worker_pb2.GenerateRequest(
         request_id=request_id,
         prompt_token_ids=PROMPT,
@@ -105,11 +39,11 @@ def new_request(request_id: str = "cmpl-1") -> tuple[RequestRun, worker_pb2.Gene
     return run, request
 
 
-def start(flow: RequestFlow, run: RequestRun, request: worker_pb2.GenerateRequest):
+def start(flow: RouterParts, run: RequestRun, request: worker_pb2.GenerateRequest):
     """Run `start` and close the stream it opened; returns (first chunk, headers)."""
 
     async def go():
-        started = await flow.start(run, request)
+        started = await flow.starter.start(run, request)
         first, chunks, headers = started.first, started.chunks, started.headers
         await chunks.aclose()
         return first, headers
@@ -117,15 +51,15 @@ def start(flow: RequestFlow, run: RequestRun, request: worker_pb2.GenerateReques
     return asyncio.run(go())
 
 
-def start_error(flow: RequestFlow, run: RequestRun, request) -> OpenAIError:
+def start_error(flow: RouterParts, run: RequestRun, request) -> OpenAIError:
     with pytest.raises(OpenAIError) as caught:
-        asyncio.run(flow.start(run, request))
+        asyncio.run(flow.starter.start(run, request))
     return caught.value
 
 
 def test_an_unavailable_decode_worker_is_marked_down_and_another_one_answers():
     gone, alive = unavailable("decode-a"), answering("decode-b")
-    flow = flow_over(gone, alive)
+    flow = router_over(gone, alive)
     run, request = new_request()
     first, headers = start(flow, run, request)
     assert flow.pool.down == {gone.address}
@@ -142,7 +76,7 @@ def test_an_unavailable_decode_worker_is_marked_down_and_another_one_answers():
 
 def test_the_request_fails_with_a_503_after_max_attempts_unavailable_workers():
     workers = [unavailable(f"decode-{i}") for i in range(MAX_ATTEMPTS + 1)]
-    flow = flow_over(*workers)
+    flow = router_over(*workers)
     run, request = new_request()
     error = start_error(flow, run, request)
     assert (error.status, error.kind) == (503, "worker_unavailable")
@@ -154,7 +88,7 @@ def test_the_request_fails_with_a_503_after_max_attempts_unavailable_workers():
 def test_a_worker_error_other_than_unavailable_is_raised_at_once():
     refusing = FakeWorker("decode-a", error=invalid_request("bad stop string", param="stop"))
     alive = answering("decode-b")
-    flow = flow_over(refusing, alive)
+    flow = router_over(refusing, alive)
     run, request = new_request()
     error = start_error(flow, run, request)
     assert (error.status, error.kind) == (400, "invalid_request")
@@ -164,7 +98,7 @@ def test_a_worker_error_other_than_unavailable_is_raised_at_once():
 
 def test_with_no_decode_worker_at_all_the_request_is_a_503_after_the_worker_wait():
     prefill = answering("prefill-a", role="prefill")
-    flow = flow_over(prefill, settings=RouterSettings(model="m", worker_wait_s=0.3))
+    flow = router_over(prefill, settings=RouterSettings(model="m", worker_wait_s=0.3))
     run, request = new_request()
     started = time.monotonic()
     error = start_error(flow, run, request)
@@ -177,11 +111,11 @@ def test_a_decode_worker_back_within_the_worker_wait_gets_the_request():
     """A worker whose registry record expired on one late heartbeat is back a heartbeat later:
     a request arriving in that gap waits for it instead of failing."""
     blinked = answering("decode-a")
-    flow = flow_over(settings=RouterSettings(model="m", worker_wait_s=10))
+    flow = router_over(settings=RouterSettings(model="m", worker_wait_s=10))
     run, request = new_request()
 
     async def go():
-        starting = asyncio.create_task(flow.start(run, request))
+        starting = asyncio.create_task(flow.starter.start(run, request))
         await asyncio.sleep(0.3)
         assert not starting.done()  # it waits, no 503
         flow.pool.workers.append(blinked)
@@ -196,7 +130,7 @@ def test_a_decode_worker_back_within_the_worker_wait_gets_the_request():
 def test_prefill_workers_never_take_the_decode_leg_of_a_local_request():
     prefills = [answering("prefill-a", role="prefill"), answering("prefill-b", role="prefill")]
     decode, colocated = answering("decode-a"), answering("colocated-a", role="colocated")
-    flow = flow_over(prefills[0], decode, prefills[1], colocated)
+    flow = router_over(prefills[0], decode, prefills[1], colocated)
     chosen = []
     for i in range(4):
         run, request = new_request(f"cmpl-{i}")
@@ -206,7 +140,7 @@ def test_prefill_workers_never_take_the_decode_leg_of_a_local_request():
 
 
 def test_collect_returns_the_whole_text_finish_reason_and_usage_and_counts_the_request():
-    flow = flow_over(answering("decode-a"))
+    flow = router_over(answering("decode-a"))
     run, request = new_request()
 
     body = collect(flow, run, request)
@@ -233,7 +167,7 @@ def test_a_worker_ending_a_request_with_abort_is_a_502_from_collect():
             worker_pb2.GenerateChunk(token_ids=[], text="", finish_reason="abort"),
         ],
     )
-    flow = flow_over(aborting)
+    flow = router_over(aborting)
     run, request = new_request()
 
     with pytest.raises(OpenAIError) as caught:
@@ -243,7 +177,7 @@ def test_a_worker_ending_a_request_with_abort_is_a_502_from_collect():
     assert flow.metrics.registry.get_sample_value("pdserve_requests_total", labels) is None
 
 
-def collect(flow: RequestFlow, run: RequestRun, request) -> dict:
+def collect(flow: RouterParts, run: RequestRun, request) -> dict:
     """Start the one-prompt request and collect its whole response."""
     admitted = Admitted(
         run.request_id,
@@ -256,9 +190,9 @@ def collect(flow: RequestFlow, run: RequestRun, request) -> dict:
     )
 
     async def go():
-        started = await flow.start_all(admitted)
+        started = await flow.starter.start_all(admitted)
         shape = CompletionShape(run.request_id, "m")
-        return await flow.collect(admitted, started, shape, "completions")
+        return await flow.relay.collect(admitted, started, shape, "completions")
 
     return asyncio.run(go())
 
@@ -279,7 +213,7 @@ def test_a_decode_worker_lost_mid_stream_hands_the_rest_to_another_one():
             worker_pb2.GenerateChunk(token_ids=[4], text="!", finish_reason="length"),
         ],
     )
-    flow = flow_over(dying, rest)
+    flow = router_over(dying, rest)
     run, request = new_request()
     request.sampling.max_tokens = 4
     body = collect(flow, run, request)
@@ -300,7 +234,7 @@ def test_with_no_decode_worker_left_a_lost_stream_ends_in_a_503_after_the_worker
         chunks=[worker_pb2.GenerateChunk(token_ids=[1], text="Hello")],
         error=worker_unavailable("worker decode-a is unavailable"),
     )
-    flow = flow_over(dying, settings=RouterSettings(model="m", worker_wait_s=0.3))
+    flow = router_over(dying, settings=RouterSettings(model="m", worker_wait_s=0.3))
     run, request = new_request()
     started = time.monotonic()
     with pytest.raises(OpenAIError) as caught:
@@ -316,7 +250,7 @@ def test_a_lost_stream_waits_for_a_decode_worker_and_continues_on_it():
         error=worker_unavailable("worker decode-a is unavailable"),
     )
     back = answering("decode-b")
-    flow = flow_over(dying, settings=RouterSettings(model="m", worker_wait_s=10))
+    flow = router_over(dying, settings=RouterSettings(model="m", worker_wait_s=10))
     run, request = new_request()
 
     joining = threading.Timer(0.3, flow.pool.workers.append, [back])  # while it waits
@@ -330,7 +264,7 @@ def test_a_lost_stream_waits_for_a_decode_worker_and_continues_on_it():
 
 def test_every_leg_and_retry_shares_the_one_deadline_set_at_arrival():
     gone, alive = unavailable("decode-a"), answering("decode-b")
-    flow = flow_over(gone, alive)
+    flow = router_over(gone, alive)
     run, request = new_request()
     run.timeout_s = 30.0
     run.arrival -= 12.0  # it has waited 12 s already
@@ -370,12 +304,12 @@ def test_a_prefill_worker_lost_before_its_kv_hands_the_prompt_to_another_one():
         first_token("prefill-b"),
         answering("decode-a"),
     )
-    flow = flow_over(lost, spare, decode)
+    flow = router_over(lost, spare, decode)
     run, request = new_request()
     run.route_forced = RouteDecision(RoutePath.DISAGGREGATED, RouteReason.HEADER)
 
     async def whole_stream():
-        started = await flow.start(run, request)
+        started = await flow.starter.start(run, request)
         first, chunks, headers = started.first, started.chunks, started.headers
         return [first] + [chunk async for chunk in chunks], headers
 
@@ -383,9 +317,8 @@ def test_a_prefill_worker_lost_before_its_kv_hands_the_prompt_to_another_one():
     assert flow.pool.down == {lost.address}
     assert headers["x-pdserve-prefill-worker"] == "prefill-b"
     assert [c.text for c in chunks] == ["Hi", "Hello", " world"]
-    assert decode.cancelled == [
-        "cmpl-1"
-    ]  # the lost attempt's transfer, cancelled on the decode worker
+    # the lost attempt's transfer, cancelled on the decode worker
+    assert [transfer for transfer, _ in decode.cancelled] == ["cmpl-1"]
     assert [r.kv.transfer_id for r in spare.requests] == ["cmpl-1-retry1"]
     # The decode worker heard of the request once, for the second attempt's KV.
     assert [r.kv.transfer_id for r in decode.requests] == ["cmpl-1-retry1"]
@@ -396,7 +329,7 @@ def test_a_prefill_worker_lost_before_its_kv_hands_the_prompt_to_another_one():
 
 def test_with_no_prefill_worker_left_the_prompt_takes_the_local_path():
     lost, decode = unavailable("prefill-a", "prefill"), answering("decode-a")
-    flow = flow_over(lost, decode)
+    flow = router_over(lost, decode)
     run, request = new_request()
     run.route_forced = RouteDecision(RoutePath.DISAGGREGATED, RouteReason.HEADER)
     first, headers = start(flow, run, request)
@@ -410,7 +343,7 @@ def test_only_a_prefill_worker_whose_kv_the_decode_worker_can_take_is_paired():
     other_dtype, same = first_token("prefill-bf16"), first_token("prefill-f32")
     other_dtype.kv_compatibility = "smollm2-bfloat16"
     decode = answering("decode-a")
-    flow = flow_over(other_dtype, same, decode)
+    flow = router_over(other_dtype, same, decode)
     for request_id in ("cmpl-1", "cmpl-2"):
         run, request = new_request(request_id)
         run.route_forced = RouteDecision(RoutePath.DISAGGREGATED, RouteReason.HEADER)
@@ -422,7 +355,7 @@ def test_only_a_prefill_worker_whose_kv_the_decode_worker_can_take_is_paired():
 def test_with_no_compatible_prefill_worker_the_request_goes_local_and_says_why(caplog):
     other_dtype, decode = first_token("prefill-bf16"), answering("decode-a")
     other_dtype.kv_compatibility = "smollm2-bfloat16"
-    flow = flow_over(other_dtype, decode)
+    flow = router_over(other_dtype, decode)
     run, request = new_request()
     run.route_forced = RouteDecision(RoutePath.DISAGGREGATED, RouteReason.HEADER)
     first, headers = start(flow, run, request)
@@ -443,12 +376,12 @@ def test_the_decode_worker_is_held_while_the_prefill_leg_runs():
             yield worker_pb2.GenerateChunk(token_ids=[1], text="Hi")
 
     prefill, decode = SlowPrefill("prefill-a", "prefill"), answering("decode-a")
-    flow = flow_over(prefill, decode)
+    flow = router_over(prefill, decode)
     run, request = new_request()
     run.route_forced = RouteDecision(RoutePath.DISAGGREGATED, RouteReason.HEADER)
 
     async def go():
-        starting = asyncio.create_task(flow.start(run, request))
+        starting = asyncio.create_task(flow.starter.start(run, request))
         await asyncio.sleep(0.05)
         held_during_prefill = decode.users
         release.set()
@@ -478,7 +411,7 @@ def test_a_closed_worker_client_is_unavailable_not_an_internal_error():
 def test_a_request_left_on_its_prefill_worker_runs_there_whole_and_moves_no_kv():
     prefill, decode = answering("prefill-a", role="prefill"), answering("decode-a")
     decode.load.reported(worker_pb2.StatsReply(running_requests=40))  # a full decode worker
-    flow = flow_over(prefill, decode)
+    flow = router_over(prefill, decode)
     run, request = new_request()
     first, headers = start(flow, run, request)
     assert (
@@ -498,7 +431,7 @@ def test_a_request_left_on_its_prefill_worker_runs_there_whole_and_moves_no_kv()
 
 def test_the_length_policy_keeps_short_prompts_local_without_asking_a_prefill_worker():
     prefill, decode = answering("prefill-a", role="prefill"), answering("decode-a")
-    flow = flow_over(prefill, decode, settings=RouterSettings(model="m", route_policy="length"))
+    flow = router_over(prefill, decode, settings=RouterSettings(model="m", route_policy="length"))
     run, request = new_request()
     _, headers = start(flow, run, request)
     assert headers[ROUTE_HEADER] == RoutePath.LOCAL and prefill.requests == []
@@ -506,7 +439,7 @@ def test_the_length_policy_keeps_short_prompts_local_without_asking_a_prefill_wo
 
 
 def disaggregated(
-    flow: RequestFlow,
+    flow: RouterParts,
     prompt: list[int],
     request_id: str,
     prompt_logprobs: bool = False,
@@ -526,7 +459,7 @@ def disaggregated(
         request.sampling.prompt_logprobs = 1
 
     async def whole_stream():
-        started = await flow.start(run, request)
+        started = await flow.starter.start(run, request)
         return [chunk async for chunk in started.chunks]
 
     asyncio.run(whole_stream())
@@ -538,9 +471,7 @@ def test_the_prefill_leg_skips_what_the_decode_worker_holds_until_it_lacks_it():
     received, so both legs name its whole chunks as held; once the decode worker says it did not
     hold them (it computed the prompt), the router stops assuming it does."""
     prefill, decode = first_token("prefill-a"), answering("decode-a")
-    pool = WorkerPool([], CacheAware())
-    pool.workers = [prefill, decode]
-    flow = RequestFlow(RouterSettings(model="m"), pool, None, RouterMetrics())
+    flow = router_over(prefill, decode, policy=CacheAware())
     history = list(range(1000, 1300))
     disaggregated(flow, history, "turn-1")
     run = disaggregated(flow, history + list(range(100)), "turn-2")
@@ -568,12 +499,10 @@ def test_a_retry_after_a_lost_prefill_worker_skips_what_the_first_attempt_did():
         answering("decode-a"),
     )
     gone = first_token("prefill-c")  # computed the turn before, then left
-    pool = WorkerPool([], CacheAware())
-    pool.workers = [gone, decode]
-    flow = RequestFlow(RouterSettings(model="m"), pool, None, RouterMetrics())
+    flow = router_over(gone, decode, policy=CacheAware())
     history = list(range(1000, 1300))
     disaggregated(flow, history, "turn-1")
-    pool.workers = [lost, spare, decode]
+    flow.pool.workers = [lost, spare, decode]
     disaggregated(flow, history + list(range(100)), "turn-2")
     assert [r.kv.skip_tokens for r in lost.requests] == [256]
     assert [r.kv.skip_tokens for r in spare.requests] == [256]
@@ -608,45 +537,47 @@ def test_a_prefill_worker_is_priced_as_loading_what_its_host_pool_holds():
     for worker in (computed, mate, stranger):
         worker.kv_pool, worker.host_id = "@pool", "host-1"
     stranger.host_id = "host-2"
-    pool = WorkerPool([], CacheAware())
+    pool = WorkerPool([])
     pool.workers = [computed, mate, stranger, decode]
+    choice = WorkerChoice(pool, CacheAware())
     prompt = list(range(1000, 1300))
     pool_holds(pool, computed, prompt, blocks=2)
-    pool.computes(computed, prompt)
-    own = pool.cached_tokens(computed, prompt)
-    assert own == 256 and pool.reusable_tokens(computed, prompt) == own
-    assert pool.reusable_tokens(mate, prompt) == int(POOL_LOAD_SAVES * 256)
-    assert pool.reusable_tokens(stranger, prompt) == int(PEER_FETCH_SAVES * 256)
-    assert pool.reusable_tokens(decode, prompt) == 0
-    round_robin = WorkerPool([], RoundRobin())
-    round_robin.workers, round_robin.pool_contents = pool.workers, pool.pool_contents
-    assert round_robin.reusable_tokens(computed, prompt) == int(POOL_LOAD_SAVES * 256)
+    choice.policy.computes(computed, prompt)
+    view = choice.prompt_view(prompt)
+    own = view.cached_on(computed)
+    assert own == 256 and choice.reusable_tokens(computed, view) == own
+    assert choice.reusable_tokens(mate, view) == int(POOL_LOAD_SAVES * 256)
+    assert choice.reusable_tokens(stranger, view) == int(PEER_FETCH_SAVES * 256)
+    assert choice.reusable_tokens(decode, view) == 0
+    round_robin = WorkerChoice(pool, RoundRobin())
+    no_index = round_robin.prompt_view(prompt)
+    assert round_robin.reusable_tokens(computed, no_index) == int(POOL_LOAD_SAVES * 256)
     # where each would fetch from: only the other host's worker, from a worker of this pool
-    fetch = pool.pool_fetch(stranger, prompt)
+    fetch = choice.pool_fetch(stranger, view)
     assert fetch.source in (computed.address, mate.address) and fetch.tokens == 256
-    assert pool.pool_fetch(mate, prompt) is None and pool.pool_fetch(decode, prompt) is None
+    assert choice.pool_fetch(mate, view) is None and choice.pool_fetch(decode, view) is None
     # ... and not when its fetches were measured slower than computing the tokens
     stranger.load.report = worker_pb2.StatsReply(
         prefill_seconds_per_token=1e-3,
         kv_pool_load_seconds_per_token=1e-4,
         kv_pool_fetch_seconds_per_token=2e-3,
     )
-    assert pool.pool_fetch(stranger, prompt) is None
-    assert pool.reusable_tokens(stranger, prompt) == 0
+    assert choice.pool_fetch(stranger, view) is None
+    assert choice.reusable_tokens(stranger, view) == 0
     # ... nor from a worker whose KV its engine could not use
     stranger.load.report = None
     computed.kv_compatibility = mate.kv_compatibility = "another model"
-    assert pool.pool_fetch(stranger, prompt) is None
+    assert choice.pool_fetch(stranger, view) is None
     # ... nor from a pool of another tensor-parallel size (its blocks hold a part per rank)
     computed.kv_compatibility = mate.kv_compatibility = stranger.kv_compatibility
     computed.tensor_parallel_size = mate.tensor_parallel_size = 2
-    assert pool.pool_fetch(stranger, prompt) is None
-    assert pool.reusable_tokens(stranger, prompt) == 0
+    assert choice.pool_fetch(stranger, view) is None
+    assert choice.reusable_tokens(stranger, view) == 0
     computed.tensor_parallel_size = mate.tensor_parallel_size = 1
     # ... nor what its own prefix cache likely holds (it computed the prompt since)
-    assert pool.pool_fetch(stranger, prompt) is not None
-    pool.computes(stranger, prompt)
-    assert pool.pool_fetch(stranger, prompt) is None
+    assert choice.pool_fetch(stranger, view) is not None
+    choice.policy.computes(stranger, prompt)
+    assert choice.pool_fetch(stranger, choice.prompt_view(prompt)) is None
 
 
 def test_a_decode_worker_whose_pool_holds_the_prompt_computes_it_itself_loading_from_there():
@@ -664,9 +595,8 @@ def test_a_decode_worker_whose_pool_holds_the_prompt_computes_it_itself_loading_
         kv_pool_load_seconds_per_token=1e-5,
         kv_pool_fetch_seconds_per_token=1e-5,
     )
-    pool = WorkerPool([], RoundRobin())
-    pool.workers = [prefill, decode]
-    flow = RequestFlow(RouterSettings(model="m"), pool, None, RouterMetrics())
+    flow = router_over(prefill, decode)
+    pool = flow.pool
     prompt = list(range(1000, 2300))
     assert disaggregated(flow, prompt, "no-pool", forced=False).route == RoutePath.DISAGGREGATED
     decode.kv_pool, decode.host_id = "@pool", "host-1"
@@ -694,11 +624,9 @@ def test_the_worker_computing_a_prompt_is_told_to_fetch_what_another_hosts_pool_
     fetching, source, decode = first_token("prefill-a"), first_token("prefill-b"), answering("d")
     fetching.kv_pool, fetching.host_id = "@pool", "host-1"
     source.kv_pool, source.host_id = "@pool", "host-2"
-    pool = WorkerPool([], RoundRobin())
-    pool.workers = [fetching, source, decode]
+    flow = router_over(fetching, source, decode)
     prompt = list(range(1000, 1300))
-    pool_holds(pool, source, prompt, blocks=2)
-    flow = RequestFlow(RouterSettings(model="m"), pool, None, RouterMetrics())
+    pool_holds(flow.pool, source, prompt, blocks=2)
     disaggregated(flow, prompt, "turn-1")
     (leg,) = fetching.requests
     assert leg.pool_fetch == worker_pb2.PoolFetch(source=source.address, tokens=256)

@@ -19,7 +19,7 @@ from router.http.responses import (
     Prompt,
     Usage,
 )
-from tests.unit.test_router_app import app_with_workers
+from tests.fakes import app_with_workers
 
 ECHO_LOGPROBS = OutputOptions(logprobs=20, prompt_logprobs=True, echo=True)
 

@@ -6,96 +6,9 @@ fake (the real one needs a model folder)."""
 import pytest
 from fastapi.testclient import TestClient
 
-from pdserve.protocol import worker_pb2
 from pdserve.settings.router import RouterSettings
 from router import app as router_app
-from router.http.errors import invalid_request
-from tests.unit.test_request_flow import FakeWorker
-
-
-class FakeTokenizer:
-    """Stands in for router.flow.tokenization.PromptTokenizer: one token per character."""
-
-    vocab_size = 0x110000
-
-    def __init__(self, model: str, max_model_len=None) -> None:
-        self.model = model
-
-    def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [ord(c) for c in text]
-
-    def chat_ids(self, messages, *options) -> list[int]:
-        return self.text_ids("".join(message.text() for message in messages))
-
-    def chat(self, parsed) -> list[int]:
-        return self.chat_ids(parsed.messages)
-
-    def completion_prompts(self, parsed) -> list[list[int]]:
-        return [self.text_ids(p) if isinstance(p, str) else p for p in parsed.prompts()]
-
-    def detokenize(self, ids: list[int]) -> str:
-        if bad := [i for i in ids if not 0 <= i < self.vocab_size]:  # as PromptTokenizer
-            raise invalid_request(f"token id {bad[0]} is outside the vocabulary", param="tokens")
-        return "".join(chr(i) for i in ids)
-
-    def token_strs(self, ids: list[int]) -> list[str]:
-        return [chr(i) for i in ids]
-
-    def token_text(self, token_id: int) -> str:
-        return chr(token_id)
-
-
-class AppWorker(FakeWorker):
-    """A fake worker the assembled app serves from: one token ("h") per choice, with the
-    logprobs and prompt logprobs asked for, and stats."""
-
-    def __init__(self, name: str, role: str = "decode", **options) -> None:
-        super().__init__(name, role, **options)
-        self.max_num_seqs = 256  # room for n=128
-        self.flex = False
-
-    async def generate(self, request: worker_pb2.GenerateRequest, timeout: float):
-        self.requests.append(request)
-        sampling = request.sampling
-        for index in range(max(sampling.n, 1)):
-            chunk = worker_pb2.GenerateChunk(
-                index=index,
-                token_ids=[104],
-                text="h",
-                finish_reason="length",
-                prompt_tokens=len(request.prompt_token_ids),
-            )
-            if sampling.HasField("logprobs"):
-                chunk.logprobs.append(position(104))
-                chunk.cumulative_logprob = -0.5
-            if index == 0 and sampling.HasField("prompt_logprobs"):
-                prompt = request.prompt_token_ids
-                chunk.prompt_logprobs.add()  # the first position has none
-                chunk.prompt_logprobs.extend(position(token) for token in prompt[1:])
-            yield chunk
-
-    async def stats(self, request, timeout: float = 2.0) -> worker_pb2.StatsReply:
-        return worker_pb2.StatsReply()
-
-
-def position(token_id: int) -> worker_pb2.PositionLogprobs:
-    """A position's logprobs: its own token, then a top one."""
-    return worker_pb2.PositionLogprobs(
-        entries=[
-            worker_pb2.TokenLogprob(token_id=token_id, logprob=-0.5, rank=1),
-            worker_pb2.TokenLogprob(token_id=32, logprob=-1.5, rank=2),
-        ]
-    )
-
-
-def app_with_workers(monkeypatch, *workers: FakeWorker, tokenizer=FakeTokenizer, **settings):
-    """The assembled app over `workers` (one AppWorker when none is given), with no lifespan
-    (nothing polls them): drive it with TestClient(app) outside a `with`, or httpx's
-    ASGITransport. `tokenizer`: the class that stands for PromptTokenizer."""
-    monkeypatch.setattr(router_app, "PromptTokenizer", tokenizer)
-    app = router_app.create_app(RouterSettings(model="m", worker_addresses=[], **settings), "m")
-    app.state.pool.workers = list(workers) or [AppWorker("decode-a")]
-    return app
+from tests.fakes import FakeTokenizer
 
 
 @pytest.fixture

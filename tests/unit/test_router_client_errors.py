@@ -2,12 +2,12 @@
 reproductions/poc_router_500s.py): integers past the worker protocol's int32/uint32 fields,
 JSON nested deeper than Python's parser goes, numbers and constants JSON has not, and a
 request_id a header cannot carry. Each is a 400 with OpenAI's error body, and no worker is
-asked. The assembled app over a fake worker (tests/unit/test_router_app.py)."""
+asked. The assembled app over a fake worker (tests/fakes.py)."""
 
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.unit.test_router_app import app_with_workers
+from tests.fakes import app_with_workers
 
 COMPLETION = {"prompt": "hi", "max_tokens": 2}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

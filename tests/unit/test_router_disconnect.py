@@ -10,8 +10,7 @@ import json
 import pytest
 
 from pdserve.protocol import worker_pb2
-from tests.unit.test_request_flow import FakeWorker
-from tests.unit.test_router_app import app_with_workers
+from tests.fakes import FakeWorker, app_with_workers
 
 WAIT_S = 5.0
 

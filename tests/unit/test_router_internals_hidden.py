@@ -9,8 +9,7 @@ from fastapi.testclient import TestClient
 from pdserve.settings.router import RouterSettings
 from router import app as router_app
 from router.http.api_keys import ADMIN_ENV, ENV, OPERATOR_ENV
-from tests.unit.test_request_flow import answering
-from tests.unit.test_router_app import FakeTokenizer
+from tests.fakes import FakeTokenizer, answering
 
 CLIENT = {"authorization": "Bearer sk-client"}
 OPERATOR = {"authorization": "Bearer sk-operator"}

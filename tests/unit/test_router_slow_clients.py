@@ -9,7 +9,7 @@ import json
 from pdserve.settings.router import RouterSettings
 from router import command
 from router.http import body
-from tests.unit.test_router_app import app_with_workers
+from tests.fakes import app_with_workers
 from tests.unit.test_router_disconnect import WAIT_S, Client
 
 

@@ -15,7 +15,7 @@ import pytest
 from router.app import BODY_BASE_BYTES, MAX_BODY_BYTES, body_limit
 from router.flow import tokenization
 from router.http.openai_types import MAX_BATCH_PROMPTS
-from tests.unit.test_router_app import AppWorker, app_with_workers
+from tests.fakes import AppWorker, app_with_workers
 
 TOKENIZE_S = 0.5
 LONGEST_TOKEN = "<|a special token, 36 characters|>!"

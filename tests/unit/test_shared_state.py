@@ -3,7 +3,7 @@ redis-server with a password: the flex split set through one router in effect at
 restarted router taking the split it was given, one --flex-auto decider at a time, prefix-index
 additions crossing routers, the admission capacity split by the live routers, API keys revoked
 everywhere, and changes made while Redis was away shared once it is back. The routers' flex
-workers are tests/unit/test_flex_roles.py's named fakes."""
+workers are tests/fakes.py's."""
 
 import asyncio
 import io
@@ -22,11 +22,10 @@ from router.http.api_keys import is_authorized
 from router.shared.state import Peers, SharedState
 from router.shared.sync import StateSync
 from router.workers.flex_roles import FlexRoles, RoleMetrics
-from router.workers.policies import RoundRobin
 from router.workers.pool import WorkerPool
 from router.workers.prefix_index import CHUNK_TOKENS, PrefixIndex, chunk_hashes
+from tests.fakes import FakeWorker
 from tests.integration.processes import group_members
-from tests.unit.test_flex_roles import FakeFlexWorker
 
 PASSWORD = "s3cret-for-this-test"
 pytestmark = pytest.mark.timeout(60)  # a hung Redis command fails here, not at the suite's 600 s
@@ -53,8 +52,8 @@ class Router:
     index, its peer count, and its sync."""
 
     def __init__(self, url: str, cluster: str, name: str, workers: list[str], auto=False):
-        pool = WorkerPool([], RoundRobin())
-        pool.workers = [FakeFlexWorker(worker) for worker in workers]
+        pool = WorkerPool([])
+        pool.workers = [FakeWorker(w, "", flex=True, address=w) for w in workers]
         self.roles = FlexRoles(pool, RoleMetrics(CollectorRegistry()))
         self.roles.place_new()
         self.index = PrefixIndex()

@@ -16,7 +16,6 @@ import router.workers.pool
 from pdserve.protocol import worker_pb2
 from pdserve.protocol.registry import WorkerRecord
 from router.workers.load import WorkerLoad
-from router.workers.policies import RoundRobin
 from router.workers.pool import WorkerPool, follow_load, follow_registry
 
 READY, STARTING = worker_pb2.HealthReply.READY, worker_pb2.HealthReply.STARTING
@@ -158,7 +157,7 @@ async def until(condition, timeout_s: float = 2.0) -> None:
 
 
 def test_a_new_address_joins_only_once_its_health_says_ready(workers):
-    pool = WorkerPool([], RoundRobin())
+    pool = WorkerPool([])
     asyncio.run(pool.sync(["a:1"]))  # not listening yet
     assert members(pool) == []
     workers.up("a:1", state=STARTING)
@@ -180,7 +179,7 @@ def test_a_worker_missing_from_membership_leaves_and_closes_once_its_requests_fi
     workers.up("b:1")
 
     async def scenario():
-        pool = WorkerPool([], RoundRobin())
+        pool = WorkerPool([])
         await pool.sync(["a:1", "b:1"])
         busy = pool.workers[0]
         busy.users = 1
@@ -204,7 +203,7 @@ def test_an_idle_worker_leaving_membership_is_closed_at_once(workers):
     workers.up("a:1")
 
     async def scenario():
-        pool = WorkerPool([], RoundRobin())
+        pool = WorkerPool([])
         await pool.sync(["a:1"])
         [idle] = pool.workers
         await pool.sync([])
@@ -218,7 +217,7 @@ def test_following_the_registry_keeps_the_last_membership_while_it_cannot_be_rea
     workers.up("a:1")
     workers.up("b:1")
     registry = FakeRegistry(["a:1", "b:1"])
-    pool = WorkerPool([], RoundRobin())
+    pool = WorkerPool([])
 
     async def scenario():
         async with following(pool, registry) as task:
@@ -244,7 +243,7 @@ def test_synced_is_set_once_the_first_read_has_every_ready_member_in_the_pools(w
     workers.up("a:1")
     workers.up("b:1", state=STARTING)
     registry = FakeRegistry(["a:1", "b:1"])
-    pool = WorkerPool([], RoundRobin())
+    pool = WorkerPool([])
     synced = asyncio.Event()
 
     async def scenario():
@@ -271,7 +270,7 @@ def test_after_a_registry_restart_no_worker_leaves_while_they_register_again(wor
     workers.up("a:1")
     workers.up("b:1")
     registry = FakeRegistry(["a:1", "b:1"])
-    pool = WorkerPool([], RoundRobin())
+    pool = WorkerPool([])
 
     async def scenario():
         async with following(pool, registry):
@@ -292,7 +291,7 @@ def test_the_run_id_is_asked_once_and_again_only_when_a_worker_would_leave(worke
     """A poll whose members are all still registered costs one Redis call, not two."""
     workers.up("a:1")
     registry = FakeRegistry(["a:1"])
-    pool = WorkerPool([], RoundRobin())
+    pool = WorkerPool([])
 
     async def scenario():
         async with following(pool, registry):
@@ -311,7 +310,7 @@ def test_refresh_brings_back_a_worker_marked_down_once_it_answers_ready(workers)
     workers.up("b:1")
 
     async def scenario():
-        pool = WorkerPool([], RoundRobin())
+        pool = WorkerPool([])
         await pool.sync(["a:1", "b:1"])
         flaky = pool.workers[0]
         pool.mark_down(flaky)
@@ -338,7 +337,7 @@ def test_max_model_len_is_the_smallest_member_and_the_last_known_when_the_pool_e
     workers.up("b:1", role="prefill", max_model_len=2048)
 
     async def scenario():
-        pool = WorkerPool([], RoundRobin())
+        pool = WorkerPool([])
         assert pool.max_model_len == 0  # nobody joined yet
         await pool.sync(["a:1", "b:1"])
         assert pool.max_model_len == 2048
@@ -352,7 +351,7 @@ def test_max_model_len_is_the_smallest_member_and_the_last_known_when_the_pool_e
 
 
 def test_health_is_ok_only_while_a_worker_can_take_requests(workers):
-    pool = WorkerPool([], RoundRobin())
+    pool = WorkerPool([])
     workers.up("p:1", role="prefill")
     workers.up("d:1", role="decode")
     asyncio.run(pool.sync(["p:1", "d:1"]))
@@ -388,7 +387,7 @@ def test_following_load_takes_each_report_and_marks_a_worker_that_is_gone_down(w
     workers.stats["c:1"] = grpc.StatusCode.UNAVAILABLE  # its process is gone
 
     async def scenario():
-        pool = WorkerPool([], RoundRobin())
+        pool = WorkerPool([])
         await pool.sync(["a:1", "b:1", "c:1"])
         a, b, c = pool.workers
         a.load.sent(prompt_tokens=5)
@@ -413,7 +412,7 @@ def test_following_load_keeps_the_copy_of_a_host_kv_pool_and_asks_for_what_is_ne
     workers.stats["b:1"] = worker_pb2.StatsReply()
 
     async def scenario():
-        pool = WorkerPool([], RoundRobin())
+        pool = WorkerPool([])
         await pool.sync(["a:1", "b:1"])
         a, b = pool.workers
         a.host_id, a.kv_pool = "host-1", "@pool"
