@@ -37,7 +37,7 @@ def test_the_runner_reports_each_check_and_a_module_that_fails_to_import(tmp_pat
             *("--", "-k", "digest or nccl_send or pg0"),
         ],
         cwd=tmp_path,
-        env=env_without(tmp_path, (*BARE_GPU_IMAGE_LACKS, "kv_transfer.pool_peer")),
+        env=env_without(tmp_path, (*BARE_GPU_IMAGE_LACKS, "kv_transfer.pool.peer")),
         capture_output=True,
         text=True,
         timeout=120,
@@ -50,7 +50,7 @@ def test_the_runner_reports_each_check_and_a_module_that_fails_to_import(tmp_pat
     checks = {c["name"]: c for c in found["checks"]}
     assert found["counts"] == {"PASS": 1, "FAIL": 1, "SKIP": 4}, checks
     broken = checks["test_kv_pool_on_device.py"]
-    assert broken["status"] == "FAIL" and "kv_transfer.pool_peer" in broken["detail"], broken
+    assert broken["status"] == "FAIL" and "kv_transfer.pool.peer" in broken["detail"], broken
     digest = checks[f"test_digest_on_device.py::{DIGEST_TEST}[cpu]"]
     assert digest["status"] == "PASS" and "GB/s" in digest["detail"], digest
     skipped = [c for c in checks.values() if c["status"] == "SKIP"]
@@ -69,7 +69,7 @@ def test_what_the_checks_child_processes_import_needs_no_pydantic_numpy_or_vllm(
         "t1 = importlib.util.module_from_spec(spec)\n"
         "spec.loader.exec_module(t1)\n"
         "compile(t1.CHILD, 'gpu_t1_child', 'exec')\n"
-        "import kv_transfer.pool_store, kv_transfer.pool_peer, kv_transfer.nccl_transport\n"
+        "import kv_transfer.pool.store, kv_transfer.pool.peer, kv_transfer.nccl_transport\n"
         "import pdserve.worker.gpu_environment\n"
     )
     done = subprocess.run(
