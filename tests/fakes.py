@@ -7,6 +7,7 @@ recorded. `router_over` assembles the router's real request steps over such work
 
 import asyncio
 import contextlib
+import json
 from dataclasses import dataclass
 
 import grpc
@@ -273,3 +274,42 @@ def app_with_workers(monkeypatch, *workers: FakeWorker, tokenizer=FakeTokenizer,
     app = router_app.create_app(RouterSettings(model="m", worker_addresses=[], **settings), "m")
     app.state.pool.workers = list(workers) or [AppWorker("decode-a")]
     return app
+
+
+class FakeHttpClient:
+    """One HTTP request to an app, as ASGI: the body, then http.disconnect once `leave()`."""
+
+    def __init__(self, app, path: str, body: dict) -> None:
+        self.gone = asyncio.Event()
+        self.sent: list[dict] = []
+        self.messages = [{"type": "http.request", "body": json.dumps(body).encode()}]
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": b"",
+            "headers": [(b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 5000),
+            "server": ("127.0.0.1", 8000),
+        }
+        self.task = asyncio.create_task(app(scope, self.receive, self.send))
+
+    async def receive(self) -> dict:
+        if self.messages:
+            return self.messages.pop(0)
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict) -> None:
+        self.sent.append(message)
+
+    def leave(self) -> None:
+        self.gone.set()
+
+    def status(self) -> int | None:
+        starts = [m for m in self.sent if m["type"] == "http.response.start"]
+        return starts[0]["status"] if starts else None

@@ -23,7 +23,7 @@ class WorkerChoice:
         tokens = tuple(prompt)
         return PromptView(
             tokens,
-            {w.address: self.policy.cached_tokens(w, tokens) for w in self.pool.workers},
+            self.policy.cached_on_each(self.pool.workers, tokens),
             self.pool.pool_contents.held(tokens),
         )
 

@@ -17,6 +17,7 @@ written, and what the others changed comes back through `take_shared`.
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -237,9 +238,15 @@ class AutoRatio:
     neither under pressure (and no prompt waiting), the split drifts back to its start (half
     the flex workers prefill, rounded down), one worker per decision."""
 
-    def __init__(self, roles: FlexRoles, settings: AutoRatioSettings) -> None:
+    def __init__(
+        self,
+        roles: FlexRoles,
+        settings: AutoRatioSettings,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.roles = roles
         self.settings = settings
+        self.clock = clock  # monotonic seconds: what follow_ratio checks at
         self.leaning: str | None = None  # the pool that wanted a worker at the last check
         self.checks = 0  # checks in a row it did
         self.recent: list[float] = []  # monotonic times of recent moves
@@ -313,7 +320,7 @@ async def follow_ratio(auto: AutoRatio) -> None:
     while True:
         try:
             if auto.roles.leads_ratio:
-                auto.check(time.monotonic())
+                auto.check(auto.clock())
         except Exception:  # a decision gone wrong must not stop the router's other work
             log.exception("automatic ratio check failed")
         await asyncio.sleep(auto.settings.interval_s)

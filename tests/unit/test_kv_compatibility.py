@@ -1,6 +1,6 @@
 """The compatibility handshake compares the KV cache, not the model (kv_transfer/compatibility.py):
 an fp8-KV prefill worker and a bf16-KV decode worker of the same bf16 model are refused at
-pairing (the router's real WorkerPool.pick over fake worker rows) and at the hello; workers
+pairing (the router's real WorkerChoice.pick over fake workers) and at the hello; workers
 alike in everything pair. The engine's side is read from vLLM's real CacheConfig with a fake
 model config (the four answers compatibility_of asks of it), and from vLLM's real engine
 config for SmolLM2 (EngineArgs, no engine started). No network."""

@@ -1,13 +1,12 @@
 """The router's pool membership (router/workers/pool.py): `sync` to a list of addresses,
 `follow_registry`, `refresh` of workers marked down, and `max_model_len`. The pool's
-WorkerClient is replaced by a fake whose Health answers from a table the test edits (READY,
-STARTING, or an UNAVAILABLE gRPC error), and the registry by a fake; asyncio.run drives the
-coroutines. No worker process, no Redis, no network."""
+WorkerClient is replaced by tests/fakes.py's FakeWorker, whose Health answers from a table the
+test edits (READY, STARTING, or an UNAVAILABLE gRPC error), and the registry by a fake;
+asyncio.run drives the coroutines. No worker process, no Redis, no network."""
 
 import asyncio
 import contextlib
 import logging
-import time
 
 import grpc
 import pytest
@@ -15,25 +14,26 @@ import pytest
 import router.workers.pool
 from pdserve.protocol import worker_pb2
 from pdserve.protocol.registry import WorkerRecord
-from router.workers.load import WorkerLoad
-from router.workers.pool import WorkerPool, follow_load, follow_registry
+from router.workers.pool import RESTART_HOLD_S, WorkerPool, follow_load, follow_registry
+from tests.fakes import FakeClock, FakeReplies, FakeWorker
 
 READY, STARTING = worker_pb2.HealthReply.READY, worker_pb2.HealthReply.STARTING
 
 
 class FakeWorkers:
-    """Stands in for the worker processes behind the addresses: what each one's Health
-    answers (an address with no reply is not listening), and every client the pool made."""
+    """Stands in for the worker processes behind the addresses: what each one's Health and
+    Stats answer (tests/fakes.py's FakeReplies: an address with no Health reply is not
+    listening), and every client (a FakeWorker) the pool made."""
 
     def __init__(self) -> None:
-        self.replies: dict[str, worker_pb2.HealthReply] = {}
-        self.stats: dict[str, worker_pb2.StatsReply | grpc.StatusCode] = {}  # reply, or error
-        self.clients: list[FakeWorkerClient] = []
+        self.answers = FakeReplies()
+        self.stats = self.answers.stats  # address -> StatsReply, or the status code it fails with
+        self.clients: list[FakeWorker] = []
 
     def up(
         self, address: str, role: str = "decode", max_model_len: int = 4096, state=READY
     ) -> None:
-        self.replies[address] = worker_pb2.HealthReply(
+        self.answers.health[address] = worker_pb2.HealthReply(
             state=state,
             worker_id=f"id-{address}",
             role=role,
@@ -43,60 +43,17 @@ class FakeWorkers:
         )
 
     def gone(self, address: str) -> None:
-        self.replies.pop(address, None)
+        self.answers.health.pop(address, None)
 
-    def client(self, address: str) -> "FakeWorkerClient":
-        client = FakeWorkerClient(address, self)
+    def client(self, address: str) -> FakeWorker:
+        """A client of `address`, as the pool makes one: who it is comes from its Health."""
+        client = FakeWorker(address, "", address=address, replies=self.answers)
+        client.max_num_seqs = 4
         self.clients.append(client)
         return client
 
-    def clients_of(self, address: str) -> list["FakeWorkerClient"]:
+    def clients_of(self, address: str) -> list[FakeWorker]:
         return [client for client in self.clients if client.address == address]
-
-
-class FakeWorkerClient:
-    """Stands in for router.workers.client.WorkerClient: `health` answers from its FakeWorkers
-    table and, when READY, takes the worker's id, role and context like the real client does;
-    `close` is recorded."""
-
-    def __init__(self, address: str, workers: FakeWorkers) -> None:
-        self.address = address
-        self.workers = workers
-        self.worker_id = address
-        self.role = ""
-        self.max_model_len = 0
-        self.kv_address = ""
-        self.tensor_parallel_size = 1
-        self.max_num_seqs = 4
-        self.host_id = self.kv_pool = ""  # in no host KV pool
-        self.asked: worker_pb2.StatsRequest | None = None  # the last Stats question
-        self.users = 0
-        self.load = WorkerLoad()
-        self.closed = False
-
-    async def stats(
-        self, request: worker_pb2.StatsRequest | None = None, timeout: float = 5.0
-    ) -> worker_pb2.StatsReply:
-        self.asked = request
-        reply = self.workers.stats.get(self.address, grpc.StatusCode.UNAVAILABLE)
-        if isinstance(reply, grpc.StatusCode):
-            raise grpc.aio.AioRpcError(reply, grpc.aio.Metadata(), grpc.aio.Metadata(), "no")
-        return reply
-
-    async def health(self, timeout: float = 5.0) -> worker_pb2.HealthReply:
-        reply = self.workers.replies.get(self.address)
-        if reply is None:
-            raise grpc.aio.AioRpcError(
-                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "down"
-            )
-        if reply.state == READY:
-            self.worker_id, self.role = reply.worker_id, reply.role
-            self.max_model_len, self.kv_address = reply.max_model_len, reply.kv_address
-            self.tensor_parallel_size = reply.tensor_parallel_size
-        return reply
-
-    async def close(self) -> None:
-        self.closed = True
 
 
 class FakeRegistry:
@@ -262,25 +219,28 @@ def test_synced_is_set_once_the_first_read_has_every_ready_member_in_the_pools(w
     asyncio.run(scenario())
 
 
-def test_after_a_registry_restart_no_worker_leaves_while_they_register_again(workers, monkeypatch):
+def test_after_a_registry_restart_no_worker_leaves_while_they_register_again(workers):
     """A restarted Redis has lost every record until the workers' next heartbeats (a chaos soak
     once failed 60 requests with "no decode worker" in that second): the pool holds its
-    members for RESTART_HOLD_S; one still missing after it leaves."""
-    monkeypatch.setattr(router.workers.pool, "RESTART_HOLD_S", 0.3)
+    members for RESTART_HOLD_S (of the pool's clock); one still missing after it leaves."""
     workers.up("a:1")
     workers.up("b:1")
     registry = FakeRegistry(["a:1", "b:1"])
-    pool = WorkerPool([])
+    clock = FakeClock()
+    pool = WorkerPool([], clock=clock)
 
     async def scenario():
         async with following(pool, registry):
             registry.addresses, registry.run_id = [], "second"  # restarted, empty
-            restarted_at, calls = time.monotonic(), registry.calls
+            calls = registry.calls
             await until(lambda: registry.calls >= calls + 5)
             assert members(pool) == ["a:1", "b:1"]
             registry.addresses = ["a:1"]  # a registered again; b never does
+            calls = registry.calls
+            await until(lambda: registry.calls >= calls + 5)
+            assert members(pool) == ["a:1", "b:1"]  # held: the hold has not passed
+            clock.advance(RESTART_HOLD_S)
             await until(lambda: members(pool) == ["a:1"])
-            assert time.monotonic() - restarted_at >= 0.3
             registry.addresses = []  # with no restart, a missing worker leaves at once
             await until(lambda: members(pool) == [], timeout_s=0.2)
 
