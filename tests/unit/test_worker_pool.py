@@ -77,7 +77,10 @@ class FakeRegistry:
         self.calls += 1
         if self.failing:
             raise ConnectionError("Redis is away")
-        return [WorkerRecord(f"id-{a}", "decode", a) for a in self.addresses]
+        return [
+            WorkerRecord(worker_pb2.HealthReply(worker_id=f"id-{a}", role="decode"), a)
+            for a in self.addresses
+        ]
 
 
 @pytest.fixture
