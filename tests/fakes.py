@@ -53,15 +53,20 @@ class FakeWorker:
         replies: FakeReplies | None = None,
     ) -> None:
         self.address = address or f"{name}:50051"
-        self.worker_id = name
         self.role, self.flex = role, flex
-        self.max_model_len = 4096
-        self.max_num_seqs = 16
-        self.kv_address = f"{name}:6000"
-        self.kv_transport, self.host_id, self.device = "grpc", host_id, "cpu"
-        self.tensor_parallel_size = 1
-        self.kv_compatibility = "smollm2-float32"
-        self.kv_pool = kv_pool  # with host_id, its host KV pool ("": none)
+        self.identity = worker_pb2.HealthReply(
+            worker_id=name,
+            role=Role.FLEX if flex else role,
+            max_model_len=4096,
+            max_num_seqs=16,
+            kv_address=f"{name}:6000",
+            kv_transport="grpc",
+            host_id=host_id,
+            device="cpu",
+            tensor_parallel_size=1,
+            kv_compatibility="smollm2-float32",
+            kv_pool=kv_pool,  # with host_id, its host KV pool ("": none)
+        )
         self.users = 0
         self.load = WorkerLoad()  # no report: the route estimate prices it like the cluster
         self.chunks = list(chunks)
@@ -84,11 +89,9 @@ class FakeWorker:
         if reply is None:
             raise _rpc_error(grpc.StatusCode.UNAVAILABLE)
         if reply.state == worker_pb2.HealthReply.READY:
-            self.worker_id, self.flex = reply.worker_id, reply.role == Role.FLEX
+            self.identity, self.flex = reply, reply.role == Role.FLEX
             if not self.flex:
                 self.role = reply.role
-            self.max_model_len, self.kv_address = reply.max_model_len, reply.kv_address
-            self.tensor_parallel_size = reply.tensor_parallel_size
         return reply
 
     async def stats(
@@ -229,7 +232,7 @@ class AppWorker(FakeWorker):
 
     def __init__(self, name: str, role: str = "decode", **options) -> None:
         super().__init__(name, role, **options)
-        self.max_num_seqs = 256  # room for n=128
+        self.identity.max_num_seqs = 256  # room for n=128
         self.flex = False
 
     async def generate(self, request: worker_pb2.GenerateRequest, timeout: float):

@@ -143,7 +143,7 @@ def test_a_hung_worker_leaves_the_pools_and_returns_when_it_answers_again():
             await advance(1.0)
             await until(lambda: len(pool.live(("decode",))) == 1)
             (left,) = pool.live(("decode",))
-            assert left.worker_id == "decode-ok"
+            assert left.identity.worker_id == "decode-ok"
             sample = metrics.registry.get_sample_value
             assert sample("pdserve_worker_unresponsive_total", {"role": "decode"}) == 1
             assert sample("pdserve_unresponsive_workers") == 1

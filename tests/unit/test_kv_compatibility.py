@@ -121,7 +121,7 @@ def test_the_fingerprint_changes_with_what_the_kv_bytes_mean(other):
 
 def worker(name: str, role: str, kv_compatibility: str) -> FakeWorker:
     fake = FakeWorker(name, role)
-    fake.kv_compatibility = kv_compatibility
+    fake.identity.kv_compatibility = kv_compatibility
     return fake
 
 
@@ -146,9 +146,9 @@ def test_workers_alike_in_everything_pair():
     alike = worker("prefill-a", Role.PREFILL, engine("fp8_e4m3").fingerprint())
     other = worker("prefill-b", Role.PREFILL, engine("auto").fingerprint())
     choice = choice_of(other, alike, decode)
-    assert {choice.pick((Role.PREFILL,), pairs_with=decode).worker_id for _ in range(4)} == {
-        "prefill-a"
-    }
+    assert {
+        choice.pick((Role.PREFILL,), pairs_with=decode).identity.worker_id for _ in range(4)
+    } == {"prefill-a"}
 
 
 def test_the_hello_of_an_fp8_kv_producer_is_refused_by_a_bf16_kv_consumer(monkeypatch):

@@ -224,7 +224,9 @@ def test_choose_goes_local_with_no_prefill_worker_left_to_try_and_says_why_when_
     attempt = choose(choice, view, settings, SAMPLING, tried=tried)
     assert attempt.prefill is None and attempt.unpaired is None
     assert attempt.decision == RouteDecision(RoutePath.LOCAL, RouteReason.NO_PREFILL_WORKER)
-    prefill.kv_compatibility = "another model"  # forced, but nothing pairs with the decode worker
+    prefill.identity.kv_compatibility = (
+        "another model"  # forced, but nothing pairs with the decode worker
+    )
     attempt = choose(choice, view, settings, SAMPLING, FORCED)
     assert attempt.route == RoutePath.LOCAL and attempt.prefill is None
     assert "KV is compatible with worker decode-a's" in attempt.unpaired

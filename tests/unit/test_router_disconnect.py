@@ -20,7 +20,7 @@ class StalledWorker(FakeWorker):
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
-        self.max_num_seqs = 64
+        self.identity.max_num_seqs = 64
         self.go = asyncio.Event()
         self.aborted: list[str] = []
 

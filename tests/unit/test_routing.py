@@ -55,7 +55,7 @@ def test_an_unknown_path_is_a_400_naming_the_header():
 def test_round_robin_cycles_through_the_candidates():
     workers = [reporting("a"), reporting("b"), reporting("c")]
     policy = RoundRobin()
-    assert [policy.choose(workers).worker_id for _ in range(4)] == ["a", "b", "c", "a"]
+    assert [policy.choose(workers).identity.worker_id for _ in range(4)] == ["a", "b", "c", "a"]
 
 
 def test_round_robin_takes_turns_within_each_pool():
@@ -64,7 +64,10 @@ def test_round_robin_takes_turns_within_each_pool():
     prefill = [reporting("p0", role="prefill"), reporting("p1", role="prefill")]
     decode = [reporting("d0"), reporting("d1")]
     policy = RoundRobin()
-    picks = [(policy.choose(prefill).worker_id, policy.choose(decode).worker_id) for _ in range(4)]
+    picks = [
+        (policy.choose(prefill).identity.worker_id, policy.choose(decode).identity.worker_id)
+        for _ in range(4)
+    ]
     assert picks == [("p0", "d0"), ("p1", "d1"), ("p0", "d0"), ("p1", "d1")]
 
 
@@ -73,7 +76,7 @@ def test_least_loaded_sends_a_prompt_to_the_prefill_worker_with_the_least_left_t
         reporting(name, "prefill", outstanding_prefill_tokens=tokens)
         for name, tokens in (("a", 900), ("b", 20), ("c", 300))
     ]
-    assert LeastLoaded().choose(workers).worker_id == "b"
+    assert LeastLoaded().choose(workers).identity.worker_id == "b"
 
 
 def test_least_loaded_decode_goes_by_requests_then_kv_blocks_in_use():
@@ -82,14 +85,18 @@ def test_least_loaded_decode_goes_by_requests_then_kv_blocks_in_use():
         reporting("full", running_requests=2, kv_blocks_used=90, kv_blocks_total=100),
         reporting("roomy", running_requests=2, kv_blocks_used=30, kv_blocks_total=100),
     ]
-    assert LeastLoaded().choose(workers).worker_id == "roomy"
+    assert LeastLoaded().choose(workers).identity.worker_id == "roomy"
 
 
 def test_two_routers_reading_the_same_reports_agree():
     reports = [dict(running_requests=n, kv_blocks_total=100) for n in (3, 1, 2)]
     first = [reporting(f"w{i}", **report) for i, report in enumerate(reports)]
     second = [reporting(f"w{i}", **report) for i, report in enumerate(reports)]
-    assert LeastLoaded().choose(first).worker_id == LeastLoaded().choose(second).worker_id == "w1"
+    assert (
+        LeastLoaded().choose(first).identity.worker_id
+        == LeastLoaded().choose(second).identity.worker_id
+        == "w1"
+    )
 
 
 def test_what_a_router_sent_since_the_report_counts_until_the_next_one():
@@ -100,10 +107,10 @@ def test_what_a_router_sent_since_the_report_counts_until_the_next_one():
     for _ in range(4):
         worker = policy.choose(workers)
         worker.load.sent(prompt_tokens=10)
-        picks.append(worker.worker_id)
+        picks.append(worker.identity.worker_id)
     assert picks == ["a", "a", "b", "a"]
     workers[0].load.reported(worker_pb2.StatsReply(running_requests=0))
-    assert workers[0].load.requests_since == 0 and policy.choose(workers).worker_id == "a"
+    assert workers[0].load.requests_since == 0 and policy.choose(workers).identity.worker_id == "a"
 
 
 def test_capacity_is_max_num_seqs_unless_the_engine_waits_for_kv_blocks():

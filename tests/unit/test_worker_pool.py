@@ -40,6 +40,7 @@ class FakeWorkers:
             max_model_len=max_model_len,
             kv_address=f"kv-{address}",
             tensor_parallel_size=1,
+            max_num_seqs=4,
         )
 
     def gone(self, address: str) -> None:
@@ -48,7 +49,6 @@ class FakeWorkers:
     def client(self, address: str) -> FakeWorker:
         """A client of `address`, as the pool makes one: who it is comes from its Health."""
         client = FakeWorker(address, "", address=address, replies=self.answers)
-        client.max_num_seqs = 4
         self.clients.append(client)
         return client
 
@@ -128,7 +128,7 @@ def test_a_new_address_joins_only_once_its_health_says_ready(workers):
     asyncio.run(pool.sync(["a:1"]))
     assert members(pool) == ["a:1"]
     [joined] = pool.workers
-    assert (joined.worker_id, joined.role, joined.closed) == ("id-a:1", "decode", False)
+    assert (joined.identity.worker_id, joined.role, joined.closed) == ("id-a:1", "decode", False)
     asyncio.run(pool.sync(["a:1"]))  # a member is not asked again
     assert len(workers.clients_of("a:1")) == 3
     assert pool.workers == [joined]
@@ -378,7 +378,7 @@ def test_following_load_keeps_the_copy_of_a_host_kv_pool_and_asks_for_what_is_ne
         pool = WorkerPool([])
         await pool.sync(["a:1", "b:1"])
         a, b = pool.workers
-        a.host_id, a.kv_pool = "host-1", "@pool"
+        a.identity.host_id, a.identity.kv_pool = "host-1", "@pool"
         await follow_load_until(pool, lambda: a.asked is not None and a.asked.kv_pool_since == 7)
         assert (a.asked.kv_pool_store_id, a.asked.kv_pool_since) == ("s", 7)
         assert a.asked.kv_pool_contents and not b.asked.kv_pool_contents
