@@ -7,6 +7,7 @@ recorded. `router_over` assembles the router's real request steps over such work
 
 import asyncio
 import contextlib
+import json
 from dataclasses import dataclass
 
 import grpc
@@ -52,15 +53,20 @@ class FakeWorker:
         replies: FakeReplies | None = None,
     ) -> None:
         self.address = address or f"{name}:50051"
-        self.worker_id = name
         self.role, self.flex = role, flex
-        self.max_model_len = 4096
-        self.max_num_seqs = 16
-        self.kv_address = f"{name}:6000"
-        self.kv_transport, self.host_id, self.device = "grpc", host_id, "cpu"
-        self.tensor_parallel_size = 1
-        self.kv_compatibility = "smollm2-float32"
-        self.kv_pool = kv_pool  # with host_id, its host KV pool ("": none)
+        self.identity = worker_pb2.HealthReply(
+            worker_id=name,
+            role=Role.FLEX if flex else role,
+            max_model_len=4096,
+            max_num_seqs=16,
+            kv_address=f"{name}:6000",
+            kv_transport="grpc",
+            host_id=host_id,
+            device="cpu",
+            tensor_parallel_size=1,
+            kv_compatibility="smollm2-float32",
+            kv_pool=kv_pool,  # with host_id, its host KV pool ("": none)
+        )
         self.users = 0
         self.load = WorkerLoad()  # no report: the route estimate prices it like the cluster
         self.chunks = list(chunks)
@@ -83,11 +89,9 @@ class FakeWorker:
         if reply is None:
             raise _rpc_error(grpc.StatusCode.UNAVAILABLE)
         if reply.state == worker_pb2.HealthReply.READY:
-            self.worker_id, self.flex = reply.worker_id, reply.role == Role.FLEX
+            self.identity, self.flex = reply, reply.role == Role.FLEX
             if not self.flex:
                 self.role = reply.role
-            self.max_model_len, self.kv_address = reply.max_model_len, reply.kv_address
-            self.tensor_parallel_size = reply.tensor_parallel_size
         return reply
 
     async def stats(
@@ -228,7 +232,7 @@ class AppWorker(FakeWorker):
 
     def __init__(self, name: str, role: str = "decode", **options) -> None:
         super().__init__(name, role, **options)
-        self.max_num_seqs = 256  # room for n=128
+        self.identity.max_num_seqs = 256  # room for n=128
         self.flex = False
 
     async def generate(self, request: worker_pb2.GenerateRequest, timeout: float):
@@ -273,3 +277,42 @@ def app_with_workers(monkeypatch, *workers: FakeWorker, tokenizer=FakeTokenizer,
     app = router_app.create_app(RouterSettings(model="m", worker_addresses=[], **settings), "m")
     app.state.pool.workers = list(workers) or [AppWorker("decode-a")]
     return app
+
+
+class FakeHttpClient:
+    """One HTTP request to an app, as ASGI: the body, then http.disconnect once `leave()`."""
+
+    def __init__(self, app, path: str, body: dict) -> None:
+        self.gone = asyncio.Event()
+        self.sent: list[dict] = []
+        self.messages = [{"type": "http.request", "body": json.dumps(body).encode()}]
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": b"",
+            "headers": [(b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 5000),
+            "server": ("127.0.0.1", 8000),
+        }
+        self.task = asyncio.create_task(app(scope, self.receive, self.send))
+
+    async def receive(self) -> dict:
+        if self.messages:
+            return self.messages.pop(0)
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict) -> None:
+        self.sent.append(message)
+
+    def leave(self) -> None:
+        self.gone.set()
+
+    def status(self) -> int | None:
+        starts = [m for m in self.sent if m["type"] == "http.response.start"]
+        return starts[0]["status"] if starts else None

@@ -204,7 +204,10 @@ class ReplicaKeeper:
         """{name: why} of these workers (their process running) that never became ready or
         stopped answering; none when the registry cannot be read."""
         try:
-            listed = {record.worker_id for record in read_members(self.registry_url, self.cluster)}
+            listed = {
+                record.identity.worker_id
+                for record in read_members(self.registry_url, self.cluster)
+            }
         except Exception as error:  # Redis away: no one is judged on this pass
             log.warning("cannot read the registry: %s", error)
             return {}

@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, RuntimeError) as error:
         print(f"pdserve status: {error}", file=sys.stderr)
         return 1
-    members = {r.worker_id: r for r in read_members(state.registry_url, state.name)}
+    members = {r.identity.worker_id: r for r in read_members(state.registry_url, state.name)}
     keeper = replica_keeper.report()
     rows = []
     names = ray_launcher.actor_names(state.name)
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         rows.append(
             {
                 "worker": name,
-                "role": record.role if record else name.split("-")[0],
+                "role": record.identity.role if record else name.split("-")[0],
                 "state": "in pool"
                 if record
                 else ("exited" if actor.get("exit_code") is not None else "not in pool"),
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
                 "node": actor.get("node", ""),
                 "gpu_ids": actor.get("gpu_ids", []),
                 "pid": actor.get("pid"),
-                "tensor_parallel_size": record.tensor_parallel_size if record else None,
+                "tensor_parallel_size": record.identity.tensor_parallel_size if record else None,
                 "load": asdict(record.load) if record else None,
             }
         )

@@ -20,6 +20,7 @@ import json
 import logging
 from dataclasses import asdict, dataclass, field, fields
 
+from pdserve.protocol import worker_pb2
 from pdserve.settings.cluster_secret import signature, signature_valid
 from pdserve.settings.redis_url import connect, masked
 
@@ -45,20 +46,35 @@ class RecordedLoad:
 LOAD_FIELDS = {f.name for f in fields(RecordedLoad)}  # a newer worker's others are left out
 
 
+# A worker's identity: its Health reply less the state and message (worker.proto's HealthReply).
+IDENTITY_FIELDS = tuple(
+    f.name for f in worker_pb2.HealthReply.DESCRIPTOR.fields if f.name not in ("state", "message")
+)
+
+PLACEMENT_FIELDS = ("address", "node")  # the record's str fields beside the identity's
+
+
 @dataclass(frozen=True)
 class WorkerRecord:
-    worker_id: str
-    role: str  # a pdserve.core.kinds.Role: prefill, decode, colocated or flex
+    """A worker's entry. Its identity is the one its Health answers, kept whole; in the JSON its
+    fields stand beside the others under the Health reply's names (so a reader of an older
+    version still finds worker_id, role, address, kv_address and tensor_parallel_size)."""
+
+    identity: worker_pb2.HealthReply  # worker_id, role, kv_address, kv_compatibility, ...
     address: str  # the worker's gRPC address, host:port
-    kv_address: str = ""  # decode: where prefill workers push KV
-    tensor_parallel_size: int = 1
-    compatibility_hash: str = ""  # equal hashes: KV blocks mean the same on both workers
     node: str = ""  # where it runs: the Ray node id, or the host name
     gpu_ids: tuple[str, ...] = ()  # the accelerator ids this worker may see
     load: RecordedLoad = field(default_factory=RecordedLoad)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return json.dumps(
+            {
+                **{name: getattr(self.identity, name) for name in IDENTITY_FIELDS},
+                **{name: getattr(self, name) for name in PLACEMENT_FIELDS},
+                "gpu_ids": self.gpu_ids,
+                "load": asdict(self.load),
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "WorkerRecord":
@@ -69,21 +85,22 @@ class WorkerRecord:
         gpu_ids = data.get("gpu_ids", ()) if isinstance(data, dict) else None
         if not isinstance(load, dict) or not isinstance(gpu_ids, list | tuple):
             raise ValueError("not a worker record")
+        identity = {k: v for k, v in data.items() if k in IDENTITY_FIELDS}
+        if any(value is None for value in identity.values()):  # protobuf reads None as unset
+            raise ValueError("a field of the identity is null")
         record = cls(
-            **{
-                **{k: v for k, v in data.items() if k in RECORD_FIELDS},
-                "gpu_ids": tuple(gpu_ids),
-                "load": RecordedLoad(**{k: v for k, v in load.items() if k in LOAD_FIELDS}),
-            }
+            worker_pb2.HealthReply(**identity),  # TypeError or ValueError: a wrong type
+            **{k: v for k, v in data.items() if k in PLACEMENT_FIELDS},
+            gpu_ids=tuple(gpu_ids),
+            load=RecordedLoad(**{k: v for k, v in load.items() if k in LOAD_FIELDS}),
         )
         _check_types(record)
         _check_types(record.load)
         if not all(isinstance(gpu, str) for gpu in record.gpu_ids):
             raise ValueError("gpu_ids: not strings")
+        if not record.identity.worker_id or not record.identity.role:
+            raise ValueError("worker_id or role: missing")
         return record
-
-
-RECORD_FIELDS = {f.name for f in fields(WorkerRecord)}
 
 
 def _check_types(record) -> None:
@@ -109,7 +126,9 @@ class Registry:
     async def put(self, record: WorkerRecord, ttl_s: float) -> None:
         text = record.to_json()
         signed = json.dumps({"record": text, "mac": signature(text)})
-        await self.redis.set(self.prefix + record.worker_id, signed, px=max(1, round(ttl_s * 1000)))
+        await self.redis.set(
+            self.prefix + record.identity.worker_id, signed, px=max(1, round(ttl_s * 1000))
+        )
 
     async def remove(self, worker_id: str) -> None:
         await self.redis.delete(self.prefix + worker_id)
@@ -126,7 +145,7 @@ class Registry:
         values = await self.redis.mget(keys)
         # A record can expire between SCAN and MGET: it is simply gone.
         records = [self._verified(k, v) for k, v in zip(keys, values, strict=True) if v]
-        return sorted((r for r in records if r is not None), key=lambda r: r.worker_id)
+        return sorted((r for r in records if r is not None), key=lambda r: r.identity.worker_id)
 
     def _verified(self, key: bytes, value: bytes) -> WorkerRecord | None:
         """The record `value` holds, if signed with the cluster secret and readable; else None,

@@ -162,12 +162,12 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
     log.info(
         "worker %s ready (max_model_len=%d, kv blocks=%d)",
         worker_id,
-        service.max_model_len,
+        service.identity.max_model_len,
         service.kv_blocks_total,
     )
     membership = None
     if settings.registry:
-        membership = await _join_registry(settings, service, f"{host}:{port}", engine)
+        membership = await _join_registry(settings, service, f"{host}:{port}")
         if membership is None:
             stop.set()
     await stopping
@@ -201,22 +201,13 @@ async def stop_serving(server, health, grace: float) -> None:
         await health.stop(grace=None)
 
 
-async def _join_registry(settings: WorkerSettings, service, address: str, engine):
+async def _join_registry(settings: WorkerSettings, service, address: str):
     """Join the pools; None (and the worker stops) when the registry cannot be reached."""
     from pdserve.protocol.registry import Registry, WorkerRecord
     from pdserve.worker.membership import WorkerMembership, load_of, placement_from_environment
 
     node, gpu_ids = placement_from_environment()
-    record = WorkerRecord(
-        worker_id=service.worker_id,
-        role=service.role,
-        address=address,
-        kv_address=service.kv_address,
-        tensor_parallel_size=engine.vllm_config.parallel_config.tensor_parallel_size,
-        compatibility_hash=service.kv_compatibility,
-        node=node,
-        gpu_ids=gpu_ids,
-    )
+    record = WorkerRecord(service.identity, address, node, gpu_ids)
     registry = Registry(settings.registry, settings.cluster)
     membership = WorkerMembership(
         registry, record, settings.heartbeat_s, lambda: load_of(service.stats_reply())

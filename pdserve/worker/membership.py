@@ -40,9 +40,9 @@ class WorkerMembership:
         self._beating = asyncio.create_task(self._beat())
         log.info(
             "joined the %s pool in %s as %s",
-            self.record.role,
+            self.record.identity.role,
             self.registry.url,
-            self.record.worker_id,
+            self.record.identity.worker_id,
         )
 
     async def _write(self) -> None:
@@ -64,10 +64,12 @@ class WorkerMembership:
                 await self._beating
             self._beating = None
         try:
-            await self.registry.remove(self.record.worker_id)
-            log.info("left the %s pool", self.record.role)
+            await self.registry.remove(self.record.identity.worker_id)
+            log.info("left the %s pool", self.record.identity.role)
         except Exception as error:  # the entry expires on its own
-            log.warning("could not remove %s from the registry: %s", self.record.worker_id, error)
+            log.warning(
+                "could not remove %s from the registry: %s", self.record.identity.worker_id, error
+            )
 
 
 def load_of(stats_reply) -> RecordedLoad:

@@ -121,7 +121,7 @@ class WorkerMetrics:
         """The state gauge reads the worker service's state at every scrape, the prefill cost
         its engine's learned step costs."""
         for name, value in State.items():
-            self.state.labels(service.role, name.lower()).set_function(
+            self.state.labels(service.identity.role, name.lower()).set_function(
                 lambda value=value: float(service.state == value)
             )
         self.prefill_per_token.set_function(

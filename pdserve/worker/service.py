@@ -80,26 +80,25 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     ) -> None:
         from kv_transfer.transport import host_id
 
-        self.worker_id = worker_id
-        self.role = role
-        self.model = model
-        self.kv_address = kv_address
-        self.kv_failure_policy = kv_failure_policy
-        self.kv_transport = kv_transport
-        self.kv_pool = kv_pool  # the host KV pool's address, if its engine uses one
+        # Who it is (the Health reply less its state and message): what its settings say
+        # now, completed once by engine_ready; the router and the registry keep it whole.
+        self.identity = worker_pb2.HealthReply(
+            worker_id=worker_id,
+            role=role,
+            model=model,
+            kv_address=kv_address,
+            kv_failure_policy=kv_failure_policy,
+            kv_transport=kv_transport,
+            kv_pool=kv_pool,  # the host KV pool's address, if its engine uses one
+            host_id=host_id(),
+        )
         self.pool_contents: PoolContentsSource | None = None  # once the engine runs
         self.pool_peers: PoolPeers | None = None  # ... and the routers can name its blocks
         self.metrics = metrics  # the worker's Prometheus series (None: tests that count none)
-        self.host_id = host_id()
-        self.device = ""
-        self.max_num_seqs = 0
-        self.kv_compatibility = ""
-        self.tensor_parallel_size = 0
         self.engine = None
         self.engine_stats = EngineStats()
         self.state = State.STARTING
         self.state_message = "engine starting"
-        self.max_model_len = 0
         self.kv_blocks_total = 0
         self.active: dict[str, list[str]] = {}  # request id -> its engine requests' ids
         self.awaiting_first_token: dict[str, int] = {}  # request id -> prompt tokens to compute
@@ -108,19 +107,25 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def engine_ready(self, engine) -> None:
         from kv_transfer.compatibility import compatibility_of
 
+        config = engine.vllm_config
         self.engine = engine
-        self.max_model_len = engine.vllm_config.model_config.max_model_len
-        self.kv_blocks_total = engine.vllm_config.cache_config.num_gpu_blocks or 0
-        self.tensor_parallel_size = engine.vllm_config.parallel_config.tensor_parallel_size
-        self.device = engine.vllm_config.device_config.device_type
-        self.max_num_seqs = engine.vllm_config.scheduler_config.max_num_seqs
-        self.kv_compatibility = compatibility_of(engine.vllm_config).fingerprint()
-        if self.kv_pool:
-            self.pool_contents = PoolContentsSource.of_engine(self.kv_pool, engine.vllm_config)
+        self.kv_blocks_total = config.cache_config.num_gpu_blocks or 0
+        self.identity.MergeFrom(
+            worker_pb2.HealthReply(
+                max_model_len=config.model_config.max_model_len,
+                tensor_parallel_size=config.parallel_config.tensor_parallel_size,
+                device=config.device_config.device_type,
+                max_num_seqs=config.scheduler_config.max_num_seqs,
+                kv_compatibility=compatibility_of(config).fingerprint(),
+            )
+        )
+        kv_pool = self.identity.kv_pool
+        if kv_pool:
+            self.pool_contents = PoolContentsSource.of_engine(kv_pool, config)
         if self.pool_contents is not None:
             source = self.pool_contents
             self.pool_peers = PoolPeers(
-                self.kv_pool, source.block_size, source.none_hash, self.engine_stats, self.metrics
+                kv_pool, source.block_size, source.none_hash, self.engine_stats, self.metrics
             )
         self.state, self.state_message = State.READY, ""
 
@@ -135,7 +140,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if self.state not in (State.READY, State.DRAINING):
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
-                f"worker {self.worker_id} is not ready: {self.state_message}",
+                f"worker {self.identity.worker_id} is not ready: {self.state_message}",
             )
         await self._validate(request, context)
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
@@ -146,7 +151,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             "pdserve.worker.generate",
             context=tracing.joined(dict(context.invocation_metadata() or ())),
             kind=trace.SpanKind.SERVER,
-            attributes={"pdserve.worker": self.worker_id, "pdserve.leg": _leg(request)},
+            attributes={"pdserve.worker": self.identity.worker_id, "pdserve.leg": _leg(request)},
         )
         trace_headers = tracing.trace_headers(span) or None  # vLLM's request span: a child
         choices = choice_count(request.sampling)
@@ -192,7 +197,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             return KV_TRANSFER_FAILED, (
                 f"the prompt's KV did not arrive within {request.kv.receive_timeout_s:g} s, or "
                 f"failed its integrity check (transfer {request.kv.transfer_id}); this worker's "
-                f"kv failure policy is '{self.kv_failure_policy}'"
+                f"kv failure policy is '{self.identity.kv_failure_policy}'"
             )
         return ENGINE_FAILED, "the engine ended the request with an error"
 
@@ -206,11 +211,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if not request.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
         total = len(request.prompt_token_ids) + request.sampling.max_tokens
-        if total > self.max_model_len:
+        context_length = self.identity.max_model_len
+        if total > context_length:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"prompt ({len(request.prompt_token_ids)} tokens) plus max_tokens "
-                f"({request.sampling.max_tokens}) exceeds the context length {self.max_model_len}",
+                f"({request.sampling.max_tokens}) exceeds the context length {context_length}",
             )
 
     def _chunk(self, output, choice: int, request) -> worker_pb2.GenerateChunk:
@@ -254,16 +260,17 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         from kv_transfer.grpc_transport import cancel_transfer
         from kv_transfer.transfer_report import Cancel, Failure
 
-        if not self.kv_address:
+        if not self.identity.kv_address:
             await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, f"worker {self.worker_id} receives no KV"
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"worker {self.identity.worker_id} receives no KV",
             )
-        ranks = self.tensor_parallel_size or 1
+        ranks = self.identity.tensor_parallel_size or 1
         per_rank_s = (context.time_remaining() or CANCEL_TIMEOUT_S) / ranks
         try:
             await asyncio.to_thread(
                 cancel_transfer,
-                self.kv_address,
+                self.identity.kv_address,
                 request.transfer_id,
                 Cancel(Failure.CANCELLED, request.reason),
                 ranks,
@@ -281,29 +288,17 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         """Another worker fetching a prompt's prefix from this host's KV pool."""
         if self.pool_peers is None:
             await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, f"worker {self.worker_id} has no KV pool"
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"worker {self.identity.worker_id} has no KV pool",
             )
         async for chunk in self.pool_peers.serve(request, context):
             yield chunk
 
     async def Health(self, request, context):
-        return worker_pb2.HealthReply(
-            state=self.state,
-            message=self.state_message,
-            worker_id=self.worker_id,
-            role=self.role,
-            model=self.model,
-            max_model_len=self.max_model_len,
-            kv_address=self.kv_address,
-            kv_failure_policy=self.kv_failure_policy,
-            tensor_parallel_size=self.tensor_parallel_size,
-            kv_transport=self.kv_transport,
-            host_id=self.host_id,
-            device=self.device,
-            max_num_seqs=self.max_num_seqs,
-            kv_compatibility=self.kv_compatibility,
-            kv_pool=self.kv_pool,
-        )
+        reply = worker_pb2.HealthReply()
+        reply.CopyFrom(self.identity)
+        reply.state, reply.message = self.state, self.state_message
+        return reply
 
     async def Stats(self, request, context):
         if request.fresh and self.engine is not None:
@@ -322,7 +317,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         stats = self.engine_stats
         costs = stats.step_costs.costs()
         return worker_pb2.StatsReply(
-            worker_id=self.worker_id,
+            worker_id=self.identity.worker_id,
             running_requests=running,
             waiting_requests=min(stats.waiting, running),
             kv_blocks_used=round(stats.kv_cache_usage * self.kv_blocks_total),

@@ -86,7 +86,7 @@ class Accounting:
             log.warning(
                 "request %s fell back to local prefill on %s",
                 run.request_id,
-                run.decode_worker.worker_id,
+                run.decode_worker.identity.worker_id,
             )
         return cached_on_prefill
 

@@ -165,7 +165,9 @@ def check_sequences(parsed: SamplingFields, pool: WorkerPool) -> None:
     choices of one prompt than the largest engine's max_num_seqs (the choices of a prompt run
     on one worker), or more sequences in all (prompts × choices) than the live decode and
     colocated workers' max_num_seqs add up to. No check before any worker has said its size."""
-    sizes = [w.max_num_seqs for w in pool.live(TAKES_REQUESTS) if w.max_num_seqs > 0]
+    sizes = [
+        w.identity.max_num_seqs for w in pool.live(TAKES_REQUESTS) if w.identity.max_num_seqs > 0
+    ]
     if not sizes:
         return
     choices = parsed.choice_count()

@@ -56,8 +56,10 @@ class AdmissionGate:
         queue_timeout_s: float,
         metrics,
         forecast: WaitForecast,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.capacity = capacity
+        self.clock = clock  # monotonic seconds: limits, waits and the time turns are held
         self.max_queued = max_queued
         self.queue_timeout_s = queue_timeout_s
         self.metrics = metrics
@@ -93,7 +95,7 @@ class AdmissionGate:
         self.waiting.insert(ahead, waiter)
         self._shed_pushed_back(ahead + 1)
         self.metrics.queue_length.set(len(self.waiting))
-        started = time.monotonic()
+        started = self.clock()
         try:
             await asyncio.wait_for(asyncio.shield(waiter.turn), self.queue_timeout_s)
         except TimeoutError:
@@ -110,7 +112,7 @@ class AdmissionGate:
             elif not waiter.turn.done():
                 self._forget(waiter)
             raise
-        self.metrics.queue_wait.observe(time.monotonic() - started)
+        self.metrics.queue_wait.observe(self.clock() - started)
         return waiter.turn.result()
 
     def _fits(self, weight: int, capacity: int) -> bool:
@@ -148,7 +150,7 @@ class AdmissionGate:
         if ask.give_up_at == math.inf:
             return None
         wait_s = self.wait_s(ask, ahead)
-        late_s = time.monotonic() + wait_s - ask.give_up_at
+        late_s = self.clock() + wait_s - ask.give_up_at
         if late_s <= 0:
             return None
         return self._reject(
@@ -180,7 +182,7 @@ class AdmissionGate:
         self.running -= turn.weight
         self.started(turn)
         if turn.priced_s > 0:
-            ratio = (time.monotonic() - turn.given_at) / turn.priced_s
+            ratio = (self.clock() - turn.given_at) / turn.priced_s
             learned = ratio if self.hold_ratio is None else self.hold_ratio
             self.hold_ratio = learned + HOLD_LEARNING_RATE * (ratio - learned)
         capacity = self.capacity()
@@ -219,7 +221,7 @@ class Turn:
         self.ask = ask
         self.weight = weight  # the sequences it holds
         self.priced_s = priced_s  # the forecast's price of its hold
-        self.given_at = time.monotonic()
+        self.given_at = gate.clock()
         self.started = False  # its first token came: its prompt no longer waits on a worker
         self.held = True
 

@@ -151,8 +151,8 @@ def _prefill_leg(
     leg.kv.CopyFrom(
         worker_pb2.KvTransfer(
             transfer_id=transfer_id,
-            send_to=decode.kv_address,
-            peer_tensor_parallel_size=decode.tensor_parallel_size,
+            send_to=decode.identity.kv_address,
+            peer_tensor_parallel_size=decode.identity.tensor_parallel_size,
             transport=transport,
             skip_tokens=skip_tokens,
         )
@@ -176,7 +176,7 @@ def _decode_leg(
         worker_pb2.KvTransfer(
             transfer_id=transfer_id,
             receive_timeout_s=kv_timeout_s,
-            peer_tensor_parallel_size=prefill.tensor_parallel_size,
+            peer_tensor_parallel_size=prefill.identity.tensor_parallel_size,
             skip_tokens=skip_tokens,
         )
     )
@@ -187,10 +187,11 @@ def _decode_leg(
 def pair_transport(prefill: WorkerHandle, decode: WorkerHandle) -> Transport:
     """The KV transport for this pair, from what both workers said in Health."""
     return choose_transport(
-        prefill.kv_transport,
-        decode.kv_transport,
-        same_host=bool(prefill.host_id) and prefill.host_id == decode.host_id,
-        both_cuda=prefill.device == decode.device == "cuda",
+        prefill.identity.kv_transport,
+        decode.identity.kv_transport,
+        same_host=bool(prefill.identity.host_id)
+        and prefill.identity.host_id == decode.identity.host_id,
+        both_cuda=prefill.identity.device == decode.identity.device == "cuda",
     )
 
 

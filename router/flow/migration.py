@@ -109,7 +109,7 @@ async def migrating(
                     run.choices,
                     error.message,
                     sum(len(one.token_ids) for one in relayed),
-                    worker.worker_id,
+                    worker.identity.worker_id,
                     " by seeded replay" if replays(request.sampling) else "",
                 )
     finally:
@@ -132,9 +132,9 @@ def continuation(
     """The rest of every unfinished choice on `worker`, a decode worker other than the `lost`
     one (local path: it computes the prompt, and the relayed tokens, itself), within the
     request's remaining time."""
-    lost_id = lost.worker_id if lost is not None else ""
+    lost_id = lost.identity.worker_id if lost is not None else ""
     trace.get_current_span().add_event(
-        "pdserve.migration", {"pdserve.from": lost_id, "pdserve.to": worker.worker_id}
+        "pdserve.migration", {"pdserve.from": lost_id, "pdserve.to": worker.identity.worker_id}
     )
     timeout = run.time_left()
     streams = [

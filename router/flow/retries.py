@@ -86,7 +86,7 @@ class Starter:
                     {
                         "pdserve.path": str(attempt.route),
                         "pdserve.reason": str(attempt.decision.reason),
-                        "pdserve.worker": attempt.decode.worker_id,
+                        "pdserve.worker": attempt.decode.identity.worker_id,
                         "pdserve.prefill_worker": getattr(attempt.prefill, "worker_id", ""),
                     }
                 )
@@ -105,7 +105,8 @@ class Starter:
                 self.pool.mark_down(worker)
                 tried = Tried(tried.decode | {worker.address}, tried.prefill)
                 trace.get_current_span().add_event(
-                    "pdserve.retry", {"pdserve.worker": worker.worker_id, "why": error.message}
+                    "pdserve.retry",
+                    {"pdserve.worker": worker.identity.worker_id, "why": error.message},
                 )
                 if len(tried.decode) >= MAX_ATTEMPTS:
                     raise
@@ -153,7 +154,7 @@ class Starter:
         transfer)."""
         headers = {
             "x-request-id": run.request_id,
-            "x-pdserve-worker": attempt.decode.worker_id,
+            "x-pdserve-worker": attempt.decode.identity.worker_id,
             ROUTE_HEADER: attempt.route,
         }
         if attempt.fetch is not None:
@@ -163,7 +164,7 @@ class Starter:
             request = fetching
         if attempt.prefill is None:
             return attempt.decode.generate(request, timeout=run.time_left()), headers
-        headers["x-pdserve-prefill-worker"] = attempt.prefill.worker_id
+        headers["x-pdserve-prefill-worker"] = attempt.prefill.identity.worker_id
         chunks = generate_disaggregated(
             attempt.prefill,
             attempt.decode,
@@ -190,7 +191,8 @@ class Starter:
         self.pool.mark_down(prefill)
         tried = Tried(tried.decode, tried.prefill | {prefill.address})
         trace.get_current_span().add_event(
-            "pdserve.retry", {"pdserve.prefill_worker": prefill.worker_id, "why": error.message}
+            "pdserve.retry",
+            {"pdserve.prefill_worker": prefill.identity.worker_id, "why": error.message},
         )
         others = [w for w in self.pool.live((Role.PREFILL,)) if w.address not in tried.prefill]
         if others and len(tried.prefill) < MAX_ATTEMPTS:

@@ -89,7 +89,7 @@ def choose(
             worker_state(decode, cluster, choice.reusable_tokens(decode, view)),
             worker_state(prefill, cluster, choice.reusable_tokens(prefill, view)),
             floor,
-            decode_full=decode.load.full(decode.max_num_seqs),
+            decode_full=decode.load.full(decode.identity.max_num_seqs),
         )
     if decision.route == RoutePath.LOCAL:
         prefill = None

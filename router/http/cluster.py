@@ -90,9 +90,9 @@ async def worker_stats(request: Request, fresh: bool = False):
     for worker in request.app.state.pool.workers:
         row = {
             "address": worker.address,
-            "worker_id": worker.worker_id,
+            "worker_id": worker.identity.worker_id,
             "role": worker.role,
-            "kv_pool": worker.kv_pool,  # its host KV pool's address ("": none)
+            "kv_pool": worker.identity.kv_pool,  # its host KV pool's address ("": none)
         }
         try:
             stats = await worker.stats(worker_pb2.StatsRequest(fresh=fresh))

@@ -90,7 +90,7 @@ class StateSync:
     async def prune_roles(self, now: float) -> None:
         """Shared roles of workers absent from this router's pools for `prune_after_s` are
         deleted (a worker that comes back later is placed again)."""
-        present = {worker.worker_id for worker in self.members()}
+        present = {worker.identity.worker_id for worker in self.members()}
         named = self.shared.role_fields
         self.absent_since = {w: t for w, t in self.absent_since.items() if w in named}
         gone = []

@@ -23,7 +23,7 @@ class WorkerChoice:
         tokens = tuple(prompt)
         return PromptView(
             tokens,
-            {w.address: self.policy.cached_tokens(w, tokens) for w in self.pool.workers},
+            self.policy.cached_on_each(self.pool.workers, tokens),
             self.pool.pool_contents.held(tokens),
         )
 
@@ -41,14 +41,16 @@ class WorkerChoice:
         if not candidates:
             raise worker_unavailable(f"no {' or '.join(roles)} worker is available; retry later")
         if pairs_with is not None:
-            fingerprint = pairs_with.kv_compatibility
+            fingerprint = pairs_with.identity.kv_compatibility
             others = candidates
-            candidates = [w for w in candidates if w.kv_compatibility == fingerprint]
+            candidates = [w for w in candidates if w.identity.kv_compatibility == fingerprint]
             if not candidates:
-                theirs = "; ".join(f"{w.worker_id} has {w.kv_compatibility}" for w in others)
+                theirs = "; ".join(
+                    f"{w.identity.worker_id} has {w.identity.kv_compatibility}" for w in others
+                )
                 raise worker_unavailable(
                     f"no {' or '.join(roles)} worker's KV is compatible with worker "
-                    f"{pairs_with.worker_id}'s ({fingerprint}): {theirs}"
+                    f"{pairs_with.identity.worker_id}'s ({fingerprint}): {theirs}"
                 )
         return self.policy.choose(candidates, view)
 
@@ -70,14 +72,14 @@ class WorkerChoice:
         `worker` is in no pool). Only a pool of workers whose KV is compatible with `worker`'s
         and of its tensor-parallel size: the blocks must mean the same to its engine, and a
         pool's blocks hold a part per rank (another size's pool refuses the fetch)."""
-        if not worker.kv_pool:
+        if not worker.identity.kv_pool:
             return None, 0
         best, most = None, view.pooled_for(worker)
         for other in self.pool.workers:
             if (
-                other.kv_pool
-                and other.kv_compatibility == worker.kv_compatibility
-                and other.tensor_parallel_size == worker.tensor_parallel_size
+                other.identity.kv_pool
+                and other.identity.kv_compatibility == worker.identity.kv_compatibility
+                and other.identity.tensor_parallel_size == worker.identity.tensor_parallel_size
                 and pool_name(other) != pool_name(worker)
                 and self.pool.serving(other)
             ):

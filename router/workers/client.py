@@ -41,18 +41,10 @@ class WorkerClient:
         self.address = address
         self._channel: grpc.aio.Channel | None = None
         self._stub: worker_pb2_grpc.WorkerStub | None = None
-        self.worker_id = address
         self.role = ""  # the pool it serves: its own, or the one the router gave a flex worker
         self.flex = False  # can play either role (router/workers/flex_roles.py assigns it)
-        self.max_model_len = 0
-        self.kv_address = ""
-        self.tensor_parallel_size = 1
-        self.kv_transport = ""  # the worker's setting (auto, grpc, nccl, shm)
-        self.host_id = ""  # equal on workers that can share memory
-        self.device = ""  # cuda or cpu
-        self.max_num_seqs = 0  # requests its engine runs at once
-        self.kv_compatibility = ""  # equal on workers that can exchange KV
-        self.kv_pool = ""  # with host_id: workers that share a host KV pool (docs/kv-pool.md)
+        # Who it is: its last READY Health reply, kept whole (until then, named by its address).
+        self.identity = worker_pb2.HealthReply(worker_id=address)
         self.users = 0  # requests using it now (in a call, or about to call it): see in_use
         self.load = WorkerLoad()  # what it reports, and what this router sent since
         self._pending_aborts: set[asyncio.Task] = set()
@@ -72,14 +64,9 @@ class WorkerClient:
             worker_pb2.HealthRequest(), timeout=timeout, metadata=self.metadata
         )
         if reply.state == worker_pb2.HealthReply.READY:
-            self.worker_id, self.flex = reply.worker_id, reply.role == Role.FLEX
+            self.identity, self.flex = reply, reply.role == Role.FLEX
             if not self.flex:
                 self.role = reply.role
-            self.max_model_len, self.kv_address = reply.max_model_len, reply.kv_address
-            self.tensor_parallel_size = reply.tensor_parallel_size
-            self.kv_transport, self.host_id = reply.kv_transport, reply.host_id
-            self.device, self.max_num_seqs = reply.device, reply.max_num_seqs
-            self.kv_compatibility, self.kv_pool = reply.kv_compatibility, reply.kv_pool
         return reply
 
     async def stats(
@@ -124,11 +111,14 @@ class WorkerClient:
         """Stream a request's chunks. Leaving early (break, cancel, error) aborts it on the
         worker: the call is cancelled and an explicit Abort follows."""
         if self._closed:  # it left the pools while the request waited for it (never a 500)
-            raise worker_unavailable(f"worker {self.worker_id} left the pools")
+            raise worker_unavailable(f"worker {self.identity.worker_id} left the pools")
         span = tracing.tracer().start_span(
             _call_name(request),
             kind=trace.SpanKind.CLIENT,
-            attributes={"pdserve.worker": self.worker_id, "pdserve.request_id": request.request_id},
+            attributes={
+                "pdserve.worker": self.identity.worker_id,
+                "pdserve.request_id": request.request_id,
+            },
         )
         metadata = self.metadata + tuple(tracing.trace_headers(span).items())
         call = self.stub.Generate(request, timeout=timeout, metadata=metadata)
@@ -157,14 +147,14 @@ class WorkerClient:
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return invalid_request(details)
         if code == KV_TRANSFER_FAILED:  # an engine error is ENGINE_FAILED: a worker error
-            return kv_transfer_failed(f"worker {self.worker_id}: {details}")
+            return kv_transfer_failed(f"worker {self.identity.worker_id}: {details}")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return request_timeout(timeout)
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
             # CANCELLED here is the worker's doing (a call the router cancels raises
             # CancelledError): a stopping worker ended it, so it is gone as UNAVAILABLE is.
-            return worker_unavailable(f"worker {self.worker_id} is unavailable: {details}")
-        return worker_failed(f"worker {self.worker_id} failed: {code.name}: {details}")
+            return worker_unavailable(f"worker {self.identity.worker_id} is unavailable: {details}")
+        return worker_failed(f"worker {self.identity.worker_id} failed: {code.name}: {details}")
 
     @contextlib.contextmanager
     def in_use(self):

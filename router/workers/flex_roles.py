@@ -17,6 +17,7 @@ written, and what the others changed comes back through `take_shared`.
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -92,8 +93,8 @@ class FlexRoles:
         for worker in flex:
             if worker.role:
                 continue
-            if worker.worker_id in self.shared:  # another router placed it first
-                worker.role = self.shared[worker.worker_id]
+            if worker.identity.worker_id in self.shared:  # another router placed it first
+                worker.role = self.shared[worker.identity.worker_id]
             else:
                 lacking = [r for r in self.wanted if self._count(r) < self.wanted[r]]
                 if lacking:  # a worker in that role left: this one takes its place
@@ -102,8 +103,8 @@ class FlexRoles:
                     prefill = sum(w.role == Role.PREFILL for w in flex)
                     worker.role = initial_role(len(flex), prefill)
                     self.wanted[worker.role] += 1
-                self.placed[worker.worker_id] = (worker.role, not lacking)
-            log.info("flex worker %s joins the %s pool", worker.worker_id, worker.role)
+                self.placed[worker.identity.worker_id] = (worker.role, not lacking)
+            log.info("flex worker %s joins the %s pool", worker.identity.worker_id, worker.role)
         self.metrics.count(flex)
 
     def changes(self) -> tuple[dict[str, str], dict[str, tuple[str, bool]], dict[str, int]]:
@@ -127,14 +128,16 @@ class FlexRoles:
         restarted empty) this router's view puts back at the next round."""
         self.shared = roles
         for worker in self.flex():
-            role = roles.get(worker.worker_id)
-            mine = worker.worker_id in self.moved or worker.worker_id in self.placed
+            role = roles.get(worker.identity.worker_id)
+            mine = (
+                worker.identity.worker_id in self.moved or worker.identity.worker_id in self.placed
+            )
             if not role and worker.role and not mine:
-                self.placed[worker.worker_id] = (worker.role, False)
+                self.placed[worker.identity.worker_id] = (worker.role, False)
             elif role and not mine and worker.role and role != worker.role:
                 log.info(
                     "flex worker %s: %s -> %s (by another router)",
-                    worker.worker_id,
+                    worker.identity.worker_id,
                     worker.role,
                     role,
                 )
@@ -149,7 +152,12 @@ class FlexRoles:
         flex = self.flex()
         return {
             "workers": [
-                {"worker": w.worker_id, "address": w.address, "role": w.role, "flex": w.flex}
+                {
+                    "worker": w.identity.worker_id,
+                    "address": w.address,
+                    "role": w.role,
+                    "flex": w.flex,
+                }
                 for w in self.pool.workers
             ],
             "flex": {role: sum(w.role == role for w in flex) for role in FLEX_ROLES + (STANDBY,)},
@@ -195,9 +203,9 @@ class FlexRoles:
     def _move(self, workers: list[WorkerHandle], role: str, by: str, reason: str):
         changes = []
         for worker in workers:
-            change = RoleChange(worker.worker_id, worker.role, role, reason)
+            change = RoleChange(worker.identity.worker_id, worker.role, role, reason)
             worker.role = role
-            self.moved[worker.worker_id] = role
+            self.moved[worker.identity.worker_id] = role
             self.split_changed = True
             if change.before in self.wanted:
                 self.wanted[change.before] = max(0, self.wanted[change.before] - 1)
@@ -205,7 +213,7 @@ class FlexRoles:
             self.metrics.changes.labels(role, by).inc()
             log.info(
                 "flex worker %s: %s -> %s (%s: %s)",
-                worker.worker_id,
+                worker.identity.worker_id,
                 change.before,
                 role,
                 by,
@@ -237,9 +245,15 @@ class AutoRatio:
     neither under pressure (and no prompt waiting), the split drifts back to its start (half
     the flex workers prefill, rounded down), one worker per decision."""
 
-    def __init__(self, roles: FlexRoles, settings: AutoRatioSettings) -> None:
+    def __init__(
+        self,
+        roles: FlexRoles,
+        settings: AutoRatioSettings,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.roles = roles
         self.settings = settings
+        self.clock = clock  # monotonic seconds: what follow_ratio checks at
         self.leaning: str | None = None  # the pool that wanted a worker at the last check
         self.checks = 0  # checks in a row it did
         self.recent: list[float] = []  # monotonic times of recent moves
@@ -252,7 +266,7 @@ class AutoRatio:
         backlog = sum(w.load.busyness(Role.PREFILL)[0] for w in prefill)
         running = sum((w.load.report.running_requests if w.load.report else 0) for w in decode)
         waiting = sum((w.load.report.waiting_requests if w.load.report else 0) for w in decode)
-        seats = sum(w.max_num_seqs for w in decode) or 1
+        seats = sum(w.identity.max_num_seqs for w in decode) or 1
         return {
             "flex_prefill_workers": sum(w.role == Role.PREFILL for w in self.roles.flex()),
             "prefill_workers": len(prefill),
@@ -313,7 +327,7 @@ async def follow_ratio(auto: AutoRatio) -> None:
     while True:
         try:
             if auto.roles.leads_ratio:
-                auto.check(time.monotonic())
+                auto.check(auto.clock())
         except Exception:  # a decision gone wrong must not stop the router's other work
             log.exception("automatic ratio check failed")
         await asyncio.sleep(auto.settings.interval_s)

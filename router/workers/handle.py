@@ -11,21 +11,10 @@ from router.workers.load import WorkerLoad
 
 
 class WorkerHandle(Protocol):
-    # who it is, from its Health
     address: str
-    worker_id: str
     role: str  # the pool it serves: its own, or the one the router gave a flex worker
     flex: bool
-    max_model_len: int
-    max_num_seqs: int
-    # how its KV moves, and with whom it can exchange it
-    kv_address: str
-    kv_transport: str
-    host_id: str
-    device: str
-    tensor_parallel_size: int
-    kv_compatibility: str
-    kv_pool: str
+    identity: worker_pb2.HealthReply  # who it is, as its Health said: how its KV moves, ...
     # what it runs now
     users: int
     load: WorkerLoad

@@ -50,7 +50,7 @@ PoolName = tuple[str, str]  # a host KV pool: its workers' (host_id, kv_pool)
 
 
 def pool_name(worker: WorkerHandle) -> PoolName:
-    return worker.host_id, worker.kv_pool
+    return worker.identity.host_id, worker.identity.kv_pool
 
 
 class PoolContents:
@@ -59,7 +59,7 @@ class PoolContents:
 
     def stats_request(self, worker: WorkerHandle) -> worker_pb2.StatsRequest:
         """The Stats question for `worker`: the changes after this router's copy of its pool."""
-        if not worker.kv_pool:
+        if not worker.identity.kv_pool:
             return worker_pb2.StatsRequest()
         copy = self._pools.get(pool_name(worker), PoolCopy())
         return worker_pb2.StatsRequest(
@@ -70,7 +70,7 @@ class PoolContents:
         """A worker's answer: applied when it continues this copy (the changes after its
         change number) or replaces it (reset); an answer to an older question, which a
         pool-mate's answer overtook, is left for the next poll."""
-        if not worker.kv_pool:
+        if not worker.identity.kv_pool:
             return
         copy = self._pools.setdefault(pool_name(worker), PoolCopy())
         if contents.reset:
@@ -123,6 +123,6 @@ class PoolContents:
 
     def forget_unused(self, workers: list[WorkerHandle]) -> None:
         """Drop the copies of pools no member uses any more."""
-        used = {pool_name(worker) for worker in workers if worker.kv_pool}
+        used = {pool_name(worker) for worker in workers if worker.identity.kv_pool}
         for name in [name for name in self._pools if name not in used]:
             del self._pools[name]

@@ -23,6 +23,9 @@ class NoCacheIndex:
     def cached_tokens(self, worker: WorkerHandle, prompt: list[int]) -> int:
         return 0  # unknown
 
+    def cached_on_each(self, workers: list[WorkerHandle], prompt) -> dict[str, int]:
+        return {}  # unknown everywhere
+
     def cache_lost(self, worker: WorkerHandle) -> None:
         """Nothing to forget."""
 
@@ -141,6 +144,11 @@ class CacheAware:
     def cached_tokens(self, worker: WorkerHandle, prompt: list[int]) -> int:
         """Leading prompt tokens the worker likely has in its prefix cache."""
         return self.index.cached_tokens(worker.address, self._hashes(prompt))
+
+    def cached_on_each(self, workers: list[WorkerHandle], prompt) -> dict[str, int]:
+        """cached_tokens of every worker, by address, the prompt hashed once."""
+        hashes = self._hashes(prompt)
+        return {w.address: self.index.cached_tokens(w.address, hashes) for w in workers}
 
     def cache_lost(self, worker: WorkerHandle) -> None:
         """The worker lacked what the index said it held (it evicted it): its estimate starts

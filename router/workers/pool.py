@@ -119,7 +119,7 @@ class WorkerPool:
                 log.warning(
                     "worker %s (%s) answered nothing for %.1f s: out of the pools until it "
                     "answers for %.0f s",
-                    worker.worker_id,
+                    worker.identity.worker_id,
                     worker.role,
                     now - liveness.last_answer,
                     liveness.back_after(now),
@@ -127,7 +127,9 @@ class WorkerPool:
                 out.append(worker)
             elif liveness.comes_back(now):
                 log.info(
-                    "worker %s (%s) answers again: back in the pools", worker.worker_id, worker.role
+                    "worker %s (%s) answers again: back in the pools",
+                    worker.identity.worker_id,
+                    worker.role,
                 )
                 back.append(worker)
         return out, back
@@ -135,7 +137,7 @@ class WorkerPool:
     def capacity(self) -> int:
         """Requests the live decode and colocated workers run at once: their engines'
         max_num_seqs, less while an engine holds requests back for want of KV blocks."""
-        return sum(w.load.capacity(w.max_num_seqs) for w in self.live(TAKES_REQUESTS))
+        return sum(w.load.capacity(w.identity.max_num_seqs) for w in self.live(TAKES_REQUESTS))
 
     def health(self) -> tuple[bool, dict]:
         """Whether the cluster can serve a request (a decode or colocated worker is up; prefill
@@ -148,10 +150,10 @@ class WorkerPool:
         serving = bool(pools[Role.DECODE] or pools[Role.COLOCATED])
         return serving, {
             "status": "ok" if serving else "unavailable",
-            "workers": [w.worker_id for w in live],
+            "workers": [w.identity.worker_id for w in live],
             "pools": pools,
-            "down": sorted(w.worker_id for w in self.workers if w.address in self.down),
-            "unresponsive": sorted(w.worker_id for w in self.unresponsive()),
+            "down": sorted(w.identity.worker_id for w in self.workers if w.address in self.down),
+            "unresponsive": sorted(w.identity.worker_id for w in self.unresponsive()),
         }
 
     def mark_down(self, worker: WorkerHandle) -> None:
@@ -172,13 +174,13 @@ class WorkerPool:
             if address not in current:
                 joining = WorkerClient(address)
                 if await self._is_ready(joining):
-                    log.info("worker %s (%s) joined", joining.worker_id, joining.role)
+                    log.info("worker %s (%s) joined", joining.identity.worker_id, joining.role)
                     self.workers.append(joining)
                     self.liveness[address] = Liveness(self.clock())
                 else:
                     await joining.close()
         for worker in [w for w in self.workers if w.address not in addresses]:
-            log.info("worker %s left", worker.worker_id)
+            log.info("worker %s left", worker.identity.worker_id)
             self.workers.remove(worker)
             self.down.discard(worker.address)
             self.liveness.pop(worker.address, None)
@@ -192,7 +194,7 @@ class WorkerPool:
     def max_model_len(self) -> int:
         """The smallest context of the members; the last one known while the pools are empty."""
         if self.workers:
-            self._max_model_len = min(w.max_model_len for w in self.workers)
+            self._max_model_len = min(w.identity.max_model_len for w in self.workers)
         return self._max_model_len
 
     async def close(self) -> None:

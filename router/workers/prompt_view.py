@@ -25,7 +25,7 @@ class PromptView:
     def pooled_for(self, worker: WorkerHandle) -> int:
         """Of the prompt, the leading tokens `worker`'s host KV pool holds (0: in no pool, or
         none of its contents known)."""
-        return self.pooled.get(pool_name(worker), 0) if worker.kv_pool else 0
+        return self.pooled.get(pool_name(worker), 0) if worker.identity.kv_pool else 0
 
 
 NO_PROMPT = PromptView()  # a pick that weighs no prompt (a migration's continuation)

@@ -4,7 +4,7 @@ pools, as far as the workers can tell), with round-robin routing, so a conversat
 lands on the worker that did not compute its history.
 
 That turn's worker fetches the history from the other worker's pool into its own over gRPC (the
-router named it: router/workers/pool.py's pool_fetch; pdserve/worker/pool_peers.py) and its
+router named it: router/workers/choice.py's pool_fetch; pdserve/worker/pool_peers.py) and its
 engine loads it from there (the worker's pool-hit counters and the response's cached tokens say
 how much) and answers exactly as vLLM's offline engine; the router's copy of each pool's
 contents follows what its store holds (its stores, its evictions, its death); blocks whose

@@ -26,7 +26,7 @@ def pool_of(max_num_seqs: int = 256, workers: int = 1) -> WorkerPool:
     pool = WorkerPool([])
     pool.workers = [answering(f"decode-{i}") for i in range(workers)]
     for worker in pool.workers:
-        worker.max_num_seqs = max_num_seqs
+        worker.identity.max_num_seqs = max_num_seqs
     return pool
 
 

@@ -21,8 +21,7 @@ def prefill_worker(name: str, kv_pool: str = "", host_id: str = "host") -> FakeW
 def view(policy: CacheAware, workers: list[FakeWorker], tokens: list[int], pooled=None):
     """The run's PromptView of `tokens`: what the policy's index says each worker holds, and
     `pooled` (host KV pool -> leading tokens it holds)."""
-    cached = {w.address: policy.cached_tokens(w, tokens) for w in workers}
-    return PromptView(tuple(tokens), cached, pooled or {})
+    return PromptView(tuple(tokens), policy.cached_on_each(workers, tokens), pooled or {})
 
 
 def prompt(prefix: int, length: int) -> list[int]:

@@ -148,7 +148,8 @@ class Context:
 
 def test_the_worker_gives_its_engine_the_requests_cache_salt():
     service = WorkerService("decode-a", "decode", "m")
-    service.engine, service.state, service.max_model_len = RecordingEngine(), State.READY, 64
+    service.engine, service.state = RecordingEngine(), State.READY
+    service.identity.max_model_len = 64
     sampling = worker_pb2.SamplingParams(max_tokens=1, temperature=1.0, top_p=1.0)
 
     async def run(**fields):

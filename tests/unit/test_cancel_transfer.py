@@ -48,7 +48,7 @@ async def cancel_on(service: WorkerService, transfer_id: str) -> float:
 
 def decode_service(kv_address: str) -> WorkerService:
     service = WorkerService("decode-a", "decode", "m", kv_address=kv_address)
-    service.tensor_parallel_size = 1
+    service.identity.tensor_parallel_size = 1
     return service
 
 

@@ -1,50 +1,17 @@
 """The router tells the decode worker when no decode leg will run (security review 2026-12, H6):
-router/flow/disaggregation.py's generate_disaggregated with fake workers, in after-prefill mode; a
-request the prefill's first token ends (max_tokens 1, or EOS first), one whose client leaves
-between the legs, and one whose prefill worker fails each cancel the transfer on the decode
-worker exactly once; one whose decode leg runs cancels nothing. No engine, no network."""
+router/flow/disaggregation.py's generate_disaggregated with fake workers (tests/fakes.py), in
+after-prefill mode; a request the prefill's first token ends (max_tokens 1, or EOS first), one
+whose client leaves between the legs, and one whose prefill worker fails each cancel the
+transfer on the decode worker exactly once; one whose decode leg runs cancels nothing. No
+engine, no network."""
 
 import asyncio
-import contextlib
 
 from pdserve.protocol import worker_pb2
 from router.flow import disaggregation
 from router.flow.disaggregation import PrefillOutcome, generate_disaggregated
 from router.http.errors import worker_failed
-
-
-class Worker:
-    """Stands in for router.workers.client.WorkerClient."""
-
-    def __init__(self, name: str, chunks=(), error=None) -> None:
-        self.worker_id = name
-        self.kv_address = f"{name}:6000"
-        self.tensor_parallel_size = 1
-        self.kv_transport, self.host_id, self.device = "grpc", "", "cpu"
-        self.users = 0
-        self.chunks = list(chunks)
-        self.error = error
-        self.requests: list[worker_pb2.GenerateRequest] = []
-        self.cancelled: list[tuple[str, str]] = []  # (transfer id, reason)
-
-    @contextlib.contextmanager
-    def in_use(self):
-        self.users += 1
-        try:
-            yield self
-        finally:
-            self.users -= 1
-
-    async def cancel_transfer(self, transfer_id: str, reason: str) -> None:
-        await asyncio.sleep(0)  # a real call suspends
-        self.cancelled.append((transfer_id, reason))
-
-    async def generate(self, request, timeout: float):
-        self.requests.append(request)
-        for chunk in self.chunks:
-            yield chunk
-        if self.error is not None:
-            raise self.error
+from tests.fakes import FakeWorker
 
 
 def request(max_tokens: int) -> worker_pb2.GenerateRequest:
@@ -55,7 +22,7 @@ def request(max_tokens: int) -> worker_pb2.GenerateRequest:
     )
 
 
-def run(prefill: Worker, decode: Worker, max_tokens: int, take: int | None = None):
+def run(prefill: FakeWorker, decode: FakeWorker, max_tokens: int, take: int | None = None):
     """Stream the request (the first `take` chunks only, then the client leaves); the chunks,
     once every cancel the router started is done."""
 
@@ -78,15 +45,15 @@ def run(prefill: Worker, decode: Worker, max_tokens: int, take: int | None = Non
     return asyncio.run(go())
 
 
-def first_token(finish_reason: str = "length") -> Worker:
-    return Worker(
+def first_token(finish_reason: str = "length") -> FakeWorker:
+    return FakeWorker(
         "prefill-a",
         chunks=[worker_pb2.GenerateChunk(token_ids=[1], text="Hi", finish_reason=finish_reason)],
     )
 
 
-def decoding() -> Worker:
-    return Worker(
+def decoding() -> FakeWorker:
+    return FakeWorker(
         "decode-a",
         chunks=[worker_pb2.GenerateChunk(token_ids=[2], text="!", finish_reason="length")],
     )
@@ -124,7 +91,7 @@ def test_a_request_whose_decode_leg_runs_cancels_nothing():
 
 
 def test_a_failed_prefill_cancels_the_transfer_once_even_as_its_task_is_cancelled():
-    prefill = Worker("prefill-a", error=worker_failed("engine died"))
+    prefill = FakeWorker("prefill-a", error=worker_failed("engine died"))
     decode = decoding()
     run(prefill, decode, max_tokens=16)
     assert [transfer for transfer, _ in decode.cancelled] == ["cmpl-1"]

@@ -14,7 +14,7 @@ from tests.fakes import FakeWorker
 def flex_worker(name: str, flex: bool = True, role: str = "") -> FakeWorker:
     """A flex worker just joined (no role yet), or a fixed one of `role`."""
     worker = FakeWorker(name, role, flex=flex, address=name)
-    worker.max_num_seqs = 4
+    worker.identity.max_num_seqs = 4
     return worker
 
 
@@ -44,7 +44,11 @@ def test_set_split_moves_the_least_busy_and_counts_it():
     busy.reports(running_requests=3)
     idle.reports(running_requests=0)
     [change] = roles.set_split(2, None, by="manual")
-    assert (change.worker_id, change.before, change.after) == (idle.worker_id, "decode", "prefill")
+    assert (change.worker_id, change.before, change.after) == (
+        idle.identity.worker_id,
+        "decode",
+        "prefill",
+    )
     assert split(roles) == ["prefill", "decode", "prefill"]
     metrics = roles.metrics
     assert metrics.workers.labels("prefill")._value.get() == 2

@@ -5,10 +5,9 @@ router/workers/pool.py). Keeper side: which workers whose process runs the repli
 replaces anyway (pdserve/cluster/hung_workers.py).
 
 The rules are tested with times passed in; the router's whole loop with its real WorkerClient
-against fake gRPC workers on 127.0.0.1 whose handlers can be made to hang."""
+against fake gRPC workers on 127.0.0.1 whose handlers can be made to hang, on a fake clock."""
 
 import asyncio
-import time
 
 import grpc
 import pytest
@@ -18,6 +17,7 @@ from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from router.metrics import RouterMetrics
 from router.workers.liveness import BACK_AFTER_S, FLAP_WINDOW_S, MAX_BACK_AFTER_S, Liveness
 from router.workers.pool import WorkerPool, follow_load
+from tests.fakes import FakeClock
 
 DEADLINE_S = 10.0
 
@@ -106,43 +106,55 @@ async def serve(worker: FakeHangingWorker) -> tuple[grpc.aio.Server, str]:
     return server, f"127.0.0.1:{port}"
 
 
-async def until(condition, timeout_s: float) -> float:
-    """Seconds until `condition()` held; fails the test past `timeout_s`."""
-    started = time.monotonic()
+async def until(condition, timeout_s: float = 10.0) -> None:
+    """Until `condition()` holds; fails the test past `timeout_s` (a bound, not a measure)."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + timeout_s
     while not condition():
-        if time.monotonic() - started > timeout_s:
+        if loop.time() > give_up:
             pytest.fail(f"not within {timeout_s} s")
         await asyncio.sleep(0.02)
-    return time.monotonic() - started
 
 
 def test_a_hung_worker_leaves_the_pools_and_returns_when_it_answers_again():
-    deadline_s, interval_s = 0.6, 0.05
+    """The pool's clock is a fake the test advances, half a second at a time and only once the
+    healthy worker has answered since (the hung one's call waits meanwhile)."""
+    deadline_s, interval_s, clock = 5.0, 0.02, FakeClock()
 
     async def scenario():
         hung, healthy = FakeHangingWorker("decode-hung"), FakeHangingWorker("decode-ok")
         servers = [await serve(hung), await serve(healthy)]
-        pool = WorkerPool([address for _, address in servers])
+        pool = WorkerPool([address for _, address in servers], clock=clock)
         metrics = RouterMetrics()
         following = asyncio.create_task(follow_load(pool, interval_s, deadline_s, metrics))
+
+        async def advance(seconds: float) -> None:
+            for _ in range(round(seconds / 0.5)):
+                clock.advance(0.5)
+                served = healthy.stats_served
+                await until(lambda served=served: healthy.stats_served >= served + 2)
+
         try:
             await pool.wait_ready(5.0)
             assert len(pool.live(("decode",))) == 2
             hung.hang()
-            took = await until(lambda: len(pool.live(("decode",))) == 1, deadline_s + 3)
-            assert took >= deadline_s - 2 * interval_s  # not before its deadline
+            await advance(deadline_s)
+            assert len(pool.live(("decode",))) == 2  # silent, but not past its deadline
+            await advance(1.0)
+            await until(lambda: len(pool.live(("decode",))) == 1)
             (left,) = pool.live(("decode",))
-            assert left.worker_id == "decode-ok"
+            assert left.identity.worker_id == "decode-ok"
             sample = metrics.registry.get_sample_value
             assert sample("pdserve_worker_unresponsive_total", {"role": "decode"}) == 1
             assert sample("pdserve_unresponsive_workers") == 1
             assert pool.health()[1]["unresponsive"] == ["decode-hung"]
-            served = healthy.stats_served  # the hung one's pending call delays no other poll
-            await asyncio.sleep(10 * interval_s)
-            assert healthy.stats_served >= served + 5
             hung.resume()
-            back = await until(lambda: len(pool.live(("decode",))) == 2, BACK_AFTER_S + 3)
-            assert back >= BACK_AFTER_S - 0.1  # hysteresis: it had to keep answering first
+            answered = hung.stats_served
+            await until(lambda: hung.stats_served >= answered + 2)
+            await advance(BACK_AFTER_S - 0.5)
+            assert len(pool.live(("decode",))) == 1  # hysteresis: it must keep answering first
+            await advance(1.0)
+            await until(lambda: len(pool.live(("decode",))) == 2)
             assert sample("pdserve_unresponsive_workers") == 0
             assert sample("pdserve_worker_unresponsive_total", {"role": "decode"}) == 1
         finally:

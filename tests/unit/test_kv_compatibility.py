@@ -1,6 +1,6 @@
 """The compatibility handshake compares the KV cache, not the model (kv_transfer/compatibility.py):
 an fp8-KV prefill worker and a bf16-KV decode worker of the same bf16 model are refused at
-pairing (the router's real WorkerPool.pick over fake worker rows) and at the hello; workers
+pairing (the router's real WorkerChoice.pick over fake workers) and at the hello; workers
 alike in everything pair. The engine's side is read from vLLM's real CacheConfig with a fake
 model config (the four answers compatibility_of asks of it), and from vLLM's real engine
 config for SmolLM2 (EngineArgs, no engine started). No network."""
@@ -121,7 +121,7 @@ def test_the_fingerprint_changes_with_what_the_kv_bytes_mean(other):
 
 def worker(name: str, role: str, kv_compatibility: str) -> FakeWorker:
     fake = FakeWorker(name, role)
-    fake.kv_compatibility = kv_compatibility
+    fake.identity.kv_compatibility = kv_compatibility
     return fake
 
 
@@ -146,9 +146,9 @@ def test_workers_alike_in_everything_pair():
     alike = worker("prefill-a", Role.PREFILL, engine("fp8_e4m3").fingerprint())
     other = worker("prefill-b", Role.PREFILL, engine("auto").fingerprint())
     choice = choice_of(other, alike, decode)
-    assert {choice.pick((Role.PREFILL,), pairs_with=decode).worker_id for _ in range(4)} == {
-        "prefill-a"
-    }
+    assert {
+        choice.pick((Role.PREFILL,), pairs_with=decode).identity.worker_id for _ in range(4)
+    } == {"prefill-a"}
 
 
 def test_the_hello_of_an_fp8_kv_producer_is_refused_by_a_bf16_kv_consumer(monkeypatch):

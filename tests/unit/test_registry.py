@@ -9,7 +9,8 @@ import time
 import pytest
 
 from pdserve.cluster import local_services
-from pdserve.protocol.registry import RecordedLoad, Registry, WorkerRecord
+from pdserve.protocol import worker_pb2
+from pdserve.protocol.registry import IDENTITY_FIELDS, RecordedLoad, Registry, WorkerRecord
 from pdserve.settings.cluster_secret import SECRET_ENV, signature
 from pdserve.worker.processes import stop_group
 from tests.integration.processes import group_members
@@ -25,11 +26,14 @@ def redis_url(tmp_path_factory):
 
 def record(worker_id: str, role: str = "decode") -> WorkerRecord:
     return WorkerRecord(
-        worker_id=worker_id,
-        role=role,
+        worker_pb2.HealthReply(
+            worker_id=worker_id,
+            role=role,
+            kv_address="127.0.0.1:1",
+            kv_compatibility="abc",
+            max_num_seqs=8,
+        ),
         address=f"127.0.0.1:{len(worker_id)}",
-        kv_address="127.0.0.1:1",
-        compatibility_hash="abc",
         node="n1",
         gpu_ids=("3",),
         load=RecordedLoad(running_requests=2, kv_blocks_total=9),
@@ -43,13 +47,13 @@ def test_records_round_trip_and_expire_without_a_heartbeat(redis_url):
             await registry.put(record("decode-0"), ttl_s=0.5)
             await registry.put(record("prefill-0", "prefill"), ttl_s=30)
             members = await registry.members()
-            assert [m.worker_id for m in members] == ["decode-0", "prefill-0"]
+            assert [m.identity.worker_id for m in members] == ["decode-0", "prefill-0"]
             assert members[0] == record("decode-0")
             started = time.monotonic()
-            while "decode-0" in [m.worker_id for m in await registry.members()]:
+            while "decode-0" in [m.identity.worker_id for m in await registry.members()]:
                 assert time.monotonic() - started < 2.0, "the record outlived its TTL"
                 await asyncio.sleep(0.05)
-            assert [m.worker_id for m in await registry.members()] == ["prefill-0"]
+            assert [m.identity.worker_id for m in await registry.members()] == ["prefill-0"]
             await registry.remove("prefill-0")
             assert await registry.members() == []
         finally:
@@ -87,7 +91,7 @@ def test_a_record_not_signed_with_the_cluster_secret_is_ignored_and_counted(redi
             forged = json.dumps({"record": record("decode-9").to_json(), "mac": "0" * 64})
             await registry.redis.set(registry.prefix + "decode-9", forged)
             await registry.redis.set(registry.prefix + "decode-8", record("decode-8").to_json())
-            assert [m.worker_id for m in await registry.members()] == ["decode-0"]
+            assert [m.identity.worker_id for m in await registry.members()] == ["decode-0"]
             assert registry.refused == 2
             monkeypatch.setenv(SECRET_ENV, "another-clusters-secret")
             assert await registry.members() == []  # signed, but not with this secret
@@ -119,6 +123,15 @@ def test_a_record_with_load_figures_this_version_lacks_still_reads():
     assert WorkerRecord.from_json(json.dumps(data)).load == record("decode-0").load
 
 
+def test_a_record_carries_the_identity_whole_under_the_health_replys_names():
+    """One name per field: the JSON names each field as the Health reply does (the KV
+    fingerprint is kv_compatibility), and the identity read back is the one written."""
+    data = json.loads(record("decode-0").to_json())
+    assert set(IDENTITY_FIELDS) <= data.keys() and "compatibility_hash" not in data
+    assert (data["kv_compatibility"], data["max_num_seqs"]) == ("abc", 8)
+    assert WorkerRecord.from_json(json.dumps(data)).identity == record("decode-0").identity
+
+
 def signed(text: str) -> str:
     return json.dumps({"record": text, "mac": signature(text)})
 
@@ -132,7 +145,8 @@ def test_a_bad_record_is_skipped_and_counted_and_a_newer_workers_record_reads(
     monkeypatch.setenv(SECRET_ENV, "the-cluster-secret")
     newer = json.loads(record("decode-1").to_json())
     newer["a_later_field"] = {"any": "thing"}
-    wrong_type = {**json.loads(record("decode-2").to_json()), "address": 5}
+    written = json.loads(record("decode-2").to_json())
+    wrong_type = {**written, "address": 5}
     poison = [
         json.dumps({"record": "x", "mac": 1}),  # the review's PoC
         json.dumps({"record": "x", "mac": "\u00e9"}),
@@ -145,6 +159,11 @@ def test_a_bad_record_is_skipped_and_counted_and_a_newer_workers_record_reads(
         signed("[1]"),  # signed, but not a record
         signed(json.dumps({"worker_id": "decode-3"})),  # signed, fields missing
         signed(json.dumps(wrong_type)),  # signed, a field of the wrong type
+        signed(json.dumps({**written, "max_num_seqs": "8"})),  # ... of the identity
+        signed(json.dumps({**written, "max_num_seqs": True})),
+        signed(json.dumps({**written, "max_num_seqs": -1})),
+        signed(json.dumps({**written, "kv_compatibility": None})),
+        signed(json.dumps({**written, "role": ""})),  # signed, no role
         signed(json.dumps({**newer, "load": "busy"})),
     ]
 

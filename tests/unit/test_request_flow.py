@@ -341,7 +341,7 @@ def test_with_no_prefill_worker_left_the_prompt_takes_the_local_path():
 
 def test_only_a_prefill_worker_whose_kv_the_decode_worker_can_take_is_paired():
     other_dtype, same = first_token("prefill-bf16"), first_token("prefill-f32")
-    other_dtype.kv_compatibility = "smollm2-bfloat16"
+    other_dtype.identity.kv_compatibility = "smollm2-bfloat16"
     decode = answering("decode-a")
     flow = router_over(other_dtype, same, decode)
     for request_id in ("cmpl-1", "cmpl-2"):
@@ -354,7 +354,7 @@ def test_only_a_prefill_worker_whose_kv_the_decode_worker_can_take_is_paired():
 
 def test_with_no_compatible_prefill_worker_the_request_goes_local_and_says_why(caplog):
     other_dtype, decode = first_token("prefill-bf16"), answering("decode-a")
-    other_dtype.kv_compatibility = "smollm2-bfloat16"
+    other_dtype.identity.kv_compatibility = "smollm2-bfloat16"
     flow = router_over(other_dtype, decode)
     run, request = new_request()
     run.route_forced = RouteDecision(RoutePath.DISAGGREGATED, RouteReason.HEADER)
@@ -535,8 +535,8 @@ def test_a_prefill_worker_is_priced_as_loading_what_its_host_pool_holds():
         answering("decode-a"),
     )
     for worker in (computed, mate, stranger):
-        worker.kv_pool, worker.host_id = "@pool", "host-1"
-    stranger.host_id = "host-2"
+        worker.identity.kv_pool, worker.identity.host_id = "@pool", "host-1"
+    stranger.identity.host_id = "host-2"
     pool = WorkerPool([])
     pool.workers = [computed, mate, stranger, decode]
     choice = WorkerChoice(pool, CacheAware())
@@ -566,14 +566,16 @@ def test_a_prefill_worker_is_priced_as_loading_what_its_host_pool_holds():
     assert choice.reusable_tokens(stranger, view) == 0
     # ... nor from a worker whose KV its engine could not use
     stranger.load.report = None
-    computed.kv_compatibility = mate.kv_compatibility = "another model"
+    computed.identity.kv_compatibility = mate.identity.kv_compatibility = "another model"
     assert choice.pool_fetch(stranger, view) is None
     # ... nor from a pool of another tensor-parallel size (its blocks hold a part per rank)
-    computed.kv_compatibility = mate.kv_compatibility = stranger.kv_compatibility
-    computed.tensor_parallel_size = mate.tensor_parallel_size = 2
+    computed.identity.kv_compatibility = mate.identity.kv_compatibility = (
+        stranger.identity.kv_compatibility
+    )
+    computed.identity.tensor_parallel_size = mate.identity.tensor_parallel_size = 2
     assert choice.pool_fetch(stranger, view) is None
     assert choice.reusable_tokens(stranger, view) == 0
-    computed.tensor_parallel_size = mate.tensor_parallel_size = 1
+    computed.identity.tensor_parallel_size = mate.identity.tensor_parallel_size = 1
     # ... nor what its own prefix cache likely holds (it computed the prompt since)
     assert choice.pool_fetch(stranger, view) is not None
     choice.policy.computes(stranger, prompt)
@@ -599,7 +601,7 @@ def test_a_decode_worker_whose_pool_holds_the_prompt_computes_it_itself_loading_
     pool = flow.pool
     prompt = list(range(1000, 2300))
     assert disaggregated(flow, prompt, "no-pool", forced=False).route == RoutePath.DISAGGREGATED
-    decode.kv_pool, decode.host_id = "@pool", "host-1"
+    decode.identity.kv_pool, decode.identity.host_id = "@pool", "host-1"
     assert disaggregated(flow, prompt, "lacks", forced=False).route == RoutePath.DISAGGREGATED
     pool_holds(pool, decode, prompt, blocks=10)
     run = disaggregated(flow, prompt, "holds", forced=False)
@@ -608,7 +610,7 @@ def test_a_decode_worker_whose_pool_holds_the_prompt_computes_it_itself_loading_
     # another host's pool holds it (its prefill worker is busy), the decode worker's lacks it:
     # fetched, then loaded
     elsewhere = first_token("prefill-b")
-    elsewhere.kv_pool, elsewhere.host_id = "@pool", "host-2"
+    elsewhere.identity.kv_pool, elsewhere.identity.host_id = "@pool", "host-2"
     elsewhere.load.report = worker_pb2.StatsReply(outstanding_prefill_tokens=100_000)
     pool.workers.append(elsewhere)
     pool_holds(pool, elsewhere, prompt, blocks=10)
@@ -622,8 +624,8 @@ def test_the_worker_computing_a_prompt_is_told_to_fetch_what_another_hosts_pool_
     which another host's pool holds: its request names that pool's worker and the tokens to
     fetch (pdserve/worker/pool_peers.py); the decode leg, which computes nothing, names none."""
     fetching, source, decode = first_token("prefill-a"), first_token("prefill-b"), answering("d")
-    fetching.kv_pool, fetching.host_id = "@pool", "host-1"
-    source.kv_pool, source.host_id = "@pool", "host-2"
+    fetching.identity.kv_pool, fetching.identity.host_id = "@pool", "host-1"
+    source.identity.kv_pool, source.identity.host_id = "@pool", "host-2"
     flow = router_over(fetching, source, decode)
     prompt = list(range(1000, 1300))
     pool_holds(flow.pool, source, prompt, blocks=2)

@@ -1,26 +1,31 @@
-"""The path estimate (pdserve/costs/path_prices.py) as the router feeds it
-(router/flow/route_choice.py), over fake workers (named fakes: a WorkerClient's `load`, its report
-set by hand), and the figures the workers learn (pdserve/worker/step_costs.py)."""
-
-from types import SimpleNamespace
+"""Route choice (router/flow/route_choice.py): `choose`, one attempt's whole choice made from a
+run's PromptView with no event loop; the path estimate (pdserve/costs/path_prices.py) as the
+router feeds it, over tests/fakes.py's workers (their load reports set by hand); and the figures
+the workers learn (pdserve/worker/step_costs.py)."""
 
 import pytest
 
-from pdserve.core.kinds import RoutePath
-from pdserve.costs.path_prices import RATE_WINDOW_S, WorkerState, estimate
+from pdserve.core.kinds import Role, RoutePath, RouteReason
+from pdserve.costs.path_prices import RATE_WINDOW_S, RouteDecision, WorkerState, estimate
 from pdserve.costs.step_costs import DEFAULT_COSTS
 from pdserve.protocol import worker_pb2
+from pdserve.settings.router import RouterSettings
 from pdserve.worker.step_costs import DEFAULT_SEQUENCE_SHARE, MIN_PREFILL_TOKENS, StepCostLearner
-from router.flow.route_choice import cluster_costs, worker_state
+from router.flow.route_choice import Tried, choose, cluster_costs, worker_state
+from router.http.errors import OpenAIError
+from router.workers.choice import WorkerChoice
 from router.workers.load import WorkerLoad
+from router.workers.policies import CacheAware, RoundRobin
+from router.workers.pool import WorkerPool
+from tests.fakes import FakeWorker
 
 FLOOR = 256
 LONG, SHORT = 1500, 100
 
 
-def fake_worker(sent_per_second: tuple[int, int] = (0, 0), **report) -> SimpleNamespace:
-    """A WorkerClient stand-in: its last Stats, and what the router sent it over the rate
-    window (requests per second, prompt tokens each)."""
+def fake_worker(sent_per_second: tuple[int, int] = (0, 0), **report) -> FakeWorker:
+    """A worker with its last Stats, and what the router sent it over the rate window
+    (requests per second, prompt tokens each)."""
     load = WorkerLoad()
     requests, tokens = sent_per_second
     for _ in range(round(requests * RATE_WINDOW_S)):
@@ -29,7 +34,9 @@ def fake_worker(sent_per_second: tuple[int, int] = (0, 0), **report) -> SimpleNa
         load.reported(worker_pb2.StatsReply(**report))  # those sends are in the report now
     else:
         load.requests_since = load.prompt_tokens_since = 0
-    return SimpleNamespace(load=load)
+    worker = FakeWorker("w")
+    worker.load = load
+    return worker
 
 
 def state(**report) -> WorkerState:
@@ -187,3 +194,66 @@ def test_a_prompt_cached_on_its_decode_worker_is_not_sent_to_be_recomputed():
     cold = decide(LONG, state(sent_per_second=(1, SHORT)), state())
     warm = decide(LONG, decode, state())
     assert cold.route == RoutePath.DISAGGREGATED and warm.route == RoutePath.LOCAL
+
+
+SAMPLING = worker_pb2.SamplingParams(max_tokens=8)
+FORCED = RouteDecision(RoutePath.DISAGGREGATED, RouteReason.HEADER)
+
+
+def choice_over(*workers: FakeWorker, policy=None) -> WorkerChoice:
+    pool = WorkerPool([])
+    pool.workers = list(workers)
+    return WorkerChoice(pool, policy or RoundRobin())
+
+
+def test_choose_pairs_a_forced_disaggregated_request_without_an_event_loop():
+    decode, prefill = FakeWorker("decode-a"), FakeWorker("prefill-a", Role.PREFILL)
+    choice = choice_over(decode, prefill)
+    view = choice.prompt_view(range(LONG))
+    attempt = choose(choice, view, RouterSettings(model="m"), SAMPLING, FORCED)
+    assert (attempt.decode, attempt.prefill, attempt.decision) == (decode, prefill, FORCED)
+    assert attempt.route == RoutePath.DISAGGREGATED and attempt.fetch is None
+    assert attempt.unpaired is None
+
+
+def test_choose_goes_local_with_no_prefill_worker_left_to_try_and_says_why_when_none_pairs():
+    decode, prefill = FakeWorker("decode-a"), FakeWorker("prefill-a", Role.PREFILL)
+    choice = choice_over(decode, prefill)
+    view, settings = choice.prompt_view(range(LONG)), RouterSettings(model="m")
+    tried = Tried(prefill=frozenset({prefill.address}))
+    attempt = choose(choice, view, settings, SAMPLING, tried=tried)
+    assert attempt.prefill is None and attempt.unpaired is None
+    assert attempt.decision == RouteDecision(RoutePath.LOCAL, RouteReason.NO_PREFILL_WORKER)
+    prefill.identity.kv_compatibility = (
+        "another model"  # forced, but nothing pairs with the decode worker
+    )
+    attempt = choose(choice, view, settings, SAMPLING, FORCED)
+    assert attempt.route == RoutePath.LOCAL and attempt.prefill is None
+    assert "KV is compatible with worker decode-a's" in attempt.unpaired
+
+
+def test_choose_skips_the_decode_workers_tried_and_is_a_503_with_none_left():
+    gone, spare = FakeWorker("decode-a"), FakeWorker("decode-b")
+    choice = choice_over(gone, spare)
+    view, settings = choice.prompt_view(range(SHORT)), RouterSettings(model="m")
+    tried = Tried(decode=frozenset({gone.address}))
+    assert {choose(choice, view, settings, SAMPLING, tried=tried).decode for _ in range(3)} == {
+        spare
+    }
+    with pytest.raises(OpenAIError) as caught:
+        choose(
+            choice, view, settings, SAMPLING, tried=Tried(frozenset({gone.address, spare.address}))
+        )
+    assert caught.value.status == 503
+
+
+def test_the_prompt_view_is_what_the_workers_held_before_the_run_sent_anything():
+    """The view is made once per run: telling the policy that a worker now computes the prompt
+    changes the next run's view, not this one's."""
+    decode = FakeWorker("decode-a")
+    choice = choice_over(decode, policy=CacheAware())
+    prompt = list(range(1000, 1300))
+    view = choice.prompt_view(prompt)
+    choice.policy.computes(decode, prompt)
+    assert view.cached_on(decode) == 0
+    assert choice.prompt_view(prompt).cached_on(decode) == 256  # 4 whole chunks of 64

@@ -5,12 +5,11 @@ garbage collector finds it. The assembled app is called as ASGI with a client th
 body, then disconnects when told; the fake worker never sends a first chunk until released."""
 
 import asyncio
-import json
 
 import pytest
 
 from pdserve.protocol import worker_pb2
-from tests.fakes import FakeWorker, app_with_workers
+from tests.fakes import FakeHttpClient, FakeWorker, app_with_workers
 
 WAIT_S = 5.0
 
@@ -21,7 +20,7 @@ class StalledWorker(FakeWorker):
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
-        self.max_num_seqs = 64
+        self.identity.max_num_seqs = 64
         self.go = asyncio.Event()
         self.aborted: list[str] = []
 
@@ -37,45 +36,6 @@ class StalledWorker(FakeWorker):
         finally:
             if not finished:
                 self.aborted.append(request.request_id)
-
-
-class Client:
-    """One HTTP request to the app, as ASGI: the body, then http.disconnect once `leave()`."""
-
-    def __init__(self, app, path: str, body: dict) -> None:
-        self.gone = asyncio.Event()
-        self.sent: list[dict] = []
-        self.messages = [{"type": "http.request", "body": json.dumps(body).encode()}]
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": path,
-            "raw_path": path.encode(),
-            "query_string": b"",
-            "headers": [(b"content-type", b"application/json")],
-            "client": ("127.0.0.1", 5000),
-            "server": ("127.0.0.1", 8000),
-        }
-        self.task = asyncio.create_task(app(scope, self.receive, self.send))
-
-    async def receive(self) -> dict:
-        if self.messages:
-            return self.messages.pop(0)
-        await self.gone.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(self, message: dict) -> None:
-        self.sent.append(message)
-
-    def leave(self) -> None:
-        self.gone.set()
-
-    def status(self) -> int | None:
-        starts = [m for m in self.sent if m["type"] == "http.response.start"]
-        return starts[0]["status"] if starts else None
 
 
 async def until(condition, what: str) -> None:
@@ -98,9 +58,9 @@ def test_a_client_gone_before_its_first_token_frees_its_place_and_aborts_its_run
     body = {"prompt": "hi", "max_tokens": 2, "stream": stream}
 
     async def go():
-        first = Client(app, "/v1/completions", body)
+        first = FakeHttpClient(app, "/v1/completions", body)
         await until(lambda: len(worker.requests) == 1, "the first request at the worker")
-        second = Client(
+        second = FakeHttpClient(
             app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}
         )
         await until(lambda: len(gate.waiting) == 1, "the second request queued")
@@ -129,7 +89,9 @@ def test_a_client_gone_between_two_events_of_a_stream_frees_its_place_at_once(se
 
     async def go():
         worker.go.set()  # one chunk, then the stream stalls
-        client = Client(app, "/v1/completions", {"prompt": "hi", "max_tokens": 5, "stream": True})
+        client = FakeHttpClient(
+            app, "/v1/completions", {"prompt": "hi", "max_tokens": 5, "stream": True}
+        )
         await until(lambda: any(m.get("body") for m in client.sent), "the first event")
         assert gate.running == 1
         client.leave()
@@ -146,7 +108,7 @@ def test_a_client_gone_while_sending_its_body_is_no_500(served, path, caplog):
     app, worker = served
 
     async def go():
-        client = Client(app, path, {})
+        client = FakeHttpClient(app, path, {})
         client.messages = [{"type": "http.request", "body": b'{"prompt": "h', "more_body": True}]
         client.leave()
         await asyncio.wait_for(client.task, WAIT_S)

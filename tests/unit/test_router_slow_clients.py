@@ -9,18 +9,19 @@ import json
 from pdserve.settings.router import RouterSettings
 from router import command
 from router.http import body
-from tests.fakes import app_with_workers
-from tests.unit.test_router_disconnect import WAIT_S, Client
+from tests.fakes import FakeHttpClient, app_with_workers
+
+WAIT_S = 5.0  # a bound on each wait, never reached when the router does its part
 
 
-def stalled(app, sent: bytes) -> Client:
+def stalled(app, sent: bytes) -> FakeHttpClient:
     """A client that sends `sent` of a body, then nothing more (it never leaves)."""
-    client = Client(app, "/v1/completions", {})
+    client = FakeHttpClient(app, "/v1/completions", {})
     client.messages = [{"type": "http.request", "body": sent, "more_body": True}]
     return client
 
 
-def error_of(client: Client) -> dict:
+def error_of(client: FakeHttpClient) -> dict:
     [response] = [m for m in client.sent if m["type"] == "http.response.body"]
     return json.loads(response["body"])["error"]
 

@@ -9,16 +9,14 @@ from router.flow.route_choice import forced_route
 from router.http.errors import OpenAIError
 from router.workers.load import WorkerLoad
 from router.workers.policies import LeastLoaded, RoundRobin
+from tests.fakes import FakeWorker
 
 
-class FakeWorker:
-    """Stands in for a WorkerClient: policies only read `role` and `load`, here the worker's
-    report (a StatsReply's fields) and nothing sent since."""
-
-    def __init__(self, name: str, role: str = "decode", **report) -> None:
-        self.name = name
-        self.role = role
-        self.load = WorkerLoad(worker_pb2.StatsReply(**report))
+def reporting(name: str, role: str = "decode", **report) -> FakeWorker:
+    """A worker whose last Stats said `report` (a StatsReply's fields), nothing sent since."""
+    worker = FakeWorker(name, role)
+    worker.load = WorkerLoad(worker_pb2.StatsReply(**report))
+    return worker
 
 
 @pytest.mark.parametrize(
@@ -55,57 +53,64 @@ def test_an_unknown_path_is_a_400_naming_the_header():
 
 
 def test_round_robin_cycles_through_the_candidates():
-    workers = [FakeWorker("a"), FakeWorker("b"), FakeWorker("c")]
+    workers = [reporting("a"), reporting("b"), reporting("c")]
     policy = RoundRobin()
-    assert [policy.choose(workers).name for _ in range(4)] == ["a", "b", "c", "a"]
+    assert [policy.choose(workers).identity.worker_id for _ in range(4)] == ["a", "b", "c", "a"]
 
 
 def test_round_robin_takes_turns_within_each_pool():
     """Each disaggregated request picks a prefill worker, then a decode worker: both pools
     still take turns (one shared counter sent every prefill to the same worker of two)."""
-    prefill = [FakeWorker("p0", role="prefill"), FakeWorker("p1", role="prefill")]
-    decode = [FakeWorker("d0"), FakeWorker("d1")]
+    prefill = [reporting("p0", role="prefill"), reporting("p1", role="prefill")]
+    decode = [reporting("d0"), reporting("d1")]
     policy = RoundRobin()
-    picks = [(policy.choose(prefill).name, policy.choose(decode).name) for _ in range(4)]
+    picks = [
+        (policy.choose(prefill).identity.worker_id, policy.choose(decode).identity.worker_id)
+        for _ in range(4)
+    ]
     assert picks == [("p0", "d0"), ("p1", "d1"), ("p0", "d0"), ("p1", "d1")]
 
 
 def test_least_loaded_sends_a_prompt_to_the_prefill_worker_with_the_least_left_to_compute():
     workers = [
-        FakeWorker(name, "prefill", outstanding_prefill_tokens=tokens)
+        reporting(name, "prefill", outstanding_prefill_tokens=tokens)
         for name, tokens in (("a", 900), ("b", 20), ("c", 300))
     ]
-    assert LeastLoaded().choose(workers).name == "b"
+    assert LeastLoaded().choose(workers).identity.worker_id == "b"
 
 
 def test_least_loaded_decode_goes_by_requests_then_kv_blocks_in_use():
     workers = [
-        FakeWorker("busy", running_requests=5, kv_blocks_used=10, kv_blocks_total=100),
-        FakeWorker("full", running_requests=2, kv_blocks_used=90, kv_blocks_total=100),
-        FakeWorker("roomy", running_requests=2, kv_blocks_used=30, kv_blocks_total=100),
+        reporting("busy", running_requests=5, kv_blocks_used=10, kv_blocks_total=100),
+        reporting("full", running_requests=2, kv_blocks_used=90, kv_blocks_total=100),
+        reporting("roomy", running_requests=2, kv_blocks_used=30, kv_blocks_total=100),
     ]
-    assert LeastLoaded().choose(workers).name == "roomy"
+    assert LeastLoaded().choose(workers).identity.worker_id == "roomy"
 
 
 def test_two_routers_reading_the_same_reports_agree():
     reports = [dict(running_requests=n, kv_blocks_total=100) for n in (3, 1, 2)]
-    first = [FakeWorker(f"w{i}", **report) for i, report in enumerate(reports)]
-    second = [FakeWorker(f"w{i}", **report) for i, report in enumerate(reports)]
-    assert LeastLoaded().choose(first).name == LeastLoaded().choose(second).name == "w1"
+    first = [reporting(f"w{i}", **report) for i, report in enumerate(reports)]
+    second = [reporting(f"w{i}", **report) for i, report in enumerate(reports)]
+    assert (
+        LeastLoaded().choose(first).identity.worker_id
+        == LeastLoaded().choose(second).identity.worker_id
+        == "w1"
+    )
 
 
 def test_what_a_router_sent_since_the_report_counts_until_the_next_one():
     """A burst between two polls spreads out instead of piling onto the idlest-looking one."""
-    workers = [FakeWorker("a", running_requests=1), FakeWorker("b", running_requests=2)]
+    workers = [reporting("a", running_requests=1), reporting("b", running_requests=2)]
     policy = LeastLoaded()
     picks = []
     for _ in range(4):
         worker = policy.choose(workers)
         worker.load.sent(prompt_tokens=10)
-        picks.append(worker.name)
+        picks.append(worker.identity.worker_id)
     assert picks == ["a", "a", "b", "a"]
     workers[0].load.reported(worker_pb2.StatsReply(running_requests=0))
-    assert workers[0].load.requests_since == 0 and policy.choose(workers).name == "a"
+    assert workers[0].load.requests_since == 0 and policy.choose(workers).identity.worker_id == "a"
 
 
 def test_capacity_is_max_num_seqs_unless_the_engine_waits_for_kv_blocks():

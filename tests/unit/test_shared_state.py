@@ -63,7 +63,7 @@ class Router:
         )
 
     def split(self) -> dict[str, str]:
-        return {w.worker_id: w.role for w in self.roles.flex()}
+        return {w.identity.worker_id: w.role for w in self.roles.flex()}
 
     async def close(self) -> None:
         async with asyncio.timeout(5):

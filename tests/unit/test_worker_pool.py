@@ -1,13 +1,12 @@
 """The router's pool membership (router/workers/pool.py): `sync` to a list of addresses,
 `follow_registry`, `refresh` of workers marked down, and `max_model_len`. The pool's
-WorkerClient is replaced by a fake whose Health answers from a table the test edits (READY,
-STARTING, or an UNAVAILABLE gRPC error), and the registry by a fake; asyncio.run drives the
-coroutines. No worker process, no Redis, no network."""
+WorkerClient is replaced by tests/fakes.py's FakeWorker, whose Health answers from a table the
+test edits (READY, STARTING, or an UNAVAILABLE gRPC error), and the registry by a fake;
+asyncio.run drives the coroutines. No worker process, no Redis, no network."""
 
 import asyncio
 import contextlib
 import logging
-import time
 
 import grpc
 import pytest
@@ -15,88 +14,46 @@ import pytest
 import router.workers.pool
 from pdserve.protocol import worker_pb2
 from pdserve.protocol.registry import WorkerRecord
-from router.workers.load import WorkerLoad
-from router.workers.pool import WorkerPool, follow_load, follow_registry
+from router.workers.pool import RESTART_HOLD_S, WorkerPool, follow_load, follow_registry
+from tests.fakes import FakeClock, FakeReplies, FakeWorker
 
 READY, STARTING = worker_pb2.HealthReply.READY, worker_pb2.HealthReply.STARTING
 
 
 class FakeWorkers:
-    """Stands in for the worker processes behind the addresses: what each one's Health
-    answers (an address with no reply is not listening), and every client the pool made."""
+    """Stands in for the worker processes behind the addresses: what each one's Health and
+    Stats answer (tests/fakes.py's FakeReplies: an address with no Health reply is not
+    listening), and every client (a FakeWorker) the pool made."""
 
     def __init__(self) -> None:
-        self.replies: dict[str, worker_pb2.HealthReply] = {}
-        self.stats: dict[str, worker_pb2.StatsReply | grpc.StatusCode] = {}  # reply, or error
-        self.clients: list[FakeWorkerClient] = []
+        self.answers = FakeReplies()
+        self.stats = self.answers.stats  # address -> StatsReply, or the status code it fails with
+        self.clients: list[FakeWorker] = []
 
     def up(
         self, address: str, role: str = "decode", max_model_len: int = 4096, state=READY
     ) -> None:
-        self.replies[address] = worker_pb2.HealthReply(
+        self.answers.health[address] = worker_pb2.HealthReply(
             state=state,
             worker_id=f"id-{address}",
             role=role,
             max_model_len=max_model_len,
             kv_address=f"kv-{address}",
             tensor_parallel_size=1,
+            max_num_seqs=4,
         )
 
     def gone(self, address: str) -> None:
-        self.replies.pop(address, None)
+        self.answers.health.pop(address, None)
 
-    def client(self, address: str) -> "FakeWorkerClient":
-        client = FakeWorkerClient(address, self)
+    def client(self, address: str) -> FakeWorker:
+        """A client of `address`, as the pool makes one: who it is comes from its Health."""
+        client = FakeWorker(address, "", address=address, replies=self.answers)
         self.clients.append(client)
         return client
 
-    def clients_of(self, address: str) -> list["FakeWorkerClient"]:
+    def clients_of(self, address: str) -> list[FakeWorker]:
         return [client for client in self.clients if client.address == address]
-
-
-class FakeWorkerClient:
-    """Stands in for router.workers.client.WorkerClient: `health` answers from its FakeWorkers
-    table and, when READY, takes the worker's id, role and context like the real client does;
-    `close` is recorded."""
-
-    def __init__(self, address: str, workers: FakeWorkers) -> None:
-        self.address = address
-        self.workers = workers
-        self.worker_id = address
-        self.role = ""
-        self.max_model_len = 0
-        self.kv_address = ""
-        self.tensor_parallel_size = 1
-        self.max_num_seqs = 4
-        self.host_id = self.kv_pool = ""  # in no host KV pool
-        self.asked: worker_pb2.StatsRequest | None = None  # the last Stats question
-        self.users = 0
-        self.load = WorkerLoad()
-        self.closed = False
-
-    async def stats(
-        self, request: worker_pb2.StatsRequest | None = None, timeout: float = 5.0
-    ) -> worker_pb2.StatsReply:
-        self.asked = request
-        reply = self.workers.stats.get(self.address, grpc.StatusCode.UNAVAILABLE)
-        if isinstance(reply, grpc.StatusCode):
-            raise grpc.aio.AioRpcError(reply, grpc.aio.Metadata(), grpc.aio.Metadata(), "no")
-        return reply
-
-    async def health(self, timeout: float = 5.0) -> worker_pb2.HealthReply:
-        reply = self.workers.replies.get(self.address)
-        if reply is None:
-            raise grpc.aio.AioRpcError(
-                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "down"
-            )
-        if reply.state == READY:
-            self.worker_id, self.role = reply.worker_id, reply.role
-            self.max_model_len, self.kv_address = reply.max_model_len, reply.kv_address
-            self.tensor_parallel_size = reply.tensor_parallel_size
-        return reply
-
-    async def close(self) -> None:
-        self.closed = True
 
 
 class FakeRegistry:
@@ -120,7 +77,10 @@ class FakeRegistry:
         self.calls += 1
         if self.failing:
             raise ConnectionError("Redis is away")
-        return [WorkerRecord(f"id-{a}", "decode", a) for a in self.addresses]
+        return [
+            WorkerRecord(worker_pb2.HealthReply(worker_id=f"id-{a}", role="decode"), a)
+            for a in self.addresses
+        ]
 
 
 @pytest.fixture
@@ -168,7 +128,7 @@ def test_a_new_address_joins_only_once_its_health_says_ready(workers):
     asyncio.run(pool.sync(["a:1"]))
     assert members(pool) == ["a:1"]
     [joined] = pool.workers
-    assert (joined.worker_id, joined.role, joined.closed) == ("id-a:1", "decode", False)
+    assert (joined.identity.worker_id, joined.role, joined.closed) == ("id-a:1", "decode", False)
     asyncio.run(pool.sync(["a:1"]))  # a member is not asked again
     assert len(workers.clients_of("a:1")) == 3
     assert pool.workers == [joined]
@@ -262,25 +222,28 @@ def test_synced_is_set_once_the_first_read_has_every_ready_member_in_the_pools(w
     asyncio.run(scenario())
 
 
-def test_after_a_registry_restart_no_worker_leaves_while_they_register_again(workers, monkeypatch):
+def test_after_a_registry_restart_no_worker_leaves_while_they_register_again(workers):
     """A restarted Redis has lost every record until the workers' next heartbeats (a chaos soak
     once failed 60 requests with "no decode worker" in that second): the pool holds its
-    members for RESTART_HOLD_S; one still missing after it leaves."""
-    monkeypatch.setattr(router.workers.pool, "RESTART_HOLD_S", 0.3)
+    members for RESTART_HOLD_S (of the pool's clock); one still missing after it leaves."""
     workers.up("a:1")
     workers.up("b:1")
     registry = FakeRegistry(["a:1", "b:1"])
-    pool = WorkerPool([])
+    clock = FakeClock()
+    pool = WorkerPool([], clock=clock)
 
     async def scenario():
         async with following(pool, registry):
             registry.addresses, registry.run_id = [], "second"  # restarted, empty
-            restarted_at, calls = time.monotonic(), registry.calls
+            calls = registry.calls
             await until(lambda: registry.calls >= calls + 5)
             assert members(pool) == ["a:1", "b:1"]
             registry.addresses = ["a:1"]  # a registered again; b never does
+            calls = registry.calls
+            await until(lambda: registry.calls >= calls + 5)
+            assert members(pool) == ["a:1", "b:1"]  # held: the hold has not passed
+            clock.advance(RESTART_HOLD_S)
             await until(lambda: members(pool) == ["a:1"])
-            assert time.monotonic() - restarted_at >= 0.3
             registry.addresses = []  # with no restart, a missing worker leaves at once
             await until(lambda: members(pool) == [], timeout_s=0.2)
 
@@ -415,7 +378,7 @@ def test_following_load_keeps_the_copy_of_a_host_kv_pool_and_asks_for_what_is_ne
         pool = WorkerPool([])
         await pool.sync(["a:1", "b:1"])
         a, b = pool.workers
-        a.host_id, a.kv_pool = "host-1", "@pool"
+        a.identity.host_id, a.identity.kv_pool = "host-1", "@pool"
         await follow_load_until(pool, lambda: a.asked is not None and a.asked.kv_pool_since == 7)
         assert (a.asked.kv_pool_store_id, a.asked.kv_pool_since) == ("s", 7)
         assert a.asked.kv_pool_contents and not b.asked.kv_pool_contents
