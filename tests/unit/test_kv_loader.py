@@ -15,6 +15,7 @@ from kv_transfer.kv_layout import BLOCK, CONTENT, HEAD, TOKEN, LayerLayout
 from kv_transfer.metadata import Expected
 from kv_transfer.transfer_report import Cancel, Failure, TransferReport
 from kv_transfer.transport import LayerSlice
+from tests.fakes import FakeClock
 
 NUM_LAYERS = 2
 NUM_BLOCKS = 10
@@ -41,19 +42,6 @@ class FakeReceiver:
         slices, self.slices = self.slices, []
         cancels, self.cancels = self.cancels, {}
         return slices, cancels
-
-
-class FakeClock:
-    """Stands in for time.monotonic: a float the test advances."""
-
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from kv_transfer.kv_layout import BLOCK, CONTENT, HEAD, TOKEN, LayerLayout
 from kv_transfer.metadata import Expected
 from kv_transfer.transfer_report import Cancel, Failure
 from kv_transfer.transport import Inbox, LayerSlice
-from tests.unit.test_kv_loader import FakeClock
+from tests.fakes import FakeClock
 
 INBOX_BYTES = 4096
 WAIT_S = 0.3
