@@ -25,6 +25,7 @@ from kv_transfer.pool.copy import PoolMemory, key_tag
 from kv_transfer.pool.wire import PEER, CompleteStore, PrepareStore
 from pdserve.core.pool_keys import block_keys
 from tests.integration.conftest import SERVED_MODEL, _stop_and_check, start_server
+from tests.integration.helpers import first_parent, metrics_url, scrape
 from tests.integration.http_client import HTTP
 from tests.integration.processes import command_line, descendants
 from tests.integration.prompts import (
@@ -34,7 +35,6 @@ from tests.integration.prompts import (
     POOL_MAX_TOKENS,
     POOL_TURNS,
 )
-from tests.integration.test_worker_observability import metrics_url, scrape
 from tests.waiting import wait_for
 
 POOL_GIB = 0.1  # 18 SmolLM2 blocks (128 tokens of float32 KV: 5.6 MiB) a pool; the tests store ~26
@@ -175,14 +175,6 @@ def test_blocks_that_fail_their_digest_are_refused_counted_and_recomputed(
     again = complete(pooled, POOL_FAULT_PROMPT)
     assert again["choices"][0]["text"] == expected["text"]
     assert sum(pools(pooled, "dropped_total")) - dropped_before >= len(keys)
-
-
-def first_parent(server) -> bytes:
-    """The first block's parent in vLLM's sha256 block hash, as the workers' engines have it
-    (the router's copies of the pools say it: it computes keys with it too)."""
-    copies = HTTP.get(f"{server.url}/pdserve/workers", timeout=30).json()["kv_pools"]
-    (parent,) = {row["first_parent"] for row in copies}
-    return bytes.fromhex(parent)
 
 
 def write_damaged(address: str, keys: list[bytes]) -> None:

@@ -18,7 +18,7 @@ from kv_transfer.pool.copy import (
     load_blocks,
     store_blocks,
 )
-from tests.unit.test_kv_pool_sync import PAGE, block_bytes, count, keys_for, pool, vllm_cache
+from tests.unit.kv_pool_copies import PAGE, block_bytes, count, keys_for, pool, vllm_cache
 
 __all__ = ["count"]  # the fixture, used by name
 

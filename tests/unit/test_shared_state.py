@@ -12,20 +12,16 @@ import time
 
 import pytest
 import redis.exceptions
-from prometheus_client import CollectorRegistry
 
 from pdserve import cli
 from pdserve.cluster import local_services
 from pdserve.settings.redis_url import PASSWORD_ENV, connect, masked
 from pdserve.worker.processes import free_port, stop_group
 from router.http.api_keys import is_authorized
-from router.shared.state import Peers, SharedState
-from router.shared.sync import StateSync
-from router.workers.flex_roles import FlexRoles, RoleMetrics
-from router.workers.pool import WorkerPool
-from router.workers.prefix_index import CHUNK_TOKENS, PrefixIndex, chunk_hashes
-from tests.fakes import FakeWorker
+from router.shared.state import SharedState
+from router.workers.prefix_index import CHUNK_TOKENS, chunk_hashes
 from tests.integration.processes import group_members
+from tests.unit.shared_routers import Router
 
 PASSWORD = "s3cret-for-this-test"
 pytestmark = pytest.mark.timeout(60)  # a hung Redis command fails here, not at the suite's 600 s
@@ -45,30 +41,6 @@ def redis_url(tmp_path_factory):
         os.environ[PASSWORD_ENV] = before
     stop_group(group)
     assert group_members(group) == []
-
-
-class Router:
-    """One router's shared parts: its flex roles over its own pool of fake workers, its prefix
-    index, its peer count, and its sync."""
-
-    def __init__(self, url: str, cluster: str, name: str, workers: list[str], auto=False):
-        pool = WorkerPool([])
-        pool.workers = [FakeWorker(w, "", flex=True, address=w) for w in workers]
-        self.roles = FlexRoles(pool, RoleMetrics(CollectorRegistry()))
-        self.roles.place_new()
-        self.index = PrefixIndex()
-        self.peers = Peers()
-        self.sync = StateSync(
-            SharedState(url, cluster, name), self.roles, self.index, self.peers, auto
-        )
-
-    def split(self) -> dict[str, str]:
-        return {w.identity.worker_id: w.role for w in self.roles.flex()}
-
-    async def close(self) -> None:
-        async with asyncio.timeout(5):
-            await self.sync.shared.leave()
-            await self.sync.shared.close()
 
 
 def test_the_password_is_required_and_never_shown(redis_url):

@@ -18,7 +18,7 @@ from router.shared import state as shared_state
 from router.shared.state import key_digest
 from router.workers.prefix_index import CHUNK_TOKENS
 from tests.integration.processes import group_members
-from tests.unit.test_shared_state import Router
+from tests.unit.shared_routers import Router
 
 pytestmark = pytest.mark.timeout(60)
 
