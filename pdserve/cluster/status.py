@@ -81,14 +81,14 @@ def run(args: argparse.Namespace) -> int:
         )
     rows += [
         {
-            "worker": r.worker_id,
-            "role": r.role,
+            "worker": r.identity.worker_id,
+            "role": r.identity.role,
             "state": "in pool, not ours",
             "address": r.address,
             "node": r.node,
             "gpu_ids": list(r.gpu_ids),
             "pid": None,
-            "tensor_parallel_size": r.tensor_parallel_size,
+            "tensor_parallel_size": r.identity.tensor_parallel_size,
             "load": asdict(r.load),
         }
         for r in members.values()

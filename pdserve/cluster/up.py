@@ -285,7 +285,9 @@ def wait_joined(
     names = {slot.name for slot in slots}
     started = last_report = time.monotonic()
     while True:
-        joined = names & {r.worker_id for r in read_members(state.registry_url, config.name)}
+        joined = names & {
+            r.identity.worker_id for r in read_members(state.registry_url, config.name)
+        }
         if joined == names:
             say(f"{len(names)} worker(s) joined after {time.monotonic() - started:.0f} s")
             return
