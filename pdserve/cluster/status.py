@@ -13,7 +13,7 @@ from pdserve.cluster import ray_launcher, replica_keeper
 from pdserve.cluster.cluster_state import ClusterState
 from pdserve.cluster.cluster_target import add_target_arguments, router_roles, target_state
 from pdserve.core.kinds import Role
-from pdserve.protocol.registry import read_members
+from pdserve.protocol.registry import load_figures, read_members
 from pdserve.settings.base import ConfigError
 from pdserve.settings.redis_url import masked
 
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
                 "gpu_ids": list(actor.gpu_ids) if actor else [],
                 "pid": actor.pid if actor else None,
                 "tensor_parallel_size": record.identity.tensor_parallel_size if record else None,
-                "load": asdict(record.load) if record else None,
+                "load": load_figures(record.load) if record else None,
             }
         )
     for name in keeper.keeping if keeper else ():
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
             "gpu_ids": list(r.gpu_ids),
             "pid": None,
             "tensor_parallel_size": r.identity.tensor_parallel_size,
-            "load": asdict(r.load),
+            "load": load_figures(r.load),
         }
         for r in members.values()
     ]

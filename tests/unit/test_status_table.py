@@ -4,7 +4,6 @@ token's fetch from another host's KV pool, its load from its own and its compute
 
 import argparse
 import json
-from dataclasses import asdict
 
 from kv_transfer.pool.wire import PoolStats
 from pdserve.cluster import ray_launcher, replica_keeper, status
@@ -12,10 +11,10 @@ from pdserve.cluster.cluster_state import ClusterState
 from pdserve.cluster.ray_launcher import HostedProcess, kv_pool_actor
 from pdserve.cluster.status import _table
 from pdserve.protocol import worker_pb2
-from pdserve.protocol.registry import RecordedLoad, WorkerRecord
+from pdserve.protocol.registry import WorkerRecord, load_figures
 
 
-def row(worker: str, load: RecordedLoad | None) -> dict:
+def row(worker: str, load: worker_pb2.StatsReply | None) -> dict:
     return {
         "worker": worker,
         "role": "prefill",
@@ -25,12 +24,12 @@ def row(worker: str, load: RecordedLoad | None) -> dict:
         "gpu_ids": ["0"],
         "pid": 7,
         "tensor_parallel_size": 1,
-        "load": asdict(load) if load else None,
+        "load": load_figures(load) if load else None,
     }
 
 
 def test_the_table_shows_each_workers_load_and_compute_per_token():
-    measured = RecordedLoad(
+    measured = worker_pb2.StatsReply(
         running_requests=2,
         kv_blocks_total=10,
         prefill_seconds_per_token=0.0022,
@@ -42,7 +41,11 @@ def test_the_table_shows_each_workers_load_and_compute_per_token():
         "router": "http://r",
         "ray": "ray://x",
         "registry": "redis://y",
-        "workers": [row("prefill-0", measured), row("prefill-1", RecordedLoad()), row("p-2", None)],
+        "workers": [
+            row("prefill-0", measured),
+            row("prefill-1", worker_pb2.StatsReply()),
+            row("p-2", None),
+        ],
         "kv_pools": [],
         "keeper": {"error": "no keeper"},
     }
