@@ -164,7 +164,12 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         say("dry run: nothing started")
         return 0
-    if (previous := load_state(config.name)) is not None:
+    try:
+        previous = load_state(config.name)
+    except ConfigError as error:
+        say(f"pdserve up: refused: {error}")
+        return 2
+    if previous is not None:
         say(
             f"pdserve up: cluster {config.name!r} is already up (router {previous.router_url}); "
             f"run `pdserve down -f {args.file}` first"
