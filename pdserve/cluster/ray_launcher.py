@@ -126,7 +126,17 @@ def receive_member_secrets() -> None:
     value = _internal_kv_get(MEMBER_SECRETS_KEY, namespace=where)
     if value is None:
         raise RuntimeError(f"no member secrets in Ray's namespace {where}: `pdserve up` puts them")
-    os.environ.update(json.loads(value))
+    try:
+        secrets = json.loads(value)
+    except ValueError:
+        secrets = None
+    if (
+        type(secrets) is not dict
+        or not secrets.keys() <= set(MEMBER_SECRETS)
+        or not all(type(secret) is str for secret in secrets.values())
+    ):
+        raise RuntimeError(f"the member secrets in Ray's namespace {where} are not what up puts")
+    os.environ.update(secrets)
 
 
 def member_env() -> dict:

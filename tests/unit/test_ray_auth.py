@@ -216,6 +216,17 @@ def test_actors_options_carry_no_secret_and_their_processes_fetch_them(monkeypat
         ray_launcher.receive_member_secrets()
 
 
+@pytest.mark.parametrize(
+    "stored", ["not json", "[1]", json.dumps({SECRET_ENV: 1}), json.dumps({"LD_PRELOAD": "x"})]
+)
+def test_member_secrets_up_could_not_have_put_fail_the_actors_start(monkeypatch, ray_kv, stored):
+    monkeypatch.setenv(ray_launcher.MEMBER_NAMESPACE_ENV, "pdserve-test")
+    ray_kv[("pdserve-test", ray_launcher.MEMBER_SECRETS_KEY)] = stored.encode()
+    with pytest.raises(RuntimeError, match="not what up puts"):
+        ray_launcher.receive_member_secrets()
+    assert "LD_PRELOAD" not in os.environ
+
+
 def test_the_state_remembers_how_to_reach_ray(monkeypatch, tmp_path):
     monkeypatch.setenv("PDSERVE_STATE_DIR", str(tmp_path))
     state = ClusterState("c", "/c.yaml", "127.0.0.1:1", "pdserve-c", "redis://x", "", "/logs")
