@@ -3,8 +3,10 @@ processes, later) find the same Ray namespace, registry and services."""
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+
+from pdserve.settings.config_error import ConfigError
 
 
 @dataclass(frozen=True)
@@ -60,10 +62,20 @@ def save_state(state: ClusterState) -> None:
 
 
 def load_state(name: str) -> ClusterState | None:
+    """The state `up` saved (None: none); ConfigError when the file holds none it could have
+    written (not JSON, a field missing, unknown or of the wrong type). A state written by an
+    older `up` lacks later fields: they take their defaults."""
     path = state_path(name)
     if not path.is_file():
         return None
-    return ClusterState(**json.loads(path.read_text()))
+    try:
+        state = ClusterState(**json.loads(path.read_text()))
+    except (ValueError, TypeError, RecursionError) as error:
+        raise ConfigError(f"{path} is no cluster state `pdserve up` wrote: {error}") from None
+    for field in fields(ClusterState):
+        if type(getattr(state, field.name)) is not field.type:  # exactly: a bool is no int
+            raise ConfigError(f"{path} is no cluster state `pdserve up` wrote: {field.name}")
+    return state
 
 
 def forget_state(name: str) -> None:

@@ -21,7 +21,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import ray
@@ -34,6 +34,7 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
+from kv_transfer.pool.wire import PoolStats
 from pdserve.cluster.local_services import RAY_TOKEN_ENV, use_ray_auth
 from pdserve.cluster.placement import WorkerSlot
 from pdserve.settings.cluster_secret import SECRET_ENV
@@ -125,7 +126,17 @@ def receive_member_secrets() -> None:
     value = _internal_kv_get(MEMBER_SECRETS_KEY, namespace=where)
     if value is None:
         raise RuntimeError(f"no member secrets in Ray's namespace {where}: `pdserve up` puts them")
-    os.environ.update(json.loads(value))
+    try:
+        secrets = json.loads(value)
+    except ValueError:
+        secrets = None
+    if (
+        type(secrets) is not dict
+        or not secrets.keys() <= set(MEMBER_SECRETS)
+        or not all(type(secret) is str for secret in secrets.values())
+    ):
+        raise RuntimeError(f"the member secrets in Ray's namespace {where} are not what up puts")
+    os.environ.update(secrets)
 
 
 def member_env() -> dict:
@@ -148,6 +159,21 @@ def _secrets_namespace() -> str:
     return os.environ.get(MEMBER_NAMESPACE_ENV) or ray.get_runtime_context().namespace
 
 
+@dataclass(frozen=True)
+class HostedProcess:
+    """What a ProcessHost says of its process (a worker, the router or a node's KV pool store),
+    returned to `up`, `scale`, `status` and the replica keeper through Ray's calls."""
+
+    pid: int
+    node: str  # the Ray node id it runs on
+    log: str  # its log file
+    address: str = ""  # a worker's gRPC host:port; a KV pool store's socket address
+    url: str = ""  # the router's http://host:port
+    gpu_ids: tuple[str, ...] = ()  # the accelerator ids a worker may see
+    budget_bytes: int = 0  # a KV pool store's
+    exit_code: int | None = None  # None: it was running when described
+
+
 def node_resources() -> list[dict[str, float]]:
     """What each alive node has in all (for a plan) or free now (for scale-up)."""
     return [node["Resources"] for node in ray.nodes() if node["Alive"]]
@@ -159,7 +185,7 @@ class ProcessHost:
 
     def __init__(self) -> None:
         self.process = None
-        self.info: dict = {}
+        self.info: HostedProcess | None = None
 
     def start_worker(
         self,
@@ -169,7 +195,7 @@ class ProcessHost:
         env: dict[str, str],
         loopback: bool,
         kv_pool_bytes: int,
-    ) -> dict:
+    ) -> HostedProcess:
         from pdserve.cluster.local_workers import start_worker
 
         node = ray.get_runtime_context().get_node_id()
@@ -188,16 +214,16 @@ class ProcessHost:
             keeper=True,
         )
         self.process = worker.process
-        self.info = {
-            "address": worker.address,
-            "pid": worker.process.pid,
-            "node": node,
-            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-            "log": str(worker.log_path),
-        }
+        self.info = HostedProcess(
+            pid=worker.process.pid,
+            node=node,
+            log=str(worker.log_path),
+            address=worker.address,
+            gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
+        )
         return self.info
 
-    def start_router(self, settings_json: str, log_dir: str) -> dict:
+    def start_router(self, settings_json: str, log_dir: str) -> HostedProcess:
         from pdserve.worker.processes import free_port, spawn
 
         settings = RouterSettings.model_validate_json(settings_json)
@@ -221,15 +247,15 @@ class ProcessHost:
             if host in ("0.0.0.0", "::")
             else host
         )
-        self.info = {
-            "url": f"http://{reachable}:{port}",
-            "pid": self.process.pid,
-            "node": ray.get_runtime_context().get_node_id(),
-            "log": str(log_path),
-        }
+        self.info = HostedProcess(
+            pid=self.process.pid,
+            node=ray.get_runtime_context().get_node_id(),
+            log=str(log_path),
+            url=f"http://{reachable}:{port}",
+        )
         return self.info
 
-    def start_kv_pool(self, log_dir: str, budget_bytes: int, address: str) -> dict:
+    def start_kv_pool(self, log_dir: str, budget_bytes: int, address: str) -> HostedProcess:
         """This node's KV pool store, started once: a second worker on the node gets the
         running one (a store that exited is started again at the same address)."""
         from pdserve.cluster.local_services import start_kv_pool
@@ -237,30 +263,35 @@ class ProcessHost:
         if self.process is None or self.process.poll() is not None:
             log_path = Path(log_dir) / f"{address.lstrip('@')}.log"
             _, self.process = start_kv_pool(log_path, budget_bytes, address)
-            self.info = {
-                "address": address,
-                "pid": self.process.pid,
-                "node": ray.get_runtime_context().get_node_id(),
-                "budget_bytes": budget_bytes,
-                "log": str(log_path),
-            }
+            self.info = HostedProcess(
+                pid=self.process.pid,
+                node=ray.get_runtime_context().get_node_id(),
+                log=str(log_path),
+                address=address,
+                budget_bytes=budget_bytes,
+            )
         return self.info
 
-    def kv_pool_stats(self) -> dict | None:
-        """The store's own figures (kv_transfer/pool/store.py), for `status`'s JSON report;
-        None while it does not answer."""
+    def kv_pool_stats(self) -> PoolStats | None:
+        """The store's own figures (kv_transfer/pool/store.py), for `status`; None while it
+        does not answer."""
         from kv_transfer.pool.client import store_stats
 
-        stats = store_stats(self.info["address"])
-        return None if stats is None else asdict(stats)
+        return store_stats(self._started().address)
 
-    def describe(self) -> dict:
-        return {**self.info, "exit_code": self.process.poll() if self.process else None}
+    def describe(self) -> HostedProcess:
+        return replace(self._started(), exit_code=self.process.poll())
 
     def log_tail(self) -> str:
         from pdserve.worker.processes import log_tail
 
-        return log_tail(Path(self.info["log"])) if "log" in self.info else " (no log)"
+        return log_tail(Path(self.info.log)) if self.info is not None else " (no log)"
+
+    def _started(self) -> HostedProcess:
+        """What this actor started; RuntimeError (to the caller, through Ray) before that."""
+        if self.info is None:
+            raise RuntimeError("no process started (yet)")
+        return self.info
 
     def stop(self, grace_s: float = 20.0) -> None:
         from pdserve.worker.processes import stop_group
@@ -282,9 +313,9 @@ def start_worker(
     threads: int,
     loopback: bool,
     kv_pool_bytes: int,
-) -> dict:
+) -> HostedProcess:
     """Reserve the worker's placement group, start its actor inside it, start the process;
-    returns what the actor says of it (address, pid, node, GPU ids, log).
+    returns what the actor says of it.
     `loopback`: the cluster is this one host, and workers listen on 127.0.0.1 only (Ray itself
     refuses a loopback node address); otherwise on their node's address. `kv_pool_bytes`: the
     budget of the node's KV pool, started there for the first worker that uses it (0: none)."""
@@ -345,19 +376,15 @@ def node_kv_pool(cluster: str, node: str, group: str, log_dir: str, budget_bytes
     info = ray.get(
         host.start_kv_pool.remote(log_dir, budget_bytes, address), timeout=ACTOR_CALL_TIMEOUT_S
     )
-    return info["address"]
+    return info.address
 
 
-def describe_kv_pool(name: str) -> dict:
-    """A node's KV pool actor's description with its store's figures (`stats`, None while
-    the store does not answer)."""
-    info = describe(name)
-    if "error" not in info:
-        try:
-            info["stats"] = ray.get(actor(name).kv_pool_stats.remote(), timeout=10)
-        except ray.exceptions.RayError:
-            info["stats"] = None
-    return info
+def kv_pool_stats(name: str) -> PoolStats | None:
+    """The figures of the store a node's KV pool actor holds; None while it does not answer."""
+    try:
+        return ray.get(actor(name).kv_pool_stats.remote(), timeout=10)
+    except (ValueError, ray.exceptions.RayError):
+        return None
 
 
 def kv_pool_actor(node: str, group: str) -> str:
@@ -368,7 +395,7 @@ def is_kv_pool(name: str) -> bool:
     return name.startswith(KV_POOL_PREFIX)
 
 
-def start_router(settings: RouterSettings, log_dir: str) -> dict:
+def start_router(settings: RouterSettings, log_dir: str) -> HostedProcess:
     """The router runs on this node (the one `pdserve up` runs on), so its URL is reachable."""
     host = ProcessHost.options(
         name=ROUTER,
@@ -395,11 +422,13 @@ def actor(name: str):
     return ray.get_actor(name)
 
 
-def describe(name: str) -> dict:
+def describe(name: str) -> HostedProcess:
+    """What the actor `name` says of its process; RuntimeError saying why when it cannot
+    (gone, not answering within 10 s, or it started none)."""
     try:
         return ray.get(actor(name).describe.remote(), timeout=10)
     except (ValueError, ray.exceptions.RayError) as error:
-        return {"error": f"{type(error).__name__}: {error}"}
+        raise RuntimeError(f"{name}: {type(error).__name__}: {error}") from None
 
 
 def stop_actors(cluster: str, names: list[str], grace_s: float = 20.0) -> None:

@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,18 @@ CALL_TIMEOUT_S = 30.0
 EVENTS_KEPT = 20
 
 log = logging.getLogger("pdserve.replica_keeper")
+
+
+@dataclass(frozen=True)
+class KeeperReport:
+    """What the keeper is doing, as `pdserve status` shows it (returned through Ray)."""
+
+    keeping: tuple[str, ...]  # the workers it keeps
+    replacements: dict[str, int]  # role -> workers replaced so far
+    failed_starts: dict[str, int]  # role -> replacements that could not start
+    waiting: dict[str, float]  # worker -> seconds left of its crash-loop back-off
+    metrics_url: str
+    events: tuple[str, ...]  # the latest, oldest first
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
@@ -121,24 +134,21 @@ class ReplicaKeeper:
     def kept_names(self) -> list[str]:
         return sorted(self.kept)
 
-    def report(self) -> dict:
-        """What `pdserve status` shows: the kept workers, replacements, back-offs, events."""
+    def report(self) -> KeeperReport:
         now = time.monotonic()
         kept = dict(self.kept)
-        return {
-            "keeping": sorted(kept),
-            "replacements": {r: self._count("replacements", r) for r in self.config.pools()},
-            "failed_starts": {
-                r: self._count("replacement_failures", r) for r in self.config.pools()
-            },
-            "waiting": {
+        return KeeperReport(
+            keeping=tuple(sorted(kept)),
+            replacements={r: self._count("replacements", r) for r in self.config.pools()},
+            failed_starts={r: self._count("replacement_failures", r) for r in self.config.pools()},
+            waiting={
                 name: round(backoff.wait_left(now), 1)
                 for name, backoff in kept.items()
                 if backoff.dead_since is not None
             },
-            "metrics_url": self.metrics_url,
-            "events": list(self.events),
-        }
+            metrics_url=self.metrics_url,
+            events=tuple(self.events),
+        )
 
     def _count(self, what: str, role: str) -> int:
         return int(self.metrics.get_sample_value(f"pdserve_worker_{what}_total", {"role": role}))
@@ -194,8 +204,11 @@ class ReplicaKeeper:
             except ray.exceptions.RayActorError:
                 dead[name] = "its actor died"
                 continue
-            if info.get("exit_code") is not None:
-                dead[name] = f"its process exited ({info['exit_code']})"
+            except ray.exceptions.RayError:  # its start failed: it holds no process
+                dead[name] = "its actor started no process"
+                continue
+            if info.exit_code is not None:
+                dead[name] = f"its process exited ({info.exit_code})"
             else:
                 running.append(name)
         return {**dead, **self._hung(running)}
@@ -246,8 +259,8 @@ class ReplicaKeeper:
             return
         self.replacements.labels(slot.role).inc()
         self._event(
-            f"{name}: replacement started (pid {info['pid']}, node {info['node'][:12]}, "
-            f"log {info['log']}); it joins the pools once its engine is ready"
+            f"{name}: replacement started (pid {info.pid}, node {info.node[:12]}, "
+            f"log {info.log}); it joins the pools once its engine is ready"
         )
 
     def _event(self, message: str) -> None:
@@ -283,7 +296,7 @@ def start(
         ),
     ).remote(cluster, config, registry_url, log_dir, loopback, names)
     try:
-        return ray.get(keeper.report.remote(), timeout=CALL_TIMEOUT_S)["metrics_url"]
+        return ray.get(keeper.report.remote(), timeout=CALL_TIMEOUT_S).metrics_url
     except ray.exceptions.RayError as error:
         raise RuntimeError(f"the {KEEPER} did not start: {error}") from None
 
@@ -308,12 +321,9 @@ def keep(names: list[str]) -> None:
     _call("keep", names)
 
 
-def report() -> dict:
-    """The keeper's report, or {"error": why} when it does not answer."""
-    try:
-        return _call("report")
-    except RuntimeError as error:
-        return {"error": str(error)}
+def report() -> KeeperReport:
+    """The keeper's report; RuntimeError saying why when it does not answer."""
+    return _call("report")
 
 
 def _call(method: str, *args: object) -> Any:

@@ -154,7 +154,10 @@ def move_roles(state: ClusterState, prefill: int | None, decode: int | None, sta
 
 def drain(name: str, timeout_s: float) -> bool:
     """Ask the worker to drain; True when nothing was left in flight."""
-    address = ray_launcher.describe(name).get("address")
+    try:
+        address = ray_launcher.describe(name).address
+    except RuntimeError:
+        address = ""
     if not address:
         say(f"{name}: no address (already gone); stopping it")
         return True

@@ -13,7 +13,7 @@ from pdserve.cluster import ray_launcher, replica_keeper
 from pdserve.cluster.cluster_state import ClusterState
 from pdserve.cluster.cluster_target import add_target_arguments, router_roles, target_state
 from pdserve.core.kinds import Role
-from pdserve.protocol.registry import read_members
+from pdserve.protocol.registry import load_figures, read_members
 from pdserve.settings.base import ConfigError
 from pdserve.settings.redis_url import masked
 
@@ -37,7 +37,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdserve status: {error}", file=sys.stderr)
         return 1
     members = {r.identity.worker_id: r for r in read_members(state.registry_url, state.name)}
-    keeper = replica_keeper.report()
+    try:
+        keeper = replica_keeper.report()
+    except RuntimeError as error:
+        keeper = None
+        keeper_view = {"error": str(error)}
+    else:
+        keeper_view = asdict(keeper)
     rows = []
     names = ray_launcher.actor_names(state.name)
     pools = [n for n in names if ray_launcher.is_kv_pool(n)]
@@ -46,23 +52,26 @@ def run(args: argparse.Namespace) -> int:
     ]
     for name in running:
         record = members.pop(name, None)
-        actor = ray_launcher.describe(name)
+        try:
+            actor = ray_launcher.describe(name)
+        except RuntimeError:
+            actor = None
         rows.append(
             {
                 "worker": name,
                 "role": record.identity.role if record else name.split("-")[0],
                 "state": "in pool"
                 if record
-                else ("exited" if actor.get("exit_code") is not None else "not in pool"),
-                "address": record.address if record else actor.get("address", ""),
-                "node": actor.get("node", ""),
-                "gpu_ids": actor.get("gpu_ids", []),
-                "pid": actor.get("pid"),
+                else ("exited" if actor and actor.exit_code is not None else "not in pool"),
+                "address": record.address if record else (actor.address if actor else ""),
+                "node": actor.node if actor else "",
+                "gpu_ids": list(actor.gpu_ids) if actor else [],
+                "pid": actor.pid if actor else None,
                 "tensor_parallel_size": record.identity.tensor_parallel_size if record else None,
-                "load": asdict(record.load) if record else None,
+                "load": load_figures(record.load) if record else None,
             }
         )
-    for name in keeper.get("keeping", []):
+    for name in keeper.keeping if keeper else ():
         if name in running:
             continue
         members.pop(name, None)  # a record left by the dead worker: it expires
@@ -89,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
             "gpu_ids": list(r.gpu_ids),
             "pid": None,
             "tensor_parallel_size": r.identity.tensor_parallel_size,
-            "load": asdict(r.load),
+            "load": load_figures(r.load),
         }
         for r in members.values()
     ]
@@ -99,8 +108,8 @@ def run(args: argparse.Namespace) -> int:
         "ray": state.ray_address,
         "registry": masked(state.registry_url),
         "workers": rows,
-        "kv_pools": [ray_launcher.describe_kv_pool(name) for name in pools],
-        "keeper": keeper,
+        "kv_pools": [_kv_pool_view(name) for name in pools],
+        "keeper": keeper_view,
     }
     if any(row["role"] == Role.FLEX for row in rows):
         report["flex"] = flex_roles(state, rows)
@@ -120,6 +129,17 @@ def flex_roles(state: ClusterState, rows: list[dict]) -> dict:
         if row["role"] == Role.FLEX:
             row["serves"] = serves.get(row["worker"], "")
     return view["flex"]
+
+
+def _kv_pool_view(name: str) -> dict:
+    """A node's KV pool actor's description with its store's figures (`stats`, None while
+    the store does not answer), or {"error": why}."""
+    try:
+        process = ray_launcher.describe(name)
+    except RuntimeError as error:
+        return {"error": str(error)}
+    stats = ray_launcher.kv_pool_stats(name)
+    return {**asdict(process), "stats": asdict(stats) if stats else None}
 
 
 def _table(report: dict) -> str:

@@ -164,7 +164,12 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         say("dry run: nothing started")
         return 0
-    if (previous := load_state(config.name)) is not None:
+    try:
+        previous = load_state(config.name)
+    except ConfigError as error:
+        say(f"pdserve up: refused: {error}")
+        return 2
+    if previous is not None:
         say(
             f"pdserve up: cluster {config.name!r} is already up (router {previous.router_url}); "
             f"run `pdserve down -f {args.file}` first"
@@ -187,9 +192,9 @@ def run(args: argparse.Namespace) -> int:
         router = ray_launcher.start_router(
             config.router_settings(state.registry_url), state.log_dir
         )
-        state = replace(state, router_url=router["url"])
+        state = replace(state, router_url=router.url)
         save_state(state)
-        wait_router(router["url"], len(slots))
+        wait_router(router.url, len(slots))
         metrics_url = replica_keeper.start(
             config.name,
             config,
@@ -285,19 +290,20 @@ def wait_joined(
     names = {slot.name for slot in slots}
     started = last_report = time.monotonic()
     while True:
-        joined = names & {
-            r.identity.worker_id for r in read_members(state.registry_url, config.name)
-        }
+        listed = read_members(state.registry_url, config.name)
+        joined = names & {record.identity.worker_id for record in listed}
         if joined == names:
             say(f"{len(names)} worker(s) joined after {time.monotonic() - started:.0f} s")
             return
         for name in sorted(names - joined):
-            info = ray_launcher.describe(name)
-            if info.get("exit_code") is not None or "error" in info:
-                tail = ray_launcher.actor(name).log_tail.remote() if "error" not in info else None
+            try:
+                info = ray_launcher.describe(name)
+            except RuntimeError as error:
+                raise RuntimeError(f"worker {name} stopped ({error})") from None
+            if info.exit_code is not None:
+                tail = ray_launcher.actor(name).log_tail.remote()
                 raise RuntimeError(
-                    f"worker {name} stopped ({info}):\n"
-                    + (ray_launcher.ray.get(tail, timeout=10) if tail else "")
+                    f"worker {name} stopped ({info}):\n" + ray_launcher.ray.get(tail, timeout=10)
                 )
         if time.monotonic() - started > timeout_s:
             raise TimeoutError(

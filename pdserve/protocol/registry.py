@@ -18,7 +18,7 @@ fields this version does not know are left out.
 import asyncio
 import json
 import logging
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 from pdserve.protocol import worker_pb2
 from pdserve.settings.cluster_secret import signature, signature_valid
@@ -28,22 +28,29 @@ log = logging.getLogger("pdserve.registry")
 TTL_HEARTBEATS = 2
 
 
-@dataclass(frozen=True)
-class RecordedLoad:
-    """A worker's load as its registry record carries it (its Stats at its last heartbeat);
-    the router's live view of a worker is router/workers/load.py's WorkerLoad."""
+# A worker's load as its record carries it: these fields of its Stats reply at its last
+# heartbeat (worker.proto's StatsReply; a newer worker's other figures are left out). The
+# router's live view of a worker is router/workers/load.py's WorkerLoad, over the same reply.
+LOAD_FIELDS = (
+    "running_requests",
+    "waiting_requests",
+    "kv_blocks_used",
+    "kv_blocks_total",
+    "outstanding_prefill_tokens",
+    "prefill_seconds_per_token",  # learned from its engine steps (0: not yet)
+    "kv_pool_load_seconds_per_token",  # a load from its host KV pool (0: none yet)
+    "kv_pool_fetch_seconds_per_token",  # a fetch from another host's (0: none yet)
+)
 
-    running_requests: int = 0
-    waiting_requests: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    outstanding_prefill_tokens: int = 0
-    prefill_seconds_per_token: float = 0.0  # learned from its engine steps (0: not yet)
-    kv_pool_load_seconds_per_token: float = 0.0  # a load from its host KV pool (0: none yet)
-    kv_pool_fetch_seconds_per_token: float = 0.0  # a fetch from another host's (0: none yet)
+
+def recorded_load(stats: worker_pb2.StatsReply) -> worker_pb2.StatsReply:
+    """What a record keeps of a worker's Stats reply: its LOAD_FIELDS."""
+    return worker_pb2.StatsReply(**load_figures(stats))
 
 
-LOAD_FIELDS = {f.name for f in fields(RecordedLoad)}  # a newer worker's others are left out
+def load_figures(load: worker_pb2.StatsReply) -> dict[str, int | float]:
+    """A record's load as plain data, by LOAD_FIELDS' names (its JSON, `pdserve status`'s)."""
+    return {name: getattr(load, name) for name in LOAD_FIELDS}
 
 
 # A worker's identity: its Health reply less the state and message (worker.proto's HealthReply).
@@ -64,7 +71,7 @@ class WorkerRecord:
     address: str  # the worker's gRPC address, host:port
     node: str = ""  # where it runs: the Ray node id, or the host name
     gpu_ids: tuple[str, ...] = ()  # the accelerator ids this worker may see
-    load: RecordedLoad = field(default_factory=RecordedLoad)
+    load: worker_pb2.StatsReply = field(default_factory=worker_pb2.StatsReply)  # LOAD_FIELDS
 
     def to_json(self) -> str:
         return json.dumps(
@@ -72,7 +79,7 @@ class WorkerRecord:
                 **{name: getattr(self.identity, name) for name in IDENTITY_FIELDS},
                 **{name: getattr(self, name) for name in PLACEMENT_FIELDS},
                 "gpu_ids": self.gpu_ids,
-                "load": asdict(self.load),
+                "load": load_figures(self.load),
             }
         )
 
@@ -88,14 +95,16 @@ class WorkerRecord:
         identity = {k: v for k, v in data.items() if k in IDENTITY_FIELDS}
         if any(value is None for value in identity.values()):  # protobuf reads None as unset
             raise ValueError("a field of the identity is null")
+        figures = {k: v for k, v in load.items() if k in LOAD_FIELDS}
+        if not all(type(value) in (int, float) for value in figures.values()):
+            raise ValueError("a load figure is not a number")  # protobuf takes a bool for one
         record = cls(
             worker_pb2.HealthReply(**identity),  # TypeError or ValueError: a wrong type
             **{k: v for k, v in data.items() if k in PLACEMENT_FIELDS},
             gpu_ids=tuple(gpu_ids),
-            load=RecordedLoad(**{k: v for k, v in load.items() if k in LOAD_FIELDS}),
+            load=worker_pb2.StatsReply(**figures),  # TypeError: a float for a count
         )
         _check_types(record)
-        _check_types(record.load)
         if not all(isinstance(gpu, str) for gpu in record.gpu_ids):
             raise ValueError("gpu_ids: not strings")
         if not record.identity.worker_id or not record.identity.role:

@@ -203,14 +203,14 @@ async def stop_serving(server, health, grace: float) -> None:
 
 async def _join_registry(settings: WorkerSettings, service, address: str):
     """Join the pools; None (and the worker stops) when the registry cannot be reached."""
-    from pdserve.protocol.registry import Registry, WorkerRecord
-    from pdserve.worker.membership import WorkerMembership, load_of, placement_from_environment
+    from pdserve.protocol.registry import Registry, WorkerRecord, recorded_load
+    from pdserve.worker.membership import WorkerMembership, placement_from_environment
 
     node, gpu_ids = placement_from_environment()
     record = WorkerRecord(service.identity, address, node, gpu_ids)
     registry = Registry(settings.registry, settings.cluster)
     membership = WorkerMembership(
-        registry, record, settings.heartbeat_s, lambda: load_of(service.stats_reply())
+        registry, record, settings.heartbeat_s, lambda: recorded_load(service.stats_reply())
     )
     try:
         await membership.join()

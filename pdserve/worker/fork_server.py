@@ -16,13 +16,13 @@ OpenMP) before the child existed, it sets itself: its thread count, and its core
 `serve --cpu-binding split` gave it some (`apply_cpu_share`). CUDA must not be initialised in
 the server (a forked child could not use it): it is checked once the imports are done.
 
-Protocol (JSON lines over two pipes): the launcher sends {"module", "argv", "env", "log",
-"title"}; the server answers {"pid"} or {"error"}, and later {"exited": pid, "code": code} for
-each child.
+Protocol (pdserve/worker/fork_messages.py, JSON lines over two pipes): the server says Ready
+once, the launcher sends a Fork per child, the server answers Forked or ForkFailed, and later
+an Exited for each child.
 """
 
 import importlib
-import json
+import logging
 import os
 import runpy
 import select
@@ -33,6 +33,16 @@ import threading
 import time
 from pathlib import Path
 
+from pdserve.worker.fork_messages import (
+    Exited,
+    Fork,
+    Forked,
+    ForkFailed,
+    ForkMessageError,
+    Ready,
+    decode,
+    encode,
+)
 from pdserve.worker.processes import spawn
 
 # What a worker imports before its engine starts (pdserve/worker/command.py, engine.py), on any
@@ -49,6 +59,8 @@ PRELOAD = (
 READY_TIMEOUT_S = 300.0  # the imports take ~8 s of a core; a loaded host stretches that
 REPLY_TIMEOUT_S = 30.0  # a fork answers in milliseconds
 REAP_POLL_S = 0.1
+
+log = logging.getLogger("pdserve.worker")
 
 
 class ForkServerError(RuntimeError):
@@ -104,7 +116,7 @@ class ForkServer:
         self._children_lock = threading.Lock()
         self._children: dict[int, ForkedProcess] = {}
         self._early_exits: dict[int, int] = {}  # exits read before `spawn` recorded the child
-        self._reply: list[dict] = []
+        self._reply: list[Ready | Forked | ForkFailed] = []
         self._replied = threading.Condition()
         self._reader = threading.Thread(target=self._read_replies, args=(replies,), daemon=True)
         self._reader.start()
@@ -117,11 +129,10 @@ class ForkServer:
             raise ValueError(f"a forked child runs a module (python -m ...), not {command}")
         module, argv = command[2], command[3:]
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        request = {"module": module, "argv": argv, "env": env, "log": str(log_path)}
-        request["title"] = " ".join(command)
+        request = Fork(module, tuple(argv), dict(env), str(log_path), " ".join(command))
         with self._spawning:
-            os.write(self._requests, (json.dumps(request) + "\n").encode())
-            child = ForkedProcess(self._await_reply(REPLY_TIMEOUT_S, "fork")["pid"])
+            os.write(self._requests, encode(request))
+            child = ForkedProcess(self._await_reply(REPLY_TIMEOUT_S, "fork").pid)
         with self._children_lock:
             if child.pid in self._early_exits:
                 child._set_exit(self._early_exits.pop(child.pid))
@@ -139,7 +150,7 @@ class ForkServer:
             self.process.wait(timeout=10)
         self._reader.join(timeout=10)
 
-    def _await_reply(self, timeout_s: float, what: str) -> dict:
+    def _await_reply(self, timeout_s: float, what: str) -> Ready | Forked:
         deadline = time.monotonic() + timeout_s
         with self._replied:
             while not self._reply:
@@ -151,16 +162,20 @@ class ForkServer:
                     )
                 self._replied.wait(min(left, 1.0))
             reply = self._reply.pop(0)
-        if "error" in reply:
-            raise ForkServerError(f"fork server: {reply['error']}")
+        if isinstance(reply, ForkFailed):
+            raise ForkServerError(f"fork server: {reply.error}")
         return reply
 
     def _read_replies(self, fd: int) -> None:
         with os.fdopen(fd, "r") as replies:
             for line in replies:
-                message = json.loads(line)
-                if "exited" in message:
-                    self._exited(message["exited"], message["code"])
+                try:
+                    message = decode(line, (Ready, Forked, ForkFailed, Exited))
+                except ForkMessageError as error:  # a request waiting on it times out
+                    log.error("fork server: %s", error)
+                    continue
+                if isinstance(message, Exited):
+                    self._exited(message.pid, message.code)
                     continue
                 with self._replied:
                     self._reply.append(message)
@@ -208,13 +223,13 @@ def _serve(requests_fd: int, replies_fd: int, preload: list[str]) -> int:
 
     if torch.cuda.is_initialized():
         raise ForkServerError("the imports initialised CUDA: a forked worker could not use it")
-    _reply(replies_fd, {"ready": True})
+    _reply(replies_fd, Ready())
     children: set[int] = set()
     pending = b""
     while True:
         readable, _, _ = select.select([requests_fd], [], [], REAP_POLL_S)
         for pid, code in _reap(children):
-            _reply(replies_fd, {"exited": pid, "code": code})
+            _reply(replies_fd, Exited(pid, code))
         if not readable:
             continue
         chunk = os.read(requests_fd, 1 << 20)
@@ -223,21 +238,26 @@ def _serve(requests_fd: int, replies_fd: int, preload: list[str]) -> int:
         pending += chunk
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
+            try:
+                request = decode(line, Fork)
+            except ForkMessageError as error:
+                _reply(replies_fd, ForkFailed(str(error)))
+                continue
             sys.stdout.flush()
             sys.stderr.flush()
             try:
                 pid = os.fork()
             except OSError as error:
-                _reply(replies_fd, {"error": f"fork failed: {error}"})
+                _reply(replies_fd, ForkFailed(f"fork failed: {error}"))
                 continue
             if pid == 0:
-                _become_worker(json.loads(line), (requests_fd, replies_fd))
+                _become_worker(request, (requests_fd, replies_fd))
             children.add(pid)
-            _reply(replies_fd, {"pid": pid})
+            _reply(replies_fd, Forked(pid))
 
 
-def _reply(fd: int, message: dict) -> None:
-    os.write(fd, (json.dumps(message) + "\n").encode())
+def _reply(fd: int, message: Ready | Forked | ForkFailed | Exited) -> None:
+    os.write(fd, encode(message))
 
 
 def _reap(children: set[int]) -> list[tuple[int, int]]:
@@ -250,26 +270,26 @@ def _reap(children: set[int]) -> list[tuple[int, int]]:
     return exits
 
 
-def _become_worker(request: dict, server_fds: tuple[int, ...]) -> None:
+def _become_worker(request: Fork, server_fds: tuple[int, ...]) -> None:
     """In the child: become the worker the request describes; never returns."""
     code = 1
     try:
         server = os.getppid()
         import setproctitle  # first: it needs the environment block the server started with
 
-        setproctitle.setproctitle(request["title"])
+        setproctitle.setproctitle(request.title)
         for fd in server_fds:
             os.close(fd)
         os.setsid()
-        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        output = os.open(request.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
+        os.dup2(output, 1)
+        os.dup2(output, 2)
+        os.close(output)
         os.close(null)
         os.environ.clear()
-        os.environ.update(request["env"])
+        os.environ.update(request.env)
         from pdserve.worker.processes import die_with_parent
 
         die_with_parent()
@@ -277,8 +297,8 @@ def _become_worker(request: dict, server_fds: tuple[int, ...]) -> None:
             os._exit(1)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         apply_cpu_share()
-        sys.argv = [request["module"], *request["argv"]]
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        sys.argv = [request.module, *request.argv]
+        runpy.run_module(request.module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else 1

@@ -9,7 +9,7 @@ import os
 import socket
 from dataclasses import replace
 
-from pdserve.protocol.registry import TTL_HEARTBEATS, RecordedLoad, Registry, WorkerRecord
+from pdserve.protocol.registry import TTL_HEARTBEATS, Registry, WorkerRecord
 
 log = logging.getLogger("pdserve.worker")
 
@@ -31,7 +31,7 @@ class WorkerMembership:
         self.registry = registry
         self.record = record
         self.heartbeat_s = heartbeat_s
-        self.read_load = read_load  # () -> RecordedLoad
+        self.read_load = read_load  # () -> its Stats reply's LOAD_FIELDS (registry.recorded_load)
         self._beating: asyncio.Task | None = None
 
     async def join(self) -> None:
@@ -70,16 +70,3 @@ class WorkerMembership:
             log.warning(
                 "could not remove %s from the registry: %s", self.record.identity.worker_id, error
             )
-
-
-def load_of(stats_reply) -> RecordedLoad:
-    return RecordedLoad(
-        running_requests=stats_reply.running_requests,
-        waiting_requests=stats_reply.waiting_requests,
-        kv_blocks_used=stats_reply.kv_blocks_used,
-        kv_blocks_total=stats_reply.kv_blocks_total,
-        outstanding_prefill_tokens=stats_reply.outstanding_prefill_tokens,
-        prefill_seconds_per_token=stats_reply.prefill_seconds_per_token,
-        kv_pool_load_seconds_per_token=stats_reply.kv_pool_load_seconds_per_token,
-        kv_pool_fetch_seconds_per_token=stats_reply.kv_pool_fetch_seconds_per_token,
-    )

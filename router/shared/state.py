@@ -203,7 +203,7 @@ class SharedState:
         return split
 
     async def set_roles(
-        self, moved: dict[str, str], placed: dict[str, tuple[str, bool]], split: dict
+        self, moved: dict[str, str], placed: dict[str, tuple[str, bool]], split: dict[str, int]
     ) -> None:
         """Moves (set_split, --flex-auto) overwrite, and so does the split they set. A joining
         worker's placement only fills a worker no router placed yet (the first router to see it
@@ -294,7 +294,7 @@ class SharedState:
         last = await self.redis.xrevrange(self.base + "prefix", count=1)
         return last[0][0].decode() if last else "0-0"
 
-    async def read_prefixes(self, after: str, count: int = 10_000) -> tuple[list, str]:
+    async def read_prefixes(self, after: str, count: int = 10_000) -> tuple[list[PrefixEntry], str]:
         """The signed entries after id `after` (other routers' and this one's), and the last
         id read."""
         reply = await self.redis.xread({self.base + "prefix": after}, count=count)

@@ -13,7 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.worker.fork_server import ForkServer, ForkServerError
+from pdserve.worker.fork_messages import (
+    Exited,
+    Fork,
+    Forked,
+    ForkFailed,
+    ForkMessageError,
+    Ready,
+    decode,
+    encode,
+)
+from pdserve.worker.fork_server import REPLY_TIMEOUT_S, ForkServer, ForkServerError
 from pdserve.worker.processes import stop_group
 from tests.waiting import wait_for
 
@@ -98,3 +108,57 @@ def _alive(pid: int) -> bool:
             return stat.read().split(") ")[1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_malformed_request_is_answered_with_an_error_and_the_server_keeps_serving(
+    server, tmp_path
+):
+    with server._spawning:  # as `spawn` writes a request, with a field of the wrong type
+        os.write(server._requests, b'{"kind": "fork", "module": 7}\n')
+        with pytest.raises(ForkServerError, match="Fork"):
+            server._await_reply(REPLY_TIMEOUT_S, "fork")
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    child = server.spawn([*CHILD, str(tmp_path / "seen.json"), "3"], tmp_path / "child.log", env)
+    assert child.wait(timeout=30) == 3
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        Fork("m", ("a", "b"), {"K": "v"}, "/tmp/x.log", "python -m m a b"),
+        Ready(),
+        Forked(12),
+        ForkFailed("fork failed: no memory"),
+        Exited(12, -15),
+    ],
+)
+def test_each_fork_message_survives_its_line(message):
+    assert decode(encode(message), type(message)) == message
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"not json",
+        b"[1, 2]",
+        b'{"kind": "forked"}',  # its pid missing
+        b'{"kind": "forked", "pid": "12"}',  # a string for an int
+        b'{"kind": "forked", "pid": true}',  # a bool is no int
+        b'{"kind": "forked", "pid": 12, "extra": 1}',
+        b'{"kind": "exited", "pid": 12, "code": 0}',  # a kind not expected here
+        b'{"kind": "nothing"}',
+        b'{"pid": 12}',  # no kind
+    ],
+)
+def test_a_line_that_is_no_expected_message_is_refused_cleanly(line):
+    with pytest.raises(ForkMessageError):
+        decode(line, (Forked, ForkFailed))
+
+
+@pytest.mark.parametrize("wrong", [{"argv": [1]}, {"env": {"K": 1}}, {"env": ["K"]}])
+def test_a_fork_request_checks_its_arguments_and_environment(wrong):
+    good = {"kind": "fork", "module": "m", "argv": ["a"], "env": {"K": "v"}, "log": "x.log"}
+    good["title"] = "python -m m a"
+    assert decode(json.dumps(good), Fork).argv == ("a",)
+    with pytest.raises(ForkMessageError):
+        decode(json.dumps({**good, **wrong}), Fork)

@@ -26,6 +26,7 @@ from pdserve.cluster.cluster_state import (
     state_path,
 )
 from pdserve.settings.cluster_secret import SECRET_ENV
+from pdserve.settings.config_error import ConfigError
 from pdserve.settings.redis_url import PASSWORD_ENV
 from pdserve.settings.tls import TLS_DIR_ENV
 
@@ -215,6 +216,17 @@ def test_actors_options_carry_no_secret_and_their_processes_fetch_them(monkeypat
         ray_launcher.receive_member_secrets()
 
 
+@pytest.mark.parametrize(
+    "stored", ["not json", "[1]", json.dumps({SECRET_ENV: 1}), json.dumps({"LD_PRELOAD": "x"})]
+)
+def test_member_secrets_up_could_not_have_put_fail_the_actors_start(monkeypatch, ray_kv, stored):
+    monkeypatch.setenv(ray_launcher.MEMBER_NAMESPACE_ENV, "pdserve-test")
+    ray_kv[("pdserve-test", ray_launcher.MEMBER_SECRETS_KEY)] = stored.encode()
+    with pytest.raises(RuntimeError, match="not what up puts"):
+        ray_launcher.receive_member_secrets()
+    assert "LD_PRELOAD" not in os.environ
+
+
 def test_the_state_remembers_how_to_reach_ray(monkeypatch, tmp_path):
     monkeypatch.setenv("PDSERVE_STATE_DIR", str(tmp_path))
     state = ClusterState("c", "/c.yaml", "127.0.0.1:1", "pdserve-c", "redis://x", "", "/logs")
@@ -227,6 +239,22 @@ def test_the_state_remembers_how_to_reach_ray(monkeypatch, tmp_path):
     older = {k: v for k, v in asdict(state).items() if not k.startswith("ray_")}
     state_path("c").write_text(json.dumps({**older, "ray_address": "127.0.0.1:1"}))
     assert load_state("c").ray_token() == ""  # a state written before: token auth
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [{"loopback": "yes"}, {"ray_group": True}, {"ray_group": 1.5}, {"name": None}, {"extra": 1}],
+)
+def test_a_state_file_up_could_not_have_written_is_a_config_error(monkeypatch, tmp_path, wrong):
+    monkeypatch.setenv("PDSERVE_STATE_DIR", str(tmp_path))
+    state = ClusterState("c", "/c.yaml", "127.0.0.1:1", "pdserve-c", "redis://x", "", "/logs")
+    state_path("c").write_text(json.dumps({**asdict(state), **wrong}))
+    with pytest.raises(ConfigError, match="no cluster state"):
+        load_state("c")
+    for text in ("not json", "[1]", json.dumps({"name": "c"})):  # not JSON, fields missing
+        state_path("c").write_text(text)
+        with pytest.raises(ConfigError, match="no cluster state"):
+            load_state("c")
 
 
 def test_auth_off_is_refused_for_a_cluster_given_by_address(tmp_path, monkeypatch, capsys):

@@ -5,12 +5,13 @@ others from being read."""
 import asyncio
 import json
 import time
+from dataclasses import replace
 
 import pytest
 
 from pdserve.cluster import local_services
 from pdserve.protocol import worker_pb2
-from pdserve.protocol.registry import IDENTITY_FIELDS, RecordedLoad, Registry, WorkerRecord
+from pdserve.protocol.registry import IDENTITY_FIELDS, Registry, WorkerRecord, recorded_load
 from pdserve.settings.cluster_secret import SECRET_ENV, signature
 from pdserve.worker.processes import stop_group
 from tests.integration.processes import group_members
@@ -36,7 +37,7 @@ def record(worker_id: str, role: str = "decode") -> WorkerRecord:
         address=f"127.0.0.1:{len(worker_id)}",
         node="n1",
         gpu_ids=("3",),
-        load=RecordedLoad(running_requests=2, kv_blocks_total=9),
+        load=worker_pb2.StatsReply(running_requests=2, kv_blocks_total=9),
     )
 
 
@@ -123,6 +124,35 @@ def test_a_record_with_load_figures_this_version_lacks_still_reads():
     assert WorkerRecord.from_json(json.dumps(data)).load == record("decode-0").load
 
 
+def test_a_record_keeps_the_load_figures_of_the_workers_stats_reply():
+    """One load shape: the record carries the worker's Stats reply, less what is not load (its
+    id, its KV pool's contents), under the names the records always had."""
+    stats = worker_pb2.StatsReply(
+        worker_id="decode-0",
+        running_requests=3,
+        waiting_requests=1,
+        prefill_seconds_per_token=0.002,
+        decode_step_base_seconds=0.01,
+        kv_pool_contents=worker_pb2.KvPoolContents(store_id="s"),
+    )
+    load = recorded_load(stats)
+    assert load == worker_pb2.StatsReply(
+        running_requests=3, waiting_requests=1, prefill_seconds_per_token=0.002
+    )
+    data = json.loads(replace(record("decode-0"), load=load).to_json())
+    assert data["load"] == {
+        "running_requests": 3,
+        "waiting_requests": 1,
+        "kv_blocks_used": 0,
+        "kv_blocks_total": 0,
+        "outstanding_prefill_tokens": 0,
+        "prefill_seconds_per_token": 0.002,
+        "kv_pool_load_seconds_per_token": 0.0,
+        "kv_pool_fetch_seconds_per_token": 0.0,
+    }
+    assert WorkerRecord.from_json(json.dumps(data)).load == load
+
+
 def test_a_record_carries_the_identity_whole_under_the_health_replys_names():
     """One name per field: the JSON names each field as the Health reply does (the KV
     fingerprint is kv_compatibility), and the identity read back is the one written."""
@@ -165,6 +195,17 @@ def test_a_bad_record_is_skipped_and_counted_and_a_newer_workers_record_reads(
         signed(json.dumps({**written, "kv_compatibility": None})),
         signed(json.dumps({**written, "role": ""})),  # signed, no role
         signed(json.dumps({**newer, "load": "busy"})),
+        *(  # a load figure of the wrong type
+            signed(json.dumps({**written, "load": {**written["load"], **wrong}}))
+            for wrong in (
+                {"running_requests": True},
+                {"running_requests": 1.5},
+                {"kv_blocks_used": -1},
+                {"kv_blocks_total": None},
+                {"prefill_seconds_per_token": False},
+                {"prefill_seconds_per_token": "0.1"},
+            )
+        ),
     ]
 
     async def scenario():

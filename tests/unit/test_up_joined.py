@@ -3,7 +3,7 @@ records are (their identity: the worker's Health reply kept whole), and says how
 
 from types import SimpleNamespace
 
-from pdserve.cluster import up
+from pdserve.cluster import ray_launcher, up
 from pdserve.protocol import worker_pb2
 from pdserve.protocol.registry import WorkerRecord
 
@@ -20,7 +20,8 @@ def test_up_returns_once_every_placed_worker_has_a_record(monkeypatch):
         ]
 
     monkeypatch.setattr(up, "read_members", members)
-    monkeypatch.setattr(up.ray_launcher, "describe", lambda name: {})
+    running = ray_launcher.HostedProcess(pid=1, node="n", log="l")
+    monkeypatch.setattr(up.ray_launcher, "describe", lambda name: running)
     monkeypatch.setattr(up.time, "sleep", lambda seconds: None)
     monkeypatch.setattr(up, "say", said.append)
     slots = [SimpleNamespace(name=name) for name in names]
