@@ -100,10 +100,11 @@ def main() -> int:
             try:
                 url = f"http://127.0.0.1:{args.port}"
                 wait_ready(url, server)
+                model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
                 for _ in range(2):
-                    chat(url)
+                    chat(url, model)
                 time.sleep(DUMP_WAIT_S)
-                request_files, seconds = window(flag, out, lambda: chat(url))
+                request_files, seconds = window(flag, out, lambda: chat(url, model))
                 idle_files, _ = window(flag, out, lambda: time.sleep(seconds))
             finally:
                 os.killpg(server.pid, signal.SIGINT)
@@ -126,20 +127,19 @@ def wait_ready(url: str, server: subprocess.Popen) -> None:
     raise SystemExit(f"pdserve serve was not ready within {READY_TIMEOUT_S} s")
 
 
-def chat(url: str) -> None:
+def chat(url: str, model: str) -> None:
     """One streamed chat completion on the disaggregated path, read to its end."""
     body = {
-        "model": "",
+        "model": model,
         "messages": [{"role": "user", "content": "Name three colours."}],
         "max_tokens": 8,
         "stream": True,
     }
-    model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
     headers = {"x-pdserve-route": "disaggregated"}
     with httpx.stream(
         "POST",
         f"{url}/v1/chat/completions",
-        json={**body, "model": model},
+        json=body,
         headers=headers,
         timeout=120,
     ) as response:
