@@ -1,9 +1,10 @@
-"""`pdserve model fetch smollm2` and `pdserve model tiny`: make local model folders."""
+"""`pdserve model fetch smollm2` and `pdserve model tiny [NAME]`: make local model folders."""
 
 import argparse
 import sys
 
 from pdserve.model_store import store as model_store
+from pdserve.model_store.tiny_models import TINY_MODELS
 
 
 def add_parser(subparsers) -> None:
@@ -20,11 +21,13 @@ def add_parser(subparsers) -> None:
     fetch.set_defaults(run=_run_fetch)
     tiny = actions.add_parser(
         "tiny",
-        help="make the tiny random-weight Llama used by tests",
-        description="Make a 2-layer random-weight Llama (4 heads, 2 KV heads, seed 0) with "
-        "SmolLM2's tokenizer. Idempotent.",
+        help="make a tiny random-weight model the tests use",
+        description="Make a 2-layer random-weight model (seed 0) with SmolLM2's tokenizer: "
+        + "; ".join(f"{name}: {model.summary}" for name, model in TINY_MODELS.items())
+        + ". The MoE models are bfloat16 (vLLM's CPU MoE kernel takes no float32). Idempotent.",
     )
-    tiny.set_defaults(run=_run_tiny)
+    tiny.add_argument("name", nargs="?", default="tiny", choices=list(TINY_MODELS))
+    tiny.set_defaults(run=_run_fetch)
     path = actions.add_parser("path", help="print a model's folder, making it if needed")
     path.add_argument("name", choices=model_store.MODEL_NAMES)
     path.set_defaults(run=_run_path)
@@ -41,10 +44,6 @@ def _ensure(name: str) -> int:
 
 def _run_fetch(args: argparse.Namespace) -> int:
     return _ensure(args.name)
-
-
-def _run_tiny(args: argparse.Namespace) -> int:
-    return _ensure("tiny")
 
 
 def _run_path(args: argparse.Namespace) -> int:

