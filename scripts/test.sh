@@ -5,6 +5,10 @@
 # Arguments go to a single pytest run instead (`tests/unit` for the unit tier alone).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Compiled modules and pytest's rewritten test files cached in __pycache__ (git ignores it): with
+# PYTHONDONTWRITEBYTECODE set, as some hosts do, every test process and every worker, router and
+# engine process the tests start compiled pdserve's modules again (seconds of a core each).
+unset PYTHONDONTWRITEBYTECODE
 scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

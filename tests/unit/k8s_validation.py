@@ -7,8 +7,16 @@ from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
+import kubernetes_validate.utils
 import pytest
 import yaml
+
+# kubernetes-validate reads and parses a kind's schema and the ~1 MB of shared definitions on
+# every call (most of the k8s tests' time): parse each file once. Nothing changes the parsed
+# schemas (jsonschema and referencing only read them).
+kubernetes_validate.utils.schema_contents = functools.cache(
+    kubernetes_validate.utils.schema_contents
+)
 
 SCHEMAS = Path(__file__).resolve().parents[3] / "shared/schemas"
 CRDS = {

@@ -5,35 +5,43 @@ worker as never held), and every worker call reaches both roles' worker halves."
 
 from dataclasses import fields
 
-from decode_workers.connector import DecodeScheduler
-from kv_transfer.connector_base import PdserveMetadata, SchedulerHalf, WorkerHalf
+import pytest
+
 from kv_transfer.params import ReceiveKv, to_extra_args
 from kv_transfer.transfer_report import Failure, TransferReport
-from pdserve.worker.flex_connector import FlexConnector, FlexScheduler, FlexWorker
-from prefill_workers.connector import PrefillConnector
 
 
-class FakeHalfScheduler(SchedulerHalf):
+@pytest.fixture(scope="module")
+def flex():
+    """The connector modules, imported here: they import vLLM (~4 s of a core), which the
+    process running these tests pays, not every test process's collection."""
+    from pdserve.worker import flex_connector
+
+    return flex_connector
+
+
+class FakeHalfScheduler:
     """A role's scheduler half that fills `filled` with one entry per field, named after it."""
 
-    def __init__(self, role: str, filled: list[str]) -> None:
-        self.role, self.filled = role, filled
+    def __init__(self, metadata_class, role: str, filled: list[str]) -> None:
+        self.metadata_class, self.role, self.filled = metadata_class, role, filled
 
-    def metadata(self, scheduler_output) -> PdserveMetadata:
-        return PdserveMetadata(**{name: [f"{self.role} {name}"] for name in self.filled})
+    def metadata(self, scheduler_output):
+        return self.metadata_class(**{name: [f"{self.role} {name}"] for name in self.filled})
 
 
-def test_a_flex_step_carries_every_field_of_each_half():
+def test_a_flex_step_carries_every_field_of_each_half(flex):
     """Whichever half fills whichever field (today's split, a new field on one side, both
     halves on one field), the flex worker half gets it."""
+    PdserveMetadata = flex.PdserveMetadata
     names = [f.name for f in fields(PdserveMetadata)]
     for prefill_fields in ([names[0]], names, []):
         decode_fields = [name for name in names if name not in prefill_fields] + names[:1]
-        flex = FlexScheduler(
-            FakeHalfScheduler("prefill", prefill_fields),
-            FakeHalfScheduler("decode", decode_fields),
+        scheduler = flex.FlexScheduler(
+            FakeHalfScheduler(PdserveMetadata, "prefill", prefill_fields),
+            FakeHalfScheduler(PdserveMetadata, "decode", decode_fields),
         )
-        step = flex.metadata("step 7")
+        step = scheduler.metadata("step 7")
         for name in names:
             expected = [f"prefill {name}"] * (name in prefill_fields)
             expected += [f"decode {name}"] * (name in decode_fields)
@@ -49,16 +57,16 @@ class FakeRequest:
     ]
 
 
-def test_a_flex_workers_abandoned_transfer_reaches_its_worker_half():
+def test_a_flex_workers_abandoned_transfer_reaches_its_worker_half(flex):
     """The decode half's plan abandons a transfer (the prefix it skipped is not held here):
     the flex step's metadata carries it, as a decode worker's does."""
-    flex = FlexScheduler(SchedulerHalf(), DecodeScheduler(block_size=128))
-    assert flex.get_num_new_matched_tokens(FakeRequest(), 0) == (0, False)  # held: none
-    assert flex.metadata("step").abandoned == ["t-9"]
-    assert flex.metadata("next step").abandoned == []  # told once
+    scheduler = flex.FlexScheduler(flex.SchedulerHalf(), flex.DecodeScheduler(block_size=128))
+    assert scheduler.get_num_new_matched_tokens(FakeRequest(), 0) == (0, False)  # held: none
+    assert scheduler.metadata("step").abandoned == ["t-9"]
+    assert scheduler.metadata("next step").abandoned == []  # told once
 
 
-class FakeWorkerHalf(WorkerHalf):
+class FakeWorkerHalf:
     """Records the calls it gets; reports one transfer and one loaded request of its own."""
 
     def __init__(self, role: str) -> None:
@@ -84,22 +92,22 @@ class FakeWorkerHalf(WorkerHalf):
         self.calls.append("shutdown")
 
 
-def test_every_worker_call_reaches_both_halves_and_their_answers_are_joined():
+def test_every_worker_call_reaches_both_halves_and_their_answers_are_joined(flex):
     prefill, decode = FakeWorkerHalf("prefill"), FakeWorkerHalf("decode")
-    flex = FlexWorker(prefill, decode)
-    flex.bind(PdserveMetadata())
-    flex.save_kv_layer("layers.0", None, PdserveMetadata())
-    flex.wait_for_save(PdserveMetadata())
-    flex.shutdown()
+    worker = flex.FlexWorker(prefill, decode)
+    worker.bind(flex.PdserveMetadata())
+    worker.save_kv_layer("layers.0", None, flex.PdserveMetadata())
+    worker.wait_for_save(flex.PdserveMetadata())
+    worker.shutdown()
     assert prefill.calls == decode.calls == ["bind", "save layers.0", "wait_for_save", "shutdown"]
-    assert flex.transfer_results(PdserveMetadata(), set()) == (
+    assert worker.transfer_results(flex.PdserveMetadata(), set()) == (
         {"prefill-req", "decode-req"},
         {"decode-req"},
     )
-    assert [r.transfer_id for r in flex.take_reports()] == ["prefill-t", "decode-t"]
+    assert [r.transfer_id for r in worker.take_reports()] == ["prefill-t", "decode-t"]
 
 
-def test_a_flex_engine_keeps_attention_out_of_full_cuda_graphs_as_a_prefill_one_does():
+def test_a_flex_engine_keeps_attention_out_of_full_cuda_graphs_as_a_prefill_one_does(flex):
     """Its prefill half sends from the save_kv_layer hook, which a full CUDA graph would skip."""
-    assert FlexConnector.requires_piecewise_for_cudagraph({}) is True
-    assert PrefillConnector.requires_piecewise_for_cudagraph({}) is True
+    assert flex.FlexConnector.requires_piecewise_for_cudagraph({}) is True
+    assert flex.PrefillConnector.requires_piecewise_for_cudagraph({}) is True

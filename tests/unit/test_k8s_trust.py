@@ -24,7 +24,7 @@ from pdserve.cluster.k8s.render import (
     render,
 )
 from pdserve.settings.cluster_file import load_cluster_file, parse_cluster
-from tests.unit.k8s_rendering import DEPLOY, by_kind, seventy_b
+from tests.unit.k8s_rendering import DEPLOY, by_kind, load_all, seventy_b
 
 NAMESPACE = "pdserve"
 REDIS = 6379
@@ -46,8 +46,7 @@ def objects_of(config, mode: str, options: RenderOptions = OPTIONS) -> list[dict
         doc
         for name, text in files.items()
         if not name.endswith("kustomization.yaml")
-        for doc in yaml.safe_load_all(text)
-        if doc
+        for doc in load_all(text)
     ]
 
 
@@ -320,7 +319,7 @@ def test_the_committed_overlays_carry_the_policies():
     """What the overlays hold is render's output (test_k8s_manifests): here, that the old blanket
     trust of every part-of pod is gone from each."""
     for path in sorted((DEPLOY / "k8s/overlays").glob("*/*/pdserve.yaml")):
-        objects = [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+        objects = load_all(path.read_text())
         names = set(by_kind(objects, "NetworkPolicy"))
         assert "pdserve-internal" not in names and "pdserve-default-deny" in names, path
         deny = by_kind(objects, "NetworkPolicy")["pdserve-default-deny"]["spec"]

@@ -741,9 +741,10 @@ def _without_empty(spec: dict) -> dict:
     return {key: value for key, value in spec.items() if value != []}
 
 
-class _Dumper(yaml.SafeDumper):
+class _Dumper(yaml.CSafeDumper):
     """Multi-line strings (the cluster file) as readable literal blocks; a part shared by several
-    objects (a security context) written out in each, not as an alias."""
+    objects (a security context) written out in each, not as an alias. libyaml's emitter (PyYAML's
+    wheels carry it): the Python one took seconds for a render's hundreds of objects."""
 
     def ignore_aliases(self, data) -> bool:
         return True
