@@ -85,6 +85,8 @@ class WorkerClient:
             )
         except grpc.aio.AioRpcError as error:
             log.warning("abort of %s on %s failed: %s", request_id, self.address, error.code())
+        except grpc.aio.UsageError:  # the worker left the pool, its channel closed: nothing to end
+            log.info("abort of %s on %s: its channel is closed", request_id, self.address)
 
     async def cancel_transfer(self, transfer_id: str, reason: str) -> None:
         """Best effort, on a decode worker: its receivers learn that a transfer's KV will not
@@ -103,6 +105,12 @@ class WorkerClient:
                 self.address,
                 error.code().name,
                 error.details(),
+            )
+        except grpc.aio.UsageError:  # the worker left the pool: its deadline applies
+            log.info(
+                "could not cancel transfer %s on %s: its channel is closed",
+                transfer_id,
+                self.address,
             )
 
     async def generate(

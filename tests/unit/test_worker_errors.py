@@ -102,3 +102,18 @@ def test_a_stream_the_worker_ends_unasked_is_the_worker_unavailable(cancels):
     stops; CANCELLED) is the worker going away: the router migrates it, never a 502."""
     error = asyncio.run(error_of_a_stream_the_worker_ends(cancels))
     assert (error.status, error.kind) == (503, "worker_unavailable"), error.message
+
+
+def test_an_abort_or_cancel_after_the_worker_left_the_pool_ends_quietly():
+    """A stream ended after its worker left the pools (its channel closed) still sends its
+    best-effort abort: grpc refuses a closed channel with UsageError, which once escaped the
+    abort's task as an exception nobody retrieved."""
+
+    async def after_close():
+        client = WorkerClient("127.0.0.1:1")
+        assert client.stub is not None  # its channel, made
+        await client.close()
+        await client.abort("r")
+        await client.cancel_transfer("t", "gone")
+
+    asyncio.run(after_close())
