@@ -54,8 +54,10 @@ class Candidate:
 
 def head_splits(model: ModelSpec, gpus: int) -> list[int]:
     """TP sizes up to `gpus` that divide both the attention and the KV heads (attention is
-    split by heads)."""
-    heads = math.gcd(model.num_attention_heads, model.num_kv_heads)
+    split by heads; an MLA model's one latent is kept whole by every rank)."""
+    heads = model.num_attention_heads
+    if model.mla is None:
+        heads = math.gcd(heads, model.num_kv_heads)
     return [tp for tp in range(1, gpus + 1) if heads % tp == 0]
 
 
