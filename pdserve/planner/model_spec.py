@@ -94,7 +94,13 @@ class ModelSpec:
         shared experts, the attention and the rest stay split by TP)."""
         if self.moe is None:
             return 0
-        return self.moe_layers * self.moe.num_experts * 3 * self.hidden_size * self.moe.intermediate_size
+        return (
+            self.moe_layers
+            * self.moe.num_experts
+            * 3
+            * self.hidden_size
+            * self.moe.intermediate_size
+        )
 
     @property
     def active_params(self) -> int:
