@@ -246,10 +246,11 @@ def check_resources(slots: list[WorkerSlot], nodes: list[dict[str, float]]) -> N
 def describe_plan(slots: list[WorkerSlot]) -> str:
     lines = [f"{'worker':<12} {'role':<8} {'TP':>3}  bundles (STRICT_PACK)"]
     for slot in slots:
-        group = f"  node {slot.group_node} of {slot.leader}'s group" if slot.group_nodes > 1 else ""
+        ranks = slot.devices // slot.tensor_parallel_size
+        group = f"  {ranks} DP ranks, node {slot.group_node} of {slot.leader}'s group"
         lines.append(
             f"{slot.name:<12} {slot.role:<8} {slot.tensor_parallel_size:>3}  "
             + " ".join(f"{{{k}: {v:g}}}" for b in slot.bundles for k, v in b.items())
-            + group
+            + (group if slot.group_nodes > 1 else "")
         )
     return "\n".join(lines)
