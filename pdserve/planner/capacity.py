@@ -222,7 +222,7 @@ class CapacityPlan:
     weight_bytes_per_gpu: float
     kv_values_per_token: int  # per layer and head (or latent), summed
     kv_bytes_per_token_per_gpu: float
-    kv_tokens_per_gpu: int
+    kv_tokens_per_gpu: int  # a replica's KV tokens over the GPUs it takes (an MLA latent: / TP)
     kv_transfer_ms: float
     all_to_all_bytes_per_token: int
     all_to_all_prefill_ms: float
@@ -289,7 +289,7 @@ def plan_capacity(
         weight_bytes_per_gpu=weights,
         kv_values_per_token=kv_bytes_per_token(model) // model.kv_bytes_per_element,
         kv_bytes_per_token_per_gpu=kv_per_gpu,
-        kv_tokens_per_gpu=math.floor(budget / kv_per_gpu),
+        kv_tokens_per_gpu=math.floor(budget / kv_per_gpu / tp),
         kv_transfer_ms=1e3 * kv_per_gpu * tp * context_tokens / kv_bandwidth,
         all_to_all_bytes_per_token=all_to_all_bytes_per_token(model),
         all_to_all_prefill_ms=1e3 * all_to_all_time(model, context_tokens, ep, ep_bandwidth),

@@ -192,16 +192,17 @@ def hub_checkpoint(model_id: str) -> ModelSpec | None:
 
 
 def load_model_spec(preset_or_path: str, dtype: str | None = None) -> ModelSpec:
-    """A preset by name, else the HF config.json at that path (or in that folder).
-    `dtype`, when given, replaces the model's own."""
-    if preset_or_path in MODEL_PRESETS:
-        model = MODEL_PRESETS[preset_or_path]
-        return model.with_dtype(dtype) if dtype else model
+    """A preset by name, a known Hugging Face id (HUB_CHECKPOINTS: its weights quantized as
+    the checkpoint's are), else the HF config.json at that path (or in that folder). `dtype`,
+    when given, replaces the model's own."""
+    known = MODEL_PRESETS.get(preset_or_path) or hub_checkpoint(preset_or_path)
+    if known is not None:
+        return known.with_dtype(dtype) if dtype else known
     if Path(preset_or_path).exists():
         return from_hf_config(preset_or_path, dtype)
     raise ValueError(
-        f"model {preset_or_path!r} is neither a preset ({', '.join(MODEL_PRESETS)}) "
-        "nor an existing config.json"
+        f"model {preset_or_path!r} is neither a preset ({', '.join(MODEL_PRESETS)}), a known "
+        f"checkpoint ({', '.join(HUB_CHECKPOINTS)}) nor an existing config.json"
     )
 
 
