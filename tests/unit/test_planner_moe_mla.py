@@ -9,6 +9,7 @@ from dataclasses import asdict, replace
 
 import pytest
 
+from pdserve.cluster.placement import model_shape
 from pdserve.core.gpu_spec import GPU_PRESETS
 from pdserve.core.kinds import Role
 from pdserve.planner.capacity import (
@@ -24,10 +25,12 @@ from pdserve.planner.capacity import (
     weight_bytes,
     weight_bytes_per_gpu,
 )
+from pdserve.planner.cluster_file import cluster_document
 from pdserve.planner.cost_model import RooflineCost
 from pdserve.planner.memory_fit import gpu_memory_use
 from pdserve.planner.model_spec import MODEL_PRESETS, count_params, from_hf_config, hub_checkpoint
 from pdserve.planner.search import Candidate, RooflineHardware
+from pdserve.settings.cluster_file import parse_cluster
 from tests.unit.test_planner_capacity import _run_plan
 
 H100 = GPU_PRESETS["H100-SXM"]
@@ -200,3 +203,10 @@ def test_plan_refuses_expert_parallelism_for_a_dense_model(capsys):
     assert "no experts to shard" in capsys.readouterr().err
     figures = asdict(plan_capacity(LLAMA_70B, H100, tensor_parallel_size=4))
     assert figures["all_to_all_bytes_per_token"] == 0 and figures["expert_parallel_size"] == 1
+
+
+def test_a_planned_cluster_file_names_a_known_checkpoint_by_its_id():
+    document = cluster_document(Candidate(1, 8, 1, 8), "deepseek-ai/DeepSeek-R1", "auto", "H200")
+    assert document["model"] == {"path": "deepseek-ai/DeepSeek-R1", "dtype": "auto"}
+    config = parse_cluster(document)
+    assert model_shape(config) == DEEPSEEK  # `up` sizes it without a preset or a download
