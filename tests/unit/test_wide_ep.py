@@ -170,6 +170,71 @@ def test_node_1_joins_the_host_of_node_0(monkeypatch):
     assert (engine.data_parallel_node, engine.data_parallel_address) == (3, "10.1.2.3")
 
 
+class FakeRay:
+    """Stands in for Ray where `start_worker` calls it: records the placement group and the
+    actor's options, and what the actor is asked to start."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.groups, self.actor_options, self.started = [], [], []
+        monkeypatch.setattr(ray_launcher, "placement_group", self.placement_group)
+        monkeypatch.setattr(ray_launcher, "PlacementGroupSchedulingStrategy", lambda *a, **k: k)
+        monkeypatch.setattr(ray_launcher, "member_env", dict)
+        monkeypatch.setattr(ray_launcher, "ProcessHost", self)
+        monkeypatch.setattr(ray_launcher.ray, "get", lambda value, timeout=None: value)
+        monkeypatch.setattr(ray_launcher, "describe", self.describe)
+
+    def placement_group(self, bundles, strategy, name, lifetime):
+        self.groups.append((bundles, strategy, name))
+        return self  # ready() is the group's
+
+    def ready(self):
+        return None
+
+    def options(self, **options):
+        self.actor_options.append(options)
+        return self
+
+    def remote(self, *args):
+        if args:  # start_worker.remote(settings_json, ...)
+            self.started.append((json.loads(args[0]), args[3]))
+            return HostedProcess(pid=1, node="n", log="", address="10.1.2.3:50051")
+        return self
+
+    @property
+    def start_worker(self):
+        return self
+
+    def describe(self, name):
+        return HostedProcess(pid=1, node="n", log="", address=f"{name}.host:50051")
+
+
+def test_ray_places_each_worker_of_a_group_holding_its_nodes_gpus(monkeypatch):
+    fake = FakeRay(monkeypatch)
+    config = load_cluster_file(DEEPSEEK_FILE)
+    for slot in worker_slots(config)[2:4]:  # decode-0 and decode-1
+        settings = config.worker_settings(slot.role, "redis://r:6379/0")
+        ray_launcher.start_worker("ds", slot, settings, "/tmp", 8, False, 0)
+    assert fake.groups == [
+        ([{"GPU": 8.0}], "STRICT_PACK", "pdserve-ds-decode-0"),
+        ([{"GPU": 8.0}], "STRICT_PACK", "pdserve-ds-decode-1"),
+    ]
+    assert [options["num_gpus"] for options in fake.actor_options] == [
+        8,
+        8,
+    ]  # vLLM runs them itself
+    (leader, env), (member, member_env) = fake.started
+    assert env == member_env == {}  # no Ray executor: the ranks are processes on this node
+    assert leader["worker_id"] == "decode-0"
+    assert (leader["engine"]["data_parallel_node"], leader["engine"]["data_parallel_address"]) == (
+        0,
+        "",  # node 0 leads: its own host
+    )
+    assert (member["engine"]["data_parallel_node"], member["engine"]["data_parallel_address"]) == (
+        1,
+        "decode-0.host",
+    )
+
+
 def test_each_worker_starts_vllm_on_its_nodes_ranks_of_the_group():
     from vllm.engine.arg_utils import AsyncEngineArgs
 
