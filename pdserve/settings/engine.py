@@ -69,9 +69,9 @@ DataParallelSizeLocal = Annotated[
     Field(
         default=None,
         ge=1,
-        description="of the group's ranks, those this worker runs on its node: a group larger "
-        "than a node is one worker per node, each with its own ranks, gRPC port and KV "
-        "receivers (vLLM's --data-parallel-size-local; default: all of them)",
+        description="of the group's ranks, those this worker runs on its node (vLLM's "
+        "--data-parallel-size-local): a group larger than a node is one worker per node, each "
+        "with its own ranks, gRPC port and KV receivers (default: all of them)",
     ),
 ]
 DataParallelNode = Annotated[
@@ -88,7 +88,7 @@ DataParallelAddress = Annotated[
     Field(
         default="",
         description="the host of the group's node 0, which every node's engine joins (vLLM's "
-        "--data-parallel-address; default: this worker's advertised host, for node 0)",
+        "--data-parallel-address) (default: this worker's advertised host, for node 0)",
     ),
 ]
 EnableExpertParallel = Annotated[
