@@ -10,7 +10,8 @@
 
 Scheduler half: the load plan admits requests with `ReceiveKv` params as loading
 asynchronously and reserves their blocks. Worker half: the KV receiver takes KV from every
-transport (rank r listens on receiver_port + r, kv_transfer/kv_receiver.py), and the KV loader
+transport (rank r listens on receiver_port + r; data-parallel rank d's on + d x TP + r:
+pdserve/protocol/data_parallel.py; kv_transfer/kv_receiver.py), and the KV loader
 copies it into the reserved blocks, reporting each transfer loaded or failed; vLLM applies
 `kv_load_failure_policy` to failures.
 """
@@ -34,6 +35,7 @@ from kv_transfer.connector_base import (
 )
 from kv_transfer.kv_receiver import KvReceiver
 from kv_transfer.transfer_report import TransferReport
+from pdserve.protocol.data_parallel import kv_rank_offset
 
 log = logging.getLogger("pdserve.kv")
 # vLLM's worker loop spins in Python while a request waits for KV; with the default 5 ms GIL
@@ -60,6 +62,12 @@ class DecodeScheduler(SchedulerHalf):
         self.load_plan.forget(request.request_id)
 
 
+def data_parallel_index(vllm_config) -> int:
+    """This engine's data-parallel rank among the worker's own (0 without data parallelism):
+    vLLM sets it in each of a data-parallel worker's engine processes, MoE or not."""
+    return vllm_config.parallel_config.data_parallel_rank_local or 0
+
+
 class DecodeWorker(WorkerHalf):
     """The KV receiver listens from the start; the loader comes once the caches are known."""
 
@@ -78,7 +86,8 @@ class DecodeWorker(WorkerHalf):
         host = transfer.get_from_extra_config("receiver_host", "127.0.0.1")
         port = int(transfer.get_from_extra_config("receiver_port", 0))
         advertised = transfer.get_from_extra_config("advertised_host", host)
-        bound = self.receiver.start(host, port + self.rank if port else 0, advertised)
+        offset = kv_rank_offset(data_parallel_index(vllm_config), shape.tp, self.rank)
+        bound = self.receiver.start(host, port + offset if port else 0, advertised)
         log.info("KV receiver (rank %d) listening on %s:%d", self.rank, host, bound)
         self.loader: KvLoader | None = None
 

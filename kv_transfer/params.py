@@ -8,6 +8,7 @@ travel as plain dicts (vLLM serialises them with msgpack) under the key "pdserve
 from dataclasses import asdict, dataclass
 
 from pdserve.core.kinds import Transport
+from pdserve.protocol.data_parallel import data_parallel_kv_address
 
 KEY = "pdserve"
 
@@ -21,6 +22,14 @@ class SendKv:
     decode_tp: int = 1  # the decode worker's tensor-parallel size
     transport: str = Transport.GRPC  # a pdserve.core.kinds.Transport (a string on the wire)
     skip_tokens: int = 0  # the decode worker holds these already: their whole blocks stay here
+    decode_dp_rank: int = 0  # the decode worker's data-parallel rank that takes the request
+
+    @property
+    def receivers(self) -> str:
+        """Where that rank's first KV receiver listens (its tensor-parallel rank r: + r): a
+        data-parallel rank's receivers follow the rank before's, as vLLM's NixlConnector's side
+        channel port is its base + the DP index (pdserve/protocol/data_parallel.py)."""
+        return data_parallel_kv_address(self.destination, self.decode_dp_rank, self.decode_tp)
 
 
 @dataclass(frozen=True)

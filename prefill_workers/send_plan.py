@@ -47,7 +47,7 @@ class SendPlan:
             sends.append(
                 SendSlice(
                     state.params.transfer_id,
-                    state.params.destination,
+                    state.params.receivers,
                     first,
                     block_ids[first : last_block + 1],
                     finished,

@@ -50,6 +50,7 @@ class FakeWorker:
         flex: bool = False,
         kv_pool: str = "",
         host_id: str = "",
+        data_parallel_ranks: int = 1,
         replies: FakeReplies | None = None,
     ) -> None:
         self.address = address or f"{name}:50051"
@@ -66,6 +67,7 @@ class FakeWorker:
             tensor_parallel_size=1,
             kv_compatibility="smollm2-float32",
             kv_pool=kv_pool,  # with host_id, its host KV pool ("": none)
+            data_parallel_ranks=data_parallel_ranks,  # > 1: a data-parallel group's node
         )
         self.users = 0
         self.load = WorkerLoad()  # no report: the route estimate prices it like the cluster

@@ -1,7 +1,11 @@
 """Where each worker goes, and the checks that refuse an impossible cluster before anything starts.
 
 One placement group per worker: `tensor_parallel_size` bundles of one GPU each (one CPU each for
-a `gpu_type: cpu` pool), STRICT_PACK so a tensor-parallel group stays on one node. The checks
+a `gpu_type: cpu` pool), STRICT_PACK so a tensor-parallel group stays on one node. A worker of a
+data-parallel group (docs/deepseek.md) holds its node's ranks' GPUs as one bundle instead: its
+vLLM runs them itself (a process per rank, as on one machine), and the group's other workers,
+one per node, join its node 0 over the network, so a group spans nodes as its workers do. The
+checks
 need no engine and download nothing: the model's shape and size come from a planner preset, a
 known Hugging Face id, or the model folder's config.json; the resources from Ray's nodes (or
 this host's for a local cluster); each GPU pool's memory from its GPU type's datasheet.
@@ -32,14 +36,30 @@ class WorkerSlot:
     role: str
     tensor_parallel_size: int
     bundles: tuple[dict[str, float], ...]  # the placement group's bundles
+    group_node: int = 0  # its node in its data-parallel group (0: it leads the group)
+    group_nodes: int = 1  # workers of its group, one per node
 
     @property
     def device(self) -> str:
         return next(iter(self.bundles[0]))  # "GPU" or "CPU"
 
+    @property
+    def devices(self) -> int:
+        """GPUs (or CPUs) the worker holds, all on one node."""
+        return round(sum(amount for bundle in self.bundles for amount in bundle.values()))
+
+    @property
+    def leader(self) -> str:
+        """The name of its group's node 0: the worker whose host the others join."""
+        role, index = self.name.rsplit("-", 1)
+        return f"{role}-{int(index) - self.group_node}"
+
 
 def bundles(pool: PoolSection) -> tuple[dict[str, float], ...]:
+    """A GPU per rank, or a data-parallel worker's GPUs as one bundle (its actor holds them)."""
     device = "GPU" if pool.uses_gpus else "CPU"
+    if pool.data_parallel_size > 1:
+        return ({device: float(pool.gpus_per_worker)},)
     return tuple({device: 1.0} for _ in range(pool.tensor_parallel_size))
 
 
@@ -48,27 +68,38 @@ def worker_slots(
     counts: dict[str, int] | None = None,
     first_index: dict[str, int] | None = None,
 ) -> list[WorkerSlot]:
-    """The workers of each pool, `counts[role]` of them (default: the file's replicas; a pool
-    not in `counts`: none), named from `first_index[role]` on (scale-up names new workers after
-    the existing ones)."""
+    """The workers of each pool, `counts[role]` replicas (default: the file's; a pool not in
+    `counts`: none), each replica a group of `workers_per_replica` workers with consecutive
+    names, named from `first_index[role]` on (scale-up names new workers after the existing
+    ones)."""
     slots = []
     for role, pool in config.pools().items():
         count = pool.replicas if counts is None else counts.get(role, 0)
         start = (first_index or {}).get(role, 0)
+        nodes = pool.workers_per_replica
         slots += [
-            WorkerSlot(f"{role}-{start + i}", role, pool.tensor_parallel_size, bundles(pool))
+            WorkerSlot(
+                f"{role}-{start + i * nodes + node}",
+                role,
+                pool.tensor_parallel_size,
+                bundles(pool),
+                node,
+                nodes,
+            )
             for i in range(count)
+            for node in range(nodes)
         ]
     return slots
 
 
 def slot_named(config: ClusterFile, name: str) -> WorkerSlot:
     """The slot of worker `name` ("decode-3"), as `worker_slots` names it: what the replica
-    keeper starts again when that worker dies."""
+    keeper starts again when that worker dies (in a group: its node, joining node 0)."""
     role, index = name.rsplit("-", 1)
     if role not in config.pools() or not index.isdigit():
         raise ValueError(f"not a worker name of this cluster: {name!r}")
-    return worker_slots(config, {role: 1}, {role: int(index)})[0]
+    node = int(index) % config.pool(role).workers_per_replica
+    return worker_slots(config, {role: 1}, {role: int(index) - node})[node]
 
 
 def model_shape(config: ClusterFile) -> ModelSpec:
@@ -104,8 +135,9 @@ def model_shape(config: ClusterFile) -> ModelSpec:
 
 def check_layout(config: ClusterFile, model: ModelSpec) -> None:
     """Tensor parallelism must split the attention heads evenly, and shard the KV heads as vLLM
-    does (TP divides them, or they divide TP and each is replicated). The two pools' TPs may
-    differ: the KV transfer re-shards the heads between them."""
+    does (TP divides them, or they divide TP and each is replicated; an MLA latent is replicated
+    on every rank). The two pools' TPs may differ: the KV transfer re-shards the heads between
+    them. Expert parallelism needs experts, at least one per GPU of the group."""
     for role, pool in config.pools().items():
         tp = pool.tensor_parallel_size
         if not pool.replicas:
@@ -114,6 +146,17 @@ def check_layout(config: ClusterFile, model: ModelSpec) -> None:
             raise ConfigError(
                 f"{role}.tensor_parallel_size: {tp} does not divide the "
                 f"model's {model.num_attention_heads} attention heads ({model.name})"
+            )
+        if pool.enable_expert_parallel and model.moe is None:
+            raise ConfigError(
+                f"{role}.enable_expert_parallel: {model.name} has no experts (a dense model: "
+                "use data_parallel_size or replicas alone)"
+            )
+        if pool.enable_expert_parallel and pool.expert_parallel_size > model.moe.num_experts:
+            raise ConfigError(
+                f"{role}.enable_expert_parallel: an EP group of {pool.expert_parallel_size} "
+                f"GPUs (data_parallel_size x tensor_parallel_size) exceeds {model.name}'s "
+                f"{model.moe.num_experts} routed experts"
             )
         try:
             check_shardable(model.num_kv_heads, tp)
@@ -154,6 +197,8 @@ def memory_use(config: ClusterFile, model: ModelSpec) -> list[GpuMemoryUse]:
                     pool.tensor_parallel_size,
                     config.kv_cache_gib(pool) * GIB,
                     getattr(pool, "kv_send_buffer_mib", 0),  # a decode pool sends nothing
+                    data_parallel_size=pool.data_parallel_size,
+                    expert_parallel=pool.enable_expert_parallel,
                 )
             )
         except ValueError as error:
@@ -173,10 +218,11 @@ def check_memory(uses: list[GpuMemoryUse]) -> None:
 
 def check_resources(slots: list[WorkerSlot], nodes: list[dict[str, float]]) -> None:
     """Every worker's bundles must fit on one node (STRICT_PACK), all of them together in the
-    cluster: first-fit over the nodes' free resources, as Ray would place them."""
+    cluster: first-fit over the nodes' free resources, as Ray would place them. A group's
+    workers may share a node or not: each runs its own ranks."""
     needed: dict[str, float] = {}
     for slot in slots:
-        needed[slot.device] = needed.get(slot.device, 0) + slot.tensor_parallel_size
+        needed[slot.device] = needed.get(slot.device, 0) + slot.devices
     for device, amount in needed.items():
         have = sum(node.get(device, 0) for node in nodes)
         if amount > have:
@@ -186,22 +232,25 @@ def check_resources(slots: list[WorkerSlot], nodes: list[dict[str, float]]) -> N
             )
     free = [dict(node) for node in nodes]
     for slot in slots:
-        node = next((n for n in free if n.get(slot.device, 0) >= slot.tensor_parallel_size), None)
+        node = next((n for n in free if n.get(slot.device, 0) >= slot.devices), None)
         if node is None:
             largest = max((n.get(slot.device, 0) for n in nodes), default=0)
+            knob = "tensor_parallel_size" if slot.group_nodes == 1 else "data_parallel_size_local"
             raise ConfigError(
-                f"{slot.role}.tensor_parallel_size: {slot.name} needs "
-                f"{slot.tensor_parallel_size} {slot.device} on one node, and no node has that "
-                f"many free (the largest has {largest:g})"
+                f"{slot.role}.{knob}: {slot.name} needs {slot.devices} {slot.device} on one "
+                f"node, and no node has that many free (the largest has {largest:g})"
             )
-        node[slot.device] -= slot.tensor_parallel_size
+        node[slot.device] -= slot.devices
 
 
 def describe_plan(slots: list[WorkerSlot]) -> str:
     lines = [f"{'worker':<12} {'role':<8} {'TP':>3}  bundles (STRICT_PACK)"]
     for slot in slots:
+        ranks = slot.devices // slot.tensor_parallel_size
+        group = f"  {ranks} DP ranks, node {slot.group_node} of {slot.leader}'s group"
         lines.append(
             f"{slot.name:<12} {slot.role:<8} {slot.tensor_parallel_size:>3}  "
             + " ".join(f"{{{k}: {v:g}}}" for b in slot.bundles for k, v in b.items())
+            + (group if slot.group_nodes > 1 else "")
         )
     return "\n".join(lines)

@@ -318,7 +318,11 @@ def start_worker(
     returns what the actor says of it.
     `loopback`: the cluster is this one host, and workers listen on 127.0.0.1 only (Ray itself
     refuses a loopback node address); otherwise on their node's address. `kv_pool_bytes`: the
-    budget of the node's KV pool, started there for the first worker that uses it (0: none)."""
+    budget of the node's KV pool, started there for the first worker that uses it (0: none).
+    The actor holds the worker's GPUs (Ray sets CUDA_VISIBLE_DEVICES for it) when its vLLM runs
+    them itself: at TP 1, and a data-parallel worker's ranks; a TP group of one rank runs
+    vLLM's Ray executor in the placement group instead. A group's node > 0 joins the host of
+    its node 0 (`slot.leader`, started before it)."""
     group = placement_group(
         list(slot.bundles),
         strategy="STRICT_PACK",
@@ -333,18 +337,20 @@ def start_worker(
             f"{slot.name}: Ray could not place {list(slot.bundles)} on one node "
             f"within {PLACEMENT_TIMEOUT_S:.0f} s"
         ) from None
-    resources = {"num_gpus": 1} if slot.device == "GPU" and slot.tensor_parallel_size == 1 else {}
+    data_parallel = settings.engine.data_parallel_size > 1
+    gpus = slot.device == "GPU"
+    holds = gpus and (data_parallel or slot.tensor_parallel_size == 1)
     host = ProcessHost.options(
         name=slot.name,
         lifetime="detached",
         **member_env(),
-        **resources,
+        **({"num_gpus": slot.devices} if holds else {}),
         scheduling_strategy=PlacementGroupSchedulingStrategy(
             group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
         ),
     ).remote()
     env = {}
-    if slot.device == "GPU" and slot.tensor_parallel_size > 1:
+    if gpus and not holds:
         # The worker's vLLM runs its Ray executor in this group (pdserve/worker/engine.py).
         env = {
             PLACEMENT_GROUP_ENV: _group_name(cluster, slot.name),
@@ -352,11 +358,22 @@ def start_worker(
             "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
         }
     settings = settings.model_copy(update={"worker_id": slot.name})
+    if slot.group_node:
+        settings = settings.model_copy(update={"engine": group_member(settings, slot)})
     return ray.get(
         host.start_worker.remote(
             settings.model_dump_json(), log_dir, threads, env, loopback, kv_pool_bytes
         ),
         timeout=ACTOR_CALL_TIMEOUT_S,
+    )
+
+
+def group_member(settings: WorkerSettings, slot: WorkerSlot):
+    """The engine settings of node `slot.group_node` of a data-parallel group: its ranks, and
+    the host of the group's node 0, which it joins."""
+    leader = describe(slot.leader).address.rsplit(":", 1)[0]
+    return settings.engine.model_copy(
+        update={"data_parallel_node": slot.group_node, "data_parallel_address": leader}
     )
 
 

@@ -68,6 +68,19 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(run=run)
 
 
+def check_single_node_workers(config) -> None:
+    """`scale` adds and removes workers one by one; a pool whose replicas are groups of
+    several workers (a data-parallel group over nodes) is refused rather than left half a group."""
+    for role in ROLES:
+        pool = config.pool(role)
+        if pool.workers_per_replica > 1:
+            raise ConfigError(
+                f"{role}: its replicas are data-parallel groups of {pool.workers_per_replica} "
+                "workers (data_parallel_size_local < data_parallel_size), which scale does not "
+                "add or remove; change replicas and run `pdserve up` again"
+            )
+
+
 def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
@@ -79,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--prefill: must be >= 0")
         if config.is_flex:
             return move_roles(state, args.prefill, args.decode, started)
+        check_single_node_workers(config)
         ray_launcher.connect(state.ray_address, state.name, state.ray_token())
         kept = replica_keeper.kept_names()
         current = {role: [name for name in kept if name.startswith(f"{role}-")] for role in ROLES}

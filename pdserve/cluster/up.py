@@ -342,7 +342,7 @@ def local_node(slots: list[WorkerSlot]) -> dict[str, float]:
     """This host as a Ray node: its GPUs, and logical CPUs for the CPU pools' bundles, which
     stand for worker slots (the workers split the real cores): at least LOCAL_CPU_SLOTS, so
     `pdserve scale` has room to add workers."""
-    cpus_needed = sum(s.tensor_parallel_size for s in slots if s.device == "CPU")
+    cpus_needed = sum(s.devices for s in slots if s.device == "CPU")
     return {
         "CPU": float(max(os.cpu_count() or 1, cpus_needed, LOCAL_CPU_SLOTS)),
         "GPU": float(local_gpus()),
@@ -354,7 +354,7 @@ def assumed_nodes(slots: list[WorkerSlot], gpus: int | None, count: int) -> list
     with this host's CPU slots: what a dry run plans against when no Ray cluster is given."""
     if count < 1:
         raise ConfigError(f"--assume-nodes: must be >= 1, got {count}")
-    wanted = sum(s.tensor_parallel_size for s in slots if s.device == "GPU")
+    wanted = sum(s.devices for s in slots if s.device == "GPU")
     total = wanted if gpus is None else gpus
     if total < 0:
         raise ConfigError(f"--assume-gpus: must be >= 0, got {total}")

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import yaml
 
-from pdserve.planner.model_spec import MODEL_PRESETS
+from pdserve.planner.model_spec import HUB_CHECKPOINTS, MODEL_PRESETS
 from pdserve.planner.search import Candidate
 
 
@@ -16,15 +16,17 @@ def cluster_document(
     gpu_type: str,
     kv_cache_gib: dict[str, int] | None = None,
 ) -> dict:
-    """`model` is a planner preset or a config.json path: a preset stays as `model.preset` (the
-    head layout `up` checks) and as a placeholder `model.path` to replace with the weights'
-    location; a config.json's folder is the path. `dtype` "auto" means the model's own.
+    """`model` is a planner preset, a known checkpoint id or a config.json path: a preset stays
+    as `model.preset` (the head layout `up` checks) and as a placeholder `model.path` to replace
+    with the weights' location; a known id is the path (`up` knows its shape); a config.json's
+    folder is the path. `dtype` "auto" means the model's own.
     `kv_cache_gib` (role -> GiB per GPU) sizes each pool's KV cache; a pool not in it takes the
     engine's default. Colocated is a decode pool with no prefill replica: its workers prefill
     their own prompts."""
     kv = kv_cache_gib or {}
     is_preset = model in MODEL_PRESETS
-    folder = model if is_preset or Path(model).is_dir() else str(Path(model).parent)
+    named = is_preset or model in HUB_CHECKPOINTS or Path(model).is_dir()
+    folder = model if named else str(Path(model).parent)
     return {
         "name": "planned",
         "model": {"path": folder, "dtype": dtype, **({"preset": model} if is_preset else {})},

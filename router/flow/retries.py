@@ -30,6 +30,7 @@ from router.flow.route_choice import ROUTE_HEADER, Attempt, Tried, choose
 from router.http.errors import ErrorKind, OpenAIError
 from router.metrics import RouterMetrics
 from router.workers.choice import WorkerChoice
+from router.workers.data_parallel import on_rank
 from router.workers.handle import WorkerHandle
 from router.workers.pool import TAKES_REQUESTS, WorkerPool
 from router.workers.prompt_view import PromptView
@@ -163,6 +164,7 @@ class Starter:
             fetching.pool_fetch.CopyFrom(attempt.fetch)
             request = fetching
         if attempt.prefill is None:
+            request = on_rank(attempt.decode, request)
             return attempt.decode.generate(request, timeout=run.time_left()), headers
         headers["x-pdserve-prefill-worker"] = attempt.prefill.identity.worker_id
         chunks = generate_disaggregated(

@@ -24,6 +24,7 @@ class WorkerLoad:
     requests_since: int = 0  # requests this router sent it since that report
     prompt_tokens_since: int = 0  # their prompt tokens
     arrivals: Arrivals = field(default_factory=Arrivals)  # what this router sent, timed
+    rank_sent: dict[int, int] = field(default_factory=dict)  # of them, to each DP rank
 
     def sent(self, prompt_tokens: int) -> None:
         self.requests_since += 1
@@ -35,9 +36,19 @@ class WorkerLoad:
         RATE_WINDOW_S."""
         return self.arrivals.rates(time.monotonic())
 
+    def sent_to_rank(self, rank: int) -> None:
+        self.rank_sent[rank] = self.rank_sent.get(rank, 0) + 1
+
+    def rank_requests(self, rank: int) -> int:
+        """Requests on a data-parallel rank of the worker: its last report's, plus what this
+        router sent that rank since."""
+        running = self.report.data_parallel_running if self.report is not None else ()
+        return (running[rank] if rank < len(running) else 0) + self.rank_sent.get(rank, 0)
+
     def reported(self, report: worker_pb2.StatsReply) -> None:
         self.report = report
         self.requests_since = self.prompt_tokens_since = 0
+        self.rank_sent.clear()
 
     def busyness(self, role: str) -> tuple[float, ...]:
         """Smaller is idler. A prefill worker: prompt tokens it has yet to compute. A decode or

@@ -1,12 +1,11 @@
-"""MLA models are refused by name, at worker start and in the memory check, never later with a
-layout error: vLLM 0.32's real MLA cache (MLAAttentionSpec's allocation) matches none of the
-per-head K/V layouts pdserve moves."""
+"""MLA models are refused by name at worker start, never later with a layout error: vLLM 0.32's
+real MLA cache (MLAAttentionSpec's allocation) matches none of the per-head K/V layouts pdserve
+moves. The memory check sizes them (their latent KV: tests/unit/test_planner_moe_mla.py)."""
 
 import pytest
 
 from kv_transfer.attention_support import UnsupportedAttention, check_attention, config_uses_mla
 from kv_transfer.kv_layout import LayoutError, find_layout
-from pdserve.planner.model_spec import from_hf_config
 
 # DeepSeek-V2-Lite's attention: a 512-wide latent and a 64-wide rope key per token.
 DEEPSEEK_V2_LITE = {
@@ -33,12 +32,10 @@ def test_the_worker_start_refuses_an_mla_model_by_name_and_says_why():
     check_attention("SmolLM2-135M-Instruct", use_mla=False)  # per-head K/V: served
 
 
-def test_the_memory_check_refuses_an_mla_config_before_sizing_it():
+def test_an_mla_config_is_told_by_its_latent_rank():
     assert config_uses_mla(DEEPSEEK_V2_LITE)
     assert config_uses_mla({"text_config": DEEPSEEK_V2_LITE})
     assert not config_uses_mla({"model_type": "llama", "num_key_value_heads": 8})
-    with pytest.raises(UnsupportedAttention, match="DeepSeek-V2-Lite uses multi-head latent"):
-        from_hf_config(DEEPSEEK_V2_LITE, num_params=15_700_000_000)
 
 
 def test_vllms_mla_cache_matches_no_layout_pdserve_moves():

@@ -132,7 +132,9 @@ class RecordingEngine:
     def __init__(self) -> None:
         self.prompts = []
 
-    async def generate(self, prompt, sampling, request_id, trace_headers=None):
+    async def generate(
+        self, prompt, sampling, request_id, trace_headers=None, data_parallel_rank=None
+    ):
         self.prompts.append(prompt)
         return
         yield

@@ -354,6 +354,25 @@ def test_a_dry_run_plans_a_70b_file_against_the_gpus_it_asks_for(tmp_path, up, n
     assert not (tmp_path / "state").exists()
 
 
+def test_a_dry_run_plans_the_deepseek_wide_ep_file_a_worker_per_node(tmp_path, up):
+    """DeepSeek-R1 in FP8 as data-parallel groups (prefill DP/EP 16, decode DP/EP 32) on six
+    8-GPU nodes: each group a worker per node, each GPU its experts' share (tests/unit/
+    test_wide_ep.py checks the parts)."""
+    done = up(DEPLOY / "deepseek-r1-wide-ep.yaml", "--dry-run", "--assume-nodes", "6")
+    assert done.returncode == 0, done.stderr
+    assert "prefill-1    prefill    1  {GPU: 8}  8 DP ranks, node 1 of prefill-0's group" in (
+        done.stderr
+    )
+    assert "decode-3     decode     1  {GPU: 8}  8 DP ranks, node 3 of decode-0's group" in (
+        done.stderr
+    )
+    assert "memory: decode TP 1 x DP 32, EP 32 on H100-SXM: weights 36.70 + KV 28.00" in (
+        done.stderr
+    )
+    assert "checks passed: head layout, GPU memory, 6 node(s) with CPU" in done.stderr
+    assert "GPU 48\n" in done.stderr and not (tmp_path / "state").exists()
+
+
 def test_up_refuses_the_old_70b_fp8_layout_naming_the_numbers(tmp_path, run_up):
     """One TP=1 prefill worker holding all 67.7 GiB of FP8 weights, as the 70B FP8 file had it:
     refused before anything starts, with each term per GPU and the card's memory."""

@@ -140,7 +140,8 @@ def test_each_pool_scales_on_its_own_pressure_signal():
         overlay = OVERLAYS / path.stem / mode
         objects = build(overlay / "autoscaling")
         validate(objects)
-        workers = by_kind(build(overlay), "Deployment")
+        built = build(overlay)
+        workers = by_kind(built, "Deployment") | by_kind(built, "LeaderWorkerSet")
         scalers = by_kind(objects, "ScaledObject")
         assert set(scalers) == set(workers) - {"pdserve-router"}
         for name, scaler in scalers.items():

@@ -30,7 +30,7 @@ from tests.unit.k8s_rendering import (
     build,
     by_kind,
 )
-from tests.unit.k8s_validation import crd_validator, unknown_fields, validate_custom
+from tests.unit.k8s_validation import CRDS, crd_validator, unknown_fields, validate_custom
 
 REDIS_URL = RenderOptions().redis_url
 PROMETHEUS_OPERATOR = "monitoring.coreos.com/v1"
@@ -43,9 +43,10 @@ def rayjob_schema() -> jsonschema.Draft7Validator:
     return validator
 
 
-def test_the_kubernetes_cluster_files_are_the_four_layouts():
+def test_the_kubernetes_cluster_files_are_the_five_layouts():
     assert [path.stem for path in CLUSTER_FILES] == [
         "cpu-smoke",
+        "deepseek-r1-wide-ep",
         "gpu-8b",
         "llama-3.1-70b-fp8-4p1d",
         "llama-3.1-70b-tp4-1p1d",
@@ -83,6 +84,8 @@ def test_overlay_builds_and_every_object_validates(path, mode, rayjob_schema):
         if obj["kind"] == "RayJob":
             rayjob_schema.validate(obj)
             assert not unknown_fields(obj, rayjob_schema.schema)
+        elif obj["kind"] in CRDS:  # a data-parallel group's LeaderWorkerSet
+            validate_custom(obj, CRDS[obj["kind"]])
         else:
             kubernetes_validate.validate(obj, kubernetes_validate.latest_version(), strict=True)
     config = load_cluster_file(path)
@@ -94,22 +97,25 @@ def test_overlay_builds_and_every_object_validates(path, mode, rayjob_schema):
 
 def check_deployments(config, objects: list[dict]) -> None:
     deployments = by_kind(objects, "Deployment")
-    assert set(by_kind(objects, "PodDisruptionBudget")) == set(deployments)
+    groups = by_kind(objects, "LeaderWorkerSet")
+    assert set(by_kind(objects, "PodDisruptionBudget")) == set(deployments) | set(groups)
     assert set(by_kind(objects, "StatefulSet")) == {"redis"}
     grace = config.router.request_timeout_s + 30
     for role in ("prefill", "decode"):
         pool = config.pool(role)
-        pod = deployments[f"pdserve-{role}"]["spec"]["template"]["spec"]
+        workers = worker_pods(objects, role)
+        assert workers["spec"]["replicas"] == pool.replicas
+        pod = workers["pod"]
         containers = {container["name"]: container for container in pod["containers"]}
         worker = containers.pop("worker")
-        assert deployments[f"pdserve-{role}"]["spec"]["replicas"] == pool.replicas
         gpus = worker["resources"]["limits"].get("nvidia.com/gpu", 0)
-        assert gpus == (pool.tensor_parallel_size if pool.uses_gpus else 0)
+        assert gpus == (pool.gpus_per_worker if pool.uses_gpus else 0)
         assert worker["resources"]["requests"].get("nvidia.com/gpu", 0) == gpus
         settings = json.loads(worker["args"][worker["args"].index("--settings-json") + 1])
         assert settings["registry"] == REDIS_URL
         check_kv_pool(config, role, settings, containers)
         assert settings["engine"].get("tensor_parallel_size", 1) == pool.tensor_parallel_size
+        assert settings["engine"].get("data_parallel_size", 1) == pool.data_parallel_size
         assert worker["readinessProbe"]["grpc"] == {"port": GRPC_PORT, "service": ""}
         assert worker["livenessProbe"]["grpc"] == {"port": GRPC_PORT, "service": "liveness"}
         assert worker["lifecycle"]["preStop"]["exec"]["command"][:3] == [
@@ -119,7 +125,7 @@ def check_deployments(config, objects: list[dict]) -> None:
         ]
         assert pod["terminationGracePeriodSeconds"] == grace
         ports = {port["containerPort"] for port in worker["ports"]}
-        kv = {KV_PORT + rank for rank in range(pool.tensor_parallel_size)}
+        kv = {KV_PORT + rank for rank in range(pool.gpus_per_worker)}  # per DP rank's TP rank
         assert ports == {GRPC_PORT, METRICS_PORT} | (kv if role == "decode" else set())
         shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
         assert shm["emptyDir"]["medium"] == "Memory"
@@ -128,6 +134,26 @@ def check_deployments(config, objects: list[dict]) -> None:
     keys = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in router["env"] if "valueFrom" in e}
     assert keys["PDSERVE_CLUSTER_SECRET"]["name"] == "pdserve-cluster-secret"
     assert keys["PDSERVE_API_KEYS"] == {"name": "pdserve-api-keys", "key": "keys"}
+
+
+def worker_pods(objects: list[dict], role: str) -> dict:
+    """A pool's workers: its Deployment, or the LeaderWorkerSet of a data-parallel group over
+    nodes, whose every pod is a worker (the others' node and node 0's address from the set)."""
+    deployment = by_kind(objects, "Deployment").get(f"pdserve-{role}")
+    if deployment is not None:
+        return {"spec": deployment["spec"], "pod": deployment["spec"]["template"]["spec"]}
+    group = by_kind(objects, "LeaderWorkerSet")[f"pdserve-{role}"]["spec"]
+    templates = group["leaderWorkerTemplate"]
+    leader, member = templates["leaderTemplate"]["spec"], templates["workerTemplate"]["spec"]
+    leader_args = next(c for c in leader["containers"] if c["name"] == "worker")["args"]
+    member_args = next(c for c in member["containers"] if c["name"] == "worker")["args"]
+    assert member_args == leader_args + [
+        "--data-parallel-node",
+        "$(LWS_WORKER_INDEX)",
+        "--data-parallel-address",
+        "$(LWS_LEADER_ADDRESS)",
+    ]
+    return {"spec": group, "pod": leader}
 
 
 def check_kv_pool(config, role: str, settings: dict, sidecars: dict[str, dict]) -> None:
@@ -152,11 +178,12 @@ def check_kuberay(config, objects: list[dict]) -> None:
     assert set(groups) == {role for role in ("prefill", "decode") if config.pool(role).replicas}
     for role, group in groups.items():
         pool = config.pool(role)
-        assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == pool.replicas
+        pods = pool.replicas * pool.workers_per_replica  # a data-parallel group's: one per node
+        assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == pods
         (container,) = group["template"]["spec"]["containers"]
         if pool.uses_gpus:
-            assert group["rayStartParams"] == {"num-gpus": str(pool.tensor_parallel_size)}
-            assert container["resources"]["limits"]["nvidia.com/gpu"] == pool.tensor_parallel_size
+            assert group["rayStartParams"] == {"num-gpus": str(pool.gpus_per_worker)}
+            assert container["resources"]["limits"]["nvidia.com/gpu"] == pool.gpus_per_worker
         else:
             assert group["rayStartParams"] == {"num-cpus": str(pool.tensor_parallel_size)}
     file = yaml.safe_load(

@@ -1,5 +1,16 @@
-"""A pool whose tensor-parallel group spans nodes (70B at TP 8 on 4-GPU nodes, 405B): a
-LeaderWorkerSet, one group of pods per pdserve worker. The leader pod starts a Ray head and runs
+"""Pools whose workers span nodes, as LeaderWorkerSets (a group of pods per replica, created,
+restarted and deleted as one).
+
+A data-parallel group over nodes (a wide-EP pool: DeepSeek at DP 16 on 8-GPU nodes): every pod
+of the group is one of its pdserve workers, one per node (`data_parallel_set`). The leader pod
+runs node 0; each other pod runs node LWS_WORKER_INDEX, whose engine joins node 0's at the
+leader's address (LWS_LEADER_ADDRESS, set by the LeaderWorkerSet controller). Each is a whole
+worker (its ranks, gRPC port, KV receivers and KV pool), so all are the pool's component; a lost
+pod fails the group's engines (their all-to-all waits on every rank), and the group restarts
+whole (RecreateGroupOnPodRestart).
+
+A tensor-parallel group over nodes (70B at TP 8 on 4-GPU nodes, 405B): one group of pods per
+pdserve worker (`leader_worker_set`). The leader pod starts a Ray head and runs
 the pdserve worker on it (its engine sees more ranks than local GPUs and takes vLLM's Ray
 executor: pdserve/worker/engine.py); every other pod of the group joins that Ray cluster at the
 leader's address (LWS_LEADER_ADDRESS, set by the LeaderWorkerSet controller) and lends it its
@@ -18,6 +29,7 @@ the cluster secret), so a pod without the token can neither join it nor run code
 head has no dashboard.
 """
 
+import copy
 import shlex
 
 from pdserve.cluster.k8s.objects import NO_ESCALATION, labels, metadata
@@ -52,6 +64,29 @@ def leader_worker_set(
         {"name": "RAY_ADDRESS", "value": f"127.0.0.1:{RAY_PORT}"},
     ]
     leader["ports"] = worker["ports"] + [{"name": "ray", "containerPort": RAY_PORT}]
+    leader_spec = dict(leader_spec, containers=[leader])
+    return _group_set(role, replicas, nodes, leader_spec, follower_spec, f"{role}{RANK_SUFFIX}")
+
+
+def data_parallel_set(role: str, replicas: int, nodes: int, worker_spec: dict) -> dict:
+    """`worker_spec`: the pool's worker pod (its container `worker` runs `pdserve worker ...`
+    with the group's settings); the other pods' worker runs the node of its index, joining the
+    leader's."""
+    member = copy.deepcopy(worker_spec)
+    (worker,) = [c for c in member["containers"] if c["name"] == "worker"]
+    worker["args"] += [
+        "--data-parallel-node",
+        "$(LWS_WORKER_INDEX)",
+        "--data-parallel-address",
+        "$(LWS_LEADER_ADDRESS)",
+    ]
+    return _group_set(role, replicas, nodes, worker_spec, member, role)
+
+
+def _group_set(
+    role: str, replicas: int, nodes: int, leader_spec: dict, member_spec: dict, member: str
+) -> dict:
+    """`replicas` groups of `nodes` pods: the leader's, and `member` component pods."""
     return {
         "apiVersion": "leaderworkerset.x-k8s.io/v1",
         "kind": "LeaderWorkerSet",
@@ -66,14 +101,8 @@ def leader_worker_set(
             "leaderWorkerTemplate": {
                 "size": nodes,
                 "restartPolicy": "RecreateGroupOnPodRestart",
-                "leaderTemplate": {
-                    "metadata": {"labels": labels(role)},
-                    "spec": dict(leader_spec, containers=[leader]),
-                },
-                "workerTemplate": {
-                    "metadata": {"labels": labels(f"{role}{RANK_SUFFIX}")},
-                    "spec": follower_spec,
-                },
+                "leaderTemplate": {"metadata": {"labels": labels(role)}, "spec": leader_spec},
+                "workerTemplate": {"metadata": {"labels": labels(member)}, "spec": member_spec},
             },
         },
     }

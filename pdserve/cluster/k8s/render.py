@@ -36,7 +36,12 @@ from pdserve.cluster.k8s.autoscaling import scaled_object
 from pdserve.cluster.k8s.base import REDIS_PORT, Flow, Tracing, base_objects, network_policy
 from pdserve.cluster.k8s.fabric import fabric_affinity, with_rdma
 from pdserve.cluster.k8s.gateway import gateway_objects
-from pdserve.cluster.k8s.leader_worker import RANK_SUFFIX, leader_worker_set, ray_follower_container
+from pdserve.cluster.k8s.leader_worker import (
+    RANK_SUFFIX,
+    data_parallel_set,
+    leader_worker_set,
+    ray_follower_container,
+)
 from pdserve.cluster.k8s.model_cache import (
     PROBE_PERIOD_S,
     cache_env,
@@ -54,6 +59,7 @@ from pdserve.cluster.k8s.options import RenderOptions
 from pdserve.cluster.k8s.scheduling import gpu_placement
 from pdserve.cluster.k8s.tls import HEALTH_PORT, certificate, with_tls
 from pdserve.core.kinds import Role
+from pdserve.protocol.data_parallel import kv_receivers
 from pdserve.settings.base import ConfigError
 from pdserve.settings.cluster_file import ClusterFile, PoolSection
 
@@ -120,10 +126,17 @@ POD_ENV = [
 
 def render(config: ClusterFile, mode: str, options: RenderOptions | None = None) -> dict[str, str]:
     """The output's files (path -> text) for `config` in `mode`; a pool whose TP group needs
-    more than `options.gpus_per_node` GPUs spans nodes (deployments mode only)."""
+    more than `options.gpus_per_node` GPUs spans nodes (deployments mode only); a data-parallel
+    group spans its workers' nodes, each worker's ranks on one."""
     options = options or RenderOptions()
     gpus_per_node = options.gpus_per_node
     for role, pool in _pools(config).items():
+        if pool.data_parallel_size > 1 and pool.gpus_per_worker > gpus_per_node:
+            raise ConfigError(
+                f"{role}.data_parallel_size_local: a worker's {pool.data_parallel_ranks} ranks "
+                f"of TP {pool.tensor_parallel_size} take {pool.gpus_per_worker} GPUs, more than "
+                f"a node's {gpus_per_node}: give each worker fewer ranks"
+            )
         if _spans_nodes(pool, gpus_per_node) and (
             mode != "deployments"
             or role != Role.PREFILL
@@ -162,7 +175,7 @@ def render(config: ClusterFile, mode: str, options: RenderOptions | None = None)
             scaled_object(
                 role,
                 pool.replicas,
-                _spans_nodes(pool, gpus_per_node),
+                _spans_nodes(pool, gpus_per_node) or _data_parallel_over_nodes(pool),
                 options.namespace,
                 options.prometheus_url,
             )
@@ -208,6 +221,8 @@ def traffic(config: ClusterFile, mode: str, gpus_per_node: int) -> list[Flow]:
     flows = [Flow("router", REGISTRY, (REDIS_PORT,))]
     for role in roles:
         flows += [Flow("router", role, (GRPC_PORT,)), Flow(role, REGISTRY, (REDIS_PORT,))]
+    groups = [role for role in roles if _data_parallel_over_nodes(config.pool(role))]
+    flows += [Flow(role, role) for role in groups if role != Role.FLEX]
     if Role.FLEX in roles:
         flows.append(Flow(Role.FLEX, Role.FLEX))
     if Role.PREFILL in roles:
@@ -216,7 +231,7 @@ def traffic(config: ClusterFile, mode: str, gpus_per_node: int) -> list[Flow]:
             senders.append(f"{Role.PREFILL}{RANK_SUFFIX}")
             group = [Role.PREFILL.value, senders[-1]]
             flows += [Flow(source, target) for source in group for target in group]
-        else:
+        elif Role.PREFILL not in groups:
             flows.append(Flow(Role.PREFILL, Role.PREFILL, (GRPC_PORT,)))  # their KV pools
         if Role.DECODE in roles:
             flows += [Flow(sender, Role.DECODE) for sender in senders]
@@ -264,6 +279,10 @@ def deployments(config: ClusterFile, options: RenderOptions) -> list[dict]:
     for role, pool in _pools(config).items():
         if _spans_nodes(pool, options.gpus_per_node):
             workers = multi_node_workers(config, role, pool, options)
+        elif _data_parallel_over_nodes(pool):
+            resources = pool_resources(config, role, pool, options)
+            spec = worker_pod_spec(config, role, pool, resources, options)
+            workers = data_parallel_set(role, pool.replicas, pool.workers_per_replica, spec)
         else:
             workers = worker_deployment(config, role, pool, options)
         objects += [workers, _pdb(role, 1)]
@@ -334,7 +353,7 @@ def worker_pod_spec(
     if _receives_kv(role):
         ports += [
             {"name": f"kv-{rank}", "containerPort": KV_PORT + rank}
-            for rank in range(pool.tensor_parallel_size)
+            for rank in range(kv_receivers(pool.data_parallel_ranks, pool.tensor_parallel_size))
         ]
     image = options.worker_image(pool.uses_gpus)
     container = {
@@ -519,11 +538,12 @@ def kuberay(config: ClusterFile, options: RenderOptions) -> list[dict]:
         groups.append(
             {
                 "groupName": role,
-                "replicas": pool.replicas,
-                "minReplicas": pool.replicas,
-                "maxReplicas": pool.replicas,
-                # One pdserve worker per pod: the pod offers exactly its TP group.
-                "rayStartParams": {resource: str(pool.tensor_parallel_size)},
+                # One pdserve worker per pod: the pod offers exactly its TP group (a
+                # data-parallel worker: its node's ranks), a group's workers a pod each.
+                "replicas": pool.replicas * pool.workers_per_replica,
+                "minReplicas": pool.replicas * pool.workers_per_replica,
+                "maxReplicas": pool.replicas * pool.workers_per_replica,
+                "rayStartParams": {resource: str(pool.gpus_per_worker)},
                 "template": {
                     "metadata": {"labels": labels(f"{role}{RAY_NODE_SUFFIX}")},
                     "spec": spec,
@@ -616,9 +636,10 @@ def _cluster_file_map(config: ClusterFile, options: RenderOptions) -> dict:
 def pool_resources(
     config: ClusterFile, role: str, pool: PoolSection, options: RenderOptions
 ) -> dict:
-    """A worker pod's requests and limits: its TP group's GPUs (or CPU ranks), and memory,
-    with its KV pool's (the worker writes the pool's blocks: their pages count as its memory)."""
-    tp = pool.tensor_parallel_size
+    """A worker pod's requests and limits: its TP group's GPUs (a data-parallel worker's: its
+    ranks'), or CPU ranks, and memory, with its KV pool's (the worker writes the pool's blocks:
+    their pages count as its memory)."""
+    tp = pool.gpus_per_worker
     pool_gib = math.ceil(kv_pool_gib(config, role, options))
     if pool.uses_gpus:
         return _gpu_resources(tp, options, pool_gib)
@@ -670,7 +691,13 @@ def _gpu_resources(gpus: int, options: RenderOptions, extra_gib: int = 0) -> dic
 
 
 def _spans_nodes(pool: PoolSection, gpus_per_node: int) -> bool:
+    """A TP group larger than a node (its ranks beyond the leader's node lend GPUs by Ray)."""
     return pool.uses_gpus and pool.tensor_parallel_size > gpus_per_node
+
+
+def _data_parallel_over_nodes(pool: PoolSection) -> bool:
+    """A data-parallel group of several workers, one per node."""
+    return pool.uses_gpus and pool.workers_per_replica > 1
 
 
 def _pools(config: ClusterFile) -> dict[str, PoolSection]:
