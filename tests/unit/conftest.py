@@ -9,6 +9,7 @@ from tests.xdist_groups import ModuleGroups
 VLLM_MODULES = {
     "test_attention_support",
     "test_cluster_secret",  # a call let through reaches the worker's Generate, which imports vLLM
+    "test_data_parallel_routing",
     "test_engine_stats",
     "test_flex_connector",
     "test_bench_metrics",
@@ -17,6 +18,7 @@ VLLM_MODULES = {
     "test_pool_contents",
     "test_route_choice",
     "test_router_tokenizer_loading",  # AutoTokenizer's import of torch: paid there already
+    "test_wide_ep",
 }
 
 
