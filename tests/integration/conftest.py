@@ -91,7 +91,8 @@ class Server:
 # holds the largest cluster (the mixed pool: 5 SmolLM2 engines, ~12 GB), the KV pool's two, then
 # the tiny model's (Ray's, ~6 GB with its head; the flex sweep's). Stream b holds at most three
 # SmolLM2 engines at a time (~7 GB): the default cluster (stopped after its last user) beside
-# vLLM's own server, the flex cluster, then the tiny model at TP 2 (~9 GB) and in bfloat16. (A
+# vLLM's own server, the flex cluster, then the tiny model at TP 2 (~9 GB) and the tiny MoE
+# models (one cluster at a time, ~8 GB of RSS summed over its processes). (A
 # third stream, tried: the host's cores were then the limit, and the third default cluster it
 # needed cost more than it saved.)
 STREAMS = {
@@ -120,6 +121,7 @@ STREAMS = {
         "test_worker_observability",
         "test_flex_roles",
         "test_tensor_parallel",
+        "test_moe",
         "test_readme",  # last: it takes the README's port and two engines of 2 GiB KV each
     ],
 }
@@ -379,14 +381,14 @@ def offline_reference(smollm2_dir, tmp_path_factory) -> dict:
     }
 
 
-def tiny_completion(url: str, prompt: str, route: str) -> httpx.Response:
-    """A greedy completion from the tiny model on `route` of the router at `url`, with the
-    timing breakdown."""
+def tiny_completion(url: str, prompt: str, route: str, model: str = "tiny") -> httpx.Response:
+    """A greedy completion from a tiny model (served under its name) on `route` of the router at
+    `url`, with the timing breakdown."""
     return HTTP.post(
         f"{url}/v1/completions",
         timeout=120,
         headers={"x-pdserve-route": route, "x-pdserve-timing": "1"},
-        json={"model": "tiny", "prompt": prompt, "max_tokens": TINY_MAX_TOKENS, "temperature": 0},
+        json={"model": model, "prompt": prompt, "max_tokens": TINY_MAX_TOKENS, "temperature": 0},
     )
 
 
@@ -435,13 +437,16 @@ def offline_outputs(
     prompts: list[dict],
     chats: list[list[dict]],
     conversations: list[dict] = (),
+    dtype: str = "float32",
 ) -> dict:
-    """Run tests/offline_reference.py (vLLM's offline LLM, TP 1) in its own process."""
+    """Run tests/offline_reference.py (vLLM's offline LLM, TP 1, in `dtype`) in its own
+    process."""
     requests = {
         "prompts": prompts,
         "chats": chats,
         "chat_max_tokens": MAX_TOKENS,
         "conversations": list(conversations),
+        "dtype": dtype,
     }
     (folder / "requests.json").write_text(json.dumps(requests))
     script = Path(__file__).with_name("offline_reference.py")

@@ -4,7 +4,8 @@ Run as a script (vLLM's CPU platform spawns processes, so it needs a __main__ gu
     python tests/offline_reference.py MODEL_DIR REQUESTS_JSON OUTPUT_JSON
 REQUESTS_JSON: {"prompts": [{"prompt", "max_tokens", "sampling"?}...],
                 "chats": [[{role, content}...]...], "chat_max_tokens": N,
-                "conversations"?: [{"first", "first_max_tokens", "then", "max_tokens"}...]}
+                "conversations"?: [{"first", "first_max_tokens", "then", "max_tokens"}...],
+                "dtype"?: the engine's (float32 unless given: the MoE models' is bfloat16)}
                 ("sampling": more SamplingParams fields, by name)
 OUTPUT_JSON: {"prompts": [{"text", "token_ids"}...], "chats": [...],
               "conversations": [{"first": {...}, "next": {...}}...]}
@@ -26,7 +27,11 @@ def main(model_dir: str, requests_path: str, output_path: str) -> None:
 
     requests = json.loads(open(requests_path).read())
     llm = LLM(
-        model=model_dir, dtype="float32", enforce_eager=True, seed=0, kv_cache_memory_bytes=GIB
+        model=model_dir,
+        dtype=requests.get("dtype", "float32"),
+        enforce_eager=True,
+        seed=0,
+        kv_cache_memory_bytes=GIB,
     )
     prompts = requests["prompts"]
     results = {
