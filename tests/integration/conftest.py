@@ -89,10 +89,10 @@ class Server:
 
 # The two streams, each a list of modules in the order they run, of about equal length. Stream a
 # holds the largest cluster (the mixed pool: 5 SmolLM2 engines, ~12 GB), the KV pool's two, then
-# the tiny model's (Ray's, ~6 GB with its head; the flex sweep's). Stream b holds at most three
+# the tiny models' (Ray's, ~6 GB with its head; the flex sweep's; the MoE models', one cluster at
+# a time, ~5 GB of PSS). Stream b holds at most three
 # SmolLM2 engines at a time (~7 GB): the default cluster (stopped after its last user) beside
-# vLLM's own server, the flex cluster, then the tiny model at TP 2 (~9 GB) and the tiny MoE
-# models (one cluster at a time, ~8 GB of RSS summed over its processes). (A
+# vLLM's own server, the flex cluster, then the tiny model at TP 2 (~9 GB). (A
 # third stream, tried: the host's cores were then the limit, and the third default cluster it
 # needed cost more than it saved.)
 STREAMS = {
@@ -103,7 +103,7 @@ STREAMS = {
         "test_kv_pool",
         "test_cluster_ray",
         "test_flex_sweep",
-        "test_bfloat16",
+        "test_moe",
         "test_gpu_check",
         "test_failed_start",
     ],
@@ -121,7 +121,6 @@ STREAMS = {
         "test_worker_observability",
         "test_flex_roles",
         "test_tensor_parallel",
-        "test_moe",
         "test_readme",  # last: it takes the README's port and two engines of 2 GiB KV each
     ],
 }
@@ -366,8 +365,8 @@ def offline_reference(smollm2_dir, tmp_path_factory) -> dict:
         tmp_path_factory,
         "offline-reference",
         lambda folder: offline_outputs(
-            smollm2_dir, folder, prompts, CHATS, DECODE_POOL_CONVERSATIONS
-        ),
+            [smollm2_dir], folder, prompts, CHATS, DECODE_POOL_CONVERSATIONS
+        )[0],
     )
     count, sampling = len(PROMPTS), len(SAMPLING_CASES)
     disaggregated = count + sampling + len(DISAGGREGATED_PROMPTS)
@@ -400,7 +399,7 @@ def tiny_reference(tmp_path_factory) -> dict:
     return made_once_per_run(
         tmp_path_factory,
         "tiny-reference",
-        lambda folder: offline_outputs(ensure_model("tiny"), folder, prompts, []),
+        lambda folder: offline_outputs([ensure_model("tiny")], folder, prompts, [])[0],
     )
 
 
@@ -432,15 +431,15 @@ def made_once_per_run(tmp_path_factory, name: str, make: Callable[[Path], dict])
 
 
 def offline_outputs(
-    model_dir: Path,
+    model_dirs: list[Path],
     folder: Path,
     prompts: list[dict],
     chats: list[list[dict]],
     conversations: list[dict] = (),
     dtype: str = "float32",
-) -> dict:
-    """Run tests/offline_reference.py (vLLM's offline LLM, TP 1, in `dtype`) in its own
-    process."""
+) -> list[dict]:
+    """Run tests/offline_reference.py (vLLM's offline LLM, TP 1, in `dtype`) in its own process,
+    on each of `model_dirs` in turn; their answers, in that order."""
     requests = {
         "prompts": prompts,
         "chats": chats,
@@ -454,9 +453,9 @@ def offline_outputs(
         [
             sys.executable,
             str(script),
-            str(model_dir),
             str(folder / "requests.json"),
             str(folder / "out.json"),
+            *map(str, model_dirs),
         ],
         capture_output=True,
         text=True,

@@ -1,6 +1,7 @@
 """Mixture-of-experts models through P/D: the tiny random-weight Qwen3-MoE and Mixtral (8 experts,
 top 2, bfloat16: vLLM's CPU MoE kernel takes no float32), whose greedy answers must equal vLLM's
-offline engine's (TP 1, bfloat16) on the same weights.
+offline engine's (TP 1, bfloat16) on the same weights. They are also the KV path's bfloat16
+check: a disaggregated request's KV is 2 bytes an element on the wire.
 
 Four engines cover both shapes, TP 1 and 2, and every path, one model shape per cluster:
 - Qwen3-MoE, a TP-2 prefill worker and a TP-1 decode worker: the disaggregated path (the
@@ -32,6 +33,9 @@ from tests.waiting import wait_for
 
 QWEN, MIXTRAL = "tiny-moe", "tiny-mixtral"
 DTYPE = "bfloat16"
+# Both models' KV (pdserve/model_store/tiny_models.py): 2 layers, 2 KV heads of 64, in CPU
+# blocks of 128 tokens, bfloat16 on the wire: 2 bytes an element.
+LAYERS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, BFLOAT16_BYTES = 2, 2, 64, 128, 2
 LONG_PROMPT_BLOCKS = 3  # full 128-token blocks of TINY_LONG_PROMPT (~500 tokens)
 
 
@@ -39,12 +43,15 @@ LONG_PROMPT_BLOCKS = 3  # full 128-token blocks of TINY_LONG_PROMPT (~500 tokens
 def moe_reference(tmp_path_factory) -> dict[str, list[dict]]:
     """vLLM's offline engine's greedy answers, per model: PROMPTS, then TINY_LONG_PROMPT."""
     prompts = [{"prompt": p, "max_tokens": TINY_MAX_TOKENS} for p in [*PROMPTS, TINY_LONG_PROMPT]]
-    return {
-        model: offline_outputs(
-            ensure_model(model), tmp_path_factory.mktemp(model), prompts, [], dtype=DTYPE
-        )["prompts"]
-        for model in (QWEN, MIXTRAL)
-    }
+    models = (QWEN, MIXTRAL)
+    outputs = offline_outputs(
+        [ensure_model(model) for model in models],
+        tmp_path_factory.mktemp("moe-reference"),
+        prompts,
+        [],
+        dtype=DTYPE,
+    )
+    return {model: answers["prompts"] for model, answers in zip(models, outputs, strict=True)}
 
 
 def moe_cluster(tmp_path_factory, name: str, model: str, *more: str):
@@ -97,7 +104,8 @@ def test_mixtral_on_flex_workers_equals_offline(mixtral_flex, moe_reference, rou
 
 def check_answer(server, model: str, reference: dict, route: str, index: int) -> None:
     """PROMPTS[index] on `route` is answered as the offline engine did; on the disaggregated
-    path every prompt token's KV arrived (the decode worker computed none)."""
+    path every prompt token's KV arrived (the decode worker computed none), every head of every
+    layer in bfloat16."""
     response = tiny_completion(server.url, PROMPTS[index], route, model)
     assert response.status_code == 200, response.text
     assert response.headers["x-pdserve-route"] == route
@@ -108,7 +116,9 @@ def check_answer(server, model: str, reference: dict, route: str, index: int) ->
     if route == "disaggregated":
         tokens = body["usage"]["prompt_tokens"]
         assert int(response.headers["x-pdserve-decode-cached-tokens"]) == tokens
-        assert body["pdserve_timing"]["kv_bytes"] > 0
+        per_block = 2 * KV_HEADS * BLOCK_SIZE * HEAD_SIZE * BFLOAT16_BYTES
+        blocks = -(-tokens // BLOCK_SIZE)
+        assert body["pdserve_timing"]["kv_bytes"] == LAYERS * blocks * per_block
 
 
 def test_a_flex_worker_loads_from_the_pool_what_the_other_computed(mixtral_flex, moe_reference):
