@@ -1,5 +1,5 @@
 """Mixture-of-experts models through P/D: the tiny random-weight Qwen3-MoE and Mixtral (8 experts,
-top 2, bfloat16: vLLM's CPU MoE kernel takes no float32), whose greedy answers must equal vLLM's
+top 2, served in bfloat16, the dtype they are saved in), whose greedy answers must equal vLLM's
 offline engine's (TP 1, bfloat16) on the same weights. They are also the KV path's bfloat16
 check: a disaggregated request's KV is 2 bytes an element on the wire.
 
@@ -16,8 +16,8 @@ Each cluster stops after its last test, so they never run side by side.
 
 import pytest
 
-from kv_transfer.pool.client import PoolClient
-from kv_transfer.pool.wire import GetStats
+from kv_transfer.pool.client import store_stats
+from kv_transfer.pool.wire import PoolStats
 from pdserve.model_store.store import ensure_model
 from tests.integration.conftest import (
     _stop_and_check,
@@ -126,17 +126,22 @@ def test_a_flex_worker_loads_from_the_pool_what_the_other_computed(mixtral_flex,
     in the host's pool; on the disaggregated path the prefill-role worker loads them from there
     (the store counts the hits) and both answers equal the offline engine's."""
     (address,) = {kv_pool_address(pid) for pid in worker_pids(mixtral_flex)}
-    store = PoolClient(address, namespace=None)
     expected = moe_reference[MIXTRAL][len(PROMPTS)]["text"]
     local = tiny_completion(mixtral_flex.url, TINY_LONG_PROMPT, "local", MIXTRAL)
     assert local.status_code == 200, local.text
     assert local.json()["choices"][0]["text"] == expected
     wait_for(
-        lambda: store.call(GetStats()).used >= LONG_PROMPT_BLOCKS, 30, "the prompt's blocks stored"
+        lambda: pool_stats(address).used >= LONG_PROMPT_BLOCKS, 30, "the prompt's blocks stored"
     )
-    hits = store.call(GetStats()).hits
+    hits = pool_stats(address).hits
     disaggregated = tiny_completion(mixtral_flex.url, TINY_LONG_PROMPT, "disaggregated", MIXTRAL)
     assert disaggregated.status_code == 200, disaggregated.text
     assert disaggregated.headers["x-pdserve-prefill-worker"] != local.headers["x-pdserve-worker"]
-    assert store.call(GetStats()).hits >= hits + LONG_PROMPT_BLOCKS
+    assert pool_stats(address).hits >= hits + LONG_PROMPT_BLOCKS
     assert disaggregated.json()["choices"][0]["text"] == expected
+
+
+def pool_stats(address: str) -> PoolStats:
+    stats = store_stats(address)
+    assert stats is not None, f"the KV pool store at {address} did not answer"
+    return stats
