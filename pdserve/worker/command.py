@@ -148,6 +148,7 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
         with contextlib.suppress(Exception):  # a failed start has nothing to shut down
             await starting
             started.pop().shutdown()
+        _remove_start_leftovers(shm_before)
         return 0
     try:
         starting.result()
@@ -156,10 +157,7 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
         log.exception("engine failed to start")  # in the log before the health says so
         service.engine_failed(f"engine failed to start: {error}")
         await stop_serving(server, health, grace=1)
-        if removed := shm_leftovers.remove_after_failed_start(
-            shm_leftovers.engine_processes(), shm_before
-        ):
-            log.info("removed what the failed engine left in /dev/shm: %s", _names(removed))
+        _remove_start_leftovers(shm_before)
         return 1
     service.engine_ready(engine)
     log.info(
@@ -191,6 +189,17 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
     service.engine = None
     del engine
     return 0
+
+
+def _remove_start_leftovers(shm_before: set) -> None:
+    """Remove what an engine that never served (its start failed, or a stop came first) left in
+    /dev/shm: the vLLM files new since `shm_before` that no process maps once its processes are
+    gone. A stop during a TP start signals the ranks too, and they die with their communicator's
+    files made."""
+    if removed := shm_leftovers.remove_after_failed_start(
+        shm_leftovers.engine_processes(), shm_before
+    ):
+        log.info("removed what the engine's start left in /dev/shm: %s", _names(removed))
 
 
 def _names(paths: list) -> str:

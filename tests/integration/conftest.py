@@ -89,9 +89,10 @@ class Server:
 
 # The two streams, each a list of modules in the order they run, of about equal length. Stream a
 # holds the largest cluster (the mixed pool: 5 SmolLM2 engines, ~12 GB), the KV pool's two, then
-# the tiny model's (Ray's, ~6 GB with its head; the flex sweep's). Stream b holds at most three
+# the tiny models' (Ray's, ~6 GB with its head; the flex sweep's; the MoE models', one cluster at
+# a time, ~5 GB of PSS). Stream b holds at most three
 # SmolLM2 engines at a time (~7 GB): the default cluster (stopped after its last user) beside
-# vLLM's own server, the flex cluster, then the tiny model at TP 2 (~9 GB) and in bfloat16. (A
+# vLLM's own server, the flex cluster, then the tiny model at TP 2 (~9 GB). (A
 # third stream, tried: the host's cores were then the limit, and the third default cluster it
 # needed cost more than it saved.)
 STREAMS = {
@@ -102,7 +103,7 @@ STREAMS = {
         "test_kv_pool",
         "test_cluster_ray",
         "test_flex_sweep",
-        "test_bfloat16",
+        "test_moe",
         "test_gpu_check",
         "test_failed_start",
     ],
@@ -364,8 +365,8 @@ def offline_reference(smollm2_dir, tmp_path_factory) -> dict:
         tmp_path_factory,
         "offline-reference",
         lambda folder: offline_outputs(
-            smollm2_dir, folder, prompts, CHATS, DECODE_POOL_CONVERSATIONS
-        ),
+            [smollm2_dir], folder, prompts, CHATS, DECODE_POOL_CONVERSATIONS
+        )[0],
     )
     count, sampling = len(PROMPTS), len(SAMPLING_CASES)
     disaggregated = count + sampling + len(DISAGGREGATED_PROMPTS)
@@ -379,14 +380,14 @@ def offline_reference(smollm2_dir, tmp_path_factory) -> dict:
     }
 
 
-def tiny_completion(url: str, prompt: str, route: str) -> httpx.Response:
-    """A greedy completion from the tiny model on `route` of the router at `url`, with the
-    timing breakdown."""
+def tiny_completion(url: str, prompt: str, route: str, model: str = "tiny") -> httpx.Response:
+    """A greedy completion from a tiny model (served under its name) on `route` of the router at
+    `url`, with the timing breakdown."""
     return HTTP.post(
         f"{url}/v1/completions",
         timeout=120,
         headers={"x-pdserve-route": route, "x-pdserve-timing": "1"},
-        json={"model": "tiny", "prompt": prompt, "max_tokens": TINY_MAX_TOKENS, "temperature": 0},
+        json={"model": model, "prompt": prompt, "max_tokens": TINY_MAX_TOKENS, "temperature": 0},
     )
 
 
@@ -398,7 +399,7 @@ def tiny_reference(tmp_path_factory) -> dict:
     return made_once_per_run(
         tmp_path_factory,
         "tiny-reference",
-        lambda folder: offline_outputs(ensure_model("tiny"), folder, prompts, []),
+        lambda folder: offline_outputs([ensure_model("tiny")], folder, prompts, [])[0],
     )
 
 
@@ -430,18 +431,21 @@ def made_once_per_run(tmp_path_factory, name: str, make: Callable[[Path], dict])
 
 
 def offline_outputs(
-    model_dir: Path,
+    model_dirs: list[Path],
     folder: Path,
     prompts: list[dict],
     chats: list[list[dict]],
     conversations: list[dict] = (),
-) -> dict:
-    """Run tests/offline_reference.py (vLLM's offline LLM, TP 1) in its own process."""
+    dtype: str = "float32",
+) -> list[dict]:
+    """Run tests/offline_reference.py (vLLM's offline LLM, TP 1, in `dtype`) in its own process,
+    on each of `model_dirs` in turn; their answers, in that order."""
     requests = {
         "prompts": prompts,
         "chats": chats,
         "chat_max_tokens": MAX_TOKENS,
         "conversations": list(conversations),
+        "dtype": dtype,
     }
     (folder / "requests.json").write_text(json.dumps(requests))
     script = Path(__file__).with_name("offline_reference.py")
@@ -449,9 +453,9 @@ def offline_outputs(
         [
             sys.executable,
             str(script),
-            str(model_dir),
             str(folder / "requests.json"),
             str(folder / "out.json"),
+            *map(str, model_dirs),
         ],
         capture_output=True,
         text=True,

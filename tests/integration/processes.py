@@ -1,6 +1,7 @@
 """Process-tree queries for the tests, through psutil (not `ps`, whose output is cut at
 $COLUMNS where there is no terminal)."""
 
+import json
 import os
 import time
 from pathlib import Path
@@ -79,6 +80,12 @@ def worker_pids(server, role: str | None = None) -> list[int]:
         and "--settings-json" in (words := command_line(pid))
         and (role is None or any(f'"role":"{role}"' in word for word in words))
     ]
+
+
+def kv_pool_address(pid: int) -> str:
+    """The KV pool store's address that the worker `pid` was started with."""
+    line = command_line(pid)
+    return json.loads(line[line.index("--settings-json") + 1])["kv_pool_address"]
 
 
 def shm_left_since(before: set[Path], settle_s: float = 10.0) -> list[str]:

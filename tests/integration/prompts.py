@@ -89,3 +89,4 @@ TINY_PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n",
 ]
 TINY_MAX_TOKENS = 12
+TINY_LONG_PROMPT = " ".join(TINY_PROMPTS) * 16  # several of the KV pool's 128-token blocks

@@ -1,16 +1,21 @@
 """A worker whose engine refuses the model: `pdserve serve` says why in its own output (the root
 cause, not vLLM's "Engine core initialization failed. See root cause above.") and where the log
 is, exits 1, and leaves nothing in /dev/shm (seen: a TP-2 engine that failed to start left its
-communicator's `vllm_dist_*` files, 8 MiB)."""
+communicator's `vllm_dist_*` files, 8 MiB). Nor does a TP-2 start that a stop cuts short (the
+ranks die of the group's SIGTERM with those files made: the same 8 MiB were left)."""
 
 import re
+import signal
 import subprocess
 import sys
 
 from safetensors.torch import load_file, save_file
 
 from pdserve.model_store.store import ensure_model
-from tests.integration.processes import SHM, shm_left_since
+from pdserve.worker.processes import spawn, stop_group
+from pdserve.worker.shm_leftovers import mapped_by
+from tests.integration.processes import SHM, descendants, shm_left_since
+from tests.waiting import wait_for
 
 MISSING = "model.norm.weight"
 
@@ -41,3 +46,31 @@ def test_a_refused_model_gives_the_root_cause_and_leaves_nothing(tmp_path):
     assert cause.startswith("ValueError: ") and MISSING in cause, output[-4000:]
     assert f"(the whole log: {tmp_path / 'logs'}/" in output
     assert not shm_left_since(shm_before), "a failed start left files in /dev/shm"
+
+
+def test_a_stop_while_a_tp2_engine_starts_leaves_nothing(tmp_path):
+    """SIGTERM (Ctrl-C) to `pdserve serve` once its TP-2 prefill worker's ranks have made their
+    communicator's files: the group's SIGTERM kills the ranks mid-start, and the worker removes
+    what they left before it exits."""
+    ensure_model("tiny")
+    shm_before = set(SHM.iterdir())
+    serve = spawn(
+        [sys.executable, "-m", "pdserve.cli", "serve", "--model", "tiny"]
+        + ["--prefill-tensor-parallel-size", "2", "--kv-cache-gib", "0.25", "--port", "0"]
+        + ["--log-dir", str(tmp_path / "logs")],
+        tmp_path / "serve.log",
+    )
+    try:
+        wait_for(
+            lambda: any(
+                path.name.startswith("vllm_dist_")
+                for path in mapped_by(descendants(serve.pid)) - shm_before
+            ),
+            300,
+            "the TP-2 ranks' communicator files",
+        )
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=60) == 0, (tmp_path / "serve.log").read_text()[-4000:]
+    finally:
+        stop_group(serve.pid, process=serve)
+    assert not shm_left_since(shm_before), "a stopped start left files in /dev/shm"
