@@ -23,10 +23,11 @@ what any of them computed.
   A tensor-parallel rank copies its own heads, into and out of its part of each slot; vLLM
   completes a store only once every rank has done its part, and recomputes a block any rank
   could not load. An MLA latent, the same on every rank, is one part: rank 0 stores it, every
-  rank loads it (vLLM's replicated layout). A writer puts its key's tag and its bytes' digest (kv_transfer/integrity.py)
-  in its part's header once its bytes landed; a reader checks both, on the device, before one
-  byte reaches the cache, and a block that fails is dropped from the pool, counted, and
-  recomputed (kv_transfer/pool/connector.py reports it to vLLM as a load error), never used.
+  rank loads it (vLLM's replicated layout). A writer puts its key's tag and its bytes' digest
+  (kv_transfer/integrity.py) in its part's header once its bytes landed; a reader checks both,
+  on the device, before one byte reaches the cache, and a block that fails is dropped from the
+  pool, counted, and recomputed (kv_transfer/pool/connector.py reports it to vLLM as a load
+  error), never used.
 
 vLLM 0.32's own CPU offloading worker needs CUDA streams (it refuses the CPU platform) and keeps
 a private buffer per engine, which is why pdserve has its own worker and manager here; the
