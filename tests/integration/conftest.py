@@ -104,6 +104,7 @@ STREAMS = {
         "test_flex_sweep",
         "test_bfloat16",
         "test_gpu_check",
+        "test_mla",
         "test_failed_start",
     ],
     "b": [
@@ -379,14 +380,14 @@ def offline_reference(smollm2_dir, tmp_path_factory) -> dict:
     }
 
 
-def tiny_completion(url: str, prompt: str, route: str) -> httpx.Response:
-    """A greedy completion from the tiny model on `route` of the router at `url`, with the
+def tiny_completion(url: str, prompt: str, route: str, model: str = "tiny") -> httpx.Response:
+    """A greedy completion from a tiny model on `route` of the router at `url`, with the
     timing breakdown."""
     return HTTP.post(
         f"{url}/v1/completions",
         timeout=120,
         headers={"x-pdserve-route": route, "x-pdserve-timing": "1"},
-        json={"model": "tiny", "prompt": prompt, "max_tokens": TINY_MAX_TOKENS, "temperature": 0},
+        json={"model": model, "prompt": prompt, "max_tokens": TINY_MAX_TOKENS, "temperature": 0},
     )
 
 
@@ -435,6 +436,7 @@ def offline_outputs(
     prompts: list[dict],
     chats: list[list[dict]],
     conversations: list[dict] = (),
+    dtype: str = "float32",
 ) -> dict:
     """Run tests/offline_reference.py (vLLM's offline LLM, TP 1) in its own process."""
     requests = {
@@ -442,6 +444,7 @@ def offline_outputs(
         "chats": chats,
         "chat_max_tokens": MAX_TOKENS,
         "conversations": list(conversations),
+        "dtype": dtype,
     }
     (folder / "requests.json").write_text(json.dumps(requests))
     script = Path(__file__).with_name("offline_reference.py")

@@ -3,7 +3,8 @@
 Run as a script (vLLM's CPU platform spawns processes, so it needs a __main__ guard):
     python tests/offline_reference.py MODEL_DIR REQUESTS_JSON OUTPUT_JSON
 REQUESTS_JSON: {"prompts": [{"prompt", "max_tokens", "sampling"?}...],
-                "chats": [[{role, content}...]...], "chat_max_tokens": N,
+                "chats": [[{role, content}...]...], "chat_max_tokens": N, "dtype"?: the model's
+                (default float32; the MoE/MLA tiny models run in bfloat16),
                 "conversations"?: [{"first", "first_max_tokens", "then", "max_tokens"}...]}
                 ("sampling": more SamplingParams fields, by name)
 OUTPUT_JSON: {"prompts": [{"text", "token_ids"}...], "chats": [...],
@@ -26,7 +27,11 @@ def main(model_dir: str, requests_path: str, output_path: str) -> None:
 
     requests = json.loads(open(requests_path).read())
     llm = LLM(
-        model=model_dir, dtype="float32", enforce_eager=True, seed=0, kv_cache_memory_bytes=GIB
+        model=model_dir,
+        dtype=requests.get("dtype", "float32"),
+        enforce_eager=True,
+        seed=0,
+        kv_cache_memory_bytes=GIB,
     )
     prompts = requests["prompts"]
     results = {

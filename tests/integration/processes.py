@@ -1,6 +1,7 @@
 """Process-tree queries for the tests, through psutil (not `ps`, whose output is cut at
 $COLUMNS where there is no terminal)."""
 
+import json
 import os
 import time
 from pathlib import Path
@@ -36,6 +37,12 @@ def command_line(pid: int) -> list[str]:
         return psutil.Process(pid).cmdline()
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return []
+
+
+def kv_pool_address(pid: int) -> str:
+    """The KV pool worker `pid` joins, as its command line's settings say."""
+    line = command_line(pid)
+    return json.loads(line[line.index("--settings-json") + 1])["kv_pool_address"]
 
 
 def pids_running(*words: str) -> list[int]:

@@ -13,7 +13,6 @@ the session's secret). A long prompt computed by one TP=2 prefill worker is load
 pool by the other, each rank its own heads, and answered the same. When the clusters have
 stopped, their engines have left nothing in /dev/shm."""
 
-import json
 import os
 
 import pytest
@@ -23,7 +22,7 @@ from kv_transfer.pool.wire import GetStats
 from pdserve.model_store.store import ensure_model
 from tests.integration.conftest import _stop_and_check, router_over, start_server, tiny_completion
 from tests.integration.http_client import HTTP
-from tests.integration.processes import command_line, worker_pids
+from tests.integration.processes import kv_pool_address, worker_pids
 from tests.integration.prompts import TINY_PROMPTS as PROMPTS
 from tests.waiting import wait_for
 
@@ -120,7 +119,7 @@ def test_a_tp2_prefill_worker_loads_from_the_pool_what_the_other_computed(prefil
     prefill worker's ranks load them (the store counts the hits) and it answers exactly as the
     worker that computed them, logprobs included: a part loaded into the wrong rank, or not
     at all, would change them."""
-    (address,) = {_pool_address(pid) for pid in worker_pids(prefill_tp2, "prefill")}
+    (address,) = {kv_pool_address(pid) for pid in worker_pids(prefill_tp2, "prefill")}
     store = PoolClient(address, namespace=None)
     first = _long_completion(prefill_tp2.url)
     wait_for(lambda: store.call(GetStats()).used >= 2, 30, "the prompt's blocks in the pool")
@@ -130,11 +129,6 @@ def test_a_tp2_prefill_worker_loads_from_the_pool_what_the_other_computed(prefil
     assert store.call(GetStats()).hits > hits
     assert second["text"] == first["text"]
     assert second["logprobs"] == pytest.approx(first["logprobs"], abs=1e-4)
-
-
-def _pool_address(pid: int) -> str:
-    line = command_line(pid)
-    return json.loads(line[line.index("--settings-json") + 1])["kv_pool_address"]
 
 
 def _long_completion(url: str) -> dict:
