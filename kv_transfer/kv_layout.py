@@ -13,8 +13,8 @@ names each dimension, found by matching the tensor's shape against the sizes the
 so a request's KV travels in one order whatever either side's layout is, and two workers with
 different cache layouts still exchange it. The kv dimension is 2 (K, V) for per-head caches and
 1 for multi-head latent attention (MLA): vLLM 0.32 keeps one latent per token (kv_lora_rank +
-rope dim: 576 values for DeepSeek), no V, as the same view with one "head",
-[blocks, 1, block_size, latent], so MLA is the first layout with `kv_size` 1.
+rope dim: 576 values for DeepSeek), no V, in the same view with one "head",
+[blocks, 1, block_size, latent]: that view with `kv_size` 1.
 """
 
 from dataclasses import dataclass

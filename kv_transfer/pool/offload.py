@@ -418,7 +418,8 @@ class PoolOffloadingSpec(OffloadingSpec):
             log.warning("kv pool: off for this engine: %s", self.unusable)
         # An MLA engine's ranks hold the same latent (vLLM's replicated layout, at TP > 1):
         # a slot keeps one copy, rank 0 writes it (vLLM's worker asks no other rank to store)
-        # and every rank loads it; an engine at any TP then shares the pool's blocks.
+        # and every rank loads it. Its blocks are the same at any TP: the namespace names the
+        # parts, not the TP.
         self.replicated_layout = config.replicated_layout
         parts = 1 if self.replicated_layout else config.parallel.tp_size
         namespace = {
