@@ -86,6 +86,7 @@ class KvLoader:
         self.clock = clock
         self.caches = [layout.canonical(cache, head_size) for cache in kv_caches]  # by layer
         self.head_size = head_size
+        self.kv_size = layout.kv_size
         self.total_heads = total_heads
         self.tp = tp
         self.rank = rank
@@ -277,7 +278,7 @@ class KvLoader:
         wire = from_bytes(
             piece.data,
             cache.dtype,
-            wire_shape(piece.num_blocks, piece.num_heads, block_size, self.head_size),
+            wire_shape(piece.num_blocks, piece.num_heads, block_size, self.head_size, self.kv_size),
         )
         expected = state.expected
         first, skip = piece.first_block, expected.skip_blocks

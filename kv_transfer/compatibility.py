@@ -27,7 +27,7 @@ class Compatibility:
     dtype: str  # the KV cache's: vLLM's cache_dtype, "auto" resolved to the model's dtype
     block_size: int
     num_layers: int
-    total_kv_heads: int  # over all tensor-parallel ranks
+    total_kv_heads: int  # over all tensor-parallel ranks (1 for MLA: cache_heads)
     head_size: int
     kv_layout: str  # the wire order, kv_layout.WIRE_LAYOUT
     vllm_version: str
@@ -95,11 +95,23 @@ def kv_scale_mode(cache_dtype: str, kv_cache_scheme: dict | None, skip_layers: l
     return mode
 
 
+def cache_heads(model_config) -> tuple[int, int]:
+    """(KV heads over all tensor-parallel ranks, kv size: values per head-token in units of
+    head size) of the cache vLLM keeps for a model: K and V per KV head (2), or for multi-head
+    latent attention one latent per token (1), no V, as one head replicated on every rank
+    (vLLM's `get_num_kv_heads` is 1 for MLA, but its `get_total_num_kv_heads` counts the
+    attention's heads, which have no cache of their own)."""
+    if model_config.use_mla:
+        return 1, 1
+    return model_config.get_total_num_kv_heads(), 2
+
+
 def compatibility_of(vllm_config) -> Compatibility:
     """This engine's side of the handshake, read where vLLM 0.32 keeps it: the KV cache's dtype
     in `cache_config.cache_dtype` (already resolved from the checkpoint's KV scheme by
-    EngineArgs), its element size from vLLM's own map (fp8 caches are uint8 storage); the
-    integrity setting from the connector's configuration (pdserve/worker/engine.py)."""
+    EngineArgs), its element size from vLLM's own map (fp8 caches are uint8 storage, an fp8
+    MLA latent too: 576 bytes a token for DeepSeek); the integrity setting from the
+    connector's configuration (pdserve/worker/engine.py)."""
     import vllm
     from vllm.utils.torch_utils import get_kv_cache_torch_dtype
 
@@ -110,16 +122,17 @@ def compatibility_of(vllm_config) -> Compatibility:
     )
     element = get_kv_cache_torch_dtype(cache.cache_dtype, model.dtype)
     head_size = model.get_head_size()
+    total_kv_heads, kv_size = cache_heads(model)
     return Compatibility(
         model=Path(model.model).name,
         dtype=kv_cache_dtype(cache.cache_dtype, model.dtype),
         block_size=cache.block_size,
         num_layers=model.get_num_layers(parallel),
-        total_kv_heads=model.get_total_num_kv_heads(),
+        total_kv_heads=total_kv_heads,
         head_size=head_size,
         kv_layout=WIRE_LAYOUT,
         vllm_version=vllm.__version__,
-        bytes_per_head_token=(1 if model.use_mla else 2) * head_size * element.itemsize,
+        bytes_per_head_token=kv_size * head_size * element.itemsize,
         kv_scale_mode=kv_scale_mode(
             cache.cache_dtype,
             getattr(vllm_config.quant_config, "kv_cache_scheme", None),

@@ -22,8 +22,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kv_transfer.attention_support import check_attention
-from kv_transfer.kv_layout import WIRE_LAYOUT, LayerLayout, find_layout, memory_order
+from kv_transfer.compatibility import cache_heads
+from kv_transfer.kv_layout import (
+    WIRE_LAYOUT,
+    LayerLayout,
+    LayoutError,
+    find_layout,
+    memory_order,
+)
 from kv_transfer.metadata import Expected, SendSlice
 from kv_transfer.stats import PdserveKvStats
 from kv_transfer.transfer_report import TRANSFERS, TransferReport
@@ -67,24 +73,29 @@ class _NoPromMetrics(KVConnectorPromMetrics):
 
 @dataclass(frozen=True)
 class KvShape:
-    """The model's KV geometry both halves plan and copy by, read once from vLLM's config."""
+    """The model's KV geometry both halves plan and copy by, read once from vLLM's config. An
+    MLA model's latent cache is one head of `head_size` (kv_lora_rank + rope dim) with kv size
+    1, the same on every rank: head_shards then routes each decode rank its copy from one
+    prefill rank."""
 
     block_size: int
     head_size: int
     total_kv_heads: int
     rank_kv_heads: int  # this tensor-parallel rank's share of them
     tp: int
+    kv_size: int  # K and V per head-token; 1: an MLA latent
 
     @classmethod
     def of(cls, vllm_config) -> "KvShape":
         model, parallel = vllm_config.model_config, vllm_config.parallel_config
-        check_attention(model.model, model.use_mla)  # before any layout is looked for
+        total_kv_heads, kv_size = cache_heads(model)
         return cls(
             block_size=vllm_config.cache_config.block_size,
             head_size=model.get_head_size(),
-            total_kv_heads=model.get_total_num_kv_heads(),
+            total_kv_heads=total_kv_heads,
             rank_kv_heads=model.get_num_kv_heads(parallel),
             tp=parallel.tensor_parallel_size,
+            kv_size=kv_size,
         )
 
 
@@ -99,13 +110,27 @@ class KvCaches:
 
     @classmethod
     def of(cls, kv_caches: dict[str, torch.Tensor], shape: KvShape) -> "KvCaches":
+        """Every layer must have the first's shape: a model whose caches differ by layer (a
+        sparse-MLA indexer cache beside the latent, say) fails here by name, not mid-transfer."""
         from vllm.model_executor.models.utils import extract_layer_index
 
         ordered = sorted(kv_caches.items(), key=lambda item: extract_layer_index(item[0]))
         first = ordered[0][1]
         layout = find_layout(
-            tuple(first.shape), None, shape.rank_kv_heads, shape.block_size, shape.head_size
+            tuple(first.shape),
+            None,
+            shape.rank_kv_heads,
+            shape.block_size,
+            shape.head_size,
+            shape.kv_size,
         )
+        for name, tensor in ordered:
+            if tensor.shape != first.shape or tensor.dtype != first.dtype:
+                raise LayoutError(
+                    f"KV cache {name} is {tuple(tensor.shape)} {tensor.dtype}, not "
+                    f"{tuple(first.shape)} {first.dtype} as {ordered[0][0]}: pdserve moves "
+                    "caches of one shape in every layer"
+                )
         log.info(
             "KV caches: %d layers of %s %s on %s, layer view %s, memory order %s; wire %s",
             len(ordered),

@@ -2,8 +2,9 @@
 layer's cache: plain torch, any dtype (fp8 included: bytes are read through a uint8 view, never
 numpy), any device, any layout (through `LayerLayout.canonical`).
 
-A wire tensor is [blocks, heads, block_size, 2, head_size], contiguous; `heads` selects the
-range of this rank's heads being sent (all of them when both pools run at the same TP).
+A wire tensor is [blocks, heads, block_size, kv_size, head_size], contiguous (kv_size 2: K and
+V; 1: an MLA latent); `heads` selects the range of this rank's heads being sent (all of them
+when both pools run at the same TP).
 """
 
 import ctypes
@@ -50,5 +51,7 @@ def from_bytes(data, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor
     return data.view(dtype).view(shape)
 
 
-def wire_shape(num_blocks: int, num_heads: int, block_size: int, head_size: int) -> tuple[int, ...]:
-    return (num_blocks, num_heads, block_size, 2, head_size)
+def wire_shape(
+    num_blocks: int, num_heads: int, block_size: int, head_size: int, kv_size: int = 2
+) -> tuple[int, ...]:
+    return (num_blocks, num_heads, block_size, kv_size, head_size)

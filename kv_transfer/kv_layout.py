@@ -11,7 +11,10 @@ names each dimension, found by matching the tensor's shape against the sizes the
     WIRE_ORDER = [block, head, token, kv, dim]
 
 so a request's KV travels in one order whatever either side's layout is, and two workers with
-different cache layouts still exchange it.
+different cache layouts still exchange it. The kv dimension is 2 (K, V) for per-head caches and
+1 for multi-head latent attention (MLA): vLLM 0.32 keeps one latent per token (kv_lora_rank +
+rope dim: 576 values for DeepSeek), no V, in the same view with one "head",
+[blocks, 1, block_size, latent]: that view with `kv_size` 1.
 """
 
 from dataclasses import dataclass
@@ -39,6 +42,7 @@ class LayoutError(ValueError):
 @dataclass(frozen=True)
 class LayerLayout:
     dims: tuple[str, ...]  # the name of each dimension of the cache tensor, in order
+    kv_size: int = 2  # K and V per head-token; 1: an MLA latent
 
     @property
     def name(self) -> str:
@@ -48,11 +52,11 @@ class LayerLayout:
         return self.dims.index(BLOCK)
 
     def canonical(self, cache: torch.Tensor, head_size: int) -> torch.Tensor:
-        """A view of `cache` as [blocks, heads, block_size, 2, head_size] (no copy)."""
+        """A view of `cache` as [blocks, heads, block_size, kv_size, head_size] (no copy)."""
         dims = self.dims
         if CONTENT in dims:
             at = dims.index(CONTENT)
-            cache = cache.unflatten(at, (2, head_size))
+            cache = cache.unflatten(at, (self.kv_size, head_size))
             dims = dims[:at] + (KV, DIM) + dims[at + 1 :]
         return cache.permute(*(dims.index(name) for name in WIRE_ORDER))
 
@@ -63,26 +67,29 @@ def find_layout(
     num_heads: int,
     block_size: int,
     head_size: int,
+    kv_size: int = 2,
 ) -> LayerLayout:
-    """The first known layout whose sizes match `shape` (`num_blocks` None: any). Sizes that
-    coincide (2 heads and the K/V pair, say) are resolved by the order of KNOWN_LAYOUTS."""
+    """The first known layout whose sizes match `shape` (`num_blocks` None: any; `kv_size` 1:
+    an MLA latent of `head_size` values). Sizes that coincide (2 heads and the K/V pair, say)
+    are resolved by the order of KNOWN_LAYOUTS."""
     sizes = {
         BLOCK: num_blocks,
         HEAD: num_heads,
         TOKEN: block_size,
-        KV: 2,
+        KV: kv_size,
         DIM: head_size,
-        CONTENT: 2 * head_size,
+        CONTENT: kv_size * head_size,
     }
     for dims in KNOWN_LAYOUTS:
         if len(dims) == len(shape) and all(
             size == sizes[d] or (d == BLOCK and num_blocks is None)
             for d, size in zip(dims, shape, strict=True)
         ):
-            return LayerLayout(dims)
+            return LayerLayout(dims, kv_size)
+    what = "an MLA latent" if kv_size == 1 else "K and V"
     raise LayoutError(
         f"a KV cache of shape {tuple(shape)} matches no known layout for {num_blocks} blocks, "
-        f"{num_heads} KV heads, block size {block_size}, head size {head_size}"
+        f"{num_heads} KV heads, block size {block_size}, head size {head_size} ({what})"
     )
 
 

@@ -58,7 +58,7 @@ _CLOSE = object()
 @dataclass(frozen=True)
 class LayerSlice:
     """One layer's KV for consecutive blocks and heads of one transfer: a wire tensor
-    [num_blocks, num_heads, block_size, 2, head_size] as raw bytes. On the sending side `data`
+    [num_blocks, num_heads, block_size, kv_size, head_size] as raw bytes. On the sending side `data`
     is staged (kv_transfer/host_staging.Staged: its bytes may still be on their way from the
     device); on the receiving side a bytearray, or a uint8 tensor on the device (nccl on CUDA),
     and `release()` must be called once it is loaded or dropped (it frees inbox room)."""

@@ -68,8 +68,12 @@ class PrefillWorker(WorkerHalf):
         self.layer_sender.new_step(metadata.sends)
 
     def save_kv_layer(self, layer_name: str, kv_layer, metadata: PdserveMetadata) -> None:
+        """Sends from the layer's registered cache, whose layout was found, not `kv_layer`: the
+        same memory, but vLLM passes it as the attention layer binds it (an MLA layer's
+        [blocks, block_size, latent], its one head squeezed out)."""
         if metadata.sends:
-            self.layer_sender.save_layer(self.caches.index[layer_name], kv_layer, metadata.sends)
+            layer = self.caches.index[layer_name]
+            self.layer_sender.save_layer(layer, self.caches.layers[layer], metadata.sends)
 
     def wait_for_save(self, metadata: PdserveMetadata) -> None:
         if metadata.sends:

@@ -22,10 +22,12 @@ what any of them computed.
   device (not the thread).
   A tensor-parallel rank copies its own heads, into and out of its part of each slot; vLLM
   completes a store only once every rank has done its part, and recomputes a block any rank
-  could not load. A writer puts its key's tag and its bytes' digest (kv_transfer/integrity.py)
-  in its part's header once its bytes landed; a reader checks both, on the device, before one
-  byte reaches the cache, and a block that fails is dropped from the pool, counted, and
-  recomputed (kv_transfer/pool/connector.py reports it to vLLM as a load error), never used.
+  could not load. An MLA latent, the same on every rank, is one part: rank 0 stores it, every
+  rank loads it (vLLM's replicated layout). A writer puts its key's tag and its bytes' digest
+  (kv_transfer/integrity.py) in its part's header once its bytes landed; a reader checks both,
+  on the device, before one byte reaches the cache, and a block that fails is dropped from the
+  pool, counted, and recomputed (kv_transfer/pool/connector.py reports it to vLLM as a load
+  error), never used.
 
 vLLM 0.32's own CPU offloading worker needs CUDA streams (it refuses the CPU platform) and keeps
 a private buffer per engine, which is why pdserve has its own worker and manager here; the
@@ -414,21 +416,26 @@ class PoolOffloadingSpec(OffloadingSpec):
         self.unusable = _why_unusable(config, self.blocks_per_chunk)
         if self.unusable:
             log.warning("kv pool: off for this engine: %s", self.unusable)
-        ranks = config.parallel.tp_size
+        # An MLA engine's ranks hold the same latent (vLLM's replicated layout, at TP > 1):
+        # a slot keeps one copy, rank 0 writes it (vLLM's worker asks no other rank to store)
+        # and every rank loads it. Its blocks are the same at any TP: the namespace names the
+        # parts, not the TP.
+        self.replicated_layout = config.replicated_layout
+        parts = 1 if self.replicated_layout else config.parallel.tp_size
         namespace = {
             "pool": self.extra_config.get(POOL_NAMESPACE, ""),
             "model": config.model.name,
             "dtype": config.model.dtype,
             "tokens_per_block": self.tokens_per_block,
             "bytes_per_block": config.worker_kv_bytes_per_block,  # of one rank
-            "tensor_parallel_size": ranks,
+            "parts": parts,
             "layout": config.kv_cache_layout,
         }
         self.client_args = (
             self.extra_config[POOL_ADDRESS],
             json.dumps(namespace, sort_keys=True),
-            config.worker_kv_bytes_per_block * ranks,
-            ranks,
+            config.worker_kv_bytes_per_block * parts,
+            parts,
         )
         self._manager: PoolManager | None = None
         self._worker: PoolWorker | None = None
@@ -448,8 +455,10 @@ class PoolOffloadingSpec(OffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> PoolWorker:
         if self._worker is None:
-            rank = get_tensor_model_parallel_rank() if self.config.parallel.tp_size > 1 else 0
-            self._worker = PoolWorker(kv_caches, self._client(), rank)
+            part = 0
+            if self.config.parallel.tp_size > 1 and not self.replicated_layout:
+                part = get_tensor_model_parallel_rank()
+            self._worker = PoolWorker(kv_caches, self._client(), part)
         return self._worker
 
 
@@ -459,8 +468,6 @@ def _why_unusable(config, blocks_per_chunk: int) -> str:
     parallel = config.parallel
     if parallel.world_size != parallel.tp_size or parallel.pcp_size != 1 or parallel.dcp_size != 1:
         return "pipeline or context parallelism (tensor parallelism only, yet)"
-    if config.replicated_layout:
-        return "a KV layout replicated over the ranks (MLA), whose other ranks store nothing"
     if len(config.groups) != 1:
         return f"{len(config.groups)} KV cache groups (one only, yet)"
     if blocks_per_chunk != 1:

@@ -24,7 +24,7 @@ def add_parser(subparsers) -> None:
         help="make a tiny random-weight model the tests use",
         description="Make a 2-layer random-weight model (seed 0) with SmolLM2's tokenizer: "
         + "; ".join(f"{name}: {model.summary}" for name, model in TINY_MODELS.items())
-        + ". The MoE models are bfloat16 (vLLM's CPU MoE kernel takes no float32). Idempotent.",
+        + ". The MoE models are bfloat16: serve them with --dtype bfloat16. Idempotent.",
     )
     tiny.add_argument("name", nargs="?", default="tiny", choices=list(TINY_MODELS))
     tiny.set_defaults(run=_run_fetch)

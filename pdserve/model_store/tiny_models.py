@@ -8,8 +8,8 @@ enough to start an engine fast, shaped so that tensor parallelism 2 divides ever
 - `tiny-moe`: a Qwen3-MoE (8 experts, top 2).
 - `tiny-mixtral`: a Mixtral (8 experts, top 2).
 
-vLLM's CPU fused-MoE kernel takes bfloat16 or float16 weights only, so the MoE models are saved
-(and must be served) in bfloat16.
+The MoE models are saved in bfloat16 and served so (vLLM's CPU MoE path for DeepSeek-V2 refused
+float32 weights when tried: "expect weight to be bfloat16, float16").
 """
 
 from dataclasses import dataclass

@@ -13,7 +13,7 @@ import re
 
 # vLLM's per-process log prefix: "(EngineCore pid=7) ERROR 12-05 22:00:55 [core.py:1510] ".
 _PREFIX = re.compile(r"^\([\w.-]+ pid=\d+\) (?:\w+ \d\d-\d\d [\d:.]+ \[[^\]]*\] )?")
-# "ValueError: ...", "kv_transfer.attention_support.UnsupportedAttention: ...", "KeyError".
+# "ValueError: ...", "kv_transfer.kv_layout.LayoutError: ...", "KeyError".
 _EXCEPTION = re.compile(r"^((?:[A-Za-z_]\w*\.)*[A-Z]\w*)(?:: (.*))?$")
 _WRAPPERS = (
     "see root cause above",

@@ -115,17 +115,21 @@ async def generate_disaggregated(
                         first.finish_reason == "stop"
                         or len(first.token_ids) >= request.sampling.max_tokens
                     )
-                    relayed = worker_pb2.GenerateChunk()
-                    relayed.CopyFrom(first)
-                    relayed.finish_reason = first.finish_reason if done else ""
-                    outcome.ended_request = done
-                    wants_prompt_logprobs = False  # they came with the prefill's token
-                    yield relayed
-                    if done:
-                        return
-                    decode_request.prompt_token_ids.extend(first.token_ids)
-                    decode_request.sampling.max_tokens -= len(first.token_ids)
-                    decode_request.kv.kv_tokens = len(request.prompt_token_ids)
+                    # Not from a token without text yet (the first bytes of a character): vLLM's
+                    # detokenizer, started on a prompt ending in it, would put the whole prompt
+                    # in the answer's text once the character is complete.
+                    if done or first.text:
+                        relayed = worker_pb2.GenerateChunk()
+                        relayed.CopyFrom(first)
+                        relayed.finish_reason = first.finish_reason if done else ""
+                        outcome.ended_request = done
+                        wants_prompt_logprobs = False  # they came with the prefill's token
+                        yield relayed
+                        if done:
+                            return
+                        decode_request.prompt_token_ids.extend(first.token_ids)
+                        decode_request.sampling.max_tokens -= len(first.token_ids)
+                        decode_request.kv.kv_tokens = len(request.prompt_token_ids)
             decode_leg_ran = True  # from here the decode worker frees the KV itself
             async for chunk in decode.generate(decode_request, timeout=timeout_s):
                 if wants_prompt_logprobs:

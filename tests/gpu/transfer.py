@@ -23,9 +23,9 @@ from prefill_workers.send_plan import SendPlan
 from tests.gpu.kv_caches import (
     BLOCK_TOKENS,
     BLOCKS,
-    HEAD_SIZE,
-    KV_HEADS,
+    GQA,
     LAYERS,
+    Geometry,
     as_bits,
     layer_layout,
     random_bytes,
@@ -45,6 +45,7 @@ class Outcome:
     failures: list[str]  # per decode rank: the loader's failure kind ("" when loaded)
     damage: list[str]  # per decode rank: the integrity damage it found
     hold_s: float  # longest time one decode rank's loader held its caller, all steps summed
+    received: list[int]  # per decode rank: the KV bytes it loaded
 
 
 class FakeSchedulerOutput:
@@ -83,7 +84,7 @@ def transfer(
     source: str = "LBNHC",
     target: str = "LBHNC",
     transport: str = "grpc",
-    total_heads: int = KV_HEADS,
+    geometry: Geometry = GQA,
     prefill_tp: int = 1,
     decode_tp: int = 1,
     prompt_tokens: int = 5 * BLOCK_TOKENS,
@@ -94,34 +95,36 @@ def transfer(
     loopback: bool = False,
 ) -> list[Outcome]:
     """Prefill one prompt per entry of `faults` (each its own transfer, one after the other on
-    the same channels, the fault the test's channel wrapper injects: tests/kv_faults.py) on
+    the same channels, the fault the test's channel wrapper injects: tests/kv_faults.py) of a
+    model whose KV is `geometry` (per-head K/V, or an MLA latent) on
     `prefill_tp` ranks with `source` caches, in chunks of `chunk_tokens` (the real SendPlan picks
     each step's blocks), and load it on `decode_tp` ranks with `target` caches (on `decode_device`,
     default `device`); `skip_blocks` are the decode worker's own prefix-cache hit; `loopback`: each
     slice goes from the sender's thread straight to its decode rank's receiving end in this process
     (LoopbackChannel), the network left out. Returns each transfer's outcome."""
     width = torch.empty(0, dtype=dtype).element_size()
+    total_heads, head_size = geometry.heads, geometry.head_size
     compatibility = Compatibility(
         "gpu-check",
         str(dtype),
         BLOCK_TOKENS,
         LAYERS,
         total_heads,
-        HEAD_SIZE,
+        head_size,
         WIRE_LAYOUT,
         "0.32.0",
-        2 * HEAD_SIZE * width,
+        geometry.kv_size * head_size * width,
         "none",
     )
     prefill_heads = [rank_heads(total_heads, prefill_tp, r) for r in range(prefill_tp)]
     decode_heads = [rank_heads(total_heads, decode_tp, r) for r in range(decode_tp)]
-    prefill = [vllm_caches(source, len(h), dtype, device) for h in prefill_heads]
+    prefill = [vllm_caches(source, len(h), dtype, device, geometry) for h in prefill_heads]
     decode_device = decode_device or device
-    decode = [vllm_caches(target, len(h), dtype, decode_device) for h in decode_heads]
-    prefill_layout = layer_layout(prefill[0][0], len(prefill_heads[0]))
-    decode_layout = layer_layout(decode[0][0], len(decode_heads[0]))
-    canonical = [[prefill_layout.canonical(c, HEAD_SIZE) for c in rank] for rank in prefill]
-    decode_canonical = [[decode_layout.canonical(c, HEAD_SIZE) for c in rank] for rank in decode]
+    decode = [vllm_caches(target, len(h), dtype, decode_device, geometry) for h in decode_heads]
+    prefill_layout = layer_layout(prefill[0][0], len(prefill_heads[0]), geometry)
+    decode_layout = layer_layout(decode[0][0], len(decode_heads[0]), geometry)
+    canonical = [[prefill_layout.canonical(c, head_size) for c in rank] for rank in prefill]
+    decode_canonical = [[decode_layout.canonical(c, head_size) for c in rank] for rank in decode]
     before = [[as_bits(c) for c in rank] for rank in decode_canonical]
     base, receivers = start_receivers(compatibility, decode_tp, decode_device)
 
@@ -155,7 +158,7 @@ def transfer(
                 LayerSender(
                     sending(),
                     prefill_layout,
-                    HEAD_SIZE,
+                    head_size,
                     total_heads,
                     prefill_tp,
                     rank,
@@ -164,7 +167,7 @@ def transfer(
                 )
             )
         loaders = [
-            KvLoader(receivers[r], decode[r], decode_layout, HEAD_SIZE, total_heads, decode_tp, r)
+            KvLoader(receivers[r], decode[r], decode_layout, head_size, total_heads, decode_tp, r)
             for r in range(decode_tp)
         ]
         blocks = -(-prompt_tokens // BLOCK_TOKENS)
@@ -175,11 +178,9 @@ def transfer(
             dst_ids = [(3 + 11 * (b + index * blocks)) % BLOCKS for b in range(blocks)]
             transfer_id = f"check-{index}"
             # What the forward will write: the prompt's KV over every head, per layer (a
-            # replicated head holds the same KV on each of its ranks).
-            truth = [
-                random_bytes((blocks, total_heads, BLOCK_TOKENS, 2, HEAD_SIZE), dtype, device)
-                for _ in range(LAYERS)
-            ]
+            # replicated head, an MLA latent, holds the same KV on each of its ranks).
+            shape = (blocks, total_heads, BLOCK_TOKENS, geometry.kv_size, head_size)
+            truth = [random_bytes(shape, dtype, device) for _ in range(LAYERS)]
             params = SendKv(transfer_id, f"127.0.0.1:{base}", decode_tp, transport)
             request = types.SimpleNamespace(
                 req_id="prefill-req",
@@ -239,6 +240,7 @@ def transfer(
                     failures=failures,
                     damage=[str(s[-1].damage or "") if s else "" for s in stats],
                     hold_s=max(report[2] for report in reports),
+                    received=[sum(report.bytes for report in s) for s in stats],
                 )
             )
     finally:

@@ -105,6 +105,7 @@ STREAMS = {
         "test_flex_sweep",
         "test_moe",
         "test_gpu_check",
+        "test_mla",
         "test_failed_start",
     ],
     "b": [

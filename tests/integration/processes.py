@@ -39,6 +39,12 @@ def command_line(pid: int) -> list[str]:
         return []
 
 
+def kv_pool_address(pid: int) -> str:
+    """The KV pool worker `pid` joins, as its command line's settings say."""
+    line = command_line(pid)
+    return json.loads(line[line.index("--settings-json") + 1])["kv_pool_address"]
+
+
 def pids_running(*words: str) -> list[int]:
     """Processes whose command line holds every one of `words` as an argument."""
     return [p.pid for p in psutil.process_iter() if all(w in command_line(p.pid) for w in words)]
@@ -80,12 +86,6 @@ def worker_pids(server, role: str | None = None) -> list[int]:
         and "--settings-json" in (words := command_line(pid))
         and (role is None or any(f'"role":"{role}"' in word for word in words))
     ]
-
-
-def kv_pool_address(pid: int) -> str:
-    """The KV pool store's address that the worker `pid` was started with."""
-    line = command_line(pid)
-    return json.loads(line[line.index("--settings-json") + 1])["kv_pool_address"]
 
 
 def shm_left_since(before: set[Path], settle_s: float = 10.0) -> list[str]:

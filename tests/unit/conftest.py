@@ -7,7 +7,6 @@ import pytest
 from tests.xdist_groups import ModuleGroups
 
 VLLM_MODULES = {
-    "test_attention_support",
     "test_cluster_secret",  # a call let through reaches the worker's Generate, which imports vLLM
     "test_data_parallel_routing",
     "test_engine_stats",
@@ -15,6 +14,7 @@ VLLM_MODULES = {
     "test_bench_metrics",
     "test_kv_compatibility",
     "test_kv_pool_copy",
+    "test_mla_kv",
     "test_pool_contents",
     "test_route_choice",
     "test_router_tokenizer_loading",  # AutoTokenizer's import of torch: paid there already

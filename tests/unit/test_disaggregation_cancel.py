@@ -96,3 +96,16 @@ def test_a_failed_prefill_cancels_the_transfer_once_even_as_its_task_is_cancelle
     run(prefill, decode, max_tokens=16)
     assert [transfer for transfer, _ in decode.cancelled] == ["cmpl-1"]
     assert "prefill worker failed" in decode.cancelled[0][1]
+
+
+def test_a_first_token_without_text_yet_is_sampled_again_by_the_decode_worker():
+    """The prefill's first token is the first byte of a character (no text yet): the decode
+    worker does not go on from it (its detokenizer, started on a prompt ending in a part of a
+    character, would put the whole prompt in the answer) but samples it itself."""
+    prefill = FakeWorker("prefill-a", chunks=[worker_pb2.GenerateChunk(token_ids=[40303])])
+    decode = decoding()
+    chunks = run(prefill, decode, max_tokens=16)
+    assert [c.text for c in chunks] == ["!"]  # the decode worker's, from the first token on
+    (sent,) = decode.requests
+    assert (list(sent.prompt_token_ids), sent.sampling.max_tokens) == ([11, 12, 13], 16)
+    assert decode.cancelled == []

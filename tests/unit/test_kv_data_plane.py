@@ -425,6 +425,17 @@ def test_kv_moved_between_tp_sizes_lands_every_head_where_the_decode_rank_holds_
         assert all_zero(canonical[untouched_blocks(DST_IDS)])
 
 
+@pytest.mark.parametrize("prefill_tp, decode_tp", TP_PAIRS, ids=str)
+def test_an_mla_latent_goes_to_each_decode_rank_once_from_one_prefill_rank(prefill_tp, decode_tp):
+    """An MLA latent is one head every rank holds: decode_tp routes, one per decode rank, each
+    from one prefill rank, spread over them (a naive route would send prefill_tp x decode_tp)."""
+    routes = head_routes(1, prefill_tp, decode_tp)
+    assert [r.decode_rank for r in routes] == list(range(decode_tp))
+    assert all((r.first_head, r.num_heads) == (0, 1) for r in routes)
+    sources = [r.prefill_rank for r in routes]
+    assert len(set(sources)) == min(prefill_tp, decode_tp)  # spread over the prefill ranks
+
+
 @pytest.mark.parametrize("rank", range(4))
 def test_with_fewer_heads_than_ranks_each_head_is_replicated_on_consecutive_ranks(rank):
     assert rank_heads(2, 4, rank) == range(rank // 2, rank // 2 + 1)

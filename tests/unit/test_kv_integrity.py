@@ -1,9 +1,9 @@
 """End-to-end KV integrity (kv_transfer/integrity.py) against injected faults (tests/kv_faults.py):
 the digest catches what it claims to, and every injected fault kind, on every transport (grpc,
 nccl on gloo, shm), through the real classes from a prefill cache to a decode cache (layer
-sender -> KV sender -> transport -> receiver -> loader), fails its transfer with the right
-kind and writes nothing wrong, while a clean transfer beside it loads exactly. CPU tensors, no
-engine."""
+sender -> KV sender -> transport -> receiver -> loader), per-head K/V caches and an MLA latent
+alike, fails its transfer with the right kind and writes nothing wrong, while a clean transfer
+beside it loads exactly. CPU tensors, no engine."""
 
 import random
 import time
@@ -37,7 +37,20 @@ from tests.unit.kv_endpoints import CONSUMER
 
 CPU = torch.device("cpu")
 LAYOUT = LayerLayout((BLOCK, HEAD, TOKEN, CONTENT))
-BLOCK_SHAPE = (CONSUMER.total_kv_heads, CONSUMER.block_size, 2 * CONSUMER.head_size)
+
+
+def block_shape(engine, layout: LayerLayout) -> tuple[int, int, int]:
+    """One block of a layer's [blocks, heads, block_size, content] cache."""
+    return (engine.total_kv_heads, engine.block_size, layout.kv_size * engine.head_size)
+
+
+BLOCK_SHAPE = block_shape(CONSUMER, LAYOUT)
+# An MLA latent: one head of 8 values a token (the same 32 bytes as a K/V head-token here), no V.
+MLA = replace(CONSUMER, total_kv_heads=1, head_size=8)
+CACHES = {  # name -> (the engine's side of the handshake, its layer layout)
+    "per-head K/V": (CONSUMER, LAYOUT),
+    "MLA latent": (MLA, LayerLayout((BLOCK, HEAD, TOKEN, CONTENT), kv_size=1)),
+}
 NUM_BLOCKS = 8
 DEADLINE_S = 15.0
 CAUGHT_AS = {
@@ -110,13 +123,11 @@ def test_a_fault_setting_is_kind_colon_rate():
 # The real classes, prefill cache to decode cache --------------------------------------------
 
 
-def prefill_caches() -> list[torch.Tensor]:
+def prefill_caches(shape=BLOCK_SHAPE) -> list[torch.Tensor]:
     """A prefill rank's caches: every value names its layer, block and position."""
-    size = NUM_BLOCKS * torch.Size(BLOCK_SHAPE).numel()
+    size = NUM_BLOCKS * torch.Size(shape).numel()
     return [
-        (torch.arange(size, dtype=torch.float32) + 1_000_000 * (layer + 1)).view(
-            NUM_BLOCKS, *BLOCK_SHAPE
-        )
+        (torch.arange(size, dtype=torch.float32) + 1_000_000 * (layer + 1)).view(NUM_BLOCKS, *shape)
         for layer in range(CONSUMER.num_layers)
     ]
 
@@ -146,31 +157,36 @@ def results(loader: KvLoader, expected: list[Expected], count: int) -> tuple[set
     return loaded - failed, failed
 
 
+@pytest.mark.parametrize("cache", CACHES)
 @pytest.mark.parametrize("kind", list(KvFaultKind))
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_each_fault_fails_its_transfer_as_what_it_is_and_writes_nothing_wrong(transport, kind):
-    receiver = KvReceiver(CONSUMER)
+def test_each_fault_fails_its_transfer_as_what_it_is_and_writes_nothing_wrong(
+    transport, kind, cache
+):
+    engine, layout = CACHES[cache]
+    shape = block_shape(engine, layout)
+    receiver = KvReceiver(engine)
     port = receiver.start("127.0.0.1", 0)
-    decode = [torch.zeros(NUM_BLOCKS, *BLOCK_SHAPE) for _ in range(CONSUMER.num_layers)]
-    loader = KvLoader(receiver, decode, LAYOUT, CONSUMER.head_size, CONSUMER.total_kv_heads)
+    decode = [torch.zeros(NUM_BLOCKS, *shape) for _ in range(engine.num_layers)]
+    loader = KvLoader(receiver, decode, layout, engine.head_size, engine.total_kv_heads)
     # A clean transfer first (rate 0: the one a stale slice is kept from), then the faulty one.
     faults = {"clean": KvFault(kind, 0), "faulty": KvFault(kind, 1)}
     sender = LayerSender(
         KvSender(
-            faulty(channel_opener(CONSUMER, "127.0.0.1", CPU), faults.get),
+            faulty(channel_opener(engine, "127.0.0.1", CPU), faults.get),
             cancel_transfer,
-            num_layers=CONSUMER.num_layers,
+            num_layers=engine.num_layers,
             device=CPU,
         ),
-        LAYOUT,
-        CONSUMER.head_size,
-        CONSUMER.total_kv_heads,
+        layout,
+        engine.head_size,
+        engine.total_kv_heads,
         1,
         0,
         CPU,
         64 << 20,
     )
-    prefill = prefill_caches()
+    prefill = prefill_caches(shape)
     try:
         send_prompt(sender, prefill, "clean", f"127.0.0.1:{port}", transport)
         send_prompt(sender, prefill, "faulty", f"127.0.0.1:{port}", transport)
@@ -185,17 +201,17 @@ def test_each_fault_fails_its_transfer_as_what_it_is_and_writes_nothing_wrong(tr
     reports = {report.transfer_id: report for report in loader.take_reports()}
     assert "clean-req" in loaded
     assert reports["clean"].damage is None
-    for layer in range(CONSUMER.num_layers):
+    for layer in range(engine.num_layers):
         assert torch.equal(decode[layer][1:5], prefill[layer][1:5])
     caught = CAUGHT_AS[kind]
     assert reports["faulty"].damage == caught
     if not caught:
         assert "faulty-req" in loaded
-        for layer in range(CONSUMER.num_layers):
+        for layer in range(engine.num_layers):
             assert torch.equal(decode[layer][[5, 6, 7, 0]], prefill[layer][1:5])
         return
     assert "faulty-req" in failed and reports["faulty"].failure == Failure.INTEGRITY
-    for layer in range(CONSUMER.num_layers):  # nothing of it differs from what was sent
+    for layer in range(engine.num_layers):  # nothing of it differs from what was sent
         for decode_block, prefill_block in zip([5, 6, 7, 0], range(1, 5), strict=True):
             written = decode[layer][decode_block]
             assert not written.any() or torch.equal(written, prefill[layer][prefill_block])

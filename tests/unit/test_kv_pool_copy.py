@@ -40,12 +40,10 @@ def engine(address: str) -> tuple["PoolManager", "PoolWorker", list[torch.Tensor
     return manager, worker, caches
 
 
-def rank_worker(address: str, namespace: str, ranks: int, rank: int):
-    """Rank `rank` of an engine of `ranks`: its worker side over its own cache of random bytes
-    (float16 and bfloat16 tensors), with its own connection (a rank is a process)."""
+def random_caches():
+    """A rank's cache of random bytes (float16 and bfloat16 tensors), and as vLLM's offloading
+    connector hands it to the worker."""
     from vllm.v1.kv_offload.base import CanonicalKVCaches, CanonicalKVCacheTensor
-
-    from kv_transfer.pool.offload import PoolWorker
 
     caches = [
         torch.randn(BLOCKS, PAGES[0] // 2, dtype=torch.float16),
@@ -55,6 +53,15 @@ def rank_worker(address: str, namespace: str, ranks: int, rank: int):
         tensors=[CanonicalKVCacheTensor(t, t[0].numel() * t.element_size()) for t in caches],
         group_data_refs=[[]],
     )
+    return caches, canonical
+
+
+def rank_worker(address: str, namespace: str, ranks: int, rank: int):
+    """Rank `rank` of an engine of `ranks`: its worker side over its own cache of random bytes,
+    with its own connection (a rank is a process)."""
+    from kv_transfer.pool.offload import PoolWorker
+
+    caches, canonical = random_caches()
     client = PoolClient(address, namespace, ranks * SLOT, ranks)
     return PoolWorker(canonical, client, rank), caches
 
@@ -189,6 +196,82 @@ def test_each_tensor_parallel_rank_stores_and_checks_its_own_part_of_a_block(tmp
         assert PoolClient(address, "tp2", SLOT, 1).call(Lookup((b"k1",))) is None
     finally:
         stop_group(process.pid, process=process)
+
+
+def mla_spec(address: str, tp: int, rank: int):
+    """Rank `rank`'s PoolOffloadingSpec in an MLA engine of `tp` ranks, from the config vLLM's
+    OffloadingConnector makes (which says the layout is replicated at TP > 1)."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    from kv_transfer.pool.config import POOL_ADDRESS, POOL_NAMESPACE
+    from kv_transfer.pool.offload import PoolOffloadingSpec
+
+    return PoolOffloadingSpec(
+        OffloadingConfig(
+            groups=(OffloadingGroupConfig(16, ("layers.0", "layers.1"), 0),),
+            worker_kv_bytes_per_block=SLOT,
+            enable_kv_cache_events=False,
+            extra_config={POOL_ADDRESS: address, POOL_NAMESPACE: "mla"},
+            engine_id=f"tp{tp}",
+            model=OffloadingModelConfig("deepseek", "bfloat16"),
+            cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+            parallel=OffloadingParallelConfig(rank, tp, tp, 1, 1, 1, 0, 1, None, False),
+            replicated_layout=tp > 1,
+            kv_cache_layout="LBHNC",
+        )
+    )
+
+
+def test_an_mla_engines_latent_is_stored_once_by_rank_0_and_loaded_by_every_rank(
+    address, monkeypatch
+):
+    """Every rank of an MLA engine holds the same latent: a slot keeps one copy (one part of one
+    rank's block bytes), only rank 0 writes it (vLLM's offloading worker asks no other rank),
+    every rank loads it, and an engine at another TP shares it (the same namespace)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
+        OffloadingConnectorWorker,
+    )
+
+    specs = [mla_spec(address, 2, rank) for rank in (0, 1)]
+    assert specs[0].client_args[2:] == (SLOT, 1)  # one copy a block, in one part
+    writers = [OffloadingConnectorWorker(spec, None, None)._is_store_writer for spec in specs]
+    assert writers == [True, False]
+    ranks = []
+    for rank, spec in enumerate(specs):  # each rank's worker, over its own cache
+        monkeypatch.setattr(
+            "kv_transfer.pool.offload.get_tensor_model_parallel_rank", lambda rank=rank: rank
+        )
+        caches, canonical = random_caches()
+        ranks.append((spec.get_worker(canonical), caches))
+    (writer, written), _ = ranks
+    manager = specs[0].get_manager()
+    keys = [b"k0", b"k1"]
+    plan = manager.prepare_store(keys, request())
+    writer.submit_store(1, gpu([2, 5]), plan.store_spec)
+    (result,) = writer.get_finished()
+    assert result.transfer_size == 2 * SLOT
+    manager.complete_store(keys, request())
+    assert manager.client.call(GetStats()).slot_bytes == SLOT
+
+    tp1 = mla_spec(address, 1, 0)
+    assert tp1.client_args[1] == specs[0].client_args[1]  # the namespace: TP does not enter it
+    caches, canonical = random_caches()
+    loaders = [*ranks, (tp1.get_worker(canonical), caches)]
+    reader = tp1.get_manager()
+    spec = reader.prepare_load(keys, request())
+    for worker, caches in loaders:
+        worker.submit_load(2, spec, gpu([0, 3]))
+        assert worker.take_failed_blocks() == set()
+        for a, b in zip(written, caches, strict=True):
+            assert torch.equal(a[2].view(torch.uint8), b[0].view(torch.uint8))
+            assert torch.equal(a[5].view(torch.uint8), b[3].view(torch.uint8))
+    reader.complete_load(keys, request())
 
 
 def test_a_store_is_copied_a_budget_a_step_and_wait_copies_all_that_is_pending(

@@ -36,11 +36,11 @@ def test_a_refusal_by_a_class_of_a_module_is_found_with_its_module():
     log = (
         "Traceback (most recent call last):\n"
         '  File "pdserve/worker/engine.py", line 3, in make_engine\n'
-        "    check_attention(model, use_mla)\n"
-        "kv_transfer.attention_support.UnsupportedAttention: model m uses multi-head latent "
-        "attention\n"
+        "    find_layout(shape, None, heads, block_size, head_size)\n"
+        "kv_transfer.kv_layout.LayoutError: a KV cache of shape (10, 16, 656) matches no known "
+        "layout\n"
     )
-    assert root_cause(log).startswith("kv_transfer.attention_support.UnsupportedAttention: model")
+    assert root_cause(log).startswith("kv_transfer.kv_layout.LayoutError: a KV cache of shape")
 
 
 def test_only_wrappers_give_the_last_one_and_no_traceback_gives_none():
