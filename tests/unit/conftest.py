@@ -2,6 +2,8 @@
 on one worker process (its module fixtures are made once), and the files that import vLLM (~10 s
 of a core per process), `VLLM_MODULES`, share one, so vLLM is imported once per run."""
 
+import sys
+
 import pytest
 
 from tests.xdist_groups import ModuleGroups
@@ -41,6 +43,15 @@ SLOWEST_FIRST = [
 
 def pytest_xdist_make_scheduler(config, log):
     return ModuleGroups(config, log, lambda module: "vllm" if module in VLLM_MODULES else module)
+
+
+def pytest_collection_finish(session):
+    """No test file imports vLLM where it is collected (every process collects every file:
+    ~4 s of a core each); its tests import it where they run."""
+    if "vllm" in sys.modules and not session.config.option.collectonly:
+        raise pytest.UsageError(
+            "a test module imported vLLM at collection: import it inside the tests that use it"
+        )
 
 
 def pytest_collection_modifyitems(config, items):

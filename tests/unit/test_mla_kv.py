@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from kv_transfer.compatibility import compatibility_of, max_slice_bytes
-from kv_transfer.connector_base import KvCaches, KvShape
 from kv_transfer.kv_layout import BLOCK, CONTENT, HEAD, TOKEN, LayerLayout, LayoutError, find_layout
 
 LATENT, BLOCK_SIZE, BLOCKS = 576, 16, 10
@@ -88,6 +87,8 @@ def test_vllms_mla_cache_is_one_latent_head_of_kv_size_1_viewed_in_wire_order(ca
 def test_sparse_mlas_packed_fp8_cache_matches_no_layout_and_is_refused_by_name():
     """DeepSeek-V3.2's fp8_ds_mla packs 656 bytes a token (scales beside the latent), and its
     indexer keeps caches of another shape in other layers: refused when the caches register."""
+    from kv_transfer.connector_base import KvCaches, KvShape  # imports vLLM
+
     cache = mla_view("fp8_ds_mla")
     assert tuple(cache.shape) == (BLOCKS, 1, BLOCK_SIZE, 656)
     with pytest.raises(LayoutError, match="an MLA latent"):
@@ -122,6 +123,8 @@ def engine_config(folder, tp: int, kv_cache_dtype: str = "auto"):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_deepseek_engine_moves_one_replicated_latent_head_whatever_its_tp(tmp_path, tp):
+    from kv_transfer.connector_base import KvShape  # imports vLLM
+
     config = engine_config(tmp_path, tp)
     assert config.model_config.get_total_num_kv_heads() == 128  # vLLM counts the attention's
     assert KvShape.of(config) == KvShape(
