@@ -17,5 +17,6 @@ docs=$(NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir .cache/d
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
-.venv/bin/python -m pytest tests/unit tests/gpu -n auto
+# One process more than cores: a process waiting out a deadline leaves its core to another.
+.venv/bin/python -m pytest tests/unit tests/gpu -n "$(($(nproc) + 1))"
 exec .venv/bin/python -m pytest tests/integration -n 2
