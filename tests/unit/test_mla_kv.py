@@ -107,7 +107,7 @@ def test_sparse_mlas_packed_fp8_cache_matches_no_layout_and_is_refused_by_name()
 
 def engine_config(folder, tp: int, kv_cache_dtype: str = "auto"):
     """vLLM's engine config for the DeepSeek-V3-shaped model at tensor parallelism `tp` (vLLM's
-    CPU platform gives MLA blocks of 16 tokens)."""
+    CPU platform picks the MLA block: 16 tokens, 128 on a CPU with AMX, vllm/platforms/cpu.py)."""
     from vllm.engine.arg_utils import EngineArgs
 
     (folder / "config.json").write_text(json.dumps(DEEPSEEK_V3))
@@ -127,8 +127,15 @@ def test_a_deepseek_engine_moves_one_replicated_latent_head_whatever_its_tp(tmp_
 
     config = engine_config(tmp_path, tp)
     assert config.model_config.get_total_num_kv_heads() == 128  # vLLM counts the attention's
+    block_size = config.cache_config.block_size
+    assert block_size in (16, 128)
     assert KvShape.of(config) == KvShape(
-        block_size=16, head_size=LATENT, total_kv_heads=1, rank_kv_heads=1, tp=tp, kv_size=1
+        block_size=block_size,
+        head_size=LATENT,
+        total_kv_heads=1,
+        rank_kv_heads=1,
+        tp=tp,
+        kv_size=1,
     )
     compatibility = compatibility_of(config)
     assert (compatibility.total_kv_heads, compatibility.head_size) == (1, LATENT)
