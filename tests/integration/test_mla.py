@@ -1,7 +1,8 @@
 """Multi-head latent attention through P/D with the real engine: the tiny DeepSeek-V2 (MLA latent
-512 + 64 = 576 values a token, MoE; bfloat16, vLLM's CPU_MLA backend: blocks of 16 tokens, no
-prefix caching, no chunked prefill) on every pairing of tensor-parallel sizes: prefill TP=2 ->
-decode TP=1, TP=1 -> TP=2, TP=1 -> TP=1 and TP=2 -> TP=2. In each the decode worker computes
+512 + 64 = 576 values a token, MoE; bfloat16; vLLM's CPU MLA backends: the reference one's blocks
+of 16 tokens, no prefix caching, no chunked prefill, or where the CPU has AMX tiles the AMX one's
+blocks of 128 tokens, with prefix caching) on every pairing of tensor-parallel sizes: prefill
+TP=2 -> decode TP=1, TP=1 -> TP=2, TP=1 -> TP=1 and TP=2 -> TP=2. In each the decode worker computes
 no prompt token and the KV moved is one latent copy per decode rank (from one prefill rank),
 never one per (prefill rank, decode rank) pair.
 
@@ -19,10 +20,11 @@ Two clusters give the four engines: A has a TP=2 prefill and a TP=1 decode worke
 prefill and a TP=2 decode worker; routers over A's prefill and B's decode (TP 2 -> 2), and B's
 prefill and A's decode (TP 1 -> 1), make the other pairings. Each pairing sends its own prompt.
 The host KV pool of B stores what its TP=2 decode worker computes once (rank 0 writes one copy:
-its slots are one rank's block) and loads it into both ranks for the next request, which goes on
-with the same tokens."""
+its slots are one rank's block) and, without prefix caching, loads it into both ranks for the
+next request, which goes on with the same tokens."""
 
 import pytest
+import torch
 
 from kv_transfer.pool.client import PoolClient
 from kv_transfer.pool.wire import GetStats
@@ -40,14 +42,18 @@ from tests.integration.prompts import TINY_MAX_TOKENS
 from tests.waiting import wait_for
 
 MODEL = "tiny-mla"
-LAYERS, LATENT, BLOCK_TOKENS, BF16_BYTES = 2, 576, 16, 2  # vLLM's CPU MLA: 16-token blocks
+# vLLM's CPU platform (vllm/platforms/cpu.py) runs MLA on its AMX kernels where the CPU has AMX
+# tiles, in 128-token blocks with prefix caching; elsewhere on its reference kernels, in 16-token
+# blocks without.
+AMX_MLA = torch.cpu._is_amx_tile_supported()
+LAYERS, LATENT, BLOCK_TOKENS, BF16_BYTES = 2, 576, 128 if AMX_MLA else 16, 2
 PAIRINGS = {  # name -> (prefill TP, decode TP), each with its own prompt (a block or more)
     "TP 2 to 1": (2, 1),
     "TP 1 to 2": (1, 2),
     "TP 1 to 1": (1, 1),
     "TP 2 to 2": (2, 2),
 }
-PROMPTS = {
+TEXTS = {  # each 16 tokens or more
     "TP 2 to 1": (
         "The capital of France is Paris, the capital of Germany is Berlin, and the capital"
     ),
@@ -59,7 +65,9 @@ PROMPTS = {
         "A second prompt talks about oceans, islands and the small boats that sail between them"
     ),
 }
-POOL_PROMPT = (  # 32 tokens: two full blocks, which the pool stores
+# A block or more each: a text repeated BLOCK_TOKENS // 16 times.
+PROMPTS = {name: " ".join([text] * (BLOCK_TOKENS // 16)) for name, text in TEXTS.items()}
+POOL_TEXT = (  # 32 tokens, repeated into a prompt of two full blocks, which the pool stores
     "A long time ago in a galaxy far, far away, the rebels hid on an ice planet while the "
     "empire searched every system for them with probe droids sent"
 )
@@ -140,9 +148,19 @@ def reference_text(pairing: str, request) -> str | None:
         expected = request.getfixturevalue("offline_tp1")
         assert len(set(expected["token_ids"])) > 1, "the reference repeats one token"
         return expected["text"]
-    if pairing == "TP 2 to 2":  # B's TP=2 decode worker computes the prompt itself
-        local = tiny_completion(
-            request.getfixturevalue("cluster_b").url, PROMPTS[pairing], "local", MODEL
+    if pairing == "TP 2 to 2":  # B's TP=2 decode worker computes the prompt itself, under a
+        # cache salt: the blocks it caches (with AMX) must not serve the disaggregated request
+        local = HTTP.post(
+            f"{request.getfixturevalue('cluster_b').url}/v1/completions",
+            timeout=120,
+            headers={"x-pdserve-route": "local"},
+            json={
+                "model": MODEL,
+                "prompt": PROMPTS[pairing],
+                "max_tokens": TINY_MAX_TOKENS,
+                "temperature": 0,
+                "cache_salt": "the local reference",
+            },
         )
         assert local.status_code == 200, local.text
         return local.json()["choices"][0]["text"]
@@ -194,22 +212,30 @@ def pool_completion(url: str, prompt, max_tokens: int) -> dict:
     return reply.json()["choices"][0]
 
 
+def pool_prompt(url: str) -> list[int]:
+    """POOL_TEXT's token ids, repeated to exactly two blocks."""
+    reply = HTTP.post(f"{url}/tokenize", timeout=30, json={"model": MODEL, "prompt": POOL_TEXT})
+    assert reply.status_code == 200, reply.text
+    tokens = reply.json()["tokens"]
+    return (tokens * (2 * BLOCK_TOKENS // len(tokens) + 1))[: 2 * BLOCK_TOKENS]
+
+
 def test_the_pool_stores_an_mla_latent_once_and_loads_it_into_every_rank(cluster_b):
     """The TP=2 decode worker answers a prompt of two full blocks (local path): rank 0 stores
     their latent once (a slot is one rank's block). Then asked to go on from the prompt and the
-    answer's first token, its engine (no prefix cache on a CPU for MLA) loads both blocks from
-    the pool into both ranks and computes that token's position alone, as it did answering:
-    the rest of the answer must be the same tokens (a rank loading a wrong latent would change
-    them)."""
+    answer's first token, its engine loads both blocks (from the pool into both ranks, where
+    vLLM keeps no prefix cache for MLA; from its own cache with AMX) and computes that token's
+    position alone, as it did answering: the rest of the answer must be the same tokens (a rank
+    loading a wrong latent would change them)."""
     (address,) = {kv_pool_address(pid) for pid in worker_pids(cluster_b, "decode")}
     store = PoolClient(address, namespace=None)
     used = store.call(GetStats()).used
-    first = pool_completion(cluster_b.url, POOL_PROMPT, TINY_MAX_TOKENS)
+    first = pool_completion(cluster_b.url, pool_prompt(cluster_b.url), TINY_MAX_TOKENS)
     prompt, answer = first["prompt_token_ids"], first["token_ids"]
     assert len(prompt) == 2 * BLOCK_TOKENS and len(set(answer)) > 1
     wait_for(lambda: store.call(GetStats()).used >= used + 2, 30, "the prompt in the pool")
     stats = store.call(GetStats())
     assert stats.slot_bytes == LAYERS * BLOCK_TOKENS * LATENT * BF16_BYTES  # one copy a block
     going_on = pool_completion(cluster_b.url, [*prompt, answer[0]], TINY_MAX_TOKENS - 1)
-    assert store.call(GetStats()).hits == stats.hits + 2
+    assert store.call(GetStats()).hits == stats.hits + (0 if AMX_MLA else 2)
     assert going_on["token_ids"] == answer[1:]

@@ -1,7 +1,16 @@
 """Mixture-of-experts models through P/D: the tiny random-weight Qwen3-MoE and Mixtral (8 experts,
 top 2, served in bfloat16, the dtype they are saved in), whose greedy answers must equal vLLM's
-offline engine's (TP 1, bfloat16) on the same weights. They are also the KV path's bfloat16
-check: a disaggregated request's KV is 2 bytes an element on the wire.
+offline engine's (TP 1, bfloat16) on the same weights wherever one engine size computes them
+all. They are also the KV path's bfloat16 check: a disaggregated request's KV is 2 bytes an
+element on the wire.
+
+A TP-2 prefill's answer continued by a TP-1 decode worker is computed at two sizes, which no
+single engine does: vLLM's own TP-1 and TP-2 engines part on these near-tied random-weight logits
+(scripts/vllm_tp_agreement.py: 0 of 4 prompts agree for tiny-moe; on a CPU with AMX, whose
+kernels round differently again, the pairing parts from the offline answer within ten tokens).
+There the check is the transfer's (every prompt token's KV arrived, every byte counted); the
+merged heads' answers are checked where one size computes them, tests/integration/
+test_tensor_parallel.py, and byte-exact across sizes in tests/gpu/test_transfer_paths.py.
 
 Four engines cover both shapes, TP 1 and 2, and every path, one model shape per cluster:
 - Qwen3-MoE, a TP-2 prefill worker and a TP-1 decode worker: the disaggregated path (the
@@ -90,10 +99,10 @@ ROUTES = ["disaggregated", "local"]
 
 @pytest.mark.parametrize("index", range(len(PROMPTS)))
 @pytest.mark.parametrize("route", ROUTES)
-def test_qwen3_moe_prefill_tp2_decode_tp1_equals_offline(
-    qwen_tp2_to_tp1, moe_reference, route, index
-):
-    check_answer(qwen_tp2_to_tp1, QWEN, moe_reference, route, index)
+def test_qwen3_moe_prefill_tp2_decode_tp1(qwen_tp2_to_tp1, moe_reference, route, index):
+    """The local path (TP 1) equals the offline engine; the disaggregated one (two sizes) moves
+    every prompt token's KV."""
+    check_answer(qwen_tp2_to_tp1, QWEN, moe_reference, route, index, one_size=route == "local")
 
 
 @pytest.mark.parametrize("index", range(len(PROMPTS)))
@@ -102,17 +111,20 @@ def test_mixtral_on_flex_workers_equals_offline(mixtral_flex, moe_reference, rou
     check_answer(mixtral_flex, MIXTRAL, moe_reference, route, index)
 
 
-def check_answer(server, model: str, reference: dict, route: str, index: int) -> None:
-    """PROMPTS[index] on `route` is answered as the offline engine did; on the disaggregated
-    path every prompt token's KV arrived (the decode worker computed none), every head of every
-    layer in bfloat16."""
+def check_answer(
+    server, model: str, reference: dict, route: str, index: int, one_size: bool = True
+) -> None:
+    """PROMPTS[index] on `route` is answered (as the offline engine did, where `one_size`
+    computes it all); on the disaggregated path every prompt token's KV arrived (the decode
+    worker computed none), every head of every layer in bfloat16."""
     response = tiny_completion(server.url, PROMPTS[index], route, model)
     assert response.status_code == 200, response.text
     assert response.headers["x-pdserve-route"] == route
     body = response.json()
-    expected = reference[model][index]
-    assert len(set(expected["token_ids"])) > 1, "the reference repeats one token: a weak check"
-    assert body["choices"][0]["text"] == expected["text"]
+    if one_size:
+        expected = reference[model][index]
+        assert len(set(expected["token_ids"])) > 1, "the reference repeats one token: a weak check"
+        assert body["choices"][0]["text"] == expected["text"]
     if route == "disaggregated":
         tokens = body["usage"]["prompt_tokens"]
         assert int(response.headers["x-pdserve-decode-cached-tokens"]) == tokens
