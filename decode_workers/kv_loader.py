@@ -1,7 +1,11 @@
 """The decode worker's KV loader (worker side, one per tensor-parallel rank).
 
 Slices arrive on the transport receiver's threads; each engine step, on vLLM's thread, they are
-copied into the KV cache blocks the scheduler reserved, into this rank's heads. On CUDA those
+copied into the KV cache blocks the scheduler reserved, into this rank's heads: before the
+step's forward pass for a transfer the scheduler half loads in the step that schedules its
+request (`load_now`: its KV had all arrived; a transfer not whole and sound then is reported as
+load errors, never computed from), else after it, each transfer reported once its outcome is
+known (`transfer_results`). On CUDA those
 copies are queued on a side stream and vLLM's thread never waits for them (pinned receive
 buffers and indexes, asynchronous copies, kv_transfer/host_staging.HostToDevice): a transfer
 whose outcome is known is reported in the first engine step in which an event recorded after
