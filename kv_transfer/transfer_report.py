@@ -19,7 +19,7 @@ TRANSFERS = "transfers"  # the key of the reports in vLLM's connector stats, and
 class Failure(StrEnum):
     """Why a transfer failed (the metrics' `failure` label and the router's KvTransferStats)."""
 
-    TIMEOUT = "timeout"  # nothing, or not all of it, came before its deadline
+    TIMEOUT = "timeout"  # nothing, or not all of it, came before its deadline (or its load)
     CANCELLED = "cancelled"  # its sender failed, or the router ended it
     REFUSED = "refused"  # its sender's handshake was refused (incompatible KV)
     INTEGRITY = "integrity"  # a slice failed its integrity check (the report's `damage`)
