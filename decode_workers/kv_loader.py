@@ -1,7 +1,11 @@
 """The decode worker's KV loader (worker side, one per tensor-parallel rank).
 
 Slices arrive on the transport receiver's threads; each engine step, on vLLM's thread, they are
-copied into the KV cache blocks the scheduler reserved, into this rank's heads. On CUDA those
+copied into the KV cache blocks the scheduler reserved, into this rank's heads: before the
+step's forward pass for a transfer the scheduler half loads in the step that schedules its
+request (`load_now`: its KV had all arrived; a transfer not whole and sound then is reported as
+load errors, never computed from), else after it, each transfer reported once its outcome is
+known (`transfer_results`). On CUDA those
 copies are queued on a side stream and vLLM's thread never waits for them (pinned receive
 buffers and indexes, asynchronous copies, kv_transfer/host_staging.HostToDevice): a transfer
 whose outcome is known is reported in the first engine step in which an event recorded after
@@ -102,34 +106,15 @@ class KvLoader:
         self.cancelled: dict[str, tuple[float, Cancel]] = {}  # transfer id -> (when, cancel)
         self.ended: dict[str, float] = {}  # transfers reported (when): later slices are dropped
         self.finished: list[TransferReport] = []  # not yet taken
+        self.load_errors: set[int] = set()  # blocks load_now could not fill, not yet taken
 
     def transfer_results(
         self, expected: list[Expected], finished_req_ids: set[str]
     ) -> tuple[set[str], set[str]]:
         """(loaded request ids, failed request ids); failed ones are in both sets."""
         now = self.clock()
-        for entry in expected:
-            senders = sum(
-                route.decode_rank == self.rank
-                for route in head_routes(self.total_heads, entry.prefill_tp, self.tp)
-            )
-            self.incoming[entry.transfer_id] = Incoming(entry, now + entry.timeout_s, senders)
-            for piece in self.orphans.pop(entry.transfer_id, []):
-                self._load(piece)
-        complete, cancelled = self.receiver.take()
-        self.cancelled.update((transfer_id, (now, c)) for transfer_id, c in cancelled.items())
-        for transfer_id in cancelled:
-            if transfer_id not in self.incoming:
-                self._drop_cancelled(transfer_id, now)
-        for piece in complete:
-            if piece.transfer_id in self.incoming:
-                self._load(piece)
-            elif piece.transfer_id in self.ended:  # aborted or failed: nothing waits for it
-                piece.release()
-            else:
-                self.orphans.setdefault(piece.transfer_id, []).append(piece)
-        self._drop_old_orphans(now)
-
+        self._expect(expected, now)
+        self._take(now)
         loaded, failed = set(), set()
         for transfer_id, state in list(self.incoming.items()):
             if state.outcome is None:
@@ -148,6 +133,84 @@ class KvLoader:
         self.staging.collect()  # slices whose copies the side stream has passed
         # Each request is reported once: its state is gone now (vLLM asserts on repeats).
         return loaded | failed, failed
+
+    def load_now(self, loads: list[Expected]) -> None:
+        """Transfers whose requests this engine step schedules (the scheduler half learned that
+        every rank held their KV: decode_workers/arrivals.py), loaded before its forward pass.
+        On CUDA the copies go on the side stream and the forward stream waits for it there (a
+        GPU-side wait, never vLLM's thread). A transfer not whole and sound here (a slice failed
+        its check, or is missing) has its blocks past the skipped prefix reported as load errors
+        (`take_load_errors`), so vLLM recomputes or fails the request (`kv_load_failure_policy`)
+        and drops what this step computed from them."""
+        if not loads:
+            return
+        now = self.clock()
+        self._expect(loads, now)
+        self._take(now)
+        for entry in loads:
+            state = self.incoming.pop(entry.transfer_id)
+            self.ended[entry.transfer_id] = now
+            failure = self._failure_now(entry.transfer_id, state)
+            if failure is not None:
+                self.load_errors.update(entry.block_ids[entry.skip_blocks :])
+            self._record(entry.transfer_id, state, failure, now=now, in_step=True)
+        self.staging.precede_forward()
+
+    def _failure_now(self, transfer_id: str, state: Incoming) -> Failure | None:
+        """Why a transfer loaded in its request's step cannot be used, None when it can."""
+        if state.damage is not None:
+            return Failure.INTEGRITY
+        if self._complete(state):
+            return None
+        cancelled = self.cancelled.pop(transfer_id, None)
+        failure = cancelled[1].failure if cancelled else Failure.TIMEOUT
+        log.warning(
+            "KV transfer %s (request %s) was not whole when its request was scheduled (%s): "
+            "rank %d had %d bytes, last slices %s of %d per layer; the worker's "
+            "kv_failure_policy applies",
+            transfer_id,
+            state.expected.req_id,
+            failure,
+            self.rank,
+            state.bytes,
+            state.last_slices,
+            state.slices_per_layer,
+        )
+        return failure
+
+    def take_load_errors(self) -> set[int]:
+        """Blocks `load_now` could not fill since the last call (vLLM's
+        get_block_ids_with_load_errors)."""
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+
+    def _expect(self, entries: list[Expected], now: float) -> None:
+        """Reservations the scheduler made: what came for them before is loaded now."""
+        for entry in entries:
+            senders = sum(
+                route.decode_rank == self.rank
+                for route in head_routes(self.total_heads, entry.prefill_tp, self.tp)
+            )
+            self.incoming[entry.transfer_id] = Incoming(entry, now + entry.timeout_s, senders)
+            for piece in self.orphans.pop(entry.transfer_id, []):
+                self._load(piece)
+
+    def _take(self, now: float) -> None:
+        """What the receiver holds: loaded when expected, dropped when it ended, kept as an
+        orphan otherwise."""
+        complete, cancelled = self.receiver.take()
+        self.cancelled.update((transfer_id, (now, c)) for transfer_id, c in cancelled.items())
+        for transfer_id in cancelled:
+            if transfer_id not in self.incoming:
+                self._drop_cancelled(transfer_id, now)
+        for piece in complete:
+            if piece.transfer_id in self.incoming:
+                self._load(piece)
+            elif piece.transfer_id in self.ended:  # aborted or failed: nothing waits for it
+                piece.release()
+            else:
+                self.orphans.setdefault(piece.transfer_id, []).append(piece)
+        self._drop_old_orphans(now)
 
     def _outcome(
         self, transfer_id: str, state: Incoming, finished_req_ids: set[str], now: float
@@ -195,10 +258,15 @@ class KvLoader:
         )
 
     def _record(
-        self, transfer_id: str, state: Incoming, failure: Failure | None, now: float
+        self,
+        transfer_id: str,
+        state: Incoming,
+        failure: Failure | None,
+        now: float,
+        in_step: bool = False,
     ) -> None:
         """Transfer time: first slice received -> last slice received (when the transfer
-        completed; `now` when it failed)."""
+        completed; `now` when it failed). `in_step`: loaded in its request's step."""
         if state.first_slice_at is None:
             started = ended = now
         else:
@@ -211,6 +279,7 @@ class KvLoader:
                 failure,
                 state.damage,
                 frozenset(state.transports),
+                in_step=in_step,
             )
         )
 

@@ -43,7 +43,8 @@ class PdserveMetadata(KVConnectorMetadata):
     the engine-core process to the worker processes): what to send, what to expect."""
 
     sends: list[SendSlice] = field(default_factory=list)
-    expected: list[Expected] = field(default_factory=list)
+    expected: list[Expected] = field(default_factory=list)  # loaded asynchronously
+    loads: list[Expected] = field(default_factory=list)  # loaded before this step's forward
     abandoned: list[str] = field(default_factory=list)  # transfers computed here instead
 
     @classmethod
@@ -172,6 +173,9 @@ class SchedulerHalf:
     def request_finished(self, request) -> None:
         pass
 
+    def shutdown(self) -> None:
+        pass
+
 
 class WorkerHalf:
     """The calls vLLM makes in a worker process (one per tensor-parallel rank), answered
@@ -182,6 +186,13 @@ class WorkerHalf:
 
     def bind(self, metadata: PdserveMetadata) -> None:
         """This step's metadata, before its forward pass."""
+
+    def load_now(self, metadata: PdserveMetadata) -> None:
+        """Before this step's forward pass (vLLM's start_load_kv): the KV it computes from."""
+
+    def take_load_errors(self) -> set[int]:
+        """Blocks `load_now` could not fill since the last call."""
+        return set()
 
     def save_kv_layer(self, layer_name: str, kv_layer, metadata: PdserveMetadata) -> None:
         pass
@@ -256,10 +267,12 @@ class PdserveConnectorBase(KVConnectorBase_V1):
         self.metadata = PdserveMetadata()
 
     def start_load_kv(self, forward_context, **kwargs):
-        pass  # a decode worker loads slices as they arrive, in get_transfer_results
+        # KV the step computes from (vLLM calls this before the forward pass when the step has
+        # synchronous loads); asynchronous loads happen in get_transfer_results.
+        self.worker.load_now(self.metadata)
 
     def wait_for_layer_load(self, layer_name):
-        pass  # the whole prompt is loaded before the request is scheduled
+        pass  # start_load_kv queued every layer's load before the forward pass
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
         self.worker.save_kv_layer(layer_name, kv_layer, self.metadata)
@@ -273,6 +286,9 @@ class PdserveConnectorBase(KVConnectorBase_V1):
             finished_sending=set(), finished_recving=loaded, failed_recving=failed
         )
 
+    def get_block_ids_with_load_errors(self):
+        return self.worker.take_load_errors()
+
     def get_kv_connector_stats(self):
         if self.worker is None:  # vLLM asks both sides; only the worker side measures
             return None
@@ -282,3 +298,5 @@ class PdserveConnectorBase(KVConnectorBase_V1):
     def shutdown(self):
         if self.worker is not None:
             self.worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()

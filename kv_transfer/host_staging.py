@@ -22,7 +22,9 @@ copied into pinned memory. Receive buffers and those copies come from a `PinnedA
 inbox's size, made on first use (what the inbox lets in never needs more; a buffer it cannot
 place is pinned beside it, counted in `pinned_stats()`). A transfer is reported loaded once an
 event recorded after its last scatter has passed (`mark()`, `passed()`: an event query, never
-a stream synchronize), i.e. before vLLM schedules the request; every tensor a queued scatter
+a stream synchronize), i.e. before vLLM schedules the request; or, for KV loaded in the step
+that schedules its request, the forward stream is made to wait for the side stream
+(`precede_forward()`, a GPU-side wait). Every tensor a queued scatter
 reads is held until an event after it has passed. On CPU the scatter happens at once, and
 nothing is pinned (there is no CUDA to pin for).
 
@@ -532,6 +534,12 @@ class HostToDevice:
         while self.in_flight and self.in_flight[0][0].query():
             _, _, release = self.in_flight.pop(0)
             release()
+
+    def precede_forward(self) -> None:
+        """The forward stream's later work waits (on the GPU) for every load submitted so far:
+        KV loaded in the step that computes from it (nothing to wait for on CPU)."""
+        if self.side is not None:
+            self.side.precede_forward()
 
     def mark(self):
         """Something `passed()` once every load submitted so far has landed (None on CPU)."""

@@ -19,7 +19,7 @@ TRANSFERS = "transfers"  # the key of the reports in vLLM's connector stats, and
 class Failure(StrEnum):
     """Why a transfer failed (the metrics' `failure` label and the router's KvTransferStats)."""
 
-    TIMEOUT = "timeout"  # nothing, or not all of it, came before its deadline
+    TIMEOUT = "timeout"  # nothing, or not all of it, came before its deadline (or its load)
     CANCELLED = "cancelled"  # its sender failed, or the router ended it
     REFUSED = "refused"  # its sender's handshake was refused (incompatible KV)
     INTEGRITY = "integrity"  # a slice failed its integrity check (the report's `damage`)
@@ -45,6 +45,7 @@ class TransferReport:
     damage: Damage | None = None  # what failed the integrity check, if one did
     transports: frozenset[str] = frozenset()  # what carried its slices (kinds.Transport)
     pinned_bytes: int | None = None  # beside CUDA: the rank's pinned receive memory
+    in_step: bool = False  # loaded in the engine step that scheduled its request
 
     @property
     def failed(self) -> bool:
@@ -57,7 +58,8 @@ class TransferReport:
 
     def merged(self, other: "TransferReport") -> "TransferReport":
         """Two ranks' reports of one transfer as the transfer's: bytes and pinned memory summed,
-        the longer time, the first failure and damage, every transport."""
+        the longer time, the first failure and damage, every transport; loaded in its request's
+        step when every rank's was."""
         pinned = [r.pinned_bytes for r in (self, other) if r.pinned_bytes is not None]
         return replace(
             self,
@@ -67,6 +69,7 @@ class TransferReport:
             damage=self.damage or other.damage,
             transports=self.transports | other.transports,
             pinned_bytes=sum(pinned) if pinned else None,
+            in_step=self.in_step and other.in_step,
         )
 
     def to_data(self) -> dict:
@@ -79,6 +82,7 @@ class TransferReport:
             "damage": None if self.damage is None else str(self.damage),
             "transports": sorted(self.transports),
             "pinned_bytes": self.pinned_bytes,
+            "in_step": self.in_step,
         }
 
     @classmethod
@@ -91,4 +95,5 @@ class TransferReport:
             damage=Damage(data["damage"]) if data["damage"] else None,
             transports=frozenset(data["transports"]),
             pinned_bytes=data["pinned_bytes"],
+            in_step=data["in_step"],
         )

@@ -453,6 +453,8 @@ class Inbox:
         self.new_buffer: Callable[[int], object] = bytearray  # pinned beside CUDA (host_staging)
         # Takes back a buffer new_buffer made (True), once its slice is released.
         self.free_buffer: Callable[[object], bool] | None = None
+        # Told of each slice once it is held (on the receiving thread): decode_workers/arrivals.py
+        self.landed: Callable[[LayerSlice], None] | None = None
         self.spare: dict[int, list[bytearray]] = {}
         self.spare_bytes = 0
         self.complete: list[LayerSlice] = []
@@ -477,6 +479,8 @@ class Inbox:
                     piece.release()  # what the transport lent, if anything
 
             self.complete.append(replace(piece, on_release=release))
+        if self.landed is not None:
+            self.landed(piece)
 
     def reserve(self, size: int) -> None:
         """Take room for `size` bytes (a slice being received: before its buffer is made),

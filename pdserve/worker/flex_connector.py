@@ -47,6 +47,10 @@ class FlexScheduler(SchedulerHalf):
         for half in self.halves:
             half.request_finished(request)
 
+    def shutdown(self) -> None:
+        for half in self.halves:
+            half.shutdown()
+
 
 class FlexWorker(WorkerHalf):
     """Every call to both roles' worker halves, their answers joined."""
@@ -61,6 +65,13 @@ class FlexWorker(WorkerHalf):
     def bind(self, metadata: PdserveMetadata) -> None:
         for half in self.halves:
             half.bind(metadata)
+
+    def load_now(self, metadata: PdserveMetadata) -> None:
+        for half in self.halves:
+            half.load_now(metadata)
+
+    def take_load_errors(self) -> set[int]:
+        return {block for half in self.halves for block in half.take_load_errors()}
 
     def save_kv_layer(self, layer_name: str, kv_layer, metadata: PdserveMetadata) -> None:
         for half in self.halves:
@@ -99,7 +110,7 @@ class FlexConnector(PdserveConnectorBase):
         shape = self.shape
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = FlexScheduler(
-                PrefillScheduler(shape.block_size), DecodeScheduler(shape.block_size)
+                PrefillScheduler(shape.block_size), DecodeScheduler.of(vllm_config, shape)
             )
         if role == KVConnectorRole.WORKER:
             self.worker = FlexWorker(

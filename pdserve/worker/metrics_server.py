@@ -62,6 +62,14 @@ class WorkerMetrics:
             ["transport", "reason"],
             registry=registry,
         )
+        self.kv_loads = Counter(
+            "pdserve_worker_kv_transfer_loads",
+            "Transfers loaded, by when: in_step (in the engine step that scheduled the request, "
+            "its KV having arrived before the request), step_before (in an earlier step, the "
+            "request scheduled in the next one: the hand-off costs a step more)",
+            ["when"],
+            registry=registry,
+        )
         self.kv_integrity_failures = Counter(
             "pdserve_kv_integrity_failures",
             "Transfers failed because a slice failed an integrity check, by the transport "
@@ -136,6 +144,8 @@ class WorkerMetrics:
         self.kv_transfer_size.labels(transport).observe(report.bytes)
         if report.failure is not None:
             self.kv_failures.labels(transport, report.failure).inc()
+        else:
+            self.kv_loads.labels("in_step" if report.in_step else "step_before").inc()
         if report.damage is not None:
             self.kv_integrity_failures.labels(transport, report.damage).inc()
 

@@ -29,11 +29,20 @@ from tests.integration.prompts import (
 )
 from tests.waiting import wait_for
 
+IN_STEP = 'pdserve_worker_kv_transfer_loads_total{when="in_step"}'
+
 
 @pytest.mark.parametrize("index", range(len(DISAGGREGATED_PROMPTS)))
 def test_disaggregated_output_equals_colocated_and_skips_the_prompt(
     server, offline_reference, index
 ):
+    """The colocated answer, none of the prompt computed on the decode worker, and no engine
+    step for the hand-off: the router sends the decode leg once the prefill worker returned the
+    first token, so the decode worker's rank holds the prompt's KV when the request comes, and
+    its scheduler half, told so by the rank (decode_workers/arrivals.py), loads it in the step
+    that schedules the request (counted `in_step`)."""
+    decode_metrics = metrics_url(server, "decode", server.worker("decode")["address"])
+    in_step = scrape(decode_metrics).get(IN_STEP, 0.0)
     fallbacks_before = router_total(server, "pdserve_kv_fallbacks_total")
     response = complete(server, DISAGGREGATED_PROMPTS[index], "disaggregated")
     assert response.status_code == 200, response.text
@@ -58,6 +67,7 @@ def test_disaggregated_output_equals_colocated_and_skips_the_prompt(
     assert 0 < timing["first_to_second_token"]
     assert timing["ttft"] + timing["first_to_second_token"] < response.elapsed.total_seconds()
     assert timing["kv_transport"] == "shm"  # what `auto` picks for two CPU workers on one host
+    wait_for(lambda: scrape(decode_metrics).get(IN_STEP) == in_step + 1, 10, "an in-step load")
 
 
 def test_an_unforced_request_takes_the_path_its_estimate_names(server):

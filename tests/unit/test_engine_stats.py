@@ -37,6 +37,10 @@ def test_a_transfer_counts_once_every_rank_reported_it_with_their_figures_merged
     stats.kv_transfer_reported(TransferReport("p", 1, 0.1, pinned_bytes=1 << 30))
     pinned = stats.kv_transfer_reported(TransferReport("p", 1, 0.1, pinned_bytes=1 << 30))
     assert pinned.pinned_bytes == 2 << 30  # each CUDA rank's receive arena
+    stats.kv_transfer_reported(TransferReport("s", 1, 0.1, in_step=True))
+    assert stats.kv_transfer_reported(TransferReport("s", 1, 0.1, in_step=True)).in_step
+    stats.kv_transfer_reported(TransferReport("a", 1, 0.1, in_step=True))
+    assert not stats.kv_transfer_reported(TransferReport("a", 1, 0.1)).in_step  # every rank, or not
 
 
 def test_one_failed_rank_fails_the_transfer_and_one_rank_engines_report_at_once():
@@ -55,7 +59,7 @@ def test_a_report_survives_vllms_trip_to_the_stat_logger_with_every_field():
     from kv_transfer.stats import PdserveKvStats  # vLLM's: paid here, not at every collection
 
     full = TransferReport(
-        "t", 7, 0.5, Failure.INTEGRITY, Damage.DIGEST, frozenset({"grpc", "shm"}), 1 << 20
+        "t", 7, 0.5, Failure.INTEGRITY, Damage.DIGEST, frozenset({"grpc", "shm"}), 1 << 20, True
     )
     empty = TransferReport("u")
     assert all(getattr(full, f.name) != getattr(empty, f.name) for f in fields(TransferReport))

@@ -75,6 +75,12 @@ class FakeWorkerHalf:
     def bind(self, metadata):
         self.calls.append("bind")
 
+    def load_now(self, metadata):
+        self.calls.append("load_now")
+
+    def take_load_errors(self):
+        return {1} if self.role == "prefill" else {2, 3}
+
     def save_kv_layer(self, layer_name, kv_layer, metadata):
         self.calls.append(f"save {layer_name}")
 
@@ -96,10 +102,13 @@ def test_every_worker_call_reaches_both_halves_and_their_answers_are_joined(flex
     prefill, decode = FakeWorkerHalf("prefill"), FakeWorkerHalf("decode")
     worker = flex.FlexWorker(prefill, decode)
     worker.bind(flex.PdserveMetadata())
+    worker.load_now(flex.PdserveMetadata())
     worker.save_kv_layer("layers.0", None, flex.PdserveMetadata())
     worker.wait_for_save(flex.PdserveMetadata())
     worker.shutdown()
-    assert prefill.calls == decode.calls == ["bind", "save layers.0", "wait_for_save", "shutdown"]
+    calls = ["bind", "load_now", "save layers.0", "wait_for_save", "shutdown"]
+    assert prefill.calls == decode.calls == calls
+    assert worker.take_load_errors() == {1, 2, 3}
     assert worker.transfer_results(flex.PdserveMetadata(), set()) == (
         {"prefill-req", "decode-req"},
         {"decode-req"},

@@ -35,9 +35,13 @@ class FakeDeferringStream:
         self.queued: list = []
         self.ran = 0
         self.synchronized = 0  # what the loader must never do on vLLM's thread
+        self.forward_waits_for: list[int] = []  # the forward stream waits for the first N works
 
     def follow_forward(self) -> None:
         pass
+
+    def precede_forward(self) -> None:
+        self.forward_waits_for.append(self.ran + len(self.queued))
 
     def submit(self, work) -> None:
         self.queued.append(work)
@@ -207,3 +211,20 @@ def test_without_cuda_nothing_is_pinned():
     index = staging.index([3, 1])
     assert index.dtype == torch.long and index.tolist() == [3, 1]
     assert staging.mark() is None and staging.passed(None)
+
+
+def test_a_synchronous_load_makes_the_forward_stream_wait_on_the_gpu_not_vllms_thread():
+    """KV loaded in the step that computes from it: the forward stream waits for every queued
+    scatter (a GPU-side wait), vLLM's thread for none; the slices go back once they ran."""
+    inbox = Inbox(verify=False)
+    loader, caches, stream = loader_with_fake_stream(inbox)
+    sent = torch.full((2, *BLOCK_SHAPE), 4.0)
+    received(inbox, 0, sent)
+    received(inbox, 1, sent)
+    loader.load_now([Expected("r", "t", [1, 2], 0, 5.0)])
+    assert stream.forward_waits_for == [2] and stream.synchronized == 0
+    assert loader.take_load_errors() == set() and inbox.held == 4 * BLOCK_BYTES
+    stream.run()
+    assert loader.transfer_results([], set()) == (set(), set())  # scheduled already: no report
+    assert inbox.held == 0
+    assert all(torch.equal(cache[1:3], sent) for cache in caches)

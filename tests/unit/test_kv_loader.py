@@ -327,3 +327,52 @@ def test_an_abandoned_transfer_frees_what_came_drops_what_comes_and_says_why(
     [report] = loader.take_reports()
     assert (report.transfer_id, report.failure) == ("t-9", Failure.NOT_HELD)
     assert report.failure == "not_held"  # what the router reads (pdserve.core.kinds.KV_NOT_HELD)
+
+
+def test_kv_loaded_in_its_requests_step_fills_the_blocks_before_the_forward(loader, receiver):
+    """The scheduler half chose a synchronous load: the loader copies what arrived now (vLLM
+    calls start_load_kv before the step's forward), reports the transfer (in its request's
+    step), and never reports it loaded later (vLLM scheduled the request already)."""
+    receiver.feed(whole_prompt())
+    loader.load_now([expected(block_ids=[7, 2, 5, 9], skip_blocks=1)])
+    assert loader.take_load_errors() == set()
+    for layer, cache in enumerate(loader.kv_caches):
+        sent = block_values(layer, 0, 4)
+        assert torch.count_nonzero(cache[7]) == 0  # this worker's own prefix hit
+        assert all(torch.equal(cache[b], sent[i]) for i, b in enumerate([7, 2, 5, 9]) if i)
+    (report,) = loader.take_reports()
+    assert (report.failure, report.in_step, report.bytes) == (None, True, 2 * 4 * 2 * 4 * 8 * 4)
+    assert loader.transfer_results([], set()) == (set(), set())
+    assert loader.incoming == {}
+
+
+def test_a_slice_failing_integrity_in_a_synchronous_load_is_a_load_error(loader, receiver):
+    """Chosen synchronously, found unsound at load: its blocks past the local hit are load
+    errors (vLLM recomputes or fails the request, and drops the step's token), never a loaded
+    result."""
+    damaged = replace(layer_slice(1), epoch=transfer_epoch("another transfer"))
+    receiver.feed([layer_slice(0), damaged])
+    loader.load_now([expected(block_ids=[7, 2, 5, 9], skip_blocks=1)])
+    assert loader.take_load_errors() == {2, 5, 9}
+    assert loader.take_load_errors() == set()  # told once
+    (report,) = loader.take_reports()
+    assert report.failure == Failure.INTEGRITY and report.in_step
+    assert loader.transfer_results([], set()) == (set(), set())  # not a loaded (or failed) one
+    receiver.feed([layer_slice(1)])  # a slice after the load: dropped, not kept as an orphan
+    loader.transfer_results([], set())
+    assert loader.orphans == {}
+
+
+def test_a_slice_missing_in_a_synchronous_load_is_a_load_error(loader, receiver):
+    receiver.feed([layer_slice(0)])  # layer 1 never came (its orphan was dropped, say)
+    loader.load_now([expected()])
+    assert loader.take_load_errors() == {7, 2, 5, 9}
+    (report,) = loader.take_reports()
+    assert report.failure == Failure.TIMEOUT and report.in_step
+
+
+def test_a_cancelled_transfer_in_a_synchronous_load_is_a_load_error(loader, receiver):
+    receiver.feed([layer_slice(0)], {"t-1": Cancel(Failure.CANCELLED, "the sender failed")})
+    loader.load_now([expected()])
+    assert loader.take_load_errors() == {7, 2, 5, 9}
+    assert loader.take_reports()[0].failure == Failure.CANCELLED

@@ -79,6 +79,10 @@ class FakeRequest:
     prompt_token_ids: list[int]
     kv_transfer_params: dict
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
 
 class FakeBlocks:
     def __init__(self, block_ids, fresh):
@@ -155,3 +159,39 @@ def test_a_decode_worker_lacking_the_skipped_blocks_computes_and_abandons_the_tr
     assert plan.take_abandoned() == [] and plan.take_expected() == []
     plan.forget(request.request_id)
     assert plan.computing == set()
+
+
+def test_kv_every_rank_holds_is_loaded_in_the_step_that_schedules_its_request():
+    """The ranks announced the transfer whole: a synchronous load (vLLM schedules the request
+    now), its blocks past the local hit in this step's `loads`, none in `expected`."""
+    plan = LoadPlan(BLOCK, arrived=lambda params: params.transfer_id == "t5")
+    params = to_extra_args(ReceiveKv("t5", 5.0, 300))["kv_transfer_params"]
+    request = FakeRequest("d5", list(range(301)), params)  # the prompt + the first token
+    assert plan.get_num_new_matched_tokens(request, 128) == (172, False)
+    # vLLM hashed every block this step fills already: the local hit (one block) says the skip.
+    plan.update_state_after_alloc(request, FakeBlocks([4, 5, 6], fresh=0), 172)
+    (load,) = plan.take_loads()
+    assert (load.transfer_id, load.block_ids, load.skip_blocks) == ("t5", [4, 5, 6], 1)
+    assert plan.take_expected() == [] and plan.take_loads() == []
+    assert plan.get_num_new_matched_tokens(request, 0) == (0, False)  # after a failed load
+
+
+def test_a_synchronous_load_of_the_whole_prompt_stops_one_token_short():
+    """vLLM computes at least one token of a request it schedules (it samples from it)."""
+    plan = LoadPlan(BLOCK, arrived=lambda params: True)
+    params = to_extra_args(ReceiveKv("t6", 5.0, 300))["kv_transfer_params"]
+    request = FakeRequest("d6", list(range(300)), params)
+    assert plan.get_num_new_matched_tokens(request, 0) == (299, False)
+
+
+def test_kv_not_all_announced_is_loaded_asynchronously_as_before():
+    announced: set[str] = set()
+    plan = LoadPlan(BLOCK, arrived=lambda params: params.transfer_id in announced)
+    params = to_extra_args(ReceiveKv("t7", 5.0, 300))["kv_transfer_params"]
+    request = FakeRequest("d7", list(range(301)), params)
+    assert plan.get_num_new_matched_tokens(request, 0) == (300, True)
+    plan.update_state_after_alloc(request, FakeBlocks([4, 5, 6], fresh=3), 300)
+    (expected,) = plan.take_expected()
+    assert expected.skip_blocks == 0 and plan.take_loads() == []
+    announced.add("t7")  # too late: the request waits for the load it was admitted with
+    assert plan.get_num_new_matched_tokens(request, 0) == (0, False)
