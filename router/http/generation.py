@@ -136,8 +136,9 @@ async def serve(
                 span.end()
 
             return _ReleasingStream(
-                _in_context(events, trace_context),
+                events,
                 release,
+                trace_context,
                 media_type="text/event-stream",
                 headers=headers,
             )
@@ -237,33 +238,26 @@ async def _until_disconnected(request: Request, work, endpoint: str):
             await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
 
 
-async def _in_context(events, trace_context):
-    """The SSE events, made in the request's trace context (a migration's calls join its
-    trace)."""
-    while True:
-        attached = otel_context.attach(trace_context)
-        try:
-            event = await anext(events)
-        except StopAsyncIteration:
-            return
-        finally:
-            otel_context.detach(attached)
-        yield event
-
-
 class _ReleasingStream(StreamingResponse):
     """A stream whose request is released however the stream ends: its turn given back, its
     runs' legs closed (which aborts them on the workers) and its span ended, even when the
     client left before the first event was read (its generators never started, so their own
-    `finally` never runs) or between two events (they stay suspended)."""
+    `finally` never runs) or between two events (they stay suspended). Its events are made in
+    the request's trace context (a migration's calls join its trace), attached once for the
+    whole response: the task that makes them copies it."""
 
-    def __init__(self, content, release, **options) -> None:
+    def __init__(self, content, release, trace_context, **options) -> None:
         super().__init__(content, **options)
         self.release = release
+        self.trace_context = trace_context
 
     async def __call__(self, scope, receive, send) -> None:
+        attached = otel_context.attach(self.trace_context)
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
-            await self.release()
+            try:
+                await self.body_iterator.aclose()
+                await self.release()
+            finally:
+                otel_context.detach(attached)
