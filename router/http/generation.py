@@ -1,8 +1,9 @@
 """The OpenAI generation endpoints: /v1/chat/completions and /v1/completions.
 
 The routes only translate HTTP to the request's steps and back: admit (router/flow/admission.py,
-in the tokenizer's threads), a turn (router/flow/admission_gate.py), start (router/flow/retries.py),
-relay (router/flow/relay.py), each failure counted (router/flow/accounting.py).
+in the tokenizer's threads, or on the event loop for a small body), a turn
+(router/flow/admission_gate.py), start (router/flow/retries.py), relay (router/flow/relay.py),
+each failure counted (router/flow/accounting.py).
 The first chunk is awaited before the HTTP status is sent, so a request the worker refuses gets
 a real 4xx/5xx even when streaming. A client that goes away, before its first token or after,
 cancels the request: a queued one leaves the queue, a started one is aborted on the workers.
@@ -25,6 +26,7 @@ from router.flow.admission import (
     TIMEOUT_HEADER,
     HttpAsk,
     admit,
+    admits_inline,
     asking,
     sequences,
 )
@@ -92,9 +94,12 @@ async def serve(
                 caller,
                 trace_context,
             )
-            admitted = await state.tokenizing.run(
-                admit, state.settings, state.pool, state.tokenizer, ask
-            )
+            if admits_inline(body, _content_length(request)):
+                admitted = admit(state.settings, state.pool, state.tokenizer, ask)
+            else:
+                admitted = await state.tokenizing.run(
+                    admit, state.settings, state.pool, state.tokenizer, ask
+                )
             json_logs.request_id.set(admitted.request_id)  # set in the thread's copy of it
             span.set_attribute("pdserve.request_id", admitted.request_id)
             cache_salt.set(admitted.worker_requests[0].cache_salt)  # the prefix index salt
@@ -156,6 +161,12 @@ async def serve(
         otel_context.detach(attached)
         if not streaming:
             span.end()
+
+
+def _content_length(request: Request) -> int | None:
+    """The body's size as its request declared it (None for a chunked body)."""
+    declared = request.headers.get("content-length", "")
+    return int(declared) if declared.isdigit() else None
 
 
 def _visible_headers(headers: dict, caller: Caller) -> dict:
