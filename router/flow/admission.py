@@ -29,6 +29,10 @@ from router.workers.pool import TAKES_REQUESTS, WorkerPool
 TIMEOUT_HEADER = "x-pdserve-timeout"
 PRIORITY_HEADER = "x-pdserve-priority"  # the request's admission class, over its body's priority
 TRUSTED = Caller(KeyRole.ADMIN)  # a caller of an open router (no API key configured)
+# A body of at most this many bytes with one prompt is admitted on the event loop: at most
+# ~0.5 ms of it (a 1 KiB chat message, templated and tokenized), and handing it to a tokenizer
+# thread costs the router more CPU than admitting it (docs/benchmarking.md).
+INLINE_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,16 @@ class HttpAsk:
     priority: str | None = None  # x-pdserve-priority: its class in the router's queue
     caller: Caller = TRUSTED  # what its API key may set (router/http/api_keys.py)
     trace: object = None  # the OpenTelemetry context of its span (pdserve/core/tracing.py)
+
+
+def admits_inline(body: object, size: int | None) -> bool:
+    """Whether a body of `size` bytes (None: not known before it was read, as when it came
+    chunked) is admitted on the event loop rather than in the tokenizer's threads: at most
+    INLINE_BYTES, and not a batch of prompts (each costs ~20 µs, however short)."""
+    if size is None or size > INLINE_BYTES or not isinstance(body, dict):
+        return False
+    prompt = body.get("prompt")
+    return not isinstance(prompt, list) or all(isinstance(item, int) for item in prompt)
 
 
 def admit(settings: RouterSettings, pool: WorkerPool, tokenizer, ask: HttpAsk) -> Admitted:

@@ -3,10 +3,12 @@
 The router tokenizes so it can check the context length before any worker is involved, count
 prompt tokens for routing, and send the same token ids wherever the request goes.
 
-Tokenizing costs about a second of a core per MiB of text, so it never runs on the event loop
-(which would stall /health and every stream, security review H2): requests are admitted in
-`TokenizerThreads`, a few threads of their own (HF's fast tokenizers let go of the GIL while
-they encode). And a prompt longer in characters than the context can hold in tokens (each
+Tokenizing costs about a second of a core per MiB of text, so a long prompt never runs on the
+event loop (which would stall /health and every stream, security review H2): requests are
+admitted in `TokenizerThreads`, a few threads of their own (HF's fast tokenizers let go of the
+GIL while they encode). Only a small body with one prompt (at most ~0.5 ms of work, less than
+the hand-off to a thread costs) is admitted on the loop: router/flow/admission.py's
+`admits_inline`. And a prompt longer in characters than the context can hold in tokens (each
 token is at most `max_token_chars` long) is refused before it is tokenized.
 """
 

@@ -1,8 +1,9 @@
 """The OpenAI generation endpoints: /v1/chat/completions and /v1/completions.
 
 The routes only translate HTTP to the request's steps and back: admit (router/flow/admission.py,
-in the tokenizer's threads), a turn (router/flow/admission_gate.py), start (router/flow/retries.py),
-relay (router/flow/relay.py), each failure counted (router/flow/accounting.py).
+in the tokenizer's threads, or on the event loop for a small body), a turn
+(router/flow/admission_gate.py), start (router/flow/retries.py), relay (router/flow/relay.py),
+each failure counted (router/flow/accounting.py).
 The first chunk is awaited before the HTTP status is sent, so a request the worker refuses gets
 a real 4xx/5xx even when streaming. A client that goes away, before its first token or after,
 cancels the request: a queued one leaves the queue, a started one is aborted on the workers.
@@ -25,6 +26,7 @@ from router.flow.admission import (
     TIMEOUT_HEADER,
     HttpAsk,
     admit,
+    admits_inline,
     asking,
     sequences,
 )
@@ -92,9 +94,12 @@ async def serve(
                 caller,
                 trace_context,
             )
-            admitted = await state.tokenizing.run(
-                admit, state.settings, state.pool, state.tokenizer, ask
-            )
+            if admits_inline(body, _content_length(request)):
+                admitted = admit(state.settings, state.pool, state.tokenizer, ask)
+            else:
+                admitted = await state.tokenizing.run(
+                    admit, state.settings, state.pool, state.tokenizer, ask
+                )
             json_logs.request_id.set(admitted.request_id)  # set in the thread's copy of it
             span.set_attribute("pdserve.request_id", admitted.request_id)
             cache_salt.set(admitted.worker_requests[0].cache_salt)  # the prefix index salt
@@ -136,8 +141,9 @@ async def serve(
                 span.end()
 
             return _ReleasingStream(
-                _in_context(events, trace_context),
+                events,
                 release,
+                trace_context,
                 media_type="text/event-stream",
                 headers=headers,
             )
@@ -155,6 +161,12 @@ async def serve(
         otel_context.detach(attached)
         if not streaming:
             span.end()
+
+
+def _content_length(request: Request) -> int | None:
+    """The body's size as its request declared it (None for a chunked body)."""
+    declared = request.headers.get("content-length", "")
+    return int(declared) if declared.isdigit() else None
 
 
 def _visible_headers(headers: dict, caller: Caller) -> dict:
@@ -237,33 +249,26 @@ async def _until_disconnected(request: Request, work, endpoint: str):
             await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
 
 
-async def _in_context(events, trace_context):
-    """The SSE events, made in the request's trace context (a migration's calls join its
-    trace)."""
-    while True:
-        attached = otel_context.attach(trace_context)
-        try:
-            event = await anext(events)
-        except StopAsyncIteration:
-            return
-        finally:
-            otel_context.detach(attached)
-        yield event
-
-
 class _ReleasingStream(StreamingResponse):
     """A stream whose request is released however the stream ends: its turn given back, its
     runs' legs closed (which aborts them on the workers) and its span ended, even when the
     client left before the first event was read (its generators never started, so their own
-    `finally` never runs) or between two events (they stay suspended)."""
+    `finally` never runs) or between two events (they stay suspended). Its events are made in
+    the request's trace context (a migration's calls join its trace), attached once for the
+    whole response: the task that makes them copies it."""
 
-    def __init__(self, content, release, **options) -> None:
+    def __init__(self, content, release, trace_context, **options) -> None:
         super().__init__(content, **options)
         self.release = release
+        self.trace_context = trace_context
 
     async def __call__(self, scope, receive, send) -> None:
+        attached = otel_context.attach(self.trace_context)
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
-            await self.release()
+            try:
+                await self.body_iterator.aclose()
+                await self.release()
+            finally:
+                otel_context.detach(attached)

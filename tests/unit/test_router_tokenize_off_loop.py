@@ -1,9 +1,10 @@
-"""Tokenization never holds the router's event loop (security review H2): a request is
-admitted, and /tokenize answered, in the tokenizer's threads, so /health answers at once while
-a huge prompt is tokenized; a prompt longer in characters than the context can hold in tokens
-is a 400 before the tokenizer sees it; and the body limit follows the workers' context. The
-assembled app over a fake worker, with the real PromptTokenizer around a stub tokenizer that
-takes TOKENIZE_S per call."""
+"""Tokenization never holds the router's event loop longer than a small body's admission
+(security review H2): a request is admitted, and /tokenize answered, in the tokenizer's
+threads, so /health answers at once while a huge prompt is tokenized; only a body of at most
+INLINE_BYTES with one prompt is admitted on the loop; a prompt longer in characters than the
+context can hold in tokens is a 400 before the tokenizer sees it; and the body limit follows the
+workers' context. The assembled app over a fake worker, with the real PromptTokenizer around a
+stub tokenizer that takes TOKENIZE_S per call."""
 
 import asyncio
 import threading
@@ -14,6 +15,7 @@ import pytest
 
 from router.app import BODY_BASE_BYTES, MAX_BODY_BYTES, body_limit
 from router.flow import tokenization
+from router.flow.admission import INLINE_BYTES, admits_inline
 from router.http.openai_types import MAX_BATCH_PROMPTS
 from tests.fakes import AppWorker, app_with_workers
 
@@ -37,6 +39,7 @@ class SlowTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.calls += 1
+        self.thread = threading.current_thread()
         self.started_at = time.monotonic()
         self.started.set()
         time.sleep(TOKENIZE_S)
@@ -69,7 +72,8 @@ def client_of(app) -> httpx.AsyncClient:
     "path, body",
     [
         ("/v1/completions", {"prompt": "ab" * 1000, "max_tokens": 1}),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}]}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab" * 1000}]}),
+        ("/v1/completions", {"prompt": ["ab", "ab"], "max_tokens": 1}),  # small, but a batch
         ("/tokenize", {"prompt": "ab" * 1000}),
     ],
 )
@@ -141,3 +145,25 @@ def test_a_body_over_the_contexts_limit_is_a_413(monkeypatch):
     response = asyncio.run(go())
     assert response.status_code == 413
     assert response.json()["error"]["code"] == "request_too_large"
+
+
+def test_a_small_body_is_tokenized_on_the_event_loops_thread(app):
+    async def go():
+        async with client_of(app) as client:
+            return await client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 1})
+
+    assert asyncio.run(go()).status_code == 200
+    assert app.state.stub.thread is threading.current_thread()
+
+
+def test_only_a_small_body_with_one_prompt_is_admitted_on_the_loop():
+    text = {"prompt": "ab", "max_tokens": 1}
+    assert admits_inline(text, 40)
+    assert admits_inline({"prompt": [1, 2, 3]}, 40)  # token ids: one prompt
+    assert admits_inline({"messages": [{"role": "user", "content": "ab"}]}, 60)
+    assert admits_inline(text, INLINE_BYTES)
+    assert not admits_inline(text, INLINE_BYTES + 1)
+    assert not admits_inline(text, None)  # a chunked body: its size was not declared
+    assert not admits_inline({"prompt": ["a", "b"]}, 40)  # a batch
+    assert not admits_inline({"prompt": [[1, 2], [3]]}, 40)
+    assert not admits_inline(["not", "an", "object"], 40)
