@@ -82,9 +82,8 @@ LONE_REQUESTS, LONE_PROMPT_TOKENS, LONE_OUTPUT_TOKENS = 3, 1536, 64
 STOP_GRACE_S = 60
 ALWAYS_LOCAL_TOKENS = 1_000_000  # past any prompt: every one prefilled on its decode worker
 WARMUP_REQUESTS = 4
-MIXED = ("0.5,1,1.5", "ttft=2s,tpot=150ms", 64)
 WORKLOAD_DEFAULTS = {
-    "mixed": MIXED,
+    "mixed": ("0.5,1,1.5", "ttft=2s,tpot=150ms", 64),
     "long-prompt": ("0.15,0.3", PRESETS["long-prompt"].values["slo"], None),
     "agentic": ("0.1,0.2", PRESETS["agentic"].values["slo"], None),
 }
@@ -171,7 +170,8 @@ def main() -> int:
     parser.add_argument(
         "--output-len",
         type=int,
-        help=f"output tokens (default: mixed {MIXED[2]}, a named workload its own)",
+        help=f"output tokens (default: mixed {WORKLOAD_DEFAULTS['mixed'][2]}, a named workload "
+        "its own)",
     )
     parser.add_argument(
         "--long-fraction",
