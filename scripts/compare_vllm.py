@@ -329,7 +329,7 @@ async def measure(
             records, duration = await conversation.run(load.talks, target, **schedule)
         summary = {text: summarize(records, duration, slo) for text, slo in slos.items()}
         say(
-            f"[{system}] {rate:g} req/s: goodput "
+            f"[{system}] {rate:g}/s: goodput "
             + ", ".join(f"{s.goodput:.2f} req/s ({text})" for text, s in summary.items())
             + f", {next(iter(summary.values())).failed} failed"
         )
