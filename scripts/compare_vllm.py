@@ -1,9 +1,9 @@
-"""pdserve against plain vLLM on the same cores: the same mixed workload at the same rates through
+"""pdserve against plain vLLM on the same cores: the same workload at the same rates through
 pdserve's bench code, one system at a time, in one table.
 
-    python scripts/compare_vllm.py [--rates 0.5,1,1.5] [--num-requests 60] [--repeats 3]
-        [--slo "ttft=2s,tpot=150ms;ttft=1s,tpot=100ms"] [--output-dir compare]
-        [--systems vllm,colocated,1p1d,1p1d-local,1p1d-disaggregated]
+    python scripts/compare_vllm.py [--workload mixed|long-prompt|agentic] [--rates 0.5,1,1.5]
+        [--num-requests 60] [--repeats 3] [--slo "ttft=2s,tpot=150ms;ttft=1s,tpot=100ms"]
+        [--output-dir compare] [--systems vllm,colocated,1p1d,1p1d-local,1p1d-disaggregated]
 
 Systems (each started in its own process group, stopped by its PID before the next starts):
 - vllm: `python -m vllm.entrypoints.openai.api_server`, the same model, float32, eager, 1 GiB of
@@ -21,9 +21,14 @@ Systems (each started in its own process group, stopped by its PID before the ne
   auto, pins each worker's compute threads to its own core);
 - colocated-no-pool, 1p1d-no-pool: colocated and 1p1d with --kv-pool off;
 - 1p1d-decode-no-pool: 1p1d with the decode worker out of the KV pool (--decode-kv-pool off).
-Workload (bench's `mixed`): 90% ~100-token prompts, 10% ~1,500-token prompts (--long-fraction),
-64 output tokens (ignore_eos), Poisson arrivals; the same requests and arrival times for every
-system at a rate, other prompts at each rate (no prefix-cache hit from the rate before).
+Workload: `pdserve bench`'s, built by its own option code: `mixed` (the default: 90% ~100-token
+prompts, 10% ~1,500-token prompts (--long-fraction), 64 output tokens), or a named one
+(bench.presets: `long-prompt`, long prompts and short answers with no reuse, where P/D should
+win; `agentic`, chats resending a long history, its control, --num-requests conversations per
+rate, --rates conversations started per second); ignore_eos, Poisson arrivals; the same
+requests and arrival times for every system at a rate, other prompts at each rate (no
+prefix-cache hit from the rate before). --rates, --slo and --output-len default to the
+workload's own.
 Before the rates, each system gets LONE_REQUESTS lone long prompts, one at a time: the table's
 last column is their median inter-token latency from the third token on and the gap between
 the first and second token (the hand-off, on the disaggregated path).
@@ -50,30 +55,39 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pdserve.bench import conversation
 from pdserve.bench.arrivals import arrival_times
 from pdserve.bench.client import Target
+from pdserve.bench.conversation import Conversation
 from pdserve.bench.local_cluster import local_cluster, vllm_server
 from pdserve.bench.metrics import Slo, Summary, distribution, summarize
+from pdserve.bench.options import (
+    add_benchmark_arguments,
+    build_conversations,
+    build_requests,
+    check_arguments,
+)
+from pdserve.bench.presets import PRESETS
 from pdserve.bench.records import RequestRecord
 from pdserve.bench.runner import run as run_benchmark
 from pdserve.bench.runner import warm_up
-from pdserve.bench.workload import (
-    DEFAULT_INPUT_LEN,
-    BenchRequest,
-    Length,
-    PromptText,
-    load_tokenizer,
-)
-from pdserve.bench.workload import mixed as mixed_workload
+from pdserve.bench.workload import BenchRequest, PromptText, load_tokenizer
 from pdserve.model_store.store import ensure_model
 from pdserve.worker.processes import free_port
 
 MODEL = "smollm2"
 KV_CACHE_GIB = 1
 LONG_PROMPT_TOKENS = 800  # between the short (~100) and the long (~1,500) prompts
-LONE_REQUESTS, LONE_PROMPT_TOKENS = 3, 1536
+LONE_REQUESTS, LONE_PROMPT_TOKENS, LONE_OUTPUT_TOKENS = 3, 1536, 64
 STOP_GRACE_S = 60
 ALWAYS_LOCAL_TOKENS = 1_000_000  # past any prompt: every one prefilled on its decode worker
+WARMUP_REQUESTS = 4
+WORKLOAD_DEFAULTS = {
+    "mixed": ("0.5,1,1.5", "ttft=2s,tpot=150ms", 64),
+    "long-prompt": ("0.15,0.3", PRESETS["long-prompt"].values["slo"], None),
+    "agentic": ("0.1,0.2", PRESETS["agentic"].values["slo"], None),
+}
+"""Per workload: --rates, --slo and --output-len when not given (None: the preset's)."""
 SYSTEMS = {
     "vllm": None,
     "colocated": (0, 1, ["--colocated"]),
@@ -111,6 +125,7 @@ class Row:
     ttft_long_p90: float | None
     tpot_p50: float | None
     tpot_p99: float | None
+    prefix_hit_rate: float | None  # served from a prefix cache; None: the server did not say
     failed: int
     lone_itl_p50: float | None  # a lone long request: median gap before tokens 3, 4, ...
     lone_first_gap: float | None  # ... and between its first and second token
@@ -128,15 +143,22 @@ class Lone:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", default="0.5,1,1.5", help="request rates (default 0.5,1,1.5)")
     parser.add_argument(
-        "--num-requests", type=int, default=60, help="requests per rate (default 60)"
+        "--workload",
+        choices=tuple(WORKLOAD_DEFAULTS),
+        default="mixed",
+        help="pdserve bench's workload (default mixed)",
     )
+    defaults = ", ".join(f"{name} {value[0]}" for name, value in WORKLOAD_DEFAULTS.items())
+    parser.add_argument("--rates", help=f"request rates (default: {defaults})")
     parser.add_argument(
-        "--slo",
-        default="ttft=2s,tpot=150ms",
-        help="objectives, several separated by ';' (default ttft=2s,tpot=150ms)",
+        "--num-requests",
+        type=int,
+        default=60,
+        help="requests per rate (agentic: conversations) (default 60)",
     )
+    defaults = ", ".join(f"{name} {value[1]}" for name, value in WORKLOAD_DEFAULTS.items())
+    parser.add_argument("--slo", help=f"objectives, several separated by ';' (default: {defaults})")
     parser.add_argument(
         "--repeats", type=int, default=1, help="rounds, the systems alternating (default 1)"
     )
@@ -145,12 +167,17 @@ def main() -> int:
         default=",".join(SYSTEMS),
         help=f"comma-separated, run in this order (default {','.join(SYSTEMS)})",
     )
-    parser.add_argument("--output-len", type=int, default=64, help="output tokens (default 64)")
+    parser.add_argument(
+        "--output-len",
+        type=int,
+        help=f"output tokens (default: mixed {WORKLOAD_DEFAULTS['mixed'][2]}, a named workload "
+        "its own)",
+    )
     parser.add_argument(
         "--long-fraction",
         type=float,
         default=0.1,
-        help="share of ~1,500-token prompts (default 0.1)",
+        help="mixed: share of ~1,500-token prompts (default 0.1)",
     )
     parser.add_argument("--seed", type=int, default=0, help="prompts, lengths and arrivals")
     parser.add_argument(
@@ -163,6 +190,10 @@ def main() -> int:
         "--output-dir", type=Path, help="compare.json and logs (default: a new temporary folder)"
     )
     args = parser.parse_args()
+    default_rates, default_slo, default_output_len = WORKLOAD_DEFAULTS[args.workload]
+    args.rates = args.rates or default_rates
+    args.slo = args.slo or default_slo
+    args.output_len = args.output_len or default_output_len
     systems = args.systems.split(",")
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
@@ -174,23 +205,12 @@ def main() -> int:
     output_dir = args.output_dir or Path(tempfile.mkdtemp(prefix="pdserve-compare-"))
     output_dir.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_model(MODEL, log=say)
-    tokenizer = load_tokenizer(str(model_dir))
     # A workload of its own per rate (and one for the warm-up and lone requests): a prompt seen
     # at an earlier rate would be a prefix-cache hit at the next.
-    workloads = [
-        mixed_workload(
-            args.num_requests,
-            args.long_fraction,
-            Length.parse(DEFAULT_INPUT_LEN["mixed"]),
-            Length.parse("normal:1500,150"),
-            Length.parse(str(args.output_len)),
-            PromptText(args.seed + number, tokenizer),
-        )
-        for number in range(len(rates) + 1)
-    ]
-    text = PromptText(args.seed + len(rates) + 1, tokenizer)
+    workloads = [workload(args, model_dir, args.seed + number) for number in range(len(rates) + 1)]
+    text = PromptText(args.seed + len(rates) + 1, load_tokenizer(str(model_dir)))
     lone = [
-        BenchRequest(LONE_PROMPT_TOKENS, args.output_len, prompt=text.make(LONE_PROMPT_TOKENS))
+        BenchRequest(LONE_PROMPT_TOKENS, LONE_OUTPUT_TOKENS, prompt=text.make(LONE_PROMPT_TOKENS))
         for _ in range(LONE_REQUESTS)
     ]
     rows, summaries = [], []
@@ -207,7 +227,7 @@ def main() -> int:
                     rows.append(row(system, number, rate, records, summary, alone))
                     summaries.append({text: asdict(one) for text, one in summary.items()})
             say(f"[{name}] stopped")
-    print(table(rows))
+    print(table(args.workload, rows))
     print(rounds_table(rows, systems, rates, list(slos)))
     result = {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -220,6 +240,36 @@ def main() -> int:
 
 def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+@dataclass
+class Workload:
+    """One seed's workload as `pdserve bench` builds it: its requests, or its conversations and
+    warm-up requests that share no text with them; the endpoint it goes to."""
+
+    requests: list[BenchRequest]
+    talks: list[Conversation] | None
+    endpoint: str
+
+
+def workload(args: argparse.Namespace, tokenizer_dir: Path | None, seed: int) -> Workload:
+    """`pdserve bench --workload WORKLOAD` at `seed`, through bench's own options and builders;
+    prompts sized with the tokenizer of `tokenizer_dir` (None: about a token per word)."""
+    talks = args.workload != "mixed" and PRESETS[args.workload].generator == "conversation"
+    argv = ["--workload", args.workload, "--seed", str(seed)]
+    argv += ["--tokenizer", str(tokenizer_dir)] if tokenizer_dir else []
+    argv += ["--warmup", str(WARMUP_REQUESTS), "--long-fraction", str(args.long_fraction)]
+    argv += ["--conversations" if talks else "--num-requests", str(args.num_requests)]
+    if args.output_len:
+        argv += ["--output-len", str(args.output_len)]
+    bench = argparse.ArgumentParser()
+    add_benchmark_arguments(bench)
+    options = bench.parse_args(argv)
+    check_arguments(options)
+    if talks:
+        conversations, warmups = build_conversations(options)
+        return Workload(warmups, conversations, options.endpoint)
+    return Workload(build_requests(options), None, options.endpoint)
 
 
 @contextmanager
@@ -241,15 +291,15 @@ def serving(system: str, model_dir: Path, log_dir: Path, ready_timeout_s: float)
 async def measure(
     system: str,
     url: str,
-    workloads: list[list[BenchRequest]],
+    workloads: list[Workload],
     lone: list[BenchRequest],
     rates: list[float],
     slos: dict[str, Slo],
     args: argparse.Namespace,
 ) -> tuple[Lone, list[tuple[float, list[RequestRecord], dict[str, Summary]]]]:
     """The lone requests, then each rate's; each rate's summary under every SLO."""
-    target = Target(url, MODEL, ignore_eos=True)
-    await warm_up(workloads[-1], target, 4, args.timeout)
+    target = Target(url, MODEL, workloads[-1].endpoint, ignore_eos=True)
+    await warm_up(workloads[-1].requests, target, WARMUP_REQUESTS, args.timeout)
     records, _ = await run_benchmark(
         lone, target, concurrency=1, timeout=args.timeout, progress=False
     )
@@ -263,20 +313,23 @@ async def measure(
         f"from its third token on, first-to-second token {_ms(alone.first_gap)} ms"
     )
     results = []
-    for rate, requests in zip(rates, workloads, strict=False):
-        offsets = arrival_times(len(requests), rate, seed=args.seed)
-        say(f"[{system}] {len(requests)} requests at {rate:g} req/s ...")
-        records, duration = await run_benchmark(
-            requests,
-            target,
-            offsets=offsets,
-            timeout=args.timeout,
-            max_duration=offsets[-1] + args.timeout,
-            progress=False,
-        )
+    for rate, load in zip(rates, workloads, strict=False):
+        jobs = load.requests if load.talks is None else load.talks
+        offsets = arrival_times(len(jobs), rate, seed=args.seed)
+        say(f"[{system}] {len(jobs)} {'requests' if load.talks is None else 'chats'} at {rate:g}/s")
+        schedule = {
+            "offsets": offsets,
+            "timeout": args.timeout,
+            "max_duration": offsets[-1] + args.timeout,
+            "progress": False,
+        }
+        if load.talks is None:
+            records, duration = await run_benchmark(load.requests, target, **schedule)
+        else:
+            records, duration = await conversation.run(load.talks, target, **schedule)
         summary = {text: summarize(records, duration, slo) for text, slo in slos.items()}
         say(
-            f"[{system}] {rate:g} req/s: goodput "
+            f"[{system}] {rate:g}/s: goodput "
             + ", ".join(f"{s.goodput:.2f} req/s ({text})" for text, s in summary.items())
             + f", {next(iter(summary.values())).failed} failed"
         )
@@ -308,6 +361,7 @@ def row(
         ttft_long_p90=long.p90,
         tpot_p50=summary.tpot.p50,
         tpot_p99=summary.tpot.p99,
+        prefix_hit_rate=summary.prefix_hit_rate,
         failed=summary.failed,
         lone_itl_p50=alone.itl_p50,
         lone_first_gap=alone.first_gap,
@@ -318,15 +372,15 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:.0f}"
 
 
-def table(rows: list[Row]) -> str:
+def table(workload: str, rows: list[Row]) -> str:
     """Every run's figures; goodput and SLO met under the first SLO."""
     ms = _ms
     first = next(iter(rows[0].goodput))
     lines = [
-        f"mixed workload, goodput and SLO met for {first}; TTFT and TPOT in ms",
+        f"{workload} workload, goodput and SLO met for {first}; TTFT and TPOT in ms",
         f"{'system':<20}{'round':>6}{'rate':>6}{'goodput':>9}{'SLO met':>9}{'failed':>8}"
         f"{'TTFT short p50/p90':>20}{'TTFT long p50/p90':>20}{'TPOT p50/p99':>15}"
-        f"{'lone ITL/1st gap':>18}",
+        f"{'prefix hit':>11}{'lone ITL/1st gap':>18}",
     ]
     for r in rows:
         lines.append(
@@ -335,6 +389,7 @@ def table(rows: list[Row]) -> str:
             f"{ms(r.ttft_short_p50) + ' / ' + ms(r.ttft_short_p90):>20}"
             f"{ms(r.ttft_long_p50) + ' / ' + ms(r.ttft_long_p90):>20}"
             f"{ms(r.tpot_p50) + ' / ' + ms(r.tpot_p99):>15}"
+            f"{'-' if r.prefix_hit_rate is None else format(r.prefix_hit_rate, '.0%'):>11}"
             f"{ms(r.lone_itl_p50) + ' / ' + ms(r.lone_first_gap):>18}"
         )
     return "\n".join(lines)

@@ -76,6 +76,7 @@ def vllm_server(
         "--enforce-eager",
         "--seed",
         "0",
+        "--enable-prompt-tokens-details",  # cached tokens in usage, as pdserve's router reports
         "--kv-cache-memory-bytes",
         str(kv_cache_bytes),
         "--host",

@@ -4,7 +4,7 @@ how to judge it (SLO, timeout), and turning them into the list of requests (or c
 import argparse
 from pathlib import Path
 
-from pdserve.bench import mooncake_trace, workload
+from pdserve.bench import mooncake_trace, presets, workload
 from pdserve.bench.conversation import Conversation, conversations
 from pdserve.bench.infinite_cache import mark_cacheable
 from pdserve.bench.mooncake_trace import DEFAULT_BLOCK_SIZE
@@ -52,11 +52,13 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse._Argume
     work = parser.add_argument_group("workload")
     work.add_argument(
         "--workload",
-        choices=("synthetic", "shared-prefix", "mixed", "conversation", "trace"),
+        choices=("synthetic", "shared-prefix", "mixed", "conversation", "trace", *presets.PRESETS),
         default="synthetic",
         help="synthetic lengths; shared prefixes + own suffixes; a fraction of long prompts among "
-        "short ones; multi-turn chats resending their history; or replay of a trace "
-        "(default: %(default)s)",
+        "short ones; multi-turn chats resending their history; replay of a trace; or a named "
+        "one, its options' values preset (an option given wins): "
+        + "; ".join(f"{name}: {p.summary}" for name, p in presets.PRESETS.items())
+        + " (default: %(default)s)",
     )
     work.add_argument(
         "--input-len",
@@ -67,9 +69,9 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse._Argume
     )
     work.add_argument(
         "--output-len",
-        default="128",
         metavar="DIST",
-        help="max_tokens per request, same forms as --input-len (default: %(default)s)",
+        help="max_tokens per request, same forms as --input-len "
+        f"(default: {presets.GENERIC_DEFAULTS['output_len']})",
     )
     work.add_argument(
         "--num-prefixes",
@@ -101,17 +103,16 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse._Argume
     work.add_argument(
         "--conversations",
         type=int,
-        default=8,
         metavar="N",
-        help="conversation: conversations, held side by side (default: %(default)s)",
+        help="conversation: conversations, held side by side "
+        f"(default: {presets.GENERIC_DEFAULTS['conversations']})",
     )
     work.add_argument(
         "--turns",
         type=int,
-        default=4,
         metavar="T",
         help="conversation: turns per conversation, each resending the history and the model's "
-        "replies plus a new user message (default: %(default)s)",
+        f"replies plus a new user message (default: {presets.GENERIC_DEFAULTS['turns']})",
     )
     work.add_argument(
         "--first-input-len",
@@ -123,10 +124,9 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse._Argume
     work.add_argument(
         "--think-time",
         type=float,
-        default=1.0,
         metavar="SECONDS",
         help="conversation: mean pause between a reply and the next turn, uniform in 0.5-1.5 "
-        "times it (default: %(default)s)",
+        f"times it (default: {presets.GENERIC_DEFAULTS['think_time']})",
     )
     work.add_argument(
         "--trace",
@@ -173,7 +173,8 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse._Argume
         "--slo",
         metavar="OBJECTIVES",
         help='goodput objectives, e.g. "ttft=500ms,tpot=50ms" '
-        "(keys ttft, tpot, e2e; a bare number is seconds)",
+        "(keys ttft, tpot, e2e; a bare number is seconds; default: a named workload's own, "
+        "else none)",
     )
     out.add_argument(
         "--timeout",
@@ -187,8 +188,9 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse._Argume
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    """Refuse option values argparse lets through (options a command lacks are skipped), and set
-    the endpoint's per-workload default."""
+    """Resolve a named workload (bench.presets), refuse option values argparse lets through
+    (options a command lacks are skipped), and set the endpoint's per-workload default."""
+    presets.resolve(args)
     for name in (
         "num_requests",
         "concurrency",

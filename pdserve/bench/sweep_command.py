@@ -90,8 +90,8 @@ def run(args: argparse.Namespace) -> int:
             )
         if args.workload == "conversation":
             raise ValueError(
-                "--workload conversation runs in pdserve bench: a sweep sends one list of "
-                "requests at each rate"
+                f"--workload {args.preset or 'conversation'} runs in pdserve bench: a sweep "
+                "sends one list of requests at each rate"
             )
         slo = Slo.parse(args.slo)
         ratios = Ratio.parse_list(args.ratios)
@@ -195,6 +195,7 @@ def _report(args: argparse.Namespace, points: list[SweepPoint], num_requests: in
         "serve_args": args.serve_args,
         "slo": args.slo,
         "workload": args.workload,
+        "preset": args.preset,
         "input_len": args.input_len,
         "output_len": args.output_len,
         "num_requests": num_requests,
