@@ -29,20 +29,24 @@ from tests.integration.prompts import (
 )
 from tests.waiting import wait_for
 
-IN_STEP = 'pdserve_worker_kv_transfer_loads_total{when="in_step"}'
+LOADS = 'pdserve_worker_kv_transfer_loads_total{{when="{}"}}'
+IN_STEP, STEP_BEFORE = LOADS.format("in_step"), LOADS.format("step_before")
+
+
+def loads(metrics: str) -> tuple[float, float]:
+    """The decode worker's KV loads so far: (in the request's step, in a step before it)."""
+    values = scrape(metrics)
+    return values.get(IN_STEP, 0.0), values.get(STEP_BEFORE, 0.0)
 
 
 @pytest.mark.parametrize("index", range(len(DISAGGREGATED_PROMPTS)))
 def test_disaggregated_output_equals_colocated_and_skips_the_prompt(
     server, offline_reference, index
 ):
-    """The colocated answer, none of the prompt computed on the decode worker, and no engine
-    step for the hand-off: the router sends the decode leg once the prefill worker returned the
-    first token, so the decode worker's rank holds the prompt's KV when the request comes, and
-    its scheduler half, told so by the rank (decode_workers/arrivals.py), loads it in the step
-    that schedules the request (counted `in_step`)."""
+    """The colocated answer, none of the prompt computed on the decode worker, its KV loaded
+    once (in the request's step where it had all arrived, else in a step before)."""
     decode_metrics = metrics_url(server, "decode", server.worker("decode")["address"])
-    in_step = scrape(decode_metrics).get(IN_STEP, 0.0)
+    in_step, step_before = loads(decode_metrics)
     fallbacks_before = router_total(server, "pdserve_kv_fallbacks_total")
     response = complete(server, DISAGGREGATED_PROMPTS[index], "disaggregated")
     assert response.status_code == 200, response.text
@@ -67,7 +71,25 @@ def test_disaggregated_output_equals_colocated_and_skips_the_prompt(
     assert 0 < timing["first_to_second_token"]
     assert timing["ttft"] + timing["first_to_second_token"] < response.elapsed.total_seconds()
     assert timing["kv_transport"] == "shm"  # what `auto` picks for two CPU workers on one host
-    wait_for(lambda: scrape(decode_metrics).get(IN_STEP) == in_step + 1, 10, "an in-step load")
+    wait_for(lambda: sum(loads(decode_metrics)) == in_step + step_before + 1, 10, "one KV load")
+
+
+def test_kv_that_arrived_before_its_request_loads_in_the_requests_step(server):
+    """No engine step for the hand-off: the router sends the decode leg once the prefill worker
+    returned the first token, by when a short prompt's KV is (almost always) at the decode
+    worker's rank, and its scheduler half, told so by the rank (decode_workers/arrivals.py),
+    loads it in the step that schedules the request (counted `in_step`). A long prompt's last
+    slices may still be on their way then: that load comes a step before its request's (the
+    asynchronous path), so of three fresh short prompts at least one must load in its step."""
+    decode_metrics = metrics_url(server, "decode", server.worker("decode")["address"])
+    in_step, step_before = loads(decode_metrics)
+    for index in range(3):
+        prompt = f"Fresh prompt {index} for the hand-off: " + long_prompt(40)
+        response = complete(server, prompt, "disaggregated")
+        assert response.status_code == 200, response.text
+        assert int(response.headers["x-pdserve-decode-cached-tokens"]) > 0
+    wait_for(lambda: sum(loads(decode_metrics)) == in_step + step_before + 3, 10, "three loads")
+    assert loads(decode_metrics)[0] > in_step, "no KV loaded in its request's step"
 
 
 def test_an_unforced_request_takes_the_path_its_estimate_names(server):

@@ -13,8 +13,6 @@ the session's secret). A long prompt computed by one TP=2 prefill worker is load
 pool by the other, each rank its own heads, and answered the same. When the clusters have
 stopped, their engines have left nothing in /dev/shm."""
 
-import os
-
 import pytest
 
 from kv_transfer.pool.client import PoolClient
@@ -22,7 +20,7 @@ from kv_transfer.pool.wire import GetStats
 from pdserve.model_store.store import ensure_model
 from tests.integration.conftest import _stop_and_check, router_over, start_server, tiny_completion
 from tests.integration.http_client import HTTP
-from tests.integration.processes import kv_pool_address, worker_pids
+from tests.integration.processes import SHM, kv_pool_address, shm_left_since, worker_pids
 from tests.integration.prompts import TINY_LONG_PROMPT
 from tests.integration.prompts import TINY_PROMPTS as PROMPTS
 from tests.waiting import wait_for
@@ -32,14 +30,11 @@ from tests.waiting import wait_for
 def no_engine_files_left_in_dev_shm():
     """At TP 2 vLLM's multiprocessing executor keeps message queues (psm_*) and its CPU
     communicator (vllm_dist_*) in /dev/shm: once this module's clusters have stopped, none of
-    those files is left (each worker removes what its engine left)."""
-    before = set(os.listdir("/dev/shm"))
+    those files is left (each worker removes what its engine left; the other stream's engines
+    map theirs while they run)."""
+    before = set(SHM.iterdir())
     yield
-    left = sorted(
-        name
-        for name in set(os.listdir("/dev/shm")) - before
-        if name.startswith(("psm_", "vllm_dist_"))
-    )
+    left = [name for name in shm_left_since(before) if name.startswith(("psm_", "vllm_dist_"))]
     assert not left, f"left in /dev/shm after the clusters stopped: {left}"
 
 
