@@ -51,6 +51,16 @@ def start(command: list[str], cores: set[int], log: Path) -> subprocess.Popen:
     return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, preexec_fn=pin)
 
 
+def start_fake_workers(
+    ports: list[int], token_interval_s: float, cores: set[int], log: Path
+) -> subprocess.Popen:
+    """pdserve/bench/fake_worker.py serving on each of `ports`, pinned to `cores`."""
+    command = [sys.executable, "-m", "pdserve.bench.fake_worker"]
+    command += [item for port in ports for item in ("--port", str(port))]
+    command += ["--token-interval-s", str(token_interval_s)]
+    return start(command, cores, log)
+
+
 async def wait_ready(url: str) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     async with aiohttp.ClientSession() as session:
@@ -207,10 +217,7 @@ async def run(args) -> None:
     logs.mkdir(parents=True, exist_ok=True)
     ports = [free_port() for _ in range(args.workers)]
     others = set(range(1, os.cpu_count() or 2)) or {0}
-    fake_command = [sys.executable, "-m", "pdserve.bench.fake_worker"]
-    fake_command += [item for port in ports for item in ("--port", str(port))]
-    fake_command += ["--token-interval-s", str(args.token_interval_s)]
-    fakes = start(fake_command, others, logs / "fake-workers.log")
+    fakes = start_fake_workers(ports, args.token_interval_s, others, logs / "fake-workers.log")
     router_port = free_port()
     settings = {
         "port": router_port,

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import aiohttp
 import psutil
-from bench_router import cpu_seconds, open_loop, wait_ready
+from bench_router import cpu_seconds, open_loop, start_fake_workers, wait_ready
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -137,21 +137,8 @@ async def run(args) -> None:
     logs = Path(args.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
     ports = [free_port() for _ in range(2)]
-    fake_command = [sys.executable, "-m", "pdserve.bench.fake_worker"]
-    fake_command += [item for port in ports for item in ("--port", str(port))]
-    fake_command += ["--token-interval-s", str(args.token_interval_s)]
     others = set(range(1, os.cpu_count() or 2)) or {0}
-
-    def pin_fakes() -> None:
-        os.setsid()
-        os.sched_setaffinity(0, others)
-
-    fakes = subprocess.Popen(
-        fake_command,
-        stdout=(logs / "fake-workers.log").open("w"),
-        stderr=subprocess.STDOUT,
-        preexec_fn=pin_fakes,
-    )
+    fakes = start_fake_workers(ports, args.token_interval_s, others, logs / "fake-workers.log")
     routers, urls = [], []
     for name, tree in (("this", HERE), ("baseline", Path(args.baseline).resolve())):
         port = free_port()

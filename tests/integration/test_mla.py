@@ -150,20 +150,9 @@ def reference_text(pairing: str, request) -> str | None:
         return expected["text"]
     if pairing == "TP 2 to 2":  # B's TP=2 decode worker computes the prompt itself, under a
         # cache salt: the blocks it caches (with AMX) must not serve the disaggregated request
-        local = HTTP.post(
-            f"{request.getfixturevalue('cluster_b').url}/v1/completions",
-            timeout=120,
-            headers={"x-pdserve-route": "local"},
-            json={
-                "model": MODEL,
-                "prompt": PROMPTS[pairing],
-                "max_tokens": TINY_MAX_TOKENS,
-                "temperature": 0,
-                "cache_salt": "the local reference",
-            },
-        )
-        assert local.status_code == 200, local.text
-        return local.json()["choices"][0]["text"]
+        url = request.getfixturevalue("cluster_b").url
+        local = local_completion(url, PROMPTS[pairing], cache_salt="the local reference")
+        return local["text"]
     return None
 
 
@@ -194,19 +183,15 @@ def test_mla_pd_moves_one_latent_copy_per_decode_rank_and_answers_as_one_engine(
         assert body["choices"][0]["text"] == expected
 
 
-def pool_completion(url: str, prompt, max_tokens: int) -> dict:
-    """A greedy completion on the local path, with its prompt's and answer's token ids."""
+def local_completion(url: str, prompt, max_tokens: int = TINY_MAX_TOKENS, **fields) -> dict:
+    """A greedy completion's choice on the local path, with its prompt's and answer's token ids
+    (`fields`: more of the request's)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     reply = HTTP.post(
         f"{url}/v1/completions",
         timeout=120,
         headers={"x-pdserve-route": "local"},
-        json={
-            "model": MODEL,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "return_token_ids": True,
-        },
+        json={**body, "return_token_ids": True, **fields},
     )
     assert reply.status_code == 200, reply.text
     return reply.json()["choices"][0]
@@ -230,12 +215,12 @@ def test_the_pool_stores_an_mla_latent_once_and_loads_it_into_every_rank(cluster
     (address,) = {kv_pool_address(pid) for pid in worker_pids(cluster_b, "decode")}
     store = PoolClient(address, namespace=None)
     used = store.call(GetStats()).used
-    first = pool_completion(cluster_b.url, pool_prompt(cluster_b.url), TINY_MAX_TOKENS)
+    first = local_completion(cluster_b.url, pool_prompt(cluster_b.url), TINY_MAX_TOKENS)
     prompt, answer = first["prompt_token_ids"], first["token_ids"]
     assert len(prompt) == 2 * BLOCK_TOKENS and len(set(answer)) > 1
     wait_for(lambda: store.call(GetStats()).used >= used + 2, 30, "the prompt in the pool")
     stats = store.call(GetStats())
     assert stats.slot_bytes == LAYERS * BLOCK_TOKENS * LATENT * BF16_BYTES  # one copy a block
-    going_on = pool_completion(cluster_b.url, [*prompt, answer[0]], TINY_MAX_TOKENS - 1)
+    going_on = local_completion(cluster_b.url, [*prompt, answer[0]], TINY_MAX_TOKENS - 1)
     assert store.call(GetStats()).hits == stats.hits + (0 if AMX_MLA else 2)
     assert going_on["token_ids"] == answer[1:]
