@@ -37,7 +37,7 @@ import torch
 from kv_transfer.head_shards import head_routes, rank_heads
 from kv_transfer.host_staging import HostToDevice
 from kv_transfer.integrity import Damage, transfer_epoch
-from kv_transfer.kv_copy import from_bytes, scatter, wire_shape
+from kv_transfer.kv_copy import first_of_run, from_bytes, scatter, wire_shape, write_run
 from kv_transfer.kv_layout import LayerLayout
 from kv_transfer.memory_budget import INBOX_BYTES
 from kv_transfer.metadata import Expected
@@ -357,7 +357,12 @@ class KvLoader:
             rows = wire[start : len(targets)]  # a view: still in the (pinned) receive buffer
             index = self.staging.index(targets[start:])
             heads = slice(local, local + piece.num_heads)
-            self.staging.load(rows, index, lambda rows, index: scatter(rows, cache, index, heads))
+            run = first_of_run(targets[start:])
+            if run is None:
+                write = lambda rows, index: scatter(rows, cache, index, heads)  # noqa: E731
+            else:
+                write = lambda rows, _: write_run(rows, cache, run, heads)  # noqa: E731
+            self.staging.load(rows, index, write)
         if piece.last:
             state.last_slices[piece.layer] = state.last_slices.get(piece.layer, 0) + 1
 

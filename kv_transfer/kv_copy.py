@@ -34,6 +34,23 @@ def scatter(
     canonical_cache[:, heads].view(bits).index_copy_(0, block_ids, wire.view(bits))
 
 
+def write_run(
+    wire: torch.Tensor, canonical_cache: torch.Tensor, first_block: int, heads: slice
+) -> None:
+    """`scatter` into the consecutive blocks from `first_block` on (how vLLM mostly hands out a
+    fresh request's blocks): a plain strided copy, about twice as fast as the indexed one on a
+    CPU, and no index to bring to the device."""
+    bits = _BITS[canonical_cache.element_size()]
+    blocks = canonical_cache[first_block : first_block + wire.shape[0], heads]
+    blocks.view(bits).copy_(wire.view(bits))
+
+
+def first_of_run(block_ids: list[int]) -> int | None:
+    """The first of `block_ids` where they are consecutive and ascending, else None."""
+    first = block_ids[0]
+    return first if block_ids == list(range(first, first + len(block_ids))) else None
+
+
 def as_bytes(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor of any dtype, without a copy (through ctypes,
     not numpy: a torch-only machine has no numpy). The view keeps the tensor alive."""

@@ -5,10 +5,11 @@ all. They are also the KV path's bfloat16 check: a disaggregated request's KV is
 element on the wire.
 
 A TP-2 prefill's answer continued by a TP-1 decode worker is computed at two sizes, which no
-single engine does: vLLM's own TP-1 and TP-2 engines part on these near-tied random-weight logits
-(scripts/vllm_tp_agreement.py: 0 of 4 prompts agree for tiny-moe; on a CPU with AMX, whose
-kernels round differently again, the pairing parts from the offline answer within ten tokens).
-There the check is the transfer's (every prompt token's KV arrived, every byte counted); the
+single engine does: the prompt's KV comes from TP 2's sums (another order of additions than TP
+1's), and these random-weight logits are near-tied. vLLM's own TP-1 and TP-2 engines parted on
+them on a CPU without AMX (scripts/vllm_tp_agreement.py tiny-moe: 0 of 4 prompts agree); on one
+with AMX they agree (4 of 4, 12 tokens), yet the pairing parted from the offline answer at the
+ninth token of one prompt. There the check is the transfer's (every prompt token's KV arrived, every byte counted); the
 merged heads' answers are checked where one size computes them, tests/integration/
 test_tensor_parallel.py, and byte-exact across sizes in tests/gpu/test_transfer_paths.py.
 

@@ -21,7 +21,15 @@ import torch
 
 from kv_transfer.head_shards import check_shardable, head_routes, rank_heads
 from kv_transfer.host_staging import DeviceToHost, HostToDevice
-from kv_transfer.kv_copy import as_bytes, from_bytes, gather, scatter, wire_shape
+from kv_transfer.kv_copy import (
+    as_bytes,
+    first_of_run,
+    from_bytes,
+    gather,
+    scatter,
+    wire_shape,
+    write_run,
+)
 from kv_transfer.kv_layout import (
     BLOCK,
     CONTENT,
@@ -254,6 +262,24 @@ def test_blocks_sent_as_bytes_arrive_byte_exact_in_a_differently_laid_out_cache(
     assert all_zero(dst[untouched_blocks(DST_IDS)])
     written = sum(raw(dst[d]).count_nonzero().item() for d in DST_IDS)
     assert raw(dst_alloc).count_nonzero().item() == written  # nothing else in the allocation
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec", CACHES, ids=[str(c) for c in CACHES])
+def test_a_run_of_blocks_is_written_as_the_indexed_scatter_writes_it(spec, dtype):
+    """write_run (consecutive blocks: a plain copy) leaves a cache exactly as scatter does, for
+    this rank's heads only, in every layout."""
+    _, src_cache = spec.build(dtype, distinct)
+    wire = gather(spec.canonical(src_cache), torch.tensor(SRC_IDS), slice(0, 1))
+    run = [4, 5, 6]
+    assert first_of_run(run) == 4 and first_of_run(DST_IDS) is None
+    assert first_of_run([3, 2]) is None and first_of_run([7]) == 7
+    _, by_index = spec.build(dtype, zeros)
+    _, by_run = spec.build(dtype, zeros)
+    scatter(wire, spec.canonical(by_index), torch.tensor(run), slice(0, 1))
+    write_run(wire, spec.canonical(by_run), 4, slice(0, 1))
+    assert raw(by_run).count_nonzero().item() > 0
+    assert torch.equal(raw(by_run), raw(by_index))
 
 
 # Each layout sends to the next one in CACHES (a different layout, the last to the first).
