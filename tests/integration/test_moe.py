@@ -9,9 +9,10 @@ single engine does: the prompt's KV comes from TP 2's sums (another order of add
 1's), and these random-weight logits are near-tied. vLLM's own TP-1 and TP-2 engines parted on
 them on a CPU without AMX (scripts/vllm_tp_agreement.py tiny-moe: 0 of 4 prompts agree); on one
 with AMX they agree (4 of 4, 12 tokens), yet the pairing parted from the offline answer at the
-ninth token of one prompt. There the check is the transfer's (every prompt token's KV arrived, every byte counted); the
-merged heads' answers are checked where one size computes them, tests/integration/
-test_tensor_parallel.py, and byte-exact across sizes in tests/gpu/test_transfer_paths.py.
+ninth token of one prompt. There the check is the transfer's (every prompt token's KV arrived,
+every byte counted); the merged heads' answers are checked where one size computes them,
+tests/integration/test_tensor_parallel.py, and byte-exact across sizes in
+tests/gpu/test_transfer_paths.py.
 
 Four engines cover both shapes, TP 1 and 2, and every path, one model shape per cluster:
 - Qwen3-MoE, a TP-2 prefill worker and a TP-1 decode worker: the disaggregated path (the
