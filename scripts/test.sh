@@ -18,6 +18,6 @@ if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
 # Two processes more than cores: a process waiting out a deadline (many tests do, for a second
-# or three) leaves its core to another (2 cores: 57-58 s on 4 processes, 61 s on 3).
+# or three) leaves its core to another (2 cores: 57-63 s on 4 processes, 61-66 s on 3).
 .venv/bin/python -m pytest tests/unit tests/gpu -n "$(($(nproc) + 2))"
 exec .venv/bin/python -m pytest tests/integration -n 2
