@@ -52,13 +52,27 @@ def start(command: list[str], cores: set[int], log: Path) -> subprocess.Popen:
 
 
 def start_fake_workers(
-    ports: list[int], token_interval_s: float, cores: set[int], log: Path
-) -> subprocess.Popen:
-    """pdserve/bench/fake_worker.py serving on each of `ports`, pinned to `cores`."""
+    count: int, token_interval_s: float, logs: Path
+) -> tuple[list[int], set[int], subprocess.Popen]:
+    """`count` fake workers (pdserve/bench/fake_worker.py, one process) on every core but the
+    router's (0): their ports, those cores, and the process."""
+    logs.mkdir(parents=True, exist_ok=True)
+    ports = [free_port() for _ in range(count)]
+    cores = set(range(1, os.cpu_count() or 2)) or {0}
     command = [sys.executable, "-m", "pdserve.bench.fake_worker"]
     command += [item for port in ports for item in ("--port", str(port))]
     command += ["--token-interval-s", str(token_interval_s)]
-    return start(command, cores, log)
+    return ports, cores, start(command, cores, logs / "fake-workers.log")
+
+
+def router_settings(port: int, worker_ports: list[int]) -> dict:
+    """A router on `port` in front of the fake workers, with SmolLM2's tokenizer."""
+    return {
+        "port": port,
+        "model": str(ensure_model("smollm2")),
+        "served_model_name": "smollm2",
+        "worker_addresses": [f"127.0.0.1:{worker}" for worker in worker_ports],
+    }
 
 
 async def wait_ready(url: str) -> None:
@@ -154,15 +168,15 @@ async def short_completions(args, router_url: str, worker: str, router: psutil.P
     return rows
 
 
+def stream_body(tokens: int) -> dict:
+    """A streamed completion of `tokens` tokens (the fake workers make them)."""
+    body = {"model": "smollm2", "prompt": "Hello", "max_tokens": tokens, "stream": True}
+    return {**body, "ignore_eos": True}
+
+
 async def streams(args, router_url: str, router: psutil.Process) -> list:
     rows = []
-    body = {
-        "model": "smollm2",
-        "prompt": "Hello",
-        "max_tokens": args.stream_tokens,
-        "stream": True,
-        "ignore_eos": True,
-    }
+    body = stream_body(args.stream_tokens)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, headers=client_headers(args)) as session:
         for concurrency in args.streams:
@@ -212,20 +226,11 @@ def print_tables(short: list, streamed: list) -> None:
 
 
 async def run(args) -> None:
-    model = str(ensure_model("smollm2"))
     logs = Path(args.log_dir)
-    logs.mkdir(parents=True, exist_ok=True)
-    ports = [free_port() for _ in range(args.workers)]
-    others = set(range(1, os.cpu_count() or 2)) or {0}
-    fakes = start_fake_workers(ports, args.token_interval_s, others, logs / "fake-workers.log")
+    ports, others, fakes = start_fake_workers(args.workers, args.token_interval_s, logs)
     router_port = free_port()
-    settings = {
-        "port": router_port,
-        "model": model,
-        "served_model_name": "smollm2",
-        "worker_addresses": [f"127.0.0.1:{port}" for port in ports],
-        "api_key": [API_KEY] if args.api_key else [],
-    }
+    settings = router_settings(router_port, ports)
+    settings["api_key"] = [API_KEY] if args.api_key else []
     router_command = [sys.executable, "-m", "pdserve.cli", "router"]
     router_command += ["--settings-json", json.dumps(settings)]
     router = start(router_command, {0}, logs / "router.log")

@@ -27,13 +27,19 @@ from pathlib import Path
 
 import aiohttp
 import psutil
-from bench_router import cpu_seconds, open_loop, start_fake_workers, wait_ready
+from bench_router import (
+    cpu_seconds,
+    open_loop,
+    router_settings,
+    start_fake_workers,
+    stream_body,
+    wait_ready,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.bench.metrics import percentile
 from pdserve.bench.runner import run_jobs
-from pdserve.model_store.store import ensure_model
 from pdserve.worker.processes import free_port, stop_group
 
 HERE = Path(__file__).resolve().parents[1]
@@ -84,13 +90,7 @@ async def short_round(args, session, urls: list[str], routers: list) -> list[dic
 
 
 async def stream_round(args, session, urls: list[str], routers: list) -> list[dict]:
-    body = {
-        "model": "smollm2",
-        "prompt": "Hello",
-        "max_tokens": args.stream_tokens,
-        "stream": True,
-        "ignore_eos": True,
-    }
+    body = stream_body(args.stream_tokens)
     tokens = [0] * len(urls)
 
     def stream(index: int):
@@ -133,21 +133,12 @@ def summary(rounds: list[list[dict]], key: str) -> str:
 
 
 async def run(args) -> None:
-    model = str(ensure_model("smollm2"))
     logs = Path(args.log_dir)
-    logs.mkdir(parents=True, exist_ok=True)
-    ports = [free_port() for _ in range(2)]
-    others = set(range(1, os.cpu_count() or 2)) or {0}
-    fakes = start_fake_workers(ports, args.token_interval_s, others, logs / "fake-workers.log")
+    ports, others, fakes = start_fake_workers(2, args.token_interval_s, logs)
     routers, urls = [], []
     for name, tree in (("this", HERE), ("baseline", Path(args.baseline).resolve())):
         port = free_port()
-        settings = {
-            "port": port,
-            "model": model,
-            "served_model_name": "smollm2",
-            "worker_addresses": [f"127.0.0.1:{p}" for p in ports],
-        }
+        settings = router_settings(port, ports)
         routers.append(start_router(tree, settings, logs / f"router-{name}.log"))
         urls.append(f"http://127.0.0.1:{port}")
     os.sched_setaffinity(0, others)
