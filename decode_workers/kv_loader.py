@@ -355,14 +355,14 @@ class KvLoader:
         start = max(skip - first, 0)  # blocks before `skip` are this worker's own prefix hit
         if start < len(targets):
             rows = wire[start : len(targets)]  # a view: still in the (pinned) receive buffer
-            index = self.staging.index(targets[start:])
             heads = slice(local, local + piece.num_heads)
-            run = first_of_run(targets[start:])
-            if run is None:
-                write = lambda rows, index: scatter(rows, cache, index, heads)  # noqa: E731
+            blocks = targets[start:]
+            run = first_of_run(blocks)
+            if run is None:  # an index only where the copy is indexed
+                index = self.staging.index(blocks)
+                self.staging.load(rows, index, lambda r, i: scatter(r, cache, i, heads))
             else:
-                write = lambda rows, _: write_run(rows, cache, run, heads)  # noqa: E731
-            self.staging.load(rows, index, write)
+                self.staging.load(rows, None, lambda r, _: write_run(r, cache, run, heads))
         if piece.last:
             state.last_slices[piece.layer] = state.last_slices.get(piece.layer, 0) + 1
 

@@ -480,18 +480,19 @@ class HostToDevice:
     def load(
         self,
         host_wire: torch.Tensor,
-        host_index: torch.Tensor,
-        write: Callable[[torch.Tensor, torch.Tensor], None],
+        host_index: torch.Tensor | None,
+        write: Callable[[torch.Tensor, torch.Tensor | None], None],
     ) -> None:
         """Bring the wire tensor (on the host, or already on the device) and its block index
-        (from `index()`) to the device and `write(wire, index)` them into the cache."""
+        (from `index()`; None for a copy that needs none) to the device and `write(wire, index)`
+        them into the cache."""
         if self.side is None:
             write(host_wire, host_index)
             return
         # After what the forward stream has queued: vLLM may zero newly allocated blocks, or a
         # finished request's last step may still write into a block just handed to this one.
         self.side.follow_forward()
-        source, held = host_wire, [host_wire, host_index]
+        source, held = host_wire, [t for t in (host_wire, host_index) if t is not None]
         if source.device.type == "cpu" and self.pin and not source.is_pinned():
             memory = self._pinned(source.numel() * source.element_size())
             size = source.numel() * source.element_size()
@@ -501,8 +502,8 @@ class HostToDevice:
 
         def work() -> None:
             wire = source.to(self.device, non_blocking=True)
-            index = host_index.to(self.device, non_blocking=True)
-            held.extend((wire, index))
+            index = None if host_index is None else host_index.to(self.device, non_blocking=True)
+            held.extend(t for t in (wire, index) if t is not None)
             write(wire, index)
 
         self.side.submit(work)

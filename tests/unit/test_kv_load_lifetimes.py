@@ -121,14 +121,15 @@ def test_a_received_buffer_is_not_lent_to_the_next_receive_before_its_scatter_ra
 def test_a_prefix_skip_copy_and_the_index_live_until_the_event_then_go():
     inbox = Inbox(verify=False)
     loader, caches, stream = loader_with_fake_stream(inbox)
-    sent = torch.stack([torch.full(BLOCK_SHAPE, 1.0), torch.full(BLOCK_SHAPE, 2.0)])
+    sent = torch.stack([torch.full(BLOCK_SHAPE, float(value)) for value in (1, 2, 3)])
     received(inbox, 0, sent)
-    expected = Expected("r", "t", [3, 4], 1, 5.0)  # block 3 holds this worker's own prefix hit
+    # Block 3 holds this worker's own prefix hit; 5 and 4 are not consecutive: an indexed copy.
+    expected = Expected("r", "t", [3, 5, 4], 1, 5.0)
     loader.transfer_results([expected], set())
     [(event, held, _)] = loader.staging.in_flight
     assert not event.query()
     shapes = sorted(tuple(tensor.shape) for tensor in held)
-    assert shapes == [(1,), (1, 2, 4, 2, HEAD_SIZE)]  # the index, and wire[keep] (wire order)
+    assert shapes == [(2,), (2, 2, 4, 2, HEAD_SIZE)]  # the index, and wire[keep] (wire order)
     alive = [weakref.ref(tensor) for tensor in held]
     del held, event
     gc.collect()
@@ -138,7 +139,8 @@ def test_a_prefix_skip_copy_and_the_index_live_until_the_event_then_go():
     assert loader.staging.in_flight == []
     gc.collect()
     assert all(ref() is None for ref in alive), "held after the event: a leak"
-    assert torch.equal(caches[0][4], sent[1]) and not caches[0][3].any()
+    assert torch.equal(caches[0][5], sent[1]) and torch.equal(caches[0][4], sent[2])
+    assert not caches[0][3].any()
 
 
 def test_a_transfer_is_reported_once_its_scatters_landed_without_waiting_for_the_stream():
