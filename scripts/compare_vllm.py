@@ -8,6 +8,11 @@ pdserve's bench code, one system at a time, in one table.
 Systems (each started in its own process group, stopped by its PID before the next starts):
 - vllm: `python -m vllm.entrypoints.openai.api_server`, the same model, float32, eager, 1 GiB of
   KV cache, as many OpenMP threads as a lone pdserve worker gets (every core), no binding;
+- vllm-nixl: vLLM's own P/D, not in the default list: two such servers with vLLM's
+  NixlConnector (UCX on CPU; needs `pip install 'pdserve[vllm-nixl]'`), the prefill server's
+  compute threads on the first core and the decode server's on the second, as 1p1d's workers,
+  behind scripts/vllm_pd_proxy.py (vLLM's toy proxy protocol: prefill with max_tokens 1, then
+  decode with the prefill reply's kv_transfer_params);
 - colocated: `pdserve serve --colocated` (one worker that prefills and decodes);
 - colocated-2: `pdserve serve --colocated --workers 2` (two such workers, a core each: data
   parallel on the cores 1P1D splits; its lone request is a colocated worker's on one core);
@@ -43,13 +48,15 @@ OUTPUT_DIR/logs-SYSTEM-ROUND/.
 
 import argparse
 import asyncio
+import importlib.util
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -59,7 +66,7 @@ from pdserve.bench import conversation
 from pdserve.bench.arrivals import arrival_times
 from pdserve.bench.client import Target
 from pdserve.bench.conversation import Conversation
-from pdserve.bench.local_cluster import local_cluster, vllm_server
+from pdserve.bench.local_cluster import local_cluster, served, vllm_server
 from pdserve.bench.metrics import Slo, Summary, distribution, summarize
 from pdserve.bench.options import (
     add_benchmark_arguments,
@@ -72,7 +79,9 @@ from pdserve.bench.records import RequestRecord
 from pdserve.bench.runner import run as run_benchmark
 from pdserve.bench.runner import warm_up
 from pdserve.bench.workload import BenchRequest, PromptText, load_tokenizer
+from pdserve.cluster.local_workers import core_shares
 from pdserve.model_store.store import ensure_model
+from pdserve.worker.engine_process import core_ids, openmp_binding
 from pdserve.worker.processes import free_port
 
 MODEL = "smollm2"
@@ -90,6 +99,7 @@ WORKLOAD_DEFAULTS = {
 """Per workload: --rates, --slo and --output-len when not given (None: the preset's)."""
 SYSTEMS = {
     "vllm": None,
+    "vllm-nixl": None,
     "colocated": (0, 1, ["--colocated"]),
     "colocated-2": (0, 1, ["--colocated", "--workers", "2"]),
     "colocated-no-pool": (0, 1, ["--colocated", "--kv-pool", "off"]),
@@ -106,7 +116,11 @@ SYSTEMS = {
     "1p1d-decode-no-pool": (1, 1, ["--decode-kv-pool", "off"]),
     "1p1d-with-prefill": (1, 1, ["--decode-admission", "with-prefill"]),
 }
-"""How `pdserve serve` starts each pdserve system: (prefill, decode, more options)."""
+"""How `pdserve serve` starts each pdserve system: (prefill, decode, more options); None: a
+vLLM system."""
+DEFAULT_SYSTEMS = [name for name in SYSTEMS if name != "vllm-nixl"]  # it needs an extra
+NIXL_KV_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+PROXY = Path(__file__).resolve().parent / "vllm_pd_proxy.py"
 
 
 @dataclass(frozen=True)
@@ -164,8 +178,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--systems",
-        default=",".join(SYSTEMS),
-        help=f"comma-separated, run in this order (default {','.join(SYSTEMS)})",
+        default=",".join(DEFAULT_SYSTEMS),
+        help=f"comma-separated, run in this order (default {','.join(DEFAULT_SYSTEMS)}; "
+        "also: vllm-nixl)",
     )
     parser.add_argument(
         "--output-len",
@@ -198,6 +213,12 @@ def main() -> int:
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
+    if "vllm-nixl" in systems and importlib.util.find_spec("nixl") is None:
+        say(
+            "compare_vllm.py: vllm-nixl needs NIXL, not installed: "
+            f"{sys.executable} -m pip install 'nixl==1.5.1' (pyproject.toml's vllm-nixl extra)"
+        )
+        return 2
     rates = [float(rate) for rate in args.rates.split(",")]
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
@@ -220,7 +241,7 @@ def main() -> int:
             log_dir = output_dir / f"logs-{system}-{number}"
             say(f"[{name}] starting (logs: {log_dir})")
             started = time.monotonic()
-            with serving(system, model_dir, log_dir, args.ready_timeout) as url:
+            with serving(system, model_dir, log_dir, args.ready_timeout, args.timeout) as url:
                 say(f"[{name}] ready after {time.monotonic() - started:.0f} s")
                 alone, results = asyncio.run(measure(name, url, workloads, lone, rates, slos, args))
                 for rate, records, summary in results:
@@ -273,19 +294,58 @@ def workload(args: argparse.Namespace, tokenizer_dir: Path | None, seed: int) ->
 
 
 @contextmanager
-def serving(system: str, model_dir: Path, log_dir: Path, ready_timeout_s: float) -> Iterator[str]:
+def serving(
+    system: str, model_dir: Path, log_dir: Path, ready_timeout_s: float, request_timeout_s: float
+) -> Iterator[str]:
     """Yields the base URL while `system` runs; stops it (its whole process group) on the way
     out, whatever happened."""
-    if SYSTEMS[system] is None:
+    if system == "vllm":
         with vllm_server(
             model_dir, log_dir, ready_timeout_s, MODEL, KV_CACHE_GIB * 2**30, free_port()
         ) as url:
+            yield url
+        return
+    if system == "vllm-nixl":
+        with vllm_disaggregated(model_dir, log_dir, ready_timeout_s, request_timeout_s) as url:
             yield url
         return
     prefill, decode, options = SYSTEMS[system]
     serve_args = ["--kv-cache-gib", str(KV_CACHE_GIB), "--served-model-name", MODEL, *options]
     with local_cluster(prefill, decode, free_port(), log_dir, serve_args, ready_timeout_s) as url:
         yield url
+
+
+@contextmanager
+def vllm_disaggregated(
+    model_dir: Path, log_dir: Path, ready_timeout_s: float, request_timeout_s: float
+) -> Iterator[str]:
+    """vLLM's own P/D: a prefill and a decode server with NixlConnector, each with its compute
+    threads on its own core (1p1d's split, one OpenMP thread each) and its own NIXL side-channel
+    port, and scripts/vllm_pd_proxy.py in front; yields the proxy's URL. Started one after the
+    other (each ready before the next starts), stopped in reverse order."""
+    cores = core_shares([1, 1], sorted(os.sched_getaffinity(0)))
+    with ExitStack() as stack:
+        urls = []
+        for name, share in zip(("prefill", "decode"), cores, strict=True):
+            env = openmp_binding(core_ids(share))
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())  # one per server
+            server = vllm_server(
+                model_dir,
+                log_dir,
+                ready_timeout_s,
+                MODEL,
+                KV_CACHE_GIB * 2**30,
+                free_port(),
+                name=name,
+                more_args=("--kv-transfer-config", json.dumps(NIXL_KV_CONFIG)),
+                more_env=env,
+            )
+            urls.append(stack.enter_context(server))
+        port = free_port()
+        command = [sys.executable, str(PROXY), "--port", str(port), "--prefill", urls[0]]
+        command += ["--decode", urls[1], "--timeout", str(request_timeout_s)]
+        proxy = served(command, log_dir / "proxy.log", port, "vllm_pd_proxy.py", ready_timeout_s)
+        yield stack.enter_context(proxy)
 
 
 async def measure(

@@ -60,9 +60,14 @@ def vllm_server(
     served_model: str,
     kv_cache_bytes: int,
     port: int,
+    name: str = "vllm",
+    more_args: tuple[str, ...] = (),
+    more_env: dict[str, str] | None = None,
 ) -> Iterator[str]:
     """Plain vLLM (`vllm serve`: its OpenAI server) with a pdserve worker's engine settings and
-    threads: the reference pdserve is compared with. Yields its URL; logs to LOG_DIR/vllm.log."""
+    threads: the reference pdserve is compared with. Yields its URL; logs to LOG_DIR/NAME.log.
+    `more_args` and `more_env` add to (or override) its options and environment: vLLM's own P/D
+    in scripts/compare_vllm.py is two such servers with a KV connector, a core each."""
     command = [
         sys.executable,
         "-m",
@@ -83,6 +88,7 @@ def vllm_server(
         "127.0.0.1",
         "--port",
         str(port),
+        *more_args,
     ]
     env = {
         **os.environ,
@@ -92,13 +98,14 @@ def vllm_server(
         # The model in the engine-core process, as a pdserve worker at TP 1 runs it
         # (pdserve/worker/engine.py: model_in_the_engine_core).
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CACHE_ROOT": str(log_dir / "vllm-cache"),
-        "VLLM_RPC_BASE_PATH": str(log_dir / "vllm-rpc"),
+        "VLLM_CACHE_ROOT": str(log_dir / f"{name}-cache"),
+        "VLLM_RPC_BASE_PATH": str(log_dir / f"{name}-rpc"),
+        **(more_env or {}),
     }
     for folder in ("VLLM_CACHE_ROOT", "VLLM_RPC_BASE_PATH"):  # vLLM makes neither itself
         Path(env[folder]).mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / "vllm.log"
-    with served(command, log_path, port, "vLLM's api_server", ready_timeout_s, env) as url:
+    log_path, what = log_dir / f"{name}.log", f"vLLM's api_server ({name})"
+    with served(command, log_path, port, what, ready_timeout_s, env) as url:
         yield url
 
 

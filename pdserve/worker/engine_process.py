@@ -46,10 +46,16 @@ def bind_openmp_threads() -> None:
     bind = os.environ.get(OMP_BIND_ENV, "nobind")
     if bind in ("nobind", "auto") or "|" in bind:
         return
-    cores = core_ids(bind)
-    os.environ["OMP_NUM_THREADS"] = str(len(cores))
-    os.environ["OMP_PLACES"] = "{" + ",".join(str(core) for core in cores) + "}"
-    os.environ["OMP_PROC_BIND"] = "true"
+    os.environ.update(openmp_binding(core_ids(bind)))
+
+
+def openmp_binding(cores: list[int]) -> dict[str, str]:
+    """The OpenMP variables that put a process's compute threads on `cores`, one each."""
+    return {
+        "OMP_NUM_THREADS": str(len(cores)),
+        "OMP_PLACES": "{" + ",".join(str(core) for core in cores) + "}",
+        "OMP_PROC_BIND": "true",
+    }
 
 
 def core_ids(spec: str) -> list[int]:
