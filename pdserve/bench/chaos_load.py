@@ -20,8 +20,11 @@ import httpx
 class Load:
     """The clients and what became of their requests."""
 
-    def __init__(self, routers: list[str], model: str, timeout_s: float) -> None:
+    def __init__(
+        self, routers: list[str], model: str, timeout_s: float, pause_s: float = 0.0
+    ) -> None:
         self.routers = routers
+        self.pause_s = pause_s  # a client's wait after each request (0: one after another)
         self.model = model
         self.timeout_s = timeout_s
         self.outcomes: Counter = Counter()
@@ -43,6 +46,8 @@ class Load:
                 self.outcomes[outcome] += 1
                 if outcome in ("succeeded", "retried") and kind == "whole":
                     self.latencies[self.phase].append(time.monotonic() - started)
+                if self.pause_s:
+                    await asyncio.sleep(self.pause_s)
 
     async def one(self, http, kind: str, turn: int, rng) -> str:
         body = {

@@ -3,11 +3,14 @@
 the first check so that their ~80 s of waiting overlaps the others."""
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
 
 from tests.gpu.script_module import script_module
+
+if TYPE_CHECKING:  # torch is imported where a check needs it: not in pytest-xdist's controller
+    import torch
 
 T1_TEST = "test_process_group_0_survives_a_kv_groups_failure"
 
@@ -22,6 +25,8 @@ def pytest_addoption(parser) -> None:
 
 def pytest_generate_tests(metafunc) -> None:
     if "device" in metafunc.fixturenames:
+        import torch
+
         asked = metafunc.config.getoption("--check-device")
         present = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
         metafunc.parametrize("device", [asked] if asked else present, indirect=True)
@@ -33,11 +38,13 @@ def pytest_collection_modifyitems(items) -> None:
 
 
 @pytest.fixture
-def device(request) -> Iterator[torch.device]:
+def device(request) -> Iterator["torch.device"]:
     """The check's device. On CUDA the check's "forward" (what its own thread queues, as vLLM's
     engine thread does) runs on a dedicated current stream, as vLLM runs its forward
     (vllm/utils/torch_utils.py): a check on the default stream would hide work put on the wrong
     stream."""
+    import torch
+
     device = torch.device(request.param)
     if device.type != "cuda":
         yield device
@@ -62,6 +69,8 @@ def pg0_check(request) -> Iterator[object | None]:
     if not runs_t1:
         yield None
         return
+    import torch
+
     check = script_module("gpu_t1_pg0_kill").Pg0Check(torch.device("cuda"))
     check.start()
     try:

@@ -60,6 +60,9 @@ REPLACE_TIMEOUT_S = 300.0  # a replacement is placed in ~1 s; its engine loads i
 COMMAND_TIMEOUT_S = 600
 STRANGER_TIMEOUT_S = 120  # a refused ray.init returns in a few seconds
 PAUSE_S = 0.5  # between a stream thread's requests
+# Between a chaos client's requests: requests stay in flight on every worker, and the load
+# leaves the cores to the replacements' engines (back to back, the load took ~100 s of CPU).
+CHAOS_PAUSE_S = 0.1
 
 
 def pdserve(
@@ -439,7 +442,7 @@ class ChaosLoad:
     ends."""
 
     def __init__(self, routers: list[str], clients: int = 4):
-        self.load = Load(routers, MODEL, timeout_s=120)
+        self.load = Load(routers, MODEL, timeout_s=120, pause_s=CHAOS_PAUSE_S)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(
             target=self.loop.run_until_complete, args=(self._run(clients),)

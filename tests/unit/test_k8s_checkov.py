@@ -22,16 +22,22 @@ CONFIG = ROOT / "deploy/k8s/checkov.yaml"
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
-    """Every overlay folder (pdserve.yaml and the folders beside it), built, one file each."""
+    """Every overlay folder (pdserve.yaml and the folders beside it), built, one file each with
+    the documents no folder before it had: most overlays share most of their resources (355
+    documents, 84 distinct), and checkov checks each resource on its own."""
     out = tmp_path_factory.mktemp("built")
     folders = [path.parent for path in OVERLAYS.rglob("kustomization.yaml")]
+    seen: set[str] = set()
     for folder in folders:
         done = subprocess.run(
             ["kubectl", "kustomize", str(folder)], capture_output=True, text=True, timeout=60
         )
         assert done.returncode == 0, done.stderr
-        name = str(folder.relative_to(OVERLAYS)).replace("/", "-")
-        (out / f"{name}.yaml").write_text(done.stdout)
+        new = [doc for doc in done.stdout.split("\n---\n") if doc not in seen]
+        seen.update(new)
+        if new:
+            name = str(folder.relative_to(OVERLAYS)).replace("/", "-")
+            (out / f"{name}.yaml").write_text("\n---\n".join(new))
     assert len(folders) >= 16  # 4 cluster files x 2 modes x (pdserve.yaml + its folders)
     return out
 
@@ -52,7 +58,7 @@ def test_checkov_finds_nothing_but_what_is_skipped_and_justified(built):
         for check in report["results"]["failed_checks"]
     ]
     assert failed == [], "\n".join(failed)
-    assert report["summary"]["passed"] > 1000 and report["summary"]["resource_count"] > 100
+    assert report["summary"]["passed"] > 1000 and report["summary"]["resource_count"] > 50
     skipped = {check["check_id"] for check in report["results"]["skipped_checks"]}
     assert skipped == {"CKV_K8S_38"}  # the endpoint picker's API token, by its annotation
 
