@@ -90,7 +90,7 @@ class Server:
 # The two streams, each a list of modules in the order they run, of about equal length. Stream a
 # holds the largest cluster (the mixed pool: 5 SmolLM2 engines, ~12 GB), the KV pool's two, then
 # the tiny models' (Ray's, ~6 GB with its head; the flex sweep's; the MoE models', one cluster at
-# a time, ~5 GB of PSS). Stream b holds at most three
+# a time, ~5 GB of PSS), then the README's two engines. Stream b holds at most three
 # SmolLM2 engines at a time (~7 GB): the default cluster (stopped after its last user) beside
 # vLLM's own server, the tiny MLA models' clusters, the flex cluster, then the tiny model at TP 2
 # (~9 GB). (A
@@ -107,6 +107,7 @@ STREAMS = {
         "test_moe",
         "test_gpu_check",
         "test_failed_start",
+        "test_readme",  # last: it takes the README's port and two engines of 2 GiB KV each
     ],
     "b": [
         "test_api_keys",
@@ -120,10 +121,9 @@ STREAMS = {
         "test_tracing",
         "test_vllm_parity",
         "test_worker_observability",
-        "test_mla",  # here, not in a: a's modules took ~90 s longer than b's
+        "test_mla",  # here, not in a: a ran ~90 s longer than b with it
         "test_flex_roles",
         "test_tensor_parallel",
-        "test_readme",  # last: it takes the README's port and two engines of 2 GiB KV each
     ],
 }
 _PLACES = {
