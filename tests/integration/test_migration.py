@@ -51,12 +51,19 @@ CHOICES_CASES = [
 
 @pytest.fixture(scope="module")
 def undisturbed(mixed_pool) -> list[tuple[str, int]]:
-    """Each case's streamed text and token count with every worker up."""
+    """Each case's streamed text and token count with every worker up, CONCURRENCY at a time
+    (as the kill tests send them: batched so, the greedy answers are the same)."""
     server = mixed_pool()
 
     async def run_all():
+        slots = asyncio.Semaphore(CONCURRENCY)
         async with httpx.AsyncClient(timeout=300) as http:
-            return [await streamed(http, server, *case) for case in CASES + CHOICES_CASES]
+
+            async def one(case):
+                async with slots:
+                    return await streamed(http, server, *case)
+
+            return await asyncio.gather(*(one(case) for case in CASES + CHOICES_CASES))
 
     return asyncio.run(run_all())
 
