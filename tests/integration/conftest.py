@@ -14,7 +14,6 @@ belongs to one stream only. Without xdist the same order runs in one process.
 """
 
 import contextlib
-import fcntl
 import json
 import os
 import secrets
@@ -22,7 +21,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,25 +30,17 @@ import pytest
 
 from pdserve.bench import local_cluster
 from pdserve.bench.local_cluster import router_healthy
-from pdserve.model_store.store import ensure_model
 from pdserve.settings.cluster_secret import SECRET_ENV
 from pdserve.worker.processes import ChildError, free_port, spawn, stop_group, wait_until
 from tests.integration.http_client import HTTP
 from tests.integration.processes import alive, descendants, worker_pids
 from tests.integration.prompts import (
-    CHATS,
-    DECODE_POOL_CONVERSATIONS,
-    DISAGGREGATED_MAX_TOKENS,
     DISAGGREGATED_PROMPTS,
-    MAX_TOKENS,
-    POOL_FAULT_PROMPT,
-    POOL_MAX_TOKENS,
-    POOL_TURNS,
     PROMPTS,
     SAMPLING_CASES,
     TINY_MAX_TOKENS,
-    TINY_PROMPTS,
 )
+from tests.integration.references import References, made_for, run_folder
 from tests.integration.trace_collector import TraceCollector
 from tests.kv_faults import injectable_environment
 from tests.xdist_groups import ModuleGroups
@@ -352,24 +343,18 @@ def vllm_server(smollm2_dir, tmp_path_factory) -> str:
         yield url
 
 
+@pytest.fixture(scope="session", autouse=True)
+def references(request, tmp_path_factory) -> Iterator[References]:
+    """vLLM's offline answers the run's tests ask for, made from the run's start
+    (tests/integration/references.py)."""
+    with made_for(request.session.items, run_folder(tmp_path_factory)) as made:
+        yield made
+
+
 @pytest.fixture(scope="session")
-def offline_reference(smollm2_dir, tmp_path_factory) -> dict:
-    """Greedy outputs of vLLM's offline engine for tests/prompts.py (made once per run: both
-    streams use them)."""
-    prompts = [{"prompt": p, "max_tokens": MAX_TOKENS} for p in PROMPTS]
-    prompts += [{"prompt": p, "max_tokens": MAX_TOKENS, "sampling": s} for p, s in SAMPLING_CASES]
-    prompts += [
-        {"prompt": p, "max_tokens": DISAGGREGATED_MAX_TOKENS} for p in DISAGGREGATED_PROMPTS
-    ]
-    pooled = [*POOL_TURNS, POOL_FAULT_PROMPT]
-    prompts += [{"prompt": p, "max_tokens": POOL_MAX_TOKENS} for p in pooled]
-    outputs = made_once_per_run(
-        tmp_path_factory,
-        "offline-reference",
-        lambda folder: offline_outputs(
-            [smollm2_dir], folder, prompts, CHATS, DECODE_POOL_CONVERSATIONS
-        )[0],
-    )
+def offline_reference(references) -> dict:
+    """Greedy outputs of vLLM's offline engine for tests/prompts.py."""
+    (outputs,) = references.answers("offline_reference")
     count, sampling = len(PROMPTS), len(SAMPLING_CASES)
     disaggregated = count + sampling + len(DISAGGREGATED_PROMPTS)
     return {
@@ -394,77 +379,10 @@ def tiny_completion(url: str, prompt: str, route: str, model: str = "tiny") -> h
 
 
 @pytest.fixture(scope="session")
-def tiny_reference(tmp_path_factory) -> dict:
-    """Greedy outputs of vLLM's offline engine at TP=1 for the tiny model's prompts (made once
-    per run: both streams use them)."""
-    prompts = [{"prompt": p, "max_tokens": TINY_MAX_TOKENS} for p in TINY_PROMPTS]
-    return made_once_per_run(
-        tmp_path_factory,
-        "tiny-reference",
-        lambda folder: offline_outputs([ensure_model("tiny")], folder, prompts, [])[0],
-    )
-
-
-ONCE_PER_RUN_TIMEOUT_S = 900
-
-
-def made_once_per_run(tmp_path_factory, name: str, make: Callable[[Path], dict]) -> dict:
-    """`make(folder)`'s result, made by the first stream that asks for it and read by the
-    other, which waits for it (xdist's streams share the parent of their temporary folders)."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent
-    done = root / f"{name}.json"
-    with open(root / f"{name}.lock", "w") as lock:
-        deadline = time.monotonic() + ONCE_PER_RUN_TIMEOUT_S
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"{name}: the other stream did not make it within the deadline")
-                time.sleep(0.5)
-        if not done.exists():
-            folder = root / name
-            folder.mkdir(exist_ok=True)
-            done.write_text(json.dumps(make(folder)))
-    return json.loads(done.read_text())
-
-
-def offline_outputs(
-    model_dirs: list[Path],
-    folder: Path,
-    prompts: list[dict],
-    chats: list[list[dict]],
-    conversations: list[dict] = (),
-    dtype: str = "float32",
-) -> list[dict]:
-    """Run tests/offline_reference.py (vLLM's offline LLM, TP 1, in `dtype`) in its own process,
-    on each of `model_dirs` in turn; their answers, in that order."""
-    requests = {
-        "prompts": prompts,
-        "chats": chats,
-        "chat_max_tokens": MAX_TOKENS,
-        "conversations": list(conversations),
-        "dtype": dtype,
-    }
-    (folder / "requests.json").write_text(json.dumps(requests))
-    script = Path(__file__).with_name("offline_reference.py")
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            str(folder / "requests.json"),
-            str(folder / "out.json"),
-            *map(str, model_dirs),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads((folder / "out.json").read_text())
+def tiny_reference(references) -> dict:
+    """Greedy outputs of vLLM's offline engine at TP=1 for the tiny model's prompts."""
+    (outputs,) = references.answers("tiny_reference")
+    return outputs
 
 
 def _stop_and_check(server: Server) -> None:

@@ -1,12 +1,15 @@
 """vLLM's offline `LLM` on the same model and settings: the reference for greedy output.
 
 Run as a script (vLLM's CPU platform spawns processes, so it needs a __main__ guard):
-    python tests/offline_reference.py REQUESTS_JSON OUTPUT_JSON MODEL_DIR [MODEL_DIR...]
-REQUESTS_JSON: {"prompts": [{"prompt", "max_tokens", "sampling"?}...],
-                "chats": [[{role, content}...]...], "chat_max_tokens": N,
-                "conversations"?: [{"first", "first_max_tokens", "then", "max_tokens"}...],
-                "dtype"?: the engine's (float32 unless given: the MoE models' is bfloat16)}
-                ("sampling": more SamplingParams fields, by name)
+    python tests/integration/offline_reference.py JOBS_JSON
+JOBS_JSON: [{"output": OUTPUT_JSON, "models": [MODEL_DIR...], "requests": REQUESTS}...]: the
+           jobs in order, each job's answers written to its OUTPUT_JSON (whole: written beside
+           it, then renamed) as soon as they are made (tests/integration/references.py)
+REQUESTS: {"prompts": [{"prompt", "max_tokens", "sampling"?}...],
+           "chats": [[{role, content}...]...], "chat_max_tokens": N,
+           "conversations"?: [{"first", "first_max_tokens", "then", "max_tokens"}...],
+           "dtype"?: the engine's (float32 unless given: the MoE models' is bfloat16)}
+           ("sampling": more SamplingParams fields, by name)
 OUTPUT_JSON: one object per MODEL_DIR, in order:
              {"prompts": [{"text", "token_ids"}...], "chats": [...],
               "conversations": [{"first": {...}, "next": {...}}...]}
@@ -24,16 +27,18 @@ import sys
 GIB = 1 << 30
 
 
-def main(requests_path: str, output_path: str, *model_dirs: str) -> None:
+def main(jobs_path: str) -> None:
     # The engine core and its model in this process: two processes (and imports of vLLM) fewer.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    requests = json.loads(open(requests_path).read())
-    answers = []
-    for model_dir in model_dirs:
-        answers.append(model_answers(model_dir, requests))
-        gc.collect()  # the engine's reference cycles: its KV cache goes before the next one's
-    with open(output_path, "w") as out:
-        json.dump(answers, out)
+    for job in json.loads(open(jobs_path).read()):
+        answers = []
+        for model_dir in job["models"]:
+            answers.append(model_answers(model_dir, job["requests"]))
+            gc.collect()  # the engine's reference cycles: its KV cache goes before the next one's
+        written = f"{job['output']}.part"
+        with open(written, "w") as out:
+            json.dump(answers, out)
+        os.rename(written, job["output"])
 
 
 def model_answers(model_dir: str, requests: dict) -> dict:

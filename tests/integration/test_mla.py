@@ -7,14 +7,14 @@ no prompt token and the KV moved is one latent copy per decode rank (from one pr
 never one per (prefill rank, decode rank) pair.
 
 Greedy answers are compared where one engine's numbers exist to compare with: TP=1 -> TP=1
-equals vLLM's offline engine (TP=1, the prompt alone), and TP=2 -> TP=2 the TP=2 decode worker's
-own answer (the prompt computed there, on the local path). A random-weight model in bfloat16 has
-near-tied logits at every step, and vLLM's TP=1 and TP=2 engines round differently (their greedy
-answers to these prompts part within two tokens, their first-step logprobs by up to 1 nat; so do
-one prompt alone and in a batch): a pairing of two sizes computes the prompt at one and the
-answer at the other, which no single engine does. There a slice missing, doubled or damaged on
-any rank fails the transfer (counted bytes, no prompt token computed, digests); the byte-exact
-routes between sizes are tests/gpu/test_transfer_paths.py's.
+equals the TP=1 decode worker's own answer, TP=2 -> TP=2 the TP=2 decode worker's (the prompt
+computed there alone, on the local path: vLLM's engine, no KV moved). A random-weight model in
+bfloat16 has near-tied logits at every step, and vLLM's TP=1 and TP=2 engines round differently
+(their greedy answers to these prompts part within two tokens, their first-step logprobs by up
+to 1 nat; so do one prompt alone and in a batch): a pairing of two sizes computes the prompt at
+one and the answer at the other, which no single engine does. There a slice missing, doubled or
+damaged on any rank fails the transfer (counted bytes, no prompt token computed, digests); the
+byte-exact routes between sizes are tests/gpu/test_transfer_paths.py's.
 
 Two clusters give the four engines: A has a TP=2 prefill and a TP=1 decode worker, B a TP=1
 prefill and a TP=2 decode worker; routers over A's prefill and B's decode (TP 2 -> 2), and B's
@@ -31,7 +31,6 @@ from kv_transfer.pool.wire import GetStats
 from pdserve.model_store.store import ensure_model
 from tests.integration.conftest import (
     _stop_and_check,
-    offline_outputs,
     router_over,
     start_server,
     tiny_completion,
@@ -71,20 +70,6 @@ POOL_TEXT = (  # 32 tokens, repeated into a prompt of two full blocks, which the
     "A long time ago in a galaxy far, far away, the rebels hid on an ice planet while the "
     "empire searched every system for them with probe droids sent"
 )
-
-
-@pytest.fixture(scope="module")
-def offline_tp1(tmp_path_factory) -> dict:
-    """vLLM's offline engine's greedy answer (TP 1, bfloat16) to the TP 1 -> 1 prompt."""
-    (outputs,) = offline_outputs(
-        [ensure_model(MODEL)],
-        tmp_path_factory.mktemp("mla-reference"),
-        [{"prompt": PROMPTS["TP 1 to 1"], "max_tokens": TINY_MAX_TOKENS}],
-        [],
-        dtype="bfloat16",
-    )
-    (answer,) = outputs["prompts"]
-    return answer
 
 
 def mla_cluster(tmp_path_factory, prefill_tp: int, decode_tp: int):
@@ -144,16 +129,15 @@ def routers(cluster_a, cluster_b, tmp_path_factory) -> dict[str, str]:
 
 def reference_text(pairing: str, request) -> str | None:
     """What the pairing's answer must equal, where one engine computes it all (None: none)."""
-    if pairing == "TP 1 to 1":
-        expected = request.getfixturevalue("offline_tp1")
-        assert len(set(expected["token_ids"])) > 1, "the reference repeats one token"
-        return expected["text"]
-    if pairing == "TP 2 to 2":  # B's TP=2 decode worker computes the prompt itself, under a
-        # cache salt: the blocks it caches (with AMX) must not serve the disaggregated request
-        url = request.getfixturevalue("cluster_b").url
-        local = local_completion(url, PROMPTS[pairing], cache_salt="the local reference")
-        return local["text"]
-    return None
+    # The decode worker of the pairing's size computes the prompt itself (A's is TP=1, B's TP=2),
+    # under a cache salt: the blocks it caches (with AMX) must not serve the disaggregated request.
+    cluster = {"TP 1 to 1": "cluster_a", "TP 2 to 2": "cluster_b"}.get(pairing)
+    if cluster is None:
+        return None
+    url = request.getfixturevalue(cluster).url
+    local = local_completion(url, PROMPTS[pairing], cache_salt="the local reference")
+    assert len(set(local["token_ids"])) > 1, "the reference repeats one token"
+    return local["text"]
 
 
 @pytest.mark.parametrize("pairing", PAIRINGS)

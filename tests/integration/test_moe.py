@@ -29,20 +29,19 @@ import pytest
 
 from kv_transfer.pool.client import store_stats
 from kv_transfer.pool.wire import PoolStats
-from pdserve.model_store.store import ensure_model
 from tests.integration.conftest import (
     _stop_and_check,
-    offline_outputs,
     start_server,
     stopped_after_last_use,
     tiny_completion,
 )
 from tests.integration.processes import kv_pool_address, worker_pids
-from tests.integration.prompts import TINY_LONG_PROMPT, TINY_MAX_TOKENS
+from tests.integration.prompts import TINY_LONG_PROMPT
 from tests.integration.prompts import TINY_PROMPTS as PROMPTS
+from tests.integration.references import MOE_MODELS
 from tests.waiting import wait_for
 
-QWEN, MIXTRAL = "tiny-moe", "tiny-mixtral"
+QWEN, MIXTRAL = MOE_MODELS
 DTYPE = "bfloat16"
 # Both models' KV (pdserve/model_store/tiny_models.py): 2 layers, 2 KV heads of 64, in CPU
 # blocks of 128 tokens, bfloat16 on the wire: 2 bytes an element.
@@ -51,18 +50,10 @@ LONG_PROMPT_BLOCKS = 3  # full 128-token blocks of TINY_LONG_PROMPT (~500 tokens
 
 
 @pytest.fixture(scope="module")
-def moe_reference(tmp_path_factory) -> dict[str, list[dict]]:
+def moe_reference(references) -> dict[str, list[dict]]:
     """vLLM's offline engine's greedy answers, per model: PROMPTS, then TINY_LONG_PROMPT."""
-    prompts = [{"prompt": p, "max_tokens": TINY_MAX_TOKENS} for p in [*PROMPTS, TINY_LONG_PROMPT]]
-    models = (QWEN, MIXTRAL)
-    outputs = offline_outputs(
-        [ensure_model(model) for model in models],
-        tmp_path_factory.mktemp("moe-reference"),
-        prompts,
-        [],
-        dtype=DTYPE,
-    )
-    return {model: answers["prompts"] for model, answers in zip(models, outputs, strict=True)}
+    outputs = references.answers("moe_reference")
+    return {model: answers["prompts"] for model, answers in zip(MOE_MODELS, outputs, strict=True)}
 
 
 def moe_cluster(tmp_path_factory, name: str, model: str, *more: str):
