@@ -9,6 +9,7 @@ import pytest
 from tests.xdist_groups import ModuleGroups
 
 VLLM_MODULES = {
+    "test_cache_salt",  # the worker's Generate turns a request's sampling into vLLM's
     "test_cluster_secret",  # a call let through reaches the worker's Generate, which imports vLLM
     "test_data_parallel_routing",
     "test_engine_stats",
@@ -52,6 +53,17 @@ def pytest_collection_finish(session):
         raise pytest.UsageError(
             "a test module imported vLLM at collection: import it inside the tests that use it"
         )
+
+
+@pytest.fixture(autouse=True)
+def _vllm_imported_only_where_it_is_shared(request):
+    """A test that imports vLLM (~10 s of a core) outside `VLLM_MODULES` pays for it in a
+    process of its own: it fails, naming the list to add its file to."""
+    before = "vllm" in sys.modules
+    yield
+    module = request.module.__name__.rpartition(".")[2]
+    if not before and "vllm" in sys.modules and module not in VLLM_MODULES:
+        pytest.fail(f"{module} imports vLLM: add it to VLLM_MODULES in {__file__}")
 
 
 def pytest_collection_modifyitems(config, items):
