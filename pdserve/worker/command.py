@@ -4,8 +4,9 @@ The gRPC port (the worker service and grpc.health.v1) and the Prometheus endpoin
 as the engine's process has started (a few seconds in: it must not inherit a gRPC server,
 pdserve/worker/engine_process.py), and Health answers STARTING while the engine loads, so a
 launcher can tell "still starting" from "dead". SIGTERM or SIGINT stops the server, then the
-engine and its child processes; a stop still running after SHUTDOWN_DEADLINE_S ends the process
-anyway (its group reaper then takes the engine processes).
+engine and its child processes, then removes the folder of the engine's IPC sockets
+(pdserve/worker/rpc_folder.py); a stop still running after SHUTDOWN_DEADLINE_S ends the process
+anyway (its group reaper then takes the engine processes and the folder).
 """
 
 import argparse
@@ -32,7 +33,7 @@ from pdserve.settings.command_line import add_arguments, add_settings_json, from
 from pdserve.settings.json_logs import configure_logging
 from pdserve.settings.worker import WorkerSettings
 from pdserve.worker import engine as engine_factory
-from pdserve.worker import group_reaper, shm_leftovers
+from pdserve.worker import group_reaper, rpc_folder, shm_leftovers
 from pdserve.worker.engine_process import EngineProcessStart
 from pdserve.worker.grpc_health import SecretCheckButHealth, add_health, serve_health_alone
 from pdserve.worker.metrics_server import WorkerMetrics, serve_metrics
@@ -63,8 +64,15 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ModelError) as error:
         print(f"pdserve worker: {error}", file=sys.stderr)
         return 2
-    group_reaper.start_for_this_worker()
-    _exit_now(asyncio.run(serve_worker(settings, model)))
+    rpc_sockets = rpc_folder.make_private()  # before vLLM reads VLLM_RPC_BASE_PATH
+    if rpc_sockets is not None:
+        log.info("vLLM's IPC sockets in %s, removed when the worker stops", rpc_sockets)
+    group_reaper.start_for_this_worker(rpc_sockets)
+    try:  # serve_worker returns once its engine's processes have exited, on every path
+        code = asyncio.run(serve_worker(settings, model))
+    finally:
+        rpc_folder.remove(rpc_sockets)
+    _exit_now(code)
 
 
 async def serve_worker(settings: WorkerSettings, model) -> int:

@@ -3,11 +3,13 @@ $COLUMNS where there is no terminal)."""
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
 import psutil
 
+from pdserve.worker.rpc_folder import PREFIX
 from pdserve.worker.shm_leftovers import mapped_by
 
 SHM = Path("/dev/shm")
@@ -97,3 +99,14 @@ def shm_left_since(before: set[Path], settle_s: float = 10.0) -> list[str]:
         if not left or time.monotonic() > deadline:
             return sorted(path.name for path in left if path.exists())
         time.sleep(0.2)
+
+
+def rpc_folders_named_in(log_dir: Path) -> set[Path]:
+    """The folders of vLLM's IPC sockets (pdserve/worker/rpc_folder.py) that the workers whose
+    logs are in `log_dir` made, as they log them at start."""
+    named = re.compile(rf"(/\S*/{PREFIX}\w+)")
+    return {
+        Path(folder)
+        for log in log_dir.glob("*.log")
+        for folder in named.findall(log.read_text(errors="replace"))
+    }

@@ -2,7 +2,9 @@
 cause, not vLLM's "Engine core initialization failed. See root cause above.") and where the log
 is, exits 1, and leaves nothing in /dev/shm (seen: a TP-2 engine that failed to start left its
 communicator's `vllm_dist_*` files, 8 MiB). Nor does a TP-2 start that a stop cuts short (the
-ranks die of the group's SIGTERM with those files made: the same 8 MiB were left)."""
+ranks die of the group's SIGTERM with those files made: the same 8 MiB were left). Nor, either
+way, the engine's ZMQ IPC sockets (seen: each stopped engine left its `/tmp/<uuid>` sockets):
+each worker's folder for them is gone."""
 
 import re
 import signal
@@ -14,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from pdserve.model_store.store import ensure_model
 from pdserve.worker.processes import spawn, stop_group
 from pdserve.worker.shm_leftovers import mapped_by
-from tests.integration.processes import SHM, descendants, shm_left_since
+from tests.integration.processes import SHM, descendants, rpc_folders_named_in, shm_left_since
 from tests.waiting import wait_for
 
 MISSING = "model.norm.weight"
@@ -46,6 +48,9 @@ def test_a_refused_model_gives_the_root_cause_and_leaves_nothing(tmp_path):
     assert cause.startswith("ValueError: ") and MISSING in cause, output[-4000:]
     assert f"(the whole log: {tmp_path / 'logs'}/" in output
     assert not shm_left_since(shm_before), "a failed start left files in /dev/shm"
+    sockets = rpc_folders_named_in(tmp_path / "logs")
+    assert sockets, "no worker said where its engine's sockets go"
+    assert not [folder for folder in sockets if folder.exists()], "a failed start left sockets"
 
 
 def test_a_stop_while_a_tp2_engine_starts_leaves_nothing(tmp_path):
@@ -69,8 +74,11 @@ def test_a_stop_while_a_tp2_engine_starts_leaves_nothing(tmp_path):
             300,
             "the TP-2 ranks' communicator files",
         )
+        sockets = rpc_folders_named_in(tmp_path / "logs")
+        assert any(path.is_socket() for folder in sockets for path in folder.iterdir())
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=60) == 0, (tmp_path / "serve.log").read_text()[-4000:]
     finally:
         stop_group(serve.pid, process=serve)
     assert not shm_left_since(shm_before), "a stopped start left files in /dev/shm"
+    assert not [folder for folder in sockets if folder.exists()], "a stopped start left sockets"

@@ -1,5 +1,6 @@
 """pdserve/worker/group_reaper.py with real processes: a group leader SIGKILLed takes its other
-processes with it; a process that does not lead its group starts no reaper."""
+processes and its engine's socket folder with it; a process that does not lead its group starts
+no reaper."""
 
 import os
 import signal
@@ -16,8 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 LEADER = textwrap.dedent(
     """
     import subprocess, sys, time
+    from pathlib import Path
     from pdserve.worker import group_reaper
-    group_reaper.start_for_this_worker()
+    group_reaper.start_for_this_worker(Path(sys.argv[1]))
     engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     print(engine.pid, flush=True)
     time.sleep(120)
@@ -25,9 +27,12 @@ LEADER = textwrap.dedent(
 )
 
 
-def test_a_sigkilled_group_leader_takes_its_engine_processes_with_it():
+def test_a_sigkilled_group_leader_takes_its_engine_processes_and_sockets_with_it(tmp_path):
+    sockets = tmp_path / "pdserve-vllm-rpc-x"  # pdserve/worker/rpc_folder.py
+    sockets.mkdir()
+    (sockets / "6949012b-ecf5-4bfb-b3be-8acf70b5f2c1").touch()
     leader = subprocess.Popen(
-        [sys.executable, "-c", LEADER],
+        [sys.executable, "-c", LEADER, str(sockets)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,
@@ -42,6 +47,7 @@ def test_a_sigkilled_group_leader_takes_its_engine_processes_with_it():
         while alive(engine) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not alive(engine), "the engine process outlived its worker"
+        assert not sockets.exists(), "the engine's socket folder outlived its worker"
     finally:
         leader.stdout.close()
         try:
