@@ -33,7 +33,7 @@ from pdserve.bench.local_cluster import router_healthy
 from pdserve.settings.cluster_secret import SECRET_ENV
 from pdserve.worker.processes import ChildError, free_port, spawn, stop_group, wait_until
 from tests.integration.http_client import HTTP
-from tests.integration.processes import alive, descendants, worker_pids
+from tests.integration.processes import alive, descendants, rpc_folders_named_in, worker_pids
 from tests.integration.prompts import (
     DISAGGREGATED_PROMPTS,
     PROMPTS,
@@ -387,7 +387,8 @@ def tiny_reference(references) -> dict:
 
 def _stop_and_check(server: Server) -> None:
     """SIGTERM the router; it must exit and leave no child behind (checked by process group:
-    the workers run in their own groups, found through their parent link)."""
+    the workers run in their own groups, found through their parent link), nor a worker's
+    folder of vLLM's IPC sockets (pdserve/worker/rpc_folder.py)."""
     children = descendants(server.process.pid)
     server.process.send_signal(signal.SIGTERM)
     try:
@@ -404,6 +405,10 @@ def _stop_and_check(server: Server) -> None:
     for pid in left:
         _kill(pid)
     assert not left, f"processes left after pdserve serve stopped: {left}"
+    folders = rpc_folders_named_in(server.log_dir)
+    assert folders, f"no worker logged its IPC socket folder in {server.log_dir}"
+    kept = sorted(str(folder) for folder in folders if folder.exists())
+    assert not kept, f"IPC socket folders left after pdserve serve stopped: {kept}"
 
 
 def _kill(pid: int) -> None:
