@@ -1,11 +1,14 @@
 """`python -m pdserve.worker.group_reaper`: started by a worker that leads its own process group, it
 waits for that worker to die and then SIGKILLs the group, so a worker killed outright (SIGKILL,
 the OOM killer) takes its vLLM engine-core and rank processes with it instead of leaving them
-running, holding memory, as orphans, and removes the folder of the engine's IPC sockets
-(pdserve/worker/rpc_folder.py). On a clean exit the worker has stopped them and removed the
-folder already, and the group holds only this reaper.
+running, holding memory, as orphans; then it removes the folder of the engine's IPC sockets
+(pdserve/worker/rpc_folder.py). It runs in a session of its own, outside the group: a launcher
+that kills the worker's whole group (`pdserve serve` stopping a worker that outstayed its grace,
+the Ray path's process keeper once its worker exited) would otherwise kill it before it removed
+the folder. On a clean exit the worker has stopped its engine and removed the folder already:
+the reaper finds the group empty and exits.
 
-Deliberately tiny: no imports beyond the standard library, one poll a second.
+Deliberately tiny: no imports beyond the standard library, one poll every half second.
 """
 
 import os
@@ -21,16 +24,17 @@ POLL_S = 0.5
 def main(worker_pid: int, rpc_folder: str = "") -> int:
     """`worker_pid` leads the process group to reap (so the group's id is the same);
     `rpc_folder`, if any, is its engine's socket folder."""
-    # A SIGTERM to the group stops the worker gracefully; the reaper stays to make sure.
+    # Signals that stop the worker are not for it: it stays until the worker is gone.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     while os.getppid() == worker_pid:  # reparented: the worker is gone (maybe before we ran)
         time.sleep(POLL_S)
+    try:
+        os.killpg(worker_pid, signal.SIGKILL)  # its group's id
+    except ProcessLookupError:  # nothing left in it: a clean exit, or the whole group killed
+        pass
     if rpc_folder:
-        # Before the kill, which ends this reaper too. Removing a socket's name closes nothing:
-        # the engine processes still running for this instant keep their sockets.
         shutil.rmtree(rpc_folder, ignore_errors=True)
-    os.killpg(worker_pid, signal.SIGKILL)  # its group's id; this reaper is in it: it ends here
     return 0
 
 
@@ -49,6 +53,7 @@ def start_for_this_worker(rpc_folder: Path | None = None) -> None:
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        start_new_session=True,  # outside the group it reaps: a kill of the group spares it
     )
 
 

@@ -1,4 +1,5 @@
-"""pdserve/worker/group_reaper.py with real processes: a group leader SIGKILLed takes its other
+"""pdserve/worker/group_reaper.py with real processes: a group leader SIGKILLed, alone or with
+its whole group (as a launcher stops a worker that outstayed its grace), takes its other
 processes and its engine's socket folder with it; a process that does not lead its group starts
 no reaper."""
 
@@ -9,6 +10,8 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+
+import pytest
 
 from tests.integration.processes import alive
 
@@ -27,7 +30,8 @@ LEADER = textwrap.dedent(
 )
 
 
-def test_a_sigkilled_group_leader_takes_its_engine_processes_and_sockets_with_it(tmp_path):
+@pytest.mark.parametrize("killed", ["the leader", "its whole group"])
+def test_a_sigkilled_group_leader_takes_its_engine_processes_and_sockets_with_it(tmp_path, killed):
     sockets = tmp_path / "pdserve-vllm-rpc-x"  # pdserve/worker/rpc_folder.py
     sockets.mkdir()
     (sockets / "6949012b-ecf5-4bfb-b3be-8acf70b5f2c1").touch()
@@ -41,10 +45,13 @@ def test_a_sigkilled_group_leader_takes_its_engine_processes_and_sockets_with_it
     try:
         engine = int(leader.stdout.readline())
         assert alive(engine)
-        leader.kill()  # SIGKILL: no goodbye
+        if killed == "the leader":
+            leader.kill()  # SIGKILL: no goodbye
+        else:
+            os.killpg(leader.pid, signal.SIGKILL)
         leader.wait(timeout=10)
         deadline = time.monotonic() + 10
-        while alive(engine) and time.monotonic() < deadline:
+        while (alive(engine) or sockets.exists()) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not alive(engine), "the engine process outlived its worker"
         assert not sockets.exists(), "the engine's socket folder outlived its worker"
