@@ -41,8 +41,10 @@ the first and second token (the hand-off, on the disaggregated path).
 of the one before), so that a slow spell of the host falls on all of them; --slo takes several
 SLOs (';'-separated), each scored on the same requests. Prints each run's table, then per SLO,
 system and rate the median goodput with its [min, max] over the rounds and the median of the
-per-round ratios to vllm's (when vllm ran), and each system's hand-off gap in ITLs. Writes
-OUTPUT_DIR/compare.json (every row's figures and full summary) and each run's logs under
+per-round ratios to vllm's (when vllm ran), and each system's hand-off gap in ITLs; then where
+each system's CPU went while a rate ran, by kind of process (router, workers, engine cores, KV
+pool store, fork server; vLLM's API server and engine core): CPU ms per completed request and
+cores (pdserve.bench.process_cpu). Writes OUTPUT_DIR/compare.json (every row's figures and full summary) and each run's logs under
 OUTPUT_DIR/logs-SYSTEM-ROUND/.
 """
 
@@ -62,7 +64,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdserve.bench import conversation
+from pdserve.bench import conversation, process_cpu
 from pdserve.bench.arrivals import arrival_times
 from pdserve.bench.client import Target
 from pdserve.bench.conversation import Conversation
@@ -143,6 +145,8 @@ class Row:
     failed: int
     lone_itl_p50: float | None  # a lone long request: median gap before tokens 3, 4, ...
     lone_first_gap: float | None  # ... and between its first and second token
+    cpu_ms_per_request: dict[str, float]  # each kind of process's CPU over the rate's run, per
+    cores: dict[str, float]  # completed request, and in cores (CPU seconds over the run's)
 
 
 @dataclass
@@ -244,12 +248,13 @@ def main() -> int:
             with serving(system, model_dir, log_dir, args.ready_timeout, args.timeout) as url:
                 say(f"[{name}] ready after {time.monotonic() - started:.0f} s")
                 alone, results = asyncio.run(measure(name, url, workloads, lone, rates, slos, args))
-                for rate, records, summary in results:
-                    rows.append(row(system, number, rate, records, summary, alone))
+                for rate, records, summary, cpu, duration in results:
+                    rows.append(row(system, number, rate, records, summary, alone, cpu, duration))
                     summaries.append({text: asdict(one) for text, one in summary.items()})
             say(f"[{name}] stopped")
     print(table(args.workload, rows))
     print(rounds_table(rows, systems, rates, list(slos)))
+    print(cpu_table(rows, systems, rates))
     result = {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "rows": [asdict(r) | {"summary": s} for r, s in zip(rows, summaries, strict=True)],
@@ -383,17 +388,19 @@ async def measure(
             "max_duration": offsets[-1] + args.timeout,
             "progress": False,
         }
+        before = process_cpu.sample()
         if load.talks is None:
             records, duration = await run_benchmark(load.requests, target, **schedule)
         else:
             records, duration = await conversation.run(load.talks, target, **schedule)
+        cpu = process_cpu.spent(before, process_cpu.sample())
         summary = {text: summarize(records, duration, slo) for text, slo in slos.items()}
         say(
             f"[{system}] {rate:g}/s: goodput "
             + ", ".join(f"{s.goodput:.2f} req/s ({text})" for text, s in summary.items())
             + f", {next(iter(summary.values())).failed} failed"
         )
-        results.append((rate, records, summary))
+        results.append((rate, records, summary, cpu, duration))
     return alone, results
 
 
@@ -404,6 +411,8 @@ def row(
     records: list[RequestRecord],
     summaries: dict[str, Summary],
     alone: Lone,
+    cpu: dict[str, float],
+    duration: float,
 ) -> Row:
     done = [r for r in records if r.ok]
     summary = next(iter(summaries.values()))  # the figures that do not depend on the SLO
@@ -425,6 +434,10 @@ def row(
         failed=summary.failed,
         lone_itl_p50=alone.itl_p50,
         lone_first_gap=alone.first_gap,
+        cpu_ms_per_request={
+            kind: 1e3 * seconds / max(1, len(done)) for kind, seconds in cpu.items()
+        },
+        cores={kind: seconds / duration for kind, seconds in cpu.items()},
     )
 
 
@@ -487,6 +500,31 @@ def rounds_table(rows: list[Row], systems: list[str], rates: list[float], slos: 
             if r.system == system and r.lone_first_gap and r.lone_itl_p50
         }
         lines.append(f"| {system} | {spread(list(handoffs.values()), '.2f')} |")
+    return "\n".join(lines)
+
+
+def cpu_table(rows: list[Row], systems: list[str], rates: list[float]) -> str:
+    """Per system and rate, where its CPU went while the rate ran (pdserve.bench.process_cpu):
+    each kind of process's CPU per completed request and in cores, medians over the rounds;
+    the total last."""
+    lines = [
+        "| system | rate | process | CPU ms / request | cores |",
+        "|---|---|---|---|---|",
+    ]
+    for system in systems:
+        for rate in rates:
+            mine = [r for r in rows if (r.system, r.rate) == (system, rate)]
+            kinds = list(dict.fromkeys(kind for r in mine for kind in r.cores))
+            for kind in [*kinds, "total"]:
+
+                def median(figures: list[dict[str, float]], kind=kind) -> float:
+                    if kind == "total":
+                        return statistics.median(sum(f.values()) for f in figures)
+                    return statistics.median(f.get(kind, 0.0) for f in figures)
+
+                per_request = median([r.cpu_ms_per_request for r in mine])
+                cores = median([r.cores for r in mine])
+                lines.append(f"| {system} | {rate:g} | {kind} | {per_request:.1f} | {cores:.2f} |")
     return "\n".join(lines)
 
 
