@@ -25,6 +25,7 @@ Systems (each started in its own process group, stopped by its PID before the ne
 - 1p1d-unbound: 1p1d with --cpu-binding none (the OS places every thread; 1p1d's default here,
   auto, pins each worker's compute threads to its own core);
 - colocated-no-pool, 1p1d-no-pool: colocated and 1p1d with --kv-pool off;
+- colocated-unbound: colocated with --cpu-binding none (the OS places every thread, as vllm's);
 - 1p1d-decode-no-pool: 1p1d with the decode worker out of the KV pool (--decode-kv-pool off).
 Workload: `pdserve bench`'s, built by its own option code: `mixed` (the default: 90% ~100-token
 prompts, 10% ~1,500-token prompts (--long-fraction), 64 output tokens), or a named one
@@ -105,6 +106,7 @@ SYSTEMS = {
     "colocated": (0, 1, ["--colocated"]),
     "colocated-2": (0, 1, ["--colocated", "--workers", "2"]),
     "colocated-no-pool": (0, 1, ["--colocated", "--kv-pool", "off"]),
+    "colocated-unbound": (0, 1, ["--colocated", "--cpu-binding", "none"]),
     "1p1d": (1, 1, []),
     "1p1d-local": (
         1,
