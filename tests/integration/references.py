@@ -129,7 +129,7 @@ def made_for(items: list[pytest.Item], folder: Path) -> Iterator[References]:
     needed = [name for name in SETS if any(name in item.fixturenames for item in items)]
     references = References(folder)
     with open(folder / "references.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # held for a moment: the other stream's start
+        _lock(lock)  # held for a moment: the other stream's start
         started = (folder / "references.pid").exists() or not needed
         if not started:
             maker = _start(needed, references)
@@ -144,6 +144,20 @@ def made_for(items: list[pytest.Item], folder: Path) -> Iterator[References]:
         except subprocess.TimeoutExpired:
             maker.kill()
             maker.wait()
+
+
+def _lock(lock) -> None:
+    """Take `lock` (the other stream holds it while it makes the models and starts the
+    process: seconds), failing past MADE_TIMEOUT_S."""
+    deadline = time.monotonic() + MADE_TIMEOUT_S
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                pytest.fail(f"the reference sets' lock not free within {MADE_TIMEOUT_S} s")
+            time.sleep(POLL_S)
 
 
 def _start(needed: list[str], references: References) -> subprocess.Popen:
