@@ -130,10 +130,9 @@ def made_for(items: list[pytest.Item], folder: Path) -> Iterator[References]:
     references = References(folder)
     with open(folder / "references.lock", "w") as lock:
         _lock(lock)  # held for a moment: the other stream's start
-        started = (folder / "references.pid").exists() or not needed
-        if not started:
-            maker = _start(needed, references)
-    if started:
+        started_there = (folder / "references.pid").exists()
+        maker = _start(needed, references) if needed and not started_there else None
+    if maker is None:
         yield references
         return
     try:
