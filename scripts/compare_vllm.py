@@ -45,8 +45,8 @@ system and rate the median goodput with its [min, max] over the rounds and the m
 per-round ratios to vllm's (when vllm ran), and each system's hand-off gap in ITLs; then where
 each system's CPU went while a rate ran, by kind of process (router, workers, engine cores, KV
 pool store, fork server; vLLM's API server and engine core): CPU ms per completed request and
-cores (pdserve.bench.process_cpu). Writes OUTPUT_DIR/compare.json (every row's figures and full summary) and each run's logs under
-OUTPUT_DIR/logs-SYSTEM-ROUND/.
+cores (pdserve.bench.process_cpu). Writes OUTPUT_DIR/compare.json (every row's figures and full
+summary) and each run's logs under OUTPUT_DIR/logs-SYSTEM-ROUND/.
 """
 
 import argparse
