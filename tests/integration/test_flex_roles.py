@@ -100,6 +100,7 @@ async def complete(
         "prefill": reply.headers["x-pdserve-prefill-worker"],
         "decode": reply.headers["x-pdserve-worker"],
         "started_at": started_at,
+        "request_id": reply.headers["x-request-id"],  # to find it in the router's log
     }
 
 
@@ -158,7 +159,9 @@ def test_roles_change_under_load_with_no_failure_and_vllms_output(flex_cluster, 
         later = [r for r in results if effective < r["started_at"] < end]
         assert later, "no request ran under the new roles"
         for result in later:
-            assert now[result["prefill"]] == "prefill" and now[result["decode"]] == "decode"
+            assert now[result["prefill"]] == "prefill" and now[result["decode"]] == "decode", (
+                f"{result} under {now} (in effect from {effective:.2f})"
+            )
     wait_for_kv_baseline(flex_cluster, before)
 
 
