@@ -518,16 +518,17 @@ def cpu_table(rows: list[Row], systems: list[str], rates: list[float]) -> str:
             mine = [r for r in rows if (r.system, r.rate) == (system, rate)]
             kinds = list(dict.fromkeys(kind for r in mine for kind in r.cores))
             for kind in [*kinds, "total"]:
-
-                def median(figures: list[dict[str, float]], kind=kind) -> float:
-                    if kind == "total":
-                        return statistics.median(sum(f.values()) for f in figures)
-                    return statistics.median(f.get(kind, 0.0) for f in figures)
-
-                per_request = median([r.cpu_ms_per_request for r in mine])
-                cores = median([r.cores for r in mine])
+                per_request = _median_of([r.cpu_ms_per_request for r in mine], kind)
+                cores = _median_of([r.cores for r in mine], kind)
                 lines.append(f"| {system} | {rate:g} | {kind} | {per_request:.1f} | {cores:.2f} |")
     return "\n".join(lines)
+
+
+def _median_of(figures: list[dict[str, float]], kind: str) -> float:
+    """The median over rounds of one kind of process's figure ("total": all kinds summed)."""
+    return statistics.median(
+        sum(f.values()) if kind == "total" else f.get(kind, 0.0) for f in figures
+    )
 
 
 if __name__ == "__main__":
