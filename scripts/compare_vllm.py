@@ -45,7 +45,10 @@ system and rate the median goodput with its [min, max] over the rounds and the m
 per-round ratios to vllm's (when vllm ran), and each system's hand-off gap in ITLs; then where
 each system's CPU went while a rate ran, by kind of process (router, workers, engine cores, KV
 pool store, fork server; vLLM's API server and engine core): CPU ms per completed request and
-cores (pdserve.bench.process_cpu). Writes OUTPUT_DIR/compare.json (every row's figures and full
+cores (pdserve.bench.process_cpu); and, beside each run's client TPOT, the inter-token latency
+its engines themselves gave (vLLM's histogram of engine-core timestamps,
+pdserve.bench.engine_itl): a gap to vllm there is in the engine's steps, not in the delivery of
+the tokens. Writes OUTPUT_DIR/compare.json (every row's figures and full
 summary) and each run's logs under OUTPUT_DIR/logs-SYSTEM-ROUND/.
 """
 
@@ -65,7 +68,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdserve.bench import conversation, process_cpu
+from pdserve.bench import conversation, engine_itl, process_cpu
 from pdserve.bench.arrivals import arrival_times
 from pdserve.bench.client import Target
 from pdserve.bench.conversation import Conversation
@@ -147,6 +150,7 @@ class Row:
     failed: int
     lone_itl_p50: float | None  # a lone long request: median gap before tokens 3, 4, ...
     lone_first_gap: float | None  # ... and between its first and second token
+    engine_itl: float | None  # the engines' own mean inter-token latency over the rate's run
     cpu_ms_per_request: dict[str, float]  # each kind of process's CPU over the rate's run, per
     cores: dict[str, float]  # completed request, and in cores (CPU seconds over the run's)
 
@@ -247,11 +251,15 @@ def main() -> int:
             log_dir = output_dir / f"logs-{system}-{number}"
             say(f"[{name}] starting (logs: {log_dir})")
             started = time.monotonic()
-            with serving(system, model_dir, log_dir, args.ready_timeout, args.timeout) as url:
+            with serving(system, model_dir, log_dir, args.ready_timeout, args.timeout) as running:
                 say(f"[{name}] ready after {time.monotonic() - started:.0f} s")
-                alone, results = asyncio.run(measure(name, url, workloads, lone, rates, slos, args))
-                for rate, records, summary, cpu, duration in results:
-                    rows.append(row(system, number, rate, records, summary, alone, cpu, duration))
+                alone, results = asyncio.run(
+                    measure(name, running, workloads, lone, rates, slos, args)
+                )
+                for rate, records, summary, cpu, itl, duration in results:
+                    rows.append(
+                        row(system, number, rate, records, summary, alone, cpu, itl, duration)
+                    )
                     summaries.append({text: asdict(one) for text, one in summary.items()})
             say(f"[{name}] stopped")
     print(table(args.workload, rows))
@@ -300,35 +308,44 @@ def workload(args: argparse.Namespace, tokenizer_dir: Path | None, seed: int) ->
     return Workload(build_requests(options), None, options.endpoint)
 
 
+@dataclass(frozen=True)
+class Running:
+    """A system while it runs: its base URL, and the /metrics of every engine it runs."""
+
+    url: str
+    engine_metrics: list[str]
+
+
 @contextmanager
 def serving(
     system: str, model_dir: Path, log_dir: Path, ready_timeout_s: float, request_timeout_s: float
-) -> Iterator[str]:
-    """Yields the base URL while `system` runs; stops it (its whole process group) on the way
+) -> Iterator[Running]:
+    """Yields the system while `system` runs; stops it (its whole process group) on the way
     out, whatever happened."""
     if system == "vllm":
         with vllm_server(
             model_dir, log_dir, ready_timeout_s, MODEL, KV_CACHE_GIB * 2**30, free_port()
         ) as url:
-            yield url
+            yield Running(url, [f"{url}/metrics"])
         return
     if system == "vllm-nixl":
-        with vllm_disaggregated(model_dir, log_dir, ready_timeout_s, request_timeout_s) as url:
-            yield url
+        with vllm_disaggregated(model_dir, log_dir, ready_timeout_s, request_timeout_s) as running:
+            yield running
         return
     prefill, decode, options = SYSTEMS[system]
     serve_args = ["--kv-cache-gib", str(KV_CACHE_GIB), "--served-model-name", MODEL, *options]
     with local_cluster(prefill, decode, free_port(), log_dir, serve_args, ready_timeout_s) as url:
-        yield url
+        yield Running(url, engine_itl.worker_metrics_urls(log_dir))
 
 
 @contextmanager
 def vllm_disaggregated(
     model_dir: Path, log_dir: Path, ready_timeout_s: float, request_timeout_s: float
-) -> Iterator[str]:
+) -> Iterator[Running]:
     """vLLM's own P/D: a prefill and a decode server with NixlConnector, each with its compute
     threads on its own core (1p1d's split, one OpenMP thread each) and its own NIXL side-channel
-    port, and scripts/vllm_pd_proxy.py in front; yields the proxy's URL. Started one after the
+    port, and scripts/vllm_pd_proxy.py in front; yields the proxy's URL (and both servers'
+    metrics). Started one after the
     other (each ready before the next starts), stopped in reverse order."""
     cores = core_shares([1, 1], sorted(os.sched_getaffinity(0)))
     with ExitStack() as stack:
@@ -352,12 +369,12 @@ def vllm_disaggregated(
         command = [sys.executable, str(PROXY), "--port", str(port), "--prefill", urls[0]]
         command += ["--decode", urls[1], "--timeout", str(request_timeout_s)]
         proxy = served(command, log_dir / "proxy.log", port, "vllm_pd_proxy.py", ready_timeout_s)
-        yield stack.enter_context(proxy)
+        yield Running(stack.enter_context(proxy), [f"{url}/metrics" for url in urls])
 
 
 async def measure(
     system: str,
-    url: str,
+    running: Running,
     workloads: list[Workload],
     lone: list[BenchRequest],
     rates: list[float],
@@ -365,7 +382,7 @@ async def measure(
     args: argparse.Namespace,
 ) -> tuple[Lone, list[tuple[float, list[RequestRecord], dict[str, Summary]]]]:
     """The lone requests, then each rate's; each rate's summary under every SLO."""
-    target = Target(url, MODEL, workloads[-1].endpoint, ignore_eos=True)
+    target = Target(running.url, MODEL, workloads[-1].endpoint, ignore_eos=True)
     await warm_up(workloads[-1].requests, target, WARMUP_REQUESTS, args.timeout)
     records, _ = await run_benchmark(
         lone, target, concurrency=1, timeout=args.timeout, progress=False
@@ -390,19 +407,20 @@ async def measure(
             "max_duration": offsets[-1] + args.timeout,
             "progress": False,
         }
-        before = process_cpu.sample()
+        before, itl_before = process_cpu.sample(), engine_itl.totals(running.engine_metrics)
         if load.talks is None:
             records, duration = await run_benchmark(load.requests, target, **schedule)
         else:
             records, duration = await conversation.run(load.talks, target, **schedule)
         cpu = process_cpu.spent(before, process_cpu.sample())
+        itl = engine_itl.mean_between(itl_before, engine_itl.totals(running.engine_metrics))
         summary = {text: summarize(records, duration, slo) for text, slo in slos.items()}
         say(
             f"[{system}] {rate:g}/s: goodput "
             + ", ".join(f"{s.goodput:.2f} req/s ({text})" for text, s in summary.items())
             + f", {next(iter(summary.values())).failed} failed"
         )
-        results.append((rate, records, summary, cpu, duration))
+        results.append((rate, records, summary, cpu, itl, duration))
     return alone, results
 
 
@@ -414,6 +432,7 @@ def row(
     summaries: dict[str, Summary],
     alone: Lone,
     cpu: dict[str, float],
+    itl: float | None,
     duration: float,
 ) -> Row:
     done = [r for r in records if r.ok]
@@ -436,6 +455,7 @@ def row(
         failed=summary.failed,
         lone_itl_p50=alone.itl_p50,
         lone_first_gap=alone.first_gap,
+        engine_itl=itl,
         cpu_ms_per_request={
             kind: 1e3 * seconds / max(1, len(done)) for kind, seconds in cpu.items()
         },
@@ -455,7 +475,7 @@ def table(workload: str, rows: list[Row]) -> str:
         f"{workload} workload, goodput and SLO met for {first}; TTFT and TPOT in ms",
         f"{'system':<20}{'round':>6}{'rate':>6}{'goodput':>9}{'SLO met':>9}{'failed':>8}"
         f"{'TTFT short p50/p90':>20}{'TTFT long p50/p90':>20}{'TPOT p50/p99':>15}"
-        f"{'prefix hit':>11}{'lone ITL/1st gap':>18}",
+        f"{'engine ITL':>11}{'prefix hit':>11}{'lone ITL/1st gap':>18}",
     ]
     for r in rows:
         lines.append(
@@ -463,7 +483,7 @@ def table(workload: str, rows: list[Row]) -> str:
             f"{r.slo_attainment[first]:>9.0%}{r.failed:>8}"
             f"{ms(r.ttft_short_p50) + ' / ' + ms(r.ttft_short_p90):>20}"
             f"{ms(r.ttft_long_p50) + ' / ' + ms(r.ttft_long_p90):>20}"
-            f"{ms(r.tpot_p50) + ' / ' + ms(r.tpot_p99):>15}"
+            f"{ms(r.tpot_p50) + ' / ' + ms(r.tpot_p99):>15}{ms(r.engine_itl):>11}"
             f"{'-' if r.prefix_hit_rate is None else format(r.prefix_hit_rate, '.0%'):>11}"
             f"{ms(r.lone_itl_p50) + ' / ' + ms(r.lone_first_gap):>18}"
         )
@@ -472,8 +492,10 @@ def table(workload: str, rows: list[Row]) -> str:
 
 def rounds_table(rows: list[Row], systems: list[str], rates: list[float], slos: list[str]) -> str:
     """Per SLO, system and rate: goodput's median [min, max] over the rounds and the median
-    [min, max] of its per-round ratio to vllm's; then each system's hand-off (first-to-second
-    token gap of a lone request) in its own inter-token latencies, median over the rounds."""
+    [min, max] of its per-round ratio to vllm's; per system and rate, the client's TPOT p50 and
+    the engines' own inter-token latency, and the latter's ratio to vllm's; then each system's
+    hand-off (first-to-second token gap of a lone request) in its own inter-token latencies,
+    median over the rounds."""
 
     def spread(values: list[float], form: str) -> str:
         if not values:
@@ -494,6 +516,26 @@ def rounds_table(rows: list[Row], systems: list[str], rates: list[float], slos: 
                     f"| {slo} | {system} | {rate:g} | {spread(list(mine.values()), '.2f')} | "
                     f"{spread(ratios, '.2f') if system != 'vllm' else '-'} |"
                 )
+    lines += [
+        "",
+        "| system | rate | TPOT p50 (ms) | engine ITL (ms) | engine ITL / vllm's |",
+        "|---|---|---|---|---|",
+    ]
+    for system in systems:
+        for rate in rates:
+            mine = {r.round: r for r in rows if (r.system, r.rate) == (system, rate)}
+            vllm = {r.round: r for r in rows if (r.system, r.rate) == ("vllm", rate)}
+            tpots = [1e3 * r.tpot_p50 for r in mine.values() if r.tpot_p50]
+            itls = [1e3 * r.engine_itl for r in mine.values() if r.engine_itl]
+            ratios = [
+                mine[n].engine_itl / vllm[n].engine_itl
+                for n in mine
+                if mine[n].engine_itl and n in vllm and vllm[n].engine_itl
+            ]
+            lines.append(
+                f"| {system} | {rate:g} | {spread(tpots, '.0f')} | {spread(itls, '.0f')} | "
+                f"{spread(ratios, '.2f') if system != 'vllm' else '-'} |"
+            )
     lines += ["", "| system | hand-off / ITL (lone request) |", "|---|---|"]
     for system in systems:
         handoffs = {
