@@ -14,12 +14,12 @@ what any of them computed.
   device) and finished in a later `get_finished`, once an event after it has passed (a query).
   On a CPU the same job is copied in the call. A load is queued at once, in copies of at most
   COPY_BYTES (CPU_COPY_BYTES on a CPU), and reported (with any block it refused) once done, so
-  its request waits for it; a store is queued STORE_BYTES_PER_STEP at a time, one engine step
-  after another, so the decode step after a long prefill does not pay for the whole prompt's
-  copy at once (on a CPU, where the copy runs in the step). vLLM keeps stepping while a store
-  is pending (idle engines included), and before it reuses a block a pending store reads it
-  asks `wait`, which queues everything pending and makes the forward stream wait for it on the
-  device (not the thread).
+  its request waits for it; a store is queued STORE_BYTES_PER_STEP (CPU_STORE_BYTES_PER_STEP on
+  a CPU) at a time, one engine step after another, so the decode step after a long prefill does
+  not pay for the whole prompt's copy at once (on a CPU, where the copy runs in the step). vLLM
+  keeps stepping while a store is pending (idle engines included), and before it reuses a block
+  a pending store reads it asks `wait`, which queues everything pending and makes the forward
+  stream wait for it on the device (not the thread).
   A tensor-parallel rank copies its own heads, into and out of its part of each slot; vLLM
   completes a store only once every rank has done its part, and recomputes a block any rank
   could not load. An MLA latent, the same on every rank, is one part: rank 0 stores it, every
@@ -74,10 +74,14 @@ from kv_transfer.pool.wire import (
 )
 
 log = logging.getLogger("pdserve.kv")
-# Store copies queued per engine step, at least one block (SmolLM2's 5.6 MiB block: ~3 ms of a
-# CPU core, in the step; a 70B model's 16-token block per rank: 0.6 MiB, ~13 us over pinned
-# PCIe, beside the forward): ~4x what this host's prefill computes, so stores never fall behind.
+# Store copies queued per engine step, at least one block. On a GPU they run beside the forward
+# on a side stream (a 70B model's 16-token block per rank: 0.6 MiB, ~13 us over pinned PCIe). On
+# a CPU they run in the step, before its forward: SmolLM2's 5.6 MiB block takes ~3.7 ms with its
+# digest on this host's contended cores, and 16 MiB made the step after a long prompt's prefill
+# (its second token) ~11 ms longer than the others (a 1,536-token prompt's hand-off 1.22 ITL, 1.0
+# without stores); one block a step still stores ~15 blocks/s here, ~2x what its prefill computes.
 STORE_BYTES_PER_STEP = 16 << 20
+CPU_STORE_BYTES_PER_STEP = 4 << 20
 # One queued copy's bytes at most (at least a block): on a GPU, what it holds of device memory
 # beside vLLM's cache while it runs is about twice that (the bytes, and a load's kept rows); on
 # a CPU, a copy small enough to stay in the L3 cache from its copy to its digest and scatter
@@ -223,8 +227,10 @@ class PoolWorker(OffloadingWorker):
         self.client = client
         self.part = part
         self.copier = PoolCopier(self.pages, part, side_stream)
-        most = COPY_BYTES if self.copier.side is not None else CPU_COPY_BYTES
+        on_gpu = self.copier.side is not None
+        most = COPY_BYTES if on_gpu else CPU_COPY_BYTES
         self._blocks_per_copy = max(1, most // self.block_bytes)
+        self._store_budget = STORE_BYTES_PER_STEP if on_gpu else CPU_STORE_BYTES_PER_STEP
         self.stores: deque[PendingStore] = deque()  # not all queued yet, in vLLM's order
         self.in_flight: deque[InFlight] = deque()  # queued copies, in the stream's order
         self.finished: list[TransferResult] = []
@@ -387,7 +393,7 @@ class PoolWorker(OffloadingWorker):
             self.client.close()
 
     def get_finished(self) -> list[TransferResult]:
-        self._queue_stores(STORE_BYTES_PER_STEP)
+        self._queue_stores(self._store_budget)
         self._collect()
         self._release_retired()
         self._note_registration()

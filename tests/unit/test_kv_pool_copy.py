@@ -280,7 +280,7 @@ def test_a_store_is_copied_a_budget_a_step_and_wait_copies_all_that_is_pending(
     """A store larger than a step's budget finishes over several engine steps (its job is
     reported once, whole); vLLM's `wait` before reusing blocks copies every pending store at
     once; what was stored loads bit for bit."""
-    monkeypatch.setattr("kv_transfer.pool.offload.STORE_BYTES_PER_STEP", SLOT)  # one block a step
+    monkeypatch.setattr("kv_transfer.pool.offload.CPU_STORE_BYTES_PER_STEP", SLOT)  # a block a step
     manager_a, worker_a, caches_a = engine(address)
     manager_b, worker_b, caches_b = engine(address)
     plan = manager_a.prepare_store([b"k0", b"k1", b"k2"], request())
