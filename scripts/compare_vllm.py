@@ -48,8 +48,8 @@ pool store, fork server; vLLM's API server and engine core): CPU ms per complete
 cores (pdserve.bench.process_cpu); and, beside each run's client TPOT, the inter-token latency
 its engines themselves gave (vLLM's histogram of engine-core timestamps,
 pdserve.bench.engine_itl): a gap to vllm there is in the engine's steps, not in the delivery of
-the tokens. Writes OUTPUT_DIR/compare.json (every row's figures and full
-summary) and each run's logs under OUTPUT_DIR/logs-SYSTEM-ROUND/.
+the tokens. Writes OUTPUT_DIR/compare.json (every row's figures and full summary) and each run's
+logs under OUTPUT_DIR/logs-SYSTEM-ROUND/.
 """
 
 import argparse
@@ -345,8 +345,8 @@ def vllm_disaggregated(
     """vLLM's own P/D: a prefill and a decode server with NixlConnector, each with its compute
     threads on its own core (1p1d's split, one OpenMP thread each) and its own NIXL side-channel
     port, and scripts/vllm_pd_proxy.py in front; yields the proxy's URL (and both servers'
-    metrics). Started one after the
-    other (each ready before the next starts), stopped in reverse order."""
+    metrics). Started one after the other (each ready before the next starts), stopped in
+    reverse order."""
     cores = core_shares([1, 1], sorted(os.sched_getaffinity(0)))
     with ExitStack() as stack:
         urls = []
@@ -380,8 +380,9 @@ async def measure(
     rates: list[float],
     slos: dict[str, Slo],
     args: argparse.Namespace,
-) -> tuple[Lone, list[tuple[float, list[RequestRecord], dict[str, Summary]]]]:
-    """The lone requests, then each rate's; each rate's summary under every SLO."""
+) -> tuple[Lone, list[tuple]]:
+    """The lone requests, then each rate's: (rate, its records, its summary under every SLO, the
+    CPU by kind of process, the engines' mean ITL, its duration)."""
     target = Target(running.url, MODEL, workloads[-1].endpoint, ignore_eos=True)
     await warm_up(workloads[-1].requests, target, WARMUP_REQUESTS, args.timeout)
     records, _ = await run_benchmark(
