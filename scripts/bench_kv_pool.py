@@ -54,13 +54,12 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdserve.bench.local_cluster import local_cluster
+from pdserve.bench.local_cluster import local_cluster, worker_metrics_urls
 from pdserve.bench.metrics import distribution
 from pdserve.model_store.store import ensure_model
 from pdserve.worker.processes import free_port, log_tail, spawn, stop_group
 
 MODEL = "smollm2"
-METRICS_URL = re.compile(r"metrics on (http://\S+/metrics)")
 POOL_HITS = 'pdserve_kv_pool_hits_total{tier="host"}'
 KV_BYTES = "pdserve_kv_transfer_bytes"  # the router's histogram, per disaggregated request
 ROUTES = re.compile(r'pdserve_route_total\{path="(?P<route>[^"]+)"\} (?P<count>\S+)')
@@ -262,11 +261,10 @@ def router_figures(url: str) -> dict:
 def pool_hits(log_dir: Path) -> float:
     """The sum of the workers' pool-hit counters (0 for a worker that exports none yet)."""
     total = 0.0
-    for log in sorted(log_dir.glob("*-*.log")):
-        for url in METRICS_URL.findall(log.read_text(errors="replace"))[-1:]:
-            for line in httpx.get(url, timeout=10).text.splitlines():
-                if line.startswith(POOL_HITS + " "):
-                    total += float(line.rsplit(" ", 1)[1])
+    for url in worker_metrics_urls(log_dir):
+        for line in httpx.get(url, timeout=10).text.splitlines():
+            if line.startswith(POOL_HITS + " "):
+                total += float(line.rsplit(" ", 1)[1])
     return total
 
 

@@ -72,7 +72,7 @@ from pdserve.bench import conversation, engine_itl, process_cpu
 from pdserve.bench.arrivals import arrival_times
 from pdserve.bench.client import Target
 from pdserve.bench.conversation import Conversation
-from pdserve.bench.local_cluster import local_cluster, served, vllm_server
+from pdserve.bench.local_cluster import local_cluster, served, vllm_server, worker_metrics_urls
 from pdserve.bench.metrics import Slo, Summary, distribution, summarize
 from pdserve.bench.options import (
     add_benchmark_arguments,
@@ -335,7 +335,7 @@ def serving(
     prefill, decode, options = SYSTEMS[system]
     serve_args = ["--kv-cache-gib", str(KV_CACHE_GIB), "--served-model-name", MODEL, *options]
     with local_cluster(prefill, decode, free_port(), log_dir, serve_args, ready_timeout_s) as url:
-        yield Running(url, engine_itl.worker_metrics_urls(log_dir))
+        yield Running(url, worker_metrics_urls(log_dir))
 
 
 @contextmanager

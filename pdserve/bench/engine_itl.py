@@ -8,15 +8,12 @@ on its cores) or in how the tokens travel to the client afterwards.
 A prefill-only engine adds nothing to it (its requests have one token each).
 """
 
-import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 HISTOGRAM = "vllm:inter_token_latency_seconds"
-WORKER_METRICS_URL = re.compile(r"metrics on (http://\S+/metrics)")  # pdserve/worker/metrics_server
 
 
 @dataclass(frozen=True)
@@ -48,13 +45,3 @@ def mean_between(before: ItlTotals, after: ItlTotals) -> float | None:
     readings; None if there were none."""
     tokens = after.tokens - before.tokens
     return (after.seconds - before.seconds) / tokens if tokens > 0 else None
-
-
-def worker_metrics_urls(log_dir: Path) -> list[str]:
-    """Each pdserve worker's /metrics, from the line it logs at start in its log under
-    `log_dir` (`pdserve serve --log-dir`; a restarted worker's last line)."""
-    urls = []
-    for log in sorted(log_dir.glob("*.log")):
-        found = WORKER_METRICS_URL.findall(log.read_text(errors="replace"))
-        urls += found[-1:]
-    return urls

@@ -4,6 +4,7 @@ answers /health (serve starts the router only after every worker loaded its mode
 stopped, on every path out (pdserve/worker/processes.py)."""
 
 import os
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,6 +15,7 @@ import httpx
 from pdserve.worker.processes import ChildError, spawn, stop_group, wait_until
 
 STOP_GRACE_S = 60
+WORKER_METRICS_URL = re.compile(r"metrics on (http://\S+/metrics)")  # pdserve/worker/metrics_server
 
 
 class ClusterStartError(RuntimeError):
@@ -138,3 +140,12 @@ def router_healthy(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def worker_metrics_urls(log_dir: Path) -> list[str]:
+    """Each worker's /metrics, from the line it logs at start in its log under `log_dir`
+    (`pdserve serve --log-dir`; a restarted worker's last line)."""
+    urls = []
+    for log in sorted(log_dir.glob("*.log")):
+        urls += WORKER_METRICS_URL.findall(log.read_text(errors="replace"))[-1:]
+    return urls

@@ -2,15 +2,12 @@
 Prometheus samples of the router and of a worker, and the first parent of the pools' block keys.
 (Processes, prompts and the HTTP client have modules of their own.)"""
 
-import re
-
 import httpx
 
+from pdserve.bench.local_cluster import WORKER_METRICS_URL
 from tests.integration.conftest import SERVED_MODEL
 from tests.integration.http_client import HTTP
 from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS
-
-METRICS_URL = re.compile(r"metrics on (http://\S+/metrics)")
 
 
 def complete(
@@ -58,7 +55,7 @@ def total(samples: dict[str, float], name: str) -> float:
 def metrics_url(server, role: str, address: str) -> str:
     """A worker logs its metrics URL; `serve` names its log after its role and gRPC port."""
     log_path = server.log_dir / f"{role}-{address.rsplit(':', 1)[1]}.log"
-    (url,) = METRICS_URL.findall(log_path.read_text())
+    (url,) = WORKER_METRICS_URL.findall(log_path.read_text())
     return url
 
 

@@ -12,12 +12,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.bench.local_cluster import WORKER_METRICS_URL
 from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from pdserve.settings.cluster_secret import secret_metadata
 from pdserve.worker.grpc_health import LIVENESS, READINESS
 from pdserve.worker.processes import free_port, spawn, stop_group, wait_until
 from tests.integration.conftest import KV_CACHE_GIB, SERVED_MODEL
-from tests.integration.helpers import METRICS_URL, metrics_url, scrape, total
+from tests.integration.helpers import metrics_url, scrape, total
 from tests.integration.http_client import HTTP
 from tests.integration.prompts import DISAGGREGATED_MAX_TOKENS, DISAGGREGATED_PROMPTS
 
@@ -68,7 +69,7 @@ def test_a_loading_worker_is_alive_but_not_serving(smollm2_dir, tmp_path):
     )  # fmt: skip
     address = f"127.0.0.1:{port}"
     try:
-        wait_until(lambda: METRICS_URL.search(log_path.read_text()), process, 60, "worker")
+        wait_until(lambda: WORKER_METRICS_URL.search(log_path.read_text()), process, 60, "worker")
         wait_until(lambda: _answers(address), process, 60, "worker's gRPC port")
         with grpc.insecure_channel(address) as channel:
             state = worker_pb2_grpc.WorkerStub(channel).Health(
