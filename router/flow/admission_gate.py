@@ -134,10 +134,14 @@ class AdmissionGate:
     def wait_s(self, ask: Ask, ahead: int) -> float:
         """The forecast: seconds until a request with `ahead` waiters before it starts
         computing its prompt (its turn, then the prompts queued on the workers)."""
-        capacity = self.capacity()
-        turns = ahead + 1 + self.running - capacity  # to come back before its own
+        return sum(self._wait_parts(ask, ahead))
+
+    def _wait_parts(self, ask: Ask, ahead: int) -> tuple[float, float]:
+        """The forecast's two parts: seconds until its turn, then of prompts queued on the
+        workers."""
+        turns = ahead + 1 + self.running - self.capacity()  # to come back before its own
         queue_s = max(0, turns) * self._turn_s(ask)
-        return queue_s + self.forecast.backlog_s(self.unstarted_tokens)
+        return queue_s, self.forecast.backlog_s(self.unstarted_tokens)
 
     def _turn_s(self, ask: Ask) -> float:
         """Seconds between two turns coming back, all of them taken."""
@@ -149,13 +153,15 @@ class AdmissionGate:
         """The 429 for a request whose prompt would start past its limit; None when in time."""
         if ask.give_up_at == math.inf:
             return None
-        wait_s = self.wait_s(ask, ahead)
+        queue_s, backlog_s = self._wait_parts(ask, ahead)
+        wait_s = queue_s + backlog_s
         late_s = self.clock() + wait_s - ask.give_up_at
         if late_s <= 0:
             return None
         return self._reject(
-            f"its prompt would start in {wait_s:.1f} s, past its limit (--max-queue-wait or "
-            f"its deadline; {ahead} waiting ahead of it)",
+            f"its prompt would start in {wait_s:.1f} s ({queue_s:.1f} s for a turn, "
+            f"{backlog_s:.1f} s behind the prompts queued on the workers), past its limit "
+            f"(--max-queue-wait or its deadline; {ahead} waiting ahead of it)",
             late_s,
         )
 
@@ -181,15 +187,23 @@ class AdmissionGate:
         order: a heavy one at the head is not overtaken), or back to the pool."""
         self.running -= turn.weight
         self.started(turn)
-        if turn.priced_s > 0:
-            ratio = (self.clock() - turn.given_at) / turn.priced_s
-            learned = ratio if self.hold_ratio is None else self.hold_ratio
-            self.hold_ratio = learned + HOLD_LEARNING_RATE * (ratio - learned)
+        self._learn_hold(turn)
         capacity = self.capacity()
         while self.waiting and capacity > 0 and self._fits(self.waiting[0].weight, capacity):
             waiter = self.waiting.pop(0)
             waiter.turn.set_result(self._admit(waiter.ask, waiter.weight))
         self.metrics.queue_length.set(len(self.waiting))
+
+    def _learn_hold(self, turn: "Turn") -> None:
+        """What the turn took against its price, priced now: on the costs the forecast knows
+        when the ratio is used. A price taken at admission was often on the default costs (no
+        worker had reported its own yet), and the ratio learned against it then scaled the
+        learned costs, 1.6 times too slow on this machine: bursts refused that fit."""
+        priced_s = self.forecast.hold_s(turn.ask, max(1, self.capacity()))
+        if priced_s > 0:
+            ratio = (self.clock() - turn.given_at) / priced_s
+            learned = ratio if self.hold_ratio is None else self.hold_ratio
+            self.hold_ratio = learned + HOLD_LEARNING_RATE * (ratio - learned)
 
     def started(self, turn: "Turn") -> None:
         if not turn.started:
@@ -200,7 +214,7 @@ class AdmissionGate:
         self.running += weight
         self.unstarted_tokens += ask.prompt_tokens
         self.metrics.admitted.inc()
-        return Turn(self, ask, self.forecast.hold_s(ask, max(1, self.capacity())), weight)
+        return Turn(self, ask, weight)
 
     def _reject(self, why: str, retry_after_s: float) -> OpenAIError:
         self.metrics.rejected.inc()
@@ -216,11 +230,10 @@ class Turn:
     """A request's turn, given back exactly once: when it ends, or, should the response never
     start (its stream dropped unread), when the turn is garbage."""
 
-    def __init__(self, gate: AdmissionGate, ask: Ask, priced_s: float, weight: int = 1) -> None:
+    def __init__(self, gate: AdmissionGate, ask: Ask, weight: int = 1) -> None:
         self.gate = gate
         self.ask = ask
         self.weight = weight  # the sequences it holds
-        self.priced_s = priced_s  # the forecast's price of its hold
         self.given_at = gate.clock()
         self.started = False  # its first token came: its prompt no longer waits on a worker
         self.held = True

@@ -155,5 +155,5 @@ def test_a_burst_past_max_queue_wait_is_refused_at_once_larger_classes_first(lim
     print(
         f"{BURST} at once against {RUNNING} running, --max-queue-wait {limit_s:g}: "
         f"{len(admitted)} x 200 (p99 {p99:.2f} s), "
-        f"{len(refused)} x 429 (class 0/1: {by_class[0]}/{by_class[1]})"
+        f"{len(refused)} x 429 (class 0/1: {by_class[0]}/{by_class[1]}); the first: {forecasts[0]}"
     )

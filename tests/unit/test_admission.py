@@ -255,6 +255,29 @@ def test_the_time_a_turn_is_held_is_learned_from_the_turns_given_back():
     assert g.hold_ratio < 0.002  # the two turns given back since took no time
 
 
+def test_a_turn_is_priced_when_given_back_on_the_costs_known_then():
+    """The first turn is often admitted on the default costs, before any worker reported its
+    own: the ratio is learned against the price of the costs it will scale, not those."""
+    forecast = FakeForecast(hold_s=1.0)  # the default costs' price
+    g = gate(capacity=1, queued=5, forecast=forecast)
+
+    async def go():
+        turn = await g.enter(ANY)
+        forecast.hold = 2.0  # a worker reported its costs while the turn ran
+        CLOCK.advance(2.0)
+        turn.give_back()
+        assert g.hold_ratio == pytest.approx(1.0)  # not 2.0: the learned costs were right
+        held = await g.enter(ANY)
+        # One turn ahead, held 2 s: a request that must start within 2.5 s fits.
+        waiter = asyncio.create_task(g.enter(within(2.5)))
+        await until(lambda: len(g.waiting) == 1, 5, "the waiter queued")
+        held.give_back()
+        (await waiter).give_back()
+
+    asyncio.run(go())
+    assert sample(g, "pdserve_rejected_total") == 0
+
+
 def test_smaller_priorities_get_turns_first_then_arrival_order():
     g = gate(capacity=1, queued=5)
     order = []
