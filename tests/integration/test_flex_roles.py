@@ -104,6 +104,13 @@ async def complete(
     }
 
 
+def roles_story(server, request_id: str) -> str:
+    """The lines of the routers' log that move flex workers, place them or name the request."""
+    log = (server.log_dir / "serve.log").read_text(errors="replace").splitlines()
+    marks = ("flex worker", " joined", " left", request_id)
+    return "\n".join(line[:300] for line in log if any(mark in line for mark in marks))
+
+
 def test_the_cluster_starts_one_prefill_two_decode(flex_cluster):
     assert sorted(roles(flex_cluster).values()) == ["decode", "decode", "prefill"]
 
@@ -160,7 +167,8 @@ def test_roles_change_under_load_with_no_failure_and_vllms_output(flex_cluster, 
         assert later, "no request ran under the new roles"
         for result in later:
             assert now[result["prefill"]] == "prefill" and now[result["decode"]] == "decode", (
-                f"{result} under {now} (in effect from {effective:.2f})"
+                f"{result} under {now} (in effect from {effective:.2f}); the routers' moves "
+                f"and the request: {roles_story(flex_cluster, result['request_id'])}"
             )
     wait_for_kv_baseline(flex_cluster, before)
 
