@@ -498,12 +498,6 @@ def rounds_table(rows: list[Row], systems: list[str], rates: list[float], slos: 
     hand-off (first-to-second token gap of a lone request) in its own inter-token latencies,
     median over the rounds."""
 
-    def spread(values: list[float], form: str) -> str:
-        if not values:
-            return "-"
-        low, mid, high = min(values), statistics.median(values), max(values)
-        return f"{mid:{form}} [{low:{form}}, {high:{form}}]"
-
     def goodputs(system: str, rate: float, slo: str) -> dict[int, float]:
         return {r.round: r.goodput[slo] for r in rows if (r.system, r.rate) == (system, rate)}
 
@@ -546,6 +540,14 @@ def rounds_table(rows: list[Row], systems: list[str], rates: list[float], slos: 
         }
         lines.append(f"| {system} | {spread(list(handoffs.values()), '.2f')} |")
     return "\n".join(lines)
+
+
+def spread(values: list[float], form: str) -> str:
+    """'median [min, max]' of `values` in format `form`; '-' for none."""
+    if not values:
+        return "-"
+    low, mid, high = min(values), statistics.median(values), max(values)
+    return f"{mid:{form}} [{low:{form}}, {high:{form}}]"
 
 
 def cpu_table(rows: list[Row], systems: list[str], rates: list[float]) -> str:
