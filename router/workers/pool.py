@@ -86,7 +86,10 @@ class WorkerPool:
             self._liveness(worker).missed()
 
     def _liveness(self, worker: WorkerHandle) -> Liveness:
-        return self.liveness.setdefault(worker.address, Liveness(self.clock()))
+        liveness = self.liveness.get(worker.address)  # (asked several times by every request)
+        if liveness is None:
+            liveness = self.liveness[worker.address] = Liveness(self.clock())
+        return liveness
 
     def serving(self, worker: WorkerHandle) -> bool:
         """Neither marked down nor taken out for not answering."""
