@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from router.flow.tokenization import load_tokenizer
+from router.flow.tokenization import PromptTokenizer, load_tokenizer
 from tests.integration.prompts import CHATS, PROMPTS, long_prompt
 
 TEXTS = [*PROMPTS, long_prompt(200), "日本語 é <|im_start|> \n\t  spaces", ""]
@@ -55,3 +55,51 @@ def test_a_folder_naming_another_class_goes_through_autotokenizer(
         assert load_tokenizer(str(tmp_path)) == "from AutoTokenizer"
     assert load_tokenizer("HuggingFaceTB/SmolLM2-135M") == "from AutoTokenizer"  # a hub id
     assert asked == [str(tmp_path), str(tmp_path), "HuggingFaceTB/SmolLM2-135M"]
+
+
+def test_the_routers_own_encode_gives_transformers_ids(smollm2_dir, tmp_path):
+    """The Rust tokenizer called directly (router/flow/tokenization.py's fast_encode) against
+    transformers' encode: SmolLM2's, and a variant whose tokenizer.json adds a BOS with its post
+    processor (so add_special_tokens matters) and carries a truncation and a padding section
+    (which transformers' encode turns off for a call with no truncation)."""
+    variant = json.loads((smollm2_dir / "tokenizer.json").read_text())
+    variant["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [
+            {"SpecialToken": {"id": "<|im_start|>", "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+        ],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {
+            "<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]}
+        },
+    }
+    variant["truncation"] = {
+        "direction": "Right",
+        "max_length": 4,
+        "strategy": "LongestFirst",
+        "stride": 0,
+    }
+    variant["padding"] = {
+        "strategy": {"Fixed": 64},
+        "direction": "Right",
+        "pad_to_multiple_of": None,
+        "pad_id": 2,
+        "pad_type_id": 0,
+        "pad_token": "<|im_end|>",
+    }
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (smollm2_dir / name).exists():
+            (tmp_path / name).write_bytes((smollm2_dir / name).read_bytes())
+    (tmp_path / "tokenizer.json").write_text(json.dumps(variant))
+    checked = 0
+    for folder in (smollm2_dir, tmp_path):
+        reference = load_tokenizer(str(folder))
+        ours = PromptTokenizer(str(folder))
+        assert ours._fast_encode is not None
+        for text in TEXTS:
+            for special in (True, False):
+                expected = reference.encode(text, add_special_tokens=special)
+                assert ours.text_ids(text, special) == expected, (folder, text, special)
+                checked += special and folder == tmp_path and expected[:1] == [1]
+    assert checked == len(TEXTS)  # the variant's BOS was there to be matched
