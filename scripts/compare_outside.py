@@ -71,8 +71,10 @@ def main() -> int:
         "--ready-timeout", type=float, default=600, help="seconds a system may take to start"
     )
     parser.add_argument("--output-dir", type=Path, help="default: a new temporary folder")
-    args, bench_args = parser.parse_known_args()
-    bench_args = [a for a in bench_args if a != "--"] or list(DEFAULT_BENCH_ARGS)
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:cut])
+    bench_args = argv[cut + 1 :] or list(DEFAULT_BENCH_ARGS)
     systems = args.systems.split(",")
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
