@@ -20,14 +20,13 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # compare_vllm, also when imported
 
-from compare_vllm import MODEL, SYSTEMS, say, serving, spread
+from compare_vllm import MODEL, SYSTEMS, interleaved, say, spread
 
 from pdserve.bench import engine_itl, process_cpu
 from pdserve.model_store.store import ensure_model
@@ -86,18 +85,11 @@ def main() -> int:
     model_dir = ensure_model(MODEL, log=say)
     say(f"vllm bench serve {' '.join(bench_args)}")
     runs, results = [], []
-    for number in range(args.repeats):
-        for system in systems if number % 2 == 0 else systems[::-1]:
-            name = f"{system}, round {number + 1}/{args.repeats}"
-            log_dir = output_dir / f"logs-{system}-{number}"
-            say(f"[{name}] starting (logs: {log_dir})")
-            started = time.monotonic()
-            with serving(system, model_dir, log_dir, args.ready_timeout, 300) as running:
-                say(f"[{name}] ready after {time.monotonic() - started:.0f} s")
-                result = bench(running, model_dir, bench_args, log_dir)
-            runs.append(result_run(system, number, *result))
-            results.append(result[0])
-            say(f"[{name}] {line(runs[-1])}")
+    for run in interleaved(systems, args.repeats, output_dir, model_dir, args.ready_timeout, 300):
+        result = bench(run.running, model_dir, bench_args, run.log_dir)
+        runs.append(result_run(run.system, run.round, *result))
+        results.append(result[0])
+        say(f"[{run.name}] {line(runs[-1])}")
     print(summary(runs, systems))
     document = {"bench_args": bench_args, "runs": [asdict(r) for r in runs], "results": results}
     (output_dir / "outside.json").write_text(json.dumps(document, indent=2) + "\n")

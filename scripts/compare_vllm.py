@@ -245,23 +245,18 @@ def main() -> int:
         for _ in range(LONE_REQUESTS)
     ]
     rows, summaries = [], []
-    for number in range(args.repeats):
-        for system in systems if number % 2 == 0 else systems[::-1]:
-            name = f"{system}, round {number + 1}/{args.repeats}"
-            log_dir = output_dir / f"logs-{system}-{number}"
-            say(f"[{name}] starting (logs: {log_dir})")
-            started = time.monotonic()
-            with serving(system, model_dir, log_dir, args.ready_timeout, args.timeout) as running:
-                say(f"[{name}] ready after {time.monotonic() - started:.0f} s")
-                alone, results = asyncio.run(
-                    measure(name, running, workloads, lone, rates, slos, args)
-                )
-                for rate, records, summary, cpu, itl, duration in results:
-                    rows.append(
-                        row(system, number, rate, records, summary, alone, cpu, itl, duration)
-                    )
-                    summaries.append({text: asdict(one) for text, one in summary.items()})
-            say(f"[{name}] stopped")
+    runs = interleaved(
+        systems, args.repeats, output_dir, model_dir, args.ready_timeout, args.timeout
+    )
+    for run in runs:
+        alone, results = asyncio.run(
+            measure(run.name, run.running, workloads, lone, rates, slos, args)
+        )
+        for rate, records, summary, cpu, itl, duration in results:
+            rows.append(
+                row(run.system, run.round, rate, records, summary, alone, cpu, itl, duration)
+            )
+            summaries.append({text: asdict(one) for text, one in summary.items()})
     print(table(args.workload, rows))
     print(rounds_table(rows, systems, rates, list(slos)))
     print(cpu_table(rows, systems, rates))
@@ -314,6 +309,41 @@ class Running:
 
     url: str
     engine_metrics: list[str]
+
+
+@dataclass(frozen=True)
+class SystemRun:
+    """One system in one round, while it runs: its name in the progress lines, where its logs
+    go, and the system."""
+
+    system: str
+    round: int
+    name: str
+    log_dir: Path
+    running: Running
+
+
+def interleaved(
+    systems: list[str],
+    repeats: int,
+    output_dir: Path,
+    model_dir: Path,
+    ready_timeout_s: float,
+    request_timeout_s: float,
+) -> Iterator[SystemRun]:
+    """Every system in every round, one at a time, each round in the reverse order of the one
+    before (a slow spell of the host falls on all of them): yields each while it runs, its logs
+    under OUTPUT_DIR/logs-SYSTEM-ROUND/, and stops it before the next starts."""
+    for number in range(repeats):
+        for system in systems if number % 2 == 0 else systems[::-1]:
+            name = f"{system}, round {number + 1}/{repeats}"
+            log_dir = output_dir / f"logs-{system}-{number}"
+            say(f"[{name}] starting (logs: {log_dir})")
+            started = time.monotonic()
+            with serving(system, model_dir, log_dir, ready_timeout_s, request_timeout_s) as running:
+                say(f"[{name}] ready after {time.monotonic() - started:.0f} s")
+                yield SystemRun(system, number, name, log_dir, running)
+            say(f"[{name}] stopped")
 
 
 @contextmanager
