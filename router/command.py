@@ -5,8 +5,8 @@ import argparse
 import asyncio
 import sys
 import time
-from collections.abc import Coroutine
 
+from pdserve.core.event_loop import run_on_fastest_loop
 from pdserve.model_store.store import ModelError, resolve_model
 from pdserve.settings.base import ConfigError
 from pdserve.settings.cluster_secret import load_cluster_secret
@@ -47,15 +47,6 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     return 0
-
-
-def run_on_fastest_loop(main: Coroutine) -> None:
-    """asyncio.run, on uvloop's event loop (libuv's, a pdserve dependency): a router's requests
-    and streamed tokens are mostly event-loop work, which uvloop does in C
-    (docs/benchmarking.md#scriptsbench_routerpy-how-much-one-router-carries)."""
-    import uvloop
-
-    uvloop.run(main)
 
 
 def check_files(settings: RouterSettings) -> None:

@@ -27,6 +27,7 @@ from pdserve.cluster.local_workers import (
     threads_per_worker,
     wait_ready,
 )
+from pdserve.core.event_loop import run_on_fastest_loop
 from pdserve.core.kinds import AUTO_TRANSPORT, Role, Transport
 from pdserve.model_store.store import ModelError, resolve_model
 from pdserve.settings.base import ConfigError
@@ -46,7 +47,7 @@ from pdserve.worker.processes import (
     stop_group,
     wait_until,
 )
-from router.command import check_files, run_on_fastest_loop, run_router
+from router.command import check_files, run_router
 
 CPU_BINDINGS = ("auto", "none", "split")
 KV_POOL_SCOPES = ("host", "worker")

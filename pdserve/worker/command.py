@@ -22,6 +22,7 @@ from typing import NoReturn
 
 import grpc
 
+from pdserve.core.event_loop import run_on_fastest_loop
 from pdserve.core.kinds import Role
 from pdserve.model_store.store import ModelError, resolve_model
 from pdserve.protocol import GRPC_OPTIONS, worker_pb2_grpc
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("vLLM's IPC sockets in %s, removed when the worker stops", rpc_sockets)
     group_reaper.start_for_this_worker(rpc_sockets)
     try:  # serve_worker returns once its engine's processes have exited, on every path
-        code = asyncio.run(serve_worker(settings, model))
+        code = run_on_fastest_loop(serve_worker(settings, model))
     finally:
         rpc_folder.remove(rpc_sockets)
     _exit_now(code)
