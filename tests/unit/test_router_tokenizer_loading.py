@@ -99,3 +99,17 @@ def test_the_routers_own_encode_gives_transformers_ids(smollm2_dir, tmp_path):
             expected = reference.encode(text, add_special_tokens=special)
             assert encode(text, special) == expected, (text, special)
             assert expected[:1] == [1] or not special  # the BOS was there to be matched
+
+
+def test_a_tokenizer_class_that_encodes_its_own_way_keeps_its_encode(smollm2_dir):
+    """A custom class overriding how it encodes is never bypassed by the direct call."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    class Custom(TokenizersBackend):
+        def _encode_plus(self, *args, **kwargs):
+            return super()._encode_plus(*args, **kwargs)
+
+    tokenizer = load_tokenizer(str(smollm2_dir))
+    assert fast_encode(tokenizer) is not None
+    tokenizer.__class__ = Custom
+    assert fast_encode(tokenizer) is None
