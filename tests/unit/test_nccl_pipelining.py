@@ -64,7 +64,8 @@ def test_80_slices_over_one_channel_take_well_under_80_ms_where_torchs_wait_took
     took = best_of(3, pipelined)
     print(f"80 slices: {took_before * 1e3:.1f} ms with wait(timeout), {took * 1e3:.1f} ms now")
     assert took_before >= SLICES * 1e-3  # the fake has torch's floor
-    assert took < SLICES * 1e-3 / 2, f"{took * 1e3:.1f} ms for {SLICES} slices"
+    # Against the floor measured in the same run: a busy host (a suite beside it) slows both.
+    assert took < took_before / 2, f"{took * 1e3:.1f} ms against {took_before * 1e3:.1f} ms"
 
 
 def test_slices_in_flight_keep_the_link_busy_while_each_side_does_its_work():
