@@ -131,13 +131,9 @@ class AdmissionGate:
             )
         return self._admit(ask, weight)
 
-    def wait_s(self, ask: Ask, ahead: int) -> float:
-        """The forecast: seconds until a request with `ahead` waiters before it starts
-        computing its prompt (its turn, then the prompts queued on the workers)."""
-        return sum(self._wait_parts(ask, ahead))
-
     def _wait_parts(self, ask: Ask, ahead: int) -> tuple[float, float]:
-        """The forecast's two parts: seconds until its turn, then of prompts queued on the
+        """The forecast of when a request with `ahead` waiters before it starts computing its
+        prompt, in its two parts: seconds until its turn, then of prompts queued on the
         workers."""
         turns = ahead + 1 + self.running - self.capacity()  # to come back before its own
         queue_s = max(0, turns) * self._turn_s(ask)
