@@ -177,6 +177,65 @@ class KvTransferStats(_message.Message):
     transport: str
     def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., failed: _Optional[bool] = ..., failure: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
 
+class SessionUp(_message.Message):
+    __slots__ = ("starts", "credits", "aborts")
+    STARTS_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_FIELD_NUMBER: _ClassVar[int]
+    ABORTS_FIELD_NUMBER: _ClassVar[int]
+    starts: _containers.RepeatedCompositeFieldContainer[RequestStart]
+    credits: _containers.RepeatedCompositeFieldContainer[Credit]
+    aborts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, starts: _Optional[_Iterable[_Union[RequestStart, _Mapping]]] = ..., credits: _Optional[_Iterable[_Union[Credit, _Mapping]]] = ..., aborts: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RequestStart(_message.Message):
+    __slots__ = ("stream_id", "request", "trace_headers")
+    class TraceHeadersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TRACE_HEADERS_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    request: GenerateRequest
+    trace_headers: _containers.ScalarMap[str, str]
+    def __init__(self, stream_id: _Optional[int] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., trace_headers: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class Credit(_message.Message):
+    __slots__ = ("stream_id", "taken")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    TAKEN_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    taken: int
+    def __init__(self, stream_id: _Optional[int] = ..., taken: _Optional[int] = ...) -> None: ...
+
+class SessionDown(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[SessionEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[SessionEvent, _Mapping]]] = ...) -> None: ...
+
+class SessionEvent(_message.Message):
+    __slots__ = ("stream_id", "chunk", "end")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    chunk: GenerateChunk
+    end: RequestEnd
+    def __init__(self, stream_id: _Optional[int] = ..., chunk: _Optional[_Union[GenerateChunk, _Mapping]] = ..., end: _Optional[_Union[RequestEnd, _Mapping]] = ...) -> None: ...
+
+class RequestEnd(_message.Message):
+    __slots__ = ("code", "details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

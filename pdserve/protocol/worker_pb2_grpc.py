@@ -39,6 +39,11 @@ class WorkerStub:
                 request_serializer=worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=worker__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/pdserve.worker.v1.Worker/Session',
+                request_serializer=worker__pb2.SessionUp.SerializeToString,
+                response_deserializer=worker__pb2.SessionDown.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.worker.v1.Worker/Abort',
                 request_serializer=worker__pb2.AbortRequest.SerializeToString,
@@ -76,6 +81,16 @@ class WorkerServicer:
 
     def Generate(self, request, context):
         """Runs one request and streams its new tokens. Cancelling the call aborts the request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
+        """The router's requests to this worker over one long-lived stream: each message up starts,
+        credits or aborts requests, each message down carries every chunk and end ready since the
+        last one (a decode step's tokens of all running requests in one message, one wake-up).
+        Ending the call ends every request on it. pdserve/worker/session.py, router/workers/session.py.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -133,6 +148,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=worker__pb2.GenerateRequest.FromString,
                     response_serializer=worker__pb2.GenerateChunk.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=worker__pb2.SessionUp.FromString,
+                    response_serializer=worker__pb2.SessionDown.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -192,6 +212,33 @@ class Worker:
             '/pdserve.worker.v1.Worker/Generate',
             worker__pb2.GenerateRequest.SerializeToString,
             worker__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.worker.v1.Worker/Session',
+            worker__pb2.SessionUp.SerializeToString,
+            worker__pb2.SessionDown.FromString,
             options,
             channel_credentials,
             insecure,

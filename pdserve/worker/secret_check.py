@@ -28,13 +28,14 @@ class SecretCheck(grpc.aio.ServerInterceptor):
             "no-secret", "a %s call without this cluster's secret: refused", details.method
         )
 
-        async def refuse(request, context):
+        async def refuse(request_or_requests, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
 
-        # The worker's calls take one request (their replies may stream): refuse() serves both.
-        make = (
-            grpc.unary_stream_rpc_method_handler
-            if handler.unary_stream
-            else grpc.unary_unary_rpc_method_handler
-        )
+        # refuse() serves every kind of call: it reads nothing and answers at once.
+        if handler.stream_stream:
+            make = grpc.stream_stream_rpc_method_handler
+        elif handler.unary_stream:
+            make = grpc.unary_stream_rpc_method_handler
+        else:
+            make = grpc.unary_unary_rpc_method_handler
         return make(refuse, handler.request_deserializer, handler.response_serializer)

@@ -1,8 +1,9 @@
 """The worker's gRPC service: runs requests on the vLLM engine and reports load.
 
 The gRPC server starts before the engine (which takes ~30 s on CPU), so Health can answer
-STARTING meanwhile. A cancelled Generate call cancels vLLM's generator, which aborts the
-request inside the engine and frees its KV blocks.
+STARTING meanwhile. A request runs the same way from a Generate call or a router's Session
+(pdserve/worker/session.py); a cancelled call or an aborted stream closes vLLM's generator,
+which aborts the request inside the engine and frees its KV blocks.
 """
 
 import asyncio
@@ -10,6 +11,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 from opentelemetry import trace
@@ -26,6 +28,7 @@ from pdserve.worker.engine_stats import EngineStats
 from pdserve.worker.pool_contents import PoolContentsSource
 from pdserve.worker.pool_peers import PoolPeers
 from pdserve.worker.sampling import choice_count, to_vllm_sampling
+from pdserve.worker.session import RequestFailed, ServesSessions
 
 State = worker_pb2.HealthReply.State
 PROBE_SAMPLING = worker_pb2.SamplingParams(max_tokens=1, temperature=0, top_p=1)
@@ -68,7 +71,7 @@ def kv_extra_args(request: worker_pb2.GenerateRequest) -> dict | None:
     )
 
 
-class WorkerService(worker_pb2_grpc.WorkerServicer):
+class WorkerService(ServesSessions, worker_pb2_grpc.WorkerServicer):
     def __init__(
         self,
         worker_id: str,
@@ -145,23 +148,38 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.state, self.state_message = State.FAILED, message
 
     async def Generate(self, request, context):
+        """One request, its chunks streamed (the router sends its requests over Session)."""
+        try:
+            async with contextlib.aclosing(
+                self.run(request, dict(context.invocation_metadata() or ()))
+            ) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        except RequestFailed as failed:
+            await context.abort(failed.code, failed.details)
+
+    async def run(
+        self, request: worker_pb2.GenerateRequest, trace_headers: dict[str, str]
+    ) -> AsyncIterator[worker_pb2.GenerateChunk]:
+        """Runs one request on the engine: its chunks, or RequestFailed. Leaving early (the
+        generator closed: a cancelled call, an aborted stream) aborts it in the engine."""
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 
         json_logs.request_id.set(request.request_id)  # on every line logged for it
         if self.state not in (State.READY, State.DRAINING):
-            await context.abort(
+            raise RequestFailed(
                 grpc.StatusCode.UNAVAILABLE,
                 f"worker {self.identity.worker_id} is not ready: {self.state_message}",
             )
-        await self._validate(request, context)
+        self._validate(request)
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
         if request.cache_salt:  # only requests of one salt share the engine's cached blocks
             prompt["cache_salt"] = request.cache_salt
         request_id = request.request_id
         span = tracing.tracer().start_span(
             "pdserve.worker.generate",
-            context=tracing.joined(dict(context.invocation_metadata() or ())),
+            context=tracing.joined(trace_headers),
             kind=trace.SpanKind.SERVER,
             attributes={"pdserve.worker": self.identity.worker_id, "pdserve.leg": _leg(request)},
         )
@@ -197,13 +215,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 async for choice, output in outputs:
                     self.awaiting_first_token.pop(request_id, None)
                     if output.outputs[0].finish_reason == "error":
-                        await context.abort(*self._error_status(request))
+                        raise RequestFailed(*self._error_status(request))
                     yield self._chunk(output, choice, request)
         except (VLLMClientError, ValueError) as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
         except EngineDeadError as error:
             self.engine_failed(f"engine died: {error}")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self.state_message)
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, self.state_message) from None
         finally:
             self.active.pop(request_id, None)
             self.awaiting_first_token.pop(request_id, None)
@@ -223,25 +241,25 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             )
         return ENGINE_FAILED, "the engine ended the request with an error"
 
-    async def _validate(self, request, context) -> None:
+    def _validate(self, request) -> None:
         if not request.request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
         if request.request_id in self.active:
-            await context.abort(
+            raise RequestFailed(
                 grpc.StatusCode.ALREADY_EXISTS, f"request {request.request_id} is already running"
             )
         if not request.prompt_token_ids:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
         ranks = len(self.rank_running)
         if request.HasField("data_parallel_rank") and request.data_parallel_rank >= ranks:
-            await context.abort(
+            raise RequestFailed(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"data_parallel_rank {request.data_parallel_rank}: this worker runs {ranks}",
             )
         total = len(request.prompt_token_ids) + request.sampling.max_tokens
         context_length = self.identity.max_model_len
         if total > context_length:
-            await context.abort(
+            raise RequestFailed(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"prompt ({len(request.prompt_token_ids)} tokens) plus max_tokens "
                 f"({request.sampling.max_tokens}) exceeds the context length {context_length}",

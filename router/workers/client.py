@@ -1,11 +1,12 @@
-"""The router's gRPC client for one worker, with deadlines on every call.
+"""The router's gRPC client for one worker, with deadlines on every call. Requests go over one
+session per worker (router/workers/session.py).
 
-gRPC failures become OpenAIErrors here, so the HTTP layer only ever sees one error type:
-INVALID_ARGUMENT from a worker is the client's fault (400), UNAVAILABLE (or CANCELLED, which only
-the worker's side sends: a stopping worker's streams) means the worker is not there (503), a
-passed deadline is a timeout (504), KV_TRANSFER_FAILED (ABORTED) means the prompt's KV did not
-reach a decode worker (502 kv_transfer_failed), the rest, engine errors included, is a worker
-failure (502 worker_error).
+A request's failure (its gRPC status) becomes an OpenAIError here, so the HTTP layer only ever
+sees one error type: INVALID_ARGUMENT from a worker is the client's fault (400), UNAVAILABLE (or
+CANCELLED, which only the worker's side sends: a stopping worker's streams) means the worker is
+not there (503), a passed deadline is a timeout (504), KV_TRANSFER_FAILED (ABORTED) means the
+prompt's KV did not reach a decode worker (502 kv_transfer_failed), the rest, engine errors
+included, is a worker failure (502 worker_error).
 """
 
 import asyncio
@@ -31,6 +32,7 @@ from router.http.errors import (
     worker_unavailable,
 )
 from router.workers.load import WorkerLoad
+from router.workers.session import CREDIT_EVERY, Ended, WorkerSession
 
 log = logging.getLogger("pdserve.router")
 CONTROL_TIMEOUT_S = 5.0
@@ -47,7 +49,7 @@ class WorkerClient:
         self.identity = worker_pb2.HealthReply(worker_id=address)
         self.users = 0  # requests using it now (in a call, or about to call it): see in_use
         self.load = WorkerLoad()  # what it reports, and what this router sent since
-        self._pending_aborts: set[asyncio.Task] = set()
+        self._session: WorkerSession | None = None
         self._closed = False
         self.metadata = secret_metadata()  # every call carries the cluster secret
 
@@ -75,19 +77,6 @@ class WorkerClient:
         request = request if request is not None else worker_pb2.StatsRequest()
         return await self.stub.Stats(request, timeout=timeout, metadata=self.metadata)
 
-    async def abort(self, request_id: str) -> None:
-        """Best effort: the worker also aborts when the Generate call is cancelled."""
-        try:
-            await self.stub.Abort(
-                worker_pb2.AbortRequest(request_id=request_id),
-                timeout=CONTROL_TIMEOUT_S,
-                metadata=self.metadata,
-            )
-        except grpc.aio.AioRpcError as error:
-            log.warning("abort of %s on %s failed: %s", request_id, self.address, error.code())
-        except grpc.aio.UsageError:  # the worker left the pool, its channel closed: nothing to end
-            log.info("abort of %s on %s: its channel is closed", request_id, self.address)
-
     async def cancel_transfer(self, transfer_id: str, reason: str) -> None:
         """Best effort, on a decode worker: its receivers learn that a transfer's KV will not
         come, so its kv failure policy applies now rather than at the KV deadline (which still
@@ -113,11 +102,19 @@ class WorkerClient:
                 self.address,
             )
 
+    @property
+    def session(self) -> WorkerSession:
+        """The session requests to this worker go over: opened on first use, and again after
+        one ends (the worker restarted, its connection broke)."""
+        if self._session is None or self._session.ended is not None:
+            self._session = WorkerSession(self.stub, self.metadata, self.address)
+        return self._session
+
     async def generate(
         self, request: worker_pb2.GenerateRequest, timeout: float
     ) -> AsyncIterator[worker_pb2.GenerateChunk]:
-        """Stream a request's chunks. Leaving early (break, cancel, error) aborts it on the
-        worker: the call is cancelled and an explicit Abort follows."""
+        """Stream a request's chunks, over this worker's session. Leaving early (break, cancel,
+        error, the deadline) aborts it on the worker."""
         if self._closed:  # it left the pools while the request waited for it (never a 500)
             raise worker_unavailable(f"worker {self.identity.worker_id} left the pools")
         span = tracing.tracer().start_span(
@@ -128,30 +125,36 @@ class WorkerClient:
                 "pdserve.request_id": request.request_id,
             },
         )
-        metadata = self.metadata + tuple(tracing.trace_headers(span).items())
-        call = self.stub.Generate(request, timeout=timeout, metadata=metadata)
-        finished = False
+        session = self.session
+        stream_id, queue = session.start(request, tracing.trace_headers(span))
+        deadline = asyncio.get_running_loop().call_later(
+            timeout, queue.put_nowait, Ended(grpc.StatusCode.DEADLINE_EXCEEDED)
+        )
+        ended, taken = None, 0
         self.users += 1
         self.load.sent(len(request.prompt_token_ids))
         try:
-            async for chunk in call:
-                finished = bool(chunk.finish_reason)
-                yield chunk
-        except grpc.aio.AioRpcError as error:
-            span.set_status(trace.StatusCode.ERROR, f"{error.code().name}: {error.details()}")
-            raise self._to_openai_error(error, timeout) from None
+            while True:
+                item = await queue.get()
+                if isinstance(item, Ended):
+                    ended = item
+                    break
+                yield item
+                taken += 1
+                if taken % CREDIT_EVERY == 0:
+                    session.credit(stream_id, taken)
+            if ended.code != grpc.StatusCode.OK:
+                span.set_status(trace.StatusCode.ERROR, f"{ended.code.name}: {ended.details}")
+                raise self._to_openai_error(ended, timeout)
         finally:
+            deadline.cancel()
             span.end()
             self.users -= 1
-            if not finished:
-                call.cancel()
-                # A task, not an await: this generator may be inside a cancelled scope.
-                task = asyncio.create_task(self.abort(request.request_id))
-                self._pending_aborts.add(task)
-                task.add_done_callback(self._pending_aborts.discard)
+            if ended is None or ended.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                session.abort(stream_id)
 
-    def _to_openai_error(self, error: grpc.aio.AioRpcError, timeout: float) -> OpenAIError:
-        code, details = error.code(), error.details() or ""
+    def _to_openai_error(self, ended: Ended, timeout: float) -> OpenAIError:
+        code, details = ended.code, ended.details
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return invalid_request(details)
         if code == KV_TRANSFER_FAILED:  # an engine error is ENGINE_FAILED: a worker error
@@ -159,8 +162,8 @@ class WorkerClient:
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return request_timeout(timeout)
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-            # CANCELLED here is the worker's doing (a call the router cancels raises
-            # CancelledError): a stopping worker ended it, so it is gone as UNAVAILABLE is.
+            # CANCELLED is the worker's doing (a request the router leaves is aborted, never
+            # cancelled): a stopping worker ended it, so it is gone as UNAVAILABLE is.
             return worker_unavailable(f"worker {self.identity.worker_id} is unavailable: {details}")
         return worker_failed(f"worker {self.identity.worker_id} failed: {code.name}: {details}")
 
@@ -177,6 +180,8 @@ class WorkerClient:
 
     async def close(self) -> None:
         self._closed = True
+        if self._session is not None:
+            await self._session.close()
         if self._channel is not None:
             await self._channel.close()
 

@@ -55,6 +55,18 @@ async def calls_to_a_guarded_worker(metadata) -> dict[str, grpc.StatusCode]:
                     pass
             except grpc.aio.AioRpcError as error:
                 codes["Generate"] = error.code()
+            session = stub.Session(timeout=5, metadata=metadata)
+            start = worker_pb2.RequestStart(
+                stream_id=1, request=worker_pb2.GenerateRequest(request_id="r")
+            )
+            try:  # served: the request's end comes back (UNAVAILABLE: no engine here)
+                await session.write(worker_pb2.SessionUp(starts=[start]))
+                end = (await session.read()).events[0].end
+                assert end.code == grpc.StatusCode.UNAVAILABLE.value[0], end
+                codes["Session"] = grpc.StatusCode.OK
+            except grpc.aio.AioRpcError as error:
+                codes["Session"] = error.code()
+            session.cancel()
     finally:
         await server.stop(grace=None)
     return codes
@@ -64,12 +76,14 @@ async def calls_to_a_guarded_worker(metadata) -> dict[str, grpc.StatusCode]:
 def test_a_call_without_the_secret_is_refused_whatever_the_method(offered):
     metadata = () if offered is None else ((METADATA_KEY, offered),)
     codes = asyncio.run(calls_to_a_guarded_worker(metadata))
-    assert codes == dict.fromkeys(("Health", "Abort", "Generate"), grpc.StatusCode.UNAUTHENTICATED)
+    assert codes == dict.fromkeys(
+        ("Health", "Abort", "Generate", "Session"), grpc.StatusCode.UNAUTHENTICATED
+    )
 
 
 def test_a_call_with_the_secret_is_served():
     codes = asyncio.run(calls_to_a_guarded_worker(((METADATA_KEY, SECRET),)))
-    assert codes["Health"] == codes["Abort"] == grpc.StatusCode.OK
+    assert codes["Health"] == codes["Abort"] == codes["Session"] == grpc.StatusCode.OK
 
 
 def test_an_open_worker_takes_any_call():

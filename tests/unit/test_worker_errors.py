@@ -10,6 +10,7 @@ import pytest
 
 from pdserve.protocol import worker_pb2, worker_pb2_grpc
 from pdserve.worker.service import WorkerService
+from pdserve.worker.session import RequestFailed
 from router.flow.accounting import Accounting
 from router.http.errors import OpenAIError
 from router.metrics import RouterMetrics
@@ -19,9 +20,9 @@ from router.workers.client import WorkerClient
 class EngineEndsWithError(WorkerService):
     """A worker whose engine ends every request with finish_reason "error"."""
 
-    async def Generate(self, request, context):
-        await context.abort(*self._error_status(request))
-        yield  # a streaming call
+    async def run(self, request, trace_headers):
+        raise RequestFailed(*self._error_status(request))
+        yield  # a stream of chunks
 
 
 async def generate_error(request: worker_pb2.GenerateRequest) -> OpenAIError:
@@ -69,10 +70,10 @@ class StreamsUntilStopped(WorkerService):
 
     cancels = False
 
-    async def Generate(self, request, context):
+    async def run(self, request, trace_headers):
         yield worker_pb2.GenerateChunk(token_ids=[7])
         if self.cancels:
-            await context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
+            raise RequestFailed(grpc.StatusCode.CANCELLED, "CANCELLED")
         await asyncio.sleep(60)
 
 
@@ -104,16 +105,14 @@ def test_a_stream_the_worker_ends_unasked_is_the_worker_unavailable(cancels):
     assert (error.status, error.kind) == (503, "worker_unavailable"), error.message
 
 
-def test_an_abort_or_cancel_after_the_worker_left_the_pool_ends_quietly():
-    """A stream ended after its worker left the pools (its channel closed) still sends its
-    best-effort abort: grpc refuses a closed channel with UsageError, which once escaped the
-    abort's task as an exception nobody retrieved."""
+def test_a_cancel_after_the_worker_left_the_pool_ends_quietly():
+    """A transfer cancelled after its decode worker left the pools (its channel closed) is best
+    effort: grpc refuses a closed channel with UsageError, which once escaped the caller."""
 
     async def after_close():
         client = WorkerClient("127.0.0.1:1")
         assert client.stub is not None  # its channel, made
         await client.close()
-        await client.abort("r")
         await client.cancel_transfer("t", "gone")
 
     asyncio.run(after_close())

@@ -1,0 +1,251 @@
+"""The router's requests to a worker over one Session (pdserve/worker/session.py and
+router/workers/session.py): the router's real WorkerClient and the worker's real session code
+over real gRPC on 127.0.0.1; only the engine is a fake (FakeEngineWorker's `run`)."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from pdserve.protocol import MAX_MESSAGE_BYTES, worker_pb2, worker_pb2_grpc
+from pdserve.worker.session import CREDIT_WINDOW, RequestFailed, ServesSessions
+from router.http.errors import OpenAIError
+from router.workers.client import WorkerClient
+
+
+class FakeEngineWorker(ServesSessions, worker_pb2_grpc.WorkerServicer):
+    """A fake engine: a request streams `max_tokens` chunks, each a token of its prompt's first
+    id, all requests' together on one step clock (`step`, set each `step_s`); a prompt [0]
+    sleeps forever, a prompt [-1] sends one chunk too big for a message. Records what ran."""
+
+    def __init__(self, step_s: float = 0.01) -> None:
+        self.step = asyncio.Event()
+        self.step_s = step_s
+        self.pulled: dict[str, int] = {}  # request id -> chunks its consumer pulled
+        self.closed: list[str] = []  # requests whose generator was closed before their end
+        self.downs = 0
+
+    async def steps(self) -> None:
+        while True:
+            await asyncio.sleep(self.step_s)
+            self.step.set()
+            self.step.clear()
+
+    async def run(self, request, trace_headers):
+        request_id, first = request.request_id, request.prompt_token_ids[0]
+        self.pulled[request_id] = 0
+        finished = False
+        try:
+            if first == 0:
+                await asyncio.sleep(3600)
+            if first == -1:
+                yield worker_pb2.GenerateChunk(text="x" * MAX_MESSAGE_BYTES)
+            for index in range(request.sampling.max_tokens):
+                await self.step.wait()
+                last = index == request.sampling.max_tokens - 1
+                yield worker_pb2.GenerateChunk(
+                    token_ids=[first], finish_reason="length" if last else ""
+                )
+                self.pulled[request_id] += 1
+            finished = True
+        finally:
+            if not finished:
+                self.closed.append(request_id)
+
+
+async def serving(worker: FakeEngineWorker):
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(worker, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, WorkerClient(f"127.0.0.1:{port}")
+
+
+def request(request_id: str, first: int, tokens: int) -> worker_pb2.GenerateRequest:
+    return worker_pb2.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=[first, 1],
+        sampling=worker_pb2.SamplingParams(max_tokens=tokens),
+    )
+
+
+async def until(condition, timeout_s: float = 10.0) -> None:
+    """Until `condition()` holds; fails the test past `timeout_s` (a bound, not a measure)."""
+    give_up = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        if asyncio.get_running_loop().time() > give_up:
+            pytest.fail(f"not within {timeout_s} s")
+        await asyncio.sleep(0.01)
+
+
+def test_many_requests_share_one_session_each_getting_its_own_tokens_a_step_in_one_message():
+    async def scenario():
+        worker = FakeEngineWorker()
+        server, client = await serving(worker)
+        steps = asyncio.create_task(worker.steps())
+        reads = 0
+        try:
+
+            async def one(first: int) -> list[int]:
+                chunks = [c async for c in client.generate(request(f"r{first}", first, 20), 10)]
+                assert chunks[-1].finish_reason == "length"
+                return [token for chunk in chunks for token in chunk.token_ids]
+
+            session_read = client.session.call.read
+
+            async def counted_read():
+                nonlocal reads
+                reads += 1
+                return await session_read()
+
+            client.session.call.read = counted_read
+            tokens = await asyncio.gather(*(one(first) for first in range(1, 21)))
+            assert tokens == [[first] * 20 for first in range(1, 21)]
+            return reads
+        finally:
+            steps.cancel()
+            await client.close()
+            await server.stop(None)
+
+    reads = asyncio.run(scenario())
+    # 400 chunks and 20 ends, ~20 steps: far fewer messages than events (one a step when idle)
+    assert reads < 200, reads
+
+
+def test_a_consumer_that_stops_reading_holds_back_its_own_request_only():
+    async def scenario():
+        worker = FakeEngineWorker(step_s=0.001)
+        server, client = await serving(worker)
+        steps = asyncio.create_task(worker.steps())
+        try:
+            slow = client.generate(request("slow", 7, 10 * CREDIT_WINDOW), 30)
+            assert (await anext(slow)).token_ids == [7]  # then it reads no more
+            fast = [c async for c in client.generate(request("fast", 8, 3 * CREDIT_WINDOW), 30)]
+            assert len(fast) == 3 * CREDIT_WINDOW  # not held by the slow one's backlog
+            # (pulled: chunks yielded and asked past; the window's last is yielded, not past)
+            await until(lambda: worker.pulled["slow"] >= CREDIT_WINDOW - 1)
+            await asyncio.sleep(0.2)  # many steps: it would have run on, were it not held
+            assert worker.pulled["slow"] == CREDIT_WINDOW - 1
+            rest = [c async for c in slow]  # reading again, it runs to its end
+            assert 1 + len(rest) == 10 * CREDIT_WINDOW and rest[-1].finish_reason == "length"
+        finally:
+            steps.cancel()
+            await client.close()
+            await server.stop(None)
+
+    asyncio.run(scenario())
+
+
+def test_a_request_left_early_is_aborted_on_the_worker_and_its_id_can_run_again():
+    async def scenario():
+        worker = FakeEngineWorker()
+        server, client = await serving(worker)
+        steps = asyncio.create_task(worker.steps())
+        try:
+            stream = client.generate(request("r", 5, 1000), 10)
+            await anext(stream)
+            await stream.aclose()  # the client went away
+            await until(lambda: worker.closed == ["r"])
+            again = [c async for c in client.generate(request("r", 6, 3), 10)]
+            assert [c.token_ids for c in again] == [[6]] * 3  # none of the first one's
+        finally:
+            steps.cancel()
+            await client.close()
+            await server.stop(None)
+
+    asyncio.run(scenario())
+
+
+def test_a_request_past_its_deadline_times_out_and_is_aborted_on_the_worker():
+    async def scenario():
+        worker = FakeEngineWorker()
+        server, client = await serving(worker)
+        try:
+            with pytest.raises(OpenAIError) as caught:
+                async for _ in client.generate(request("hangs", 0, 1), timeout=0.3):
+                    pass
+            await until(lambda: worker.closed == ["hangs"])
+            return caught.value
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    error = asyncio.run(scenario())
+    assert (error.status, error.kind) == (504, "timeout"), error.message
+
+
+def test_a_chunk_too_big_for_a_message_fails_its_request_not_the_session():
+    async def scenario():
+        worker = FakeEngineWorker()
+        server, client = await serving(worker)
+        steps = asyncio.create_task(worker.steps())
+        try:
+            other = asyncio.create_task(
+                asyncio.wait_for(
+                    _collect(client.generate(request("other", 3, 50), timeout=10)), timeout=20
+                )
+            )
+            with pytest.raises(OpenAIError) as caught:
+                async for _ in client.generate(request("big", -1, 1), timeout=10):
+                    pass
+            assert len(await other) == 50
+            return caught.value
+        finally:
+            steps.cancel()
+            await client.close()
+            await server.stop(None)
+
+    error = asyncio.run(scenario())
+    assert error.status == 502 and "RESOURCE_EXHAUSTED" in error.message, error.message
+
+
+async def _collect(chunks) -> list:
+    return [chunk async for chunk in chunks]
+
+
+def test_a_broken_session_ends_its_requests_as_unavailable_and_the_next_opens_another():
+    async def scenario():
+        worker = FakeEngineWorker()
+        server, client = await serving(worker)
+        steps = asyncio.create_task(worker.steps())
+        try:
+            waiting = [
+                asyncio.create_task(_collect(client.generate(request(f"h{i}", 0, 1), 10)))
+                for i in range(3)
+            ]
+            await until(lambda: len(worker.pulled) == 3)
+            first = client.session
+            first.call.cancel()  # as a broken connection ends it
+            for task in waiting:
+                with pytest.raises(OpenAIError) as caught:
+                    await task
+                assert caught.value.kind == "worker_unavailable", caught.value.message
+            chunks = await _collect(client.generate(request("after", 4, 2), 10))
+            assert len(chunks) == 2 and client.session is not first
+            await until(lambda: sorted(worker.closed) == ["h0", "h1", "h2"])
+        finally:
+            steps.cancel()
+            await client.close()
+            await server.stop(None)
+
+    asyncio.run(scenario())
+
+
+def test_a_request_that_fails_on_the_worker_ends_with_its_status():
+    class Refuses(FakeEngineWorker):
+        async def run(self, request, trace_headers):
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
+            yield
+
+    async def scenario():
+        server, client = await serving(Refuses())
+        try:
+            with pytest.raises(OpenAIError) as caught:
+                await _collect(client.generate(request("r", 1, 1), 10))
+            return caught.value
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    error = asyncio.run(scenario())
+    assert (error.status, error.message) == (400, "the prompt is empty")
