@@ -1,6 +1,9 @@
 """The router <-> worker gRPC protocol: worker.proto, its generated modules, channel options."""
 
 MAX_MESSAGE_BYTES = 16 << 20
+# A Session's request runs at most this many chunks ahead of what its router has taken (the
+# router's Credit messages): worker.proto's Credit.
+CREDIT_WINDOW = 64
 
 # Both ends raise gRPC's 4 MiB default message limit, and keep idle connections checked.
 GRPC_OPTIONS = [

@@ -22,10 +22,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.protocol import MAX_MESSAGE_BYTES, worker_pb2
+from pdserve.protocol import CREDIT_WINDOW, MAX_MESSAGE_BYTES, worker_pb2
 
 log = logging.getLogger("pdserve.worker")
-CREDIT_WINDOW = 64  # chunks a request may have sent past what its router took
 MESSAGE_BUDGET = MAX_MESSAGE_BYTES // 2  # a message down carries events up to this many bytes
 ABORT_WAIT_S = 5.0  # the requests of an ended session get this long to abort in the engine
 

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdserve.protocol import worker_pb2, worker_pb2_grpc
-from pdserve.worker.session import CREDIT_WINDOW
+from pdserve.protocol import CREDIT_WINDOW, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.router")
 CREDIT_EVERY = CREDIT_WINDOW // 2  # chunks a request takes between two credits it sends

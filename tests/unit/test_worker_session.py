@@ -7,8 +7,8 @@ import asyncio
 import grpc
 import pytest
 
-from pdserve.protocol import MAX_MESSAGE_BYTES, worker_pb2, worker_pb2_grpc
-from pdserve.worker.session import CREDIT_WINDOW, RequestFailed, ServesSessions
+from pdserve.protocol import CREDIT_WINDOW, MAX_MESSAGE_BYTES, worker_pb2, worker_pb2_grpc
+from pdserve.worker.session import RequestFailed, ServesSessions
 from router.http.errors import OpenAIError
 from router.workers.client import WorkerClient
 
