@@ -197,7 +197,12 @@ async def streams(args, router_url: str, router: psutil.Process) -> list:
             rows.append(
                 {
                     "streams": concurrency,
-                    "offered_tokens_per_s": round(concurrency / args.token_interval_s),
+                    # unpaced fakes (--token-interval-s 0) send as fast as they go
+                    "offered_tokens_per_s": (
+                        round(concurrency / args.token_interval_s)
+                        if args.token_interval_s
+                        else "unpaced"
+                    ),
                     "tokens_per_s": round(tokens / wall),
                     "router_cpu_core": round(used / wall, 2),
                     "router_cpu_us_per_token": round(1e6 * used / max(tokens, 1), 1),
