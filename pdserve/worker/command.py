@@ -153,7 +153,7 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if stop.is_set():
         log.info("stop requested while the engine starts: stopping once it has started")
-        await stop_serving(server, health, grace=0)
+        await stop_serving(server, service, health, grace=0)
         with contextlib.suppress(Exception):  # a failed start has nothing to shut down
             await starting
             started.pop().shutdown()
@@ -165,7 +165,7 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
     except Exception as error:  # the engine could not start: say why, then exit
         log.exception("engine failed to start")  # in the log before the health says so
         service.engine_failed(f"engine failed to start: {error}")
-        await stop_serving(server, health, grace=1)
+        await stop_serving(server, service, health, grace=1)
         _remove_start_leftovers(shm_before)
         return 1
     service.engine_ready(engine)
@@ -186,7 +186,7 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
     if membership is not None:
         await membership.leave()
         await membership.registry.close()
-    await stop_serving(server, health, grace=2)
+    await stop_serving(server, service, health, grace=2)
     if service.pool_peers is not None:
         await service.pool_peers.close()
     engine_processes = shm_leftovers.engine_processes()
@@ -215,8 +215,10 @@ def _names(paths: list) -> str:
     return " ".join(path.name for path in paths)
 
 
-async def stop_serving(server, health, grace: float) -> None:
-    """Stop the gRPC server (calls still running get `grace` seconds), then the health port."""
+async def stop_serving(server, service, health, grace: float) -> None:
+    """Stop the gRPC server (calls still running get `grace` seconds; the routers' sessions end
+    as soon as their requests have), then the health port."""
+    service.stop_sessions()
     await server.stop(grace=grace)
     if health is not None:
         await health.stop(grace=None)

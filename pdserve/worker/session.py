@@ -11,7 +11,8 @@ Every request ends with an end event (code OK, or the status Generate would fail
 its router aborted. A request runs at most CREDIT_WINDOW chunks ahead of what its router has
 taken (the router's credits), so a slow client holds back its own request (vLLM merges its
 outputs meanwhile), never the session. When the call ends (the router closed it, or the
-connection broke), every request on it is aborted.
+connection broke), every request on it is aborted; a stopping worker ends its sessions once their
+requests have (`ServesSessions.stop_sessions`).
 """
 
 import asyncio
@@ -46,10 +47,26 @@ RunRequest = Callable[[worker_pb2.GenerateRequest, dict[str, str]], AsyncIterato
 class ServesSessions:
     """A Worker servicer's Session, for a servicer whose `run` (a RunRequest) runs a request."""
 
+    _sessions: set | None = None  # those open now
+
     async def Session(self, request_iterator, context):
-        async with contextlib.aclosing(WorkerSession(self.run).serve(request_iterator)) as downs:
-            async for down in downs:
-                yield down
+        if self._sessions is None:
+            self._sessions = set()
+        session = WorkerSession(self.run)
+        self._sessions.add(session)
+        try:
+            async with contextlib.aclosing(session.serve(request_iterator)) as downs:
+                async for down in downs:
+                    yield down
+        finally:
+            self._sessions.discard(session)
+
+    def stop_sessions(self) -> None:
+        """The worker is stopping: each session refuses new requests (UNAVAILABLE: the router
+        sends them to another worker) and ends once its requests have, as calls would within the
+        server's grace (a session is never done by itself)."""
+        for session in self._sessions or ():
+            session.stop()
 
 
 @dataclass
@@ -67,19 +84,21 @@ class WorkerSession:
         self.outbox: list[tuple[worker_pb2.SessionEvent, int]] = []  # (event, its size)
         self.ready = asyncio.Event()  # the outbox has events, or the session is over
         self.reading = True  # the router may still send
+        self.stopping = False  # the worker is stopping: no new request, end when idle
 
     async def serve(self, ups: AsyncIterator) -> AsyncIterator[worker_pb2.SessionDown]:
         """The messages down, until the router has stopped sending and every request ended;
         leaving (the call cancelled) aborts every request still running."""
         reader = asyncio.create_task(self._read(ups))
         try:
-            while self.reading or self.streams or self.outbox:
+            while (self.reading and not self.stopping) or self.streams or self.outbox:
                 if not self.outbox:
                     self.ready.clear()
                     await self.ready.wait()
                     continue
                 yield self._take_message()
-            await reader  # ended: its errors, if any, are the call's
+            if reader.done():  # its error, if it failed, is the call's
+                reader.result()
         finally:
             reader.cancel()
             await self._abort_all()
@@ -113,7 +132,14 @@ class WorkerSession:
             self.reading = False
             self.ready.set()
 
+    def stop(self) -> None:
+        self.stopping = True
+        self.ready.set()
+
     def _start(self, start: worker_pb2.RequestStart) -> None:
+        if self.stopping:
+            self._end(start.stream_id, grpc.StatusCode.UNAVAILABLE, "the worker is stopping")
+            return
         if start.stream_id in self.streams:  # the router's bug, not the request's
             self._end(
                 start.stream_id,

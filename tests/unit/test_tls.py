@@ -144,7 +144,7 @@ async def plaintext_calls(monkeypatch, folders) -> dict[str, object]:
                     except grpc.aio.AioRpcError as error:
                         seen[name, call is check] = error.code()
     finally:
-        await stop_serving(server, health, grace=0)
+        await stop_serving(server, service, health, grace=0)
     return seen
 
 

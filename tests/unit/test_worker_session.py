@@ -249,3 +249,32 @@ def test_a_request_that_fails_on_the_worker_ends_with_its_status():
 
     error = asyncio.run(scenario())
     assert (error.status, error.message) == (400, "the prompt is empty")
+
+
+def test_a_stopping_worker_finishes_its_requests_refuses_new_ones_and_ends_the_session():
+    """As the worker's stop does (pdserve/worker/command.py's stop_serving): a session is never
+    done by itself, so the server's grace would otherwise always run out."""
+
+    async def scenario():
+        worker = FakeEngineWorker(step_s=0.02)
+        server, client = await serving(worker)
+        steps = asyncio.create_task(worker.steps())
+        try:
+            running = client.generate(request("running", 9, 20), 10)
+            first = await anext(running)
+            session = client.session  # the one open
+            worker.stop_sessions()
+            with pytest.raises(OpenAIError) as caught:
+                await _collect(client.generate(request("new", 4, 2), 10))
+            assert caught.value.kind == "worker_unavailable", caught.value.message
+            rest = await _collect(running)
+            assert [first, *rest][-1].finish_reason == "length" and len(rest) == 19
+            await until(lambda: session.ended is not None)
+            assert session.ended.code == grpc.StatusCode.UNAVAILABLE
+            assert "ended the session" in session.ended.details
+        finally:
+            steps.cancel()
+            await client.close()
+            await server.stop(None)
+
+    asyncio.run(scenario())
