@@ -118,16 +118,16 @@ def test_a_consumer_that_stops_reading_holds_back_its_own_request_only():
         server, client = await serving(worker)
         steps = asyncio.create_task(worker.steps())
         try:
-            slow = client.generate(request("slow", 7, 10 * CREDIT_WINDOW), 30)
+            slow = client.generate(request("slow", 7, 3 * CREDIT_WINDOW), 30)
             assert (await anext(slow)).token_ids == [7]  # then it reads no more
-            fast = [c async for c in client.generate(request("fast", 8, 3 * CREDIT_WINDOW), 30)]
-            assert len(fast) == 3 * CREDIT_WINDOW  # not held by the slow one's backlog
+            fast = [c async for c in client.generate(request("fast", 8, 2 * CREDIT_WINDOW), 30)]
+            assert len(fast) == 2 * CREDIT_WINDOW  # not held by the slow one's backlog
             # (pulled: chunks yielded and asked past; the window's last is yielded, not past)
             await until(lambda: worker.pulled["slow"] >= CREDIT_WINDOW - 1)
             await asyncio.sleep(0.2)  # many steps: it would have run on, were it not held
             assert worker.pulled["slow"] == CREDIT_WINDOW - 1
             rest = [c async for c in slow]  # reading again, it runs to its end
-            assert 1 + len(rest) == 10 * CREDIT_WINDOW and rest[-1].finish_reason == "length"
+            assert 1 + len(rest) == 3 * CREDIT_WINDOW and rest[-1].finish_reason == "length"
         finally:
             steps.cancel()
             await client.close()
