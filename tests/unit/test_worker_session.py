@@ -3,6 +3,7 @@ router/workers/session.py): the router's real WorkerClient and the worker's real
 over real gRPC on 127.0.0.1; only the engine is a fake (FakeEngineWorker's `run`)."""
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -53,12 +54,21 @@ class FakeEngineWorker(ServesSessions, worker_pb2_grpc.WorkerServicer):
                 self.closed.append(request_id)
 
 
+@contextlib.asynccontextmanager
 async def serving(worker: FakeEngineWorker):
+    """The router's client of `worker`, served on 127.0.0.1, its engine stepping."""
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServicer_to_server(worker, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    return server, WorkerClient(f"127.0.0.1:{port}")
+    client = WorkerClient(f"127.0.0.1:{port}")
+    steps = asyncio.create_task(worker.steps())
+    try:
+        yield client
+    finally:
+        steps.cancel()
+        await client.close()
+        await server.stop(None)
 
 
 def request(request_id: str, first: int, tokens: int) -> worker_pb2.GenerateRequest:
@@ -81,10 +91,8 @@ async def until(condition, timeout_s: float = 10.0) -> None:
 def test_many_requests_share_one_session_each_getting_its_own_tokens_a_step_in_one_message():
     async def scenario():
         worker = FakeEngineWorker()
-        server, client = await serving(worker)
-        steps = asyncio.create_task(worker.steps())
         reads = 0
-        try:
+        async with serving(worker) as client:
 
             async def one(first: int) -> list[int]:
                 chunks = [c async for c in client.generate(request(f"r{first}", first, 20), 10)]
@@ -102,22 +110,16 @@ def test_many_requests_share_one_session_each_getting_its_own_tokens_a_step_in_o
             tokens = await asyncio.gather(*(one(first) for first in range(1, 21)))
             assert tokens == [[first] * 20 for first in range(1, 21)]
             return reads
-        finally:
-            steps.cancel()
-            await client.close()
-            await server.stop(None)
 
     reads = asyncio.run(scenario())
     # 400 chunks and 20 ends, ~20 steps: far fewer messages than events (one a step when idle)
-    assert reads < 200, reads
+    assert reads < 200, reads  # a message per event would be 420
 
 
 def test_a_consumer_that_stops_reading_holds_back_its_own_request_only():
     async def scenario():
         worker = FakeEngineWorker(step_s=0.001)
-        server, client = await serving(worker)
-        steps = asyncio.create_task(worker.steps())
-        try:
+        async with serving(worker) as client:
             slow = client.generate(request("slow", 7, 3 * CREDIT_WINDOW), 30)
             assert (await anext(slow)).token_ids == [7]  # then it reads no more
             fast = [c async for c in client.generate(request("fast", 8, 2 * CREDIT_WINDOW), 30)]
@@ -128,10 +130,6 @@ def test_a_consumer_that_stops_reading_holds_back_its_own_request_only():
             assert worker.pulled["slow"] == CREDIT_WINDOW - 1
             rest = [c async for c in slow]  # reading again, it runs to its end
             assert 1 + len(rest) == 3 * CREDIT_WINDOW and rest[-1].finish_reason == "length"
-        finally:
-            steps.cancel()
-            await client.close()
-            await server.stop(None)
 
     asyncio.run(scenario())
 
@@ -139,19 +137,13 @@ def test_a_consumer_that_stops_reading_holds_back_its_own_request_only():
 def test_a_request_left_early_is_aborted_on_the_worker_and_its_id_can_run_again():
     async def scenario():
         worker = FakeEngineWorker()
-        server, client = await serving(worker)
-        steps = asyncio.create_task(worker.steps())
-        try:
+        async with serving(worker) as client:
             stream = client.generate(request("r", 5, 1000), 10)
             await anext(stream)
             await stream.aclose()  # the client went away
             await until(lambda: worker.closed == ["r"])
             again = [c async for c in client.generate(request("r", 6, 3), 10)]
             assert [c.token_ids for c in again] == [[6]] * 3  # none of the first one's
-        finally:
-            steps.cancel()
-            await client.close()
-            await server.stop(None)
 
     asyncio.run(scenario())
 
@@ -159,16 +151,12 @@ def test_a_request_left_early_is_aborted_on_the_worker_and_its_id_can_run_again(
 def test_a_request_past_its_deadline_times_out_and_is_aborted_on_the_worker():
     async def scenario():
         worker = FakeEngineWorker()
-        server, client = await serving(worker)
-        try:
+        async with serving(worker) as client:
             with pytest.raises(OpenAIError) as caught:
                 async for _ in client.generate(request("hangs", 0, 1), timeout=0.3):
                     pass
             await until(lambda: worker.closed == ["hangs"])
             return caught.value
-        finally:
-            await client.close()
-            await server.stop(None)
 
     error = asyncio.run(scenario())
     assert (error.status, error.kind) == (504, "timeout"), error.message
@@ -177,9 +165,7 @@ def test_a_request_past_its_deadline_times_out_and_is_aborted_on_the_worker():
 def test_a_chunk_too_big_for_a_message_fails_its_request_not_the_session():
     async def scenario():
         worker = FakeEngineWorker()
-        server, client = await serving(worker)
-        steps = asyncio.create_task(worker.steps())
-        try:
+        async with serving(worker) as client:
             other = asyncio.create_task(
                 asyncio.wait_for(
                     _collect(client.generate(request("other", 3, 50), timeout=10)), timeout=20
@@ -190,10 +176,6 @@ def test_a_chunk_too_big_for_a_message_fails_its_request_not_the_session():
                     pass
             assert len(await other) == 50
             return caught.value
-        finally:
-            steps.cancel()
-            await client.close()
-            await server.stop(None)
 
     error = asyncio.run(scenario())
     assert error.status == 502 and "RESOURCE_EXHAUSTED" in error.message, error.message
@@ -206,9 +188,7 @@ async def _collect(chunks) -> list:
 def test_a_broken_session_ends_its_requests_as_unavailable_and_the_next_opens_another():
     async def scenario():
         worker = FakeEngineWorker()
-        server, client = await serving(worker)
-        steps = asyncio.create_task(worker.steps())
-        try:
+        async with serving(worker) as client:
             waiting = [
                 asyncio.create_task(_collect(client.generate(request(f"h{i}", 0, 1), 10)))
                 for i in range(3)
@@ -223,10 +203,6 @@ def test_a_broken_session_ends_its_requests_as_unavailable_and_the_next_opens_an
             chunks = await _collect(client.generate(request("after", 4, 2), 10))
             assert len(chunks) == 2 and client.session is not first
             await until(lambda: sorted(worker.closed) == ["h0", "h1", "h2"])
-        finally:
-            steps.cancel()
-            await client.close()
-            await server.stop(None)
 
     asyncio.run(scenario())
 
@@ -238,14 +214,10 @@ def test_a_request_that_fails_on_the_worker_ends_with_its_status():
             yield
 
     async def scenario():
-        server, client = await serving(Refuses())
-        try:
+        async with serving(Refuses()) as client:
             with pytest.raises(OpenAIError) as caught:
                 await _collect(client.generate(request("r", 1, 1), 10))
             return caught.value
-        finally:
-            await client.close()
-            await server.stop(None)
 
     error = asyncio.run(scenario())
     assert (error.status, error.message) == (400, "the prompt is empty")
@@ -257,9 +229,7 @@ def test_a_stopping_worker_finishes_its_requests_refuses_new_ones_and_ends_the_s
 
     async def scenario():
         worker = FakeEngineWorker(step_s=0.02)
-        server, client = await serving(worker)
-        steps = asyncio.create_task(worker.steps())
-        try:
+        async with serving(worker) as client:
             running = client.generate(request("running", 9, 20), 10)
             first = await anext(running)
             session = client.session  # the one open
@@ -272,9 +242,5 @@ def test_a_stopping_worker_finishes_its_requests_refuses_new_ones_and_ends_the_s
             await until(lambda: session.ended is not None)
             assert session.ended.code == grpc.StatusCode.UNAVAILABLE
             assert "ended the session" in session.ended.details
-        finally:
-            steps.cancel()
-            await client.close()
-            await server.stop(None)
 
     asyncio.run(scenario())
