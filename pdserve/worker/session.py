@@ -122,7 +122,7 @@ class WorkerSession:
                 for credit in up.credits:
                     stream = self.streams.get(credit.stream_id)
                     if stream is not None:
-                        stream.taken = max(stream.taken, credit.taken)
+                        stream.taken = credit.taken  # cumulative, in order
                         stream.credit.set()
                 for stream_id in up.aborts:
                     stream = self.streams.pop(stream_id, None)

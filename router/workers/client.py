@@ -130,19 +130,16 @@ class WorkerClient:
         deadline = asyncio.get_running_loop().call_later(
             timeout, queue.put_nowait, Ended(grpc.StatusCode.DEADLINE_EXCEEDED)
         )
-        ended, taken = None, 0
+        taken = 0
         self.users += 1
         self.load.sent(len(request.prompt_token_ids))
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, Ended):
-                    ended = item
-                    break
+            while not isinstance(item := await queue.get(), Ended):
                 yield item
                 taken += 1
                 if taken % CREDIT_EVERY == 0:
                     session.credit(stream_id, taken)
+            ended = item
             if ended.code != grpc.StatusCode.OK:
                 span.set_status(trace.StatusCode.ERROR, f"{ended.code.name}: {ended.details}")
                 raise self._to_openai_error(ended, timeout)
@@ -150,8 +147,7 @@ class WorkerClient:
             deadline.cancel()
             span.end()
             self.users -= 1
-            if ended is None or ended.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                session.abort(stream_id)
+            session.abort(stream_id)  # unless the worker ended it, or the session did
 
     def _to_openai_error(self, ended: Ended, timeout: float) -> OpenAIError:
         code, details = ended.code, ended.details

@@ -61,8 +61,8 @@ class WorkerSession:
             self.up_ready.set()
 
     def abort(self, stream_id: int) -> None:
-        """The request's consumer left before its end: the worker aborts it (its late events are
-        dropped here)."""
+        """The request's consumer is done with it: a request still running (neither the worker
+        nor the session ended it) is aborted on the worker, its late events dropped here."""
         if self.queues.pop(stream_id, None) is not None and self.ended is None:
             self.up.aborts.append(stream_id)
             self.up_ready.set()

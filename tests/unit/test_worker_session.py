@@ -12,6 +12,7 @@ from pdserve.protocol import CREDIT_WINDOW, MAX_MESSAGE_BYTES, worker_pb2, worke
 from pdserve.worker.session import RequestFailed, ServesSessions
 from router.http.errors import OpenAIError
 from router.workers.client import WorkerClient
+from tests.waiting import until
 
 
 class FakeEngineWorker(ServesSessions, worker_pb2_grpc.WorkerServicer):
@@ -79,15 +80,6 @@ def request(request_id: str, first: int, tokens: int) -> worker_pb2.GenerateRequ
     )
 
 
-async def until(condition, timeout_s: float = 10.0) -> None:
-    """Until `condition()` holds; fails the test past `timeout_s` (a bound, not a measure)."""
-    give_up = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        if asyncio.get_running_loop().time() > give_up:
-            pytest.fail(f"not within {timeout_s} s")
-        await asyncio.sleep(0.01)
-
-
 def test_many_requests_share_one_session_each_getting_its_own_tokens_a_step_in_one_message():
     async def scenario():
         worker = FakeEngineWorker()
@@ -125,7 +117,7 @@ def test_a_consumer_that_stops_reading_holds_back_its_own_request_only():
             fast = [c async for c in client.generate(request("fast", 8, 2 * CREDIT_WINDOW), 30)]
             assert len(fast) == 2 * CREDIT_WINDOW  # not held by the slow one's backlog
             # (pulled: chunks yielded and asked past; the window's last is yielded, not past)
-            await until(lambda: worker.pulled["slow"] >= CREDIT_WINDOW - 1)
+            await until(lambda: worker.pulled["slow"] >= CREDIT_WINDOW - 1, 10, "the slow one held")
             await asyncio.sleep(0.2)  # many steps: it would have run on, were it not held
             assert worker.pulled["slow"] == CREDIT_WINDOW - 1
             rest = [c async for c in slow]  # reading again, it runs to its end
@@ -141,7 +133,7 @@ def test_a_request_left_early_is_aborted_on_the_worker_and_its_id_can_run_again(
             stream = client.generate(request("r", 5, 1000), 10)
             await anext(stream)
             await stream.aclose()  # the client went away
-            await until(lambda: worker.closed == ["r"])
+            await until(lambda: worker.closed == ["r"], 10, "r aborted on the worker")
             again = [c async for c in client.generate(request("r", 6, 3), 10)]
             assert [c.token_ids for c in again] == [[6]] * 3  # none of the first one's
 
@@ -155,7 +147,7 @@ def test_a_request_past_its_deadline_times_out_and_is_aborted_on_the_worker():
             with pytest.raises(OpenAIError) as caught:
                 async for _ in client.generate(request("hangs", 0, 1), timeout=0.3):
                     pass
-            await until(lambda: worker.closed == ["hangs"])
+            await until(lambda: worker.closed == ["hangs"], 10, "hangs aborted on the worker")
             return caught.value
 
     error = asyncio.run(scenario())
@@ -193,7 +185,7 @@ def test_a_broken_session_ends_its_requests_as_unavailable_and_the_next_opens_an
                 asyncio.create_task(_collect(client.generate(request(f"h{i}", 0, 1), 10)))
                 for i in range(3)
             ]
-            await until(lambda: len(worker.pulled) == 3)
+            await until(lambda: len(worker.pulled) == 3, 10, "three requests running")
             first = client.session
             first.call.cancel()  # as a broken connection ends it
             for task in waiting:
@@ -202,7 +194,8 @@ def test_a_broken_session_ends_its_requests_as_unavailable_and_the_next_opens_an
                 assert caught.value.kind == "worker_unavailable", caught.value.message
             chunks = await _collect(client.generate(request("after", 4, 2), 10))
             assert len(chunks) == 2 and client.session is not first
-            await until(lambda: sorted(worker.closed) == ["h0", "h1", "h2"])
+            aborted = ["h0", "h1", "h2"]
+            await until(lambda: sorted(worker.closed) == aborted, 10, "all three aborted")
 
     asyncio.run(scenario())
 
@@ -239,7 +232,7 @@ def test_a_stopping_worker_finishes_its_requests_refuses_new_ones_and_ends_the_s
             assert caught.value.kind == "worker_unavailable", caught.value.message
             rest = await _collect(running)
             assert [first, *rest][-1].finish_reason == "length" and len(rest) == 19
-            await until(lambda: session.ended is not None)
+            await until(lambda: session.ended is not None, 10, "the session ended")
             assert session.ended.code == grpc.StatusCode.UNAVAILABLE
             assert "ended the session" in session.ended.details
 
