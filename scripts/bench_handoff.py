@@ -4,7 +4,8 @@ request's first-to-second token gap in its own inter-token latencies (ITL).
     python scripts/bench_handoff.py --trees /tmp/main-export,.   # two clusters it starts
     python scripts/bench_handoff.py --urls http://127.0.0.1:8000,http://127.0.0.1:8001
 
-`--trees`: one 1P1D cluster per pdserve source tree (its code on PYTHONPATH, this Python), e.g.
+`--trees`: one 1P1D cluster per pdserve source tree (started in the tree with its code on
+PYTHONPATH, this Python; `--serve-args` adds flags to each), e.g.
 `git archive main | tar -x -C /tmp/main-export` against this checkout, all running at once
 (each ~6 GB with its 0.5 GiB KV caches), stopped on every path out. `--urls`: running routers,
 each of a 1P1D cluster started as those are (`pdserve serve --prefill 1 --decode 1
@@ -50,6 +51,9 @@ def main() -> int:
     parser.add_argument("--model", default=MODEL, help="the served model name")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--serve-args", default="", help="more `pdserve serve` flags for --trees' clusters"
+    )
     args = parser.parse_args()
     text = PromptText(args.seed, load_tokenizer(str(ensure_model(MODEL))))
     with contextlib.ExitStack() as stack:
@@ -57,7 +61,7 @@ def main() -> int:
             urls = args.urls.split(",")
         else:
             urls = [
-                stack.enter_context(cluster(Path(tree), args.model))
+                stack.enter_context(cluster(Path(tree), args.model, args.serve_args.split()))
                 for tree in args.trees.split(",")
             ]
             names = dict(zip(urls, args.trees.split(","), strict=True))
@@ -80,17 +84,19 @@ def main() -> int:
 
 
 @contextlib.contextmanager
-def cluster(tree: Path, model: str):
+def cluster(tree: Path, model: str, serve_args: list[str]):
     """A 1P1D cluster of `tree`'s code sending every prompt through its prefill worker."""
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-handoff-"))
     port = free_port()
     command = [sys.executable, "-m", "pdserve.cli", "serve", "--prefill", "1", "--decode", "1"]
     command += ["--port", str(port), "--log-dir", str(log_dir), "--kv-cache-gib", "0.5"]
     command += ["--served-model-name", model, "--route-policy", "length"]
-    command += ["--disaggregate-min-tokens", "0"]
+    command += ["--disaggregate-min-tokens", "0", *serve_args]
+    # In the tree: `python -m` puts the working directory first on the path, before PYTHONPATH.
     env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
     print(f"starting {tree} (logs: {log_dir})", file=sys.stderr)
-    with served(command, log_dir / "serve.log", port, f"pdserve serve ({tree})", 600, env) as url:
+    what = f"pdserve serve ({tree})"
+    with served(command, log_dir / "serve.log", port, what, 600, env, cwd=tree) as url:
         yield url
 
 

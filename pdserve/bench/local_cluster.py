@@ -119,10 +119,11 @@ def served(
     what: str,
     ready_timeout_s: float,
     env: dict | None = None,
+    cwd: Path | None = None,
 ) -> Iterator[str]:
     """Yields the server's URL once its /health answers 200, while `command` runs in its own
-    process group; stopped on every path out."""
-    process = spawn(command, log_path, env)
+    process group (in `cwd`); stopped on every path out."""
+    process = spawn(command, log_path, env, cwd=cwd)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(

@@ -83,10 +83,12 @@ def spawn(
     env: dict[str, str] | None = None,
     dies_with_parent: bool = True,
     pass_fds: tuple[int, ...] = (),
+    cwd: Path | None = None,
 ) -> subprocess.Popen:
-    """Start `command` in its own session, its output appended to `log_path`. A service meant
-    to outlive this process (a Ray head or Redis that `pdserve up` starts) passes
-    `dies_with_parent=False`; `pass_fds` stay open in the child."""
+    """Start `command` in its own session, its output appended to `log_path`, in `cwd` (this
+    process's directory by default). A service meant to outlive this process (a Ray head or
+    Redis that `pdserve up` starts) passes `dies_with_parent=False`; `pass_fds` stay open in
+    the child."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:
         return subprocess.Popen(
@@ -98,6 +100,7 @@ def spawn(
             preexec_fn=die_with_parent if dies_with_parent else None,
             env=env if env is not None else dict(os.environ),
             pass_fds=pass_fds,
+            cwd=cwd,
         )
 
 
