@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -61,7 +62,7 @@ def main() -> int:
             urls = args.urls.split(",")
         else:
             urls = [
-                stack.enter_context(cluster(Path(tree), args.model, args.serve_args.split()))
+                stack.enter_context(cluster(Path(tree), args.model, shlex.split(args.serve_args)))
                 for tree in args.trees.split(",")
             ]
             names = dict(zip(urls, args.trees.split(","), strict=True))
