@@ -17,6 +17,7 @@ requests have (`ServesSessions.stop_sessions`).
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -47,11 +48,12 @@ RunRequest = Callable[[worker_pb2.GenerateRequest, dict[str, str]], AsyncIterato
 class ServesSessions:
     """A Worker servicer's Session, for a servicer whose `run` (a RunRequest) runs a request."""
 
-    _sessions: set | None = None  # those open now
+    @functools.cached_property
+    def _sessions(self) -> set["WorkerSession"]:
+        """Those open now."""
+        return set()
 
     async def Session(self, request_iterator, context):
-        if self._sessions is None:
-            self._sessions = set()
         session = WorkerSession(self.run)
         self._sessions.add(session)
         try:
@@ -65,7 +67,7 @@ class ServesSessions:
         """The worker is stopping: each session refuses new requests (UNAVAILABLE: the router
         sends them to another worker) and ends once its requests have, as calls would within the
         server's grace (a session is never done by itself)."""
-        for session in self._sessions or ():
+        for session in self._sessions:
             session.stop()
 
 

@@ -279,8 +279,9 @@ class _ReleasingStream(StreamingResponse):
         """The start through the app's `send` (Starlette's layers note that the response
         started), the events straight to the server's when it gave one (ExposeServerSend): each
         layer's `send` is a call on every token."""
-        start = {"type": "http.response.start", "status": self.status_code}
-        await send({**start, "headers": self.raw_headers})
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
         send = self.server_send or send
         async for event in self.body_iterator:
             await send({"type": "http.response.body", "body": event.encode(), "more_body": True})

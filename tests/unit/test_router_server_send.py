@@ -45,6 +45,10 @@ def test_the_client_gets_what_the_app_sends_without_it(monkeypatch):
 class RecordingClient(FakeHttpClient):
     """A client whose `send` (the server's) notes which function called it."""
 
+    def __init__(self, app, path: str, body: dict) -> None:
+        self.callers: list[tuple[str, str]] = []  # before the app's task can send
+        super().__init__(app, path, body)
+
     async def send(self, message: dict) -> None:
         self.callers.append((message["type"], sys._getframe(1).f_code.co_name))
         await super().send(message)
@@ -53,7 +57,6 @@ class RecordingClient(FakeHttpClient):
 def callers(app) -> list[tuple[str, str]]:
     async def go():
         client = RecordingClient(app, "/v1/completions", BODY)
-        client.callers = []  # before its task first runs
         await asyncio.wait_for(client.task, 5.0)
         return client.callers
 
