@@ -7,8 +7,6 @@ check and the background tasks (router/lifespan.py).
 
 import time
 
-from fastapi import FastAPI
-
 from pdserve.settings.router import RouterSettings
 from router.flow.accounting import Accounting
 from router.flow.admission_gate import AdmissionGate
@@ -20,6 +18,7 @@ from router.http import cluster, generation, tokens
 from router.http import error_handlers as errors
 from router.http.api_keys import load_api_keys, open_paths
 from router.http.body import BodyBytes
+from router.http.direct_routes import RouterApp, direct_routes
 from router.http.openai_types import MAX_BATCH_PROMPTS
 from router.lifespan import lifespan
 from router.metrics import RouterMetrics
@@ -45,11 +44,11 @@ def body_limit(max_model_len: int) -> int:
     return min(MAX_BODY_BYTES, BODY_BASE_BYTES + prompts)
 
 
-def create_app(settings: RouterSettings, model: str) -> FastAPI:
+def create_app(settings: RouterSettings, model: str) -> RouterApp:
     """`model`: where the tokenizer comes from (a folder, or a hub id)."""
     # No /docs, /redoc or /openapi.json: the API is OpenAI's (docs/http-api.md), and an
     # internet-facing router need not describe its admin routes (security review L8).
-    app = FastAPI(
+    app = RouterApp(
         title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     state = app.state
@@ -84,4 +83,5 @@ def create_app(settings: RouterSettings, model: str) -> FastAPI:
         app.add_exception_handler(error_class, handler)
     for module in (cluster, tokens, generation):
         app.include_router(module.routes)
+    app.direct_routes = direct_routes(generation.routes, state)  # router/http/direct_routes.py
     return app

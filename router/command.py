@@ -80,10 +80,8 @@ def server_config(app, settings: RouterSettings):
     review L11; router/http/body.py bounds the time and bytes of the bodies being read)."""
     import uvicorn
 
-    from router.http.generation import ExposeServerSend
-
     return uvicorn.Config(
-        ExposeServerSend(app),
+        app,
         host=settings.host,
         port=settings.port,
         log_level="warning",

@@ -261,11 +261,9 @@ class _ReleasingStream(StreamingResponse):
         super().__init__(content, **options)
         self.release = release
         self.trace_context = trace_context
-        self.server_send = None
 
     async def __call__(self, scope, receive, send) -> None:
         attached = otel_context.attach(self.trace_context)
-        self.server_send = scope.get(SERVER_SEND)
         try:
             await super().__call__(scope, receive, send)
         finally:
@@ -274,31 +272,3 @@ class _ReleasingStream(StreamingResponse):
                 await self.release()
             finally:
                 otel_context.detach(attached)
-
-    async def stream_response(self, send) -> None:
-        """The start through the app's `send` (Starlette's layers note that the response
-        started), the events straight to the server's when it gave one (ExposeServerSend): each
-        layer's `send` is a call on every token."""
-        await send(
-            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
-        )
-        send = self.server_send or send
-        async for event in self.body_iterator:
-            await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-SERVER_SEND = "pdserve.server_send"  # the scope's key for the server's own `send`
-
-
-class ExposeServerSend:
-    """The app as the server runs it (router/command.py): the server's own `send` goes in each
-    request's scope, for a streamed response's events (_ReleasingStream). Starlette's error
-    layers wrap `send` only to note that a response started, which its start message tells them."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        scope[SERVER_SEND] = send
-        await self.app(scope, receive, send)
