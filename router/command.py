@@ -7,6 +7,7 @@ import sys
 import time
 
 from pdserve.core.event_loop import run_on_fastest_loop
+from pdserve.core.heap import freeze_startup_heap
 from pdserve.model_store.store import ModelError, resolve_model
 from pdserve.settings.base import ConfigError
 from pdserve.settings.cluster_secret import load_cluster_secret
@@ -91,11 +92,13 @@ def server_config(app, settings: RouterSettings):
 
 
 async def _announce_when_started(server, settings: RouterSettings) -> None:
+    """Once the server serves: its startup heap frozen, and how to call it printed."""
     started = time.monotonic()
     while not server.started:
         if time.monotonic() - started > 60:
             return
         await asyncio.sleep(0.1)
+    freeze_startup_heap()  # the app, its tokenizer and the server (pdserve/core/heap.py)
     url = f"http://{settings.host}:{settings.port}"
     served_model = settings.served_model
     print(

@@ -23,6 +23,7 @@ from typing import NoReturn
 import grpc
 
 from pdserve.core.event_loop import run_on_fastest_loop
+from pdserve.core.heap import freeze_startup_heap
 from pdserve.core.kinds import Role
 from pdserve.model_store.store import ModelError, resolve_model
 from pdserve.protocol import GRPC_OPTIONS, worker_pb2_grpc
@@ -168,6 +169,7 @@ async def serve_worker(settings: WorkerSettings, model) -> int:
         await stop_serving(server, service, health, grace=1)
         _remove_start_leftovers(shm_before)
         return 1
+    freeze_startup_heap()  # vLLM, torch and the engine's client (pdserve/core/heap.py)
     service.engine_ready(engine)
     log.info(
         "worker %s ready (max_model_len=%d, kv blocks=%d)",

@@ -28,6 +28,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 METRIC_NAME = re.compile(r"(?<![\w:])(pdserve_\w+|vllm:[\w:]+|up(?=\{))")
 PROMETHEUS_MADE = {"up"}
 SUFFIXES = ("_bucket", "_count", "_sum")  # series Prometheus adds to every target itself
+FROZEN = re.compile(r"startup heap frozen: (\d+) objects")
 
 
 def health(address: str, service: str) -> int:
@@ -141,6 +142,27 @@ def test_ready_workers_serve_health_and_metrics_and_the_dashboard_names_them(ser
         if name not in known
     }
     assert not missing, f"dashboard queries name metrics no component exports: {missing}"
+
+
+def frozen_heaps(log_dir: Path) -> dict[str, int]:
+    """Each process's count of frozen objects, by its log's name."""
+    frozen = {}
+    for path in sorted(log_dir.glob("*.log")):
+        counts = FROZEN.findall(path.read_text(errors="replace"))
+        if counts:
+            frozen[path.name.split("-")[0].removesuffix(".log")] = int(counts[-1])
+    return frozen
+
+
+def test_the_router_and_every_worker_serve_with_their_startup_heap_frozen(server):
+    """pdserve/core/heap.py: each process exempts the heap it holds once it serves from the
+    collector's full passes (a worker's, with vLLM and torch imported, took ~300 ms each). A
+    lone router runs in `pdserve serve`'s own process (serve.log), and freezes its heap within
+    a tenth of a second of serving."""
+    expected = {"serve", "prefill", "decode"}
+    wait_until(lambda: set(frozen_heaps(server.log_dir)) == expected, server.process, 10, "frozen")
+    frozen = frozen_heaps(server.log_dir)
+    assert frozen["serve"] > 10_000 and frozen["prefill"] > 100_000 < frozen["decode"], frozen
 
 
 def dashboard_queries():
