@@ -2,7 +2,7 @@
 
 A full collection (CPython's oldest generation) walks every object the process tracks, and
 every request the process serves waits meanwhile. In a worker, with torch and vLLM imported,
-that is ~640,000 objects and ~300 ms on this host's cores; in the router ~130,000 objects and
+that is ~660,000 objects and 300-400 ms on this host's cores; in the router ~136,000 objects and
 40-90 ms, one every few seconds at 800 requests a second (docs/benchmarking.md). vLLM's API
 server freezes its heap once started for the same reason (its lifespan's `freeze_gc_heap`);
 a pdserve worker runs vLLM's engine client in a process of its own, where nothing did. What

@@ -20,7 +20,9 @@ from router.http import error_handlers as errors
 
 
 class RouterApp(FastAPI):
-    direct_routes: dict[str, ASGIApp] = {}  # path -> what serves a POST to it
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        self.direct_routes: dict[str, ASGIApp] = {}  # path -> what serves a POST to it
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
