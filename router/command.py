@@ -4,7 +4,6 @@ starts), and the start-up that `pdserve serve` shares with it."""
 import argparse
 import asyncio
 import sys
-import time
 
 from pdserve.core.event_loop import run_on_fastest_loop
 from pdserve.core.heap import freeze_startup_heap
@@ -92,11 +91,10 @@ def server_config(app, settings: RouterSettings):
 
 
 async def _announce_when_started(server, settings: RouterSettings) -> None:
-    """Once the server serves: its startup heap frozen, and how to call it printed."""
-    started = time.monotonic()
+    """Once the server serves: its startup heap frozen, and how to call it printed. Its start
+    may wait for the workers to load (`worker_ready_timeout_s`, minutes for a large model), so
+    this waits as long as the server runs (run_router cancels it when the server stops)."""
     while not server.started:
-        if time.monotonic() - started > 60:
-            return
         await asyncio.sleep(0.1)
     freeze_startup_heap()  # the app, its tokenizer and the server (pdserve/core/heap.py)
     url = f"http://{settings.host}:{settings.port}"

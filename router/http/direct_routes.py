@@ -50,7 +50,11 @@ def direct_route(endpoint) -> ASGIApp:
 def direct_routes(routes, state) -> dict[str, ASGIApp]:
     """The POST routes of `routes` (an APIRouter's), each behind the API-key guard when the app
     has keys."""
-    direct = {route.path: direct_route(route.endpoint) for route in routes.routes}
+    direct = {
+        route.path: direct_route(route.endpoint)
+        for route in routes.routes
+        if "POST" in route.methods
+    }
     if state.api_keys:
         return {path: errors.ApiKeyGuard(app, state=state) for path, app in direct.items()}
     return direct
