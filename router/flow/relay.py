@@ -20,16 +20,21 @@ class Relay:
         """Yield (chunk, finish_reason or None) until every choice has finished; a 502 for a
         request the worker ended otherwise (aborted)."""
         finished = 0
-        async for chunk in _prepend(leg.first, leg.chunks):
+        chunk = leg.first
+        while True:
             self.accounting.chunk(run, chunk)
             if not chunk.finish_reason:
                 yield chunk, None
-                continue
-            if chunk.finish_reason not in FINISH_REASONS:
+            elif chunk.finish_reason not in FINISH_REASONS:
                 raise worker_failed(f"the worker ended the request: {chunk.finish_reason}")
-            yield chunk, FINISH_REASONS[chunk.finish_reason]
-            finished += 1
-            if finished == run.choices:
+            else:
+                yield chunk, FINISH_REASONS[chunk.finish_reason]
+                finished += 1
+                if finished == run.choices:
+                    return
+            try:  # (the first chunk came apart: no generator around both, a hop per token)
+                chunk = await leg.chunks.__anext__()
+            except StopAsyncIteration:
                 return
 
     async def collect(
@@ -37,15 +42,12 @@ class Relay:
     ) -> dict:
         """The whole response body: every run's choices (the best `n` of each, by cumulative
         logprob, when best_of sampled more), in prompt order."""
-        try:
-            choices = await asyncio.gather(
-                *(
-                    self._collect_run(run, prompt, leg)
-                    for run, prompt, leg in zip(
-                        admitted.runs, admitted.prompts, started, strict=True
-                    )
-                )
-            )
+        runs = [
+            self._collect_run(run, prompt, leg)
+            for run, prompt, leg in zip(admitted.runs, admitted.prompts, started, strict=True)
+        ]
+        try:  # a lone run in the caller's task (a gather makes a task for it)
+            choices = [await runs[0]] if len(runs) == 1 else await asyncio.gather(*runs)
         finally:
             for leg in started:
                 await leg.chunks.aclose()
@@ -107,9 +109,3 @@ def best(choices: list[Choice], n: int) -> list[Choice]:
     if len(choices) == n:
         return choices
     return sorted(choices, key=lambda choice: choice.cumulative_logprob, reverse=True)[:n]
-
-
-async def _prepend(first, chunks):
-    yield first
-    async for chunk in chunks:
-        yield chunk

@@ -56,7 +56,10 @@ class Starter:
 
     async def start_all(self, admitted: Admitted) -> list[Started]:
         """Start every run at once; if one fails, the others are closed (which aborts them on
-        their workers) and its error raised."""
+        their workers) and its error raised. A lone run starts in the caller's task (a gather
+        makes a task for it)."""
+        if len(admitted.runs) == 1:
+            return [await self.start(admitted.runs[0], admitted.worker_requests[0])]
         results = await asyncio.gather(
             *(
                 self.start(run, request)

@@ -43,7 +43,6 @@ from router.workers.prefix_index import cache_salt
 routes = APIRouter()
 TIMING_HEADER = "x-pdserve-timing"  # ask for the timing breakdown in a whole response
 WORKER_HEADERS = ("x-pdserve-worker", "x-pdserve-prefill-worker")
-CANCEL_GRACE_S = 5.0  # how long a cancelled relay may take to unwind
 
 
 @routes.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
@@ -178,22 +177,36 @@ def _visible_headers(headers: dict, caller: Caller) -> dict:
 
 
 async def _unless_client_leaves(request: Request, work):
-    """`work`'s result, or None when the client leaves first (security review M6): `work` is
-    cancelled then, so a request waiting in the admission queue leaves it, and one whose runs
-    are starting is aborted on its workers. uvicorn does not cancel a handler whose client
-    left, and nothing else reads the connection before the response starts."""
-    task = asyncio.ensure_future(work)
-    left = asyncio.ensure_future(_client_left(request))
-    try:
-        await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        return None
-    finally:
-        left.cancel()
-        if not task.done():
+    """`work`'s result, or None when the client leaves first (security review M6): the task
+    serving the request is cancelled then, so a request waiting in the admission queue leaves
+    it, and one whose runs are starting or being collected is aborted on its workers. uvicorn
+    does not cancel a handler whose client left, and nothing else reads the connection before
+    the response starts. `work` runs in the serving task itself: a task of its own, and a wait
+    for the first of two, cost a short request more of the router's CPU than the watch."""
+    task = asyncio.current_task()
+    watching, left = True, False
+
+    def cancel_work(watch: asyncio.Future) -> None:
+        nonlocal left
+        if watching and not watch.cancelled():
+            watch.exception()  # a failed receive counts as a client gone, as before
+            left = True
             task.cancel()
-            await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
+
+    watch = asyncio.ensure_future(_client_left(request))
+    watch.add_done_callback(cancel_work)
+    try:
+        result = await work
+    except asyncio.CancelledError:
+        if left and task.uncancel() == 0:  # only the watch cancelled it
+            return None
+        raise
+    finally:
+        watching = False  # a watch done in this step has its callback still to run
+        watch.cancel()
+    if left:  # `work` ended as the client left, and did not take the cancel: none is due now
+        task.uncancel()
+    return result
 
 
 async def _client_left(request: Request) -> None:
@@ -216,12 +229,13 @@ async def _whole(
     its timing breakdown for operator and admin keys that ask for it."""
     relay = request.app.state.relay
     try:
-        whole = await _until_disconnected(
-            request, relay.collect(admitted, started, shape, endpoint), endpoint
+        whole = await _unless_client_leaves(
+            request, relay.collect(admitted, started, shape, endpoint)
         )
     finally:
         turn.give_back()
     if whole is None:
+        request.app.state.accounting.disconnect(endpoint)
         return Response(status_code=DISCONNECTED)
     # Prompt tokens the serving worker did not compute itself (prefix cache + KV received); on
     # a disaggregated request it shows the decode worker's saving.
@@ -230,23 +244,6 @@ async def _whole(
     if request.headers.get(TIMING_HEADER) and caller.steers:
         whole["pdserve_timing"] = timing_breakdown(admitted.runs[0])
     return JSONResponse(whole, headers=headers)
-
-
-async def _until_disconnected(request: Request, work, endpoint: str):
-    """Run `work`; if the client leaves first, cancel it (which aborts the request on the
-    worker) and answer 499, which nobody reads but the metrics count."""
-    task = asyncio.ensure_future(work)
-    try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.5)
-            if not task.done() and await request.is_disconnected():
-                request.app.state.accounting.disconnect(endpoint)
-                return None
-        return task.result()
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
 
 
 class _ReleasingStream(StreamingResponse):

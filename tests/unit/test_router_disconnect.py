@@ -103,6 +103,29 @@ def test_a_client_gone_between_two_events_of_a_stream_frees_its_place_at_once(se
     assert asyncio.run(go()) == 200
 
 
+def test_a_client_gone_while_its_whole_response_is_collected_is_a_499_and_aborts_it(served):
+    app, worker = served
+    gate = app.state.gate
+
+    async def go():
+        worker.go.set()  # one chunk, then the stream stalls: the response is never whole
+        client = FakeHttpClient(app, "/v1/completions", {"prompt": "hi", "max_tokens": 5})
+        await until(lambda: len(worker.requests) == 1, "the request at the worker")
+        registry = app.state.metrics.registry
+        first_tokens = "pdserve_time_to_first_token_seconds_count"
+        await until(lambda: registry.get_sample_value(first_tokens) == 1, "its first token")
+        client.leave()
+        await asyncio.wait_for(client.task, WAIT_S)
+        assert gate.running == 0
+        assert worker.aborted == [worker.requests[0].request_id]
+        return client.status()
+
+    assert asyncio.run(go()) == 499
+    metrics = app.state.metrics.registry
+    labels = {"endpoint": "completions", "status": "499"}
+    assert metrics.get_sample_value("pdserve_requests_total", labels) == 1
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/tokenize"])
 def test_a_client_gone_while_sending_its_body_is_no_500(served, path, caplog):
     app, worker = served
