@@ -3,7 +3,7 @@ multiplexed stream per worker (issue 49: is that change worth making?). A gRPC s
 process on another core; this process is the router's side, pinned to core 0, and its CPU (the
 event loop's thread and gRPC's own threads) is what is counted.
 
-    python scripts/bench_grpc_messages.py [--requests 100] [--tokens 400]
+    python scripts/bench_grpc_messages.py [--requests 100] [--tokens 400] [--gap-ms 1]
 
 - a call per request, one message: what a short request's call costs (today's unary-stream
   Generate, each call answered with one chunk);
@@ -13,12 +13,19 @@ event loop's thread and gRPC's own threads) is what is counted.
   every request that are ready (K requests' tokens of one engine step); the router parses each
   and puts it on its request's queue, where the request's task awaits it.
 
+- one message up and one down at a time, `--gap-ms` apart (a router's short requests arriving
+  one by one: each message finds gRPC's threads asleep), over one gRPC stream and over a plain
+  asyncio TCP stream of length-prefixed messages: what a short request's start and its answer
+  cost on a session, and what a transport without gRPC's threads would (the CPU of the same
+  loop without messages taken off).
+
 No new protocol: raw-bytes handlers, a multiplexed message is K length-prefixed serialized
 GenerateChunks, each with its request's number.
 """
 
 import argparse
 import asyncio
+import contextlib
 import os
 import struct
 import subprocess
@@ -37,6 +44,19 @@ CHUNK = worker_pb2.GenerateChunk(token_ids=[42], text=" a").SerializeToString()
 HEADER = struct.Struct("<HI")  # the chunk's request, its length
 SERVICE = "bench.Messages"
 READY_TIMEOUT_S = 60
+LENGTH = struct.Struct(">I")  # a plain stream's message length
+START = worker_pb2.SessionUp(
+    starts=[
+        worker_pb2.RequestStart(
+            stream_id=1,
+            request=worker_pb2.GenerateRequest(
+                request_id="cmpl-0123456789abcdef0123456789abcdef",
+                prompt_token_ids=[19556],
+                sampling=worker_pb2.SamplingParams(max_tokens=1),
+            ),
+        )
+    ]
+).SerializeToString()
 
 
 def serve(port: int) -> None:
@@ -58,13 +78,26 @@ def serve(port: int) -> None:
                 yield messages[number % count]
             return
 
+    async def echo(requests, context):
+        async for _ in requests:
+            yield CHUNK
+
+    async def plain_echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                (size,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
+                await reader.readexactly(size)
+                writer.write(LENGTH.pack(len(CHUNK)) + CHUNK)
+
     async def main() -> None:
         server = grpc.aio.server(options=GRPC_OPTIONS)
         handlers = {
             "Each": grpc.unary_stream_rpc_method_handler(each),
             "Multiplexed": grpc.stream_stream_rpc_method_handler(multiplexed),
+            "Echo": grpc.stream_stream_rpc_method_handler(echo),
         }
         server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
+        await asyncio.start_server(plain_echo, "127.0.0.1", port + 1)  # before gRPC's is ready
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         await server.wait_for_termination()
@@ -77,7 +110,7 @@ def cpu_seconds() -> float:
     return times.user + times.system
 
 
-async def measure(port: int, requests: int, tokens: int) -> None:
+async def measure(port: int, requests: int, tokens: int, gap_s: float) -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as channel:
         await asyncio.wait_for(channel.channel_ready(), READY_TIMEOUT_S)
         each = channel.unary_stream(f"/{SERVICE}/Each")
@@ -113,6 +146,40 @@ async def measure(port: int, requests: int, tokens: int) -> None:
             await asyncio.gather(*relays)
             return 1e6 * (cpu_seconds() - began) / (requests * tokens)
 
+        async def spaced(round_trip, count: int, gap_s: float) -> float:
+            """CPU per round trip, less that of the same loop without one."""
+            began = cpu_seconds()
+            for _ in range(count):
+                await asyncio.sleep(gap_s)
+            idle = cpu_seconds() - began
+            began = cpu_seconds()
+            for _ in range(count):
+                await round_trip()
+                await asyncio.sleep(gap_s)
+            return 1e6 * (cpu_seconds() - began - idle) / count
+
+        echo = channel.stream_stream(f"/{SERVICE}/Echo")(metadata=())
+        reader, writer = await asyncio.open_connection("127.0.0.1", port + 1)
+
+        async def over_grpc() -> None:
+            await echo.write(START)
+            worker_pb2.GenerateChunk.FromString(await echo.read())
+
+        async def over_plain_stream() -> None:
+            writer.write(LENGTH.pack(len(START)) + START)
+            (size,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
+            worker_pb2.GenerateChunk.FromString(await reader.readexactly(size))
+
+        for number in range(2):
+            for name, round_trip in (("gRPC", over_grpc), ("plain asyncio", over_plain_stream)):
+                cost = await spaced(round_trip, 20 * requests, gap_s)
+                print(
+                    f"round {number}: one message each way, {gap_s * 1e3:g} ms apart, over "
+                    f"a {name} stream: {cost:.0f} µs a round trip"
+                )
+        echo.cancel()
+        writer.close()
+
         for number in range(2):
             short = await per_call(1, 20 * requests, 50)
             print(f"round {number}: a call per request, one message: {short:.0f} µs a call")
@@ -133,12 +200,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--tokens", type=int, default=400)
+    parser.add_argument("--gap-ms", type=float, default=1.0)
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the server process's port
     args = parser.parse_args()
     if args.serve:
         serve(args.serve)
         return
-    port = free_port()
+    port = free_port(count=2)  # gRPC's, the plain stream's
     others = set(range(1, os.cpu_count() or 2)) or {0}
     server = subprocess.Popen(
         [sys.executable, __file__, "--serve", str(port)],
@@ -146,7 +214,7 @@ def main() -> None:
     )
     os.sched_setaffinity(0, {0})
     try:
-        uvloop.run(measure(port, args.requests, args.tokens))
+        uvloop.run(measure(port, args.requests, args.tokens, args.gap_ms / 1e3))
     finally:
         server.terminate()
         server.wait(timeout=10)
