@@ -115,10 +115,7 @@ async def serve(
         if begun is None:
             state.accounting.disconnect(endpoint)
             return Response(status_code=DISCONNECTED)
-        admitted, turn, started = begun
-        # What `begin` set in its task's context, for the rest of the request's steps too.
-        json_logs.request_id.set(admitted.request_id)
-        cache_salt.set(admitted.worker_requests[0].cache_salt)
+        admitted, turn, started = begun  # (`begin` set the log's request id and the salt)
         turn.first_token()
         headers = _visible_headers(started[0].headers, caller)
         headers["x-request-id"] = admitted.request_id
