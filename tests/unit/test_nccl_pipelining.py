@@ -245,6 +245,9 @@ def test_a_full_inbox_gets_the_pending_slices_delivered_before_the_receiver_wait
         )
     )
     thread.start()
+    # Nothing is sent before both receives are posted: a receive done early is delivered early
+    # (as it should be), which on a busy host took slice 0 in before the second reservation.
+    wait_for(lambda: len(delivered_when_reserving) >= 2, 5.0, "two slices' receives posted")
     for piece in pieces:
         sending.send(piece.data.ready())
     thread.join(10)
