@@ -83,16 +83,22 @@ def test_a_client_gone_before_its_first_token_frees_its_place_and_aborts_its_run
     )
 
 
-def test_a_client_gone_between_two_events_of_a_stream_frees_its_place_at_once(served):
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_gone_after_its_first_token_frees_its_place_at_once_and_aborts_its_run(
+    served, stream
+):
+    """A stream has answered 200 by then (it ends between two events), a whole response answers
+    499; either is counted once as a 499 (a client disconnect)."""
     app, worker = served
     gate = app.state.gate
+    registry = app.state.metrics.registry
 
     async def go():
-        worker.go.set()  # one chunk, then the stream stalls
-        client = FakeHttpClient(
-            app, "/v1/completions", {"prompt": "hi", "max_tokens": 5, "stream": True}
-        )
-        await until(lambda: any(m.get("body") for m in client.sent), "the first event")
+        worker.go.set()  # one chunk, then the stream stalls: a response never whole
+        body = {"prompt": "hi", "max_tokens": 5, "stream": stream}
+        client = FakeHttpClient(app, "/v1/completions", body)
+        first_tokens = "pdserve_time_to_first_token_seconds_count"
+        await until(lambda: registry.get_sample_value(first_tokens) == 1, "its first token")
         assert gate.running == 1
         client.leave()
         await asyncio.wait_for(client.task, WAIT_S)
@@ -100,30 +106,9 @@ def test_a_client_gone_between_two_events_of_a_stream_frees_its_place_at_once(se
         assert worker.aborted == [worker.requests[0].request_id]
         return client.status()
 
-    assert asyncio.run(go()) == 200
-
-
-def test_a_client_gone_while_its_whole_response_is_collected_is_a_499_and_aborts_it(served):
-    app, worker = served
-    gate = app.state.gate
-
-    async def go():
-        worker.go.set()  # one chunk, then the stream stalls: the response is never whole
-        client = FakeHttpClient(app, "/v1/completions", {"prompt": "hi", "max_tokens": 5})
-        await until(lambda: len(worker.requests) == 1, "the request at the worker")
-        registry = app.state.metrics.registry
-        first_tokens = "pdserve_time_to_first_token_seconds_count"
-        await until(lambda: registry.get_sample_value(first_tokens) == 1, "its first token")
-        client.leave()
-        await asyncio.wait_for(client.task, WAIT_S)
-        assert gate.running == 0
-        assert worker.aborted == [worker.requests[0].request_id]
-        return client.status()
-
-    assert asyncio.run(go()) == 499
-    metrics = app.state.metrics.registry
+    assert asyncio.run(go()) == (200 if stream else 499)
     labels = {"endpoint": "completions", "status": "499"}
-    assert metrics.get_sample_value("pdserve_requests_total", labels) == 1
+    assert registry.get_sample_value("pdserve_requests_total", labels) == 1
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/tokenize"])
