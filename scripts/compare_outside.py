@@ -9,7 +9,8 @@ BENCH_SERVE_ARGS go to `vllm bench serve` as they are (default: DEFAULT_BENCH_AR
 requests decoding at once); the script adds the server's URL, the model, its tokenizer and
 where the result goes. Per run it prints vLLM's client's goodput, TTFT, TPOT and ITL medians,
 beside the engines' own mean inter-token latency over the run (pdserve.bench.engine_itl: a gap
-there is in the engine's steps, not in the tokens' delivery) and each kind of process's CPU per
+there is in the engine's steps, not in the tokens' delivery) and each kind of process's CPU and
+context switches (voluntary / involuntary: a front's wake-ups, an engine core's preemptions) per
 completed request (pdserve.bench.process_cpu); then, per system, the medians [min, max] over the
 rounds and of the per-round ratios to vllm's. Writes OUTPUT_DIR/outside.json (every run's
 figures and vLLM's whole result) and each run's logs under OUTPUT_DIR/logs-SYSTEM-ROUND/.
@@ -53,6 +54,7 @@ class Run:
     failed: int
     engine_itl: float | None
     cpu_ms_per_request: dict[str, float]
+    switches_per_request: dict[str, tuple[float, float]]  # (voluntary, involuntary)
 
 
 def main() -> int:
@@ -99,20 +101,24 @@ def main() -> int:
 
 def bench(running, model_dir: Path, bench_args: list[str], log_dir: Path) -> tuple:
     """`vllm bench serve` against the running system: (its result, the engines' mean ITL, the
-    CPU seconds by kind of process) over its run. Its output goes to LOG_DIR/bench-serve.log."""
+    usage by kind of process) over its run. Its output goes to LOG_DIR/bench-serve.log."""
     command = [sys.executable, str(BENCH_SERVE), "--base-url", running.url, "--model", MODEL]
     command += ["--tokenizer", str(model_dir), "--save-result", "--result-dir", str(log_dir)]
     command += ["--result-filename", "bench-serve.json", *bench_args]
     before, itl_before = process_cpu.sample(), engine_itl.totals(running.engine_metrics)
     with open(log_dir / "bench-serve.log", "w") as log:
         subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=True)
-    cpu = process_cpu.spent(before, process_cpu.sample())
+    after = process_cpu.sample()
     itl = engine_itl.mean_between(itl_before, engine_itl.totals(running.engine_metrics))
-    return json.loads((log_dir / "bench-serve.json").read_text()), itl, cpu
+    result = json.loads((log_dir / "bench-serve.json").read_text())
+    return result, itl, process_cpu.spent(before, after), process_cpu.switches(before, after)
 
 
-def result_run(system: str, number: int, result: dict, itl, cpu: dict[str, float]) -> Run:
+def result_run(
+    system: str, number: int, result: dict, itl, cpu: dict[str, float], switches: dict
+) -> Run:
     completed = result.get("completed", 0)
+    per = max(1, completed)
     return Run(
         system=system,
         round=number,
@@ -120,17 +126,19 @@ def result_run(system: str, number: int, result: dict, itl, cpu: dict[str, float
         completed=completed,
         failed=result.get("failed", 0),
         engine_itl=itl,
-        cpu_ms_per_request={k: 1e3 * s / max(1, completed) for k, s in cpu.items()},
+        cpu_ms_per_request={k: 1e3 * s / per for k, s in cpu.items()},
+        switches_per_request={k: (v / per, i / per) for k, (v, i) in switches.items()},
     )
 
 
 def line(run: Run) -> str:
     figures = ", ".join(f"{k} {_number(v)}" for k, v in run.figures.items())
     cpu = ", ".join(f"{k} {v:.1f}" for k, v in run.cpu_ms_per_request.items())
+    switches = ", ".join(f"{k} {v:.0f}/{i:.0f}" for k, (v, i) in run.switches_per_request.items())
     itl = "-" if run.engine_itl is None else f"{1e3 * run.engine_itl:.1f} ms"
     return (
         f"{run.completed} completed, {run.failed} failed; {figures}; engine ITL {itl}; "
-        f"CPU ms/request: {cpu}"
+        f"CPU ms/request: {cpu}; context switches/request (voluntary/involuntary): {switches}"
     )
 
 

@@ -30,21 +30,25 @@ def vllm_result(goodput: float, tpot_ms: float) -> dict:
     }
 
 
-def test_a_run_takes_vllms_figures_and_the_cpu_per_completed_request():
+def test_a_run_takes_vllms_figures_and_the_cpu_and_switches_per_completed_request():
     script = load_script()
-    run = script.result_run("vllm", 0, vllm_result(0.5, 120.0), 0.1, {"engine core": 8.0})
+    switches = {"engine core": (160, 4000)}
+    result = vllm_result(0.5, 120.0)
+    run = script.result_run("vllm", 0, result, 0.1, {"engine core": 8.0}, switches)
     assert run.figures["request_goodput"] == 0.5 and run.figures["median_tpot_ms"] == 120.0
     assert run.cpu_ms_per_request == {"engine core": 100.0}  # 8 s over 80 requests
+    assert run.switches_per_request == {"engine core": (2.0, 50.0)}
     assert "engine ITL 100.0 ms" in script.line(run)
+    assert "engine core 2/50" in script.line(run)
 
 
 def test_the_summary_gives_each_round_its_ratio_to_vllms_and_their_median():
     script = load_script()
     runs = [
-        script.result_run("vllm", 0, vllm_result(0.5, 100.0), 0.1, {"a": 8.0}),
-        script.result_run("colocated", 0, vllm_result(0.4, 110.0), 0.11, {"a": 8.0}),
-        script.result_run("vllm", 1, vllm_result(0.25, 100.0), 0.1, {"a": 8.0}),
-        script.result_run("colocated", 1, vllm_result(0.25, 130.0), 0.12, {"a": 8.0}),
+        script.result_run("vllm", 0, vllm_result(0.5, 100.0), 0.1, {"a": 8.0}, {}),
+        script.result_run("colocated", 0, vllm_result(0.4, 110.0), 0.11, {"a": 8.0}, {}),
+        script.result_run("vllm", 1, vllm_result(0.25, 100.0), 0.1, {"a": 8.0}, {}),
+        script.result_run("colocated", 1, vllm_result(0.25, 130.0), 0.12, {"a": 8.0}, {}),
     ]
     table = script.summary(runs, ["vllm", "colocated"])
     [vllm_row] = [r for r in table.splitlines() if r.startswith("| vllm")]
