@@ -11,6 +11,7 @@ import importlib
 import sys
 
 from pdserve.core.extras import missing_extra
+from pdserve.core.grpc_polling import poll_on_callers_thread
 
 COMMAND_MODULES = {  # sub-command -> the module that registers it
     "model": "pdserve.model_store.command",
@@ -47,6 +48,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    poll_on_callers_thread()  # before any command imports grpc; its children inherit it
     argv = sys.argv[1:] if argv is None else argv
     command = argv[0] if argv and argv[0] in COMMAND_MODULES else None
     try:

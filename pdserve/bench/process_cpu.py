@@ -32,6 +32,7 @@ ROLES = (
     ("pdserve.cli router", "router"),
 )
 
+
 @dataclass(frozen=True)
 class Usage:
     """One process so far: CPU seconds (user and system) and context switches, all its threads."""
