@@ -111,7 +111,7 @@ async def serve(
                 raise
             return admitted, turn, started
 
-        begun = await _unless_client_leaves(request, begin())
+        begun = await _unless_client_leaves(request.receive, begin())
         if begun is None:
             state.accounting.disconnect(endpoint)
             return Response(status_code=DISCONNECTED)
@@ -173,7 +173,7 @@ def _visible_headers(headers: dict, caller: Caller) -> dict:
     return {key: value for key, value in headers.items() if key not in WORKER_HEADERS}
 
 
-async def _unless_client_leaves(request: Request, work):
+async def _unless_client_leaves(receive, work):
     """`work`'s result, or None when the client leaves first (security review M6): the task
     serving the request is cancelled then, so a request waiting in the admission queue leaves
     it, and one whose runs are starting or being collected is aborted on its workers. uvicorn
@@ -190,7 +190,7 @@ async def _unless_client_leaves(request: Request, work):
             left = True
             task.cancel()
 
-    watch = asyncio.ensure_future(_client_left(request))
+    watch = asyncio.ensure_future(_client_left(receive))
     watch.add_done_callback(cancel_work)
     try:
         result = await work
@@ -206,9 +206,9 @@ async def _unless_client_leaves(request: Request, work):
     return result
 
 
-async def _client_left(request: Request) -> None:
+async def _client_left(receive) -> None:
     """Returns when the client disconnects (the body has been read: nothing else comes)."""
-    while (await request.receive())["type"] != "http.disconnect":
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
@@ -227,7 +227,7 @@ async def _whole(
     relay = request.app.state.relay
     try:
         whole = await _unless_client_leaves(
-            request, relay.collect(admitted, started, shape, endpoint)
+            request.receive, relay.collect(admitted, started, shape, endpoint)
         )
     finally:
         turn.give_back()
@@ -249,7 +249,10 @@ class _ReleasingStream(StreamingResponse):
     client left before the first event was read (its generators never started, so their own
     `finally` never runs) or between two events (they stay suspended). Its events are made in
     the request's trace context (a migration's calls join its trace), attached once for the
-    whole response: the task that makes them copies it."""
+    whole response. The events are sent from the serving task, the client's leaving watched as
+    a waiting request's is (`_unless_client_leaves`): Starlette's own streaming ran a task group
+    of two more tasks per stream (the events' and a disconnect listener's) and checked each
+    event's type."""
 
     def __init__(self, content, release, trace_context, **options) -> None:
         super().__init__(content, **options)
@@ -259,10 +262,17 @@ class _ReleasingStream(StreamingResponse):
     async def __call__(self, scope, receive, send) -> None:
         attached = otel_context.attach(self.trace_context)
         try:
-            await super().__call__(scope, receive, send)
+            await _unless_client_leaves(receive, self._send_events(send))
         finally:
             try:
                 await self.body_iterator.aclose()
                 await self.release()
             finally:
                 otel_context.detach(attached)
+
+    async def _send_events(self, send) -> None:
+        start = {"type": "http.response.start", "status": self.status_code}
+        await send({**start, "headers": self.raw_headers})
+        async for event in self.body_iterator:  # SSE lines (str)
+            await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

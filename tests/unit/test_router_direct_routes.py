@@ -79,7 +79,7 @@ def callers(app) -> list[tuple[str, str]]:
 def test_each_event_is_one_call_of_the_servers_send(monkeypatch):
     direct = callers(app_with_workers(monkeypatch))
     stacked = callers(through_fastapi(app_with_workers(monkeypatch)))
-    assert {caller for _, caller in direct} == {"stream_response"}  # the response's own
+    assert {caller for _, caller in direct} == {"_send_events"}  # the response's own
     assert {caller for _, caller in stacked} == {"_send"}  # Starlette's outermost layer
     assert len(direct) == len(stacked) > 3
 
