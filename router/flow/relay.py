@@ -33,7 +33,7 @@ class Relay:
                 if finished == run.choices:
                     return
             try:  # (the first chunk came apart: no generator around both, a hop per token)
-                chunk = await leg.chunks.__anext__()
+                chunk = await anext(leg.chunks)
             except StopAsyncIteration:
                 return
 

@@ -271,8 +271,8 @@ class _ReleasingStream(StreamingResponse):
                 otel_context.detach(attached)
 
     async def _send_events(self, send) -> None:
-        start = {"type": "http.response.start", "status": self.status_code}
-        await send({**start, "headers": self.raw_headers})
+        status, headers = self.status_code, self.raw_headers
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         async for event in self.body_iterator:  # SSE lines (str)
             await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})

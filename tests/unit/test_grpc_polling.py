@@ -57,17 +57,25 @@ ROUND_TRIPS = textwrap.dedent(
 )
 
 
-def wakeups_per_round_trip(mode: str) -> float:
+def last_word(script: str, *args: str, setting: str | None = None) -> str:
+    """The last word `script` prints, run in a new Python with GRPC_EXPERIMENTS `setting` (None:
+    unset)."""
     env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
+    if setting is not None:
+        env["GRPC_EXPERIMENTS"] = setting
     result = subprocess.run(
-        [sys.executable, "-c", ROUND_TRIPS, mode],
+        [sys.executable, "-c", script, *args],
         env=env,
         capture_output=True,
         text=True,
         timeout=60,
         check=True,
     )
-    return float(result.stdout.split()[-1])
+    return result.stdout.split()[-1]
+
+
+def wakeups_per_round_trip(mode: str) -> float:
+    return float(last_word(ROUND_TRIPS, mode))
 
 
 @pytest.mark.parametrize("mode", ["grpc's default", "pdserve"])
@@ -91,15 +99,5 @@ def test_the_command_line_sets_it_for_every_process_it_starts_unless_set():
         print(repr(os.environ.get("GRPC_EXPERIMENTS")))
         """
     )
-    env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
     for given, expected in ((None, "'-event_engine_client,-event_engine_listener'"), ("", "''")):
-        run_env = env if given is None else {**env, "GRPC_EXPERIMENTS": given}
-        result = subprocess.run(
-            [sys.executable, "-c", script],
-            env=run_env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
-        assert result.stdout.split()[-1] == expected, result.stdout
+        assert last_word(script, setting=given) == expected
