@@ -6,14 +6,19 @@ pdserve's bench code, one system at a time, in one table.
         [--output-dir compare] [--systems vllm,colocated,1p1d,1p1d-local,1p1d-disaggregated]
 
 Systems (each started in its own process group, stopped by its PID before the next starts):
-- vllm: `python -m vllm.entrypoints.openai.api_server`, the same model, float32, eager, 1 GiB of
-  KV cache, as many OpenMP threads as a lone pdserve worker gets (every core), no binding;
-- vllm-nixl: vLLM's own P/D, not in the default list: two such servers with vLLM's
+- vllm: `python -m vllm.entrypoints.openai.api_server`, the same model in the dtype a pdserve
+  worker runs here (`--dtype auto`: bfloat16 on a CPU with bfloat16 dot products, float32
+  without), eager, 1 GiB of KV cache, as many OpenMP threads as a lone pdserve worker gets
+  (every core), no binding: the best configuration of vLLM found on this host;
+- vllm-defaults: vLLM as its users start it (`vllm serve MODEL`): its own dtype (bfloat16 for
+  SmolLM2), torch.compile, KV cache size and OpenMP binding (one core kept for its front end);
+- vllm-nixl: vLLM's own P/D: two such servers with vLLM's
   NixlConnector (UCX on CPU; needs `pip install 'pdserve[vllm-nixl]'`), the prefill server's
   compute threads on the first core and the decode server's on the second, as 1p1d's workers,
   behind scripts/vllm_pd_proxy.py (vLLM's toy proxy protocol: prefill with max_tokens 1, then
   decode with the prefill reply's kv_transfer_params);
 - colocated: `pdserve serve --colocated` (one worker that prefills and decodes);
+- colocated-float32: the same with `--dtype float32` (the default before `auto`);
 - colocated-2: `pdserve serve --colocated --workers 2` (two such workers, a core each: data
   parallel on the cores 1P1D splits; its lone request is a colocated worker's on one core);
 - 1p1d: `pdserve serve --prefill 1 --decode 1` with its default routing;
@@ -103,10 +108,13 @@ WORKLOAD_DEFAULTS = {
     "agentic": ("0.1,0.2", PRESETS["agentic"].values["slo"], None),
 }
 """Per workload: --rates, --slo and --output-len when not given (None: the preset's)."""
+VLLM_SYSTEMS = {"vllm": (False, ()), "vllm-defaults": (True, ())}
+"""Plain vLLM servers: (vLLM's own defaults, more options); see the module's docstring."""
 SYSTEMS = {
-    "vllm": None,
+    **dict.fromkeys(VLLM_SYSTEMS),
     "vllm-nixl": None,
     "colocated": (0, 1, ["--colocated"]),
+    "colocated-float32": (0, 1, ["--colocated", "--dtype", "float32"]),
     "colocated-2": (0, 1, ["--colocated", "--workers", "2"]),
     "colocated-no-pool": (0, 1, ["--colocated", "--kv-pool", "off"]),
     "colocated-unbound": (0, 1, ["--colocated", "--cpu-binding", "none"]),
@@ -352,9 +360,17 @@ def serving(
 ) -> Iterator[Running]:
     """Yields the system while `system` runs; stops it (its whole process group) on the way
     out, whatever happened."""
-    if system == "vllm":
+    if system in VLLM_SYSTEMS:
+        defaults, more_args = VLLM_SYSTEMS[system]
         with vllm_server(
-            model_dir, log_dir, ready_timeout_s, MODEL, KV_CACHE_GIB * 2**30, free_port()
+            model_dir,
+            log_dir,
+            ready_timeout_s,
+            MODEL,
+            KV_CACHE_GIB * 2**30,
+            free_port(),
+            more_args=more_args,
+            defaults=defaults,
         ) as url:
             yield Running(url, [f"{url}/metrics"])
         return

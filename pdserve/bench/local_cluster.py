@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.worker.engine_dtype import AUTO, engine_dtype
 from pdserve.worker.processes import ChildError, spawn, stop_group, wait_until
 
 STOP_GRACE_S = 60
@@ -65,11 +66,17 @@ def vllm_server(
     name: str = "vllm",
     more_args: tuple[str, ...] = (),
     more_env: dict[str, str] | None = None,
+    defaults: bool = False,
+    dtype: str = AUTO,
 ) -> Iterator[str]:
     """Plain vLLM (`vllm serve`: its OpenAI server) with a pdserve worker's engine settings and
-    threads: the reference pdserve is compared with. Yields its URL; logs to LOG_DIR/NAME.log.
+    threads (`dtype` as a worker resolves it on this CPU): the reference pdserve is compared
+    with. Yields its URL; logs to LOG_DIR/NAME.log.
     `more_args` and `more_env` add to (or override) its options and environment: vLLM's own P/D
-    in scripts/compare_vllm.py is two such servers with a KV connector, a core each."""
+    in scripts/compare_vllm.py is two such servers with a KV connector, a core each. With
+    `defaults`, vLLM as its users start it instead: the model, its name and the address, every
+    engine setting and thread binding vLLM's own (its dtype, torch.compile, its KV cache size,
+    a core kept for its front end)."""
     command = [
         sys.executable,
         "-m",
@@ -78,32 +85,30 @@ def vllm_server(
         str(model_dir),
         "--served-model-name",
         served_model,
-        "--dtype",
-        "float32",
-        "--enforce-eager",
-        "--seed",
-        "0",
         "--enable-prompt-tokens-details",  # cached tokens in usage, as pdserve's router reports
-        "--kv-cache-memory-bytes",
-        str(kv_cache_bytes),
         "--host",
         "127.0.0.1",
         "--port",
         str(port),
-        *more_args,
     ]
     env = {
         **os.environ,
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        # The model in the engine-core process, as a pdserve worker at TP 1 runs it
-        # (pdserve/worker/engine.py: model_in_the_engine_core).
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CACHE_ROOT": str(log_dir / f"{name}-cache"),
         "VLLM_RPC_BASE_PATH": str(log_dir / f"{name}-rpc"),
-        **(more_env or {}),
     }
+    if not defaults:
+        command += ["--dtype", engine_dtype(dtype, cpu=True), "--enforce-eager", "--seed", "0"]
+        command += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
+        env |= {
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            # The model in the engine-core process, as a pdserve worker at TP 1 runs it
+            # (pdserve/worker/engine.py: model_in_the_engine_core).
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        }
+    command += more_args
+    env |= more_env or {}
     for folder in ("VLLM_CACHE_ROOT", "VLLM_RPC_BASE_PATH"):  # vLLM makes neither itself
         Path(env[folder]).mkdir(parents=True, exist_ok=True)
     log_path, what = log_dir / f"{name}.log", f"vLLM's api_server ({name})"

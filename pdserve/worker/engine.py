@@ -13,6 +13,7 @@ from pdserve.core.kinds import Role
 from pdserve.settings.cluster_secret import SECRET_ENV
 from pdserve.settings.tls import TLS_DIR_ENV
 from pdserve.settings.worker import WorkerSettings
+from pdserve.worker.engine_dtype import engine_dtype
 from pdserve.worker.engine_process import (
     OMP_BIND_ENV,
     START_METHOD_ENV,
@@ -164,7 +165,7 @@ def make_engine(
     prepare_environment(connector is not None, cpu)  # before vLLM starts a thread
     args = AsyncEngineArgs(
         model=model,
-        dtype=engine.dtype,
+        dtype=engine_dtype(engine.dtype, cpu),
         max_model_len=engine.max_model_len,
         kv_cache_memory_bytes=int(engine.kv_cache_gib * GIB),
         enforce_eager=eager,

@@ -190,7 +190,9 @@ def one_cluster_secret():
 
 
 def start_server(log_dir: Path, *args: str, env: dict[str, str] | None = None) -> Server:
-    """`pdserve serve ARGS`, its environment this one's with `env` added."""
+    """`pdserve serve ARGS`, its environment this one's with `env` added. In float32 unless
+    ARGS name a dtype: the answers must equal vLLM's offline engine's, which in bfloat16 depend
+    on what else shares a batch (one of twelve SmolLM2 answers differed, batched or alone)."""
     port = free_port()
     process = spawn(
         [
@@ -202,6 +204,8 @@ def start_server(log_dir: Path, *args: str, env: dict[str, str] | None = None) -
             str(port),
             "--kv-cache-gib",
             KV_CACHE_GIB,
+            "--dtype",
+            "float32",
             "--log-dir",
             str(log_dir),
             *args,
@@ -339,6 +343,7 @@ def vllm_server(smollm2_dir, tmp_path_factory) -> str:
         SERVED_MODEL,
         int(float(KV_CACHE_GIB) * (1 << 30)),
         free_port(),
+        dtype="float32",  # as start_server's clusters
     ) as url:
         yield url
 

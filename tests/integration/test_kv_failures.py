@@ -45,7 +45,7 @@ def fail_policy_decoder(smollm2_dir, tmp_path_factory):
         role="decode",
         port=0,
         kv_failure_policy="fail",
-        engine=EngineSettings(kv_cache_gib=float(KV_CACHE_GIB)),
+        engine=EngineSettings(dtype="float32", kv_cache_gib=float(KV_CACHE_GIB)),
     )
     worker = start_worker(settings, tmp_path_factory.mktemp("fail-decoder"), threads=1)
     try:

@@ -86,7 +86,7 @@ def test_a_dry_run_plans_flex_workers(tmp_path):
         "model": {
             "path": "meta-llama/Llama-3.1-70B-Instruct",
             "preset": "llama-3.1-70b",
-            "dtype": "bfloat16",  # float32, the default, does not fit 80 GB at TP 4
+            "dtype": "bfloat16",  # float32 would not fit 80 GB at TP 4
         },
         "flex": {"replicas": 2, "tensor_parallel_size": 4, "gpu_type": "H100-SXM"},
     }
