@@ -108,8 +108,8 @@ WORKLOAD_DEFAULTS = {
     "agentic": ("0.1,0.2", PRESETS["agentic"].values["slo"], None),
 }
 """Per workload: --rates, --slo and --output-len when not given (None: the preset's)."""
-VLLM_SYSTEMS = {"vllm": (False, ()), "vllm-defaults": (True, ())}
-"""Plain vLLM servers: (vLLM's own defaults, more options); see the module's docstring."""
+VLLM_SYSTEMS = {"vllm": False, "vllm-defaults": True}
+"""Plain vLLM servers: whether vLLM runs on its own defaults (see the module's docstring)."""
 SYSTEMS = {
     **dict.fromkeys(VLLM_SYSTEMS),
     "vllm-nixl": None,
@@ -361,17 +361,7 @@ def serving(
     """Yields the system while `system` runs; stops it (its whole process group) on the way
     out, whatever happened."""
     if system in VLLM_SYSTEMS:
-        defaults, more_args = VLLM_SYSTEMS[system]
-        with vllm_server(
-            model_dir,
-            log_dir,
-            ready_timeout_s,
-            MODEL,
-            KV_CACHE_GIB * 2**30,
-            free_port(),
-            more_args=more_args,
-            defaults=defaults,
-        ) as url:
+        with plain_vllm(model_dir, log_dir, ready_timeout_s, defaults=VLLM_SYSTEMS[system]) as url:
             yield Running(url, [f"{url}/metrics"])
         return
     if system == "vllm-nixl":
@@ -382,6 +372,13 @@ def serving(
     serve_args = ["--kv-cache-gib", str(KV_CACHE_GIB), "--served-model-name", MODEL, *options]
     with local_cluster(prefill, decode, free_port(), log_dir, serve_args, ready_timeout_s) as url:
         yield Running(url, worker_metrics_urls(log_dir))
+
+
+def plain_vllm(model_dir: Path, log_dir: Path, ready_timeout_s: float, **options):
+    """`vllm_server` on this script's model, name and KV cache, on a free port."""
+    return vllm_server(
+        model_dir, log_dir, ready_timeout_s, MODEL, KV_CACHE_GIB * 2**30, free_port(), **options
+    )
 
 
 @contextmanager
@@ -399,13 +396,10 @@ def vllm_disaggregated(
         for name, share in zip(("prefill", "decode"), cores, strict=True):
             env = openmp_binding(core_ids(share))
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())  # one per server
-            server = vllm_server(
+            server = plain_vllm(
                 model_dir,
                 log_dir,
                 ready_timeout_s,
-                MODEL,
-                KV_CACHE_GIB * 2**30,
-                free_port(),
                 name=name,
                 more_args=("--kv-transfer-config", json.dumps(NIXL_KV_CONFIG)),
                 more_env=env,
