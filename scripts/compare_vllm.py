@@ -10,6 +10,8 @@ Systems (each started in its own process group, stopped by its PID before the ne
   worker runs here (`--dtype auto`: bfloat16 on a CPU with bfloat16 dot products, float32
   without), eager, 1 GiB of KV cache, as many OpenMP threads as a lone pdserve worker gets
   (every core), no binding: the best configuration of vLLM found on this host;
+- vllm-bound: vllm with its compute threads pinned to the cores as colocated's are
+  (VLLM_CPU_OMP_THREADS_BIND, `pdserve serve --cpu-binding auto`'s split for one worker);
 - vllm-defaults: vLLM as its users start it (`vllm serve MODEL`): its own dtype (bfloat16 for
   SmolLM2), torch.compile, KV cache size and OpenMP binding (one core kept for its front end);
 - vllm-nixl: vLLM's own P/D: two such servers with vLLM's
@@ -90,7 +92,7 @@ from pdserve.bench.records import RequestRecord
 from pdserve.bench.runner import run as run_benchmark
 from pdserve.bench.runner import warm_up
 from pdserve.bench.workload import BenchRequest, PromptText, load_tokenizer
-from pdserve.cluster.local_workers import core_shares
+from pdserve.cluster.local_workers import OMP_BIND_ENV, core_shares
 from pdserve.model_store.store import ensure_model
 from pdserve.worker.engine_process import core_ids, openmp_binding
 from pdserve.worker.processes import free_port
@@ -108,8 +110,14 @@ WORKLOAD_DEFAULTS = {
     "agentic": ("0.1,0.2", PRESETS["agentic"].values["slo"], None),
 }
 """Per workload: --rates, --slo and --output-len when not given (None: the preset's)."""
-VLLM_SYSTEMS = {"vllm": False, "vllm-defaults": True}
-"""Plain vLLM servers: whether vLLM runs on its own defaults (see the module's docstring)."""
+VLLM_SYSTEMS = {
+    "vllm": {},
+    "vllm-defaults": {"defaults": True},
+    "vllm-bound": {
+        "more_env": {OMP_BIND_ENV: core_shares([1], sorted(os.sched_getaffinity(0)))[0]}
+    },
+}
+"""Plain vLLM servers: vllm_server's options for each (see the module's docstring)."""
 SYSTEMS = {
     **dict.fromkeys(VLLM_SYSTEMS),
     "vllm-nixl": None,
@@ -361,7 +369,7 @@ def serving(
     """Yields the system while `system` runs; stops it (its whole process group) on the way
     out, whatever happened."""
     if system in VLLM_SYSTEMS:
-        with plain_vllm(model_dir, log_dir, ready_timeout_s, defaults=VLLM_SYSTEMS[system]) as url:
+        with plain_vllm(model_dir, log_dir, ready_timeout_s, **VLLM_SYSTEMS[system]) as url:
             yield Running(url, [f"{url}/metrics"])
         return
     if system == "vllm-nixl":
