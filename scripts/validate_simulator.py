@@ -52,6 +52,7 @@ from pdserve.planner.model_spec import MODEL_PRESETS
 from pdserve.planner.search import CalibratedHardware, throughput_bound
 from pdserve.planner.sim_workload import from_bench
 from pdserve.planner.simulator import simulate
+from pdserve.worker.engine_dtype import AUTO, engine_dtype
 from pdserve.worker.processes import free_port
 
 KV_CACHE_GIB = 1
@@ -82,7 +83,7 @@ def main() -> int:
         "--output-json",
         type=Path,
         help="write the cells (layout, rate, slo, predicted, measured, error) here "
-        "(scripts/simulator_validation.json is one such run)",
+        "(scripts/simulator_validation_*.json: one run in each dtype)",
     )
     calibration = parser.add_mutually_exclusive_group()
     calibration.add_argument(
@@ -168,8 +169,9 @@ def measure_calibration(requests: list[BenchRequest], text: PromptText, log_dir:
         shared,
         alone,
         model="smollm2",
-        measured_on=f"{os.cpu_count()} cores: 1 prefill + 1 decode worker, and 1 colocated "
-        "worker alone (pdserve serve), scripts/validate_simulator.py",
+        measured_on=f"{os.cpu_count()} cores, {engine_dtype(AUTO, cpu=True)}: 1 prefill + 1 "
+        "decode worker, and 1 colocated worker alone (pdserve serve), "
+        "scripts/validate_simulator.py",
         workers_per_host=WORKERS_PER_HOST,
         kv_capacity_tokens=KV_CACHE_GIB * 2**30 // per_token,
         block_size=CPU_BLOCK_SIZE,

@@ -10,8 +10,10 @@ What it plans with, in this order:
 - on a host with GPUs and no calibration, their roofline (`--gpu`, a preset): every split of
   them and every set of colocated replicas, with each pool's tensor-parallel size, as `pdserve
   plan --gpus N` searches them;
-- on a CPU host with neither, the reference calibration (`REFERENCE_CALIBRATION`: 2 cores,
-  SmolLM2, measured by scripts/validate_simulator.py), with a line saying so.
+- on a CPU host with neither, the reference calibration of the dtype its workers will run
+  (`REFERENCE_CALIBRATIONS`: 2 cores, SmolLM2, measured by scripts/validate_simulator.py in
+  float32 and in bfloat16, whose steps are far shorter on a CPU with bfloat16 dot products),
+  with a line saying so.
 The load planned for is planner.host_layouts.HOST_WORKLOAD at `--plan-rate`, or, without one,
 each layout at its peak goodput (planner.host_layouts.rank_host_layouts).
 """
@@ -34,9 +36,14 @@ from pdserve.planner.host_layouts import (
 )
 from pdserve.planner.model_spec import MODEL_PRESETS, ModelSpec, load_model_spec
 from pdserve.planner.search import Candidate, RooflineHardware, Scenario, search
+from pdserve.settings.engine import EngineSettings
+from pdserve.worker.engine_dtype import engine_dtype
 
 AUTO = "auto"
-REFERENCE_CALIBRATION = Path(__file__).parents[1] / "planner" / "reference_calibration.json"
+PLANNER = Path(__file__).parents[1] / "planner"
+REFERENCE_CALIBRATIONS = {
+    dtype: PLANNER / f"reference_calibration_{dtype}.json" for dtype in ("float32", "bfloat16")
+}
 # Between the GPUs of one host: NVLink-class (pdserve plan's default, 25 GB/s, is a NIC's).
 GPU_KV_BANDWIDTH_BYTES_PER_S, GPU_KV_LATENCY_S = 100e9, 0.001
 
@@ -131,12 +138,18 @@ def plan_layout(args: argparse.Namespace, model: str, say=print) -> PlannedLayou
     gpus = local_gpus()
     if calibration is None and gpus:
         return _plan_gpus(args, model, gpus, scenario, say)
-    path = calibration or REFERENCE_CALIBRATION
-    if calibration is None:
+    path = calibration
+    if path is None:
+        dtype = engine_dtype(
+            getattr(args, "dtype", EngineSettings.model_fields["dtype"].default), cpu=True
+        )
+        measured_in = dtype if dtype in REFERENCE_CALIBRATIONS else "float32"
+        path = REFERENCE_CALIBRATIONS[measured_in]
         say(
             f"no calibration of this host ({calibration_file()}): planning with the reference "
-            "one; `python scripts/validate_simulator.py --write-calibration "
-            f"{calibration_file()}` measures this host's"
+            f"one measured in {measured_in} (this host's workers: {dtype}); `python "
+            f"scripts/validate_simulator.py --write-calibration {calibration_file()}` measures "
+            "this host's"
         )
     measured = Calibration.load(path)
     say(f"planning with {path}: {measured.model}, {measured.measured_on}")

@@ -10,7 +10,7 @@ import pytest
 from pdserve.bench.metrics import Slo
 from pdserve.cli import main
 from pdserve.cluster import serve_layout
-from pdserve.cluster.serve_layout import REFERENCE_CALIBRATION, PlannedLayout
+from pdserve.cluster.serve_layout import REFERENCE_CALIBRATIONS, PlannedLayout
 from pdserve.planner.calibration import Calibration
 from pdserve.planner.host_layouts import (
     HOST_WORKLOAD,
@@ -60,11 +60,27 @@ def test_this_hosts_calibration_file_is_the_default(no_gpus, capsys):
     assert f"planning with {serve_layout.calibration_file()}" in capsys.readouterr().out
 
 
-def test_without_one_the_reference_calibration_plans_and_says_so(no_gpus, capsys):
-    assert main(["serve", "--layout", "auto", *QUICK]) == 0
+@pytest.mark.parametrize(
+    "dtype, bfloat16_cpu, measured_in",
+    [
+        (None, True, "bfloat16"),  # --dtype's default, auto
+        ("auto", True, "bfloat16"),
+        ("auto", False, "float32"),
+        ("float32", True, "float32"),
+        ("bfloat16", False, "bfloat16"),
+        ("float16", True, "float32"),  # none measured in it: the float32 one, named
+    ],
+)
+def test_without_one_the_reference_calibration_of_the_workers_dtype_plans_and_says_so(
+    no_gpus, monkeypatch, capsys, dtype, bfloat16_cpu, measured_in
+):
+    monkeypatch.setattr("pdserve.worker.engine_dtype.cpu_multiplies_bfloat16", lambda: bfloat16_cpu)
+    given = [] if dtype is None else ["--dtype", dtype]
+    assert main(["serve", "--layout", "auto", *given, *QUICK]) == 0
     out = capsys.readouterr().out
     assert "no calibration of this host" in out and "validate_simulator.py" in out
-    assert f"planning with {REFERENCE_CALIBRATION}" in out
+    assert f"measured in {measured_in} (this host's workers: " in out
+    assert f"planning with {REFERENCE_CALIBRATIONS[measured_in]}" in out
 
 
 @pytest.mark.parametrize(
@@ -115,18 +131,30 @@ def test_the_planned_layout_replaces_the_worker_options():
     ]  # fmt: skip
 
 
-def test_the_reference_calibration_is_a_valid_file():
-    calibration = Calibration.load(REFERENCE_CALIBRATION)
+@pytest.mark.parametrize("dtype", sorted(REFERENCE_CALIBRATIONS))
+def test_each_reference_calibration_is_a_valid_file(dtype):
+    path = REFERENCE_CALIBRATIONS[dtype]
+    calibration = Calibration.load(path)
     assert calibration.workers_per_host == 2 and calibration.model == "smollm2"
-    assert json.loads(REFERENCE_CALIBRATION.read_text())["format"] == "pdserve-calibration/2"
+    assert json.loads(path.read_text())["format"] == "pdserve-calibration/2"
 
 
-def test_with_the_reference_calibration_it_starts_the_measured_winner_for_each_slo():
-    """scripts/simulator_validation.json is one measurement of the three layouts on the host the
-    reference calibration was measured on, at three rates under both SLOs: the layout the plan
-    starts for each SLO is the one whose best measured goodput was highest."""
-    cells = json.loads((ROOT / "scripts" / "simulator_validation.json").read_text())
-    hardware = host_hardware(Calibration.load(REFERENCE_CALIBRATION))
+def test_bfloat16s_reference_has_cheaper_steps():
+    float32, bfloat16 = (
+        Calibration.load(REFERENCE_CALIBRATIONS[d]) for d in ("float32", "bfloat16")
+    )
+    assert bfloat16.alone_decode_base_s < float32.alone_decode_base_s
+    assert bfloat16.alone_prefill_per_token_s < float32.alone_prefill_per_token_s
+
+
+@pytest.mark.parametrize("dtype", sorted(REFERENCE_CALIBRATIONS))
+def test_with_the_reference_calibration_it_starts_the_measured_winner_for_each_slo(dtype):
+    """scripts/simulator_validation_DTYPE.json is one measurement of the three layouts on the
+    host the reference calibration of that dtype was measured on, at three rates under both
+    SLOs: the layout the plan starts for each SLO is the one whose best measured goodput was
+    highest."""
+    cells = json.loads((ROOT / "scripts" / f"simulator_validation_{dtype}.json").read_text())
+    hardware = host_hardware(Calibration.load(REFERENCE_CALIBRATIONS[dtype]))
     for slo in sorted({cell["slo"] for cell in cells}):
         peaks: dict[str, float] = {}
         for cell in (c for c in cells if c["slo"] == slo):
