@@ -92,9 +92,9 @@ from pdserve.bench.records import RequestRecord
 from pdserve.bench.runner import run as run_benchmark
 from pdserve.bench.runner import warm_up
 from pdserve.bench.workload import BenchRequest, PromptText, load_tokenizer
-from pdserve.cluster.local_workers import OMP_BIND_ENV, core_shares
+from pdserve.cluster.local_workers import core_shares
 from pdserve.model_store.store import ensure_model
-from pdserve.worker.engine_process import core_ids, openmp_binding
+from pdserve.worker.engine_process import OMP_BIND_ENV, core_ids, openmp_binding
 from pdserve.worker.processes import free_port
 
 MODEL = "smollm2"

@@ -83,9 +83,6 @@ def start_worker(
     return WorkerProcess(settings.role, settings.host, settings.port, log_path, process)
 
 
-OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM on CPU: its compute threads' cores
-
-
 def core_shares(tensor_parallel_sizes: list[int], cores: list[int]) -> list[str]:
     """`pdserve serve --cpu-binding split`: each worker's share of `cores`, in order, as vLLM's
     VLLM_CPU_OMP_THREADS_BIND reads it ("0,1", or "0,1|2,3" for a worker of two TP ranks: one

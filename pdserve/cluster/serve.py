@@ -20,7 +20,6 @@ from pathlib import Path
 from pdserve.cluster import local_services, serve_layout
 from pdserve.cluster.console import say
 from pdserve.cluster.local_workers import (
-    OMP_BIND_ENV,
     core_shares,
     start_worker,
     stop_workers,
@@ -38,6 +37,7 @@ from pdserve.settings.json_logs import configure_logging
 from pdserve.settings.redis_url import PASSWORD_ENV
 from pdserve.settings.router import RouterSettings
 from pdserve.settings.worker import WorkerSettings
+from pdserve.worker.engine_process import OMP_BIND_ENV
 from pdserve.worker.fork_server import ForkServer
 from pdserve.worker.processes import (
     ChildError,
