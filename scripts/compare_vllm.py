@@ -3,9 +3,10 @@ pdserve's bench code, one system at a time, in one table.
 
     python scripts/compare_vllm.py [--workload mixed|long-prompt|agentic] [--rates 0.5,1,1.5]
         [--num-requests 60] [--repeats 3] [--slo "ttft=2s,tpot=150ms;ttft=1s,tpot=100ms"]
-        [--output-dir compare] [--systems vllm,colocated,1p1d,1p1d-local,1p1d-disaggregated]
+        [--output-dir compare] [--systems vllm,vllm-defaults,colocated,1p1d]
 
-Systems (each started in its own process group, stopped by its PID before the next starts):
+Systems (each started in its own process group, stopped by its PID before the next starts; by
+default vllm, vllm-defaults, colocated and 1p1d, the others when named):
 - vllm: `python -m vllm.entrypoints.openai.api_server`, the same model in the dtype a pdserve
   worker runs here (`--dtype auto`: bfloat16 on a CPU with bfloat16 dot products, float32
   without), eager, 1 GiB of KV cache, as many OpenMP threads as a lone pdserve worker gets
@@ -141,7 +142,9 @@ SYSTEMS = {
 }
 """How `pdserve serve` starts each pdserve system: (prefill, decode, more options); None: a
 vLLM system."""
-DEFAULT_SYSTEMS = [name for name in SYSTEMS if name != "vllm-nixl"]  # it needs an extra
+DEFAULT_SYSTEMS = ["vllm", "vllm-defaults", "colocated", "1p1d"]
+"""The comparison itself: vLLM tuned and as its users start it, pdserve's two layouts here. The
+other systems are variants, for the question each answers, run when named."""
 NIXL_KV_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 PROXY = Path(__file__).resolve().parent / "vllm_pd_proxy.py"
 
@@ -206,7 +209,7 @@ def main() -> int:
         "--systems",
         default=",".join(DEFAULT_SYSTEMS),
         help=f"comma-separated, run in this order (default {','.join(DEFAULT_SYSTEMS)}; "
-        "also: vllm-nixl)",
+        f"also: {', '.join(name for name in SYSTEMS if name not in DEFAULT_SYSTEMS)})",
     )
     parser.add_argument(
         "--output-len",

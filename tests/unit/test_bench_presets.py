@@ -114,3 +114,9 @@ def test_compare_vllm_builds_each_workload_as_bench_does():
     options.workload, options.output_len = "mixed", 64
     load = compare.workload(options, None, seed=3)
     assert len(load.requests) == 5 and {r.max_tokens for r in load.requests} == {64}
+
+
+def test_compare_vllms_default_systems_are_known_and_need_no_extra():
+    compare = load_compare_script()
+    assert set(compare.DEFAULT_SYSTEMS) <= set(compare.SYSTEMS)
+    assert "vllm-nixl" not in compare.DEFAULT_SYSTEMS  # it needs NIXL installed
