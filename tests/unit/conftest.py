@@ -2,6 +2,8 @@
 on one worker process (its module fixtures are made once), and the files that import vLLM (~10 s
 of a core per process), `VLLM_MODULES`, share one, so vLLM is imported once per run."""
 
+import atexit
+import os
 import sys
 
 import pytest
@@ -44,6 +46,19 @@ SLOWEST_FIRST = [
 
 def pytest_xdist_make_scheduler(config, log):
     return ModuleGroups(config, log, lambda module: "vllm" if module in VLLM_MODULES else module)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """A worker process ends here, once its results are sent (xdist sends them in
+    pytest_sessionfinish): its exit handlers run, but not the interpreter's teardown of every
+    module and object (1-3 s of a core with torch, vLLM and gRPC loaded), which came after the
+    last test and which the run waited for."""
+    if hasattr(config, "workerinput"):
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def pytest_collection_finish(session):
