@@ -174,9 +174,9 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.layout == serve_layout.AUTO:
         try:
-            model = getattr(args, "model", EngineSettings.model_fields["model"].default)
             report = print if args.dry_run else say  # a dry run's answer is its output
-            planned = serve_layout.plan_layout(args, model, report)
+            # The model and dtype planned for; made again below, with the layout's TP sizes.
+            planned = serve_layout.plan_layout(args, from_arguments(EngineSettings, args), report)
         except (ValueError, OSError, ModelError) as error:
             print(f"pdserve serve: {error}", file=sys.stderr)
             return 2

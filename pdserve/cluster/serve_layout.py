@@ -124,9 +124,9 @@ class PlannedLayout:
         args.prefill_kv_transports = ""
 
 
-def plan_layout(args: argparse.Namespace, model: str, say=print) -> PlannedLayout:
-    """The layout to start, after printing the ranking. Raises ValueError for what the options
-    or the files got wrong."""
+def plan_layout(args: argparse.Namespace, engine: EngineSettings, say=print) -> PlannedLayout:
+    """The layout to start for `engine`'s model and dtype, after printing the ranking. Raises
+    ValueError for what the options or the files got wrong."""
     if args.slo is None:
         raise ValueError('--layout auto needs --slo, e.g. --slo "ttft=2s,tpot=150ms"')
     if args.colocated or args.flex:
@@ -137,12 +137,10 @@ def plan_layout(args: argparse.Namespace, model: str, say=print) -> PlannedLayou
     calibration = _calibration_file(args)
     gpus = local_gpus()
     if calibration is None and gpus:
-        return _plan_gpus(args, model, gpus, scenario, say)
+        return _plan_gpus(args, engine.model, gpus, scenario, say)
     path = calibration
     if path is None:
-        dtype = engine_dtype(
-            getattr(args, "dtype", EngineSettings.model_fields["dtype"].default), cpu=True
-        )
+        dtype = engine_dtype(engine.dtype, cpu=True)
         measured_in = dtype if dtype in REFERENCE_CALIBRATIONS else "float32"
         path = REFERENCE_CALIBRATIONS[measured_in]
         say(
